@@ -1,0 +1,34 @@
+"""Driver mirroring torch_impl.harness: train every (style, variant) of one pattern for a list
+of configs. One process, all devices.
+
+Pattern modules (``jax_impl/dp.py`` …) provide
+``VARIANTS: tuple[(style, variant), …]`` and
+``train(cfg, problem, style, variant, mesh) -> Trained``; ``mesh_for(cfg, device)`` builds the
+mesh the pattern trains on (its axis names are the pattern's: "dp", "tp", "pp").
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from jax_impl import reference
+from jax_impl.devices import devices
+from shared.config import Config
+from shared.problem import make_problem
+
+
+def run_pattern(
+    pattern: str, cfgs: list[Config], variants: list[tuple[str, str]] | None = None, device: str = "auto"
+) -> list[dict]:
+    """One entry per config: ``{"cfg", "reference": Trained, "runs": [(style, variant, Trained)]}``."""
+    module = importlib.import_module(f"jax_impl.{pattern}")
+    out = []
+    for cfg in cfgs:
+        cfg.check(pattern)
+        problem = make_problem(cfg)
+        ref = reference.train(cfg, problem, devices(1, device)[0])
+        mesh = module.mesh_for(cfg, device)
+        runs = [(style, variant, module.train(cfg, problem, style, variant, mesh))
+                for style, variant in variants or module.VARIANTS]
+        out.append({"cfg": cfg, "reference": ref, "runs": runs})
+    return out

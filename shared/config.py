@@ -1,0 +1,92 @@
+"""The run configuration: one frozen dataclass that validates itself.
+
+``Config(...)`` checks what holds for every pattern (positive sizes, known dtype, AdamW
+hyper-parameters in range); ``cfg.check(pattern)`` adds what one pattern needs (divisibility by
+the world size, micro-batches, ...). Both raise ``ValueError`` with a message that names the
+offending values, so the CLI can print one line and exit 2 before any process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+DTYPES = ("float32", "float64", "bfloat16")
+PATTERNS = ("collectives", "dp", "fsdp", "tp", "pp")
+BYTES_PER_ELEMENT = {"float32": 4, "float64": 8, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Config:
+    world_size: int = 4
+    layers: int = 4
+    dim: int = 32
+    batch: int = 32
+    microbatches: int = 4
+    steps: int = 5
+    seed: int = 0
+    dtype: str = "float64"
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    bucket_mb: float = 25.0  # DDP-style bucket size for the bucketed DP variant
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "layers", "dim", "batch", "microbatches", "steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+
+    @property
+    def bytes_per_element(self) -> int:
+        return BYTES_PER_ELEMENT[self.dtype]
+
+    @property
+    def n_params(self) -> int:
+        """Φ: parameter count of the MLP (L weights of D×D, no biases)."""
+        return self.layers * self.dim * self.dim
+
+    def replace(self, **changes) -> Config:
+        return dataclasses.replace(self, **changes)
+
+    def check(self, pattern: str) -> Config:
+        """Validate what ``pattern`` needs on top of the basic checks; returns self."""
+        n = self.world_size
+        if pattern not in PATTERNS:
+            raise ValueError(f"unknown pattern {pattern!r}; choose from {', '.join(PATTERNS)}")
+        if pattern in ("dp", "fsdp") and self.batch % n:
+            raise ValueError(
+                f"{pattern}: batch={self.batch} is not divisible by world_size={n} "
+                "(every rank takes an equal slice of the global batch)"
+            )
+        if pattern in ("fsdp", "tp") and self.dim % n:
+            raise ValueError(
+                f"{pattern}: dim={self.dim} is not divisible by world_size={n} "
+                "(every weight is split into equal slices)"
+            )
+        if pattern == "pp":
+            if self.layers % n:
+                raise ValueError(
+                    f"pp: layers={self.layers} is not divisible by world_size={n} "
+                    "(every stage holds the same number of layers)"
+                )
+            if self.batch % self.microbatches:
+                raise ValueError(
+                    f"pp: batch={self.batch} is not divisible by microbatches={self.microbatches}"
+                )
+        return self

@@ -1,0 +1,153 @@
+"""Records that every implementation returns, and the parity checks between them.
+
+``Trained`` is what one training run (one framework, style, variant) hands back: losses per
+step, the step-0 gradients and final parameters as full, gathered float64 NumPy arrays in the
+fixture orientation (W_l applied as ``x @ W_l``), step times, the communication ledger of one
+step, and per-rank state bytes. ``RunResult`` is the row that compare.py prints and writes to
+JSON.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shared.tolerances import CROSS_FRAMEWORK_FACTOR, tolerance
+
+
+@dataclass
+class Trained:
+    losses: list[float]  # (steps,): loss before update k, identical on every rank
+    grads0: list[np.ndarray]  # L × (D, D): full step-0 gradients, float64, fixture orientation
+    params: list[np.ndarray]  # L × (D, D): full final parameters, float64, fixture orientation
+    step_times: list[float] = field(default_factory=list)  # wall seconds per step
+    # One steady-state step's communication on the reporting rank, per op:
+    # {"all_reduce": {"count": 3, "bytes": 1536}, ...}; bytes follow nccl-tests' size S.
+    comm: dict[str, dict[str, int]] = field(default_factory=dict)
+    comm_theory: int | None = None  # payload bytes per step per rank from shared.theory
+    state_bytes: dict[str, int] = field(default_factory=dict)  # per rank: params/grads/optimizer
+    extra: dict[str, Any] = field(default_factory=dict)  # pattern-specific (bubble, timeline, …)
+
+
+def comm_bytes(comm: dict[str, dict[str, int]]) -> int:
+    """Payload bytes per step per rank: every op's size S, counting a point-to-point message
+    once (on the sender), so that torch send/recv and JAX collective-permute compare."""
+    return sum(v["bytes"] for op, v in comm.items() if op != "recv")
+
+
+def rel_err(a, b) -> float:
+    """max|a-b| / max|b| over one array (or list of arrays: the max over the list)."""
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return math.inf
+        return max((rel_err(x, y) for x, y in zip(a, b)), default=0.0)
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape:
+        return math.inf
+    if a.size == 0:
+        return 0.0
+    scale = max(float(np.max(np.abs(b))), np.finfo(np.float64).tiny)
+    err = float(np.max(np.abs(a - b))) / scale
+    return err if math.isfinite(err) else math.inf
+
+
+def parity(run: Trained, ref: Trained) -> dict[str, float]:
+    """Relative errors of a run against a reference: losses, step-0 grads, final params."""
+    return {
+        "max_rel_err_loss": rel_err(run.losses, ref.losses),
+        "max_rel_err_grad": rel_err(run.grads0, ref.grads0),
+        "max_rel_err_param": rel_err(run.params, ref.params),
+    }
+
+
+def within(errors: dict[str, float], dtype: str, factor: float = 1.0) -> bool:
+    tol = tolerance(dtype) * factor
+    return all(e <= tol for e in errors.values())
+
+
+def cross_framework_ok(errors: dict[str, float], dtype: str) -> bool:
+    return within(errors, dtype, CROSS_FRAMEWORK_FACTOR)
+
+
+@dataclass
+class RunResult:
+    """One row of compare.py's table and one entry of ``--json``'s ``runs``."""
+
+    pattern: str
+    framework: str  # "torch" | "jax"
+    style: str  # torch: "explicit" | "builtin"; jax: "shard_map" | "jit"
+    variant: str
+    world_size: int
+    dtype: str
+    ok: bool
+    losses: list[float] = field(default_factory=list)
+    max_rel_err_loss: float = 0.0
+    max_rel_err_grad: float = 0.0
+    max_rel_err_param: float = 0.0
+    step_time_s: float | None = None
+    comm: dict[str, dict[str, int]] = field(default_factory=dict)
+    comm_bytes: int = 0
+    comm_bytes_theory: int | None = None
+    state_bytes: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # set when the run raised instead of finishing
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("max_rel_err_loss", "max_rel_err_grad", "max_rel_err_param"):
+            if not math.isfinite(d[k]):
+                d[k] = None  # JSON has no inf
+        return _jsonable(d)
+
+
+def median_step_time(step_times: list[float]) -> float | None:
+    """Median step time, skipping step 0 (warm-up / compilation) when there is more than one."""
+    times = step_times[1:] if len(step_times) > 1 else step_times
+    return float(np.median(times)) if times else None
+
+
+def make_result(
+    pattern: str,
+    framework: str,
+    style: str,
+    variant: str,
+    cfg,
+    run: Trained,
+    ref: Trained,
+) -> RunResult:
+    errors = parity(run, ref)
+    return RunResult(
+        pattern=pattern,
+        framework=framework,
+        style=style,
+        variant=variant,
+        world_size=cfg.world_size,
+        dtype=cfg.dtype,
+        ok=within(errors, cfg.dtype),
+        losses=[float(x) for x in run.losses],
+        step_time_s=median_step_time(run.step_times),
+        comm=run.comm,
+        comm_bytes=comm_bytes(run.comm),
+        comm_bytes_theory=run.comm_theory,
+        state_bytes=run.state_bytes,
+        extra=run.extra,
+        **errors,
+    )
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x

@@ -1,0 +1,1 @@
+"""torch.distributed implementations (gloo on CPU, NCCL on GPUs). Never imports JAX."""

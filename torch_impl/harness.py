@@ -1,0 +1,40 @@
+"""Rank-side driver: train every (style, variant) of one pattern for a list of configs inside
+one launch, so a test module or compare.py pays the process start-up once.
+
+    from torch_impl.launch import launch
+    from torch_impl.harness import run_pattern
+    out = launch(run_pattern, 4, "dp", [cfg64, cfg32])[0]   # rank 0's answer
+
+Pattern modules (``torch_impl/dp.py`` …) provide
+``VARIANTS: tuple[(style, variant), …]`` and
+``train(cfg, problem, style, variant, ctx) -> Trained`` (called on every rank; the returned
+``Trained`` holds full, gathered arrays on rank 0 at least).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from shared.config import Config
+from shared.problem import make_problem
+from torch_impl import reference
+from torch_impl.launch import RankContext
+
+
+def run_pattern(
+    ctx: RankContext, pattern: str, cfgs: list[Config], variants: list[tuple[str, str]] | None = None
+) -> list[dict] | None:
+    """Returns, on rank 0, one entry per config:
+    ``{"cfg": cfg, "reference": Trained, "runs": [(style, variant, Trained), …]}``; None elsewhere."""
+    module = importlib.import_module(f"torch_impl.{pattern}")
+    out = []
+    for cfg in cfgs:
+        cfg.check(pattern)
+        problem = make_problem(cfg)
+        ref = reference.train(cfg, problem, ctx.device) if ctx.rank == 0 else None
+        runs = []
+        for style, variant in variants or module.VARIANTS:
+            trained = module.train(cfg, problem, style, variant, ctx)
+            runs.append((style, variant, trained))
+        out.append({"cfg": cfg, "reference": ref, "runs": runs})
+    return out if ctx.rank == 0 else None

@@ -1,0 +1,241 @@
+"""Run a function on N ranks and hand the per-rank results back to the caller.
+
+    results = launch(fn, world_size, *args)      # results[r] is fn's return value on rank r
+
+``fn(ctx, *args)`` runs on every rank with a ``RankContext`` (rank, world size, device, the
+default process group and a communication ledger). It must be a module-level function (ranks
+are started with the ``spawn`` method, which pickles it by name).
+
+- CPU: N processes, gloo. GPU node: one process per GPU, NCCL, ``torch.cuda.set_device``.
+- Under ``torchrun`` (RANK / WORLD_SIZE / LOCAL_RANK set) this process *is* a rank: it joins
+  that launch instead of spawning, runs ``fn`` once and all-gathers the results, which is also
+  how it goes multi-node.
+- Rendezvous through a TCPStore the parent opens on port 0 (the OS picks a free port: no fixed
+  ports, no race between "find a port" and "bind it").
+- Failure: a rank that raises sends its traceback; a rank that dies is seen by its exit code.
+  Either way every other rank is terminated at once and ``LaunchError`` carries the traceback.
+  Children get SIGKILL if the parent dies (PR_SET_PDEATHSIG), so nothing is orphaned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue as queue_mod
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from torch_impl.ledger import CommLedger
+
+DEFAULT_TIMEOUT_S = 300.0  # whole launch; collectives time out after the same
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str  # "gloo" | "nccl"
+    ledger: CommLedger
+
+    @property
+    def group(self):
+        return dist.group.WORLD
+
+
+class LaunchError(RuntimeError):
+    """A rank raised or died; the message holds its traceback."""
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def resolve_device(device: str, world_size: int) -> str:
+    """'auto' | 'cpu' | 'gpu' -> 'cpu' | 'cuda'; raises ValueError if a GPU run cannot fit."""
+    if device not in ("auto", "cpu", "gpu"):
+        raise ValueError(f"device must be auto, cpu or gpu, got {device!r}")
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cpu":
+        return "cpu"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
+    if device == "gpu":
+        if n_gpu < local:
+            raise ValueError(
+                f"--device gpu needs {local} GPUs on this node for world_size={world_size}, found {n_gpu} "
+                "(NCCL cannot place two ranks on one GPU)"
+            )
+        return "cuda"
+    return "cuda" if n_gpu >= local else "cpu"
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    device: str = "auto",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    kind = resolve_device(device, world_size)
+    if under_torchrun():
+        return _join_torchrun(fn, world_size, args, kind, timeout_s)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    results_q = ctx.Queue()
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, store.port, fn, args, kind, results_q, timeout_s, threads),
+            daemon=True,
+            name=f"rank{rank}",
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world_size:
+            try:
+                rank, status, payload = results_q.get(timeout=0.05)
+            except queue_mod.Empty:
+                for rank, p in enumerate(procs):
+                    if rank not in results and p.exitcode is not None:
+                        # It may have posted just before exiting: drain once more.
+                        time.sleep(0.2)
+                        _drain(results_q, results)
+                        if rank not in results:
+                            raise LaunchError(f"rank {rank} died with {_describe_exit(p.exitcode)}")
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"launch timed out after {timeout_s:.0f}s; ranks done: {sorted(results)}")
+                continue
+            if status == "error":
+                raise LaunchError(_died_first(procs, results) + f"rank {rank} raised:\n{payload}")
+            results[rank] = payload
+    finally:
+        _stop(procs, graceful=len(results) == world_size)
+    return [results[r] for r in range(world_size)]
+
+
+def _drain(q, results: dict[int, Any]) -> None:
+    while True:
+        try:
+            rank, status, payload = q.get_nowait()
+        except queue_mod.Empty:
+            return
+        if status == "error":
+            raise LaunchError(f"rank {rank} raised:\n{payload}")
+        results[rank] = payload
+
+
+def _died_first(procs, results) -> str:
+    """A rank that raised may only be reacting to a peer that died (gloo reports a closed
+    connection): name the dead ranks first, so the message points at the cause."""
+    time.sleep(0.3)
+    dead = [f"rank {r} died with {_describe_exit(p.exitcode)}" for r, p in enumerate(procs)
+            if r not in results and p.exitcode not in (None, 0, 1)]
+    return "".join(d + "\n" for d in dead)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        return f"signal {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def _stop(procs, graceful: bool) -> None:
+    """Join finished ranks briefly; terminate, then kill, whatever is left."""
+    if graceful:
+        end = time.monotonic() + 10.0
+        for p in procs:
+            p.join(timeout=max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=2.0)
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _init(rank: int, world_size: int, local_rank: int, kind: str, timeout_s: float, store=None) -> RankContext:
+    timeout = timedelta(seconds=timeout_s)
+    if kind == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    kwargs = {"backend": backend, "timeout": timeout}
+    if store is not None:
+        kwargs.update(store=store, rank=rank, world_size=world_size)
+    if kind == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(**kwargs)
+    return RankContext(rank, world_size, local_rank, device, backend, CommLedger(world_size))
+
+
+def _rank_main(rank, world_size, port, fn, args, kind, results_q, timeout_s, threads) -> None:
+    _die_with_parent()
+    torch.set_num_threads(threads)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=timeout_s))
+        ctx = _init(rank, world_size, rank, kind, timeout_s, store=store)
+        result = fn(ctx, *args)
+        results_q.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results_q.put((rank, "error", traceback.format_exc()))
+        results_q.close()
+        results_q.join_thread()
+        os._exit(1)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - teardown after success is best-effort
+        pass
+
+
+def _join_torchrun(fn, world_size, args, kind, timeout_s) -> list[Any]:
+    env_world = int(os.environ["WORLD_SIZE"])
+    if env_world != world_size:
+        raise ValueError(f"torchrun started {env_world} ranks but world_size={world_size} was asked for")
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    if not dist.is_initialized():
+        ctx = _init(rank, env_world, local_rank, kind, timeout_s)
+    else:
+        device = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
+        ctx = RankContext(rank, env_world, local_rank, device, dist.get_backend(), CommLedger(env_world))
+    try:
+        result = fn(ctx, *args)
+    except BaseException:
+        # torchrun's agent tears the other ranks down when this one exits non-zero.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    gathered: list[Any] = [None] * env_world
+    dist.all_gather_object(gathered, result)
+    return gathered

@@ -1,0 +1,115 @@
+"""Communication ledger for torch: every collective and point-to-point call a rank makes.
+
+A ``TorchDispatchMode`` sees each c10d op as it is dispatched — ``dist.*`` calls
+(``c10d.allreduce_``, ``c10d.send``, …), the ones DDP / FSDP2 issue from C++, and the
+functional collectives DTensor uses (``_c10d_functional.*``). Unlike ``CommDebugMode`` it also
+counts ``send`` / ``recv`` (including ``batch_isend_irecv``).
+
+Bytes follow nccl-tests' size S per call: all-reduce / broadcast / reduce: the buffer;
+all-gather / gather: the gathered output; reduce-scatter / scatter: the full input;
+all-to-all: the buffer; send / recv: the message.
+
+    ledger = CommLedger(world_size)
+    with ledger.recording():          # resets, then records until the block ends
+        train_step()
+    ledger.summary()                  # {"all_reduce": {"count": 4, "bytes": 8192}, ...}
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+# op name -> (ledger label, size S from (args, world size))
+_C10D = {
+    "allreduce_": ("all_reduce", lambda a, n: _nbytes(a[0])),
+    "allreduce_coalesced_": ("all_reduce", lambda a, n: _nbytes(a[0])),
+    "broadcast_": ("broadcast", lambda a, n: _nbytes(a[0])),
+    "reduce_": ("reduce", lambda a, n: _nbytes(a[0])),
+    "allgather_": ("all_gather", lambda a, n: _nbytes(a[0])),
+    "_allgather_base_": ("all_gather", lambda a, n: _nbytes(a[0])),
+    "allgather_into_tensor_coalesced_": ("all_gather", lambda a, n: _nbytes(a[0])),
+    "allgather_coalesced_": ("all_gather", lambda a, n: _nbytes(a[0])),
+    "reduce_scatter_": ("reduce_scatter", lambda a, n: _nbytes(a[1])),
+    "_reduce_scatter_base_": ("reduce_scatter", lambda a, n: _nbytes(a[1])),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", lambda a, n: _nbytes(a[1])),
+    "gather_": ("gather", lambda a, n: _nbytes(a[1]) * n),
+    "scatter_": ("scatter", lambda a, n: _nbytes(a[0]) * n),
+    "alltoall_base_": ("all_to_all", lambda a, n: _nbytes(a[1])),
+    "alltoall_": ("all_to_all", lambda a, n: _nbytes(a[1])),
+    "send": ("send", lambda a, n: _nbytes(a[0])),
+    "recv_": ("recv", lambda a, n: _nbytes(a[0])),
+    "recv_any_source_": ("recv", lambda a, n: _nbytes(a[0])),
+    "barrier": ("barrier", lambda a, n: 0),
+    "monitored_barrier_": ("barrier", lambda a, n: 0),
+}
+_FUNCTIONAL = {
+    "all_reduce": ("all_reduce", lambda a, n: _nbytes(a[0])),
+    "all_reduce_": ("all_reduce", lambda a, n: _nbytes(a[0])),
+    "all_reduce_coalesced": ("all_reduce", lambda a, n: _nbytes(a[0])),
+    "all_gather_into_tensor": ("all_gather", lambda a, n: _nbytes(a[0]) * a[1]),
+    "all_gather_into_tensor_out": ("all_gather", lambda a, n: _nbytes(a[0]) * a[1]),
+    "all_gather_into_tensor_coalesced": ("all_gather", lambda a, n: _nbytes(a[0]) * a[1]),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda a, n: _nbytes(a[0])),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", lambda a, n: _nbytes(a[0])),
+    "all_to_all_single": ("all_to_all", lambda a, n: _nbytes(a[0])),
+    "broadcast": ("broadcast", lambda a, n: _nbytes(a[0])),
+}
+_TABLES = {"c10d": _C10D, "_c10d_functional": _FUNCTIONAL}
+
+
+class CommLedger:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._ops: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+        self.active = False
+
+    def record(self, op: str, nbytes: int) -> None:
+        """Add one call by hand (for communication no dispatch mode can see)."""
+        entry = self._ops[op]
+        entry["count"] += 1
+        entry["bytes"] += int(nbytes)
+
+    def reset(self) -> None:
+        self._ops.clear()
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        return {op: dict(v) for op, v in sorted(self._ops.items())}
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Reset, then record every c10d op dispatched inside the block."""
+        self.reset()
+        self.active = True
+        try:
+            with _LedgerMode(self):
+                yield self
+        finally:
+            self.active = False
+
+
+class _LedgerMode(TorchDispatchMode):
+    def __init__(self, ledger: CommLedger):
+        super().__init__()
+        self.ledger = ledger
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        table = _TABLES.get(func.namespace)
+        if table is not None:
+            entry = table.get(func._overloadpacket.__name__)
+            if entry is not None:
+                label, size = entry
+                self.ledger.record(label, size(args, self.ledger.world_size))
+        return func(*args, **(kwargs or {}))

@@ -1,0 +1,51 @@
+"""Single-device reference: the shared MLP trained with AdamW on one device.
+
+Every parallel implementation is checked against this run (same fixture, same steps).
+"""
+
+from __future__ import annotations
+
+import time
+
+from shared.config import Config
+from shared.problem import Problem
+from shared.results import Trained
+from torch_impl.model import (
+    build_model,
+    fixture_grads,
+    fixture_weights,
+    inputs,
+    loss_fn,
+    make_optimizer,
+    optimizer_state_bytes,
+    tensor_bytes,
+)
+
+
+def train(cfg: Config, problem: Problem, device="cpu") -> Trained:
+    model = build_model(cfg, problem, device)
+    opt = make_optimizer(model.parameters(), cfg)
+    x = inputs(cfg, problem, device)  # (B, D)
+    losses, step_times, grads0 = [], [], None
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x))
+        loss.backward()
+        if step == 0:
+            grads0 = fixture_grads(model)
+        opt.step()
+        losses.append(loss.item())  # .item() syncs, so the step time is real on GPU too
+        step_times.append(time.perf_counter() - t0)
+    params = list(model.parameters())
+    return Trained(
+        losses=losses,
+        grads0=grads0,
+        params=fixture_weights(model),
+        step_times=step_times,
+        state_bytes={
+            "params": tensor_bytes(params),
+            "grads": tensor_bytes(params),
+            "optimizer": optimizer_state_bytes(opt),
+        },
+    )
