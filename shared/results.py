@@ -94,12 +94,16 @@ class RunResult:
     comm_bytes_theory: int | None = None
     state_bytes: dict[str, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    # Against the OTHER framework's single-device reference (same fixture): max relative error
+    # over losses, step-0 grads and final params, and whether it is within tolerance.
+    xfw_max_rel_err: float | None = None
+    xfw_ok: bool | None = None
     error: str | None = None  # set when the run raised instead of finishing
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("max_rel_err_loss", "max_rel_err_grad", "max_rel_err_param"):
-            if not math.isfinite(d[k]):
+        for k in ("max_rel_err_loss", "max_rel_err_grad", "max_rel_err_param", "xfw_max_rel_err"):
+            if d[k] is not None and not math.isfinite(d[k]):
                 d[k] = None  # JSON has no inf
         return _jsonable(d)
 
@@ -118,8 +122,10 @@ def make_result(
     cfg,
     run: Trained,
     ref: Trained,
+    other_ref: Trained | None = None,
 ) -> RunResult:
     errors = parity(run, ref)
+    xfw = parity(run, other_ref) if other_ref is not None else None
     return RunResult(
         pattern=pattern,
         framework=framework,
@@ -135,6 +141,8 @@ def make_result(
         comm_bytes_theory=run.comm_theory,
         state_bytes=run.state_bytes,
         extra=run.extra,
+        xfw_max_rel_err=max(xfw.values()) if xfw else None,
+        xfw_ok=cross_framework_ok(xfw, cfg.dtype) if xfw else None,
         **errors,
     )
 

@@ -38,3 +38,22 @@ def run_pattern(
             runs.append((style, variant, trained))
         out.append({"cfg": cfg, "reference": ref, "runs": runs})
     return out if ctx.rank == 0 else None
+
+
+def run_collectives(ctx: RankContext) -> list[dict]:
+    """Every collective checked on this rank (all ranks return their own list)."""
+    from torch_impl import collectives
+
+    return collectives.check_all(ctx)
+
+
+def run_jobs(ctx: RankContext, jobs: list[tuple[str, list[Config]]]) -> dict[str, object]:
+    """Several patterns in one launch (compare.py): {pattern: run_pattern's or
+    run_collectives' answer}. Collectives answer on every rank, patterns on rank 0."""
+    out: dict[str, object] = {}
+    for pattern, cfgs in jobs:
+        if pattern == "collectives":
+            out[pattern] = run_collectives(ctx)
+        else:
+            out[pattern] = run_pattern(ctx, pattern, cfgs)
+    return out

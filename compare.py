@@ -1,0 +1,368 @@
+"""compare.py: run every pattern in torch and JAX, check parity, print one table.
+
+    python compare.py                                   # everything, CPU, world size 4 simulated
+    python compare.py --patterns dp,fsdp --dtype float32 --json out.json
+    python compare.py bench --frameworks torch,jax      # nccl-tests-style bandwidth sweep
+    torchrun --nproc_per_node=8 compare.py --frameworks torch --world-size 8   # join a torchrun launch
+
+Exit status: 0 when everything agrees, 1 when a parity check (or a run) fails, 2 for bad
+arguments or a bad config (one line on stderr, before any process starts).
+
+JAX is imported only after the simulated-device flag is set (and only if asked for), and torch
+ranks never import JAX: they are spawned fresh and re-import this file as ``__mp_main__``, whose
+top level does nothing but import the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+PATTERNS = ("collectives", "dp", "fsdp", "tp", "pp")
+FRAMEWORKS = ("torch", "jax")
+
+
+class ArgumentError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one clear line, exit 2 (argparse prints usage + error otherwise)
+        raise ArgumentError(message)
+
+
+def _csv(choices):
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices)}")
+        return items
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="compare.py", description="Run every parallelism pattern in torch and JAX and check parity.")
+    p.add_argument("--patterns", type=_csv(PATTERNS), default=list(PATTERNS), help="comma list (default: all)")
+    p.add_argument("--frameworks", type=_csv(FRAMEWORKS), default=list(FRAMEWORKS))
+    p.add_argument("--world-size", type=int, default=None, help="ranks / devices (default 4; torchrun's WORLD_SIZE)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float64")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size of the bucketed DP variant")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    p.add_argument("--json", metavar="PATH", help="write {'runs': [...], 'cross_framework': [...]} here")
+    p.add_argument("--markdown", metavar="PATH", help="write the table as Markdown here")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    return p
+
+
+def build_bench_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="compare.py bench", description="nccl-tests-style bandwidth sweep of the collectives.")
+    p.add_argument("--frameworks", type=_csv(FRAMEWORKS), default=list(FRAMEWORKS))
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--ops", type=_csv(("all_reduce", "all_gather", "reduce_scatter", "all_to_all")),
+                   default=["all_reduce", "all_gather", "reduce_scatter", "all_to_all"])
+    p.add_argument("--min-bytes", type=int, default=4 * 1024)
+    p.add_argument("--max-bytes", type=int, default=16 * 1024 * 1024)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    p.add_argument("--json", metavar="PATH")
+    return p
+
+
+def make_config(args):
+    """The run's Config, checked for every requested pattern (ValueError on a bad one)."""
+    from shared.config import Config
+
+    world = args.world_size
+    if world is None:
+        world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else 4
+    cfg = Config(world_size=world, layers=args.layers, dim=args.dim, batch=args.batch,
+                 microbatches=args.microbatches, steps=args.steps, seed=args.seed, dtype=args.dtype,
+                 lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb)
+    for pattern in args.patterns:
+        cfg.check(pattern)
+    return cfg
+
+
+# --- running --------------------------------------------------------------------------------
+
+
+def run_torch(cfg, patterns, device):
+    from torch_impl.harness import run_jobs
+    from torch_impl.launch import launch
+
+    per_rank = launch(run_jobs, cfg.world_size, [(p, [cfg]) for p in patterns], device=device)
+    return per_rank
+
+
+def run_jax(cfg, patterns, device):
+    from jax_impl import harness
+    from jax_impl.devices import make_mesh
+
+    out = {}
+    for pattern in patterns:
+        if pattern == "collectives":
+            from jax_impl import collectives
+
+            out[pattern] = collectives.check_all(make_mesh(cfg.world_size, "x", device))
+        else:
+            out[pattern] = harness.run_pattern(pattern, [cfg], device=device)
+    return out
+
+
+def collective_rows(framework, cfg, per_rank_checks):
+    """Merge every rank's collective checks into one row per collective (ok on all ranks)."""
+    from shared.results import RunResult, comm_bytes
+
+    style = "explicit" if framework == "torch" else "shard_map"
+    rows = []
+    for i, first in enumerate(per_rank_checks[0]):
+        checks = [rank_checks[i] for rank_checks in per_rank_checks]
+        rows.append(RunResult(
+            pattern="collectives", framework=framework, style=first.get("style", style),
+            variant=first["variant"], world_size=cfg.world_size, dtype=first.get("dtype", cfg.dtype),
+            ok=all(c["ok"] for c in checks), comm=first.get("comm", {}),
+            comm_bytes=comm_bytes(first.get("comm", {})), comm_bytes_theory=first.get("expected_bytes"),
+            extra={"max_abs_err": max(float(c.get("max_abs_err", 0.0)) for c in checks)},
+        ))
+    return rows
+
+
+def pattern_rows(pattern, framework, entry, other_ref):
+    from shared.results import make_result
+
+    return [make_result(pattern, framework, style, variant, entry["cfg"], trained, entry["reference"], other_ref)
+            for style, variant, trained in entry["runs"]]
+
+
+def collect(cfg, patterns, frameworks, device, progress):
+    """Run everything; returns (rows, cross-framework reference comparisons, errors)."""
+    from shared.results import cross_framework_ok, parity
+
+    raw, errors = {}, []
+    for fw in frameworks:
+        progress(f"{fw}: {', '.join(patterns)} at world size {cfg.world_size}")
+        try:
+            if fw == "torch":
+                per_rank = run_torch(cfg, patterns, device)
+                raw[fw] = {p: ([r[p] for r in per_rank] if p == "collectives" else per_rank[0][p][0])
+                           for p in patterns}
+            else:
+                res = run_jax(cfg, patterns, device)
+                raw[fw] = {p: (res[p] if p == "collectives" else res[p][0]) for p in patterns}
+        except Exception as exc:  # noqa: BLE001 - reported as a failed framework, exit 1
+            errors.append(f"{fw}: {type(exc).__name__}: {exc}")
+            if os.environ.get("PARALLEL_TWINS_DEBUG"):
+                traceback.print_exc()
+    rows, xfw = [], []
+    for pattern in patterns:
+        for fw in frameworks:
+            if fw not in raw:
+                continue
+            data = raw[fw][pattern]
+            if pattern == "collectives":
+                checks = data if fw == "torch" else [data]
+                rows += collective_rows(fw, cfg, checks)
+                continue
+            other = next((o for o in frameworks if o != fw and o in raw), None)
+            other_ref = raw[other][pattern]["reference"] if other else None
+            rows += pattern_rows(pattern, fw, data, other_ref)
+        if pattern != "collectives" and all(fw in raw for fw in FRAMEWORKS) and set(FRAMEWORKS) <= set(frameworks):
+            errs = parity(raw["torch"][pattern]["reference"], raw["jax"][pattern]["reference"])
+            xfw.append({"pattern": pattern, "what": "torch reference vs jax reference", **errs,
+                        "ok": cross_framework_ok(errs, cfg.dtype)})
+    return rows, xfw, errors
+
+
+# --- reporting ------------------------------------------------------------------------------
+
+
+def _fmt_bytes(n) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _fmt_err(x) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+TABLE_COLUMNS = ("pattern", "framework", "style", "variant", "ok", "rel err loss", "rel err grad",
+                 "vs other fw", "step ms", "comm/step", "theory", "state/rank")
+
+
+def table_rows(rows):
+    out = []
+    for r in rows:
+        is_coll = r.pattern == "collectives"
+        out.append((
+            r.pattern, r.framework, r.style, r.variant,
+            ("ok" if r.ok and r.xfw_ok is not False else "FAIL") if not r.error else "ERROR",
+            "-" if is_coll else _fmt_err(r.max_rel_err_loss),
+            "-" if is_coll else _fmt_err(max(r.max_rel_err_grad, r.max_rel_err_param)),
+            _fmt_err(r.xfw_max_rel_err),
+            "-" if r.step_time_s is None else f"{1e3 * r.step_time_s:.2f}",
+            _fmt_bytes(r.comm_bytes),
+            _fmt_bytes(r.comm_bytes_theory),
+            "-" if not r.state_bytes else _fmt_bytes(sum(r.state_bytes.values())),
+        ))
+    return out
+
+
+def print_table(rows, cfg, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"parallel-twins: world size {cfg.world_size}, {cfg.dtype}, L={cfg.layers} "
+                        f"D={cfg.dim} B={cfg.batch} M={cfg.microbatches}, {cfg.steps} steps")
+    for col in TABLE_COLUMNS:
+        table.add_column(col, justify="right" if col not in ("pattern", "framework", "style", "variant") else "left")
+    for r in table_rows(rows):
+        table.add_row(*r, style=None if r[4] == "ok" else "bold red")
+    console.print(table)
+
+
+def markdown_table(rows) -> str:
+    lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+    lines += ["| " + " | ".join(r) + " |" for r in table_rows(rows)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        return bench_main(argv[1:])
+    try:
+        args = build_parser().parse_args(argv)
+        cfg = make_config(args)
+    except (ArgumentError, ValueError) as exc:
+        print(f"compare.py: error: {exc}", file=sys.stderr)
+        return 2
+
+    from shared.env import simulate_host_devices
+
+    simulate_host_devices(cfg.world_size)
+    from rich.console import Console
+
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    console = Console(stderr=False, quiet=not rank0)
+    t0 = time.perf_counter()
+    if args.quiet or not rank0:
+        rows, xfw, errors = collect(cfg, args.patterns, args.frameworks, args.device, lambda msg: None)
+    else:
+        with console.status("starting…") as status:
+            rows, xfw, errors = collect(cfg, args.patterns, args.frameworks, args.device,
+                                        lambda msg: status.update(f"running {msg}"))
+    elapsed = time.perf_counter() - t0
+    if not rank0:
+        return 0 if not errors and all(r.ok for r in rows) else 1
+
+    print_table(rows, cfg, console)
+    for x in xfw:
+        console.print(f"cross-framework {x['pattern']}: torch vs jax reference, max rel err "
+                      f"{max(x['max_rel_err_loss'], x['max_rel_err_grad'], x['max_rel_err_param']):.1e} "
+                      f"({'ok' if x['ok'] else 'FAIL'})")
+    for e in errors:
+        console.print(f"[bold red]error[/] {e}")
+    failed = [r for r in rows if not r.ok or r.xfw_ok is False]
+    ok = not errors and not failed and all(x["ok"] for x in xfw)
+    verdict = (f"verdict: all {len(rows)} runs agree with their single-device reference"
+               f"{' and across frameworks' if len(args.frameworks) > 1 else ''} ({elapsed:.0f} s)"
+               if ok else f"verdict: {len(failed)} of {len(rows)} runs failed parity, {len(errors)} errors")
+    console.print(verdict, style="bold green" if ok else "bold red")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(cfg), "runs": [r.to_json() for r in rows],
+                       "cross_framework": xfw, "errors": errors, "ok": ok, "seconds": elapsed}, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown_table(rows))
+    return 0 if ok else 1
+
+
+def bench_main(argv) -> int:
+    try:
+        args = build_bench_parser().parse_args(argv)
+        if args.world_size < 2:
+            raise ValueError(f"bench needs world_size >= 2, got {args.world_size}")
+        if not 0 < args.min_bytes <= args.max_bytes:
+            raise ValueError(f"need 0 < --min-bytes <= --max-bytes, got {args.min_bytes}, {args.max_bytes}")
+        if args.iters < 1 or args.warmup < 0:
+            raise ValueError("--iters must be >= 1 and --warmup >= 0")
+    except (ArgumentError, ValueError) as exc:
+        print(f"compare.py bench: error: {exc}", file=sys.stderr)
+        return 2
+    from shared.env import simulate_host_devices
+
+    simulate_host_devices(args.world_size)
+    from rich.console import Console
+    from rich.table import Table
+
+    from shared.theory import fit_alpha_beta
+
+    sizes, s = [], args.min_bytes
+    while s <= args.max_bytes:
+        sizes.append(s)
+        s *= 4
+    results = []
+    for fw in args.frameworks:
+        if fw == "torch":
+            from torch_impl.launch import launch
+
+            results += launch(_torch_bench, args.world_size, tuple(args.ops), tuple(sizes),
+                              args.iters, args.warmup, device=args.device)[0]
+        else:
+            from jax_impl.collectives import bench
+            from jax_impl.devices import make_mesh
+
+            results += [dict(r, framework="jax") for r in
+                        bench(make_mesh(args.world_size, "x", args.device), tuple(args.ops), tuple(sizes),
+                              args.iters, args.warmup)]
+    console = Console()
+    table = Table(title=f"collective bandwidth, world size {args.world_size} (median of {args.iters})")
+    for col in ("framework", "op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):
+        table.add_column(col, justify="left" if col in ("framework", "op") else "right")
+    for r in results:
+        table.add_row(r["framework"], r["op"], _fmt_bytes(r["size_bytes"]), f"{1e6 * r['time_s']:.1f}",
+                      f"{r['algbw'] / 1e9:.3f}", f"{r['busbw'] / 1e9:.3f}")
+    console.print(table)
+    fits = []
+    for fw in args.frameworks:
+        for op in args.ops:
+            pts = [r for r in results if r["framework"] == fw and r["op"] == op]
+            if len(pts) >= 2:
+                alpha, beta = fit_alpha_beta([r["size_bytes"] for r in pts], [r["time_s"] for r in pts])
+                fits.append({"framework": fw, "op": op, "alpha_s": alpha, "beta_bytes_per_s": beta})
+                console.print(f"{fw:5s} {op:15s} t = α + n/β:  α = {1e6 * alpha:8.1f} us,  β = {beta / 1e9:7.3f} GB/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"world_size": args.world_size, "results": results, "fits": fits}, f, indent=1)
+    return 0
+
+
+def _torch_bench(ctx, ops, sizes, iters, warmup):
+    from torch_impl.collectives import bench
+
+    return [dict(r, framework="torch") for r in bench(ctx, ops, sizes, iters, warmup)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Config validation: every bad value is refused with a message naming it."""
+
+import pytest
+
+from shared.config import Config
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"world_size": 0}, "world_size must be a positive integer"),
+        ({"layers": -1}, "layers must be a positive integer"),
+        ({"dim": 2.5}, "dim must be a positive integer"),
+        ({"batch": True}, "batch must be a positive integer"),
+        ({"steps": 0}, "steps must be a positive integer"),
+        ({"dtype": "float16"}, "dtype must be one of float32, float64, bfloat16, got 'float16'"),
+        ({"lr": 0.0}, "lr must be > 0"),
+        ({"beta2": 1.0}, "beta2 must be in [0, 1)"),
+        ({"eps": 0.0}, "eps must be > 0"),
+        ({"weight_decay": -0.1}, "weight_decay must be >= 0"),
+        ({"bucket_mb": 0}, "bucket_mb must be > 0"),
+    ],
+)
+def test_bad_values_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        Config(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern, message",
+    [
+        ({"world_size": 3, "batch": 16}, "dp", "dp: batch=16 is not divisible by world_size=3"),
+        ({"world_size": 3, "dim": 16, "batch": 12}, "fsdp", "fsdp: dim=16 is not divisible by world_size=3"),
+        ({"world_size": 4, "dim": 18}, "tp", "tp: dim=18 is not divisible by world_size=4"),
+        ({"world_size": 3, "layers": 4}, "pp", "pp: layers=4 is not divisible by world_size=3"),
+        ({"world_size": 2, "layers": 4, "batch": 10, "microbatches": 4}, "pp",
+         "pp: batch=10 is not divisible by microbatches=4"),
+        ({}, "moe", "unknown pattern 'moe'"),
+    ],
+)
+def test_pattern_checks(kwargs, pattern, message):
+    with pytest.raises(ValueError, match=message):
+        Config(**kwargs).check(pattern)
+
+
+def test_valid_config_passes_every_pattern():
+    cfg = Config()
+    for pattern in ("collectives", "dp", "fsdp", "tp", "pp"):
+        assert cfg.check(pattern) is cfg
+    assert cfg.n_params == cfg.layers * cfg.dim**2
+
+
+def test_frozen():
+    with pytest.raises(AttributeError):
+        Config().dim = 8  # type: ignore[misc]

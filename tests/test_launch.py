@@ -1,0 +1,67 @@
+"""The torch launcher: results come back per rank; a failing rank ends everything quickly."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torch_impl.launch import LaunchError, launch
+
+
+def _sum_ranks(ctx, scale):
+    x = torch.tensor([float(ctx.rank)])
+    with ctx.ledger.recording():
+        dist.all_reduce(x)
+    return {"rank": ctx.rank, "value": x.item() * scale, "comm": ctx.ledger.summary(), "pid": os.getpid()}
+
+
+def _raise_on_rank_1(ctx):
+    if ctx.rank == 1:
+        raise RuntimeError("deliberate failure on rank 1")
+    dist.barrier()  # the other ranks would wait here forever without the launcher's teardown
+
+
+def _die_on_last_rank(ctx):
+    if ctx.rank == ctx.world_size - 1:
+        os._exit(7)
+    dist.barrier()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_results_per_rank_and_ledger():
+    out = launch(_sum_ranks, 3, 10.0)
+    assert [r["rank"] for r in out] == [0, 1, 2]
+    assert all(r["value"] == 30.0 for r in out)  # (0+1+2) * 10
+    assert all(r["comm"] == {"all_reduce": {"count": 1, "bytes": 4}} for r in out)
+    time.sleep(0.5)
+    assert not any(_alive(r["pid"]) for r in out)  # no rank outlives the launch
+
+
+def test_a_raising_rank_ends_the_launch_with_its_traceback():
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match="(?s)rank 1 raised.*deliberate failure on rank 1"):
+        launch(_raise_on_rank_1, 3, timeout_s=120)
+    assert time.monotonic() - t0 < 30  # seconds, not the 120 s collective timeout
+
+
+def test_a_dying_rank_ends_the_launch():
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match="rank 2 died with exit code 7"):
+        launch(_die_on_last_rank, 3, timeout_s=120)
+    assert time.monotonic() - t0 < 30
+
+
+def test_gpu_request_without_gpus_is_refused_before_start():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ValueError, match="--device gpu needs 2 GPUs"):
+        launch(_sum_ranks, 2, 1.0, device="gpu")
