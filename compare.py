@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument("--json", metavar="PATH", help="write {'runs': [...], 'cross_framework': [...]} here")
     p.add_argument("--markdown", metavar="PATH", help="write the table as Markdown here")
+    p.add_argument("--show-collectives", metavar="PATTERN", choices=PATTERNS[1:],
+                   help="print, side by side, the collectives one step issues in each style of PATTERN")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     return p
 
@@ -93,6 +95,11 @@ def make_config(args):
     cfg = Config(world_size=world, layers=args.layers, dim=args.dim, batch=args.batch,
                  microbatches=args.microbatches, steps=args.steps, seed=args.seed, dtype=args.dtype,
                  lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb)
+    if args.show_collectives:
+        args.patterns = [args.show_collectives]
+    if "RANK" in os.environ and "jax" in args.frameworks and len(args.frameworks) > 1:
+        raise ValueError("under torchrun every rank runs this script: use --frameworks torch "
+                         "(run the JAX side once, without torchrun)")
     for pattern in args.patterns:
         cfg.check(pattern)
     return cfg
@@ -246,6 +253,39 @@ def markdown_table(rows) -> str:
     return "\n".join(lines) + "\n"
 
 
+def collectives_table(rows, pattern, console) -> None:
+    """The SPMD-vs-explicit contrast: what one training step communicates in each style."""
+    from rich.table import Table
+
+    rows = [r for r in rows if r.pattern == pattern]
+    ops = sorted({op for r in rows for op in r.comm})
+    table = Table(title=f"collectives of one {pattern} step, per rank (count × / payload bytes)")
+    for col in ("framework", "style", "variant", *ops, "total", "theory", "matches"):
+        table.add_column(col, justify="left" if col in ("framework", "style", "variant") else "right")
+    for r in rows:
+        cells = [f"{r.comm[op]['count']}× {_fmt_bytes(r.comm[op]['bytes'])}" if op in r.comm else "" for op in ops]
+        match = "-" if r.comm_bytes_theory is None else ("yes" if r.comm_bytes == r.comm_bytes_theory else "NO")
+        table.add_row(r.framework, r.style, r.variant, *cells, _fmt_bytes(r.comm_bytes),
+                      _fmt_bytes(r.comm_bytes_theory), match)
+    console.print(table)
+    # Where XLA's choice (jit) differs from the hand-written shard_map step of the same variant, say so.
+    by_key = {(r.framework, r.style, r.variant): r for r in rows}
+    for r in rows:
+        if r.framework == "jax" and r.style == "jit":
+            twin = by_key.get(("jax", "shard_map", r.variant))
+            if twin and _counts(twin.comm) != _counts(r.comm):
+                console.print(f"[yellow]{r.variant}[/]: XLA (jit) issued {_describe(r.comm)}; "
+                              f"the shard_map step issues {_describe(twin.comm)}")
+
+
+def _counts(comm) -> dict[str, int]:
+    return {op: v["count"] for op, v in comm.items()}
+
+
+def _describe(comm) -> str:
+    return ", ".join(f"{v['count']}× {op}" for op, v in comm.items()) or "nothing"
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
@@ -275,7 +315,10 @@ def main(argv=None) -> int:
     if not rank0:
         return 0 if not errors and all(r.ok for r in rows) else 1
 
-    print_table(rows, cfg, console)
+    if args.show_collectives:
+        collectives_table(rows, args.show_collectives, console)
+    else:
+        print_table(rows, cfg, console)
     for x in xfw:
         console.print(f"cross-framework {x['pattern']}: torch vs jax reference, max rel err "
                       f"{max(x['max_rel_err_loss'], x['max_rel_err_grad'], x['max_rel_err_param']):.1e} "
