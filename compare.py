@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="compare.py", description="Run every parallelism pattern in torch and JAX and check parity.")
     p.add_argument("--patterns", type=_csv(PATTERNS), default=list(PATTERNS), help="comma list (default: all)")
     p.add_argument("--frameworks", type=_csv(FRAMEWORKS), default=list(FRAMEWORKS))
-    p.add_argument("--world-size", type=int, default=None, help="ranks / devices (default 4; torchrun's WORLD_SIZE)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks / devices (default: torchrun's WORLD_SIZE, else the local GPU count, else 4)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--batch", type=int, default=32)
@@ -85,13 +86,23 @@ def build_bench_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_world_size(device: str) -> int:
+    """torchrun's WORLD_SIZE; else one rank per local GPU (NCCL); else 4 simulated CPU ranks."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if device != "cpu":
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return torch.cuda.device_count()
+    return 4
+
+
 def make_config(args):
     """The run's Config, checked for every requested pattern (ValueError on a bad one)."""
     from shared.config import Config
 
-    world = args.world_size
-    if world is None:
-        world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else 4
+    world = args.world_size if args.world_size is not None else default_world_size(args.device)
     cfg = Config(world_size=world, layers=args.layers, dim=args.dim, batch=args.batch,
                  microbatches=args.microbatches, steps=args.steps, seed=args.seed, dtype=args.dtype,
                  lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb)
