@@ -7,9 +7,8 @@ coordinator address / process count / process id), then ``jax.devices()`` spans 
 
 from __future__ import annotations
 
-import numpy as np
-
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 

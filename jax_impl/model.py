@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-import optax
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 from flax import nnx
 
 from shared.config import Config

@@ -26,9 +26,10 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -120,9 +121,9 @@ def launch(
                         time.sleep(0.2)
                         _drain(results_q, results)
                         if rank not in results:
-                            raise LaunchError(f"rank {rank} died with {_describe_exit(p.exitcode)}")
+                            raise LaunchError(f"rank {rank} died with {_describe_exit(p.exitcode)}") from None
                 if time.monotonic() > deadline:
-                    raise LaunchError(f"launch timed out after {timeout_s:.0f}s; ranks done: {sorted(results)}")
+                    raise LaunchError(f"launch timed out after {timeout_s:.0f}s; done: {sorted(results)}") from None
                 continue
             if status == "error":
                 raise LaunchError(_died_first(procs, results) + f"rank {rank} raised:\n{payload}")

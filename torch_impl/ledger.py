@@ -32,6 +32,14 @@ def _nbytes(x) -> int:
     return 0
 
 
+def _group_size(group, default: int) -> int:
+    """Size of the process group an op runs on (a subgroup may be smaller than the world)."""
+    try:
+        return int(group.size())
+    except (AttributeError, RuntimeError, TypeError):
+        return default
+
+
 # op name -> (ledger label, size S from (args, world size))
 _C10D = {
     "allreduce_": ("all_reduce", lambda a, n: _nbytes(a[0])),
@@ -45,8 +53,8 @@ _C10D = {
     "reduce_scatter_": ("reduce_scatter", lambda a, n: _nbytes(a[1])),
     "_reduce_scatter_base_": ("reduce_scatter", lambda a, n: _nbytes(a[1])),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", lambda a, n: _nbytes(a[1])),
-    "gather_": ("gather", lambda a, n: _nbytes(a[1]) * n),
-    "scatter_": ("scatter", lambda a, n: _nbytes(a[0]) * n),
+    "gather_": ("gather", lambda a, n: _nbytes(a[1]) * _group_size(a[2], n)),
+    "scatter_": ("scatter", lambda a, n: _nbytes(a[0]) * _group_size(a[2], n)),
     "alltoall_base_": ("all_to_all", lambda a, n: _nbytes(a[1])),
     "alltoall_": ("all_to_all", lambda a, n: _nbytes(a[1])),
     "send": ("send", lambda a, n: _nbytes(a[0])),
