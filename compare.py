@@ -314,7 +314,8 @@ def main(argv=None) -> int:
     from rich.console import Console
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    console = Console(stderr=False, quiet=not rank0)
+    # Piped output (CI logs, `| tee`) would wrap the table at 80 columns: give it room.
+    console = Console(quiet=not rank0, width=None if sys.stdout.isatty() else 170)
     t0 = time.perf_counter()
     if args.quiet or not rank0:
         rows, xfw, errors = collect(cfg, args.patterns, args.frameworks, args.device, lambda msg: None)
@@ -338,7 +339,7 @@ def main(argv=None) -> int:
         console.print(f"[bold red]error[/] {e}")
     failed = [r for r in rows if not r.ok or r.xfw_ok is False]
     ok = not errors and not failed and all(x["ok"] for x in xfw)
-    verdict = (f"verdict: all {len(rows)} runs agree with their single-device reference"
+    verdict = (f"verdict: all {len(rows)} runs agree with their reference"
                f"{' and across frameworks' if len(args.frameworks) > 1 else ''} ({elapsed:.0f} s)"
                if ok else f"verdict: {len(failed)} of {len(rows)} runs failed parity, {len(errors)} errors")
     console.print(verdict, style="bold green" if ok else "bold red")
@@ -390,7 +391,7 @@ def bench_main(argv) -> int:
             results += [dict(r, framework="jax") for r in
                         bench(make_mesh(args.world_size, "x", args.device), tuple(args.ops), tuple(sizes),
                               args.iters, args.warmup)]
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 170)
     table = Table(title=f"collective bandwidth, world size {args.world_size} (median of {args.iters})")
     for col in ("framework", "op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):
         table.add_column(col, justify="left" if col in ("framework", "op") else "right")
