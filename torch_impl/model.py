@@ -78,8 +78,14 @@ def fixture_grads(model: MLP) -> list[np.ndarray]:
     return [to_numpy(b.linear.weight.grad).T.copy() for b in model.layers]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (DTensor.numel() is the global size); plain tensors as is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes this rank holds for ``tensors`` (local shards of DTensors)."""
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
 
 
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -88,5 +94,5 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
     for state in opt.state.values():
         for v in state.values():
             if isinstance(v, torch.Tensor) and v.dim() > 0:
-                total += v.numel() * v.element_size()
+                total += _local(v).numel() * _local(v).element_size()
     return total
