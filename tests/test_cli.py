@@ -1,7 +1,11 @@
 """compare.py's command line: bad input is refused with one line and exit 2, before anything runs."""
 
+import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,3 +47,71 @@ def test_bad_config_from_a_real_shell_prints_no_traceback():
     assert proc.stderr.strip() == "compare.py: error: fsdp: dim=30 is not divisible by world_size=4 " \
         "(every weight is split into equal slices)"
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc; Linux)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_same_seed_same_losses_bit_for_bit(tmp_path):
+    runs = []
+    for i in range(2):
+        path = tmp_path / f"run{i}.json"
+        proc = subprocess.run(
+            [sys.executable, "compare.py", "--patterns", "tp", "--world-size", "2", "--steps", "3",
+             "--dim", "8", "--batch", "8", "--json", str(path), "--quiet"],
+            cwd=ROOT, capture_output=True, text=True, timeout=240,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        runs.append({(r["framework"], r["style"], r["variant"]): r["losses"]
+                     for r in json.loads(path.read_text())["runs"]})
+    assert runs[0] == runs[1]  # exact float equality, not a tolerance
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_killing_a_worker_ends_the_whole_job_quickly():
+    proc = subprocess.Popen(
+        [sys.executable, "compare.py", "--patterns", "tp", "--frameworks", "torch", "--world-size", "2",
+         "--steps", "100000", "--dim", "8", "--batch", "8", "--quiet"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        ranks = []
+        while time.monotonic() < deadline and len(ranks) < 2:
+            # ranks are the spawned python children (the resource tracker is one more child)
+            ranks = [p for p in _children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()
+                     and "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
+            time.sleep(0.2)
+        assert len(ranks) == 2, "ranks never started"
+        time.sleep(3.0)  # let them get into training
+        os.kill(ranks[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        assert time.monotonic() - t0 < 20, "the job did not end within seconds"
+        assert proc.returncode != 0
+        assert "rank 1 died with signal SIGKILL" in out, out[-2000:]
+        time.sleep(0.5)
+        assert not any(_alive(p) for p in ranks), "a rank outlived the job"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
