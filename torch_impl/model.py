@@ -52,7 +52,8 @@ def build_model(cfg: Config, problem: Problem, device="cpu") -> MLP:
 
 
 def inputs(cfg: Config, problem: Problem, device="cpu") -> torch.Tensor:
-    return torch.from_numpy(problem.inputs).to(device=device, dtype=torch_dtype(cfg))  # (B, D)
+    # torch.tensor copies: the fixture's NumPy array is never aliased (an in-place op would change it).
+    return torch.tensor(problem.inputs, device=device, dtype=torch_dtype(cfg))  # (B, D)
 
 
 def loss_fn(out: torch.Tensor) -> torch.Tensor:
