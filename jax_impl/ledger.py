@@ -7,6 +7,9 @@ call, like torch_impl.ledger: all-reduce: the buffer; all-gather: the gathered o
 reduce-scatter: the full input (output × group size); all-to-all: the buffer;
 collective-permute: the message.
 
+bfloat16 on CPU: XLA:CPU runs bf16 collectives in f32, so the ledger shows 4 bytes per element
+where theory (and torch) count 2; GPU keeps bf16 on the wire.
+
 The count is static: an op inside a while-loop body (``lax.scan`` / ``fori_loop``) is counted
 once, so steps whose ledger matters unroll their loops in Python.
 """

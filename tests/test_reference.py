@@ -1,9 +1,9 @@
 """The single-device references: torch vs JAX vs an independent NumPy float64 backprop."""
 
 import numpy as np
+import numpy_reference
 import pytest
 
-import numpy_reference
 from jax_impl import reference as jax_reference
 from shared.config import Config
 from shared.problem import make_problem
