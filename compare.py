@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument("--json", metavar="PATH", help="write {'runs': [...], 'cross_framework': [...]} here")
     p.add_argument("--markdown", metavar="PATH", help="write the table as Markdown here")
+    p.add_argument("--plots", metavar="DIR", help="write PNGs: loss curves, bus bandwidth, pipeline timeline, memory")
     p.add_argument("--show-collectives", metavar="PATTERN", choices=PATTERNS[1:],
                    help="print, side by side, the collectives one step issues in each style of PATTERN")
     p.add_argument("--quiet", action="store_true", help="no progress display")
@@ -168,7 +169,8 @@ def pattern_rows(pattern, framework, entry, other_ref):
 
 
 def collect(cfg, patterns, frameworks, device, progress):
-    """Run everything; returns (rows, cross-framework reference comparisons, errors)."""
+    """Run everything; returns (rows, cross-framework reference comparisons, errors,
+    {(pattern, framework): reference losses})."""
     from shared.results import cross_framework_ok, parity
 
     raw, errors = {}, []
@@ -186,7 +188,7 @@ def collect(cfg, patterns, frameworks, device, progress):
             errors.append(f"{fw}: {type(exc).__name__}: {exc}")
             if os.environ.get("PARALLEL_TWINS_DEBUG"):
                 traceback.print_exc()
-    rows, xfw = [], []
+    rows, xfw, refs = [], [], {}
     for pattern in patterns:
         for fw in frameworks:
             if fw not in raw:
@@ -196,6 +198,7 @@ def collect(cfg, patterns, frameworks, device, progress):
                 checks = data if fw == "torch" else [data]
                 rows += collective_rows(fw, cfg, checks)
                 continue
+            refs[pattern, fw] = list(data["reference"].losses)
             other = next((o for o in frameworks if o != fw and o in raw), None)
             other_ref = raw[other][pattern]["reference"] if other else None
             rows += pattern_rows(pattern, fw, data, other_ref)
@@ -203,7 +206,7 @@ def collect(cfg, patterns, frameworks, device, progress):
             errs = parity(raw["torch"][pattern]["reference"], raw["jax"][pattern]["reference"])
             xfw.append({"pattern": pattern, "what": "torch reference vs jax reference", **errs,
                         "ok": cross_framework_ok(errs, cfg.dtype)})
-    return rows, xfw, errors
+    return rows, xfw, errors, refs
 
 
 # --- reporting ------------------------------------------------------------------------------
@@ -318,10 +321,10 @@ def main(argv=None) -> int:
     console = Console(quiet=not rank0, width=None if sys.stdout.isatty() else 170)
     t0 = time.perf_counter()
     if args.quiet or not rank0:
-        rows, xfw, errors = collect(cfg, args.patterns, args.frameworks, args.device, lambda msg: None)
+        rows, xfw, errors, refs = collect(cfg, args.patterns, args.frameworks, args.device, lambda msg: None)
     else:
         with console.status("starting…") as status:
-            rows, xfw, errors = collect(cfg, args.patterns, args.frameworks, args.device,
+            rows, xfw, errors, refs = collect(cfg, args.patterns, args.frameworks, args.device,
                                         lambda msg: status.update(f"running {msg}"))
     elapsed = time.perf_counter() - t0
     if not rank0:
@@ -350,7 +353,41 @@ def main(argv=None) -> int:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(markdown_table(rows))
+    if args.plots:
+        for path in write_plots(args.plots, rows, refs, cfg, args):
+            console.print(f"wrote {path}")
     return 0 if ok else 1
+
+
+def write_plots(directory, rows, refs, cfg, args) -> list[str]:
+    """The pictures: loss curves, per-rank memory, pipeline timelines, bus bandwidth."""
+    import plots
+
+    os.makedirs(directory, exist_ok=True)
+    runs = [r.to_json() for r in rows]
+    written = []
+
+    def out(name):
+        written.append(os.path.join(directory, name))
+        return written[-1]
+
+    if any(r["pattern"] != "collectives" for r in runs):
+        plots.plot_loss_curves(runs, refs, out("loss_curves.png"))
+    if any(r.get("state_bytes") for r in runs):
+        plots.plot_memory(runs, out("memory.png"))
+    for r in runs:
+        if r["extra"].get("timeline"):
+            plots.plot_pipeline_timeline(
+                r["extra"]["timeline"], out(f"pp_{r['framework']}_{r['style']}_{r['variant']}_timeline.png"),
+                f"{r['framework']} {r['style']}/{r['variant']}: {cfg.world_size} stages, "
+                f"M={cfg.microbatches} (bubble measured {r['extra'].get('bubble_measured', float('nan')):.2f}, "
+                f"theory {r['extra'].get('bubble_theory', float('nan')):.2f})")
+    if cfg.world_size >= 2:  # a short sweep: 4 KiB … 4 MiB
+        sizes = [4096 * 4**k for k in range(6)]
+        bench = run_bench(args.frameworks, cfg.world_size, ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"),
+                          sizes, iters=5, warmup=2, device=args.device)
+        plots.plot_bus_bandwidth(bench, out("bus_bandwidth.png"))
+    return written
 
 
 def bench_main(argv) -> int:
@@ -377,20 +414,7 @@ def bench_main(argv) -> int:
     while s <= args.max_bytes:
         sizes.append(s)
         s *= 4
-    results = []
-    for fw in args.frameworks:
-        if fw == "torch":
-            from torch_impl.launch import launch
-
-            results += launch(_torch_bench, args.world_size, tuple(args.ops), tuple(sizes),
-                              args.iters, args.warmup, device=args.device)[0]
-        else:
-            from jax_impl.collectives import bench
-            from jax_impl.devices import make_mesh
-
-            results += [dict(r, framework="jax") for r in
-                        bench(make_mesh(args.world_size, "x", args.device), tuple(args.ops), tuple(sizes),
-                              args.iters, args.warmup)]
+    results = run_bench(args.frameworks, args.world_size, args.ops, sizes, args.iters, args.warmup, args.device)
     console = Console(width=None if sys.stdout.isatty() else 170)
     table = Table(title=f"collective bandwidth, world size {args.world_size} (median of {args.iters})")
     for col in ("framework", "op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):
@@ -411,6 +435,23 @@ def bench_main(argv) -> int:
         with open(args.json, "w") as f:
             json.dump({"world_size": args.world_size, "results": results, "fits": fits}, f, indent=1)
     return 0
+
+
+def run_bench(frameworks, world_size, ops, sizes, iters, warmup, device) -> list[dict]:
+    """The nccl-tests-style sweep in each framework: dicts {framework, op, size_bytes, time_s, algbw, busbw}."""
+    results = []
+    for fw in frameworks:
+        if fw == "torch":
+            from torch_impl.launch import launch
+
+            results += launch(_torch_bench, world_size, tuple(ops), tuple(sizes), iters, warmup, device=device)[0]
+        else:
+            from jax_impl.collectives import bench
+            from jax_impl.devices import make_mesh
+
+            results += [dict(r, framework="jax") for r in
+                        bench(make_mesh(world_size, "x", device), tuple(ops), tuple(sizes), iters, warmup)]
+    return results
 
 
 def _torch_bench(ctx, ops, sizes, iters, warmup):
