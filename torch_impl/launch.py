@@ -20,6 +20,7 @@ are started with the ``spawn`` method, which pickles it by name).
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import queue as queue_mod
 import signal
@@ -209,15 +210,21 @@ def _rank_main(rank, world_size, port, fn, args, kind, results_q, timeout_s, thr
         ctx = _init(rank, world_size, rank, kind, timeout_s, store=store)
         result = fn(ctx, *args)
         results_q.put((rank, "ok", result))
+        status = 0
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results_q.put((rank, "error", traceback.format_exc()))
-        results_q.close()
-        results_q.join_thread()
-        os._exit(1)
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - teardown after success is best-effort
-        pass
+        status = 1
+    results_q.close()
+    results_q.join_thread()  # the answer is in the pipe before this process goes
+    if status == 0:
+        gc.collect()  # free pipeline schedules / DDP reducers still holding the process group
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - teardown after success is best-effort
+            pass
+    # Skip interpreter teardown: C++ threads of a process group left in reference cycles can abort
+    # ("terminate called without an active exception") while Python finalises.
+    os._exit(status)
 
 
 def _join_torchrun(fn, world_size, args, kind, timeout_s) -> list[Any]:

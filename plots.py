@@ -1,0 +1,131 @@
+"""Figures for the docs (matplotlib, Agg backend: no display needed).
+
+    plot_pipeline_timeline(trained.extra["timeline"], "plots/pp_1f1b.png", "1F1B, 4 stages, M=8")
+    plot_loss_curves(runs, references, "plots/loss_curves.png")     # compare.py --plots DIR
+    plot_bus_bandwidth(bench_results, "plots/bus_bandwidth.png")
+    plot_memory(runs, "plots/memory.png")
+"""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+_COLOURS = {"F": "#4C72B0", "B": "#DD8452"}
+
+
+def plot_pipeline_timeline(timeline: list[dict], path: str, title: str) -> None:
+    """Stages × time: one row per stage (stage 0 on top), a box per forward (F, blue) and
+    backward (B, orange) of each micro-batch, labelled "F3" / "B3" (or "3" in narrow boxes); the hatched grey behind
+    the boxes is idle time (the bubble). ``timeline``: dicts {"stage", "kind", "mb", "start",
+    "end"} in seconds since the step began (torch_impl.pp's extra["timeline"])."""
+    if not timeline:
+        raise ValueError("empty timeline")
+    stages = max(e["stage"] for e in timeline) + 1
+    span = max(e["end"] for e in timeline)
+    scale, unit = (1e3, "ms") if span < 10 else (1.0, "s")
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.35 * len(timeline) / stages + 6), 0.7 * stages + 1.6))
+    for s in range(stages):
+        ax.broken_barh([(0, span * scale)], (s - 0.4, 0.8), facecolors="#EEEEEE", hatch="///",
+                       edgecolor="#BBBBBB", linewidth=0)
+        busy = sum(e["end"] - e["start"] for e in timeline if e["stage"] == s)
+        ax.text(span * scale * 1.01, s, f"busy {busy / span:.0%}", va="center", fontsize=8)
+    ax.set_xlim(0, span * scale * 1.1)
+    px_per_unit = ax.get_window_extent().width / (span * scale * 1.1)
+    for e in timeline:
+        x0, width = e["start"] * scale, (e["end"] - e["start"]) * scale
+        ax.broken_barh([(x0, width)], (e["stage"] - 0.4, 0.8), facecolors=_COLOURS[e["kind"]],
+                       edgecolor="white", linewidth=0.6)
+        # "F3" where it fits, else just the micro-batch index (the colour says F or B)
+        for label in (f"{e['kind']}{e['mb']}", str(e["mb"])):
+            if width * px_per_unit > 6.5 * len(label) + 2:
+                ax.text(x0 + width / 2, e["stage"], label, ha="center", va="center", fontsize=7, color="white")
+                break
+    ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
+    ax.set_ylim(stages - 0.5, -0.5)  # stage 0 on top
+    ax.set_xlabel(f"time since step start ({unit})")
+    ax.set_title(title, loc="left")
+    ax.legend(handles=[Patch(color=_COLOURS["F"], label="forward"), Patch(color=_COLOURS["B"], label="backward"),
+                       Patch(facecolor="#EEEEEE", hatch="///", edgecolor="#BBBBBB", label="idle")],
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+_FW_STYLE = {"torch": "-", "jax": "--"}
+
+
+def plot_loss_curves(runs: list[dict], references: dict, path: str) -> None:
+    """Per pattern: every implementation's loss per step (torch solid, JAX dashed) — they lie on
+    top of each other — and, beside it, each one's relative distance from the torch single-device
+    reference per step on a log scale, which is where they differ (1e-16 float64, 1e-7 float32).
+    ``runs``: RunResult.to_json() dicts; ``references``: {(pattern, framework): losses}."""
+    patterns = [p for p in dict.fromkeys(r["pattern"] for r in runs) if p != "collectives"]
+    if not patterns:
+        raise ValueError("no training runs to plot")
+    fig, axes = plt.subplots(len(patterns), 2, figsize=(12, 3.0 * len(patterns)), squeeze=False)
+    for (ax_loss, ax_err), pattern in zip(axes, patterns):
+        ref = references.get((pattern, "torch")) or references.get((pattern, "jax"))
+        for r in (r for r in runs if r["pattern"] == pattern):
+            label = f"{r['framework']} {r['style']}/{r['variant']}"
+            steps = range(len(r["losses"]))
+            ax_loss.plot(steps, r["losses"], _FW_STYLE[r["framework"]], marker=".", label=label, alpha=0.8)
+            if ref:
+                dev = [max(abs(a - b) / abs(b), 1e-18) for a, b in zip(r["losses"], ref)]
+                ax_err.semilogy(steps, dev, _FW_STYLE[r["framework"]], marker=".", label=label, alpha=0.8)
+        ax_loss.set_title(f"{pattern}: loss per step", loc="left")
+        ax_loss.set_xlabel("step")
+        ax_err.set_title(f"{pattern}: |loss − torch reference| / loss", loc="left")
+        ax_err.set_xlabel("step")
+        ax_err.legend(fontsize=7, ncol=2, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_bus_bandwidth(results: list[dict], path: str) -> None:
+    """nccl-tests-style busbw against message size, one panel per collective, both frameworks.
+    ``results``: dicts {framework, op, size_bytes, busbw} from the collectives' bench()."""
+    ops = list(dict.fromkeys(r["op"] for r in results))
+    if not ops:
+        raise ValueError("no bench results to plot")
+    fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.4), squeeze=False, sharey=True)
+    for ax, op in zip(axes[0], ops):
+        for fw in dict.fromkeys(r["framework"] for r in results):
+            pts = sorted((r["size_bytes"], r["busbw"]) for r in results if r["op"] == op and r["framework"] == fw)
+            if pts:
+                ax.loglog([p[0] for p in pts], [p[1] / 1e9 for p in pts], _FW_STYLE.get(fw, "-"), marker="o", label=fw)
+        ax.set_title(op, loc="left")
+        ax.set_xlabel("message size S (bytes)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("busbw (GB/s)")
+    axes[0][0].legend(frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_memory(runs: list[dict], path: str) -> None:
+    """Per-rank bytes of parameters, gradients and optimizer state for every strategy (stacked),
+    the picture behind the ZeRO paper's table (DP 16Φ … ZeRO-3 16Φ/N in fp32)."""
+    rows = [r for r in runs if r.get("state_bytes")]
+    if not rows:
+        raise ValueError("no state bytes to plot")
+    labels = [f"{r['pattern']} {r['framework'][0]}:{r['style']}/{r['variant']}" for r in rows]
+    bottom = [0.0] * len(rows)
+    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(rows)), 4.5))
+    for part, colour in (("params", "#4C72B0"), ("grads", "#DD8452"), ("optimizer", "#55A868")):
+        vals = [r["state_bytes"].get(part, 0) / 1024 for r in rows]
+        ax.bar(range(len(rows)), vals, bottom=bottom, color=colour, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(range(len(rows)), labels, rotation=70, ha="right", fontsize=7)
+    ax.set_ylabel("KiB per rank")
+    ax.set_title("per-rank training state by strategy", loc="left")
+    ax.legend(frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
