@@ -274,11 +274,12 @@ def collectives_table(rows, pattern, console) -> None:
     rows = [r for r in rows if r.pattern == pattern]
     ops = sorted({op for r in rows for op in r.comm})
     table = Table(title=f"collectives of one {pattern} step, per rank (count × / payload bytes)")
-    for col in ("framework", "style", "variant", *ops, "total", "theory", "matches"):
+    for col in ("framework", "style", "variant", *ops, "total", "theory", "vs theory"):
         table.add_column(col, justify="left" if col in ("framework", "style", "variant") else "right")
     for r in rows:
         cells = [f"{r.comm[op]['count']}× {_fmt_bytes(r.comm[op]['bytes'])}" if op in r.comm else "" for op in ops]
-        match = "-" if r.comm_bytes_theory is None else ("yes" if r.comm_bytes == r.comm_bytes_theory else "NO")
+        diff = None if r.comm_bytes_theory is None else r.comm_bytes - r.comm_bytes_theory
+        match = "-" if diff is None else "yes" if diff == 0 else f"{'+' if diff > 0 else '−'}{_fmt_bytes(abs(diff))}"
         table.add_row(r.framework, r.style, r.variant, *cells, _fmt_bytes(r.comm_bytes),
                       _fmt_bytes(r.comm_bytes_theory), match)
     console.print(table)

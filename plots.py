@@ -50,7 +50,7 @@ def plot_pipeline_timeline(timeline: list[dict], path: str, title: str) -> None:
     ax.set_title(title, loc="left")
     ax.legend(handles=[Patch(color=_COLOURS["F"], label="forward"), Patch(color=_COLOURS["B"], label="backward"),
                        Patch(facecolor="#EEEEEE", hatch="///", edgecolor="#BBBBBB", label="idle")],
-              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, fontsize=8, frameon=False)
+              loc="upper right", bbox_to_anchor=(1.0, -0.16), ncol=3, fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

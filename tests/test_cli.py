@@ -115,3 +115,35 @@ def test_killing_a_worker_ends_the_whole_job_quickly():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_json_markdown_and_plots_contract(tmp_path):
+    """The --json contract, the Markdown table and the PNGs of a small pipeline run."""
+    out_json, out_md, plot_dir = tmp_path / "out.json", tmp_path / "out.md", tmp_path / "plots"
+    code = compare.main(["--patterns", "pp", "--world-size", "2", "--layers", "2", "--dim", "8", "--batch", "8",
+                         "--microbatches", "2", "--steps", "3", "--json", str(out_json), "--markdown", str(out_md),
+                         "--plots", str(plot_dir), "--quiet"])
+    assert code == 0
+    data = json.loads(out_json.read_text())
+    required = {"pattern", "framework", "style", "variant", "world_size", "dtype", "ok", "losses",
+                "max_rel_err_loss", "max_rel_err_grad", "step_time_s", "comm", "comm_bytes", "comm_bytes_theory"}
+    assert data["runs"] and all(required <= set(r) for r in data["runs"])
+    assert {r["framework"] for r in data["runs"]} == {"torch", "jax"}
+    assert all(r["ok"] and len(r["losses"]) == 3 for r in data["runs"])
+    assert data["cross_framework"][0]["ok"]
+    assert out_md.read_text().count("\n| pp |") == len(data["runs"])
+    pngs = sorted(p.name for p in plot_dir.iterdir())
+    assert {"loss_curves.png", "memory.png", "bus_bandwidth.png", "pp_torch_explicit_1f1b_timeline.png"} <= set(pngs)
+    assert all((plot_dir / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def test_show_collectives_contrasts_the_four_styles(capsys):
+    code = compare.main(["--show-collectives", "tp", "--world-size", "2", "--dim", "8", "--batch", "4",
+                         "--steps", "2", "--quiet"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "collectives of one tp step" in out
+    for style in ("explicit", "builtin", "shard_map", "jit"):
+        assert style in out
+    # XLA:CPU forms the all-gather TP backward as all-reduce, where shard_map writes reduce-scatter
+    assert "allgather: XLA (jit) issued" in out
