@@ -13,12 +13,24 @@ Pattern modules (``torch_impl/dp.py`` …) provide
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from shared.config import Config
 from shared.problem import make_problem
 from torch_impl import reference
 from torch_impl.launch import RankContext
+
+
+def _reference(cfg: Config, device):
+    """The single-device run depends on none of the parallel layout (world size, micro-batches,
+    buckets): compute it once per remaining configuration."""
+    return _cached_reference(cfg.replace(world_size=1, microbatches=1, bucket_mb=25.0), str(device))
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_reference(cfg: Config, device: str):
+    return reference.train(cfg, make_problem(cfg), device)
 
 
 def run_pattern(
@@ -31,7 +43,7 @@ def run_pattern(
     for cfg in cfgs:
         cfg.check(pattern)
         problem = make_problem(cfg)
-        ref = reference.train(cfg, problem, ctx.device) if ctx.rank == 0 else None
+        ref = _reference(cfg, ctx.device) if ctx.rank == 0 else None
         runs = []
         for style, variant in variants or module.VARIANTS:
             trained = module.train(cfg, problem, style, variant, ctx)

@@ -190,6 +190,9 @@ def _init(rank: int, world_size: int, local_rank: int, kind: str, timeout_s: flo
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         backend = "nccl"
+        # float32 parity needs IEEE matmuls: no TF32 (JAX: jax_default_matmul_precision="highest").
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
     else:
         device = torch.device("cpu")
         backend = "gloo"
