@@ -162,14 +162,13 @@ def make_builtin(variant: str, module: MLP, cfg: Config, ctx: RankContext, x: to
 
 
 def builtin_step(schedule, cfg: Config, ctx: RankContext, x: torch.Tensor) -> torch.Tensor:
-    if ctx.rank == 0:
-        schedule.step(x)
-        return torch.zeros((), dtype=x.dtype, device=x.device)
-    if ctx.rank < ctx.world_size - 1:
-        schedule.step()
+    first, last = ctx.rank == 0, ctx.rank == ctx.world_size - 1  # one stage (S = 1) is both
+    args = (x,) if first else ()
+    if not last:
+        schedule.step(*args)
         return torch.zeros((), dtype=x.dtype, device=x.device)
     losses = []  # M unscaled micro-batch means
-    schedule.step(target=torch.zeros_like(x), losses=losses)
+    schedule.step(*args, target=torch.zeros_like(x), losses=losses)
     return torch.stack(losses).mean().detach()
 
 

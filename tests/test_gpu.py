@@ -1,0 +1,50 @@
+"""The single-device path a one-GPU node takes (world size 1), on CPU always and on a GPU when
+there is one (NCCL for torch, JAX on the GPU). NCCL cannot put two ranks on one GPU, so multi-rank
+runs stay on CPU; these tests never require a GPU.
+
+On a GPU machine:  PARALLEL_TWINS_TEST_JAX_PLATFORMS=cuda,cpu pytest -m gpu
+"""
+
+import json
+
+import pytest
+import torch
+
+import compare
+
+
+def _run(tmp_path, *argv):
+    path = tmp_path / "out.json"
+    code = compare.main(["--world-size", "1", "--steps", "3", "--quiet", "--json", str(path), *argv])
+    data = json.loads(path.read_text())
+    return code, data
+
+
+def test_world_size_1_every_pattern_on_cpu(tmp_path):
+    code, data = _run(tmp_path, "--device", "cpu")
+    assert code == 0, [r for r in data["runs"] if not r["ok"]] or data["errors"]
+    assert {r["pattern"] for r in data["runs"]} == {"collectives", "dp", "fsdp", "tp", "pp"}
+
+
+def _jax_sees_gpu() -> bool:
+    import jax
+
+    try:
+        return len(jax.devices("gpu")) > 0
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nccl_world_size_1_float32(tmp_path):
+    # float32 on GPU with TF32 off (torch_impl.launch sets fp32_precision = "ieee"): float32 tolerance
+    code, data = _run(tmp_path, "--device", "gpu", "--frameworks", "torch", "--dtype", "float32")
+    assert code == 0, [r for r in data["runs"] if not r["ok"]] or data["errors"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _jax_sees_gpu(), reason="JAX sees no GPU (set PARALLEL_TWINS_TEST_JAX_PLATFORMS=cuda,cpu)")
+def test_jax_on_gpu_float32(tmp_path):
+    code, data = _run(tmp_path, "--device", "gpu", "--frameworks", "jax", "--dtype", "float32")
+    assert code == 0, [r for r in data["runs"] if not r["ok"]] or data["errors"]
