@@ -10,7 +10,7 @@ arguments or a bad config (one line on stderr, before any process starts).
 
 JAX is imported only after the simulated-device flag is set (and only if asked for), and torch
 ranks never import JAX: they are spawned fresh and re-import this file as ``__mp_main__``, whose
-top level does nothing but import the standard library.
+top level imports only the standard library and two NumPy-only modules of ``shared``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import sys
 import time
 import traceback
 
-PATTERNS = ("collectives", "dp", "fsdp", "tp", "pp")
+from shared.collectives import BENCH_OPS, BENCH_SIZES  # NumPy only: safe before JAX starts
+from shared.config import DTYPES, PATTERNS
+
 FRAMEWORKS = ("torch", "jax")
 
 
@@ -58,11 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float64")
+    p.add_argument("--dtype", choices=DTYPES, default="float64")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size of the bucketed DP variant")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a torch launch is ended (default 900)")
     p.add_argument("--json", metavar="PATH", help="write {'runs': [...], 'cross_framework': [...]} here")
     p.add_argument("--markdown", metavar="PATH", help="write the table as Markdown here")
     p.add_argument("--plots", metavar="DIR", help="write PNGs: loss curves, bus bandwidth, pipeline timeline, memory")
@@ -76,8 +79,7 @@ def build_bench_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="compare.py bench", description="nccl-tests-style bandwidth sweep of the collectives.")
     p.add_argument("--frameworks", type=_csv(FRAMEWORKS), default=list(FRAMEWORKS))
     p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--ops", type=_csv(("all_reduce", "all_gather", "reduce_scatter", "all_to_all")),
-                   default=["all_reduce", "all_gather", "reduce_scatter", "all_to_all"])
+    p.add_argument("--ops", type=_csv(BENCH_OPS), default=list(BENCH_OPS))
     p.add_argument("--min-bytes", type=int, default=4 * 1024)
     p.add_argument("--max-bytes", type=int, default=16 * 1024 * 1024)
     p.add_argument("--iters", type=int, default=10)
@@ -99,6 +101,18 @@ def default_world_size(device: str) -> int:
     return 4
 
 
+def check_devices(frameworks, world_size: int, device: str) -> None:
+    """Refuse (ValueError) a device request that cannot be met, before any rank starts."""
+    if "torch" in frameworks:
+        from torch_impl.launch import resolve_device
+
+        resolve_device(device, world_size)
+    if "jax" in frameworks and "RANK" not in os.environ:
+        from jax_impl.devices import devices
+
+        devices(world_size, device)
+
+
 def make_config(args):
     """The run's Config, checked for every requested pattern (ValueError on a bad one)."""
     from shared.config import Config
@@ -109,7 +123,7 @@ def make_config(args):
                  lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb)
     if args.show_collectives:
         args.patterns = [args.show_collectives]
-    if "RANK" in os.environ and "jax" in args.frameworks and len(args.frameworks) > 1:
+    if "RANK" in os.environ and "jax" in args.frameworks:
         raise ValueError("under torchrun every rank runs this script: use --frameworks torch "
                          "(run the JAX side once, without torchrun)")
     for pattern in args.patterns:
@@ -120,11 +134,11 @@ def make_config(args):
 # --- running --------------------------------------------------------------------------------
 
 
-def run_torch(cfg, patterns, device):
+def run_torch(cfg, patterns, device, timeout_s):
     from torch_impl.harness import run_jobs
     from torch_impl.launch import launch
 
-    per_rank = launch(run_jobs, cfg.world_size, [(p, [cfg]) for p in patterns], device=device)
+    per_rank = launch(run_jobs, cfg.world_size, [(p, [cfg]) for p in patterns], device=device, timeout_s=timeout_s)
     return per_rank
 
 
@@ -145,6 +159,9 @@ def run_jax(cfg, patterns, device):
 
 def collective_rows(framework, cfg, per_rank_checks):
     """Merge every rank's collective checks into one row per collective (ok on all ranks)."""
+    import numpy as np
+
+    from shared.collectives import DTYPE
     from shared.results import RunResult, comm_bytes
 
     style = "explicit" if framework == "torch" else "shard_map"
@@ -153,7 +170,7 @@ def collective_rows(framework, cfg, per_rank_checks):
         checks = [rank_checks[i] for rank_checks in per_rank_checks]
         rows.append(RunResult(
             pattern="collectives", framework=framework, style=first.get("style", style),
-            variant=first["variant"], world_size=cfg.world_size, dtype=first.get("dtype", cfg.dtype),
+            variant=first["variant"], world_size=cfg.world_size, dtype=np.dtype(DTYPE).name,
             ok=all(c["ok"] for c in checks), comm=first.get("comm", {}),
             comm_bytes=comm_bytes(first.get("comm", {})), comm_bytes_theory=first.get("expected_bytes"),
             extra={"max_abs_err": max(float(c.get("max_abs_err", 0.0)) for c in checks)},
@@ -168,7 +185,7 @@ def pattern_rows(pattern, framework, entry, other_ref):
             for style, variant, trained in entry["runs"]]
 
 
-def collect(cfg, patterns, frameworks, device, progress):
+def collect(cfg, patterns, frameworks, device, progress, timeout_s=900.0):
     """Run everything; returns (rows, cross-framework reference comparisons, errors,
     {(pattern, framework): reference losses})."""
     from shared.results import cross_framework_ok, parity
@@ -178,7 +195,7 @@ def collect(cfg, patterns, frameworks, device, progress):
         progress(f"{fw}: {', '.join(patterns)} at world size {cfg.world_size}")
         try:
             if fw == "torch":
-                per_rank = run_torch(cfg, patterns, device)
+                per_rank = run_torch(cfg, patterns, device, timeout_s)
                 raw[fw] = {p: ([r[p] for r in per_rank] if p == "collectives" else per_rank[0][p][0])
                            for p in patterns}
             else:
@@ -202,7 +219,7 @@ def collect(cfg, patterns, frameworks, device, progress):
             other = next((o for o in frameworks if o != fw and o in raw), None)
             other_ref = raw[other][pattern]["reference"] if other else None
             rows += pattern_rows(pattern, fw, data, other_ref)
-        if pattern != "collectives" and all(fw in raw for fw in FRAMEWORKS) and set(FRAMEWORKS) <= set(frameworks):
+        if pattern != "collectives" and all(fw in raw for fw in FRAMEWORKS):
             errs = parity(raw["torch"][pattern]["reference"], raw["jax"][pattern]["reference"])
             xfw.append({"pattern": pattern, "what": "torch reference vs jax reference", **errs,
                         "ok": cross_framework_ok(errs, cfg.dtype)})
@@ -237,7 +254,7 @@ def table_rows(rows):
         is_coll = r.pattern == "collectives"
         out.append((
             r.pattern, r.framework, r.style, r.variant,
-            ("ok" if r.ok and r.xfw_ok is not False else "FAIL") if not r.error else "ERROR",
+            "ok" if r.ok and r.xfw_ok is not False else "FAIL",
             "-" if is_coll else _fmt_err(r.max_rel_err_loss),
             "-" if is_coll else _fmt_err(max(r.max_rel_err_grad, r.max_rel_err_param)),
             _fmt_err(r.xfw_max_rel_err),
@@ -315,18 +332,26 @@ def main(argv=None) -> int:
     from shared.env import simulate_host_devices
 
     simulate_host_devices(cfg.world_size)
+    try:
+        check_devices(args.frameworks, cfg.world_size, args.device)
+    except ValueError as exc:
+        print(f"compare.py: error: {exc}", file=sys.stderr)
+        return 2
     from rich.console import Console
+
+    from shared.results import _jsonable
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
     # Piped output (CI logs, `| tee`) would wrap the table at 80 columns: give it room.
     console = Console(quiet=not rank0, width=None if sys.stdout.isatty() else 170)
     t0 = time.perf_counter()
     if args.quiet or not rank0:
-        rows, xfw, errors, refs = collect(cfg, args.patterns, args.frameworks, args.device, lambda msg: None)
+        rows, xfw, errors, refs = collect(cfg, args.patterns, args.frameworks, args.device, lambda msg: None,
+                                          args.timeout)
     else:
         with console.status("starting…") as status:
             rows, xfw, errors, refs = collect(cfg, args.patterns, args.frameworks, args.device,
-                                        lambda msg: status.update(f"running {msg}"))
+                                        lambda msg: status.update(f"running {msg}"), args.timeout)
     elapsed = time.perf_counter() - t0
     if not rank0:
         return 0 if not errors and all(r.ok for r in rows) else 1
@@ -350,7 +375,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(cfg), "runs": [r.to_json() for r in rows],
-                       "cross_framework": xfw, "errors": errors, "ok": ok, "seconds": elapsed}, f, indent=1)
+                       "cross_framework": _jsonable(xfw), "errors": errors, "ok": ok, "seconds": elapsed}, f, indent=1)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(markdown_table(rows))
@@ -384,9 +409,8 @@ def write_plots(directory, rows, refs, cfg, args) -> list[str]:
                 f"M={cfg.microbatches} (bubble measured {r['extra'].get('bubble_measured', float('nan')):.2f}, "
                 f"theory {r['extra'].get('bubble_theory', float('nan')):.2f})")
     if cfg.world_size >= 2:  # a short sweep: 4 KiB … 4 MiB
-        sizes = [4096 * 4**k for k in range(6)]
-        bench = run_bench(args.frameworks, cfg.world_size, ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"),
-                          sizes, iters=5, warmup=2, device=args.device)
+        bench = run_bench(args.frameworks, cfg.world_size, BENCH_OPS, BENCH_SIZES[:6], iters=5, warmup=2,
+                          device=args.device)
         plots.plot_bus_bandwidth(bench, out("bus_bandwidth.png"))
     return written
 
@@ -406,10 +430,15 @@ def bench_main(argv) -> int:
     from shared.env import simulate_host_devices
 
     simulate_host_devices(args.world_size)
+    try:
+        check_devices(args.frameworks, args.world_size, args.device)
+    except ValueError as exc:
+        print(f"compare.py bench: error: {exc}", file=sys.stderr)
+        return 2
     from rich.console import Console
     from rich.table import Table
 
-    from shared.theory import fit_alpha_beta
+    from shared.collectives import fit_per_op
 
     sizes, s = [], args.min_bytes
     while s <= args.max_bytes:
@@ -426,12 +455,10 @@ def bench_main(argv) -> int:
     console.print(table)
     fits = []
     for fw in args.frameworks:
-        for op in args.ops:
-            pts = [r for r in results if r["framework"] == fw and r["op"] == op]
-            if len(pts) >= 2:
-                alpha, beta = fit_alpha_beta([r["size_bytes"] for r in pts], [r["time_s"] for r in pts])
-                fits.append({"framework": fw, "op": op, "alpha_s": alpha, "beta_bytes_per_s": beta})
-                console.print(f"{fw:5s} {op:15s} t = α + n/β:  α = {1e6 * alpha:8.1f} us,  β = {beta / 1e9:7.3f} GB/s")
+        for op, fit in fit_per_op([r for r in results if r["framework"] == fw]).items():
+            fits.append({"framework": fw, "op": op, **fit})
+            console.print(f"{fw:5s} {op:15s} t = α + n/β:  α = {1e6 * fit['alpha_s']:8.1f} us,  "
+                          f"β = {fit['beta_bytes_per_s'] / 1e9:7.3f} GB/s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"world_size": args.world_size, "results": results, "fits": fits}, f, indent=1)

@@ -1,8 +1,10 @@
 """Devices and meshes. Meshes are built here explicitly and passed to every function.
 
 CPU: N simulated devices (``shared.env.simulate_host_devices`` before JAX starts).
-GPU: the local GPUs; across nodes call ``init_distributed()`` first (Slurm, or explicit
-coordinator address / process count / process id), then ``jax.devices()`` spans every node.
+GPU: the local GPUs. ``init_distributed()`` joins several JAX processes (Slurm, or explicit
+coordinator address / process count / process id) so that ``jax.devices()`` spans every node; the
+pattern modules here read results back with ``jax.device_get``, which needs every shard addressable
+from this process, so compare.py's JAX side runs on one node.
 """
 
 from __future__ import annotations
@@ -12,23 +14,24 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 
-def platform(device: str = "auto") -> str:
-    """'auto' | 'cpu' | 'gpu' -> the JAX platform to run on ('cpu' or 'gpu')."""
+def platform(device: str = "auto", n: int = 1) -> str:
+    """'auto' | 'cpu' | 'gpu' -> the JAX platform to run on ('cpu' or 'gpu'). 'auto' takes the GPUs
+    only when there are at least ``n`` of them (as torch_impl.launch does), else the CPU devices."""
     if device not in ("auto", "cpu", "gpu"):
         raise ValueError(f"device must be auto, cpu or gpu, got {device!r}")
     if device == "cpu":
         return "cpu"
     try:
-        has_gpu = len(jax.devices("gpu")) > 0
+        n_gpu = len(jax.devices("gpu"))
     except RuntimeError:
-        has_gpu = False
-    if device == "gpu" and not has_gpu:
+        n_gpu = 0
+    if device == "gpu" and n_gpu == 0:
         raise ValueError("--device gpu: JAX sees no GPU (install the 'gpu' extra: jax[cuda12])")
-    return "gpu" if has_gpu else "cpu"
+    return "gpu" if n_gpu >= (1 if device == "gpu" else n) else "cpu"
 
 
 def devices(n: int, device: str = "auto") -> list:
-    devs = jax.devices(platform(device))
+    devs = jax.devices(platform(device, n))
     if len(devs) < n:
         raise ValueError(
             f"world_size={n} needs {n} JAX devices, found {len(devs)} {devs[0].platform} devices "

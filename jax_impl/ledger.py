@@ -68,11 +68,12 @@ def comm_from_hlo(hlo_text: str, num_devices: int | None = None) -> dict[str, di
         op, arrays = m.group("op"), _arrays(m.group("shape"))
         if not arrays:
             continue
-        if m.group("suffix") == "-start":
-            if op == "all-gather":  # (inputs…, outputs…)
+        if m.group("suffix") == "-start":  # GPU async forms: the shape lists inputs, then outputs
+            if op == "collective-permute":  # ((inputs…), (outputs…), u32[], u32[]): the message
+                arrays = [a for a, dt in zip(arrays, _ARRAY.findall(m.group("shape"))) if dt[1]]  # drop u32[]
+                arrays = arrays[: max(1, len(arrays) // 2)]
+            elif op != "all-reduce":  # all-gather, reduce-scatter, all-to-all: keep the outputs
                 arrays = arrays[len(arrays) // 2:]
-            elif op == "collective-permute":  # (input, output, u32[], u32[])
-                arrays = arrays[:1]
         size = sum(arrays)
         if op == "reduce-scatter":
             size *= _group_size(line, default)

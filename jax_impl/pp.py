@@ -158,7 +158,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
         step_times=step_times,
         comm=comm,
         comm_theory=pp_circular_permute_bytes(cfg, style) + cfg.bytes_per_element,  # + the loss all-reduce
-        state_bytes={"params": tree_bytes(w, per_device=True), "grads": tree_bytes(w, per_device=True),
+        state_bytes={"params": tree_bytes(w, per_device=True), "grads": tree_bytes(grads, per_device=True),
                      "optimizer": tree_bytes(opt_state, per_device=True)},
         extra={"bubble_theory": pp_bubble_fraction(S, M), "iterations": M + S - 1,
                "permute_count_theory": pp_circular_permute_count(cfg, style)},

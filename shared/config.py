@@ -40,14 +40,16 @@ class Config:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if not self.lr > 0:
+        if not self.lr > 0:  # `not x > 0` also refuses NaN
             raise ValueError(f"lr must be > 0, got {self.lr}")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not self.eps > 0:
             raise ValueError(f"eps must be > 0, got {self.eps}")
-        if self.weight_decay < 0:
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if not self.weight_decay >= 0:  # also refuses NaN
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")

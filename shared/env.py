@@ -8,21 +8,17 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 
 FLAG = "--xla_force_host_platform_device_count"
 
 
 def simulate_host_devices(n: int) -> None:
     """Make XLA's CPU backend expose at least ``n`` devices (no effect on GPU devices)."""
+    # Never let JAX grab 75% of GPU memory up front: torch ranks may share the node.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     flags = os.environ.get("XLA_FLAGS", "")
     match = re.search(rf"{FLAG}=(\d+)", flags)
     if match and int(match.group(1)) >= n:
         return
-    if "jax" in sys.modules and "jax._src.xla_bridge" in sys.modules:
-        # Too late to change it if a backend is already up; jax_impl.devices reports the count.
-        pass
     flags = re.sub(rf"{FLAG}=\d+", "", flags).strip()
     os.environ["XLA_FLAGS"] = f"{flags} {FLAG}={n}".strip()
-    # Never let JAX grab 75% of GPU memory up front: torch ranks may share the node.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -98,7 +98,6 @@ class RunResult:
     # over losses, step-0 grads and final params, and whether it is within tolerance.
     xfw_max_rel_err: float | None = None
     xfw_ok: bool | None = None
-    error: str | None = None  # set when the run raised instead of finishing
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

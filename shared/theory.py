@@ -87,7 +87,7 @@ def fp32_adam_bytes(n_params: int, n: int, stage: int) -> float:
     return {0: 16 * phi, 1: 8 * phi + 8 * phi / n, 2: 4 * phi + 12 * phi / n, 3: 16 * phi / n}[stage]
 
 
-# --- pattern owners add their formulas below (TP, PP, …) ------------------------------------
+# --- per-pattern formulas (collectives' α-β fit, TP, FSDP, PP) ----------------------------------
 
 
 # --- collectives: latency-bandwidth (α-β) model ---------------------------------------------

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--world-size", "x"], "invalid int value: 'x'"),
         (["--show-collectives", "nope"], "invalid choice: 'nope'"),
         (["bench", "--world-size", "1"], "bench needs world_size >= 2"),
+        (["--seed", "-3"], "seed must be a non-negative integer, got -3"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
@@ -36,6 +37,21 @@ def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
     err = capsys.readouterr().err.strip()
     assert message in err
     assert len(err.splitlines()) == 1, err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is present")
+@pytest.mark.parametrize("argv", [["--device", "gpu", "--patterns", "dp"], ["bench", "--device", "gpu"]])
+def test_gpu_request_without_gpus_exits_2_before_anything_runs(argv, capsys):
+    assert compare.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--device gpu" in err and len(err.splitlines()) == 1, err
+
+
+def test_jax_is_refused_under_torchrun(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert compare.main(["--frameworks", "jax", "--patterns", "dp"]) == 2
+    assert "under torchrun" in capsys.readouterr().err
 
 
 def test_bad_config_from_a_real_shell_prints_no_traceback():
@@ -62,6 +78,14 @@ def _children(pid: int) -> list[int]:
             if int(fields[1]) == pid:
                 out.append(int(entry))
     return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except OSError:  # it exited between the listing and the read
+        return ""
 
 
 def _alive(pid: int) -> bool:
@@ -99,8 +123,8 @@ def test_killing_a_worker_ends_the_whole_job_quickly():
         ranks = []
         while time.monotonic() < deadline and len(ranks) < 2:
             # ranks are the spawned python children (the resource tracker is one more child)
-            ranks = [p for p in _children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()
-                     and "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
+            ranks = [p for p in _children(proc.pid)
+                     if "spawn_main" in _cmdline(p) and "resource_tracker" not in _cmdline(p)]
             time.sleep(0.2)
         assert len(ranks) == 2, "ranks never started"
         time.sleep(3.0)  # let them get into training

@@ -18,6 +18,9 @@ from shared.config import Config
         ({"beta2": 1.0}, "beta2 must be in [0, 1)"),
         ({"eps": 0.0}, "eps must be > 0"),
         ({"weight_decay": -0.1}, "weight_decay must be >= 0"),
+        ({"weight_decay": float("nan")}, "weight_decay must be >= 0"),
+        ({"lr": float("nan")}, "lr must be > 0"),
+        ({"seed": -1}, "seed must be a non-negative integer, got -1"),
         ({"bucket_mb": 0}, "bucket_mb must be > 0"),
     ],
 )

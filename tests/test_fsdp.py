@@ -74,7 +74,10 @@ def test_ledger_matches_theory(results):
     for fw, cfg, style, variant, run, _, _ in all_runs(results):
         expected = expected_comm(style, variant, cfg)
         if expected is None:
-            assert run.comm, (fw, style, variant, "jit step has no collectives?")
+            # XLA:CPU gathers each weight once, keeps it, and all-reduces the full dW with the loss
+            # folded in (b bytes): 2·Φ·b + b for both ZeRO-2 and ZeRO-3 annotations.
+            assert comm_bytes(run.comm) == 2 * cfg.n_params * cfg.bytes_per_element + cfg.bytes_per_element, \
+                (style, variant, run.comm)
             continue
         assert run.comm == expected, (fw, cfg.world_size, cfg.dtype, style, variant, run.comm, expected)
         assert comm_bytes(run.comm) == run.comm_theory, (fw, style, variant)

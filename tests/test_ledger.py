@@ -24,6 +24,10 @@ HloModule m, num_partitions=4
   %j = f32[32]{0} all-reduce-start(%p), replica_groups={{0,1,2,3}}, to_apply=%add
   %k = f32[32]{0} all-reduce-done(%j)
   %l = f32[4,4]{1,0} reduce-scatter(%p), replica_groups=mesh['dp'=2,'tp'=2] {'tp'}, dimensions={0}
+  %m = ((f32[16]{0}), f32[4]{0}) reduce-scatter-start(%p), replica_groups={{0,1,2,3}}, dimensions={0}
+  %n = f32[4]{0} reduce-scatter-done(%m)
+  %o = ((f32[2,4]{1,0}), f32[2,4]{1,0}) all-to-all-start(%p), replica_groups={{0,1}}
+  %q = f32[2,4]{1,0} all-to-all-done(%o)
 """
 
 
@@ -32,9 +36,9 @@ def test_hlo_parsing_follows_nccl_tests_sizes():
     assert comm["all_reduce"] == {"count": 2, "bytes": 8 * 4 * 4 + 32 * 4}
     assert comm["all_gather"] == {"count": 2, "bytes": 16 * 2 * 8 + 16 * 4}  # gathered outputs
     # reduce-scatter counts the input: output × group size (4 from the iota form, 2 from the mesh form)
-    assert comm["reduce_scatter"] == {"count": 2, "bytes": 2 * 4 * 4 * 4 + 4 * 4 * 4 * 2}
+    assert comm["reduce_scatter"] == {"count": 3, "bytes": 2 * 4 * 4 * 4 + 4 * 4 * 4 * 2 + 16 * 4}
     assert comm["collective_permute"] == {"count": 2, "bytes": 4 * 2 + 8 * 4}
-    assert comm["all_to_all"] == {"count": 1, "bytes": 2 * 2 * 4}
+    assert comm["all_to_all"] == {"count": 2, "bytes": 2 * 2 * 4 + 2 * 4 * 4}
 
 
 def test_comm_of_reads_a_compiled_resharding():

@@ -1,9 +1,10 @@
 """Property test: random valid configurations, every pattern's parity against its reference.
 
-Hypothesis draws world size, layers, dim, batch, micro-batches, dtype and seed, constrained to what
-each pattern accepts (``Config.check``). Bounded in time: JAX runs a few examples per pattern;
-torch draws one list of configurations and runs them all in a single launch (process start-up is
-the expensive part).
+Hypothesis draws world size, layers, dim, batch, micro-batches, dtype (float64, float32, bfloat16)
+and seed, constrained to what each pattern accepts (``Config.check``). Derandomized: CI sees the
+same examples every run (a reproducible failure, never a flaky one). Bounded in time: JAX runs a
+few examples per pattern; torch draws one list of configurations and runs them all in a single
+launch (process start-up is the expensive part).
 """
 
 import pytest
@@ -33,7 +34,7 @@ def configs(draw, pattern: str, world_size: int | None = None) -> Config:
         microbatches = draw(st.integers(1, 2 * n))
         batch = microbatches * draw(st.integers(1, 3))
     cfg = Config(world_size=n, layers=layers, dim=dim, batch=batch, microbatches=microbatches, steps=3,
-                 seed=draw(st.integers(0, 2**16)), dtype=draw(st.sampled_from(["float64", "float32"])))
+                 seed=draw(st.integers(0, 2**16)), dtype=draw(st.sampled_from(["float64", "float32", "bfloat16"])))
     return cfg.check(pattern)
 
 
@@ -45,7 +46,7 @@ def _assert_parity(entry, framework):
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_jax_parity_on_random_configs(pattern, data):
     cfg = data.draw(configs(pattern))
@@ -57,7 +58,7 @@ def _torch_random_jobs(ctx, jobs):
     return [torch_run_pattern(ctx, pattern, [cfg]) for pattern, cfg in jobs]
 
 
-@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(cfgs=st.tuples(*(configs(p, world_size=2) for p in PATTERNS)))
 def test_torch_parity_on_random_configs(cfgs):
     results = launch(_torch_random_jobs, 2, list(zip(PATTERNS, cfgs)))[0]

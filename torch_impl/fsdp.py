@@ -43,7 +43,16 @@ from shared.problem import Problem
 from shared.results import Trained
 from shared.theory import zero2_comm_bytes, zero3_comm_bytes, zero3_skip_first_comm_bytes
 from torch_impl.launch import RankContext
-from torch_impl.model import build_model, inputs, loss_fn, make_optimizer, to_numpy, torch_dtype
+from torch_impl.model import (
+    build_model,
+    inputs,
+    loss_fn,
+    make_optimizer,
+    optimizer_state_bytes,
+    tensor_bytes,
+    to_numpy,
+    torch_dtype,
+)
 
 VARIANTS = (("explicit", "zero3"), ("explicit", "zero2"), ("builtin", "fsdp2"))
 
@@ -182,12 +191,6 @@ def fsdp2_forward_backward(model, x, opt) -> torch.Tensor:
     return loss.detach()
 
 
-def _bytes(tensors) -> int:
-    """Bytes this rank holds (a DTensor counts its local shard only)."""
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-    return sum(t.numel() * t.element_size() for t in local)
-
-
 def _fixture(tensors, n: int, group) -> list:
     """Full W_l / dW_l (float64 NumPy): gather explicit row shards, or DTensor.full_tensor().T."""
     if isinstance(tensors[0], DTensor):
@@ -254,7 +257,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         comm=comm,
         comm_theory={"zero2": zero2_comm_bytes, "zero3": zero3_skip_first_comm_bytes,
                      "fsdp2": zero3_comm_bytes}[variant](cfg),
-        state_bytes={"params": _bytes(held), "grads": _bytes(grads()),  # AdamW: exp_avg, exp_avg_sq
-                     "optimizer": _bytes([v for st in opt.state.values() for v in st.values() if v.dim()])},
+        state_bytes={"params": tensor_bytes(held), "grads": tensor_bytes(grads()),  # local shards of DTensors
+                     "optimizer": optimizer_state_bytes(opt)},  # AdamW: exp_avg, exp_avg_sq
         extra=extra,
     )

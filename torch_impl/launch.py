@@ -107,11 +107,11 @@ def launch(
         )
         for rank in range(world_size)
     ]
-    for p in procs:
-        p.start()
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:
+        for p in procs:
+            p.start()
         while len(results) < world_size:
             try:
                 rank, status, payload = results_q.get(timeout=0.05)
@@ -130,7 +130,8 @@ def launch(
                 raise LaunchError(_died_first(procs, results) + f"rank {rank} raised:\n{payload}")
             results[rank] = payload
     finally:
-        _stop(procs, graceful=len(results) == world_size)
+        _stop([p for p in procs if p.pid is not None], graceful=len(results) == world_size)
+        results_q.close()
     return [results[r] for r in range(world_size)]
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from shared.config import Config
@@ -43,7 +43,16 @@ from shared.problem import Problem
 from shared.results import Trained
 from shared.theory import tp_comm_bytes
 from torch_impl.launch import RankContext
-from torch_impl.model import build_model, inputs, loss_fn, make_optimizer, to_numpy, torch_dtype
+from torch_impl.model import (
+    build_model,
+    inputs,
+    loss_fn,
+    make_optimizer,
+    optimizer_state_bytes,
+    tensor_bytes,
+    to_numpy,
+    torch_dtype,
+)
 
 VARIANTS = (("explicit", "allgather"), ("explicit", "megatron"), ("builtin", "dtensor"))
 
@@ -171,15 +180,6 @@ def parallelize_megatron(model: torch.nn.Module, mesh, kinds: list[str]) -> torc
     return parallelize_module(model, mesh, plan)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _local_bytes(tensors) -> int:
-    """Bytes this rank holds (torch_impl.model.tensor_bytes would count a DTensor's global size)."""
-    return sum(_local(t).numel() * t.element_size() for t in tensors if t.dim() > 0)
-
-
 # --- training ------------------------------------------------------------------------------------
 
 
@@ -221,7 +221,6 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
             grads0 = [to_numpy(g) for g in full([p.grad for p in params])]
     comm = ctx.ledger.summary()
     final = [to_numpy(w) for w in full(params)]
-    opt_state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return Trained(
         losses=losses,
         grads0=grads0,
@@ -229,7 +228,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         step_times=step_times,
         comm=comm,
         comm_theory=tp_comm_bytes(cfg, "allgather" if variant == "allgather" else "megatron"),
-        state_bytes={"params": _local_bytes(params), "grads": _local_bytes([p.grad for p in params]),
-                     "optimizer": _local_bytes(opt_state)},
+        state_bytes={"params": tensor_bytes(params), "grads": tensor_bytes([p.grad for p in params]),
+                     "optimizer": optimizer_state_bytes(opt)},  # local shards of DTensors
         extra={"layer_kinds": kinds, "backend": ctx.backend},
     )
