@@ -439,6 +439,7 @@ def bench_main(argv) -> int:
     from rich.table import Table
 
     from shared.collectives import fit_per_op
+    from shared.results import _jsonable
 
     sizes, s = [], args.min_bytes
     while s <= args.max_bytes:
@@ -457,11 +458,12 @@ def bench_main(argv) -> int:
     for fw in args.frameworks:
         for op, fit in fit_per_op([r for r in results if r["framework"] == fw]).items():
             fits.append({"framework": fw, "op": op, **fit})
-            console.print(f"{fw:5s} {op:15s} t = α + n/β:  α = {1e6 * fit['alpha_s']:8.1f} us,  "
-                          f"β = {fit['beta_bytes_per_s'] / 1e9:7.3f} GB/s")
+            beta = fit["beta_bytes_per_s"]
+            beta_text = f"{beta / 1e9:7.3f} GB/s" if beta != float("inf") else "   n/a (no size dependence measured)"
+            console.print(f"{fw:5s} {op:15s} t = α + n/β:  α = {1e6 * fit['alpha_s']:8.1f} us,  β = {beta_text}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"world_size": args.world_size, "results": results, "fits": fits}, f, indent=1)
+            json.dump(_jsonable({"world_size": args.world_size, "results": results, "fits": fits}), f, indent=1)
     return 0
 
 

@@ -171,3 +171,14 @@ def test_show_collectives_contrasts_the_four_styles(capsys):
         assert style in out
     # XLA:CPU forms the all-gather TP backward as all-reduce, where shard_map writes reduce-scatter
     assert "allgather: XLA (jit) issued" in out
+
+
+def test_bench_subcommand_writes_valid_json(tmp_path):
+    path = tmp_path / "bench.json"
+    code = compare.main(["bench", "--world-size", "2", "--min-bytes", "4096", "--max-bytes", "16384",
+                         "--iters", "2", "--warmup", "1", "--json", str(path)])
+    assert code == 0
+    data = json.loads(path.read_text())  # strict JSON: no Infinity / NaN
+    assert {r["framework"] for r in data["results"]} == {"torch", "jax"}
+    assert all(r["busbw"] > 0 and r["time_s"] > 0 for r in data["results"])
+    assert {f["op"] for f in data["fits"]} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
