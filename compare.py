@@ -24,6 +24,7 @@ import traceback
 
 from shared.collectives import BENCH_OPS, BENCH_SIZES  # NumPy only: safe before JAX starts
 from shared.config import DTYPES, PATTERNS
+from shared.env import simulate_host_devices
 
 FRAMEWORKS = ("torch", "jax")
 
@@ -325,16 +326,9 @@ def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
         cfg = make_config(args)
-    except (ArgumentError, ValueError) as exc:
-        print(f"compare.py: error: {exc}", file=sys.stderr)
-        return 2
-
-    from shared.env import simulate_host_devices
-
-    simulate_host_devices(cfg.world_size)
-    try:
+        simulate_host_devices(cfg.world_size)  # before JAX starts
         check_devices(args.frameworks, cfg.world_size, args.device)
-    except ValueError as exc:
+    except (ArgumentError, ValueError) as exc:
         print(f"compare.py: error: {exc}", file=sys.stderr)
         return 2
     from rich.console import Console
@@ -424,15 +418,9 @@ def bench_main(argv) -> int:
             raise ValueError(f"need 0 < --min-bytes <= --max-bytes, got {args.min_bytes}, {args.max_bytes}")
         if args.iters < 1 or args.warmup < 0:
             raise ValueError("--iters must be >= 1 and --warmup >= 0")
-    except (ArgumentError, ValueError) as exc:
-        print(f"compare.py bench: error: {exc}", file=sys.stderr)
-        return 2
-    from shared.env import simulate_host_devices
-
-    simulate_host_devices(args.world_size)
-    try:
+        simulate_host_devices(args.world_size)  # before JAX starts
         check_devices(args.frameworks, args.world_size, args.device)
-    except ValueError as exc:
+    except (ArgumentError, ValueError) as exc:
         print(f"compare.py bench: error: {exc}", file=sys.stderr)
         return 2
     from rich.console import Console
