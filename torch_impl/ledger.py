@@ -63,6 +63,8 @@ _C10D = {
     "barrier": ("barrier", lambda a, n: 0),
     "monitored_barrier_": ("barrier", lambda a, n: 0),
 }
+# Dispatcher op names (not the deprecated Python APIs of the same name): DTensor and FSDP2 issue
+# these functional collectives internally, so the ledger has to recognise them.
 _FUNCTIONAL = {
     "all_reduce": ("all_reduce", lambda a, n: _nbytes(a[0])),
     "all_reduce_": ("all_reduce", lambda a, n: _nbytes(a[0])),
