@@ -4,18 +4,82 @@ of configs. One process, all devices.
 Pattern modules (``jax_impl/dp.py`` …) provide
 ``VARIANTS: tuple[(style, variant), …]`` and
 ``train(cfg, problem, style, variant, mesh) -> Trained``; ``mesh_for(cfg, device)`` builds the
-mesh the pattern trains on (its axis names are the pattern's: "dp", "tp", "pp").
+mesh the pattern trains on (its axis names are the pattern's: "dp", "tp", "pp"). A pattern's
+``train`` builds a ``Setup`` and hands it to ``train_loop``, the one training loop every pattern
+and model goes through (compile once, the HLO ledger, timing, losses, step-0 gradients, final
+parameters, state bytes), as torch_impl.harness.train_loop does on the torch side.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
 
 from jax_impl import reference
 from jax_impl.devices import devices
+from jax_impl.ledger import comm_from_hlo
+from jax_impl.model import to_numpy, tree_bytes
 from shared.config import Config
 from shared.problem import make_problem
+from shared.results import Trained
+
+
+@dataclass
+class Setup:
+    """One pattern's jitted step and how to read its results.
+
+    step: ``jax.jit``-wrapped ``step(*state, *batch) -> (*state, loss, grads)``; ``loss`` is the
+        global loss (a scalar) or one local loss per device (a vector: the loop takes its mean).
+    state: the arrays the step carries (e.g. ``(params, opt_state)``); donated or not, as the step says.
+    batch: the step's other inputs (e.g. ``(x,)`` or ``(tokens, targets)``), already placed.
+    grads_fixture: the step's ``grads`` output -> float64 fixture arrays in param_names order.
+    params_fixture: the final ``state`` -> float64 fixture arrays in param_names order.
+    state_bytes: per-device bytes {params, grads, optimizer} from the final ``state``; default:
+        params = grads = tree_bytes(state[0], per_device), optimizer = tree_bytes(state[1], per_device).
+    """
+
+    step: Any
+    state: tuple
+    batch: tuple
+    grads_fixture: Callable[[Any], list[np.ndarray]]
+    params_fixture: Callable[[tuple], list[np.ndarray]]
+    comm_theory: int | None = None
+    state_bytes: Callable[[tuple], dict[str, int]] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def leaves_fixture(tree) -> list[np.ndarray]:
+    """Every leaf of a pytree ordered like the fixture (a {name: array} dict in param_names order,
+    or a list), as float64 NumPy."""
+    return [to_numpy(a) for a in jax.tree.leaves(tree)] if not isinstance(tree, dict) else \
+        [to_numpy(a) for a in tree.values()]
+
+
+def train_loop(cfg: Config, setup: Setup) -> Trained:
+    compiled = setup.step.lower(*setup.state, *setup.batch).compile()  # outside the timed loop
+    comm = comm_from_hlo(compiled.as_text())  # the collectives XLA put in the step
+    state, losses, step_times, grads0 = tuple(setup.state), [], [], None
+    for k in range(cfg.steps):
+        t0 = time.perf_counter()
+        *state, loss, grads = compiled(*state, *setup.batch)
+        jax.block_until_ready((state, loss))
+        step_times.append(time.perf_counter() - t0)
+        losses.append(float(np.mean(to_numpy(loss))))  # a vector: the mean of N local losses
+        if k == 0:
+            grads0 = setup.grads_fixture(grads)
+    state = tuple(state)
+    state_bytes = setup.state_bytes(state) if setup.state_bytes else {
+        "params": tree_bytes(state[0], per_device=True), "grads": tree_bytes(state[0], per_device=True),
+        "optimizer": tree_bytes(state[1], per_device=True)}
+    return Trained(losses=losses, grads0=grads0, params=setup.params_fixture(state), step_times=step_times,
+                   comm=comm, comm_theory=setup.comm_theory, state_bytes=state_bytes, extra=dict(setup.extra))
 
 
 def _reference(cfg: Config, device: str):

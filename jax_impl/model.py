@@ -1,10 +1,12 @@
-"""The shared MLP in JAX: a Flax NNX module, and the same math as plain functions.
+"""The models in JAX (Flax NNX modules, and the same math as plain functions), model-generic pieces.
 
 - ``MLP`` (``nnx.Module``): ``nnx.Linear`` layers without bias, ``kernel == W_l`` (applied as
-  ``x @ W_l``), exact (erf) GELU. ``kernel_axes`` annotates every kernel with
-  ``nnx.with_partitioning`` (MaxText style) for the ``jit`` styles, e.g. ``("dp", None)``.
-- ``forward`` / ``loss_fn`` take the parameter pytree as a plain list ``[W_0, …, W_{L-1}]``,
-  the form the shard_map styles use; ``params_of(model)`` extracts it from the module.
+  ``x @ W_l``), exact (erf) GELU. ``Transformer``: jax_impl/transformer.py.
+- ``build_model(cfg, problem, mesh, rules)`` builds either; ``rules(name, shape)`` gives each
+  parameter's mesh axes (``nnx.with_partitioning``, MaxText style) for the ``jit`` styles.
+- Parameters as a pytree: ``named_params(model)`` → ``{name: array}`` keyed like
+  ``shared.problem.param_names`` (fixture orientation); ``loss_fn(params, x, y, cfg)`` computes
+  either model's loss from such a dict (the MLP also takes a plain list ``[W_0, …]``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jax_impl import transformer
+from jax_impl.transformer import Rules, gelu
 from shared.config import Config
 from shared.problem import Problem
 
@@ -27,35 +31,34 @@ def jax_dtype(cfg: Config):
     return JAX_DTYPES[cfg.dtype]
 
 
-def gelu(x: jax.Array) -> jax.Array:
-    return jax.nn.gelu(x, approximate=False)  # exact erf GELU, as torch's F.gelu
-
-
-def forward(params: Sequence[jax.Array], x: jax.Array) -> jax.Array:
-    for w in params:  # w: (D, D)
+def forward(params: Sequence[jax.Array] | dict, x: jax.Array) -> jax.Array:
+    """The MLP over a list [W_0, …] or a {name: W} dict (layer order)."""
+    for w in (params.values() if isinstance(params, dict) else params):  # w: (D, D)
         x = gelu(x @ w)  # (B, D)
     return x
 
 
-def loss_fn(params: Sequence[jax.Array], x: jax.Array) -> jax.Array:
-    return jnp.mean(forward(params, x) ** 2)
+def output_loss(out: jax.Array, y: jax.Array | None = None) -> jax.Array:
+    """MLP (y None): mean(out²). Transformer: mean cross-entropy of logits (…, V) vs ids (…)."""
+    if y is None:
+        return jnp.mean(out**2)
+    return optax.softmax_cross_entropy_with_integer_labels(out, y).mean()
 
 
-def _fixture_init(w: np.ndarray, axes: tuple | None):
-    def init(key, shape, dtype):
-        assert shape == w.shape, (shape, w.shape)
-        return jnp.asarray(w, dtype)
-
-    return nnx.with_partitioning(init, axes) if axes is not None else init
+def loss_fn(params, x: jax.Array, y: jax.Array | None = None, cfg: Config | None = None) -> jax.Array:
+    """Either model's loss from its parameter pytree (the transformer needs ``cfg`` for dh)."""
+    if y is None:
+        return output_loss(forward(params, x))
+    return output_loss(transformer.apply(params, x, cfg.head_dim), y)
 
 
 class MLP(nnx.Module):
-    def __init__(self, weights: Sequence[np.ndarray], dtype, kernel_axes: tuple | None = None):
-        dim = weights[0].shape[0]
+    def __init__(self, params: dict[str, np.ndarray], dtype, rules: Rules | None = None):
+        dim = next(iter(params.values())).shape[0]
         self.layers = nnx.List(
-            nnx.Linear(dim, dim, use_bias=False, kernel_init=_fixture_init(w, kernel_axes),
+            nnx.Linear(dim, dim, use_bias=False, kernel_init=transformer.fixture_init(params, name, rules),
                        dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
-            for w in weights
+            for name in params
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -64,22 +67,45 @@ class MLP(nnx.Module):
         return x
 
 
-def build_model(cfg: Config, problem: Problem, mesh=None, kernel_axes: tuple | None = None) -> MLP:
-    """The MLP holding the fixture weights. With ``mesh`` and ``kernel_axes`` the kernels are
-    created sharded: the module is built inside ``nnx.jit`` under the mesh, so each device only
-    ever holds its shard."""
-    if kernel_axes is None:
-        return MLP(problem.weights, jax_dtype(cfg))
+def build_model(cfg: Config, problem: Problem, mesh=None, kernel_axes: tuple | None = None,
+                rules: Rules | None = None) -> nnx.Module:
+    """The model of ``cfg.model`` holding the fixture parameters. With ``mesh`` and ``rules``
+    (name, shape -> mesh axes; ``kernel_axes``: the same axes for every MLP kernel) the
+    parameters are created sharded: the module is built inside ``nnx.jit`` under the mesh, so
+    each device only ever holds its shard."""
+    if kernel_axes is not None:
+        rules = lambda name, shape: kernel_axes
+    if cfg.model == "mlp":
+        make = lambda: MLP(problem.params, jax_dtype(cfg), rules)
+    else:
+        make = lambda: transformer.Transformer(problem.params, cfg.heads, jax_dtype(cfg), rules)
+    if rules is None:
+        return make()
     with jax.set_mesh(mesh):
-        return nnx.jit(lambda: MLP(problem.weights, jax_dtype(cfg), kernel_axes))()
+        return nnx.jit(make)()
 
 
-def params_of(model: MLP) -> list[jax.Array]:
-    return [layer.kernel[...] for layer in model.layers]
+def named_params(model: nnx.Module) -> dict[str, jax.Array]:
+    """{name: array} in shared.problem.param_names order, fixture orientation."""
+    if isinstance(model, MLP):
+        return {f"layers.{l}.linear.weight": layer.kernel[...] for l, layer in enumerate(model.layers)}
+    return transformer.named_params(model)
+
+
+def params_of(model: nnx.Module) -> list[jax.Array]:
+    return list(named_params(model).values())
 
 
 def inputs(cfg: Config, problem: Problem) -> jax.Array:
+    """MLP: (B, D) in the run's dtype; transformer: (B, T) int32 token ids."""
+    if problem.targets is not None:
+        return jnp.asarray(problem.inputs, jnp.int32)
     return jnp.asarray(problem.inputs, jax_dtype(cfg))  # (B, D)
+
+
+def targets(cfg: Config, problem: Problem) -> jax.Array | None:
+    """Transformer: (B, T) next-token ids (int32); MLP: None."""
+    return None if problem.targets is None else jnp.asarray(problem.targets, jnp.int32)
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:

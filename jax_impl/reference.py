@@ -1,4 +1,4 @@
-"""Single-device reference: the shared MLP (Flax NNX) trained with optax AdamW on one device.
+"""Single-device reference: the shared model (Flax NNX MLP or transformer) trained with optax AdamW on one device.
 
 Every parallel implementation is checked against this run (same fixture, same steps).
 """
@@ -10,7 +10,7 @@ import time
 import jax
 from flax import nnx
 
-from jax_impl.model import build_model, inputs, make_optimizer, params_of, to_numpy, tree_bytes
+from jax_impl.model import build_model, inputs, make_optimizer, output_loss, params_of, targets, to_numpy, tree_bytes
 from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
@@ -21,22 +21,22 @@ def train(cfg: Config, problem: Problem, device=None) -> Trained:
     with jax.default_device(device):
         model = build_model(cfg, problem)
         opt = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
-        x = inputs(cfg, problem)  # (B, D)
+        x, y = inputs(cfg, problem), targets(cfg, problem)  # (B, D) | (B, T), None | (B, T)
 
         @nnx.jit
-        def step(model, opt, x):
-            loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(model)
+        def step(model, opt, x, y):
+            loss, grads = nnx.value_and_grad(lambda m: output_loss(m(x), y))(model)
             opt.update(model, grads)
-            return loss, [g.kernel[...] for g in grads["layers"].values()]
+            return loss, grads
 
         losses, step_times, grads0 = [], [], None
         for k in range(cfg.steps):
             t0 = time.perf_counter()
-            loss, grads = step(model, opt, x)
+            loss, grads = step(model, opt, x, y)
             losses.append(float(loss))  # float() waits for the device
             step_times.append(time.perf_counter() - t0)
-            if k == 0:
-                grads0 = [to_numpy(g) for g in grads]
+            if k == 0:  # grads: an nnx.State shaped like the model: read it through the same names
+                grads0 = [to_numpy(g) for g in params_of(nnx.merge(nnx.graphdef(model), grads))]
     params = params_of(model)
     return Trained(
         losses=losses,

@@ -123,7 +123,7 @@ def build_tp_model(cfg: Config, problem: Problem, mesh, kinds: list[str]) -> MLP
     Built inside nnx.jit under the mesh, so each device only ever holds its shard."""
 
     def make():
-        model = MLP(problem.weights, jax_dtype(cfg))
+        model = MLP(problem.params, jax_dtype(cfg))
         for layer, kind in zip(model.layers, kinds, strict=True):
             layer.kernel = nnx.Param(layer.kernel[...], out_sharding=KERNEL_AXES[kind])
         return model

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "float64", "bfloat16")
 PATTERNS = ("collectives", "dp", "fsdp", "tp", "pp")
+MODELS = ("mlp", "transformer")
 BYTES_PER_ELEMENT = {"float32": 4, "float64": 8, "bfloat16": 2}
 
 
@@ -32,9 +33,15 @@ class Config:
     eps: float = 1e-8
     weight_decay: float = 0.01
     bucket_mb: float = 25.0  # DDP-style bucket size for the bucketed DP variant
+    # The workload: "mlp" (CS336 lecture 8) or "transformer" (GPT-style decoder, shared.problem).
+    # heads / seq / vocab are read by the transformer only (dim, layers, batch by both).
+    model: str = "mlp"
+    heads: int = 2
+    seq: int = 8
+    vocab: int = 32
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "layers", "dim", "batch", "microbatches", "steps"):
+        for name in ("world_size", "layers", "dim", "batch", "microbatches", "steps", "heads", "seq", "vocab"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -53,15 +60,29 @@ class Config:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if self.model == "transformer" and self.dim % self.heads:
+            raise ValueError(f"transformer: dim={self.dim} is not divisible by heads={self.heads} "
+                             "(every head has dim/heads features)")
 
     @property
     def bytes_per_element(self) -> int:
         return BYTES_PER_ELEMENT[self.dtype]
 
     @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+    @property
     def n_params(self) -> int:
-        """Φ: parameter count of the MLP (L weights of D×D, no biases)."""
-        return self.layers * self.dim * self.dim
+        """Φ: parameter count. MLP: L weights of D×D, no biases. Transformer: embeddings
+        (V + T)·D, per layer 12·D² (W_qkv 3D², W_o D², W_up 4D², W_down 4D²) + 2·D (norm gains),
+        final norm D, head D·V."""
+        d = self.dim
+        if self.model == "mlp":
+            return self.layers * d * d
+        return (self.vocab + self.seq) * d + self.layers * (12 * d * d + 2 * d) + d + d * self.vocab
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
@@ -71,6 +92,8 @@ class Config:
         n = self.world_size
         if pattern not in PATTERNS:
             raise ValueError(f"unknown pattern {pattern!r}; choose from {', '.join(PATTERNS)}")
+        if self.model == "transformer":
+            return self._check_transformer(pattern)
         if pattern in ("dp", "fsdp") and self.batch % n:
             raise ValueError(
                 f"{pattern}: batch={self.batch} is not divisible by world_size={n} "
@@ -91,4 +114,24 @@ class Config:
                 raise ValueError(
                     f"pp: batch={self.batch} is not divisible by microbatches={self.microbatches}"
                 )
+        return self
+
+    def _check_transformer(self, pattern: str) -> Config:
+        n, name = self.world_size, f"{pattern} (transformer)"
+        if pattern in ("dp", "fsdp") and self.batch % n:
+            raise ValueError(f"{name}: batch={self.batch} is not divisible by world_size={n} "
+                             "(every rank takes an equal slice of the global batch)")
+        if pattern == "tp":
+            if self.heads % n:
+                raise ValueError(f"{name}: heads={self.heads} is not divisible by world_size={n} "
+                                 "(every rank owns whole attention heads)")
+            if self.vocab % n:
+                raise ValueError(f"{name}: vocab={self.vocab} is not divisible by world_size={n} "
+                                 "(embedding and head are split over the vocabulary)")
+        if pattern == "pp":
+            if self.layers % n:
+                raise ValueError(f"{name}: layers={self.layers} is not divisible by world_size={n} "
+                                 "(every stage holds the same number of blocks)")
+            if self.batch % self.microbatches:
+                raise ValueError(f"{name}: batch={self.batch} is not divisible by microbatches={self.microbatches}")
         return self

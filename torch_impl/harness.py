@@ -8,18 +8,108 @@ one launch, so a test module or compare.py pays the process start-up once.
 Pattern modules (``torch_impl/dp.py`` …) provide
 ``VARIANTS: tuple[(style, variant), …]`` and
 ``train(cfg, problem, style, variant, ctx) -> Trained`` (called on every rank; the returned
-``Trained`` holds full, gathered arrays on rank 0 at least).
+``Trained`` holds full, gathered arrays on rank 0 at least). A pattern's ``train`` builds a
+``Setup`` (what is specific to it) and hands it to ``train_loop``, the one training loop every
+pattern and model goes through: steps, timing, the ledger of the last step, the reported loss,
+step-0 gradients, final parameters and state bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
 
 from shared.config import Config
 from shared.problem import make_problem
+from shared.results import Trained
 from torch_impl import reference
 from torch_impl.launch import RankContext
+from torch_impl.model import optimizer_state_bytes, tensor_bytes
+
+
+@dataclass
+class Setup:
+    """One pattern's training step, cut where the shared loop needs to look in.
+
+    forward_backward: forward, backward and gradient synchronisation of one step; returns this
+        rank's loss (a 0-d tensor) as ``loss_reduction`` says to read it.
+    update: the optimizer step (and whatever the pattern does after it, e.g. an all-gather).
+    grads: this rank's gradient tensors after ``forward_backward`` (local shards), in the order
+        of ``params``; the loop clones them at step 0.
+    fixture: local tensors (``params`` or ``grads()``, same order) -> full float64 fixture-
+        orientation arrays in shared.problem.param_names order; may run collectives (it is called
+        on every rank, outside the ledger); only rank 0's answer is used.
+    loss_reduction: "mean" (each rank's loss is the mean over its share of the batch: average over
+        ``group``), "same" (every rank already holds the global loss), or "src:R" (rank R of the
+        world holds it: broadcast, e.g. a pipeline's last stage).
+    state: per-rank bytes {params, grads, optimizer}; default: tensor_bytes(params),
+        tensor_bytes(grads()), optimizer_state_bytes(optimizer).
+    """
+
+    forward_backward: Callable[[], torch.Tensor]
+    update: Callable[[], None]
+    grads: Callable[[], list[torch.Tensor]]
+    fixture: Callable[[list[torch.Tensor]], list[np.ndarray]]
+    params: list[torch.Tensor]
+    optimizer: Any
+    comm_theory: int | None = None
+    loss_reduction: str = "mean"
+    group: Any = None
+    state: Callable[[], dict[str, int]] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def reported_loss(loss: torch.Tensor, how: str, group=None) -> float:
+    """The step's global loss from this rank's ``loss`` (bookkeeping: outside the ledger)."""
+    if how == "same":
+        return loss.item()
+    total = loss.detach().clone().reshape(())
+    if how == "mean":
+        dist.all_reduce(total, group=group)
+        return total.item() / dist.get_world_size(group)
+    src = int(how.removeprefix("src:"))
+    dist.broadcast(total, src=src, group=group)
+    return total.item()
+
+
+def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
+    """Run ``cfg.steps`` steps of ``setup`` on this rank; the ledger records the last one (after
+    warm-up: DDP rebuilds its buckets after the first iteration)."""
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    losses, step_times, grads0, comm = [], [], None, {}
+    for k in range(cfg.steps):
+        last = k == cfg.steps - 1
+        with ctx.ledger.recording() if last else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            loss = setup.forward_backward()
+            if k == 0:
+                grads0 = [g.detach().clone() for g in setup.grads()]  # local; gathered below
+            setup.update()
+            loss.item()  # waits for the device, so the step time is real on GPU too
+            step_times.append(time.perf_counter() - t0)
+        if last:
+            comm = ctx.ledger.summary()
+        if k == 0:
+            grads0 = setup.fixture(grads0)  # the check's gathers: outside every ledger
+        losses.append(reported_loss(loss, setup.loss_reduction, setup.group))
+    state = setup.state() if setup.state else {
+        "params": tensor_bytes(setup.params), "grads": tensor_bytes(g for g in setup.grads() if g is not None),
+        "optimizer": optimizer_state_bytes(setup.optimizer)}
+    extra = dict(setup.extra)
+    if ctx.device.type == "cuda":
+        extra["peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
+    return Trained(losses=losses, grads0=grads0, params=setup.fixture(setup.params), step_times=step_times,
+                   comm=comm, comm_theory=setup.comm_theory, state_bytes=state, extra=extra)
 
 
 def _reference(cfg: Config, device):

@@ -1,8 +1,13 @@
-"""The shared MLP as an ``nn.Module`` (needed by DDP, FSDP2, DTensor and pipelining).
+"""The models as ``nn.Module``s, and the model-generic pieces every pattern uses.
 
-``Block`` is ``gelu(Linear(x))`` with exact (erf) GELU and no bias. torch's ``nn.Linear``
-stores ``weight`` as (out, in) and computes ``x @ weight.T``, so ``linear.weight == W_l.T``
-for the fixture weight W_l (see shared/dims.py). ``fixture_*`` convert back.
+- ``MLP``: the CS336 lecture-8 MLP; ``Block`` is ``gelu(Linear(x))`` with exact (erf) GELU, no bias.
+- ``Transformer`` (torch_impl/transformer.py): the GPT-style decoder.
+
+``build_model(cfg, problem)`` builds either holding the fixture's parameters; ``inputs`` /
+``targets`` give the batch (targets None for the MLP) and ``loss_fn(out, targets)`` the loss of
+either (MLP: mean(out²); transformer: mean cross-entropy). torch's ``nn.Linear`` stores
+``weight`` as (out, in) and computes ``x @ weight.T``, so ``linear.weight == W.T`` for the
+fixture's W (see shared/dims.py); ``to_fixture`` / ``fixture_*`` convert back, by name.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch.nn.functional as F
 
 from shared.config import Config
 from shared.problem import Problem
+from torch_impl.transformer import Transformer
 
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -42,22 +48,52 @@ class MLP(nn.Module):
         return x
 
 
-def build_model(cfg: Config, problem: Problem, device="cpu") -> MLP:
-    """The MLP holding the fixture weights (cast to the run's dtype)."""
-    model = MLP(cfg.layers, cfg.dim, torch_dtype(cfg), device)
+def empty_model(cfg: Config, device="cpu", layers: int | None = None) -> nn.Module:
+    """The model of ``cfg`` (with ``layers`` blocks if given), uninitialised."""
+    layers = cfg.layers if layers is None else layers
+    if cfg.model == "mlp":
+        return MLP(layers, cfg.dim, torch_dtype(cfg), device)
+    return Transformer(layers, cfg.dim, cfg.heads, cfg.vocab, cfg.seq, torch_dtype(cfg), device)
+
+
+def is_transposed(module: nn.Module, name: str) -> bool:
+    """Is parameter ``name`` of ``module`` stored transposed w.r.t. the fixture (an nn.Linear weight)?"""
+    owner = module.get_submodule(name.rpartition(".")[0])
+    return isinstance(owner, nn.Linear) and name.endswith("weight")
+
+
+def load_fixture(module: nn.Module, params: dict, names: dict[str, str] | None = None) -> nn.Module:
+    """Copy fixture arrays into ``module``'s parameters. ``names`` maps the module's parameter
+    names to fixture names (default: the same); the module may hold a subset (a pipeline stage)."""
     with torch.no_grad():
-        for block, w in zip(model.layers, problem.weights):
-            block.linear.weight.copy_(torch.from_numpy(w.T.copy()))
-    return model
+        for name, p in module.named_parameters():
+            w = params[(names or {}).get(name, name)]
+            p.copy_(torch.from_numpy(w.T.copy() if is_transposed(module, name) else w))
+    return module
+
+
+def build_model(cfg: Config, problem: Problem, device="cpu") -> nn.Module:
+    """The model of ``cfg.model`` holding the fixture parameters (cast to the run's dtype)."""
+    return load_fixture(empty_model(cfg, device), problem.params)
 
 
 def inputs(cfg: Config, problem: Problem, device="cpu") -> torch.Tensor:
+    """MLP: (B, D) in the run's dtype; transformer: (B, T) token ids (int64)."""
     # torch.tensor copies: the fixture's NumPy array is never aliased (an in-place op would change it).
-    return torch.tensor(problem.inputs, device=device, dtype=torch_dtype(cfg))  # (B, D)
+    dtype = torch_dtype(cfg) if problem.targets is None else torch.long
+    return torch.tensor(problem.inputs, device=device, dtype=dtype)
 
 
-def loss_fn(out: torch.Tensor) -> torch.Tensor:
-    return out.pow(2).mean()
+def targets(cfg: Config, problem: Problem, device="cpu") -> torch.Tensor | None:
+    """Transformer: (B, T) next-token ids; MLP: None."""
+    return None if problem.targets is None else torch.tensor(problem.targets, device=device, dtype=torch.long)
+
+
+def loss_fn(out: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    """MLP (targets None): mean(out²). Transformer: mean cross-entropy of logits (…, V) over all positions."""
+    if targets is None:
+        return out.pow(2).mean()
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
 
 
 def make_optimizer(params, cfg: Config) -> torch.optim.Optimizer:
@@ -70,13 +106,19 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu", torch.float64).numpy().copy()
 
 
-def fixture_weights(model: MLP) -> list[np.ndarray]:
-    """Full weights in the fixture orientation W_l (float64)."""
-    return [to_numpy(b.linear.weight).T.copy() for b in model.layers]
+def to_fixture(module: nn.Module, name: str, t: torch.Tensor) -> np.ndarray:
+    """A full (unsharded) parameter or gradient of ``module`` as a float64 fixture-orientation array."""
+    a = to_numpy(t)
+    return a.T.copy() if is_transposed(module, name) else a
 
 
-def fixture_grads(model: MLP) -> list[np.ndarray]:
-    return [to_numpy(b.linear.weight.grad).T.copy() for b in model.layers]
+def fixture_weights(model: nn.Module) -> list[np.ndarray]:
+    """Full parameters in the fixture orientation (float64), named_parameters() order."""
+    return [to_fixture(model, n, p) for n, p in model.named_parameters()]
+
+
+def fixture_grads(model: nn.Module) -> list[np.ndarray]:
+    return [to_fixture(model, n, p.grad) for n, p in model.named_parameters()]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Single-device reference: the shared MLP trained with AdamW on one device.
+"""Single-device reference: the shared model (MLP or transformer) trained with AdamW on one device.
 
 Every parallel implementation is checked against this run (same fixture, same steps).
 """
@@ -17,6 +17,7 @@ from torch_impl.model import (
     inputs,
     loss_fn,
     make_optimizer,
+    targets,
     optimizer_state_bytes,
     tensor_bytes,
 )
@@ -25,12 +26,12 @@ from torch_impl.model import (
 def train(cfg: Config, problem: Problem, device="cpu") -> Trained:
     model = build_model(cfg, problem, device)
     opt = make_optimizer(model.parameters(), cfg)
-    x = inputs(cfg, problem, device)  # (B, D)
+    x, y = inputs(cfg, problem, device), targets(cfg, problem, device)  # (B, D) | (B, T), None | (B, T)
     losses, step_times, grads0 = [], [], None
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x))
+        loss = loss_fn(model(x), y)
         loss.backward()
         if step == 0:
             grads0 = fixture_grads(model)
