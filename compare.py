@@ -1,6 +1,7 @@
 """compare.py: run every pattern in torch and JAX, check parity, print one table.
 
-    python compare.py                                   # everything, CPU, world size 4 simulated
+    python compare.py                                   # everything, both models, CPU, world size 4 simulated
+    python compare.py --model transformer --patterns tp # one model, one pattern
     python compare.py --patterns dp,fsdp --dtype float32 --json out.json
     python compare.py bench --frameworks torch,jax      # nccl-tests-style bandwidth sweep
     torchrun --nproc_per_node=8 compare.py --frameworks torch --world-size 8   # join a torchrun launch
@@ -23,7 +24,7 @@ import time
 import traceback
 
 from shared.collectives import BENCH_OPS, BENCH_SIZES  # NumPy only: safe before JAX starts
-from shared.config import DTYPES, PATTERNS
+from shared.config import DTYPES, MODELS, PATTERNS
 from shared.env import simulate_host_devices
 
 FRAMEWORKS = ("torch", "jax")
@@ -53,11 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="compare.py", description="Run every parallelism pattern in torch and JAX and check parity.")
     p.add_argument("--patterns", type=_csv(PATTERNS), default=list(PATTERNS), help="comma list (default: all)")
     p.add_argument("--frameworks", type=_csv(FRAMEWORKS), default=list(FRAMEWORKS))
+    p.add_argument("--model", type=_csv(MODELS), default=list(MODELS),
+                   help="comma list of workloads (default: both): the CS336 MLP, a GPT-style transformer")
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks / devices (default: torchrun's WORLD_SIZE, else the local GPU count, else 4)")
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4, help="layers (MLP) / blocks (transformer)")
     p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", type=int, default=32, help="sequences (transformer) or rows (MLP) per step")
+    p.add_argument("--heads", type=int, default=4, help="transformer: attention heads (dim %% heads == 0)")
+    p.add_argument("--seq", type=int, default=16, help="transformer: sequence length T")
+    p.add_argument("--vocab", type=int, default=64, help="transformer: vocabulary size V")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
@@ -114,36 +120,39 @@ def check_devices(frameworks, world_size: int, device: str) -> None:
         devices(world_size, device)
 
 
-def make_config(args):
-    """The run's Config, checked for every requested pattern (ValueError on a bad one)."""
+def make_configs(args):
+    """The run's Configs, one per model, checked for every requested pattern (ValueError on a bad one)."""
     from shared.config import Config
 
     world = args.world_size if args.world_size is not None else default_world_size(args.device)
-    cfg = Config(world_size=world, layers=args.layers, dim=args.dim, batch=args.batch,
-                 microbatches=args.microbatches, steps=args.steps, seed=args.seed, dtype=args.dtype,
-                 lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb)
+    base = Config(world_size=world, layers=args.layers, dim=args.dim, batch=args.batch,
+                  microbatches=args.microbatches, steps=args.steps, seed=args.seed, dtype=args.dtype,
+                  lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb,
+                  heads=args.heads, seq=args.seq, vocab=args.vocab)
+    cfgs = [base.replace(model=m) for m in args.model]
     if args.show_collectives:
         args.patterns = [args.show_collectives]
     if "RANK" in os.environ and "jax" in args.frameworks:
         raise ValueError("under torchrun every rank runs this script: use --frameworks torch "
                          "(run the JAX side once, without torchrun)")
-    for pattern in args.patterns:
-        cfg.check(pattern)
-    return cfg
+    for cfg in cfgs:
+        for pattern in args.patterns:
+            cfg.check(pattern)
+    return cfgs
 
 
 # --- running --------------------------------------------------------------------------------
 
 
-def run_torch(cfg, patterns, device, timeout_s):
+def run_torch(cfgs, patterns, device, timeout_s):
+    """One launch for every pattern and model: per rank, {pattern: checks (collectives) | entries}."""
     from torch_impl.harness import run_jobs
     from torch_impl.launch import launch
 
-    per_rank = launch(run_jobs, cfg.world_size, [(p, [cfg]) for p in patterns], device=device, timeout_s=timeout_s)
-    return per_rank
+    return launch(run_jobs, cfgs[0].world_size, [(p, cfgs) for p in patterns], device=device, timeout_s=timeout_s)
 
 
-def run_jax(cfg, patterns, device):
+def run_jax(cfgs, patterns, device):
     from jax_impl import harness
     from jax_impl.devices import make_mesh
 
@@ -152,9 +161,9 @@ def run_jax(cfg, patterns, device):
         if pattern == "collectives":
             from jax_impl import collectives
 
-            out[pattern] = collectives.check_all(make_mesh(cfg.world_size, "x", device))
+            out[pattern] = collectives.check_all(make_mesh(cfgs[0].world_size, "x", device))
         else:
-            out[pattern] = harness.run_pattern(pattern, [cfg], device=device)
+            out[pattern] = harness.run_pattern(pattern, cfgs, device=device)
     return out
 
 
@@ -171,7 +180,7 @@ def collective_rows(framework, cfg, per_rank_checks):
         checks = [rank_checks[i] for rank_checks in per_rank_checks]
         rows.append(RunResult(
             pattern="collectives", framework=framework, style=first.get("style", style),
-            variant=first["variant"], world_size=cfg.world_size, dtype=np.dtype(DTYPE).name,
+            variant=first["variant"], model=None, world_size=cfg.world_size, dtype=np.dtype(DTYPE).name,
             ok=all(c["ok"] for c in checks), comm=first.get("comm", {}),
             comm_bytes=comm_bytes(first.get("comm", {})), comm_bytes_theory=first.get("expected_bytes"),
             extra={"max_abs_err": max(float(c.get("max_abs_err", 0.0)) for c in checks)},
@@ -186,44 +195,44 @@ def pattern_rows(pattern, framework, entry, other_ref):
             for style, variant, trained in entry["runs"]]
 
 
-def collect(cfg, patterns, frameworks, device, progress, timeout_s=900.0):
+def collect(cfgs, patterns, frameworks, device, progress, timeout_s=900.0):
     """Run everything; returns (rows, cross-framework reference comparisons, errors,
-    {(pattern, framework): reference losses})."""
+    {(pattern, model, framework): reference losses})."""
     from shared.results import cross_framework_ok, parity
 
-    raw, errors = {}, []
+    raw, errors, cfg = {}, [], cfgs[0]
+    models = [c.model for c in cfgs]
     for fw in frameworks:
-        progress(f"{fw}: {', '.join(patterns)} at world size {cfg.world_size}")
-        try:
+        progress(f"{fw}: {', '.join(patterns)} on {' + '.join(models)} at world size {cfg.world_size}")
+        try:  # raw[fw][pattern]: the collectives' checks, or {model: the harness's entry}
             if fw == "torch":
-                per_rank = run_torch(cfg, patterns, device, timeout_s)
-                raw[fw] = {p: ([r[p] for r in per_rank] if p == "collectives" else per_rank[0][p][0])
+                per_rank = run_torch(cfgs, patterns, device, timeout_s)
+                raw[fw] = {p: ([r[p] for r in per_rank] if p == "collectives" else dict(zip(models, per_rank[0][p])))
                            for p in patterns}
             else:
-                res = run_jax(cfg, patterns, device)
-                raw[fw] = {p: (res[p] if p == "collectives" else res[p][0]) for p in patterns}
+                res = run_jax(cfgs, patterns, device)
+                raw[fw] = {p: (res[p] if p == "collectives" else dict(zip(models, res[p]))) for p in patterns}
         except Exception as exc:  # noqa: BLE001 - reported as a failed framework, exit 1
             errors.append(f"{fw}: {type(exc).__name__}: {exc}")
             if os.environ.get("PARALLEL_TWINS_DEBUG"):
                 traceback.print_exc()
     rows, xfw, refs = [], [], {}
     for pattern in patterns:
-        for fw in frameworks:
-            if fw not in raw:
-                continue
-            data = raw[fw][pattern]
-            if pattern == "collectives":
-                checks = data if fw == "torch" else [data]
-                rows += collective_rows(fw, cfg, checks)
-                continue
-            refs[pattern, fw] = list(data["reference"].losses)
-            other = next((o for o in frameworks if o != fw and o in raw), None)
-            other_ref = raw[other][pattern]["reference"] if other else None
-            rows += pattern_rows(pattern, fw, data, other_ref)
-        if pattern != "collectives" and all(fw in raw for fw in FRAMEWORKS):
-            errs = parity(raw["torch"][pattern]["reference"], raw["jax"][pattern]["reference"])
-            xfw.append({"pattern": pattern, "what": "torch reference vs jax reference", **errs,
-                        "ok": cross_framework_ok(errs, cfg.dtype)})
+        if pattern == "collectives":  # model-independent
+            for fw in (f for f in frameworks if f in raw):
+                rows += collective_rows(fw, cfg, raw[fw][pattern] if fw == "torch" else [raw[fw][pattern]])
+            continue
+        for model in models:
+            for fw in (f for f in frameworks if f in raw):
+                data = raw[fw][pattern][model]
+                refs[pattern, model, fw] = list(data["reference"].losses)
+                other = next((o for o in frameworks if o != fw and o in raw), None)
+                other_ref = raw[other][pattern][model]["reference"] if other else None
+                rows += pattern_rows(pattern, fw, data, other_ref)
+            if all(fw in raw for fw in FRAMEWORKS):
+                errs = parity(raw["torch"][pattern][model]["reference"], raw["jax"][pattern][model]["reference"])
+                xfw.append({"pattern": pattern, "model": model, "what": "torch reference vs jax reference",
+                            **errs, "ok": cross_framework_ok(errs, cfg.dtype)})
     return rows, xfw, errors, refs
 
 
@@ -245,7 +254,7 @@ def _fmt_err(x) -> str:
     return "-" if x is None else f"{x:.1e}"
 
 
-TABLE_COLUMNS = ("pattern", "framework", "style", "variant", "ok", "rel err loss", "rel err grad",
+TABLE_COLUMNS = ("pattern", "model", "framework", "style", "variant", "ok", "rel err loss", "rel err grad",
                  "vs other fw", "step ms", "comm/step", "theory", "state/rank")
 
 
@@ -254,7 +263,7 @@ def table_rows(rows):
     for r in rows:
         is_coll = r.pattern == "collectives"
         out.append((
-            r.pattern, r.framework, r.style, r.variant,
+            r.pattern, r.model or "-", r.framework, r.style, r.variant,
             "ok" if r.ok and r.xfw_ok is not False else "FAIL",
             "-" if is_coll else _fmt_err(r.max_rel_err_loss),
             "-" if is_coll else _fmt_err(max(r.max_rel_err_grad, r.max_rel_err_param)),
@@ -267,15 +276,27 @@ def table_rows(rows):
     return out
 
 
-def print_table(rows, cfg, console) -> None:
+def describe_sizes(cfgs) -> str:
+    """The sizes each model runs at, e.g. 'mlp L=4 D=32 B=32 | transformer L=4 D=32 H=4 T=16 V=64 B=32'."""
+    parts = []
+    for c in cfgs:
+        extra = f" H={c.heads} T={c.seq} V={c.vocab}" if c.model == "transformer" else ""
+        parts.append(f"{c.model} L={c.layers} D={c.dim}{extra} B={c.batch} (Φ={c.n_params:,})")
+    return " | ".join(parts)
+
+
+def print_table(rows, cfgs, console) -> None:
     from rich.table import Table
 
-    table = Table(title=f"parallel-twins: world size {cfg.world_size}, {cfg.dtype}, L={cfg.layers} "
-                        f"D={cfg.dim} B={cfg.batch} M={cfg.microbatches}, {cfg.steps} steps")
+    cfg = cfgs[0]
+    table = Table(title=f"parallel-twins: world size {cfg.world_size}, {cfg.dtype}, M={cfg.microbatches}, "
+                        f"{cfg.steps} steps; {describe_sizes(cfgs)}")
+    left = ("pattern", "model", "framework", "style", "variant")
     for col in TABLE_COLUMNS:
-        table.add_column(col, justify="right" if col not in ("pattern", "framework", "style", "variant") else "left")
+        table.add_column(col, justify="left" if col in left else "right")
+    ok_col = TABLE_COLUMNS.index("ok")
     for r in table_rows(rows):
-        table.add_row(*r, style=None if r[4] == "ok" else "bold red")
+        table.add_row(*r, style=None if r[ok_col] == "ok" else "bold red")
     console.print(table)
 
 
@@ -286,12 +307,17 @@ def markdown_table(rows) -> str:
 
 
 def collectives_table(rows, pattern, console) -> None:
-    """The SPMD-vs-explicit contrast: what one training step communicates in each style."""
+    """The SPMD-vs-explicit contrast: what one training step communicates in each style, per model."""
+    rows = [r for r in rows if r.pattern == pattern]
+    for model in dict.fromkeys(r.model for r in rows):
+        _collectives_table([r for r in rows if r.model == model], pattern, model, console)
+
+
+def _collectives_table(rows, pattern, model, console) -> None:
     from rich.table import Table
 
-    rows = [r for r in rows if r.pattern == pattern]
     ops = sorted({op for r in rows for op in r.comm})
-    table = Table(title=f"collectives of one {pattern} step, per rank (count × / payload bytes)")
+    table = Table(title=f"collectives of one {pattern} step on the {model}, per rank (count × / payload bytes)")
     for col in ("framework", "style", "variant", *ops, "total", "theory", "vs theory"):
         table.add_column(col, justify="left" if col in ("framework", "style", "variant") else "right")
     for r in rows:
@@ -325,7 +351,8 @@ def main(argv=None) -> int:
         return bench_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
-        cfg = make_config(args)
+        cfgs = make_configs(args)
+        cfg = cfgs[0]
         simulate_host_devices(cfg.world_size)  # before JAX starts
         check_devices(args.frameworks, cfg.world_size, args.device)
     except (ArgumentError, ValueError) as exc:
@@ -340,11 +367,11 @@ def main(argv=None) -> int:
     console = Console(quiet=not rank0, width=None if sys.stdout.isatty() else 170)
     t0 = time.perf_counter()
     if args.quiet or not rank0:
-        rows, xfw, errors, refs = collect(cfg, args.patterns, args.frameworks, args.device, lambda msg: None,
+        rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, lambda msg: None,
                                           args.timeout)
     else:
         with console.status("starting…") as status:
-            rows, xfw, errors, refs = collect(cfg, args.patterns, args.frameworks, args.device,
+            rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device,
                                         lambda msg: status.update(f"running {msg}"), args.timeout)
     elapsed = time.perf_counter() - t0
     if not rank0:
@@ -353,9 +380,9 @@ def main(argv=None) -> int:
     if args.show_collectives:
         collectives_table(rows, args.show_collectives, console)
     else:
-        print_table(rows, cfg, console)
+        print_table(rows, cfgs, console)
     for x in xfw:
-        console.print(f"cross-framework {x['pattern']}: torch vs jax reference, max rel err "
+        console.print(f"cross-framework {x['pattern']} ({x['model']}): torch vs jax reference, max rel err "
                       f"{max(x['max_rel_err_loss'], x['max_rel_err_grad'], x['max_rel_err_param']):.1e} "
                       f"({'ok' if x['ok'] else 'FAIL'})")
     for e in errors:
@@ -368,7 +395,8 @@ def main(argv=None) -> int:
     console.print(verdict, style="bold green" if ok else "bold red")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": vars(cfg), "runs": [r.to_json() for r in rows],
+            json.dump({"config": vars(cfg), "configs": {c.model: vars(c) for c in cfgs},
+                       "runs": [r.to_json() for r in rows],
                        "cross_framework": _jsonable(xfw), "errors": errors, "ok": ok, "seconds": elapsed}, f, indent=1)
     if args.markdown:
         with open(args.markdown, "w") as f:
@@ -398,8 +426,9 @@ def write_plots(directory, rows, refs, cfg, args) -> list[str]:
     for r in runs:
         if r["extra"].get("timeline"):
             plots.plot_pipeline_timeline(
-                r["extra"]["timeline"], out(f"pp_{r['framework']}_{r['style']}_{r['variant']}_timeline.png"),
-                f"{r['framework']} {r['style']}/{r['variant']}: {cfg.world_size} stages, "
+                r["extra"]["timeline"],
+                out(f"pp_{r['model']}_{r['framework']}_{r['style']}_{r['variant']}_timeline.png"),
+                f"{r['model']}, {r['framework']} {r['style']}/{r['variant']}: {cfg.world_size} stages, "
                 f"M={cfg.microbatches} (bubble measured {r['extra'].get('bubble_measured', float('nan')):.2f}, "
                 f"theory {r['extra'].get('bubble_theory', float('nan')):.2f})")
     if cfg.world_size >= 2:  # a short sweep: 4 KiB … 4 MiB

@@ -60,26 +60,27 @@ _FW_STYLE = {"torch": "-", "jax": "--"}
 
 
 def plot_loss_curves(runs: list[dict], references: dict, path: str) -> None:
-    """Per pattern: every implementation's loss per step (torch solid, JAX dashed) — they lie on
-    top of each other — and, beside it, each one's relative distance from the torch single-device
-    reference per step on a log scale, which is where they differ (1e-16 float64, 1e-7 float32).
-    ``runs``: RunResult.to_json() dicts; ``references``: {(pattern, framework): losses}."""
-    patterns = [p for p in dict.fromkeys(r["pattern"] for r in runs) if p != "collectives"]
-    if not patterns:
+    """Per pattern and model: every implementation's loss per step (torch solid, JAX dashed) — they
+    lie on top of each other — and, beside it, each one's relative distance from the torch
+    single-device reference per step on a log scale, which is where they differ (1e-16 float64,
+    1e-7 float32). ``runs``: RunResult.to_json() dicts; ``references``: {(pattern, model,
+    framework): losses}."""
+    panels = list(dict.fromkeys((r["pattern"], r.get("model")) for r in runs if r["pattern"] != "collectives"))
+    if not panels:
         raise ValueError("no training runs to plot")
-    fig, axes = plt.subplots(len(patterns), 2, figsize=(12, 3.0 * len(patterns)), squeeze=False)
-    for (ax_loss, ax_err), pattern in zip(axes, patterns):
-        ref = references.get((pattern, "torch")) or references.get((pattern, "jax"))
-        for r in (r for r in runs if r["pattern"] == pattern):
+    fig, axes = plt.subplots(len(panels), 2, figsize=(12, 3.0 * len(panels)), squeeze=False)
+    for (ax_loss, ax_err), (pattern, model) in zip(axes, panels):
+        ref = references.get((pattern, model, "torch")) or references.get((pattern, model, "jax"))
+        for r in (r for r in runs if r["pattern"] == pattern and r.get("model") == model):
             label = f"{r['framework']} {r['style']}/{r['variant']}"
             steps = range(len(r["losses"]))
             ax_loss.plot(steps, r["losses"], _FW_STYLE[r["framework"]], marker=".", label=label, alpha=0.8)
             if ref:
                 dev = [max(abs(a - b) / abs(b), 1e-18) for a, b in zip(r["losses"], ref)]
                 ax_err.semilogy(steps, dev, _FW_STYLE[r["framework"]], marker=".", label=label, alpha=0.8)
-        ax_loss.set_title(f"{pattern}: loss per step", loc="left")
+        ax_loss.set_title(f"{pattern} ({model}): loss per step", loc="left")
         ax_loss.set_xlabel("step")
-        ax_err.set_title(f"{pattern}: |loss − torch reference| / loss", loc="left")
+        ax_err.set_title(f"{pattern} ({model}): |loss − torch reference| / loss", loc="left")
         ax_err.set_xlabel("step")
         ax_err.legend(fontsize=7, ncol=2, frameon=False)
     fig.tight_layout()
@@ -115,7 +116,8 @@ def plot_memory(runs: list[dict], path: str) -> None:
     rows = [r for r in runs if r.get("state_bytes")]
     if not rows:
         raise ValueError("no state bytes to plot")
-    labels = [f"{r['pattern']} {r['framework'][0]}:{r['style']}/{r['variant']}" for r in rows]
+    labels = [f"{r['pattern']} {(r.get('model') or '')[:3]} {r['framework'][0]}:{r['style']}/{r['variant']}"
+              for r in rows]
     bottom = [0.0] * len(rows)
     fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(rows)), 4.5))
     for part, colour in (("params", "#4C72B0"), ("grads", "#DD8452"), ("optimizer", "#55A868")):

@@ -84,6 +84,7 @@ class RunResult:
     world_size: int
     dtype: str
     ok: bool
+    model: str | None = "mlp"  # "mlp" | "transformer"; None for the collectives (no model)
     losses: list[float] = field(default_factory=list)
     max_rel_err_loss: float = 0.0
     max_rel_err_grad: float = 0.0
@@ -130,6 +131,7 @@ def make_result(
         framework=framework,
         style=style,
         variant=variant,
+        model=cfg.model,
         world_size=cfg.world_size,
         dtype=cfg.dtype,
         ok=within(errors, cfg.dtype),

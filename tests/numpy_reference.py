@@ -63,3 +63,38 @@ def train(cfg: Config, problem: Problem) -> Trained:
             v_hat = v[i] / (1 - cfg.beta2**step)
             weights[i] -= cfg.lr * m_hat / (np.sqrt(v_hat) + cfg.eps)
     return Trained(losses=losses, grads0=grads0, params=weights)
+
+
+# --- the transformer: an independent float64 forward (loss only; gradients by central differences) ---
+
+
+def transformer_loss(params: dict[str, np.ndarray], tokens: np.ndarray, targets: np.ndarray, heads: int) -> float:
+    """shared/problem.py's recipe, written from its text with NumPy loops over heads."""
+    b, t = tokens.shape
+    d = params["wte.weight"].shape[1]
+    dh = d // heads
+
+    def norm(x, g):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-5) * g
+
+    x = params["wte.weight"][tokens] + params["wpe.weight"][:t]  # (B, T, D)
+    layers = sum(1 for k in params if k.endswith("attn.qkv.weight"))
+    causal = np.tril(np.ones((t, t), dtype=bool))
+    for l in range(layers):
+        p = lambda n: params[f"blocks.{l}.{n}.weight"]
+        qkv = norm(x, p("norm1")) @ p("attn.qkv")  # (B, T, 3D)
+        q, k, v = qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:]
+        heads_out = []
+        for i in range(heads):
+            cols = slice(i * dh, (i + 1) * dh)
+            s = q[..., cols] @ np.swapaxes(k[..., cols], 1, 2) / math.sqrt(dh)  # (B, T, T)
+            s = np.where(causal, s, -np.inf)
+            w = np.exp(s - s.max(axis=-1, keepdims=True))
+            heads_out.append((w / w.sum(axis=-1, keepdims=True)) @ v[..., cols])  # (B, T, dh)
+        x = x + np.concatenate(heads_out, axis=-1) @ p("attn.o")
+        x = x + gelu(norm(x, p("norm2")) @ p("mlp.up")) @ p("mlp.down")
+    logits = norm(x, params["normf.weight"]) @ params["head.weight"]  # (B, T, V)
+    m = logits.max(axis=-1, keepdims=True)
+    logz = (m + np.log(np.exp(logits - m).sum(axis=-1, keepdims=True)))[..., 0]  # (B, T)
+    picked = np.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # (B, T)
+    return float(np.mean(logz - picked))

@@ -30,6 +30,12 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--show-collectives", "nope"], "invalid choice: 'nope'"),
         (["bench", "--world-size", "1"], "bench needs world_size >= 2"),
         (["--seed", "-3"], "seed must be a non-negative integer, got -3"),
+        (["--model", "gpt"], "'gpt': choose from mlp, transformer"),
+        (["--model", "transformer", "--dim", "30", "--heads", "4"], "transformer: dim=30 is not divisible by heads=4"),
+        (["--model", "transformer", "--patterns", "tp", "--heads", "2", "--dim", "8"],
+         "tp (transformer): heads=2 is not divisible by world_size=4"),
+        (["--model", "transformer", "--patterns", "tp", "--vocab", "30"],
+         "tp (transformer): vocab=30 is not divisible by world_size=4"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
@@ -102,12 +108,13 @@ def test_same_seed_same_losses_bit_for_bit(tmp_path):
         path = tmp_path / f"run{i}.json"
         proc = subprocess.run(
             [sys.executable, "compare.py", "--patterns", "tp", "--world-size", "2", "--steps", "3",
-             "--dim", "8", "--batch", "8", "--json", str(path), "--quiet"],
+             "--dim", "8", "--batch", "8", "--seq", "4", "--vocab", "16", "--json", str(path), "--quiet"],
             cwd=ROOT, capture_output=True, text=True, timeout=240,
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        runs.append({(r["framework"], r["style"], r["variant"]): r["losses"]
+        runs.append({(r["model"], r["framework"], r["style"], r["variant"]): r["losses"]
                      for r in json.loads(path.read_text())["runs"]})
+    assert {k[0] for k in runs[0]} == {"mlp", "transformer"}  # the default: both models
     assert runs[0] == runs[1]  # exact float equality, not a tolerance
 
 
@@ -115,7 +122,7 @@ def test_same_seed_same_losses_bit_for_bit(tmp_path):
 def test_killing_a_worker_ends_the_whole_job_quickly():
     proc = subprocess.Popen(
         [sys.executable, "compare.py", "--patterns", "tp", "--frameworks", "torch", "--world-size", "2",
-         "--steps", "100000", "--dim", "8", "--batch", "8", "--quiet"],
+         "--model", "mlp", "--steps", "100000", "--dim", "8", "--batch", "8", "--quiet"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -145,28 +152,31 @@ def test_json_markdown_and_plots_contract(tmp_path):
     """The --json contract, the Markdown table and the PNGs of a small pipeline run."""
     out_json, out_md, plot_dir = tmp_path / "out.json", tmp_path / "out.md", tmp_path / "plots"
     code = compare.main(["--patterns", "pp", "--world-size", "2", "--layers", "2", "--dim", "8", "--batch", "8",
-                         "--microbatches", "2", "--steps", "3", "--json", str(out_json), "--markdown", str(out_md),
-                         "--plots", str(plot_dir), "--quiet"])
+                         "--microbatches", "2", "--steps", "3", "--seq", "4", "--vocab", "16",
+                         "--json", str(out_json), "--markdown", str(out_md), "--plots", str(plot_dir), "--quiet"])
     assert code == 0
     data = json.loads(out_json.read_text(), parse_constant=_refuse)
-    required = {"pattern", "framework", "style", "variant", "world_size", "dtype", "ok", "losses",
+    required = {"pattern", "model", "framework", "style", "variant", "world_size", "dtype", "ok", "losses",
                 "max_rel_err_loss", "max_rel_err_grad", "step_time_s", "comm", "comm_bytes", "comm_bytes_theory"}
     assert data["runs"] and all(required <= set(r) for r in data["runs"])
     assert {r["framework"] for r in data["runs"]} == {"torch", "jax"}
     assert all(r["ok"] and len(r["losses"]) == 3 for r in data["runs"])
-    assert data["cross_framework"][0]["ok"]
+    assert {r["model"] for r in data["runs"]} == {"mlp", "transformer"}
+    assert [(x["model"], x["ok"]) for x in data["cross_framework"]] == [("mlp", True), ("transformer", True)]
+    assert set(data["configs"]) == {"mlp", "transformer"} and data["configs"]["transformer"]["seq"] == 4
     assert out_md.read_text().count("\n| pp |") == len(data["runs"])
     pngs = sorted(p.name for p in plot_dir.iterdir())
-    assert {"loss_curves.png", "memory.png", "bus_bandwidth.png", "pp_torch_explicit_1f1b_timeline.png"} <= set(pngs)
+    assert {"loss_curves.png", "memory.png", "bus_bandwidth.png", "pp_mlp_torch_explicit_1f1b_timeline.png",
+            "pp_transformer_torch_explicit_1f1b_timeline.png"} <= set(pngs)
     assert all((plot_dir / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
 
 def test_show_collectives_contrasts_the_four_styles(capsys):
     code = compare.main(["--show-collectives", "tp", "--world-size", "2", "--dim", "8", "--batch", "4",
-                         "--steps", "2", "--quiet"])
+                         "--seq", "4", "--vocab", "16", "--steps", "2", "--quiet"])
     assert code == 0
     out = capsys.readouterr().out
-    assert "collectives of one tp step" in out
+    assert "collectives of one tp step on the mlp" in out and "collectives of one tp step on the transformer" in out
     for style in ("explicit", "builtin", "shard_map", "jit"):
         assert style in out
     # XLA:CPU forms the all-gather TP backward as all-reduce, where shard_map writes reduce-scatter

@@ -1,5 +1,7 @@
 """Config validation: every bad value is refused with a message naming it."""
 
+import math
+
 import pytest
 
 from shared.config import Config
@@ -22,6 +24,10 @@ from shared.config import Config
         ({"lr": float("nan")}, "lr must be > 0"),
         ({"seed": -1}, "seed must be a non-negative integer, got -1"),
         ({"bucket_mb": 0}, "bucket_mb must be > 0"),
+        ({"model": "gpt"}, "model must be one of mlp, transformer, got 'gpt'"),
+        ({"heads": 0}, "heads must be a positive integer"),
+        ({"vocab": 1.5}, "vocab must be a positive integer"),
+        ({"model": "transformer", "dim": 10, "heads": 4}, "transformer: dim=10 is not divisible by heads=4"),
     ],
 )
 def test_bad_values_are_refused(kwargs, message):
@@ -39,6 +45,14 @@ def test_bad_values_are_refused(kwargs, message):
         ({"world_size": 2, "layers": 4, "batch": 10, "microbatches": 4}, "pp",
          "pp: batch=10 is not divisible by microbatches=4"),
         ({}, "moe", "unknown pattern 'moe'"),
+        ({"model": "transformer", "world_size": 4, "heads": 2, "dim": 16}, "tp",
+         r"tp \(transformer\): heads=2 is not divisible by world_size=4"),
+        ({"model": "transformer", "world_size": 4, "heads": 4, "dim": 16, "vocab": 30}, "tp",
+         r"tp \(transformer\): vocab=30 is not divisible by world_size=4"),
+        ({"model": "transformer", "world_size": 3, "batch": 16}, "dp",
+         r"dp \(transformer\): batch=16 is not divisible by world_size=3"),
+        ({"model": "transformer", "world_size": 3, "layers": 4}, "pp",
+         r"pp \(transformer\): layers=4 is not divisible by world_size=3"),
     ],
 )
 def test_pattern_checks(kwargs, pattern, message):
@@ -51,6 +65,14 @@ def test_valid_config_passes_every_pattern():
     for pattern in ("collectives", "dp", "fsdp", "tp", "pp"):
         assert cfg.check(pattern) is cfg
     assert cfg.n_params == cfg.layers * cfg.dim**2
+
+
+def test_transformer_n_params_counts_every_parameter():
+    from shared.problem import param_shapes
+
+    cfg = Config(model="transformer", layers=3, dim=12, heads=3, seq=7, vocab=20)
+    assert cfg.n_params == sum(math.prod(s) for s in param_shapes(cfg).values())
+    assert cfg.head_dim == 4
 
 
 def test_frozen():
