@@ -1,31 +1,34 @@
-"""ZeRO-2 / ZeRO-3 (FSDP) in JAX: jax.shard_map with explicit collectives, and jax.jit with shardings.
-ZeRO: Rajbhandari et al. 2020, arXiv:1910.02054; FSDP: Zhao et al. 2023, arXiv:2304.11277.
+"""ZeRO-2 / ZeRO-3 (FSDP) in JAX for any model (MLP, transformer): jax.shard_map with explicit
+collectives, and jax.jit with shardings. ZeRO: Rajbhandari et al. 2020, arXiv:1910.02054;
+FSDP: Zhao et al. 2023, arXiv:2304.11277.
 
-Batch as in DP: device r trains on rows r·B/N:(r+1)·B/N, P('dp'). Weight shards are row blocks of
-the fixture weight, W_l[r·D/N:(r+1)·D/N, :] = P('dp', None), (D/N, D): the slice torch_impl/fsdp.py
-holds (there all_gather_single concatenates along dim 0, so rows need no copies).
+Batch as in DP: device r trains on rows r·B/N:(r+1)·B/N, P('dp'). What is sharded comes from ONE
+rules function for both models, ``rules(cfg)(name, shape)``: every parameter with >= 2 dims (W_l;
+wte, wpe, W_qkv, W_o, W_up, W_down, W_head) puts dim 0 on 'dp' (its row block r on device r:
+P('dp', None)); vectors (RMSNorm gains) stay replicated, P(). torch_impl/fsdp.py shards the same
+parameters along torch's dim 0 (nn.Linear stores Wᵀ: W's columns there) — the same bytes.
 
-shard_map/zero3  params, grads and optax state all (D/N, D) per device.
-    fwd: all_gather(tiled=True) of W_l right before layer l. Each layer is a jax.checkpoint whose
-         policy saves only x @ W_l, so W_l is not kept: the backward gathers it again.
-    bwd: the transpose of all_gather is psum_scatter: autodiff itself emits the reduce-scatter of
-         dW_l. Layer 0's input is x (no gradient), so W_0 is not needed and not re-gathered.
-    payload S per step per device: 2L−1 all-gathers + L reduce-scatters of D²·b = 3·Φ·b − D²·b
-    (the textbook 3·Φ·b counts W_0's useless re-gather); each moves S·(N−1)/N on the wire.
-shard_map/zero2  full replicated params; dW_l psum_scatter-ed to (D/N, D); optax on the row shard;
-    all_gather of the updated shards: 2·Φ·b.
-jit/zero3        NNX kernels annotated ('dp', None), batch P('dp'), nnx.Optimizer (moments inherit
-    the sharding); XLA picks the collectives. On CPU it gathers each W_l once, keeps it for the
-    backward and all-reduces the full dW (then keeps its rows): Φ·b + Φ·b, no reduce-scatter.
-jit/zero2        replicated kernels; moments and gradients constrained to P('dp', None).
-The shard_map steps return each device's share of the loss, summed outside the step (bookkeeping,
-as torch_impl/dp.py does): the ledger holds ZeRO traffic only. The jit steps' loss is the global
-mean, so XLA adds it to its gradient all-reduce.
+shard_map/zero3  params, grads, optax state sharded by the rules (vectors replicated).
+    The model is a chain of pieces (MLP: one per layer; transformer: embedding, each block, final
+    norm + head); each piece all-gathers its units (tiled) right before it runs and is a
+    jax.checkpoint with policy checkpoint_dots: matmul outputs are saved, gathered weights are
+    not, so the backward gathers again — only where a weight is needed (not the embeddings, whose
+    gradient is a scatter-add over the ids; not the MLP's layer 0, whose input is the data).
+    The transpose of all_gather is psum_scatter: autodiff emits each unit's reduce-scatter. The
+    vectors' gradients go through ONE psum of all of them flattened (torch: one all-reduce).
+    payload S per step per device: shared.theory.fsdp_comm(cfg, "zero3") (MLP 3Φb − D²b).
+shard_map/zero2  replicated params; unit gradients psum_scatter-ed to their row blocks, vectors one
+    flat psum; optax on the rows (+ vectors); all_gather of the updated rows: fsdp_comm "zero2".
+jit/zero3        NNX params created by build_model(rules=rules(cfg)), batch P('dp'), nnx.Optimizer
+    (moments inherit the sharding); XLA picks the collectives (docs/fsdp.md says what it chose).
+jit/zero2        replicated params; moments and gradients constrained to the rules' row blocks.
+The shard_map steps differentiate each device's SHARE of the loss (local mean / N) and return the
+local mean per device (the loop averages them, outside the step): the ledger holds ZeRO traffic
+only. The jit steps' loss is the global mean, so XLA adds it to its gradient reduction.
 """
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import jax
@@ -33,129 +36,171 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_impl import transformer
 from jax_impl.devices import make_mesh
-from jax_impl.ledger import comm_from_hlo
-from jax_impl.model import build_model, gelu, inputs, jax_dtype, make_optimizer, to_numpy, tree_bytes
+from jax_impl.harness import Setup, train_loop
+from jax_impl.model import (build_model, gelu, inputs, jax_dtype, loss_fn, make_optimizer, named_params,
+                            output_loss, targets, to_numpy, tree_bytes)
+from jax_impl.transformer import Rules
 from shared.config import Config
-from shared.problem import Problem
+from shared.problem import Problem, param_names
 from shared.results import Trained
-from shared.theory import zero2_comm_bytes, zero3_comm_bytes, zero3_skip_first_comm_bytes
+from shared.theory import fsdp_comm_bytes
 
 VARIANTS = (("shard_map", "zero3"), ("shard_map", "zero2"), ("jit", "zero3"), ("jit", "zero2"))
-ROWS = P("dp", None)  # W_l's row block r on device r: (D/N, D)
 
 
 def mesh_for(cfg: Config, device: str = "auto"):
     return make_mesh(cfg.world_size, "dp", device)
 
 
+def rules(cfg: Config) -> Rules:
+    """ZeRO's sharding, for any model: dim 0 of every >= 2-D parameter on 'dp' (when N divides it:
+    GSPMD and shard_map need even blocks; Config.check('fsdp') makes it so), vectors replicated."""
+    n = cfg.world_size
+
+    def rule(name: str, shape: tuple[int, ...]) -> tuple:
+        if len(shape) >= 2 and shape[0] % n == 0:
+            return ("dp",) + (None,) * (len(shape) - 1)
+        return (None,) * len(shape)
+    return rule
+
+
+def spec(rule: Rules, name: str, shape) -> P:
+    return P(*rule(name, tuple(shape)))
+
+
+def is_sharded(rule: Rules, name: str, shape) -> bool:
+    return rule(name, tuple(shape))[:1] == ("dp",)
+
+
+def pieces(cfg: Config) -> list[tuple[list[str], callable]]:
+    """The model as a chain h -> h, each piece with the parameters it uses (gathered together)."""
+    if cfg.model == "mlp":
+        return [([k], lambda p, h, k=k: gelu(h @ p[k])) for k in param_names(cfg)]  # (B/N, D)
+    blk = lambda l: [f"blocks.{l}.{m}.weight" for m in ("norm1", "attn.qkv", "attn.o", "norm2", "mlp.up", "mlp.down")]
+    return ([(["wte.weight", "wpe.weight"], transformer.embed)]  # tokens (B/N, T) -> (B/N, T, D)
+            + [(blk(l), partial(lambda p, h, l: transformer.block(p, l, h, cfg.head_dim), l=l))
+               for l in range(cfg.layers)]
+            + [(["normf.weight", "head.weight"], transformer.head)])  # -> (B/N, T, V)
+
+
+def average_vectors(grads: dict, names: list[str]) -> dict:
+    """The replicated vectors' gradients (each device's share), summed by ONE flat psum."""
+    if not names:
+        return grads
+    flat = lax.psum(jnp.concatenate([grads[k].reshape(-1) for k in names]), "dp")  # ((2L+1)·D,)
+    parts = jnp.split(flat, [sum(grads[k].size for k in names[:i + 1]) for i in range(len(names) - 1)])
+    return grads | {k: g.reshape(grads[k].shape) for k, g in zip(names, parts)}
+
+
 # --- shard_map: the collectives written out ----------------------------------------------------
-# check_vma=True: JAX types every value as invariant (the same on every device) or varying over
-# 'dp'. Both steps differentiate this device's SHARE of the global loss, local mean / N (varying),
-# with respect to varying values — zero3: the shards; zero2: a pcast copy of the replicated params.
-# So each device gets only its own contribution, and one psum_scatter (zero3: autodiff's transpose
-# of all_gather; zero2: written out) sums the N contributions into this device's rows of the mean
-# gradient. Differentiating w.r.t. the invariant params instead would make JAX psum the gradient
-# for us (an all-reduce: not ZeRO), and pmean-ing that again is N× too large.
+# check_vma=True: every value is typed invariant (same on every device) or varying over 'dp'. We
+# differentiate this device's SHARE (local mean / N) w.r.t. varying values only — the row shards,
+# and pcast copies of the replicated arrays — so each device gets its own contribution and one
+# psum_scatter (or the vectors' psum) sums the N of them into the mean gradient.
 
 
-def local_share(layer, params, x: jax.Array) -> jax.Array:
-    """() this device's share of the global mean loss; the N shares sum to it (no collective)."""
-    for w in params:
-        x = layer(w, x)  # (B/N, D)
-    return jnp.mean(x**2) / lax.axis_size("dp")
-
-
-# Remat policy: keep only x @ W_l for the backward (plus the inputs x and the shard, always kept).
-# NOT "save everything except the name of the gathered W": the unnamed all_gather output itself
-# would then count as saveable and W_l would be kept, silently turning ZeRO-3 back into 2 gathers.
-@partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names("pre_activation"))
-def zero3_layer(w_shard: jax.Array, x: jax.Array) -> jax.Array:
-    w = lax.all_gather(w_shard, "dp", axis=0, tiled=True)  # (D, D) == W_l, this layer only
-    return gelu(checkpoint_name(x @ w, "pre_activation"))  # (B/N, D); bwd gathers W_l again
-
-
-def zero3_step(state, x, *, optimizer):
-    shards, opt_state = state
+def zero3_step(cfg: Config, tx, vectors: list[str], params, opt_state, x, y=None):
     n = lax.axis_size("dp")
-    assert all(w.shape == (w.shape[1] // n, w.shape[1]) for w in shards), [w.shape for w in shards]
-    # bwd: all_gather's transpose is psum_scatter -> (D/N, D) rows of the mean dW_l. Layer 0's input
-    # is x (no gradient wanted), so autodiff never needs W_0 again: 2L−1 gathers, not 2L.
-    share, grads = jax.value_and_grad(partial(local_share, zero3_layer))(shards, x)
-    updates, opt_state = optimizer.update(grads, opt_state, shards)  # AdamW on (D/N, D) shards
-    return (optax.apply_updates(shards, updates), opt_state), share[None], grads
+
+    def gathered_piece(fn, sub, h):  # all-gather this piece's units, then run it
+        full = {k: lax.all_gather(w, "dp", axis=0, tiled=True) if k not in vectors else w for k, w in sub.items()}
+        return fn(full, h)
+
+    def share(mine):
+        h = x  # (B/N, D) | tokens (B/N, T)
+        for names, fn in pieces(cfg):
+            remat = jax.checkpoint(partial(gathered_piece, fn), policy=jax.checkpoint_policies.checkpoint_dots)
+            h = remat({k: mine[k] for k in names}, h)
+        loss = output_loss(h, y)  # this device's mean
+        return loss / n, loss
+
+    mine = {k: lax.pcast(w, "dp", to="varying") if k in vectors else w for k, w in params.items()}
+    (_, loss), grads = jax.value_and_grad(share, has_aux=True)(mine)  # units: (rows/N, …) of the mean
+    grads = average_vectors(grads, vectors)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss[None], grads
 
 
-def zero2_step(state, x, *, optimizer):
-    params, opt_state = state
+def zero2_step(cfg: Config, tx, vectors: list[str], params, opt_state, x, y=None):
     n, r = lax.axis_size("dp"), lax.axis_index("dp")
-    rows = params[0].shape[0] // n
-    assert all(w.shape == (rows * n, rows * n) for w in params), [w.shape for w in params]  # (D, D)
     mine = lax.pcast(params, "dp", to="varying")  # this device's copy: its own gradient, no psum
-    share, grads = jax.value_and_grad(partial(local_share, lambda w, h: gelu(h @ w)))(mine, x)
-    grads = [lax.psum_scatter(g, "dp", scatter_dimension=0, tiled=True) for g in grads]  # (D/N, D)
-    shards = [lax.dynamic_slice_in_dim(w, r * rows, rows) for w in params]  # (D/N, D) my rows
-    updates, opt_state = optimizer.update(grads, opt_state, shards)
+    (_, loss), grads = jax.value_and_grad(lambda p: ((l := loss_fn(p, x, y, cfg)) / n, l), has_aux=True)(mine)
+    grads = {k: g if k in vectors else lax.psum_scatter(g, "dp", scatter_dimension=0, tiled=True)
+             for k, g in grads.items()}  # units: (rows/N, …) of the mean
+    grads = average_vectors(grads, vectors)
+    rows = {k: params[k].shape[0] // n for k in params}
+    shards = {k: w if k in vectors else lax.dynamic_slice_in_dim(w, r * rows[k], rows[k]) for k, w in params.items()}
+    updates, opt_state = tx.update(grads, opt_state, shards)
     shards = optax.apply_updates(shards, updates)
-    params = [lax.all_gather(s, "dp", axis=0, tiled=True, to="invarying") for s in shards]  # (D, D)
-    return (params, opt_state), share[None], grads
+    params = {k: s if k in vectors else lax.all_gather(s, "dp", axis=0, tiled=True, to="invarying")
+              for k, s in shards.items()}
+    return params, opt_state, loss[None], grads
 
 
-def shard_map_setup(cfg: Config, problem: Problem, variant: str, mesh):
-    optimizer = make_optimizer(cfg)
-    p_spec = ROWS if variant == "zero3" else P()
-    params = [jax.device_put(jnp.asarray(w, jax_dtype(cfg)), NamedSharding(mesh, p_spec))
-              for w in problem.weights]  # L × (D, D) global arrays; zero3: (D/N, D) per device
-    opt_state = optimizer.init([jax.device_put(w, NamedSharding(mesh, ROWS)) for w in params])
-    o_spec = jax.tree.map(lambda a: ROWS if a.ndim == 2 else P(), opt_state)  # mu, nu rows; count P()
-    body = partial(zero3_step if variant == "zero3" else zero2_step, optimizer=optimizer)
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=((p_spec, o_spec), P("dp")),
-                                 out_specs=((p_spec, o_spec), P("dp"), ROWS), check_vma=True))
-    return step, (params, opt_state), lambda state: state
+def shard_map_setup(cfg: Config, problem: Problem, mesh, variant: str, batch: tuple) -> Setup:
+    tx, rule = make_optimizer(cfg), rules(cfg)
+    shapes = {k: w.shape for k, w in problem.params.items()}
+    zero = {k: spec(rule, k, s) for k, s in shapes.items()}  # rows on 'dp' / P() for vectors
+    p_spec = zero if variant == "zero3" else {k: P() for k in shapes}
+    params = {k: jax.device_put(jnp.asarray(w, jax_dtype(cfg)), NamedSharding(mesh, p_spec[k]))
+              for k, w in problem.params.items()}
+    opt_state = tx.init({k: jax.device_put(w, NamedSharding(mesh, zero[k])) for k, w in params.items()})
+    o_spec = jax.tree.map(lambda a: spec(rule, "", a.shape), opt_state)  # m, v like the rows; count P()
+    vectors = [k for k, s in shapes.items() if not is_sharded(rule, k, s)]  # by GLOBAL shape: replicated
+    body = partial(zero3_step if variant == "zero3" else zero2_step, cfg, tx, vectors)
+    b_spec = tuple(P("dp") for _ in batch)
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(p_spec, o_spec, *b_spec),
+                                 out_specs=(p_spec, o_spec, P("dp"), zero), check_vma=True))
+    fixture = lambda tree: [to_numpy(tree[k]) for k in param_names(cfg)]
+    return Setup(step=step, state=(params, opt_state), batch=batch, grads_fixture=fixture,
+                 params_fixture=lambda state: fixture(state[0]))
 
 
 # --- jit: shardings only, XLA (GSPMD) inserts the collectives -------------------------------------
 
 
-def jit_setup(cfg: Config, problem: Problem, variant: str, mesh):
-    rows = NamedSharding(mesh, ROWS)
-    model = build_model(cfg, problem, mesh, ("dp", None) if variant == "zero3" else (None, None))
-    with jax.set_mesh(mesh):  # the moments inherit the kernels' sharding annotation
+def jit_setup(cfg: Config, problem: Problem, mesh, variant: str, batch: tuple) -> Setup:
+    rule = rules(cfg)
+    replicated = lambda name, shape: (None,) * len(shape)
+    model = build_model(cfg, problem, mesh, rules=rule if variant == "zero3" else replicated)
+    with jax.set_mesh(mesh):  # the AdamW moments inherit the parameters' sharding metadata...
         opt = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
-    if variant == "zero2":  # ZeRO-2: AdamW moments sharded even though the kernels are not
-        moments = jax.tree.map(lambda a: jax.device_put(a, rows) if a.ndim == 2 else a,
-                               nnx.state(opt, nnx.OptState))
-        nnx.update(opt, moments)
-    graphdef, state = nnx.split((model, opt))
-    shardings = jax.tree.map(lambda a: a.sharding, state)  # keep every array where it started
+    for path, v in nnx.iter_graph(opt):  # ...which ZeRO-2 overrides: moments in row blocks
+        if isinstance(v, nnx.OptVariable) and v.ndim:
+            v.set_metadata(out_sharding=rule(".".join(map(str, path)), v.shape))
+    model_def, params = nnx.split(model)
+    opt_def, opt_state = nnx.split(opt)
+    param_shardings = nnx.get_named_sharding(params, mesh)
+    opt_shardings = nnx.get_named_sharding(opt_state, mesh)
+    opt_state = jax.device_put(opt_state, opt_shardings)
+    grad_shardings = jax.tree.map(lambda a: NamedSharding(mesh, spec(rule, "", a.shape)), params)
 
-    def step(state, x):
-        model, opt = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    def step(params, opt_state, x, y=None):
+        model, opt = nnx.merge(model_def, params), nnx.merge(opt_def, opt_state)
+        loss, grads = nnx.value_and_grad(lambda m: output_loss(m(x), y))(model)  # global mean
         if variant == "zero2":  # each device keeps only its rows of the mean gradient
-            grads = jax.tree.map(lambda g: lax.with_sharding_constraint(g, rows), grads)
+            grads = lax.with_sharding_constraint(grads, grad_shardings)
         opt.update(model, grads)
-        return nnx.state((model, opt)), loss, [g.kernel[...] for g in grads["layers"].values()]  # (D, D)
+        return nnx.state(model), nnx.state(opt), loss, grads  # laid out by out_shardings
 
-    def unpack(state):  # -> (kernels, optimizer state)
-        model, opt = nnx.merge(graphdef, state)
-        return [layer.kernel[...] for layer in model.layers], nnx.state(opt, nnx.OptState)
-
-    jitted = jax.jit(step, out_shardings=(shardings, None, [rows] * cfg.layers))
-    return jitted, state, unpack
+    fixture = lambda state: [to_numpy(a) for a in named_params(nnx.merge(model_def, state)).values()]
+    step = jax.jit(step, out_shardings=(param_shardings, opt_shardings, None, grad_shardings), donate_argnums=(0, 1))
+    return Setup(step=step, state=(params, opt_state), batch=batch,
+                 grads_fixture=fixture, params_fixture=lambda state: fixture(state[0]))
 
 
 def cpu_options(mesh, style: str, variant: str) -> dict | None:
     """XLA:CPU settings (GPU / TPU need neither). 1) Its default scheduler starts every all-gather
     at the top of the step (they depend on parameters only), so all gathered weights are alive at
-    once; the memory-optimized one frees each after use (ZeRO-3 temp: (2L−1)·D²·b -> ~2·D²·b).
-    2) It drops jax.checkpoint's optimization barriers (pass cse_barrier_expander) BEFORE its last
-    CSE pass, which would then merge every backward re-gather into its forward gather, keeping
-    W_l alive from forward to backward; GPU / TPU drop them only after scheduling."""
+    once; the memory-optimized one frees each after use. 2) It drops jax.checkpoint's optimization
+    barriers (pass cse_barrier_expander) BEFORE its last CSE pass, which would then merge every
+    backward re-gather into its forward gather, keeping W alive from forward to backward; GPU /
+    TPU drop them only after scheduling."""
     if mesh.devices.flat[0].platform != "cpu":
         return None
     options = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
@@ -164,47 +209,24 @@ def cpu_options(mesh, style: str, variant: str) -> dict | None:
     return options
 
 
+def state_bytes(cfg: Config, problem: Problem, variant: str, params, opt_state) -> dict[str, int]:
+    """Per device: params and AdamW moments as placed; gradients as the rules shard them."""
+    rule, b = rules(cfg), jnp.dtype(jax_dtype(cfg)).itemsize
+    grads = sum(w.size // (cfg.world_size if is_sharded(rule, k, w.shape) else 1) for k, w in problem.params.items())
+    return {"params": tree_bytes(params, per_device=True), "grads": grads * b,
+            "optimizer": tree_bytes(opt_state, per_device=True)}
+
+
 def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:
     if (style, variant) not in VARIANTS:
         raise ValueError(f"fsdp: unknown jax variant {style}/{variant}; choose from {VARIANTS}")
     cfg.check("fsdp")
-    x = jax.device_put(inputs(cfg, problem), NamedSharding(mesh, P("dp")))  # (B, D), (B/N, D) each
-    setup = shard_map_setup if style == "shard_map" else jit_setup
-    step, state, unpack = setup(cfg, problem, variant, mesh)
-    with jax.set_mesh(mesh):  # compile once, outside the timed loop
-        compiled = step.lower(state, x).compile(compiler_options=cpu_options(mesh, style, variant))
-
-    losses, step_times, grads0 = [], [], None
-    for k in range(cfg.steps):
-        t0 = time.perf_counter()
-        state, loss, grads = compiled(state, x)
-        loss.block_until_ready()
-        step_times.append(time.perf_counter() - t0)
-        losses.append(float(jnp.sum(loss)))  # shard_map: sum of the N shares, outside the step
-        if k == 0:
-            grads0 = [to_numpy(g) for g in grads]  # gathered (D, D) W_l gradients
-
-    params, opt_state = unpack(state)
-    textbook = zero2_comm_bytes(cfg) if variant == "zero2" else zero3_comm_bytes(cfg)
-    comm = comm_from_hlo(compiled.as_text())
-    extra = {"shard": "rows of W_l", "textbook_comm_bytes": textbook}
-    if style == "jit":  # say in words what XLA chose
-        gathers = comm.get("all_gather", {}).get("count", 0)
-        extra["xla_chose"] = (f"{gathers} weight all-gathers for {cfg.layers} layers; dW by "
-                              + ("reduce-scatter" if "reduce_scatter" in comm else "all-reduce + slice"))
-    mem = compiled.memory_analysis()
-    if mem is not None:  # per device: what the compiled step allocates besides its arguments
-        extra.update(temp_bytes=int(mem.temp_size_in_bytes), argument_bytes=int(mem.argument_size_in_bytes),
-                     output_bytes=int(mem.output_size_in_bytes))
-    return Trained(
-        losses=losses,
-        grads0=grads0,
-        params=[to_numpy(w) for w in params],
-        step_times=step_times,
-        comm=comm,
-        comm_theory=zero3_skip_first_comm_bytes(cfg) if (style, variant) == ("shard_map", "zero3") else textbook,
-        state_bytes={"params": tree_bytes(params, per_device=True),
-                     "grads": tree_bytes(grads, per_device=True),
-                     "optimizer": tree_bytes(opt_state, per_device=True)},
-        extra=extra,
-    )
+    rows = NamedSharding(mesh, P("dp"))  # dim 0 split: N × (B/N, …)
+    y = targets(cfg, problem)  # None | (B, T)
+    batch = tuple(jax.device_put(a, rows) for a in (inputs(cfg, problem), y) if a is not None)
+    setup = (shard_map_setup if style == "shard_map" else jit_setup)(cfg, problem, mesh, variant, batch)
+    setup.comm_theory = fsdp_comm_bytes(cfg, variant)
+    setup.compiler_options = cpu_options(mesh, style, variant)
+    setup.state_bytes = lambda state: state_bytes(cfg, problem, variant, *state)
+    setup.extra = {"shard": "dim 0 of each ≥2-D parameter (rows of W)"}
+    return train_loop(cfg, setup)

@@ -53,17 +53,21 @@ class Setup:
     comm_theory: int | None = None
     state_bytes: Callable[[tuple], dict[str, int]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    compiler_options: dict[str, str] | None = None  # XLA options for this step (e.g. jax_impl.fsdp.cpu_options)
 
 
-def leaves_fixture(tree) -> list[np.ndarray]:
-    """Every leaf of a pytree ordered like the fixture (a {name: array} dict in param_names order,
-    or a list), as float64 NumPy."""
-    return [to_numpy(a) for a in jax.tree.leaves(tree)] if not isinstance(tree, dict) else \
-        [to_numpy(a) for a in tree.values()]
+def leaves_fixture(tree, names=None) -> list[np.ndarray]:
+    """Every array of a parameter pytree as float64 NumPy, in fixture order: a list as it is; a
+    {name: array} dict in the order of ``names`` (shared.problem.param_names) — a jitted step hands
+    dicts back with sorted keys (``layers.10`` before ``layers.2``), so its order is not the fixture's."""
+    if not isinstance(tree, dict):
+        return [to_numpy(a) for a in jax.tree.leaves(tree)]
+    return [to_numpy(tree[k]) for k in (names or tree)]
 
 
 def train_loop(cfg: Config, setup: Setup) -> Trained:
-    compiled = setup.step.lower(*setup.state, *setup.batch).compile()  # outside the timed loop
+    compiled = setup.step.lower(*setup.state, *setup.batch).compile(  # outside the timed loop
+        compiler_options=setup.compiler_options)
     comm = comm_from_hlo(compiled.as_text())  # the collectives XLA put in the step
     state, losses, step_times, grads0 = tuple(setup.state), [], [], None
     for k in range(cfg.steps):
@@ -105,6 +109,6 @@ def run_pattern(
         ref = _reference(cfg, device)
         mesh = module.mesh_for(cfg, device)
         runs = [(style, variant, module.train(cfg, problem, style, variant, mesh))
-                for style, variant in variants or module.VARIANTS]
+                for style, variant in variants or getattr(module, "variants", lambda c: module.VARIANTS)(cfg)]
         out.append({"cfg": cfg, "reference": ref, "runs": runs})
     return out

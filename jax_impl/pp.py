@@ -1,11 +1,20 @@
 """Pipeline parallelism in JAX: the circular (SPMD) pipeline, trained by autodiff of the schedule.
 
-Sharded: the L layers, stacked per stage as (S, L/S, D, D) and split over the ``pp`` mesh axis, so
-device s holds layers s·L/S … (s+1)·L/S − 1 (and their grads and AdamW state: Φ/S each). The
-batch (B, D) is cut into M micro-batches (M, B/M, D), replicated (only stage 0 reads them).
+Sharded: the model's blocks, stacked per stage — every block parameter as (S, L/S, …) split over
+the ``pp`` mesh axis, so device s holds blocks s·L/S … (s+1)·L/S − 1 (and their grads and AdamW
+state). Transformer: the pieces outside the blocks are stacked (S, …) too, one slot per device:
+the embeddings (wte, wpe) hold the fixture on stage 0 and zeros elsewhere, the final norm + head
+on stage S−1 (``split``). SPMD runs one program on every device, so every device holds (and
+computes with) these slots: the embedding runs on stage 0 only in effect (``where(s == 0, …)``),
+the head and the loss on stage S−1 (``where(s == S−1, …)``) — the semantics of torch's stages —
+but the memory is not torch's: every device pays (V+T)·D + D + D·V parameters, 3× that with
+grads and AdamW (shared.theory.pp_spmd_param_count), where torch puts them on stages 0 and S−1
+only. The zero slots get zero gradients and stay zero under AdamW; no collective touches them.
+The batch is cut into M micro-batches, replicated: (M, B/M, D) inputs (MLP), (M, B/M, T) tokens and
+targets (transformer); stage 0 reads the inputs, stage S−1 the targets.
 
 Schedule ("circular": the shift wraps round; GSPMD's shifting-buffer pipeline): M + S − 1
-iterations; in iteration t every stage s runs its layers on micro-batch t − s at once, then
+iterations; in iteration t every stage s runs its blocks on micro-batch t − s at once, then
 every activation moves one stage on (s → s+1, the last wraps round to 0, where it is ignored).
 Stage s is idle ("bubble": micro-batch t − s outside 0 … M−1) in S − 1 of the iterations: it
 still computes — SPMD runs the same program everywhere — on zeros, and the output is masked to
@@ -13,10 +22,11 @@ zero, so bubble work never reaches the loss and contributes exactly nothing to t
 Backward is jax.grad of the whole unrolled schedule: it is the same pipeline run in reverse,
 each shift transposed into a shift s+1 → s (GPipe order: all forwards, then all backwards).
 
-Communication per step, per device (shared.theory.pp_circular_permute_count / _bytes):
-  fwd: a collective-permute of (B/M, D) after each iteration but the last: M + S − 2
-  bwd: its transpose, one per forward shift:                                M + S − 2
-  shard_map: 2·(M + S − 2)·(B/M)·D·b in all, plus an all-reduce of the scalar loss (b bytes).
+Communication per step, per device (shared.theory.pp_circular_permute_count / _bytes); message:
+one micro-batch's activation, (B/M, D) MLP, (B/M, T, D) transformer:
+  fwd: a collective-permute of the message after each iteration but the last: M + S − 2
+  bwd: its transpose, one per forward shift:                                   M + S − 2
+  shard_map: 2·(M + S − 2) messages in all, plus an all-reduce of the scalar loss (b bytes).
   jit: XLA transposes jnp.roll (slice + concatenate → pad + split) into TWO permutes per shift
   (pairs s+1 → s, and the wrap 0 → S−1): 3·(M + S − 2) ledger entries, the same bytes per device
   on the wire, since each device sends in only one of the two.
@@ -26,17 +36,18 @@ and the wrap-around edge S−1 → 0 included: 2·(S−2) more messages per devi
 stages send, and every device (not only middle ones) sends that many.
 
 Styles:
-  shard_map  the loop body sees one stage: w (1, L/S, D, D), shift = lax.ppermute over ``pp``.
-  jit        the loop sees all stages as arrays with a leading (S,) axis sharded over ``pp``;
-             jax.vmap runs the stages, the shift is jnp.roll(·, 1, axis=0) under a sharding
-             constraint, and XLA's SPMD partitioner turns the roll into collective-permutes.
+  shard_map  the loop body sees one stage: blocks (1, L/S, …), slots (1, …); shift =
+             lax.ppermute over ``pp``.
+  jit        the loop sees all stages as arrays with a leading (S,) axis sharded over ``pp``
+             (``rules``); jax.vmap runs the stages, the shift is jnp.roll(·, 1, axis=0) under a
+             sharding constraint, and XLA's SPMD partitioner turns the roll into collective-permutes.
 
 Papers: Huang et al. 2019 (GPipe); the SPMD formulation: Xu et al. 2021 (GSPMD, arXiv:2105.04663).
 """
 
 from __future__ import annotations
 
-import time
+import re
 
 import jax
 import jax.numpy as jnp
@@ -45,26 +56,91 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_impl import transformer
 from jax_impl.devices import make_mesh
-from jax_impl.ledger import comm_from_hlo
-from jax_impl.model import gelu, jax_dtype, make_optimizer, to_numpy, tree_bytes
+from jax_impl.harness import Setup, train_loop
+from jax_impl.model import gelu, inputs, jax_dtype, make_optimizer, output_loss, targets, to_numpy
 from shared.config import Config
-from shared.problem import Problem
+from shared.problem import Problem, param_names
 from shared.results import Trained
-from shared.theory import pp_bubble_fraction, pp_circular_permute_bytes, pp_circular_permute_count
+from shared.theory import (
+    pp_bubble_fraction,
+    pp_circular_permute_bytes,
+    pp_circular_permute_count,
+    pp_spmd_param_count,
+    pp_state_bytes,
+)
 
 VARIANTS = (("shard_map", "circular"), ("jit", "circular"))
+BLOCK = re.compile(r"^(?:layers|blocks)\.(\d+)\.(.+)$")  # "blocks.3.attn.qkv.weight" -> 3, "attn.qkv.weight"
 
 
 def mesh_for(cfg: Config, device: str = "auto"):
     return make_mesh(cfg.world_size, "pp", device)
 
 
-def stage_forward(w: jax.Array, x: jax.Array) -> jax.Array:
-    """One stage: its L/S layers. w (L/S, D, D), x (B/M, D)."""
-    for l in range(w.shape[0]):
-        x = gelu(x @ w[l])  # (B/M, D)
+def rules(name: str, shape: tuple[int, ...]) -> tuple:
+    """The pipeline's sharding rule, for both models: every stacked array (``split``) puts its
+    leading stage axis on ``pp`` and keeps the rest whole."""
+    return ("pp",) + (None,) * (len(shape) - 1)
+
+
+# --- the stage split: fixture {name: array} <-> stacked tree ------------------------------------
+
+
+def split(params: dict[str, np.ndarray], stages: int) -> dict[str, dict[str, np.ndarray]]:
+    """{"first": {name: (S, …)}, "blocks": {suffix: (S, L/S, …)}, "last": {name: (S, …)}}: block l's
+    parameters stacked by suffix; parameters before the blocks (embeddings) in a slot that is real
+    on stage 0, those after them (final norm, head) in one real on stage S−1; zeros elsewhere."""
+    first, blocks, last = {}, {}, {}
+    for name, w in params.items():
+        if m := BLOCK.match(name):
+            blocks.setdefault(m[2], []).append(w)
+            continue
+        slots = np.zeros((stages,) + w.shape)
+        slots[stages - 1 if blocks else 0] = w
+        (last if blocks else first)[name] = slots
+    blocks = {k: np.stack(v).reshape((stages, len(v) // stages) + v[0].shape) for k, v in blocks.items()}
+    return {"first": first, "blocks": blocks, "last": last}
+
+
+def unsplit(tree, names: list[str]) -> list[np.ndarray]:
+    """The inverse of ``split`` (real slots only): float64 fixture arrays in ``names`` order."""
+    out = []
+    for name in names:
+        if m := BLOCK.match(name):
+            a = to_numpy(tree["blocks"][m[2]])  # (S, L/S, …)
+            out.append(a.reshape((-1,) + a.shape[2:])[int(m[1])])
+        else:
+            out.append(to_numpy(tree["first"][name][0] if name in tree["first"] else tree["last"][name][-1]))
+    return out
+
+
+# --- one stage's pieces, on local slices (one device's, or one row under vmap) -------------------
+
+
+def stage_blocks(blocks: dict, x: jax.Array, head_dim: int) -> jax.Array:
+    """This stage's L/S blocks; blocks {suffix: (L/S, …)}, x (B/M, D) MLP, (B/M, T, D) transformer."""
+    for l in range(next(iter(blocks.values())).shape[0]):
+        if "linear.weight" in blocks:  # the MLP
+            x = gelu(x @ blocks["linear.weight"][l])  # (B/M, D)
+        else:
+            x = transformer.block({f"blocks.{l}.{k}": w[l] for k, w in blocks.items()}, l, x, head_dim)  # (B/M, T, D)
     return x
+
+
+def embed(first: dict, xs: jax.Array) -> jax.Array:
+    """Stage 0's inputs for all M micro-batches at once: the embeddings (M, B/M, T, D) of (M, B/M, T)
+    tokens, or the MLP's (M, B/M, D) inputs as they are."""
+    if not first:
+        return xs
+    return transformer.embed(first, xs.reshape(-1, xs.shape[-1])).reshape(xs.shape + (-1,))  # (M, B/M, T, D)
+
+
+def head(last: dict, ys: jax.Array) -> jax.Array:
+    """The last stage's outputs for all M micro-batches at once: logits (M, B/M, T, V) after the
+    final norm, or the MLP's outputs (M, B/M, D) as they are."""
+    return transformer.head(last, ys) if last else ys
 
 
 def working(t: int, stages: int, microbatches: int) -> np.ndarray:
@@ -73,93 +149,93 @@ def working(t: int, stages: int, microbatches: int) -> np.ndarray:
     return (mb >= 0) & (mb < microbatches)
 
 
-def shard_map_loss(w: jax.Array, xs: jax.Array, mesh) -> jax.Array:
-    """Full-batch loss of the circular pipeline; w (S, L/S, D, D) sharded over pp, xs (M, B/M, D)."""
-    S, M = w.shape[0], xs.shape[0]
+# --- the schedule, twice -----------------------------------------------------------------------
+
+
+def shard_map_loss(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head_dim: int) -> jax.Array:
+    """Full-batch loss of the circular pipeline; params from ``split`` sharded over pp, xs (M, B/M, …)
+    micro-batched inputs, ys (M, B/M, T) targets or None."""
+    S, M = mesh.shape["pp"], xs.shape[0]
     shift = [(i, (i + 1) % S) for i in range(S)]  # stage s → s+1, last → 0 (ignored there)
 
-    def body(w, xs):
-        assert w.shape[0] == 1 and xs.shape[0] == M, (w.shape, xs.shape)  # (1, L/S, D, D), (M, B/M, D)
+    def body(params, xs, ys):
+        local = jax.tree.map(lambda a: a[0], params)  # this stage's slice: blocks (L/S, …), slots (…)
+        assert all(a.shape[0] == 1 for a in jax.tree.leaves(params)), "one stage per device"
         s = lax.axis_index("pp")
-        state = jnp.zeros(xs.shape[1:], xs.dtype)  # (B/M, D): this stage's input
-        outs = []
+        inp = embed(local["first"], xs)  # (M, B/M, D) / (M, B/M, T, D): real on stage 0 only
+        state, outs = None, []  # state: this stage's input from s − 1, (B/M, D) / (B/M, T, D)
         for t in range(M + S - 1):  # Python loop: the ledger sees every collective-permute
-            x = jnp.where(s == 0, xs[min(t, M - 1)], state)  # stage 0 feeds micro-batch t
-            y = stage_forward(w[0], x)  # (B/M, D)
+            x = inp[min(t, M - 1)]  # stage 0 feeds micro-batch t
+            x = x if state is None else jnp.where(s == 0, x, state)  # t = 0: only stage 0 works yet
+            y = stage_blocks(local["blocks"], x, head_dim)
+            assert y.shape == x.shape == inp.shape[1:], (y.shape, x.shape)  # (B/M, D) / (B/M, T, D)
             y = jnp.where((t - s >= 0) & (t - s < M), y, 0)  # bubble: zero value, zero grad
             if t >= S - 1:
                 outs.append(y)  # micro-batch t − S + 1, meaningful on the last stage
             if t < M + S - 2:
-                state = lax.ppermute(y, "pp", shift)  # (B/M, D) from stage s − 1
-        loss = jnp.mean(jnp.stack(outs) ** 2)  # mean of M equal micro-batch means = full-batch mean
+                state = lax.ppermute(y, "pp", shift)  # from stage s − 1
+        loss = output_loss(head(local["last"], jnp.stack(outs)), ys)  # mean over M equal micro-batches
         return lax.psum(jnp.where(s == S - 1, loss, 0), "pp")  # the last stage's loss, everywhere
 
     # Differentiated OUTSIDE shard_map (jax.grad of this function): the gradient of the
     # replicated scalar loss flows back through psum / ppermute transposes, no manual scaling.
-    return jax.shard_map(body, mesh=mesh, in_specs=(P("pp"), P()), out_specs=P(), check_vma=True)(w, xs)
+    specs = jax.tree.map(lambda a: P(*rules("", a.shape)), params)
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P()), out_specs=P(), check_vma=True)(params, xs, ys)
 
 
-def jit_loss(w: jax.Array, xs: jax.Array, mesh) -> jax.Array:
+def jit_loss(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head_dim: int) -> jax.Array:
     """The same schedule written on whole arrays; the (S,) stage axis is sharded over pp."""
-    S, M = w.shape[0], xs.shape[0]
+    S, M = mesh.shape["pp"], xs.shape[0]
     by_stage = NamedSharding(mesh, P("pp"))
-    state = jnp.zeros((S,) + xs.shape[1:], xs.dtype)  # (S, B/M, D): row s = stage s's input
-    last = np.arange(S)[:, None, None] == S - 1  # (S, 1, 1): the last stage's row
-    sq = jnp.zeros_like(state)  # (S, B/M, D): sum over finished micro-batches of y², last row only
+    rows = lambda mask, a: mask.reshape((S,) + (1,) * (a.ndim - 1))  # (S,) mask against (S, …)
+    is_first, is_last = np.arange(S) == 0, np.arange(S) == S - 1
+    inp = jax.vmap(embed, in_axes=(0, None))(params["first"], xs) if params["first"] else \
+        jnp.broadcast_to(xs, (S,) + xs.shape)  # (S, M, B/M, …): stage 0's inputs, real in row 0 only
+    state, outs = None, []
     for t in range(M + S - 1):
-        state = lax.with_sharding_constraint(state.at[0].set(xs[min(t, M - 1)]), by_stage)  # (S, B/M, D)
-        y = jax.vmap(stage_forward)(w, state)  # (S, B/M, D): every stage at once, each on its device
-        y = jnp.where(working(t, S, M)[:, None, None], y, 0)  # bubbles: zero value, zero grad
+        x = inp[:, min(t, M - 1)]  # (S, B/M, …): the micro-batch stage 0 reads
+        x = x if state is None else jnp.where(rows(is_first, x), x, state)
+        x = lax.with_sharding_constraint(x, by_stage)  # (S, B/M, …): row s = stage s's input
+        y = jax.vmap(stage_blocks, in_axes=(0, 0, None))(params["blocks"], x, head_dim)  # every stage at once
+        y = jnp.where(rows(working(t, S, M), y), y, 0)  # bubbles: zero value, zero grad
         if t >= S - 1:  # micro-batch t − S + 1 leaves the last stage
-            sq = sq + jnp.where(last, y**2, 0)  # kept (S, …)-sharded: y[S − 1] would gather it
+            outs.append(y)
         if t < M + S - 2:
             state = lax.with_sharding_constraint(jnp.roll(y, 1, axis=0), by_stage)  # s → s+1
-    return jnp.sum(sq) / (xs.shape[0] * xs.shape[1] * xs.shape[2])  # / (B·D): the full-batch mean
+    outs = lax.with_sharding_constraint(jnp.stack(outs, axis=1), by_stage)  # (S, M, B/M, …)
+    losses = jax.vmap(lambda last, o: output_loss(head(last, o), ys))(params["last"], outs)  # (S,)
+    return jnp.sum(jnp.where(is_last, losses, 0))  # the last stage's: kept (S,)-sharded, [S − 1] would gather
 
 
-def make_step(style: str, mesh, tx):
+def make_step(cfg: Config, style: str, mesh, tx):
     loss_of = shard_map_loss if style == "shard_map" else jit_loss
 
-    @jax.jit
-    def step(w, opt_state, xs):
-        loss, grads = jax.value_and_grad(loss_of)(w, xs, mesh)  # grads (S, L/S, D, D), sharded
-        updates, opt_state = tx.update(grads, opt_state, w)
-        return jax.tree.map(lambda a, u: a + u, w, updates), opt_state, loss, grads
+    def step(params, opt_state, xs, ys):
+        loss, grads = jax.value_and_grad(loss_of)(params, xs, ys, mesh, cfg.head_dim)  # grads like params
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return jax.tree.map(lambda a, u: a + u, params, updates), opt_state, loss, grads
 
-    return step
+    return jax.jit(step)
 
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:
     cfg.check("pp")
-    S, M, per = cfg.world_size, cfg.microbatches, cfg.layers // cfg.world_size
+    S, M, names = cfg.world_size, cfg.microbatches, param_names(cfg)
     assert mesh.shape["pp"] == S, (mesh.shape, S)
     dtype = jax_dtype(cfg)
-    stacked = np.stack(problem.weights).reshape(S, per, cfg.dim, cfg.dim)  # (S, L/S, D, D)
-    w = jax.device_put(jnp.asarray(stacked, dtype), NamedSharding(mesh, P("pp")))
-    xs = jax.device_put(jnp.asarray(problem.inputs.reshape(M, cfg.batch // M, cfg.dim), dtype),
-                        NamedSharding(mesh, P()))  # (M, B/M, D), replicated
+    place = lambda a: jax.device_put(jnp.asarray(a, dtype), NamedSharding(mesh, P(*rules("", a.shape))))
+    params = jax.tree.map(place, split(problem.params, S))  # blocks (S, L/S, …), slots (S, …) over pp
+    micro = lambda a: None if a is None else jax.device_put(
+        a.reshape((M, cfg.batch // M) + a.shape[1:]), NamedSharding(mesh, P()))  # (M, B/M, …), replicated
+    xs, ys = micro(inputs(cfg, problem)), micro(targets(cfg, problem))
     tx = make_optimizer(cfg)
-    opt_state = jax.jit(tx.init)(w)  # moments inherit w's sharding: (S, L/S, D, D) over pp
-    step = make_step(style, mesh, tx)
-    compiled = step.lower(w, opt_state, xs).compile()  # compile outside the timed loop
-    comm = comm_from_hlo(compiled.as_text())  # = comm_of(step, …), without compiling twice
-    losses, step_times, grads0 = [], [], None
-    for k in range(cfg.steps):
-        t0 = time.perf_counter()
-        w, opt_state, loss, grads = compiled(w, opt_state, xs)
-        losses.append(float(loss))  # float() waits for the devices
-        step_times.append(time.perf_counter() - t0)
-        if k == 0:
-            grads0 = list(to_numpy(grads).reshape(cfg.layers, cfg.dim, cfg.dim))
-    return Trained(
-        losses=losses,
-        grads0=grads0,
-        params=list(to_numpy(w).reshape(cfg.layers, cfg.dim, cfg.dim)),
-        step_times=step_times,
-        comm=comm,
+    opt_state = jax.jit(tx.init)(params)  # moments inherit the params' sharding: over pp
+    setup = Setup(
+        step=make_step(cfg, style, mesh, tx), state=(params, opt_state), batch=(xs, ys),
+        grads_fixture=lambda grads: unsplit(grads, names), params_fixture=lambda state: unsplit(state[0], names),
         comm_theory=pp_circular_permute_bytes(cfg, style) + cfg.bytes_per_element,  # + the loss all-reduce
-        state_bytes={"params": tree_bytes(w, per_device=True), "grads": tree_bytes(grads, per_device=True),
-                     "optimizer": tree_bytes(opt_state, per_device=True)},
         extra={"bubble_theory": pp_bubble_fraction(S, M), "iterations": M + S - 1,
-               "permute_count_theory": pp_circular_permute_count(cfg, style)},
+               "permute_count_theory": pp_circular_permute_count(cfg, style),
+               "state_bytes_theory": pp_state_bytes(pp_spmd_param_count(cfg), cfg)},  # every device alike
     )
+    return train_loop(cfg, setup)

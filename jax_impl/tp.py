@@ -1,50 +1,73 @@
-"""Tensor parallelism (TP): every weight is split over the mesh axis "tp"; every device sees the full batch.
+"""Tensor parallelism (TP, Megatron-LM: Shoeybi et al. 2019, arXiv:1909.08053, §3): every weight
+matrix is split over the mesh axis "tp"; every device sees the full batch.
 
-From Megatron-LM (Shoeybi et al. 2019, arXiv:1909.08053, §3) and the CS336 lecture-8 code (forward
-only, random shards); here device r's shard is a SLICE of the fixture weight W_l and we train
-(forward, backward, AdamW on the sharded arrays). S = B·D·b below.
+A TP layout is a RULES function, ``tp_rules(cfg, variant)(name, shape) -> PartitionSpec`` (the
+twin of torch_impl.tp's plan table): it places the parameter pytree for both styles — shard_map
+takes the specs as in_specs (its body sees the local shapes), jit puts the arrays there and lets
+XLA (GSPMD) insert the collectives. Transformer (TRANSFORMER_RULES; norms and wpe replicated):
 
-- shard_map/allgather (the CS336 scheme): every layer column-parallel, W_l is P(None, "tp"), a
-  (D, D/tp) shard per device. fwd: y = gelu(x @ W_l,r) (B, D/tp) -- GELU is elementwise, so it
-  runs on the shard BEFORE the gather -- then all_gather -> (B, D). bwd: autodiff transposes
-  all_gather into psum_scatter (each device's dL/dx is partial: it only used its own columns). The
-  last gather is ``to="invarying"``: the loss is computed from the same full output on every device,
-  so the transpose is a local slice, no collective.
-  Per step per device: L all-gathers + (L-1) reduce-scatters, S each.
-- shard_map/megatron: column-parallel P(None, "tp") then row-parallel P("tp", None) pairs, GELU local
-  in between; Megatron's f is ``pcast(x, to="varying")`` (identity fwd, its transpose is psum) and
-  g is ``psum`` (all-reduce fwd, its transpose is identity). Odd L: last layer column + all-gather.
-  Per step per device: floor(L/2) all-reduces fwd + ceil(L/2)-1 bwd + (L mod 2) all-gathers, S each.
-- jit/allgather, jit/megatron: the Flax NNX MLP with per-layer ``nnx.with_partitioning`` kernel axes
-  (None, "tp") / ("tp", None) and ``with_sharding_constraint`` on the activations; XLA (GSPMD) inserts
-  the collectives, which the HLO ledger reports.
+    wte (V, D)            P("tp", None)        vocab-parallel embedding (other tokens: zero rows)
+    attn.qkv (D, 3, D)    P(None, None, "tp")  column-parallel by whole heads: [q_r | k_r | v_r]
+    attn.o (D, D)         P("tp", None)        row-parallel
+    mlp.up (D, 4D)        P(None, "tp")        column-parallel
+    mlp.down (4D, D)      P("tp", None)        row-parallel
+    head (D, V)           P(None, "tp")        column-parallel: logits (B, T, V/tp), never gathered
 
-Loss: every device holds the full output, so the loss needs no collective.
-Memory per device: params, grads, AdamW moments all 1/tp: Φ·b/tp, Φ·b/tp, 2·Φ·b/tp.
+W_qkv (D, 3D) is held as (D, 3, D) (``to_layout``): a contiguous split of its 3D columns would cut
+across q|k|v; splitting the last dim of (D, 3, D) gives each device the q, k and v columns of its
+heads (``from_layout`` reshapes back for the fixture).
+
+shard_map: ``transformer_forward`` with Megatron's f = ``pcast(x, to="varying")`` (identity fwd,
+transposes to psum) before every column-parallel matmul and g = ``psum`` (transposes to identity)
+after every row-parallel one and the embedding; the vocab-parallel loss does a pmax of (B, T) and
+one psum of (2, B, T) (target logit, Σexp); its backward is local. Per step per device: 2 psums of B·T·D per
+layer fwd + 2 bwd, + embedding (fwd) + head (bwd), + 3·B·T·b: (4L+2)·B·T·D·b + 3·B·T·b
+(shared.theory.tp_transformer_comm); norms and wpe stay invariant (check_vma): no collective.
+jit: the same ``transformer_forward`` with f / g as sharding constraints; XLA picks the
+collectives (ledger; docs/tp.md says what it issued).
+
+MLP (CS336 lecture 8): allgather — every layer P(None, "tp") + all_gather (bwd psum_scatter; the
+last is "invarying": a slice); megatron — P(None,"tp") / P("tp",None) pairs with f / g, odd L: last
+column + all-gather. allgather is MLP-only (torch_impl/tp.py says why).
+Memory per device: split weights /tp, replicated norms and wpe whole (shared.theory.tp_state_bytes).
 """
 
 from __future__ import annotations
 
-import time
+from fnmatch import fnmatch
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl.devices import make_mesh
-from jax_impl.ledger import comm_from_hlo
-from jax_impl.model import MLP, gelu, inputs, jax_dtype, make_optimizer, params_of, to_numpy, tree_bytes
+from jax_impl.harness import Setup, leaves_fixture, train_loop
+from jax_impl.model import gelu, inputs, jax_dtype, make_optimizer, output_loss, targets
+from jax_impl.transformer import rms_norm
 from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
 from shared.theory import tp_comm_bytes
 
 VARIANTS = (("shard_map", "allgather"), ("shard_map", "megatron"), ("jit", "allgather"), ("jit", "megatron"))
-KERNEL_AXES = {"col": (None, "tp"), "row": ("tp", None)}  # W_l's columns / rows split over "tp"
+KERNEL_AXES = {"col": (None, "tp"), "row": ("tp", None)}  # MLP: W_l's columns / rows split over "tp"
+TRANSFORMER_RULES = {
+    "wte.weight": ("tp", None),
+    "blocks.*.attn.qkv.weight": (None, None, "tp"),  # (D, 3, D): whole heads
+    "blocks.*.attn.o.weight": ("tp", None),
+    "blocks.*.mlp.up.weight": (None, "tp"),
+    "blocks.*.mlp.down.weight": ("tp", None),
+    "head.weight": (None, "tp"),
+}
+
+
+def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
+    """allgather is MLP-only."""
+    return VARIANTS if cfg.model == "mlp" else tuple(v for v in VARIANTS if v[1] != "allgather")
 
 
 def mesh_for(cfg: Config, device: str = "auto"):
@@ -52,45 +75,131 @@ def mesh_for(cfg: Config, device: str = "auto"):
 
 
 def layer_kinds(layers: int, variant: str) -> list[str]:
-    """Per layer: "col" (device holds W_l[:, shard], (D, D/tp)) or "row" (W_l[shard, :], (D/tp, D))."""
+    """MLP, per layer: "col" (W_l[:, shard], (D, D/tp)) or "row" (W_l[shard, :], (D/tp, D))."""
     if variant == "allgather":
         return ["col"] * layers
     return ["col", "row"] * (layers // 2) + ["col"] * (layers % 2)  # odd L: last col + all-gather
 
 
-# --- the collectives: JAX's transpose rules give the backward that torch writes by hand ----------
+def tp_rules(cfg: Config, variant: str):
+    """(name, shape in the TP layout) -> PartitionSpec, for either model."""
+    if cfg.model == "mlp":
+        kinds = layer_kinds(cfg.layers, variant)
+        return lambda name, shape: P(*KERNEL_AXES[kinds[int(name.split(".")[1])]])
+
+    def rules(name, shape):
+        for pattern, axes in TRANSFORMER_RULES.items():
+            parts = name.split(".")
+            if len(parts) == len(pattern.split(".")) and all(map(fnmatch, parts, pattern.split("."))):
+                assert len(axes) == len(shape), (name, shape, axes)
+                return P(*axes)
+        return P()  # replicated: wpe, norm gains
+
+    return rules
 
 
-def gather_columns(y: jax.Array, grad_is_partial: bool) -> jax.Array:
-    """all-gather (B, D/tp) -> (B, D). "varying" transposes to psum_scatter (reduce-scatter);
-    "invarying" (the output is the same on every device) transposes to a local slice."""
-    return lax.all_gather(y, "tp", axis=1, tiled=True, to="varying" if grad_is_partial else "invarying")
+def to_layout(params: dict) -> dict:
+    """Fixture dict -> TP layout: W_qkv (D, 3D) as (D, 3, D), so its last dim splits by heads."""
+    return {k: (w.reshape(w.shape[0], 3, -1) if k.endswith("attn.qkv.weight") else w) for k, w in params.items()}
+
+
+def from_layout(params: dict) -> dict:
+    return {k: (w.reshape(w.shape[0], -1) if k.endswith("attn.qkv.weight") else w) for k, w in params.items()}
+
+
+# --- Megatron's f and g, the all-gather: JAX's transpose rules give the backward -------------------
 
 
 def copy_to_tp(x: jax.Array) -> jax.Array:
-    """Megatron's f: identity fwd; replicated -> per-device-varying, whose transpose is psum."""
+    """f: identity fwd; replicated -> per-device-varying, whose transpose is psum."""
     return lax.pcast(x, "tp", to="varying")
 
 
 def reduce_from_tp(z: jax.Array) -> jax.Array:
-    """Megatron's g: psum fwd (sum the row-parallel partial products); its transpose is identity."""
+    """g: psum fwd (sum the row-parallel partial products); its transpose is identity."""
     return lax.psum(z, "tp")
 
 
-# --- the two shard_map bodies (per-device code: local shapes asserted) ---------------------------
+def gather_columns(y: jax.Array, grad_is_partial: bool) -> jax.Array:
+    """all-gather (B, D/tp) -> (B, D). "varying" transposes to psum_scatter; "invarying" (the output
+    is the same on every device) to a local slice."""
+    return lax.all_gather(y, "tp", axis=1, tiled=True, to="varying" if grad_is_partial else "invarying")
 
 
-def forward_allgather(shards: list[jax.Array], x: jax.Array) -> jax.Array:
+def vocab_embed(wte: jax.Array, tokens: jax.Array) -> jax.Array:
+    """wte rows [r·V/tp, (r+1)·V/tp) on device r: look up my tokens, zero for the rest, psum (g)."""
+    rows = wte.shape[0]  # V/tp
+    local = tokens - lax.axis_index("tp") * rows  # (B, T)
+    mine = (local >= 0) & (local < rows)
+    return reduce_from_tp(jnp.where(mine[..., None], wte[jnp.where(mine, local, 0)], 0))  # (B, T, D)
+
+
+def vocab_parallel_ce(logits: jax.Array, y: jax.Array) -> jax.Array:
+    """Mean cross-entropy from vocab-split logits (B, T, V/tp): pmax of the row max (B, T), then one
+    psum of (2, B, T): the target logit (on one device, zero elsewhere) and Σexp. The backward is
+    local. (Separate psums: XLA defers the target's, which no gradient needs, into a backward one.)"""
+    rows = logits.shape[-1]
+    m = lax.pmax(lax.stop_gradient(logits.max(axis=-1)), "tp")  # (B, T); cancels in the loss
+    shifted = logits - m[..., None]
+    local = y - lax.axis_index("tp") * rows
+    mine = (local >= 0) & (local < rows)
+    picked = jnp.take_along_axis(shifted, jnp.where(mine, local, 0)[..., None], axis=-1)[..., 0]
+    sums = jnp.stack([jnp.where(mine, picked, 0), jnp.exp(shifted).sum(axis=-1)])  # (2, B, T)
+    picked, sumexp = lax.psum(sums, "tp")  # one all-reduce for both sums
+    return jnp.mean(jnp.log(sumexp) - picked)
+
+
+def attend(qkv: jax.Array, head_dim: int) -> jax.Array:
+    """Causal attention from qkv (B, T, 3, h·dh) -> (B, T, h·dh): transformer.attention's math with
+    q|k|v on their own axis, so under jit the heads axis stays split (no (3, D) merge)."""
+    b, t = qkv.shape[:2]
+    q, k, v = (qkv[:, :, i].reshape(b, t, -1, head_dim) for i in range(3))  # (B, T, h, dh)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(head_dim, q.dtype))  # (B, h, T, T)
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    probs = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, -1)  # (B, T, h·dh)
+
+
+# --- the forwards: one transformer for both styles, the ops say what f / g are ------------------------
+
+
+def transformer_forward(p: dict, tokens: jax.Array, y: jax.Array, head_dim: int, ops) -> jax.Array:
+    """The loss over the TP layout. shard_map: local shapes, ops = explicit collectives; jit:
+    global shapes, ops = sharding constraints."""
+    t = tokens.shape[1]
+    x = ops.embed(p["wte.weight"], tokens) + p["wpe.weight"][:t]  # (B, T, D), replicated
+    layers = sum(1 for k in p if k.endswith("attn.qkv.weight"))
+    for l in range(layers):
+        w = lambda n, l=l: p[f"blocks.{l}.{n}.weight"]
+        qkv = jnp.einsum("btd,dcf->btcf", ops.f(rms_norm(x, w("norm1"))), w("attn.qkv"))  # (B, T, 3, D/tp)
+        x = x + ops.g(attend(ops.split(qkv), head_dim) @ w("attn.o"))  # (B, T, D)
+        x = x + ops.g(gelu(ops.split(ops.f(rms_norm(x, w("norm2"))) @ w("mlp.up"))) @ w("mlp.down"))
+    logits = ops.split(ops.f(rms_norm(x, p["normf.weight"])) @ p["head.weight"])  # (B, T, V/tp)
+    return ops.loss(logits, y)
+
+
+SHARD_MAP_OPS = SimpleNamespace(f=copy_to_tp, g=reduce_from_tp, split=lambda a: a, embed=vocab_embed,
+                                loss=vocab_parallel_ce)
+
+
+def jit_ops(mesh):
+    """The same places as constraints: f's input and g's output replicated, split activations on
+    their last dim; XLA derives the collectives."""
+    at = lambda *spec: lambda a: lax.with_sharding_constraint(a, NamedSharding(mesh, P(*spec)))
+    last = lambda a: at(*([None] * (a.ndim - 1)), "tp")(a)
+    return SimpleNamespace(f=at(), g=at(), split=last, embed=lambda wte, tok: at()(wte[tok]), loss=output_loss)
+
+
+def mlp_forward_allgather(shards: list[jax.Array], x: jax.Array) -> jax.Array:
     b, d = x.shape
     n = lax.axis_size("tp")
     for l, w in enumerate(shards):
         assert w.shape == (d, d // n), w.shape
-        y = gelu(x @ w)  # (B, D/tp): GELU before the gather
-        x = gather_columns(y, l < len(shards) - 1)  # (B, D)
+        x = gather_columns(gelu(x @ w), l < len(shards) - 1)  # (B, D/tp): GELU before the gather -> (B, D)
     return x
 
 
-def forward_megatron(shards: list[jax.Array], x: jax.Array) -> jax.Array:
+def mlp_forward_megatron(shards: list[jax.Array], x: jax.Array) -> jax.Array:
     b, d = x.shape
     n = lax.axis_size("tp")
     for wa, wb in zip(shards[0::2], shards[1::2], strict=False):  # (col, row) pairs; odd L: last one left
@@ -98,51 +207,21 @@ def forward_megatron(shards: list[jax.Array], x: jax.Array) -> jax.Array:
         h = gelu(copy_to_tp(x) @ wa)  # f; (B, D/tp)
         x = gelu(reduce_from_tp(h @ wb))  # g; (B, D)
     if len(shards) % 2:  # odd L: a lone column-parallel layer, gathered for the loss
-        w = shards[-1]
-        assert w.shape == (d, d // n), w.shape
-        x = gather_columns(gelu(copy_to_tp(x) @ w), False)  # (B, D)
+        assert shards[-1].shape == (d, d // n), shards[-1].shape
+        x = gather_columns(gelu(copy_to_tp(x) @ shards[-1]), False)  # (B, D)
     return x
 
 
-def shard_map_loss(mesh, variant: str, kinds: list[str]):
-    """loss(params, x) with the forward inside shard_map. We differentiate OUTSIDE it: JAX then
-    transposes the whole shard_map (all_gather -> psum_scatter, pcast -> psum, psum -> identity),
-    the grads come out sharded like the params, and the form stays right if a replicated parameter
-    is ever added (a grad taken inside is already summed over devices for a replicated input)."""
-    forward = forward_allgather if variant == "allgather" else forward_megatron
-    local_loss = lambda shards, x: jnp.mean(forward(shards, x) ** 2)  # full output: no collective
-    specs = [P(*KERNEL_AXES[k]) for k in kinds]
-    return jax.shard_map(local_loss, mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_vma=True)
-
-
-# --- jit: Flax NNX with per-layer kernel axes, XLA inserts the collectives -----------------------
-
-
-def build_tp_model(cfg: Config, problem: Problem, mesh, kinds: list[str]) -> MLP:
-    """jax_impl.model.build_model takes ONE kernel_axes for every layer; Megatron needs a list.
-    Built inside nnx.jit under the mesh, so each device only ever holds its shard."""
-
-    def make():
-        model = MLP(problem.params, jax_dtype(cfg))
-        for layer, kind in zip(model.layers, kinds, strict=True):
-            layer.kernel = nnx.Param(layer.kernel[...], out_sharding=KERNEL_AXES[kind])
-        return model
-
-    with jax.set_mesh(mesh):
-        return nnx.jit(make)()
-
-
-def jit_loss(graphdef, mesh, variant: str, kinds: list[str]):
-    """Activations: replicated P() after every gathered / row-parallel layer; P(None, "tp") after a
-    column-parallel layer that feeds a row-parallel one (Megatron keeps it sharded: no gather)."""
+def mlp_jit_loss(mesh, kinds: list[str], variant: str):
+    """Activations: P() after every gathered / row-parallel layer, P(None, "tp") after a column
+    layer that feeds a row layer (Megatron keeps it split: no gather)."""
     specs = [P() if variant == "allgather" or k == "row" or l == len(kinds) - 1 else P(None, "tp")
              for l, k in enumerate(kinds)]
 
-    def loss(params, x):
-        model = nnx.merge(graphdef, params)
-        for layer, spec in zip(model.layers, specs, strict=True):
-            x = lax.with_sharding_constraint(gelu(layer(x)), NamedSharding(mesh, spec))  # (B, D)
-        return jnp.mean(x**2)
+    def loss(p, x):
+        for w, spec in zip((p[f"layers.{l}.linear.weight"] for l in range(len(kinds))), specs, strict=True):
+            x = lax.with_sharding_constraint(gelu(x @ w), NamedSharding(mesh, spec))  # (B, D)
+        return output_loss(x)
 
     return loss
 
@@ -150,49 +229,44 @@ def jit_loss(graphdef, mesh, variant: str, kinds: list[str]):
 # --- training ------------------------------------------------------------------------------------
 
 
-def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:
-    if (style, variant) not in VARIANTS:
-        raise ValueError(f"tp: unknown variant {style}/{variant}")
-    cfg.check("tp")
-    kinds = layer_kinds(cfg.layers, variant)
-    x = jax.device_put(inputs(cfg, problem), NamedSharding(mesh, P()))  # (B, D) on every device
-    if style == "shard_map":
-        params = [jax.device_put(jnp.asarray(w, jax_dtype(cfg)), NamedSharding(mesh, P(*KERNEL_AXES[k])))
-                  for w, k in zip(problem.weights, kinds, strict=True)]  # L × (D, D), sharded
-        loss_of, kernels = shard_map_loss(mesh, variant, kinds), list
-    else:
-        graphdef, params = nnx.split(build_tp_model(cfg, problem, mesh, kinds))
-        loss_of = jit_loss(graphdef, mesh, variant, kinds)
-        kernels = lambda tree: params_of(nnx.merge(graphdef, tree))
-    tx = make_optimizer(cfg)
-    opt_state = tx.init(params)  # zeros_like keeps each param's sharding
+def loss_for(cfg: Config, style: str, variant: str, mesh, specs: dict):
+    """loss(params, *batch). shard_map: differentiated OUTSIDE it, so JAX transposes the whole
+    shard_map (all_gather -> psum_scatter, pcast -> psum, psum -> identity) and the replicated
+    parameters' gradients stay invariant (taken inside, they would be summed over devices)."""
+    if cfg.model == "mlp":
+        if style == "jit":
+            return mlp_jit_loss(mesh, layer_kinds(cfg.layers, variant), variant)
+        forward = mlp_forward_allgather if variant == "allgather" else mlp_forward_megatron
+        local = lambda p, x: output_loss(forward([p[k] for k in specs], x))  # full output: no collective
+        return jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_vma=True)
+    if style == "jit":
+        return lambda p, tok, y: transformer_forward(p, tok, y, cfg.head_dim, jit_ops(mesh))
+    local = lambda p, tok, y: transformer_forward(p, tok, y, cfg.head_dim, SHARD_MAP_OPS)
+    return jax.shard_map(local, mesh=mesh, in_specs=(specs, P(), P()), out_specs=P(), check_vma=True)
 
-    @jax.jit
-    def step(params, opt_state, x):
-        loss, grads = jax.value_and_grad(loss_of)(params, x)
+
+def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:
+    if (style, variant) not in variants(cfg):
+        raise ValueError(f"tp: unknown variant {style}/{variant} for the {cfg.model}; choose from {variants(cfg)}")
+    cfg.check("tp")
+    rules = tp_rules(cfg, variant)
+    layout = to_layout(problem.params)  # name -> array, param_names order
+    specs = {k: rules(k, w.shape) for k, w in layout.items()}
+    params = {k: jax.device_put(jnp.asarray(w, jax_dtype(cfg)), NamedSharding(mesh, specs[k]))
+              for k, w in layout.items()}
+    batch = tuple(jax.device_put(a, NamedSharding(mesh, P()))  # the full batch on every device
+                  for a in (inputs(cfg, problem), targets(cfg, problem)) if a is not None)
+    loss_of, tx = loss_for(cfg, style, variant, mesh, specs), make_optimizer(cfg)
+
+    def step(params, opt_state, *batch):
+        loss, grads = jax.value_and_grad(loss_of)(params, *batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, grads
 
-    compiled = step.lower(params, opt_state, x).compile()  # compile before timing
-    comm = comm_from_hlo(compiled.as_text())  # what comm_of(step, ...) reads, without a recompile
-
-    losses, step_times, grads0, grads = [], [], None, None
-    for k in range(cfg.steps):
-        t0 = time.perf_counter()
-        params, opt_state, loss, grads = compiled(params, opt_state, x)
-        losses.append(float(loss))  # float() waits for the device
-        step_times.append(time.perf_counter() - t0)
-        if k == 0:
-            grads0 = [to_numpy(g) for g in kernels(grads)]  # device_get gathers the shards
-    return Trained(
-        losses=losses,
-        grads0=grads0,
-        params=[to_numpy(w) for w in kernels(params)],
-        step_times=step_times,
-        comm=comm,
+    # jax sorts dict keys (layers.10 < layers.2): back to param_names order; device_get gathers
+    fixture = lambda tree: leaves_fixture(from_layout({k: tree[k] for k in layout}))
+    return train_loop(cfg, Setup(
+        step=jax.jit(step), state=(params, tx.init(params)), batch=batch,
+        grads_fixture=fixture, params_fixture=lambda state: fixture(state[0]),
         comm_theory=tp_comm_bytes(cfg, variant),
-        state_bytes={"params": tree_bytes(params, per_device=True),
-                     "grads": tree_bytes(grads, per_device=True),
-                     "optimizer": tree_bytes(opt_state, per_device=True)},
-        extra={"layer_kinds": kinds},
-    )
+        extra={"rules": {k: str(s) for k, s in specs.items()}}))

@@ -89,49 +89,31 @@ class Config:
 
     def check(self, pattern: str) -> Config:
         """Validate what ``pattern`` needs on top of the basic checks; returns self."""
-        n = self.world_size
         if pattern not in PATTERNS:
             raise ValueError(f"unknown pattern {pattern!r}; choose from {', '.join(PATTERNS)}")
-        if self.model == "transformer":
-            return self._check_transformer(pattern)
-        if pattern in ("dp", "fsdp") and self.batch % n:
-            raise ValueError(
-                f"{pattern}: batch={self.batch} is not divisible by world_size={n} "
-                "(every rank takes an equal slice of the global batch)"
-            )
-        if pattern in ("fsdp", "tp") and self.dim % n:
-            raise ValueError(
-                f"{pattern}: dim={self.dim} is not divisible by world_size={n} "
-                "(every weight is split into equal slices)"
-            )
-        if pattern == "pp":
-            if self.layers % n:
-                raise ValueError(
-                    f"pp: layers={self.layers} is not divisible by world_size={n} "
-                    "(every stage holds the same number of layers)"
-                )
-            if self.batch % self.microbatches:
-                raise ValueError(
-                    f"pp: batch={self.batch} is not divisible by microbatches={self.microbatches}"
-                )
+        name = pattern if self.model == "mlp" else f"{pattern} ({self.model})"
+        for size, by, why in self.divisibility(pattern):
+            if getattr(self, size) % getattr(self, by):
+                raise ValueError(f"{name}: {size}={getattr(self, size)} is not divisible by "
+                                 f"{by}={getattr(self, by)} ({why})")
         return self
 
-    def _check_transformer(self, pattern: str) -> Config:
-        n, name = self.world_size, f"{pattern} (transformer)"
-        if pattern in ("dp", "fsdp") and self.batch % n:
-            raise ValueError(f"{name}: batch={self.batch} is not divisible by world_size={n} "
-                             "(every rank takes an equal slice of the global batch)")
+    def divisibility(self, pattern: str) -> list[tuple[str, str, str]]:
+        """What ``pattern`` splits on this model: (size, divided by, why) for every split."""
+        n, mlp = "world_size", self.model == "mlp"
+        batch = ("batch", n, "every rank takes an equal slice of the global batch")
+        if pattern == "dp":
+            return [batch]
+        if pattern == "fsdp":
+            why = "every weight is split into equal slices" if mlp else \
+                "every matrix and embedding is split into equal row blocks"
+            return [batch] + [(size, n, why) for size in (("dim",) if mlp else ("dim", "vocab", "seq"))]
         if pattern == "tp":
-            if self.heads % n:
-                raise ValueError(f"{name}: heads={self.heads} is not divisible by world_size={n} "
-                                 "(every rank owns whole attention heads)")
-            if self.vocab % n:
-                raise ValueError(f"{name}: vocab={self.vocab} is not divisible by world_size={n} "
-                                 "(embedding and head are split over the vocabulary)")
+            if mlp:
+                return [("dim", n, "every weight is split into equal slices")]
+            return [("heads", n, "every rank owns whole attention heads"),
+                    ("vocab", n, "embedding and head are split over the vocabulary")]
         if pattern == "pp":
-            if self.layers % n:
-                raise ValueError(f"{name}: layers={self.layers} is not divisible by world_size={n} "
-                                 "(every stage holds the same number of blocks)")
-            if self.batch % self.microbatches:
-                raise ValueError(f"{name}: batch={self.batch} is not divisible by microbatches={self.microbatches}")
-        return self
+            return [("layers", n, f"every stage holds the same number of {'layers' if mlp else 'blocks'}"),
+                    ("batch", "microbatches", "every micro-batch has the same number of rows")]
+        return []

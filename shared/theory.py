@@ -58,8 +58,9 @@ def zero3_comm_bytes(cfg: Config) -> int:
 
 def pp_p2p_bytes(cfg: Config) -> int:
     """Pipeline, whole pipeline per step: per stage boundary and micro-batch one activation
-    (B/M, D) forward and one gradient backward: 2·(S−1)·M·(B/M)·D·b = 2·(S−1)·B·D·b."""
-    return 2 * (cfg.world_size - 1) * cfg.batch * cfg.dim * cfg.bytes_per_element
+    (B/M, D) forward and one gradient backward: 2·(S−1)·M·(B/M)·D·b = 2·(S−1)·B·D·b
+    (transformer: (B/M, T, D) messages, 2·(S−1)·B·T·D·b; see pp_activation_elements)."""
+    return 2 * (cfg.world_size - 1) * pp_activation_elements(cfg) * cfg.bytes_per_element
 
 
 def pp_bubble_fraction(stages: int, microbatches: int) -> float:
@@ -114,9 +115,10 @@ def fit_alpha_beta(sizes_bytes, times_s) -> tuple[float, float]:
 def pp_p2p_bytes_per_rank(cfg: Config, rank: int) -> int:
     """Pipeline (torch explicit schedules), payload sent by one rank = stage s per step: M
     activations (B/M, D) to s+1 unless s is last, M activation-gradients (B/M, D) to s−1 unless
-    s is first: ((s < S−1) + (s > 0))·B·D·b. Summed over ranks: pp_p2p_bytes."""
+    s is first: ((s < S−1) + (s > 0))·B·D·b (transformer: (B/M, T, D) messages, B·T·D·b).
+    Summed over ranks: pp_p2p_bytes."""
     s, last = rank, cfg.world_size - 1
-    return ((s < last) + (s > 0)) * cfg.batch * cfg.dim * cfg.bytes_per_element
+    return ((s < last) + (s > 0)) * pp_activation_elements(cfg) * cfg.bytes_per_element
 
 
 def pp_p2p_count_per_rank(cfg: Config, rank: int) -> int:
@@ -138,14 +140,54 @@ def pp_circular_permute_count(cfg: Config, style: str = "shard_map") -> int:
 
 def pp_circular_permute_bytes(cfg: Config, style: str = "shard_map") -> int:
     """Payload per device per step of the circular pipeline, each permute counted with its
-    message (B/M, D): count·(B/M)·D·b (shard_map: 2·(M + S − 2)·(B/M)·D·b)."""
-    mb_bytes = cfg.batch // cfg.microbatches * cfg.dim * cfg.bytes_per_element
+    message (B/M, D): count·(B/M)·D·b (shard_map: 2·(M + S − 2)·(B/M)·D·b); transformer
+    messages are (B/M, T, D)."""
+    mb_bytes = pp_activation_elements(cfg) // cfg.microbatches * cfg.bytes_per_element
     return pp_circular_permute_count(cfg, style) * mb_bytes
 
 
 def pp_peak_activations(schedule: str, stages: int, microbatches: int, rank: int) -> int:
     """Micro-batches whose activations stage ``rank`` holds at once: GPipe M; 1F1B min(M, S − s)."""
     return microbatches if schedule == "gpipe" else min(microbatches, stages - rank)
+
+
+# --- pp (transformer) ---------------------------------------------------------------------------
+# Stage s holds blocks s·L/S … (s+1)·L/S − 1; the embeddings (wte, wpe) sit on stage 0, the final
+# norm and the head on stage S−1. Messages between stages are one micro-batch's activation.
+
+
+def pp_activation_elements(cfg: Config) -> int:
+    """Elements of the whole batch's activation at a stage boundary (M messages of 1/M each):
+    MLP B·D, transformer B·T·D (the embeddings' output, the blocks' input and output)."""
+    return cfg.batch * cfg.dim * (cfg.seq if cfg.model == "transformer" else 1)
+
+
+def pp_stage_param_count(cfg: Config, stage: int) -> int:
+    """Φ_s, parameters on stage s (torch): L/S blocks (MLP D² each; transformer 12·D² + 2·D),
+    + (V + T)·D embeddings on stage 0, + D + D·V (final norm, head) on stage S−1. Σ_s Φ_s = Φ."""
+    d, per, S = cfg.dim, cfg.layers // cfg.world_size, cfg.world_size
+    if cfg.model == "mlp":
+        return per * d * d
+    ends = (stage == 0) * (cfg.vocab + cfg.seq) * d + (stage == S - 1) * (d + d * cfg.vocab)
+    return per * (12 * d * d + 2 * d) + ends
+
+
+def pp_spmd_param_count(cfg: Config) -> int:
+    """Parameters per device in the JAX (SPMD) pipeline: every device runs the same program, so
+    every device holds a slot of each stacked array: its L/S blocks, and an embedding slot
+    ((V + T)·D) and a final-norm + head slot (D + D·V) that are real on stage 0 / S−1 only
+    (zeros elsewhere). MLP: Φ/S, as torch."""
+    d, per = cfg.dim, cfg.layers // cfg.world_size
+    if cfg.model == "mlp":
+        return per * d * d
+    return per * (12 * d * d + 2 * d) + (cfg.vocab + cfg.seq) * d + d + d * cfg.vocab
+
+
+def pp_state_bytes(param_count: int, cfg: Config) -> dict[str, int]:
+    """Per-rank bytes for ``param_count`` parameters (pp_stage_param_count or
+    pp_spmd_param_count): params, grads Φ_s·b each, AdamW moments 2·Φ_s·b."""
+    b = cfg.bytes_per_element
+    return {"params": param_count * b, "grads": param_count * b, "optimizer": 2 * param_count * b}
 
 
 # Tensor parallelism (Megatron-LM). Every rank sees the full batch; every collective moves one
@@ -179,6 +221,8 @@ def tp_megatron_comm(cfg: Config) -> dict[str, tuple[int, int]]:
 
 def tp_comm(cfg: Config, variant: str) -> dict[str, tuple[int, int]]:
     """variant "allgather" or "megatron" (DTensor's Colwise/Rowwise plan is "megatron")."""
+    if cfg.model == "transformer":
+        return tp_transformer_comm(cfg, loss_all_reduces=3 if variant == "dtensor" else 2)
     return tp_allgather_comm(cfg) if variant == "allgather" else tp_megatron_comm(cfg)
 
 
@@ -188,10 +232,41 @@ def tp_comm_bytes(cfg: Config, variant: str) -> int:
     return sum(nbytes for _, nbytes in tp_comm(cfg, variant).values())
 
 
-def tp_state_bytes(cfg: Config) -> dict[str, float]:
+def tp_state_bytes(cfg: Config, variant: str = "megatron") -> dict[str, float]:
     """Every weight is split tp ways: params Φ·b/N, grads Φ·b/N, AdamW moments 2·Φ·b/N per rank."""
+    if cfg.model == "transformer":
+        return tp_transformer_state_bytes(cfg, variant)
     phi, b, n = cfg.n_params, cfg.bytes_per_element, cfg.world_size
     return {"params": phi * b / n, "grads": phi * b / n, "optimizer": 2 * phi * b / n}
+
+
+# --- tp (transformer) ---
+# Megatron TP of the GPT-style decoder (torch_impl/tp.py TRANSFORMER_PLAN, jax_impl/tp.py
+# TRANSFORMER_RULES): W_qkv (by heads), W_up, head column-parallel; W_o, W_down row-parallel; wte
+# vocab-parallel; wpe and the norm gains replicated. Every rank sees the full batch.
+
+
+def tp_transformer_comm(cfg: Config, loss_all_reduces: int = 2) -> dict[str, tuple[int, int]]:
+    """Per step per rank, all all-reduces. Of A = B·T·D·b (the residual stream): per layer 2 fwd
+    (g after W_o and W_down) + 2 bwd (f before W_qkv and W_up; layer 0's runs too: the embedding
+    output needs a gradient for wte), the embedding's g (fwd) and the head's f (bwd): (4L+2)·A.
+    The vocab-parallel cross-entropy (bwd local): max, target logit and Σexp over (B, T), 3·B·T·b
+    in ``loss_all_reduces`` calls: 2 (explicit: the two sums in one (2, B, T)) or 3 (DTensor)."""
+    act, rows, n_act = cfg.batch * cfg.seq * cfg.dim * cfg.bytes_per_element, cfg.batch * cfg.seq * \
+        cfg.bytes_per_element, 4 * cfg.layers + 2
+    return {"all_reduce": (n_act + loss_all_reduces, n_act * act + 3 * rows)}
+
+
+def tp_transformer_state_bytes(cfg: Config, variant: str = "megatron") -> dict[str, float]:
+    """Per rank: split parameters (wte V·D, 12·D² per layer, head D·V) /N, replicated ones (wpe T·D,
+    2·D per layer, final norm D) whole; grads the same, AdamW moments twice that. DTensor (variant
+    "dtensor") keeps wte's gradient Replicate (its embedding backward is computed in full on every
+    rank, sliced in the optimizer step): grads + V·D·b·(N−1)/N."""
+    d, n, b = cfg.dim, cfg.world_size, cfg.bytes_per_element
+    split = cfg.vocab * d + cfg.layers * 12 * d * d + d * cfg.vocab
+    per_rank = (split / n + cfg.seq * d + cfg.layers * 2 * d + d) * b
+    grads = per_rank + (cfg.vocab * d * b * (n - 1) / n if variant == "dtensor" else 0)
+    return {"params": per_rank, "grads": grads, "optimizer": 2 * per_rank}
 
 
 # ZeRO-2 / ZeRO-3 (FSDP), explicit per-layer collectives; every one moves a whole D×D weight or
@@ -216,3 +291,78 @@ def zero3_comm(cfg: Config, regather_first: bool = False) -> dict[str, tuple[int
 def zero3_skip_first_comm_bytes(cfg: Config) -> int:
     """ZeRO-3 without layer 0's backward re-gather: zero3_comm_bytes(cfg) − D²·b = (3L−1)·D²·b."""
     return sum(nbytes for _, nbytes in zero3_comm(cfg).values())
+
+
+# --- fsdp (generic) ------------------------------------------------------------------------------
+# The hand-written ZeRO-2/3 (torch_impl.fsdp.FSDP / Zero2, jax_impl.fsdp shard_map) shard every
+# parameter with >= 2 dims along dim 0 (a "unit": W_l; wte, wpe, W_qkv, W_o, W_up, W_down, W_head)
+# and replicate the vectors (RMSNorm gains), whose gradients go through ONE flat all-reduce.
+# Exact when each unit's dim 0 (torch: Linear out-features, embedding rows) divides by N, which
+# Config.check("fsdp") requires of the transformer (the torch wrapper pads otherwise).
+
+
+def fsdp_units(cfg: Config) -> tuple[dict[str, int], dict[str, int]]:
+    """(sharded units, replicated vectors): parameter name -> element count."""
+    from math import prod
+
+    from shared.problem import param_shapes  # NumPy-only, like this module
+
+    shapes = param_shapes(cfg)
+    return ({n: prod(s) for n, s in shapes.items() if len(s) >= 2},
+            {n: prod(s) for n, s in shapes.items() if len(s) < 2})
+
+
+def fsdp_regathered(cfg: Config) -> list[str]:
+    """Units ZeRO-3 gathers again in backward: those whose op saves the weight, i.e. needs it for
+    the input's gradient. Not the embeddings (their backward is a scatter-add over the indices)
+    and not the MLP's layer 0 (its input is the data)."""
+    units, _ = fsdp_units(cfg)
+    skip = {"wte.weight", "wpe.weight"} if cfg.model == "transformer" else {"layers.0.linear.weight"}
+    return [n for n in units if n not in skip]
+
+
+def fsdp_comm(cfg: Config, variant: str) -> dict[str, tuple[int, int]]:
+    """op -> (count, payload bytes) per step per rank, for any model (MLP: equal to zero3_comm /
+    zero2_comm; it has no vectors, so no all-reduce).
+    zero3: all-gather every unit (fwd) + every fsdp_regathered unit (bwd), reduce-scatter every
+           unit, 1 all-reduce of the vectors: transformer 3Φb − (V+T)·D·b − (2L+1)·D·b.
+    zero2: reduce-scatter + all-gather every unit, 1 all-reduce of the vectors:
+           2Φb − (2L+1)·D·b.
+    fsdp2: fully_shard per block + root, one flat group each (vectors inside): every block
+           gathered fwd and again bwd, 1 reduce-scatter per block; the root's group (transformer:
+           wte, wpe, normf, head; MLP: empty) gathered once — the root keeps it from forward to
+           backward (reshard_after_forward=False) — and reduce-scattered once: 3Φb − Φ_root·b."""
+    b = cfg.bytes_per_element
+    units, vectors = fsdp_units(cfg)
+    out: dict[str, tuple[int, int]] = {}
+    if variant in ("zero2", "zero3"):
+        gathered = list(units) + (fsdp_regathered(cfg) if variant == "zero3" else [])
+        out["all_gather"] = (len(gathered), sum(units[n] for n in gathered) * b)
+        out["reduce_scatter"] = (len(units), sum(units.values()) * b)
+        if vectors:
+            out["all_reduce"] = (1, sum(vectors.values()) * b)
+        return out
+    if variant != "fsdp2":
+        raise ValueError(f"unknown fsdp variant {variant!r}")
+    d, l = cfg.dim, cfg.layers
+    block = d * d if cfg.model == "mlp" else 12 * d * d + 2 * d
+    root = cfg.n_params - l * block
+    n_ag, n_rs = 2 * l + (root > 0), l + (root > 0)
+    return {"all_gather": (n_ag, (2 * l * block + root) * b), "reduce_scatter": (n_rs, (l * block + root) * b)}
+
+
+def fsdp_comm_bytes(cfg: Config, variant: str) -> int:
+    return sum(nbytes for _, nbytes in fsdp_comm(cfg, variant).values())
+
+
+def fsdp_state_bytes(cfg: Config, variant: str) -> dict[str, float]:
+    """Per-rank bytes with one dtype: the ZeRO table with the vectors (the transformer's (2L+1)·D
+    gains) replicated — a little above Φ/N. zero3: params, grads, AdamW m+v of units / N, vectors
+    full; zero2: params full, grads and m+v as zero3. FSDP2 shards the gains too: exactly the table."""
+    units, vectors = fsdp_units(cfg)
+    b, n = cfg.bytes_per_element, cfg.world_size
+    u, v = sum(units.values()) * b, sum(vectors.values()) * b
+    if variant == "fsdp2":
+        return adam_state_bytes(cfg, "zero3")
+    params = u / n + v if variant == "zero3" else u + v
+    return {"params": params, "grads": u / n + v, "optimizer": 2 * (u / n + v)}

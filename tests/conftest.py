@@ -9,6 +9,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shared.env import simulate_host_devices  # noqa: E402
 
 simulate_host_devices(4)
+# XLA:CPU compiles with LLVM at -O0 in the tests: compilation of the transformer's steps (seconds
+# each at -O2) dominates the suite's time, and at these tiny sizes run time does not matter.
+# No fast-math either way (XLA:CPU's default), so the IEEE results, and every parity check, are the
+# same; compare.py itself keeps XLA's default level.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 # The suite's JAX runs use 2-4 devices: on a machine with fewer GPUs than that, "auto" would pick
 # the GPU and fail. Tests run JAX on the simulated CPU devices unless asked otherwise.
 os.environ.setdefault("JAX_PLATFORMS", os.environ.get("PARALLEL_TWINS_TEST_JAX_PLATFORMS", "cpu"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """A plain ``pytest`` keeps the suite's time budget (<= 6 min on 2 cores): tests marked slow
+    (heavier sweeps, speed ratios) run only when asked for, e.g. ``pytest -m slow``."""
+    import pytest
+
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow")
+    for item in items:
+        if item.get_closest_marker("slow"):
+            item.add_marker(skip)

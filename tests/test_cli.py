@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--dtype", "float16"], "invalid choice: 'float16'"),
         (["--steps", "0"], "steps must be a positive integer, got 0"),
         (["--patterns", "dp", "--world-size", "3", "--batch", "16"], "dp: batch=16 is not divisible by world_size=3"),
-        (["--patterns", "tp", "--dim", "30"], "tp: dim=30 is not divisible by world_size=4"),
+        (["--patterns", "tp", "--dim", "30", "--model", "mlp"], "tp: dim=30 is not divisible by world_size=4"),
         (["--patterns", "pp", "--layers", "6"], "pp: layers=6 is not divisible by world_size=4"),
         (["--bucket-mb", "0"], "bucket_mb must be > 0"),
         (["--world-size", "x"], "invalid int value: 'x'"),
@@ -62,7 +62,7 @@ def test_jax_is_refused_under_torchrun(monkeypatch, capsys):
 
 def test_bad_config_from_a_real_shell_prints_no_traceback():
     proc = subprocess.run(
-        [sys.executable, "compare.py", "--patterns", "fsdp", "--dim", "30"],
+        [sys.executable, "compare.py", "--patterns", "fsdp", "--dim", "30", "--model", "mlp"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2
@@ -107,7 +107,7 @@ def test_same_seed_same_losses_bit_for_bit(tmp_path):
     for i in range(2):
         path = tmp_path / f"run{i}.json"
         proc = subprocess.run(
-            [sys.executable, "compare.py", "--patterns", "tp", "--world-size", "2", "--steps", "3",
+            [sys.executable, "compare.py", "--patterns", "tp", "--world-size", "2", "--steps", "3", "--layers", "2",
              "--dim", "8", "--batch", "8", "--seq", "4", "--vocab", "16", "--json", str(path), "--quiet"],
             cwd=ROOT, capture_output=True, text=True, timeout=240,
         )

@@ -14,8 +14,10 @@ import compare
 
 
 def _run(tmp_path, *argv):
+    """Both models at small sizes (the transformer: 2 blocks, D=16, T=8, V=32)."""
     path = tmp_path / "out.json"
-    code = compare.main(["--world-size", "1", "--steps", "3", "--quiet", "--json", str(path), *argv])
+    code = compare.main(["--world-size", "1", "--steps", "3", "--layers", "2", "--dim", "16", "--batch", "8",
+                         "--seq", "8", "--vocab", "32", "--microbatches", "2", "--quiet", "--json", str(path), *argv])
     data = json.loads(path.read_text())
     return code, data
 
@@ -24,6 +26,7 @@ def test_world_size_1_every_pattern_on_cpu(tmp_path):
     code, data = _run(tmp_path, "--device", "cpu")
     assert code == 0, [r for r in data["runs"] if not r["ok"]] or data["errors"]
     assert {r["pattern"] for r in data["runs"]} == {"collectives", "dp", "fsdp", "tp", "pp"}
+    assert {r["model"] for r in data["runs"] if r["pattern"] != "collectives"} == {"mlp", "transformer"}
 
 
 def _jax_sees_gpu() -> bool:

@@ -1,103 +1,134 @@
-"""Tensor parallelism: every variant of both frameworks against the single-device reference of its
-own framework and of the other one, the ledger against shared.theory, and the per-rank state.
+"""Tensor parallelism: every variant of both frameworks and both models against the single-device
+reference of its own framework and of the other one, the ledger against shared.theory, and the
+per-rank state.
 
-One torch launch and one JAX harness call per world size (module-scoped fixture): layers=4 for every
-variant, layers=3 (odd: the last layer is column-parallel + all-gather) for the Megatron variants,
-float64 and float32 each.
+One torch launch and one JAX harness call per world size (module-scoped fixture): the MLP at
+layers=4 (every variant) and layers=3 (odd: the last layer is column-parallel + all-gather;
+Megatron variants only in JAX), and the transformer (layers=2, dim=16, heads=4, seq=8, vocab=32;
+allgather is MLP-only), float64 and float32 each (the transformer's float32 at tp=2 only).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jax_impl import tp as jax_tp
 from jax_impl.harness import run_pattern as jax_run_pattern
 from shared.config import Config
+from shared.problem import param_names, param_shapes
 from shared.results import comm_bytes, cross_framework_ok, parity, within
 from shared.theory import tp_comm, tp_comm_bytes, tp_state_bytes
+from torch_impl import tp as torch_tp
 from torch_impl.harness import run_pattern as torch_run_pattern
 from torch_impl.launch import launch
+from torch_impl.model import empty_model
 
 WORLD_SIZES = (2, 4)
 DTYPES = ("float64", "float32")
 JAX_MEGATRON = [("shard_map", "megatron"), ("jit", "megatron")]
 
 
-def _cfgs(ws: int, layers: int) -> list[Config]:
+def _mlp(ws: int, layers: int) -> list[Config]:
     return [Config(world_size=ws, layers=layers, dim=16, batch=16, steps=5, dtype=dt) for dt in DTYPES]
 
 
-def _kind(variant: str) -> str:
-    return "allgather" if variant == "allgather" else "megatron"  # DTensor runs the Megatron plan
+def _transformer(ws: int) -> list[Config]:
+    """float64 at tp=2 and 4; float32 at tp=2 only (its tolerance is about the dtype, not the layout,
+    and each JAX transformer step costs seconds to compile)."""
+    dtypes = DTYPES if ws == 2 else ("float64",)
+    return [Config(world_size=ws, model="transformer", layers=2, dim=16, heads=4, seq=8, vocab=32, batch=4,
+                   steps=3, dtype=dt) for dt in dtypes]
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda ws: f"tp{ws}")
 def runs(request):
-    """{"torch": [entry…], "jax": [entry…]}, entries as the harnesses return them (even L, odd L)."""
+    """{"torch": [entry…], "jax": [entry…]}, entries as the harnesses return them."""
     ws = request.param
-    # Torch runs every variant at L=3 too (it costs no extra launch); JAX compiles only Megatron's.
-    torch_out = launch(torch_run_pattern, ws, "tp", _cfgs(ws, 4) + _cfgs(ws, 3))[0]
-    jax_out = jax_run_pattern("tp", _cfgs(ws, 4)) + jax_run_pattern("tp", _cfgs(ws, 3), JAX_MEGATRON)
+    # Torch runs every MLP variant at L=3 too (it costs no extra launch); JAX compiles only Megatron's.
+    torch_out = launch(torch_run_pattern, ws, "tp", _mlp(ws, 4) + _mlp(ws, 3) + _transformer(ws))[0]
+    jax_out = (jax_run_pattern("tp", _mlp(ws, 4)) + jax_run_pattern("tp", _mlp(ws, 3), JAX_MEGATRON)
+               + jax_run_pattern("tp", _transformer(ws)))
     return {"torch": torch_out, "jax": jax_out}
 
 
 def _all_runs(runs):
     for fw in ("torch", "jax"):
         other_fw = "jax" if fw == "torch" else "torch"
-        other = {(e["cfg"].layers, e["cfg"].dtype): e["reference"] for e in runs[other_fw]}
+        other = {e["cfg"]: e["reference"] for e in runs[other_fw]}
         for entry in runs[fw]:
             cfg = entry["cfg"]
             for style, variant, trained in entry["runs"]:
-                yield fw, cfg, style, variant, trained, entry["reference"], other[(cfg.layers, cfg.dtype)]
+                yield fw, cfg, style, variant, trained, entry["reference"], other[cfg]
 
 
 def test_every_variant_runs(runs):
-    names = {(fw, s, v, cfg.layers) for fw, cfg, s, v, *_ in _all_runs(runs)}
+    names = {(fw, s, v, cfg.model, cfg.layers) for fw, cfg, s, v, *_ in _all_runs(runs)}
     for s, v in jax_tp.VARIANTS:
-        assert ("jax", s, v, 4) in names
-    assert ("torch", "explicit", "megatron", 3) in names and ("torch", "builtin", "dtensor", 3) in names
-    assert ("jax", "shard_map", "megatron", 3) in names and ("jax", "jit", "megatron", 3) in names
+        assert ("jax", s, v, "mlp", 4) in names
+    for s, v in torch_tp.VARIANTS:
+        assert ("torch", s, v, "mlp", 3) in names
+    assert ("jax", "shard_map", "megatron", "mlp", 3) in names and ("jax", "jit", "megatron", "mlp", 3) in names
+    transformer = {(fw, s, v) for fw, s, v, model, _ in names if model == "transformer"}
+    assert transformer == {("torch", "explicit", "megatron"), ("torch", "builtin", "dtensor"),
+                           ("jax", "shard_map", "megatron"), ("jax", "jit", "megatron")}
 
 
 def test_parity_with_own_reference(runs):
     for fw, cfg, style, variant, trained, ref, _ in _all_runs(runs):
         errors = parity(trained, ref)
-        assert within(errors, cfg.dtype), (fw, style, variant, cfg.layers, cfg.dtype, errors)
+        assert within(errors, cfg.dtype), (fw, style, variant, cfg.model, cfg.layers, cfg.dtype, errors)
 
 
 def test_parity_with_other_framework(runs):
     for fw, cfg, style, variant, trained, _, other_ref in _all_runs(runs):
         errors = parity(trained, other_ref)
-        assert cross_framework_ok(errors, cfg.dtype), (fw, style, variant, cfg.layers, cfg.dtype, errors)
+        assert cross_framework_ok(errors, cfg.dtype), (fw, style, variant, cfg.model, cfg.dtype, errors)
 
 
 def test_ledger_matches_theory(runs):
-    """Exact per-op counts and bytes for torch (explicit and DTensor) and shard_map."""
+    """Exact per-op counts and bytes: torch explicit and DTensor, shard_map; for the transformer
+    also jit (XLA issued the same all-reduces, merging the target-logit sum into a backward one)."""
     for fw, cfg, style, variant, trained, _, _ in _all_runs(runs):
-        if style == "jit":
+        if style == "jit" and cfg.model == "mlp":
             continue
-        expected = {op: {"count": c, "bytes": b} for op, (c, b) in tp_comm(cfg, _kind(variant)).items()}
-        assert trained.comm == expected, (fw, style, variant, cfg.layers, trained.comm)
-        assert comm_bytes(trained.comm) == trained.comm_theory == tp_comm_bytes(cfg, _kind(variant))
+        expected = {op: {"count": c, "bytes": b} for op, (c, b) in tp_comm(cfg, variant).items()}
+        assert trained.comm == expected, (fw, style, variant, cfg.model, cfg.layers, trained.comm)
+        assert comm_bytes(trained.comm) == trained.comm_theory == tp_comm_bytes(cfg, variant)
 
 
-def test_jit_ledger_payload(runs):
+def test_mlp_jit_ledger_payload(runs):
     """GSPMD picks its own collectives, so only the payload is asserted. Observed on CPU:
     jit/megatron == theory op for op; jit/allgather does the L−1 backward reductions as all-reduce
     + dynamic-slice instead of reduce-scatter: the same size S per op (all-reduce S is the buffer,
     reduce-scatter S its full input), twice the wire traffic."""
     for _, cfg, style, variant, trained, _, _ in _all_runs(runs):
-        if style != "jit":
+        if style != "jit" or cfg.model != "mlp":
             continue
         theory = tp_comm(cfg, variant)
         assert comm_bytes(trained.comm) == tp_comm_bytes(cfg, variant), (variant, trained.comm)
         assert sum(v["count"] for v in trained.comm.values()) == sum(c for c, _ in theory.values())
 
 
-def test_state_bytes_are_one_tp_th(runs):
+def test_state_bytes(runs):
+    """MLP: exactly 1/tp. Transformer: split weights /tp + replicated norms and wpe (and DTensor's
+    Replicate wte gradient): the exact formula of shared.theory.tp_state_bytes."""
     for fw, cfg, style, variant, trained, _, _ in _all_runs(runs):
-        theory = tp_state_bytes(cfg)
-        assert trained.state_bytes == {k: int(v) for k, v in theory.items()}, (fw, style, variant)
+        theory = tp_state_bytes(cfg, variant)
+        assert trained.state_bytes == {k: int(v) for k, v in theory.items()}, (fw, style, variant, cfg.model)
+
+
+def test_plan_and_rules_cover_the_transformer():
+    """Torch's plan and JAX's rules split the same parameters the same way (in fixture terms)."""
+    cfg = Config(world_size=4, model="transformer", layers=2, dim=16, heads=4, vocab=32)
+    styles = torch_tp.styles_of(empty_model(cfg, "meta"), torch_tp.TRANSFORMER_PLAN)
+    rules = jax_tp.tp_rules(cfg, "megatron")
+    layout = jax_tp.to_layout({k: np.zeros(s) for k, s in param_shapes(cfg).items()})
+    assert layout["blocks.0.attn.qkv.weight"].shape == (16, 3, 16)
+    for name in param_names(cfg):
+        spec = rules(name, layout[name].shape)
+        assert (name in styles) == any(a is not None for a in spec), (name, spec)
+    assert set(styles.values()) == {"vocab_embed", "colwise_heads", "rowwise", "colwise", "colwise_vocab"}
 
 
 @pytest.mark.parametrize("layers", [1, 5])
@@ -111,9 +142,15 @@ def test_shard_map_ledger_any_depth(layers, variant):
     assert within(parity(trained, out["reference"]), cfg.dtype)
 
 
-def test_dim_not_divisible_is_rejected_before_any_process():
+def test_bad_sizes_are_rejected_before_any_process():
     cfg = Config(world_size=4, dim=18)  # the basic checks pass: the problem is TP-specific
     with pytest.raises(ValueError, match=r"tp: dim=18 is not divisible by world_size=4"):
         cfg.check("tp")
     with pytest.raises(ValueError, match="dim=18"):  # the JAX harness checks before building a mesh
         jax_run_pattern("tp", [cfg])
+    with pytest.raises(ValueError, match="heads=2 is not divisible by world_size=4"):
+        Config(world_size=4, model="transformer", dim=16, heads=2).check("tp")
+    with pytest.raises(ValueError, match="vocab=30 is not divisible by world_size=4"):
+        Config(world_size=4, model="transformer", dim=16, heads=4, vocab=30).check("tp")
+    with pytest.raises(ValueError, match="allgather"):  # MLP-only
+        jax_tp.train(Config(model="transformer", heads=4), None, "shard_map", "allgather", None)

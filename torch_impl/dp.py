@@ -1,8 +1,12 @@
 """Data parallelism (DP) with torch.distributed: every rank holds the whole model, trains on its
 slice of the global batch, and the gradients are averaged across ranks before the update.
 
-Sharded: the batch only. Rank r takes rows r·B/N … (r+1)·B/N, a (B/dp, D) slice. Weights and
-gradients are replicated; so is the AdamW state, except in ZeRO-1, which splits it in N slices.
+Sharded: the batch only. Rank r takes rows r·B/N … (r+1)·B/N: the MLP's (B/dp, D) inputs, the
+transformer's (B/dp, T) tokens and targets. Its loss is the local mean (MLP mean(out²),
+transformer mean cross-entropy over its B/dp·T positions); equal shards make the mean over ranks
+the global mean. Weights and gradients are replicated; so is the AdamW state, except in ZeRO-1,
+which splits it in N slices. Nothing here knows the model: any nn.Module, its parameters in
+named_parameters() order (the transformer's 1-D norm gains and (V, D) embeddings included).
 
     explicit/naive     CS336 lecture 8: after backward, one blocking all-reduce per gradient.
     explicit/bucketed  A DDP-style wrapper (Li et al. 2020, "PyTorch Distributed", VLDB):
@@ -13,18 +17,20 @@ gradients are replicated; so is the AdamW state, except in ZeRO-1, which splits 
                        gradients, each rank steps AdamW on its 1/N slice only, all-gather params.
     builtin/ddp        torch.nn.parallel.DistributedDataParallel.
 
-Communication per step and rank (payload S as nccl-tests counts it, shared.theory):
-    naive, bucketed, DDP   bwd: all-reduce dW over dp            Φ·b   = dp_comm_bytes
-    zero1                  reduce-scatter dW + all-gather W      2·Φ·b = zero1_comm_bytes
+Communication per step and rank (payload S as nccl-tests counts it, shared.theory; Φ of either
+model, cfg.n_params; the embedding gradients are dense (V, D) and (T, D) tensors, sent whole):
+    naive                  bwd: one all-reduce per parameter tensor   Φ·b   = dp_comm_bytes
+    bucketed, DDP          bwd: ⌈Φ·b / bucket⌉ all-reduces, overlapped Φ·b   = dp_comm_bytes
+    zero1                  reduce-scatter dW + all-gather W           2·Φ·b = zero1_comm_bytes
 On a ring both put 2·Φ·b·(N−1)/N bytes on the wire per rank: ZeRO-1 saves memory, not traffic.
-The reported loss is the mean of the ranks' local losses, all-reduced AFTER the recorded step:
-it is bookkeeping, not training, so the ledger holds gradient (and parameter) traffic only.
+The reported loss is the mean of the ranks' local losses, all-reduced AFTER the recorded step
+(torch_impl.harness): bookkeeping, so the ledger holds gradient (and parameter) traffic only.
+Each variant is a harness.Setup (make_setup); train() runs it through harness.train_loop.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 import torch.distributed as dist
@@ -36,17 +42,17 @@ from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
 from shared.theory import dp_comm_bytes, zero1_comm_bytes
+from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
     build_model,
-    fixture_grads,
-    fixture_weights,
     inputs,
     loss_fn,
     make_optimizer,
     optimizer_state_bytes,
+    targets,
     tensor_bytes,
-    to_numpy,
+    to_fixture,
 )
 
 VARIANTS = (("explicit", "naive"), ("explicit", "bucketed"), ("explicit", "zero1"), ("builtin", "ddp"))
@@ -54,7 +60,7 @@ VARIANTS = (("explicit", "naive"), ("explicit", "bucketed"), ("explicit", "zero1
 
 def local_batch(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     rows = x.shape[0] // world_size
-    return x[rank * rows:(rank + 1) * rows]  # (B/dp, D)
+    return x[rank * rows:(rank + 1) * rows]  # (B/dp, …): MLP (B/dp, D), tokens (B/dp, T)
 
 
 # --- naive: the CS336 version -------------------------------------------------------------------
@@ -117,13 +123,16 @@ class BucketedDDP(nn.Module):
         def hook(p: nn.Parameter) -> None:  # runs when p.grad is complete for this backward
             if not self.require_sync:
                 return  # no_sync(): gradients just accumulate in p.grad
+            # g/N into the bucket in one pass, as DDP's reducer does: the sum over ranks of g/N is
+            # the mean (gloo has no AVG). p.grad may already be this view (no zero_grad between).
             if p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)  # into the bucket (p.grad may already be this view)
+                torch.div(p.grad, self.world_size, out=view)
+            else:
+                view.div_(self.world_size)
             bucket["ready"] += 1
             while (self.next_bucket < len(self.buckets)
                    and self.buckets[self.next_bucket]["ready"] == len(self.buckets[self.next_bucket]["params"])):
                 b = self.buckets[self.next_bucket]
-                b["flat"].div_(self.world_size)  # sum of g/N over ranks = the mean (gloo has no AVG)
                 b["work"] = dist.all_reduce(b["flat"], group=self.group, async_op=True)
                 self.next_bucket += 1
         return hook
@@ -184,86 +193,94 @@ class Zero1Optimizer:
         for p in self.params:
             p.grad = None if set_to_none or p.grad is None else p.grad.zero_()
 
-    @torch.no_grad()
     def step(self) -> None:
-        n = dist.get_world_size(self.group)
+        self.reduce_gradients()
+        self.update()
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter the local gradients: this rank's slice of their mean in shard.grad."""
         grads = torch.zeros_like(self.flat)  # (Φ_pad,) this rank's local gradients, flat
         torch.cat([p.grad.reshape(-1) for p in self.params], out=grads[:self.numel])
         dist.reduce_scatter_single(self.shard.grad, grads, group=self.group)  # (Φ_pad/N,) summed
-        self.shard.grad.div_(n)
+        self.shard.grad.div_(dist.get_world_size(self.group))
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """The optimizer on this rank's slice, then all-gather the updated parameters."""
         self.local.step()  # AdamW on this rank's slice only, in place in self.flat
         dist.all_gather_single(self.flat, self.shard, group=self.group)  # in place: (Φ_pad,)
 
-    def full_gradient(self) -> list[torch.Tensor]:
-        """Every rank's averaged gradient slice, gathered (for inspection, not training)."""
+    def gather_flat(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's (Φ_pad/N,) slice, gathered and cut back into per-parameter tensors
+        (for inspection, not training)."""
         full = torch.empty_like(self.flat)  # (Φ_pad,)
-        dist.all_gather_single(full, self.shard.grad, group=self.group)
+        dist.all_gather_single(full, shard, group=self.group)
         return list(_unflatten_dense_tensors(full[:self.numel], self.params))
 
 
-# --- training loop shared by every variant ------------------------------------------------------
+# --- the dp Setup: what one step does, for any model --------------------------------------------
 
-def mean_over_ranks(value: torch.Tensor, group=None) -> float:
-    total = value.detach().clone()
-    dist.all_reduce(total, group=group)
-    return total.item() / dist.get_world_size(group)
-
-
-def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankContext) -> Trained:
+def make_setup(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankContext) -> Setup:
+    """One dp variant's step on this rank, for any model (the loop: torch_impl.harness.train_loop)."""
     cfg.check("dp")
     if (style, variant) not in VARIANTS:
         raise ValueError(f"dp: unknown style/variant {style}/{variant}; choose from {VARIANTS}")
     n, group = ctx.world_size, ctx.group
     model = build_model(cfg, problem, ctx.device)
-    x = local_batch(inputs(cfg, problem, ctx.device), ctx.rank, n)  # (B/dp, D)
-    assert x.shape == (cfg.batch // n, cfg.dim), x.shape
+    x = local_batch(inputs(cfg, problem, ctx.device), ctx.rank, n)  # MLP (B/dp, D) | tokens (B/dp, T)
+    y = targets(cfg, problem, ctx.device)  # None | (B, T) next-token ids
+    y = None if y is None else local_batch(y, ctx.rank, n)  # (B/dp, T)
+    assert x.shape[0] == cfg.batch // n, x.shape
+    names = [name for name, _ in model.named_parameters()]
+    params = list(model.parameters())
     net, sync = model, lambda: None
     if variant == "naive":
-        opt = make_optimizer(model.parameters(), cfg)
+        opt = make_optimizer(params, cfg)
         sync = lambda: allreduce_gradients(model, group)
     elif variant == "bucketed":
         net = BucketedDDP(model, cfg.bucket_mb, group)
         opt, sync = make_optimizer(net.parameters(), cfg), net.finish_gradient_synchronization
     elif variant == "zero1":
-        opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, group, lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+        opt = Zero1Optimizer(params, torch.optim.AdamW, group, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             eps=cfg.eps, weight_decay=cfg.weight_decay)
+        sync = opt.reduce_gradients  # the reduce-scatter: grads() then reads this rank's slice
     else:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         net = DistributedDataParallel(model, device_ids=device_ids, process_group=group,
                                       bucket_cap_mb=cfg.bucket_mb)
         opt = make_optimizer(net.parameters(), cfg)
 
-    losses, step_times, grads0 = [], [], None
-    for step in range(cfg.steps):
-        # Record the last step: DDP rebuilds its buckets after the first iteration.
-        recording = ctx.ledger.recording() if step == cfg.steps - 1 else contextlib.nullcontext()
-        t0 = time.perf_counter()
-        with recording:
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(net(x))  # local mean over B/dp rows
-            loss.backward()
-            sync()
-            if step == 0 and variant != "zero1":
-                grads0 = fixture_grads(model)  # averaged over ranks by now
-            opt.step()
-            loss.item()  # waits for the device
-        step_times.append(time.perf_counter() - t0)
-        losses.append(mean_over_ranks(loss, group))  # reporting only, outside the ledger
-        if step == 0 and variant == "zero1":
-            grads0 = [to_numpy(g).T.copy() for g in opt.full_gradient()]
+    def forward_backward() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(net(x), y)  # local mean over this rank's B/dp rows (· T positions)
+        loss.backward()
+        sync()  # gradients averaged over ranks (zero1: this rank's averaged slice)
+        return loss
 
-    params = list(model.parameters())
-    zero1, buckets = variant == "zero1", [b["flat"] for b in getattr(net, "buckets", [])]
-    state = {"params": tensor_bytes([opt.flat] if zero1 else params),  # zero1: flat, padded
-             "grads": tensor_bytes(buckets or params),  # bucketed: p.grad are bucket views
-             "optimizer": optimizer_state_bytes(opt.local if zero1 else opt)}
-    return Trained(
-        losses=losses,
-        grads0=grads0,
-        params=fixture_weights(model),
-        step_times=step_times,
-        comm=ctx.ledger.summary(),
-        comm_theory=zero1_comm_bytes(cfg) if variant == "zero1" else dp_comm_bytes(cfg),
-        state_bytes=state,
+    def fixture(tensors: list[torch.Tensor]) -> list:
+        return [to_fixture(model, name, t) for name, t in zip(names, tensors)]
+
+    zero1 = variant == "zero1"
+    buckets = [b["flat"] for b in getattr(net, "buckets", [])]
+    state = lambda: {"params": tensor_bytes([opt.flat] if zero1 else params),  # zero1: flat, padded
+                     "grads": tensor_bytes(buckets or params),  # bucketed: p.grad are bucket views
+                     "optimizer": optimizer_state_bytes(opt.local if zero1 else opt)}
+    return Setup(
+        forward_backward=forward_backward,
+        update=opt.update if zero1 else opt.step,  # zero1: AdamW on the slice + all-gather
+        grads=(lambda: [opt.shard.grad]) if zero1 else (lambda: [p.grad for p in params]),
+        fixture=fixture,
+        grads_fixture=(lambda g: fixture(opt.gather_flat(g[0]))) if zero1 else None,
+        params=params,
+        optimizer=opt,
+        comm_theory=zero1_comm_bytes(cfg) if zero1 else dp_comm_bytes(cfg),
+        loss_reduction="mean",  # equal shards: the mean of local means is the global mean
+        group=group,
+        state=state,
         extra={"local_batch": cfg.batch // n, "bucket_bytes": [tensor_bytes([b]) for b in buckets]},
     )
+
+
+def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankContext) -> Trained:
+    return train_loop(cfg, ctx, make_setup(cfg, problem, style, variant, ctx))

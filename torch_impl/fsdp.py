@@ -1,47 +1,51 @@
-"""ZeRO-2 / ZeRO-3 (FSDP) with torch.distributed. ZeRO: Rajbhandari et al. 2020, arXiv:1910.02054;
-FSDP: Zhao et al. 2023, arXiv:2304.11277.
+"""ZeRO-2 / ZeRO-3 (FSDP) with torch.distributed, for ANY nn.Module (the MLP and the transformer).
+ZeRO: Rajbhandari et al. 2020, arXiv:1910.02054; FSDP: Zhao et al. 2023, arXiv:2304.11277.
 
-Batch as in DP: rank r trains on rows r·B/N:(r+1)·B/N, (B/N, D). Weight shards are row blocks of
-the fixture weight, W_l[r·D/N:(r+1)·D/N, :], (D/N, D). Why rows: all_gather_single and
-reduce_scatter_single concatenate / split along dim 0, so the gathered buffer IS W_l and the row
-block of dW_l IS the gradient shard: no transposes, no copies. JAX shards the same rows,
-P('dp', None). FSDP2 shards dim 0 of nn.Linear.weight == W_lᵀ, i.e. W_l's columns: another
-slice, the same bytes.
+Batch as in DP: rank r trains on rows r·B/N:(r+1)·B/N ((B/N, D) MLP inputs, (B/N, T) tokens).
+What is sharded (one rule for every model): each parameter with >= 2 dims — nn.Linear.weight
+(out, in), nn.Embedding.weight (V, D) — is a "unit" split along dim 0 (padded to a multiple of N)
+so all_gather_single / reduce_scatter_single work on contiguous rows; rank r holds rows
+r·⌈R/N⌉:(r+1)·⌈R/N⌉. Vectors (RMSNorm gains) stay replicated; their gradients are averaged by ONE
+all-reduce of all of them flattened ((2L+1)·D for the transformer; none for the MLP).
 
-explicit/zero3  params, grads and AdamW state all (D/N, D) per rank (16Φ/N bytes for fp32 Adam).
-    fwd: all-gather W_l just before layer l, free it right after; the next layer's gather runs
-         (async) while this layer computes.
-    bwd: all-gather W_l again (nothing kept from fwd) for dX = dY·W_lᵀ — except layer 0, whose
-         input is the data — and reduce-scatter dW_l to (D/N, D), async, overlapping layer l−1.
-    payload S per step per rank: 2L−1 all-gathers + L reduce-scatters of D²·b = 3·Φ·b − D²·b
-    (the textbook 3·Φ·b counts W_0's useless re-gather); each moves S·(N−1)/N on the wire.
-    Naive form next to it: GatherQueue(prefetch=False), every gather waited for on the spot.
-explicit/zero2  full params on every rank; each dW_l is reduce-scattered by a grad hook the moment
-    autograd produces it (the full gradient never exists all at once); AdamW on the (D/N, D) row
-    shard; the updated shards are all-gathered back into W_l: 2·Φ·b.
-builtin/fsdp2   fully_shard per Block and on the root (DTensor params, Shard(0)): 2L all-gathers
-    (W_0 is re-gathered in bwd too) + L reduce-scatters = 3·Φ·b.
-Gradient scale: each rank's loss is the mean over its B/N rows and reduce-scatter SUMS the N
-gradients, so we divide by N afterwards (exact for N a power of 2); FSDP2 averages by itself.
-The reported loss is averaged over ranks after the recorded step (bookkeeping, as in dp.py).
+explicit/zero3  ``FSDP(module)``: params, grads, AdamW state sharded (vectors replicated).
+    fwd: a pre-hook on each module all-gathers its units just before it runs (and starts the
+         NEXT unit's gather asynchronously: prefetch); a post-hook drops the gathered weight.
+    bwd: autograd never keeps a gathered weight: a saved-tensor hook packs it as a handle and
+         re-gathers it when backward unpacks it (prefetching the next one in reverse order). Ops
+         that do not save the weight cause no re-gather: embeddings (their backward needs only
+         the indices) and a Linear whose input needs no gradient (the MLP's layer 0). Each unit's
+         gradient is reduce-scattered asynchronously; ``finish_gradient_synchronization`` waits.
+    payload S per step per rank (shared.theory.fsdp_comm): all-gather every unit fwd, every unit
+    but the embeddings (MLP: but layer 0) bwd; reduce-scatter every unit; 1 all-reduce of the
+    vectors. MLP: (2L−1)·D²·b + L·D²·b = 3Φb − D²b; transformer: 3Φb − (V+T)·D·b − (2L+1)·D·b.
+explicit/zero2  ``Zero2(module)``: full params; each matrix's gradient is reduce-scattered by a
+    post-accumulate-grad hook the moment autograd produces it; AdamW on the row shards (and the
+    replicated vectors); the updated shards are all-gathered back: 2·(Φ − vectors)·b + vectors·b.
+builtin/fsdp2   ``fully_shard`` per block (MLP ``layers[l]``, transformer ``blocks[l]``) and on the
+    root (transformer: wte, wpe, normf, head), Shard(0) DTensors. Per block group: all-gather fwd,
+    again bwd, one reduce-scatter (flat, with the gains inside); the root's group is gathered once
+    (the root is not resharded after forward): shared.theory.fsdp_comm(cfg, "fsdp2").
+Gradient scale: each rank differentiates its local mean over B/N rows; reduce-scatter (and the
+vectors' all-reduce) SUMS the N gradients, then / N. For N a power of 2 that division is exact,
+so "sum, then / N" and FSDP2's "pre-divide by N, then sum" give the same bits; what can differ
+from one device is only how the batch reduction inside each op is split (see docs/fsdp.md,
+"bit for bit"). The reported loss is averaged over ranks by the shared loop (outside the ledger).
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
-
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from shared.config import Config
 from shared.problem import Problem
-from shared.results import Trained
-from shared.theory import zero2_comm_bytes, zero3_comm_bytes, zero3_skip_first_comm_bytes
+from shared.theory import fsdp_comm_bytes
+from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
     build_model,
@@ -49,215 +53,357 @@ from torch_impl.model import (
     loss_fn,
     make_optimizer,
     optimizer_state_bytes,
+    targets,
     tensor_bytes,
-    to_numpy,
-    torch_dtype,
+    to_fixture,
 )
 
 VARIANTS = (("explicit", "zero3"), ("explicit", "zero2"), ("builtin", "fsdp2"))
 
 
-def shard_rows(w: torch.Tensor, rank: int, n: int) -> torch.Tensor:
-    rows = w.shape[0] // n
-    return w[rank * rows:(rank + 1) * rows]  # (D/N, D): a view, no copy
+class Unit:
+    """One sharded parameter: ``rows`` of dim 0 padded to ``n·shard_rows``; ``shard`` is this rank's rows."""
+
+    def __init__(self, full: torch.Tensor, rank: int, n: int):
+        self.shape, self.rows, self.n = tuple(full.shape), full.shape[0], n
+        self.shard_rows = -(-self.rows // n)  # ⌈R/N⌉
+        padded = full.new_zeros((self.shard_rows * n, *self.shape[1:]))
+        padded[:self.rows] = full.detach()
+        self.shard = nn.Parameter(padded[rank * self.shard_rows:(rank + 1) * self.shard_rows].clone(),
+                                  requires_grad=full.requires_grad)  # (⌈R/N⌉, …)
+
+    def pad(self, t: torch.Tensor) -> torch.Tensor:
+        """(R, …) -> (N·⌈R/N⌉, …) contiguous, zero rows appended if R is not a multiple of N."""
+        extra = self.shard_rows * self.n - self.rows
+        return torch.cat([t, t.new_zeros((extra, *t.shape[1:]))]) if extra else t.contiguous()
 
 
-def gather_rows(shard: torch.Tensor, n: int, group, async_op: bool = False):
-    """(D/N, D) -> (D, D) buffer and the work handle (None when synchronous)."""
-    full = torch.empty((shard.shape[0] * n, *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
-    work = dist.all_gather_single(full, shard, group=group, async_op=async_op)
-    return full, work
+def split_params(module: nn.Module, rank: int, n: int):
+    """-> ([(owner module, attribute, Unit)], [(owner, attribute, replicated Parameter)]), in
+    module-registration order. A tied parameter (the same object in two modules) is one Unit."""
+    units, replicated, seen = [], [], {}
+    for owner in module.modules():
+        for attr, p in list(owner._parameters.items()):
+            if p is None:
+                continue
+            if p.dim() < 2:
+                replicated.append((owner, attr, p))
+                continue
+            if id(p) not in seen:
+                seen[id(p)] = Unit(p, rank, n)
+            owner._parameters[attr] = seen[id(p)].shard  # same key, same position: names unchanged
+            units.append((owner, attr, seen[id(p)]))
+    return units, replicated
 
 
-class GatherQueue:
-    """ZeRO-3's all-gathers in the order they are used: fwd layers 0…L−1, then bwd L−1…1.
-    Backward needs W_l only for dX = dY·W_lᵀ, and layer 0's input is data (no gradient), so W_0
-    is not gathered again: 2L−1 gathers (JAX's autodiff drops the same one by itself).
-    ``take()`` waits for the current gather and starts the next one asynchronously (prefetch),
-    so each gather overlaps the layer computed in between. It also collects the async
-    reduce-scatters of the weight gradients until ``finish()``."""
+def gather_full(unit: Unit, t: torch.Tensor, group) -> torch.Tensor:
+    """A (⌈R/N⌉, …) shard (parameter or gradient) -> the full (R, …) tensor (synchronous)."""
+    buf = t.new_empty((unit.shard_rows * unit.n, *t.shape[1:]))
+    dist.all_gather_single(buf, t.detach().contiguous(), group=group)
+    return buf[:unit.rows]
 
-    def __init__(self, shards, group, prefetch: bool = True):
-        L = len(shards)
-        self.shards, self.group, self.prefetch = shards, group, prefetch
-        self.n = dist.get_world_size(group)
-        self.order = list(range(L)) + list(range(L - 1, 0, -1))  # 2L − 1 gathers per step
-        self.k, self.next, self.pending = 0, None, []
 
-    def take(self) -> torch.Tensor:
-        if self.next is None:  # nothing prefetched (first gather, or prefetch off)
-            self.next = gather_rows(self.shards[self.order[self.k]], self.n, self.group, async_op=True)
-        full, work = self.next
+def average_flat(tensors: list[torch.Tensor], group) -> None:
+    """One all-reduce of every replicated gradient, flattened; then / N (sum first: see the docstring)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])  # ((2L+1)·D,) for the transformer
+    dist.all_reduce(flat, group=group)
+    flat.div_(dist.get_world_size(group))
+    for t, chunk in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(chunk.view_as(t))
+
+
+# --- explicit/zero3: the wrapper ---------------------------------------------------------------
+
+
+class _Gathered(torch.autograd.Function):
+    """shard -> the full weight this rank just gathered. Backward reduce-scatters the full
+    weight's gradient into the shard asynchronously; the shard's .grad is set by
+    ``FSDP.finish_gradient_synchronization`` (the reduce-scatter is still in flight here)."""
+
+    @staticmethod
+    def forward(ctx, shard, fsdp, unit):
+        ctx.fsdp, ctx.unit = fsdp, unit
+        return fsdp._wait(unit)[:unit.rows]  # (R, …) view into the gathered buffer
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: (R, …) in the compute dtype
+        ctx.fsdp._reduce_scatter(ctx.unit, grad)
+        return None, None, None
+
+
+class _Handle:
+    """What autograd saves instead of a gathered weight: which unit, and the view it used."""
+
+    def __init__(self, unit, t):
+        self.unit, self.size, self.stride, self.offset = unit, t.size(), t.stride(), t.storage_offset()
+
+
+class FSDP(nn.Module):
+    """Fully sharded data parallel over any ``nn.Module`` (see the module docstring).
+
+    ``FSDP(module, compute_dtype=None, group=None)``: ``.module`` is the wrapped module, whose
+    named_parameters() are now the shards (matrices) and the replicated vectors — give those to
+    the optimizer. Call ``finish_gradient_synchronization()`` between ``backward()`` and
+    ``optimizer.step()``. ``full_state_dict()`` returns {name: full tensor} keyed like
+    ``module.named_parameters()``. ``compute_dtype`` (bfloat16 / float16): every weight is cast
+    before its all-gather (half the bytes) and the forward runs in it (float inputs cast too, as
+    FSDP2's MixedPrecisionPolicy does); master weights, gradients (reduce-scattered in the master
+    dtype, FSDP2's reduce_dtype=float32) and the optimizer stay in the parameters' dtype.
+    Every rank must start from the same module (build it from the same fixture or seed).
+    """
+
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, group=None):
+        super().__init__()
+        self.module, self.compute_dtype = module, compute_dtype
+        self.group = group if group is not None else dist.group.WORLD
+        self.n, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.units, self.replicated = split_params(module, rank, self.n)
+        self.unit_of_name = {}  # parameter name -> Unit (shards keep their original names)
+        shard_ids = {id(u.shard): u for _, _, u in self.units}
+        for name, p in module.named_parameters():
+            if id(p) in shard_ids:
+                self.unit_of_name[name] = shard_ids[id(p)]
+        owners = {id(o): o for o, _, _ in self.units}
+        if compute_dtype is not None:
+            owners |= {id(o): o for o, _, _ in self.replicated}
+        for owner in owners.values():  # one pre/post hook pair per module that owns parameters
+            owner.register_forward_pre_hook(self._pre_forward)
+            owner.register_forward_hook(self._post_forward)
+        self._inflight = {}  # Unit -> (buffer, work, source): all-gathers started, not yet waited for
+        self._fwd_order = [u for _, _, u in self.units]  # first step: registration order
+        self._pending = []  # reduce-scatters in flight: (unit, out, work, input)
+
+    # all-gathers with prefetch
+    def _start(self, unit: Unit) -> None:
+        if unit in self._inflight:
+            return
+        src = unit.shard.detach()
+        if self.compute_dtype is not None:
+            src = src.to(self.compute_dtype)  # cast BEFORE the gather: b_compute bytes on the wire
+        buf = src.new_empty((unit.shard_rows * self.n, *src.shape[1:]))  # (N·⌈R/N⌉, …)
+        self._inflight[unit] = (buf, dist.all_gather_single(buf, src, group=self.group, async_op=True), src)
+
+    def _wait(self, unit: Unit) -> torch.Tensor:
+        self._start(unit)  # nothing to do when prefetched
+        buf, work, _ = self._inflight.pop(unit)
         work.wait()
-        self.k += 1
-        self.next = None
-        if self.prefetch and self.k < len(self.order):
-            self.next = gather_rows(self.shards[self.order[self.k]], self.n, self.group, async_op=True)
-        return full  # (D, D) == W_l
+        return buf
 
-    def reduce_scatter(self, layer: int, dw: torch.Tensor) -> None:
-        out = torch.empty_like(self.shards[layer])  # (D/N, D)
-        work = dist.reduce_scatter_single(out, dw, group=self.group, async_op=True)
-        self.pending.append((layer, out, work, dw))  # dw must live until the work is done
+    def _prefetch_after(self, order: list, unit: Unit, pos: int) -> int:
+        """Start the gather of the unit after ``unit`` in ``order``; returns the new position."""
+        while pos < len(order) and order[pos] is not unit:
+            pos += 1
+        if pos + 1 < len(order):
+            self._start(order[pos + 1])
+        return pos + 1
 
-    def finish(self) -> None:
-        """Wait for every reduce-scatter; shard.grad = sum over ranks / N (global mean)."""
-        for layer, out, work, _ in self.pending:
+    # forward: hooks on the modules that own units
+    def _pre_forward(self, owner, args):
+        for o, attr, unit in self.units:
+            if o is owner:
+                full = _Gathered.apply(unit.shard, self, unit)  # (R, …), compute dtype
+                self._fwd_pos = self._prefetch_after(self._fwd_order, unit, self._fwd_pos)
+                self._seen.append(unit)
+                self._live[full.untyped_storage().data_ptr()] = unit
+                owner.__dict__[attr] = full  # found before nn.Module.__getattr__'s _parameters
+        for o, attr, p in self.replicated if self.compute_dtype is not None else ():
+            if o is owner:
+                owner.__dict__[attr] = p.to(self.compute_dtype)  # differentiable: grad in p.dtype
+
+    def _post_forward(self, owner, args, out):
+        for attr in [a for o, a, _ in self.units + self.replicated if o is owner and a in owner.__dict__]:
+            full = owner.__dict__.pop(attr)  # the shard is visible again; the full weight is dropped
+            self._live.pop(full.untyped_storage().data_ptr(), None)
+
+    # backward: saved-tensor hooks turn every saved gathered weight into a re-gather
+    def _pack(self, t: torch.Tensor):
+        unit = self._live.get(t.untyped_storage().data_ptr())
+        if unit is None:
+            return t
+        if unit not in self._saves:
+            self._saves[unit] = 0
+        self._saves[unit] += 1
+        return _Handle(unit, t)
+
+    def _unpack(self, h):
+        if not isinstance(h, _Handle):
+            return h
+        unit = h.unit
+        if unit not in self._regathered:  # first use in backward: wait (prefetched) and prefetch next
+            self._regathered[unit] = self._wait(unit)
+            self._bwd_pos = self._prefetch_after(self._bwd_order, unit, self._bwd_pos)
+        buf = self._regathered[unit]
+        self._saves[unit] -= 1
+        if self._saves[unit] == 0:
+            del self._regathered[unit]  # freed once the op that unpacked it is done
+        return buf.as_strided(h.size, h.stride, h.offset)
+
+    def forward(self, *args, **kwargs):
+        if self.compute_dtype is not None:
+            args = [a.to(self.compute_dtype) if torch.is_floating_point(a) else a for a in args]
+        self._fwd_pos, self._seen, self._live, self._saves, self._regathered = 0, [], {}, {}, {}
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            out = self.module(*args, **kwargs)
+        for unit in list(self._inflight):  # a prefetch nobody used (the order changed): finish it
+            self._wait(unit)
+        self._fwd_order = self._seen  # next step prefetches in the order this forward ran
+        self._bwd_order, self._bwd_pos = list(reversed(self._saves)), 0  # re-gathers: reverse order
+        return out
+
+    def _reduce_scatter(self, unit: Unit, grad: torch.Tensor) -> None:
+        g = unit.pad(grad.to(unit.shard.dtype))  # (N·⌈R/N⌉, …) reduced in the master dtype
+        out = torch.empty_like(unit.shard)  # (⌈R/N⌉, …)
+        work = dist.reduce_scatter_single(out, g, group=self.group, async_op=True)
+        self._pending.append((unit, out, work, g))  # g must live until the work is done
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every reduce-scatter (shard.grad = Σ ranks / N; accumulates over calls) and
+        average the replicated vectors' gradients with one flat all-reduce."""
+        for unit, out, work, _ in self._pending:
             work.wait()
-            self.shards[layer].grad = out.div_(self.n)  # (D/N, D)
-        self.pending.clear()
+            out.div_(self.n)
+            unit.shard.grad = out if unit.shard.grad is None else unit.shard.grad.add_(out)
+        self._pending.clear()
+        average_flat([p.grad for _, _, p in self.replicated if p.grad is not None], self.group)
+
+    def full_tensor(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's tensor of parameter ``name`` (shard or replicated; parameter or gradient)
+        -> the full tensor (an all-gather for units: call on every rank)."""
+        unit = self.unit_of_name.get(name)
+        return gather_full(unit, t, self.group) if unit is not None else t.detach().clone()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: self.full_tensor(name, p) for name, p in self.module.named_parameters()}
 
 
-class Zero3Matmul(torch.autograd.Function):
-    """y = x @ W_l where W_l = all_gather(shard) lives only inside forward and inside backward.
-    Autograd saves x, not W_l. The shard's gradient is NOT returned through autograd: its
-    reduce-scatter is still in flight when backward returns (GatherQueue.finish sets .grad)."""
-
-    @staticmethod
-    def forward(ctx, x, shard, queue, layer):
-        w = queue.take()  # (D, D), gathered; dropped when forward returns
-        ctx.save_for_backward(x)
-        ctx.queue, ctx.layer = queue, layer
-        return x @ w  # (B/N, D)
-
-    @staticmethod
-    def backward(ctx, dy):  # dy: (B/N, D)
-        (x,) = ctx.saved_tensors
-        dx = None
-        if ctx.needs_input_grad[0]:  # False for layer 0 only: its input is the data
-            w = ctx.queue.take()  # (D, D), gathered again
-            dx = dy @ w.T  # (B/N, D)
-        ctx.queue.reduce_scatter(ctx.layer, x.T @ dy)  # dW_l (D, D) -> this rank's (D/N, D)
-        return dx, None, None, None
+# --- explicit/zero2 ----------------------------------------------------------------------------
 
 
-def zero3_forward_backward(shards, x, group, prefetch: bool = True) -> torch.Tensor:
-    n = dist.get_world_size(group)
-    assert not x.requires_grad and all(s.shape == (s.shape[1] // n, s.shape[1]) for s in shards)
-    queue = GatherQueue(shards, group, prefetch)
-    h = x  # (B/N, D)
-    for layer, shard in enumerate(shards):
-        h = F.gelu(Zero3Matmul.apply(h, shard, queue, layer), approximate="none")  # (B/N, D)
-    loss = loss_fn(h)  # mean over this rank's B/N rows
-    loss.backward()
-    queue.finish()  # shard.grad: (D/N, D) of the global-mean gradient
-    return loss.detach()
+class Zero2:
+    """ZeRO-2 over any module: full params on every rank; each matrix's gradient is reduce-
+    scattered the moment autograd has accumulated it (a post-accumulate-grad hook), so the full
+    gradient never exists all at once; ``params`` (row shards + replicated vectors) go to the
+    optimizer; ``all_gather_params()`` after its step puts the updated rows back."""
+
+    def __init__(self, module: nn.Module, group=None):
+        self.module, self.group = module, group if group is not None else dist.group.WORLD
+        self.n, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.names, self.params, self.units, self._pending = [], [], {}, []
+        for name, p in module.named_parameters():
+            self.names.append(name)
+            if p.dim() < 2:
+                self.params.append(p)  # replicated vector: its optimizer state is full too
+                continue
+            unit = Unit(p, rank, self.n)
+            unit.full = p  # (R, …) the parameter the model computes with
+            self.units[name] = unit
+            self.params.append(unit.shard)
+            p.register_post_accumulate_grad_hook(lambda p, u=unit: self._reduce_scatter(u, p))
+
+    def _reduce_scatter(self, unit: Unit, p: nn.Parameter) -> None:
+        out = torch.empty_like(unit.shard)  # (⌈R/N⌉, …)
+        g = unit.pad(p.grad)
+        self._pending.append((unit, out, dist.reduce_scatter_single(out, g, group=self.group, async_op=True), g))
+        p.grad = None  # the full gradient is not kept
+
+    def finish_gradient_synchronization(self) -> None:
+        for unit, out, work, _ in self._pending:
+            work.wait()
+            unit.shard.grad = out.div_(self.n)
+        self._pending.clear()
+        average_flat([p.grad for p in self.params if p.dim() < 2 and p.grad is not None], self.group)
+
+    def all_gather_params(self) -> None:
+        works = []
+        for unit in self.units.values():
+            buf = unit.shard.new_empty((unit.shard_rows * self.n, *unit.shape[1:]))
+            works.append((unit, buf, dist.all_gather_single(buf, unit.shard.detach(), group=self.group,
+                                                            async_op=True)))
+        with torch.no_grad():
+            for unit, buf, work in works:
+                work.wait()
+                unit.full.copy_(buf[:unit.rows])
 
 
-def zero2_forward_backward(full, shards, x, group) -> torch.Tensor:
-    n, pending = dist.get_world_size(group), []
-
-    def reduce_scatter_grad(layer, w):  # runs the moment autograd has W_l's full gradient
-        out = torch.empty_like(shards[layer])  # (D/N, D)
-        work = dist.reduce_scatter_single(out, w.grad, group=group, async_op=True)
-        pending.append((layer, out, work, w.grad))  # keep the (D, D) grad alive until done
-        w.grad = None
-
-    hooks = [w.register_post_accumulate_grad_hook(lambda w, l=l: reduce_scatter_grad(l, w))
-             for l, w in enumerate(full)]
-    h = x  # (B/N, D)
-    for w in full:
-        h = F.gelu(h @ w, approximate="none")  # (B/N, D)
-    loss = loss_fn(h)
-    loss.backward()
-    for hook in hooks:
-        hook.remove()
-    for layer, out, work, _ in pending:
-        work.wait()
-        shards[layer].grad = out.div_(n)  # (D/N, D) shard of the global-mean gradient
-    return loss.detach()
+# --- builtin/fsdp2 -----------------------------------------------------------------------------
 
 
-def zero2_update(full, shards, opt, group) -> None:
-    opt.step()  # AdamW on the (D/N, D) shards, which are views of the full params' rows
-    works = [dist.all_gather_single(w.detach(), s, group=group, async_op=True) for w, s in zip(full, shards)]
-    for work in works:  # in place: each rank's own rows are already there (NCCL's in-place form)
-        work.wait()
-
-
-def fsdp2_model(cfg: Config, problem: Problem, ctx: RankContext):
+def fsdp2_model(model: nn.Module, ctx: RankContext) -> nn.Module:
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    model = build_model(cfg, problem, ctx.device)  # full weights, then sharded in place
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)  # one all-gather / reduce-scatter group per Block
-    fully_shard(model, mesh=mesh)  # root: owns no params here; runs lazy init, waits for grads
+    for block in getattr(model, "blocks", None) or model.layers:
+        fully_shard(block, mesh=mesh)  # one all-gather / reduce-scatter group per block
+    fully_shard(model, mesh=mesh)  # root: the embeddings, final norm and head (MLP: nothing)
     return model
 
 
-def fsdp2_forward_backward(model, x, opt) -> torch.Tensor:
-    opt.zero_grad(set_to_none=True)
-    loss = loss_fn(model(x))
-    loss.backward()  # FSDP2 reduce-scatters with the mean over ranks: no / N here
-    return loss.detach()
+# --- one Setup per variant, one loop for all ---------------------------------------------------
 
 
-def _fixture(tensors, n: int, group) -> list:
-    """Full W_l / dW_l (float64 NumPy): gather explicit row shards, or DTensor.full_tensor().T."""
-    if isinstance(tensors[0], DTensor):
-        return [to_numpy(t.full_tensor().T) for t in tensors]  # weight (out, in) -> W_l (in, out)
-    return [to_numpy(gather_rows(t.detach(), n, group)[0]) for t in tensors]
-
-
-def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankContext) -> Trained:
+def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankContext):
     if (style, variant) not in VARIANTS:
         raise ValueError(f"fsdp: unknown torch variant {style}/{variant}; choose from {VARIANTS}")
     cfg.check("fsdp")
     n, group, rows = ctx.world_size, ctx.group, cfg.batch // ctx.world_size
-    x = inputs(cfg, problem, ctx.device)[ctx.rank * rows:(ctx.rank + 1) * rows]  # (B/N, D)
-    assert x.shape == (cfg.batch // n, cfg.dim), x.shape
-    # copy=True: for float64 on CPU .to() would alias the fixture's NumPy memory, and ZeRO-2 updates in place
-    full = [torch.from_numpy(w).to(ctx.device, torch_dtype(cfg), copy=True) for w in problem.weights]  # W_l
+    mine = slice(ctx.rank * rows, (ctx.rank + 1) * rows)
+    x, y = inputs(cfg, problem, ctx.device)[mine], targets(cfg, problem, ctx.device)  # (B/N, D) | (B/N, T)
+    y = None if y is None else y[mine]  # (B/N, T)
+    assert x.shape[0] == cfg.batch // n, x.shape
+    model = build_model(cfg, problem, ctx.device)  # every rank: the same fixture, then sharded
+    names = [name for name, _ in model.named_parameters()]
+    fixture = lambda full: lambda ts: [to_fixture(model, nm, full(nm, t)) for nm, t in zip(names, ts)]
+    comm_theory = fsdp_comm_bytes(cfg, variant)
+
     if variant == "zero3":
-        shards = [torch.nn.Parameter(shard_rows(w, ctx.rank, n).clone()) for w in full]  # (D/N, D)
-        del full  # ZeRO-3 keeps only its rows
-        opt = make_optimizer(shards, cfg)
-        forward_backward, update = lambda: zero3_forward_backward(shards, x, group), opt.step
-        held, grads = shards, lambda: [s.grad for s in shards]
-    elif variant == "zero2":
-        full = [w.requires_grad_() for w in full]
-        shards = [shard_rows(w.detach(), ctx.rank, n) for w in full]  # (D/N, D) views into W_l
-        opt = make_optimizer(shards, cfg)
-        forward_backward = lambda: zero2_forward_backward(full, shards, x, group)
-        update = lambda: zero2_update(full, shards, opt, group)
-        held, grads = full, lambda: [s.grad for s in shards]
-    else:
-        model = fsdp2_model(cfg, problem, ctx)
-        opt = make_optimizer(model.parameters(), cfg)
-        forward_backward, update = lambda: fsdp2_forward_backward(model, x, opt), opt.step
-        held, grads = list(model.parameters()), lambda: [p.grad for p in model.parameters()]
+        fsdp = FSDP(model, group=group)
+        params = [p for _, p in fsdp.module.named_parameters()]  # shards + replicated vectors
+        opt = make_optimizer(params, cfg)
 
-    if ctx.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(ctx.device)
-    losses, step_times, grads0 = [], [], None
-    for k in range(cfg.steps):
-        with ctx.ledger.recording() if k == cfg.steps - 1 else contextlib.nullcontext():
-            t0 = time.perf_counter()
-            loss = forward_backward()  # () local mean over B/N rows
-            if k == 0:
-                grads0 = [g.detach().clone() for g in grads()]  # local shards; gathered below
-            update()
-            loss.item()  # waits for the device
-            step_times.append(time.perf_counter() - t0)
-        if k == cfg.steps - 1:
-            comm = ctx.ledger.summary()
-        if k == 0:
-            grads0 = _fixture(grads0, n, group)  # the check's all-gathers: outside every ledger
-        dist.all_reduce(loss, group=group)  # reporting only, outside the ledger (as in dp.py)
-        losses.append(loss.item() / n)
+        def forward_backward():
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(fsdp(x), y)  # mean over this rank's B/N rows
+            loss.backward()
+            fsdp.finish_gradient_synchronization()
+            return loss.detach()
 
-    extra = {"shard": "dim 0 of Linear.weight = columns of W_l" if variant == "fsdp2" else "rows of W_l",
-             "textbook_comm_bytes": zero2_comm_bytes(cfg) if variant == "zero2" else zero3_comm_bytes(cfg)}
-    if ctx.device.type == "cuda":
-        extra["peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
-    return Trained(
-        losses=losses,
-        grads0=grads0,
-        params=[to_numpy(w) for w in held] if variant == "zero2" else _fixture(held, n, group),
-        step_times=step_times,
-        comm=comm,
-        comm_theory={"zero2": zero2_comm_bytes, "zero3": zero3_skip_first_comm_bytes,
-                     "fsdp2": zero3_comm_bytes}[variant](cfg),
-        state_bytes={"params": tensor_bytes(held), "grads": tensor_bytes(grads()),  # local shards of DTensors
-                     "optimizer": optimizer_state_bytes(opt)},  # AdamW: exp_avg, exp_avg_sq
-        extra=extra,
-    )
+        return train_loop(cfg, ctx, Setup(forward_backward, opt.step, lambda: [p.grad for p in params],
+                                          fixture(fsdp.full_tensor), params, opt, comm_theory, group=group,
+                                          extra={"shard": "dim 0 of each ≥2-D parameter (Linear: columns of W)"}))
+    if variant == "zero2":
+        zero2 = Zero2(model, group)
+        params = model.parameters()
+        opt = make_optimizer(zero2.params, cfg)
+
+        def forward_backward():
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            zero2.finish_gradient_synchronization()
+            return loss.detach()
+
+        def update():
+            opt.step()
+            zero2.all_gather_params()
+
+        full = lambda nm, t: gather_full(zero2.units[nm], t, group) if nm in zero2.units else t.detach()
+        state = lambda: {"params": tensor_bytes(model.parameters()),
+                         "grads": tensor_bytes(p.grad for p in zero2.params if p.grad is not None),
+                         "optimizer": optimizer_state_bytes(opt)}
+        return train_loop(cfg, ctx, Setup(forward_backward, update, lambda: [p.grad for p in zero2.params],
+                                          fixture(full), zero2.params, opt, comm_theory, group=group,
+                                          state=state, extra={"shard": "dim 0 of each ≥2-D parameter"}))
+    model = fsdp2_model(model, ctx)
+    params = list(model.parameters())  # DTensors, Shard(0)
+    opt = make_optimizer(params, cfg)
+
+    def forward_backward():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()  # FSDP2 reduce-scatters with the mean over ranks: no / N here
+        return loss.detach()
+
+    full = lambda nm, t: t.full_tensor() if isinstance(t, DTensor) else t.detach()
+    return train_loop(cfg, ctx, Setup(forward_backward, opt.step, lambda: [p.grad for p in params],
+                                      fixture(full), params, opt, comm_theory, group=group,
+                                      extra={"shard": "dim 0 of each parameter (DTensor Shard(0))"}))

@@ -48,11 +48,15 @@ class Setup:
     fixture: local tensors (``params`` or ``grads()``, same order) -> full float64 fixture-
         orientation arrays in shared.problem.param_names order; may run collectives (it is called
         on every rank, outside the ledger); only rank 0's answer is used.
+    grads_fixture: the same for ``grads()`` when its tensors are laid out unlike ``params``
+        (e.g. ZeRO-1's flat gradient slice); default: ``fixture``.
     loss_reduction: "mean" (each rank's loss is the mean over its share of the batch: average over
         ``group``), "same" (every rank already holds the global loss), or "src:R" (rank R of the
         world holds it: broadcast, e.g. a pipeline's last stage).
     state: per-rank bytes {params, grads, optimizer}; default: tensor_bytes(params),
         tensor_bytes(grads()), optimizer_state_bytes(optimizer).
+    before_step: called before every step, outside the timer and the ledger (e.g. a barrier
+        that gives every rank's pipeline timeline a common start).
     """
 
     forward_backward: Callable[[], torch.Tensor]
@@ -65,7 +69,9 @@ class Setup:
     loss_reduction: str = "mean"
     group: Any = None
     state: Callable[[], dict[str, int]] | None = None
+    before_step: Callable[[], None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    grads_fixture: Callable[[list[torch.Tensor]], list[np.ndarray]] | None = None
 
 
 def reported_loss(loss: torch.Tensor, how: str, group=None) -> float:
@@ -89,6 +95,8 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
     losses, step_times, grads0, comm = [], [], None, {}
     for k in range(cfg.steps):
         last = k == cfg.steps - 1
+        if setup.before_step:
+            setup.before_step()
         with ctx.ledger.recording() if last else contextlib.nullcontext():
             t0 = time.perf_counter()
             loss = setup.forward_backward()
@@ -100,7 +108,7 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
         if last:
             comm = ctx.ledger.summary()
         if k == 0:
-            grads0 = setup.fixture(grads0)  # the check's gathers: outside every ledger
+            grads0 = (setup.grads_fixture or setup.fixture)(grads0)  # the check's gathers: outside every ledger
         losses.append(reported_loss(loss, setup.loss_reduction, setup.group))
     state = setup.state() if setup.state else {
         "params": tensor_bytes(setup.params), "grads": tensor_bytes(g for g in setup.grads() if g is not None),
@@ -135,7 +143,8 @@ def run_pattern(
         problem = make_problem(cfg)
         ref = _reference(cfg, ctx.device) if ctx.rank == 0 else None
         runs = []
-        for style, variant in variants or module.VARIANTS:
+        # a pattern may offer some variants for one model only: its variants(cfg), else VARIANTS
+        for style, variant in variants or getattr(module, "variants", lambda c: module.VARIANTS)(cfg):
             trained = module.train(cfg, problem, style, variant, ctx)
             runs.append((style, variant, trained))
         out.append({"cfg": cfg, "reference": ref, "runs": runs})

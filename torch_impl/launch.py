@@ -120,7 +120,7 @@ def launch(
                     if rank not in results and p.exitcode is not None:
                         # It may have posted just before exiting: drain once more.
                         time.sleep(0.2)
-                        _drain(results_q, results)
+                        _drain(results_q, results, procs)
                         if rank not in results:
                             raise LaunchError(f"rank {rank} died with {_describe_exit(p.exitcode)}") from None
                 if time.monotonic() > deadline:
@@ -135,14 +135,14 @@ def launch(
     return [results[r] for r in range(world_size)]
 
 
-def _drain(q, results: dict[int, Any]) -> None:
+def _drain(q, results: dict[int, Any], procs) -> None:
     while True:
         try:
             rank, status, payload = q.get_nowait()
         except queue_mod.Empty:
             return
-        if status == "error":
-            raise LaunchError(f"rank {rank} raised:\n{payload}")
+        if status == "error":  # maybe a reaction to the rank that died: name the dead first
+            raise LaunchError(_died_first(procs, results) + f"rank {rank} raised:\n{payload}")
         results[rank] = payload
 
 

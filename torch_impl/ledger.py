@@ -21,6 +21,7 @@ import contextlib
 from collections import defaultdict
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -116,6 +117,14 @@ class _LedgerMode(TorchDispatchMode):
         self.ledger = ledger
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # Modes run before tensor subclasses: a DTensor op would be forwarded with this mode off,
+        # hiding collectives DTensor issues inside an op (e.g. loss_parallel's all-reduces in
+        # log_softmax). Returning NotImplemented lets the subclass desugar it first, into plain
+        # ops and collectives this mode then sees (as CommDebugMode does). Only DTensor: NotImplemented
+        # would fail the op of other subclasses (a plain nn.Parameter, e.g. FSDP2's unsharded root
+        # parameters in backward; the FakeTensors of DTensor's sharding propagation).
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
         table = _TABLES.get(func.namespace)
         if table is not None:
             entry = table.get(func._overloadpacket.__name__)

@@ -1,17 +1,25 @@
 """Pipeline parallelism (GPipe, 1F1B) with torch.distributed point-to-point, trained end to end.
 
-Sharded: the L layers, in contiguous stages — rank s holds layers s·L/S … (s+1)·L/S − 1 (their
-weights, grads and AdamW state: Φ/S each). The batch (B, D) is cut into M micro-batches (B/M, D).
+Sharded: the model's blocks, in contiguous stages — rank s holds blocks s·L/S … (s+1)·L/S − 1
+(their weights, grads and AdamW state). Transformer: the embeddings (wte, wpe) also sit on stage
+0, the final norm and the head (and the loss) on stage S−1, so per-rank state is uneven:
+Φ_s = L/S·(12D² + 2D) + [s = 0]·(V+T)·D + [s = S−1]·(D + D·V) (shared.theory.pp_stage_param_count;
+MLP: Φ/S). ``Stage`` is torchtitan's pipeline split: the full model built on the meta device,
+the other stages' modules dropped, so parameter names stay the model's (``blocks.5.attn.qkv``).
+The batch is cut into M micro-batches: MLP (B/M, D) inputs; transformer (B/M, T) tokens (stage 0
+only) and (B/M, T) targets (last stage only).
 
 Communication per step, all point-to-point between neighbours (no collective in training):
-  fwd: stage s sends each micro-batch's activation (B/M, D) to s+1      — M sends unless last
-  bwd: stage s sends each activation-gradient (B/M, D) back to s−1      — M sends unless first
-  per rank: ((s < S−1) + (s > 0))·B·D·b on the wire (shared.theory.pp_p2p_bytes_per_rank).
+  fwd: stage s sends each micro-batch's activation to s+1          — M sends unless last
+  bwd: stage s sends each activation-gradient back to s−1          — M sends unless first
+  message: (B/M, D) MLP, (B/M, T, D) transformer; per rank ((s < S−1) + (s > 0))·B·D·b
+  (transformer ·T) on the wire (shared.theory.pp_p2p_bytes_per_rank).
 Reporting only (outside the ledger): the last stage broadcasts the step's loss (b bytes), and
-rank 0 gathers grads / params / timelines at the end.
+every stage's pieces are gathered at the end.
 
-Loss: each micro-batch's loss is mean(y²)/M, so the sum over micro-batches is the full-batch
-mean and the accumulated gradients equal the single-device ones.
+Loss: each micro-batch's loss (MLP mean(y²), transformer mean CE over its (B/M)·T positions) is
+divided by M, so the sum over micro-batches is the full-batch mean and the accumulated gradients
+equal the single-device ones.
 
 Schedules (Huang et al. 2019 "GPipe"; Narayanan et al. 2019 "PipeDream", 1F1B as in Megatron-LM):
   gpipe  all M forwards, then all M backwards: every stage stashes M micro-batches' activations.
@@ -24,48 +32,77 @@ sequence of exchanges (the steady state fuses "send activation + receive gradien
 "send gradient + receive activation" on s+1, as Megatron's p2p_communication does). This holds
 for any M ≥ 1, including M < S.
 
-builtin: torch.distributed.pipelining (PipelineStage + ScheduleGPipe / Schedule1F1B).
+builtin: torch.distributed.pipelining (PipelineStage + ScheduleGPipe / Schedule1F1B) on the same
+``Stage`` modules.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
-from shared.theory import pp_bubble_fraction, pp_p2p_bytes_per_rank
+from shared.theory import pp_bubble_fraction, pp_p2p_bytes_per_rank, pp_stage_param_count, pp_state_bytes
+from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
-    MLP,
-    fixture_grads,
-    fixture_weights,
+    empty_model,
     inputs,
+    load_fixture,
     loss_fn,
     make_optimizer,
-    optimizer_state_bytes,
-    tensor_bytes,
+    targets,
+    to_fixture,
     torch_dtype,
 )
 
 VARIANTS = (("explicit", "gpipe"), ("explicit", "1f1b"), ("builtin", "gpipe"), ("builtin", "1f1b"))
 
 
-def build_stage(cfg: Config, problem: Problem, stage: int, device) -> MLP:
-    """Stage ``stage``'s slice of the MLP: blocks for layers stage·L/S … (stage+1)·L/S − 1."""
-    per = cfg.layers // cfg.world_size
-    module = MLP(per, cfg.dim, torch_dtype(cfg), device)
-    with torch.no_grad():
-        for block, w in zip(module.layers, problem.weights[stage * per:(stage + 1) * per]):
-            block.linear.weight.copy_(torch.from_numpy(w.T.copy()))  # (D, D) == W_l.T
-    return module
+class Stage(nn.Module):
+    """Stage ``stage`` of ``stages`` cut from a full model (torchtitan's split: keep this stage's
+    modules, drop the rest). MLP: ``layers`` s·L/S … ; transformer: ``wte``/``wpe`` on the first
+    stage, ``blocks`` s·L/S …, ``normf``/``head`` on the last. Blocks sit in a ModuleDict keyed by
+    their global index, so ``named_parameters()`` gives the full model's names, in its order."""
+
+    def __init__(self, model: nn.Module, stage: int, stages: int):
+        super().__init__()
+        self.stack = "blocks" if hasattr(model, "blocks") else "layers"  # transformer / MLP
+        blocks = getattr(model, self.stack)
+        per = len(blocks) // stages
+        self.embeds = self.stack == "blocks" and stage == 0
+        self.heads = self.stack == "blocks" and stage == stages - 1
+        if self.embeds:
+            self.wte, self.wpe = model.wte, model.wpe
+        setattr(self, self.stack, nn.ModuleDict({str(l): blocks[l] for l in range(stage * per, (stage + 1) * per)}))
+        if self.heads:
+            self.normf, self.head = model.normf, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embeds:  # x: (B/M, T) token ids
+            x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))  # (B/M, T, D)
+        for block in getattr(self, self.stack).values():
+            x = block(x)  # (B/M, D) MLP, (B/M, T, D) transformer
+        return self.head(self.normf(x)) if self.heads else x  # last transformer stage: (B/M, T, V) logits
+
+
+def build_stage(cfg: Config, problem: Problem, stage: int, device) -> Stage:
+    """Stage ``stage`` holding the fixture's parameters; only its own modules are allocated."""
+    module = Stage(empty_model(cfg, "meta"), stage, cfg.world_size).to_empty(device=device)
+    return load_fixture(module, problem.params)
+
+
+def activation(cfg: Config) -> tuple[int, ...]:
+    """Shape of one micro-batch's activation between stages: (B/M, D) MLP, (B/M, T, D) transformer."""
+    rows = cfg.batch // cfg.microbatches
+    return (rows, cfg.dim) if cfg.model == "mlp" else (rows, cfg.seq, cfg.dim)
 
 
 def exchange(ctx: RankContext, send_fwd=None, send_bwd=None, recv_fwd=None, recv_bwd=None):
@@ -87,15 +124,19 @@ def exchange(ctx: RankContext, send_fwd=None, send_bwd=None, recv_fwd=None, recv
     return x, dy
 
 
-def explicit_step(schedule: str, module: MLP, x: torch.Tensor, cfg: Config, ctx: RankContext, t0: float):
-    """One training step's forward and backward over M micro-batches. Returns (this stage's
-    sum of scaled micro-batch losses — the full-batch loss on the last stage, 0 elsewhere —,
-    timeline of F/B blocks, peak number of micro-batches whose activations were stashed)."""
+def explicit_step(schedule: str, module: Stage, x: torch.Tensor, y: torch.Tensor | None, cfg: Config,
+                  ctx: RankContext, t0: float):
+    """One training step's forward and backward over M micro-batches; ``x`` the batch's inputs,
+    ``y`` its targets (None for the MLP). Returns (this stage's sum of scaled micro-batch losses —
+    the full-batch loss on the last stage, 0 elsewhere —, timeline of F/B blocks, peak number of
+    micro-batches whose activations were stashed)."""
     S, s, M = ctx.world_size, ctx.rank, cfg.microbatches
     first, last = s == 0, s == S - 1
-    xs = x.chunk(M)  # M × (B/M, D); only stage 0 reads them
-    buf = lambda: torch.empty(cfg.batch // M, cfg.dim, dtype=x.dtype, device=x.device)  # (B/M, D)
-    stash, timeline, peak, loss = {}, [], 0, torch.zeros((), dtype=x.dtype, device=x.device)
+    dtype = torch_dtype(cfg)
+    xs = x.chunk(M)  # M × (B/M, D) or (B/M, T) tokens; only stage 0 reads them
+    ys = y.chunk(M) if y is not None else [None] * M  # M × (B/M, T) targets; only the last stage
+    buf = lambda: torch.empty(activation(cfg), dtype=dtype, device=x.device)  # (B/M, D) / (B/M, T, D)
+    stash, timeline, peak, loss = {}, [], 0, torch.zeros((), dtype=dtype, device=x.device)
 
     def clock():  # seconds since the step began; on GPU wait for the kernels first
         if x.is_cuda:
@@ -105,22 +146,24 @@ def explicit_step(schedule: str, module: MLP, x: torch.Tensor, cfg: Config, ctx:
     def forward(mb, x_in):
         nonlocal peak, loss
         start = clock()
-        x_in = xs[mb] if first else x_in.requires_grad_()  # (B/M, D)
-        y = module(x_in)  # (B/M, D)
+        x_in = xs[mb] if first else x_in.requires_grad_()  # (B/M, D) / (B/M, T) tokens / (B/M, T, D)
+        out = module(x_in)  # (B/M, D) / (B/M, T, D); last transformer stage (B/M, T, V)
         if last:
-            y = loss_fn(y) / M  # scalar: this micro-batch's share of the full-batch mean
-            loss = loss + y.detach()
-        stash[mb] = (x_in, y)
+            out = loss_fn(out, ys[mb]) / M  # scalar: this micro-batch's share of the full-batch mean
+            loss = loss + out.detach()
+        else:
+            assert out.shape == activation(cfg), (out.shape, activation(cfg))
+        stash[mb] = (x_in, out)
         peak = max(peak, len(stash))
         timeline.append({"stage": s, "kind": "F", "mb": mb, "start": start, "end": clock()})
-        return None if last else y.detach()
+        return None if last else out.detach()
 
     def backward(mb, dy):
         start = clock()
-        x_in, y = stash.pop(mb)
-        torch.autograd.backward(y, None if last else dy)  # accumulates this stage's dW
+        x_in, out = stash.pop(mb)
+        torch.autograd.backward(out, None if last else dy)  # accumulates this stage's dW
         timeline.append({"stage": s, "kind": "B", "mb": mb, "start": start, "end": clock()})
-        return None if first else x_in.grad  # (B/M, D): gradient for stage s−1
+        return None if first else x_in.grad  # gradient for stage s−1, shaped like the activation
 
     if schedule == "gpipe":
         for mb in range(M):
@@ -146,29 +189,35 @@ def explicit_step(schedule: str, module: MLP, x: torch.Tensor, cfg: Config, ctx:
     return loss, timeline, peak
 
 
-def make_builtin(variant: str, module: MLP, cfg: Config, ctx: RankContext, x: torch.Tensor):
-    """torch.distributed.pipelining's stage and schedule. The schedule calls loss_fn(y, target)
+def make_builtin(variant: str, module: Stage, cfg: Config, ctx: RankContext, x: torch.Tensor):
+    """torch.distributed.pipelining's stage and schedule. The schedule calls loss_fn(out, target)
     once per micro-batch and (scale_grads=True) divides the summed gradients by M afterwards:
-    mse_loss(y, 0) = mean(y²) of the micro-batch, so the result is the full-batch mean's gradient."""
-    S, M = ctx.world_size, cfg.microbatches
-    # Static metadata (B/M, D) skips the shape-inference round trip; requires_grad marks which
-    # tensors have gradients to send back (every stage's output, inputs except stage 0's).
-    meta = lambda grad: torch.empty(cfg.batch // M, cfg.dim, dtype=x.dtype, device=x.device, requires_grad=grad)
-    stage = PipelineStage(module, ctx.rank, S, ctx.device, input_args=meta(ctx.rank > 0), output_args=meta(True))
+    loss_fn is the micro-batch mean (MLP mean(y²) against a zero target, transformer mean CE), so
+    the result is the full-batch mean's gradient."""
+    S, s, M = ctx.world_size, ctx.rank, cfg.microbatches
+    # Static metadata skips the shape-inference round trip; requires_grad marks which tensors
+    # have gradients to send back (every stage's output, inputs except stage 0's).
+    meta = lambda shape: torch.empty(shape, dtype=torch_dtype(cfg), device=x.device, requires_grad=True)
+    act = activation(cfg)  # (B/M, D) / (B/M, T, D)
+    first_in = torch.empty((cfg.batch // M, *x.shape[1:]), dtype=x.dtype, device=x.device)  # (B/M, D) / (B/M, T) ids
+    last_out = act if cfg.model == "mlp" else act[:-1] + (cfg.vocab,)  # (B/M, D) / (B/M, T, V) logits
+    stage = PipelineStage(module, s, S, ctx.device, input_args=first_in if s == 0 else meta(act),
+                          output_args=meta(last_out if s == S - 1 else act))
     # Schedule1F1B raises ValueError for M < S (torch 2.13): ScheduleGPipe runs instead (same
     # gradients; stages s > S − M stash M micro-batches, not S − s); extra["builtin_schedule"] says so.
     cls = Schedule1F1B if variant == "1f1b" and M >= S else ScheduleGPipe
-    return cls(stage, M, loss_fn=lambda y, target: F.mse_loss(y, target), scale_grads=True)
+    mlp_target = lambda out, target: loss_fn(out - target)  # mean(y²): the target is zeros
+    return cls(stage, M, loss_fn=mlp_target if cfg.model == "mlp" else loss_fn, scale_grads=True)
 
 
-def builtin_step(schedule, cfg: Config, ctx: RankContext, x: torch.Tensor) -> torch.Tensor:
+def builtin_step(schedule, cfg: Config, ctx: RankContext, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
     first, last = ctx.rank == 0, ctx.rank == ctx.world_size - 1  # one stage (S = 1) is both
     args = (x,) if first else ()
     if not last:
         schedule.step(*args)
-        return torch.zeros((), dtype=x.dtype, device=x.device)
+        return torch.zeros((), dtype=torch_dtype(cfg), device=x.device)
     losses = []  # M unscaled micro-batch means
-    schedule.step(*args, target=torch.zeros_like(x), losses=losses)
+    schedule.step(*args, target=torch.zeros_like(x) if y is None else y, losses=losses)
     return torch.stack(losses).mean().detach()
 
 
@@ -186,59 +235,56 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     S, s, M = ctx.world_size, ctx.rank, cfg.microbatches
     assert cfg.world_size == S, (cfg.world_size, S)
     module = build_stage(cfg, problem, s, ctx.device)
+    named = list(module.named_parameters())
     opt = make_optimizer(module.parameters(), cfg)
-    x = inputs(cfg, problem, ctx.device)  # (B, D)
+    x, y = inputs(cfg, problem, ctx.device), targets(cfg, problem, ctx.device)  # (B, D) / (B, T), (B, T)
     schedule = make_builtin(variant, module, cfg, ctx, x) if style == "builtin" else None
-    losses, step_times, grads0 = [], [], None
-    for step in range(cfg.steps):
-        dist.barrier()  # common start for the timeline
-        t0 = time.perf_counter()
-        ledger = ctx.ledger.recording() if step == cfg.steps - 1 else contextlib.nullcontext()
-        with ledger:  # the last step's training traffic: activations and gradients only
-            opt.zero_grad(set_to_none=True)
-            if style == "explicit":
-                loss, timeline, peak = explicit_step(variant, module, x, cfg, ctx, t0)
-            else:
-                loss = builtin_step(schedule, cfg, ctx, x)
-            if step == 0:
-                grads0 = fixture_grads(module)
-            opt.step()
-        dist.broadcast(loss, src=S - 1)  # reporting: every rank prints the last stage's loss
-        losses.append(loss.item())
-        step_times.append(time.perf_counter() - t0)
-    comm = ctx.ledger.summary()
+    last_step = {}  # the explicit schedule's timeline and peak stash of the latest step
 
-    # Gather every stage's pieces on every rank (reporting only, after the last step).
-    mine = {"grads0": grads0, "params": fixture_weights(module), "comm": comm, "losses": losses}
-    if style == "explicit":
-        mine.update(timeline=timeline, peak=peak)
+    def forward_backward() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        if style == "builtin":
+            return builtin_step(schedule, cfg, ctx, x, y)
+        loss, last_step["timeline"], last_step["peak"] = explicit_step(
+            variant, module, x, y, cfg, ctx, time.perf_counter())
+        return loss
+
+    def fixture(tensors: list[torch.Tensor]) -> list:
+        """Every stage's arrays (fixture orientation), gathered; stage order = fixture order."""
+        mine = [to_fixture(module, name, t) for (name, _), t in zip(named, tensors, strict=True)]
+        every: list = [None] * S
+        dist.all_gather_object(every, mine)
+        return [a for stage in every for a in stage]
+
+    setup = Setup(
+        forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for _, p in named],
+        fixture=fixture, params=[p for _, p in named], optimizer=opt,
+        comm_theory=pp_p2p_bytes_per_rank(cfg, s), loss_reduction=f"src:{S - 1}",
+        before_step=dist.barrier,  # a common start for every stage's timeline
+    )
+    trained = train_loop(cfg, ctx, setup)
+
+    # Gather every stage's view (reporting only, after the last step).
+    mine = {"losses": trained.losses, "comm": trained.comm, "state": trained.state_bytes, **last_step}
     every: list[dict] = [None] * S
     dist.all_gather_object(every, mine)
-    extra = {
+    trained.extra.update({
         "losses_per_rank": [e["losses"] for e in every],
         "comm_per_rank": [e["comm"] for e in every],
         "comm_theory_per_rank": [pp_p2p_bytes_per_rank(cfg, r) for r in range(S)],
+        "state_bytes_per_rank": [e["state"] for e in every],  # uneven: embeddings on 0, head on S−1
+        "state_bytes_theory_per_rank": [pp_state_bytes(pp_stage_param_count(cfg, r), cfg) for r in range(S)],
         "loss_broadcast_bytes": cfg.bytes_per_element,  # per step, outside the ledger
         "bubble_theory": pp_bubble_fraction(S, M),
-    }
+    })
     if style == "explicit":
         timeline = sorted((e for r in every for e in r["timeline"]), key=lambda e: (e["stage"], e["start"]))
-        extra.update(timeline=timeline, peak_activations=[e["peak"] for e in every], **bubble_stats(timeline, S))
+        trained.extra.update(timeline=timeline, peak_activations=[e["peak"] for e in every],
+                             **bubble_stats(timeline, S))
     else:
-        extra["builtin_schedule"] = type(schedule).__name__
+        trained.extra["builtin_schedule"] = type(schedule).__name__
         # The stage and schedule sit in reference cycles; left to the collector at interpreter
         # exit (after the process group is destroyed) they abort the rank ~1 launch in 20.
-        del schedule
+        del schedule, setup
         gc.collect()
-    params = list(module.parameters())
-    return Trained(
-        losses=losses,
-        grads0=[g for e in every for g in e["grads0"]],
-        params=[w for e in every for w in e["params"]],
-        step_times=step_times,
-        comm=comm,
-        comm_theory=pp_p2p_bytes_per_rank(cfg, s),
-        state_bytes={"params": tensor_bytes(params), "grads": tensor_bytes(params),
-                     "optimizer": optimizer_state_bytes(opt)},
-        extra=extra,
-    )
+    return trained

@@ -1,81 +1,157 @@
-"""Tensor parallelism (TP): every weight is split across the tp ranks; every rank sees the full batch.
+"""Tensor parallelism (TP, Megatron-LM: Shoeybi et al. 2019, arXiv:1909.08053, §3): every weight
+matrix is split over the tp ranks; every rank sees the full batch.
 
-From Megatron-LM (Shoeybi et al. 2019, arXiv:1909.08053, §3) and the CS336 lecture-8 code, which
-stops at the forward pass and gives each rank a random shard. Here rank r's shard is a SLICE of
-the fixture weight W_l, and we train: forward, backward, AdamW (each rank steps its own shard, so
-the shards of one W_l stay slices of one consistent weight). S = B·D·b below.
+A TP layout is a PLAN: a small table from module path (``*`` = one path segment, as in
+``parallelize_module`` and torchtitan's ``parallelize_llama``) to a parallel style, applied to any
+model by one function: ``apply_plan`` (explicit: sharded weights + Megatron's f/g as module hooks)
+or ``parallelize_module`` with ``DTENSOR_STYLES[style]`` (builtin). Styles (weights as nn.Linear
+stores them, (out, in)):
 
-- explicit/allgather (the CS336 scheme): every layer column-parallel, rank r holds
-  W_l[:, r·D/tp:(r+1)·D/tp] (D, D/tp). fwd: y = gelu(x @ W_l,r) (B, D/tp) -- GELU is elementwise,
-  so it runs on the shard BEFORE the gather (1/tp of the work) -- then all-gather -> (B, D).
-  bwd: the next layer reads only its own columns, so rank r holds a *partial* dL/dx; the backward
-  of the all-gather is a reduce-scatter (sum the partials, keep my columns). The last gather feeds
-  the loss, which every rank computes from the same full output: that gradient is already complete
-  and identical on every rank, so its backward is a local slice, no collective.
-  Per step per rank: L all-gathers + (L-1) reduce-scatters, S each; wire (2L-1)·S·(tp-1)/tp.
-- explicit/megatron: layers in pairs, column-parallel (D, D/tp) then row-parallel (D/tp, D), GELU
-  local in between; Megatron's f (identity fwd, all-reduce bwd) before each pair and g (all-reduce
-  fwd, identity bwd) after it. Odd L: the last layer is column-parallel + all-gather (as above).
-  Per step per rank: floor(L/2) all-reduces fwd (g) + ceil(L/2)-1 bwd (f; the first f has nothing
-  to reduce: x needs no gradient) + (L mod 2) all-gathers, S each.
-- builtin/dtensor: the same Megatron plan by ``parallelize_module`` with ColwiseParallel /
-  RowwiseParallel; DTensor issues functional collectives (``_c10d_functional.*``, seen by the ledger).
+    colwise        rows of weight (output features) split; f before (identity fwd, all-reduce bwd)
+    colwise_heads  colwise over whole heads: rows [q_r; k_r; v_r] of W_qkv (heads_perm reorders)
+    rowwise        columns (input features) split; g after (all-reduce fwd, identity bwd)
+    vocab_embed    embedding rows [r·V/tp, (r+1)·V/tp); other tokens give zero rows; g after
+    colwise_vocab  the LM head: colwise, logits stay split (B, T, V/tp) for vocab_parallel_ce
+    colwise_out    colwise + all-gather of the output (MLP, odd L: the last layer; bwd a slice)
+    colwise_gather colwise + all-gather, no f (MLP allgather scheme: bwd reduce-scatter)
 
-Loss: every rank holds the full output, so the loss needs no collective.
-Memory per rank: params, grads, AdamW moments all 1/tp: Φ·b/tp, Φ·b/tp, 2·Φ·b/tp.
+Transformer (TRANSFORMER_PLAN; norms and wpe replicated): per block 2 all-reduces of B·T·D
+forward (g after attn.o, mlp.down) and 2 backward (f before attn.qkv, mlp.up); plus the embedding's
+g (fwd) and the head's f (bwd), and the vocab-parallel loss's all-reduces: MAX of the row max
+(B, T), SUM of (2, B, T) (target logit, Σexp; DTensor's loss_parallel: 3 of (B, T)); its backward
+is local (softmax − onehot on the own vocab slice). Per step per rank: (4L+2)·B·T·D·b + 3·B·T·b
+(shared.theory.tp_transformer_comm). The norm gains and wpe see
+identical inputs and gradients on every rank (f/g keep the residual stream replicated): no
+collective for them, and ``fixture`` asserts the ranks agree. The full logits never exist.
+
+MLP (the CS336 lecture-8 model, ``mlp_plan``): allgather — every layer colwise_gather: L all-gathers
+fwd + L−1 reduce-scatters bwd of S = B·D·b (the last gather's bwd is a slice: the loss is computed
+from the same full output everywhere); megatron — colwise/rowwise pairs, ⌊L/2⌋ all-reduces fwd +
+⌈L/2⌉−1 bwd (layer 0's f has nothing to reduce), odd L: colwise_out (+1 all-gather). allgather is
+MLP-only: in a residual network the gradient of the gathered stream is part partial (the next
+matmul) and part replicated (the residual path), which is Megatron's f, not a reduce-scatter.
+
+builtin/dtensor: the same plan through ``parallelize_module`` (Colwise/RowwiseParallel; the head
+ColwiseParallel(output_layouts=Shard(-1)) and the loss under ``loss_parallel()``); W_qkv's rows are
+permuted at load time (heads_perm) so DTensor's contiguous Shard(0) gives each rank [q_r; k_r; v_r],
+and un-permuted in ``fixture``. DTensor issues the same collectives, one for one.
+Memory per rank: split weights /tp, replicated norms and wpe whole (tp_state_bytes).
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
+from fnmatch import fnmatch
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
 from shared.theory import tp_comm_bytes
+from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
-from torch_impl.model import (
-    build_model,
-    inputs,
-    loss_fn,
-    make_optimizer,
-    optimizer_state_bytes,
-    tensor_bytes,
-    to_numpy,
-    torch_dtype,
-)
+from torch_impl.model import build_model, inputs, is_transposed, loss_fn, make_optimizer, targets, to_fixture
 
 VARIANTS = (("explicit", "allgather"), ("explicit", "megatron"), ("builtin", "dtensor"))
 
+TRANSFORMER_PLAN = {
+    "wte": "vocab_embed",
+    "blocks.*.attn.qkv": "colwise_heads",
+    "blocks.*.attn.o": "rowwise",
+    "blocks.*.mlp.up": "colwise",
+    "blocks.*.mlp.down": "rowwise",
+    "head": "colwise_vocab",
+}
+DTENSOR_STYLES = {
+    "vocab_embed": lambda: RowwiseParallel(input_layouts=Replicate()),  # as torchtitan's tok_embeddings
+    "colwise_heads": lambda: ColwiseParallel(),  # rows pre-permuted by heads_perm
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "colwise_vocab": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    "colwise_out": lambda: ColwiseParallel(output_layouts=Replicate()),
+}
+SHARD_DIM = {"colwise": 0, "colwise_heads": 0, "colwise_vocab": 0, "colwise_out": 0, "colwise_gather": 0,
+             "rowwise": 1, "vocab_embed": 0}  # dim of the torch weight that is split
 
-def layer_kinds(layers: int, variant: str) -> list[str]:
-    """Per layer: "col" (rank holds W_l[:, shard], (D, D/tp)) or "row" (W_l[shard, :], (D/tp, D))."""
+
+def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
+    """allgather is MLP-only (see the module docstring)."""
+    return VARIANTS if cfg.model == "mlp" else tuple(v for v in VARIANTS if v[1] != "allgather")
+
+
+def mlp_plan(layers: int, variant: str) -> dict[str, str]:
     if variant == "allgather":
-        return ["col"] * layers
-    return ["col", "row"] * (layers // 2) + ["col"] * (layers % 2)  # odd L: last col + all-gather
+        return {f"layers.{l}.linear": "colwise_gather" for l in range(layers)}
+    kinds = ["colwise", "rowwise"] * (layers // 2) + ["colwise_out"] * (layers % 2)
+    return {f"layers.{l}.linear": k for l, k in enumerate(kinds)}
 
 
-def shard_of(w: np.ndarray, kind: str, rank: int, n: int) -> np.ndarray:
-    k = w.shape[0] // n
-    return w[:, rank * k:(rank + 1) * k] if kind == "col" else w[rank * k:(rank + 1) * k, :]
+def plan_for(cfg: Config, variant: str) -> dict[str, str]:
+    return mlp_plan(cfg.layers, variant) if cfg.model == "mlp" else TRANSFORMER_PLAN
 
 
-# --- the collectives as autograd Functions (plain dist.* calls have no autograd) --------------
+def matches(path: str, pattern: str) -> bool:
+    """``*`` matches one path segment (parallelize_module's rule)."""
+    a, b = path.split("."), pattern.split(".")
+    return len(a) == len(b) and all(fnmatch(x, y) for x, y in zip(a, b, strict=True))
+
+
+def styles_of(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """{parameter name: style} for every parameter the plan splits (the rest are replicated)."""
+    out = {}
+    for path, _ in model.named_modules():
+        for pattern, style in plan.items():
+            if matches(path, pattern):
+                out[f"{path}.weight"] = style
+    return out
+
+
+def heads_perm(rows: int, n: int) -> torch.Tensor:
+    """Row order of W_qkv (3D, D) making rank r's contiguous block [q_r; k_r; v_r] (its heads)."""
+    return torch.arange(rows).view(3, n, rows // 3 // n).transpose(0, 1).reshape(-1)
+
+
+# --- Megatron's f and g, the all-gather, as autograd Functions ----------------------------------
+
+
+class CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce backward (each rank's dL/dx is partial)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()  # (…, D)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward (sum the row-parallel partial products), identity backward."""
+
+    @staticmethod
+    def forward(ctx, z, group):
+        z = z.clone()  # (…, D), partial sum on each rank
+        dist.all_reduce(z, group=group)
+        return z
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 class GatherColumns(torch.autograd.Function):
-    """fwd: all-gather the (B, D/tp) shards along the feature dim -> (B, D).
-    bwd: grad_is_partial -> reduce-scatter (sum every rank's partial dL/dx, keep my columns);
-    else the grad is already full and identical everywhere -> keep my columns, no collective."""
+    """fwd: all-gather (B, D/tp) shards along the feature dim -> (B, D). bwd: grad_is_partial ->
+    reduce-scatter (sum every rank's partial dL/dx, keep my columns); else a local slice."""
 
     @staticmethod
     def forward(ctx, y, group, grad_is_partial: bool):
@@ -86,149 +162,169 @@ class GatherColumns(torch.autograd.Function):
         return out.view(n, b, k).permute(1, 0, 2).reshape(b, n * k)  # (B, D)
 
     @staticmethod
-    def backward(ctx, grad):  # grad: (B, D)
+    def backward(ctx, grad):  # (B, D)
         n = dist.get_world_size(ctx.group)
         b, k = grad.shape[0], grad.shape[1] // n
         if not ctx.partial:
             return grad[:, ctx.rank * k:(ctx.rank + 1) * k], None, None  # (B, D/tp)
         chunks = grad.reshape(b, n, k).permute(1, 0, 2).reshape(n * b, k)  # (tp·B, D/tp)
-        out = grad.new_empty(b, k)  # (B, D/tp)
+        out = grad.new_empty(b, k)
         dist.reduce_scatter_single(out, chunks, group=ctx.group)
         return out, None, None
 
 
-class CopyToTP(torch.autograd.Function):
-    """Megatron's f: identity forward, all-reduce backward (each rank's dL/dx is partial)."""
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy from vocab-split logits (B, T, V/tp): all-reduce MAX of the row max (B, T),
+    then one SUM of (2, B, T): the target logit (found on one rank, zero elsewhere) and Σexp.
+    Backward is local: (softmax − onehot) on the own vocab slice, no collective."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)  # (B, D)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()  # (B, D)
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class ReduceFromTP(torch.autograd.Function):
-    """Megatron's g: all-reduce forward (sum the row-parallel partial products), identity backward."""
-
-    @staticmethod
-    def forward(ctx, z, group):
-        z = z.clone()  # (B, D), partial sum on each rank
-        dist.all_reduce(z, group=group)
-        return z
+    def forward(ctx, logits, target, group):
+        v, r = logits.shape[-1], dist.get_rank(group)
+        m = logits.amax(dim=-1)  # (B, T)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - m.unsqueeze(-1)  # (B, T, V/tp)
+        local = target - r * v  # target ids in my slice: 0 <= local < V/tp
+        mine = (local >= 0) & (local < v)
+        local = torch.where(mine, local, 0)
+        picked = torch.where(mine, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)  # (B, T)
+        exp = shifted.exp()
+        sums = torch.stack([picked, exp.sum(dim=-1)])  # (2, B, T): one all-reduce for both sums
+        dist.all_reduce(sums, group=group)
+        picked, sumexp = sums
+        ctx.save_for_backward(exp / sumexp.unsqueeze(-1), local, mine)
+        return (sumexp.log() - picked).mean()
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        softmax, local, mine = ctx.saved_tensors
+        onehot = torch.zeros_like(softmax).scatter_(-1, local.unsqueeze(-1), mine.unsqueeze(-1).to(softmax.dtype))
+        return (softmax - onehot) * (grad / local.numel()), None, None  # (B, T, V/tp)
 
 
-# --- the two explicit forwards (rank code: local shapes asserted) ------------------------------
+# --- the one function that applies a plan (explicit) ------------------------------------------------
 
 
-def forward_allgather(shards: list[torch.Tensor], x: torch.Tensor, group) -> torch.Tensor:
-    b, d = x.shape
+def shard(w: torch.Tensor, style: str, rank: int, n: int) -> torch.Tensor:
+    if style == "colwise_heads":
+        w = w[heads_perm(w.shape[0], n)]
+    return w.chunk(n, dim=SHARD_DIM[style])[rank].contiguous()
+
+
+def unshard(local: torch.Tensor, style: str, group) -> torch.Tensor:
+    """The full weight from every rank's shard (all-gather along the split dim)."""
+    d, n = SHARD_DIM[style], dist.get_world_size(group)
+    rows = local.detach().movedim(d, 0).contiguous()
+    full = rows.new_empty(n * rows.shape[0], *rows.shape[1:])
+    dist.all_gather_single(full, rows, group=group)
+    full = full.movedim(0, d)
+    if style == "colwise_heads":
+        full = full[torch.argsort(heads_perm(full.shape[0], n))]
+    return full
+
+
+def apply_plan(model: nn.Module, plan: dict[str, str], group) -> dict[str, str]:
+    """Swap in this rank's shard of every planned weight and hook in f / g / the gather.
+    Returns {parameter name: style}."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    styles, last = styles_of(model, plan), f"{list(plan)[-1]}.weight"  # the last gather feeds the loss
+    for name, style in styles.items():
+        module = model.get_submodule(name.removesuffix(".weight"))
+        module.weight = nn.Parameter(shard(module.weight.detach(), style, rank, n))
+        f = lambda m, args: (CopyToTP.apply(args[0], group),)
+        g = lambda m, args, out: ReduceFromTP.apply(out, group)
+        if style in ("colwise", "colwise_heads", "colwise_vocab", "colwise_out"):
+            module.register_forward_pre_hook(f)
+        if style == "rowwise":
+            module.register_forward_hook(g)
+        if style in ("colwise_out", "colwise_gather"):
+            partial = style == "colwise_gather" and not matches(name, last)  # else its grad is replicated
+            module.register_forward_hook(lambda m, args, out, p=partial: GatherColumns.apply(out, group, p))
+        if style == "vocab_embed":
+            rows, mask = module.weight.shape[0], {}
+
+            def to_local_ids(m, args, rows=rows, mask=mask):
+                local = args[0] - rank * rows  # (B, T)
+                mask["mine"] = (local >= 0) & (local < rows)
+                return (torch.where(mask["mine"], local, 0),)
+
+            module.register_forward_pre_hook(to_local_ids)
+            module.register_forward_hook(
+                lambda m, args, out, mask=mask: ReduceFromTP.apply(out * mask["mine"].unsqueeze(-1), group))
+    return styles
+
+
+def apply_dtensor_plan(model: nn.Module, plan: dict[str, str], mesh) -> dict[str, str]:
+    """The same plan through ``parallelize_module``. W_qkv's rows are permuted first (heads_perm),
+    so DTensor's contiguous Shard(0) hands rank r [q_r; k_r; v_r]. Returns {parameter name: style}."""
+    styles = styles_of(model, plan)
+    with torch.no_grad():
+        for name in (k for k, s in styles.items() if s == "colwise_heads"):
+            w = model.get_parameter(name)  # (3D, D)
+            w.copy_(w[heads_perm(w.shape[0], mesh.size())])
+    parallelize_module(model, mesh, {k: DTENSOR_STYLES[s]() for k, s in plan.items()})
+    return styles
+
+
+def check_replicated(t: torch.Tensor, name: str, group) -> None:
+    """A replicated parameter (norm gain, wpe) or its gradient must be identical on every rank."""
     n = dist.get_world_size(group)
-    for l, w in enumerate(shards):
-        assert w.shape == (d, d // n), w.shape
-        y = F.gelu(x @ w, approximate="none")  # (B, D/tp): GELU before the gather
-        x = GatherColumns.apply(y, group, l < len(shards) - 1)  # (B, D)
-    return x
-
-
-def forward_megatron(shards: list[torch.Tensor], x: torch.Tensor, group) -> torch.Tensor:
-    b, d = x.shape
-    n = dist.get_world_size(group)
-    for wa, wb in zip(shards[0::2], shards[1::2], strict=False):  # (col, row) pairs; odd L: last one left
-        assert wa.shape == (d, d // n) and wb.shape == (d // n, d), (wa.shape, wb.shape)
-        h = F.gelu(CopyToTP.apply(x, group) @ wa, approximate="none")  # f; (B, D/tp)
-        x = F.gelu(ReduceFromTP.apply(h @ wb, group), approximate="none")  # g; (B, D)
-    if len(shards) % 2:  # odd L: a lone column-parallel layer, gathered for the loss
-        w = shards[-1]
-        assert w.shape == (d, d // n), w.shape
-        y = F.gelu(CopyToTP.apply(x, group) @ w, approximate="none")  # (B, D/tp)
-        x = GatherColumns.apply(y, group, False)  # (B, D)
-    return x
-
-
-def gather_full(shard: torch.Tensor, kind: str, group) -> torch.Tensor:
-    """The full (D, D) weight (fixture orientation) from every rank's shard."""
-    rows = shard.detach().T if kind == "col" else shard.detach()  # (D/tp, D)
-    full = rows.new_empty(dist.get_world_size(group) * rows.shape[0], rows.shape[1])  # (D, D)
-    dist.all_gather_single(full, rows.contiguous(), group=group)
-    return full.T if kind == "col" else full
-
-
-# --- builtin: DTensor ----------------------------------------------------------------------------
-
-
-def parallelize_megatron(model: torch.nn.Module, mesh, kinds: list[str]) -> torch.nn.Module:
-    """Colwise shards linear.weight's rows (= W_l's columns), Rowwise its columns (= W_l's rows).
-    Colwise keeps its output Shard(-1) (GELU local), Rowwise all-reduces to Replicate; an odd last
-    layer is Colwise with a Replicate output (all-gather; DTensor applies GELU after the gather)."""
-    plan = {}
-    for l, kind in enumerate(kinds):
-        if kind == "row":
-            plan[f"layers.{l}.linear"] = RowwiseParallel()
-        elif l == len(kinds) - 1:
-            plan[f"layers.{l}.linear"] = ColwiseParallel(output_layouts=Replicate())
-        else:
-            plan[f"layers.{l}.linear"] = ColwiseParallel()
-    return parallelize_module(model, mesh, plan)
+    every = t.new_empty(n * t.numel())
+    dist.all_gather_single(every, t.detach().reshape(-1).contiguous(), group=group)
+    assert all(torch.equal(every.view(n, -1)[0], row) for row in every.view(n, -1)), f"{name} differs over ranks"
 
 
 # --- training ------------------------------------------------------------------------------------
 
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankContext) -> Trained:
-    if (style, variant) not in VARIANTS:
-        raise ValueError(f"tp: unknown variant {style}/{variant}")
+    if (style, variant) not in variants(cfg):
+        raise ValueError(f"tp: unknown variant {style}/{variant} for the {cfg.model}; choose from {variants(cfg)}")
     cfg.check("tp")
-    n, d = ctx.world_size, cfg.dim
-    kinds = layer_kinds(cfg.layers, "allgather" if variant == "allgather" else "megatron")
-    x = inputs(cfg, problem, ctx.device)  # (B, D): every rank sees the full batch
+    n, group, transformer = ctx.world_size, ctx.group, cfg.model == "transformer"
+    plan = plan_for(cfg, "allgather" if variant == "allgather" else "megatron")
+    model = build_model(cfg, problem, ctx.device)
+    x, y = inputs(cfg, problem, ctx.device), targets(cfg, problem, ctx.device)  # full batch on every rank
     if style == "explicit":
-        params = [torch.tensor(shard_of(w, k, ctx.rank, n), dtype=torch_dtype(cfg), device=ctx.device,
-                               requires_grad=True) for w, k in zip(problem.weights, kinds, strict=True)]
-        forward = forward_allgather if variant == "allgather" else forward_megatron
-        run = lambda: forward(params, x, ctx.group)  # (B, D)
-        full = lambda ts: [gather_full(t, k, ctx.group) for t, k in zip(ts, kinds, strict=True)]
+        styles = apply_plan(model, plan, group)
+        loss_of = (lambda out: VocabParallelCrossEntropy.apply(out, y, group)) if transformer else loss_fn
+        parallel_loss = contextlib.nullcontext
+        full = lambda t, name: unshard(t, styles[name], group) if name in styles else t
     else:
-        mesh = init_device_mesh(ctx.device.type, (n,), mesh_dim_names=("tp",))
-        model = parallelize_megatron(build_model(cfg, problem, ctx.device), mesh, kinds)
-        params = [block.linear.weight for block in model.layers]  # DTensors, weight == W_l.T
-        for p, kind in zip(params, kinds, strict=True):  # Colwise: (D/tp, D) local rows; Rowwise: (D, D/tp)
-            assert p.to_local().shape == ((d // n, d) if kind == "col" else (d, d // n)), p.to_local().shape
-        run = lambda: model(x)  # (B, D), a plain (replicated) tensor
-        full = lambda ts: [t.full_tensor().T for t in ts]  # all-gather, back to fixture orientation
+        styles = apply_dtensor_plan(model, plan, init_device_mesh(ctx.device.type, (n,), mesh_dim_names=("tp",)))
+        loss_of = lambda out: loss_fn(out, y)
+        parallel_loss = loss_parallel if transformer else contextlib.nullcontext  # CE over Shard(-1) logits
+
+        def full(t, name):  # DTensor -> all-gather; un-permute W_qkv's rows
+            t = t.full_tensor() if hasattr(t, "full_tensor") else t
+            return t[torch.argsort(heads_perm(t.shape[0], n))] if styles.get(name) == "colwise_heads" else t
+
+    names = [name for name, _ in model.named_parameters()]
+    params = [p for _, p in model.named_parameters()]
+    for name, p in zip(names, params, strict=True):  # rank code: local shapes
+        expect = list(problem.params[name].shape[::-1] if is_transposed(model, name) else problem.params[name].shape)
+        if name in styles:
+            expect[SHARD_DIM[styles[name]]] //= n  # e.g. attn.qkv (3D/tp, D), mlp.down (D, 4D/tp), wte (V/tp, D)
+        assert list((p.to_local() if hasattr(p, "to_local") else p).shape) == expect, (name, p.shape, expect)
     opt = make_optimizer(params, cfg)
 
-    losses, step_times, grads0 = [], [], None
-    for step in range(cfg.steps):
-        last = step == cfg.steps - 1  # the ledger records one steady-state step: the last
-        with ctx.ledger.recording() if last else contextlib.nullcontext():
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(run())  # full output on every rank: no collective for the loss
+    def forward_backward():
+        opt.zero_grad(set_to_none=True)
+        with parallel_loss():
+            loss = loss_of(model(x))  # logits (B, T, V/tp) stay split; MLP: the full (B, D) output
             loss.backward()
-            opt.step()
-            losses.append(loss.item())  # .item() syncs
-            step_times.append(time.perf_counter() - t0)
-        if step == 0:
-            grads0 = [to_numpy(g) for g in full([p.grad for p in params])]
-    comm = ctx.ledger.summary()
-    final = [to_numpy(w) for w in full(params)]
-    return Trained(
-        losses=losses,
-        grads0=grads0,
-        params=final,
-        step_times=step_times,
-        comm=comm,
-        comm_theory=tp_comm_bytes(cfg, "allgather" if variant == "allgather" else "megatron"),
-        state_bytes={"params": tensor_bytes(params), "grads": tensor_bytes([p.grad for p in params]),
-                     "optimizer": optimizer_state_bytes(opt)},  # local shards of DTensors
-        extra={"layer_kinds": kinds, "backend": ctx.backend},
-    )
+        return loss.to_local() if hasattr(loss, "to_local") else loss  # replicated on every rank
+
+    def fixture(tensors):
+        out = []
+        for name, t in zip(names, tensors, strict=True):
+            if name not in styles:
+                check_replicated(t.to_local() if hasattr(t, "to_local") else t, name, group)
+            out.append(to_fixture(model, name, full(t, name)))
+        return out
+
+    return train_loop(cfg, ctx, Setup(
+        forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for p in params],
+        fixture=fixture, params=params, optimizer=opt, loss_reduction="same", group=group,
+        comm_theory=tp_comm_bytes(cfg, variant),
+        extra={"plan": plan, "backend": ctx.backend}))

@@ -1,0 +1,205 @@
+"""The hand-written FSDP wrapper (torch_impl.fsdp.FSDP) on its own, in ONE launch at world size 2:
+- bit for bit: float32, plain SGD, 3 steps, every parameter torch.equal to non-parallel training
+  (the MLP at B = 512, where every batch reduction splits exactly; see docs/fsdp.md), and FSDP2's
+  result on the same run recorded next to it;
+- mixed precision: compute_dtype=bfloat16 against FSDP2 with MixedPrecisionPolicy(bf16, fp32);
+  gradients and master weights stay float32;
+- any module: padding (row counts not divisible by N), biases and a tied embedding / head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from shared.config import Config
+from shared.problem import make_problem
+from torch_impl.fsdp import FSDP
+from torch_impl.launch import launch
+from torch_impl.model import build_model, inputs, loss_fn, targets
+
+STEPS, LR = 3, 0.1
+
+
+def sgd_steps(model, x, y, fsdp=None):
+    """STEPS of plain SGD; returns the losses. ``fsdp``: the wrapper to synchronise."""
+    opt, losses = torch.optim.SGD(model.parameters(), lr=LR), []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if fsdp is not None:
+            fsdp.finish_gradient_synchronization()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def sgd_steps_accumulated(model, x, y, n: int):
+    """Non-parallel training of the same global batch as n micro-batches (the ranks' shards, in rank
+    order), gradients accumulated then divided by n: what every framework's gradient accumulation
+    does. Each micro-batch's backward is the very computation one FSDP rank runs on its shard."""
+    opt, rows = torch.optim.SGD(model.parameters(), lr=LR), x.shape[0] // n
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        for i in range(n):
+            part = slice(i * rows, (i + 1) * rows)
+            loss_fn(model(x[part]), None if y is None else y[part]).backward()
+        for p in model.parameters():
+            p.grad.div_(n)
+        opt.step()
+
+
+def fsdp2(model, mp=None):
+    mesh = init_device_mesh("cpu", (2,))
+    for block in getattr(model, "blocks", None) or model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp or MixedPrecisionPolicy())
+    return fully_shard(model, mesh=mesh, mp_policy=mp or MixedPrecisionPolicy())
+
+
+def full_params(model) -> dict:
+    return {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in model.named_parameters()}
+
+
+def bit_for_bit(ctx, cfg):
+    problem = make_problem(cfg)
+    x, y, rows = inputs(cfg, problem), targets(cfg, problem), cfg.batch // 2
+    mine = slice(ctx.rank * rows, (ctx.rank + 1) * rows)
+    ref = build_model(cfg, problem)
+    sgd_steps(ref, x, y)  # non-parallel training on the full batch
+    accumulated = build_model(cfg, problem)
+    sgd_steps_accumulated(accumulated, x, y, 2)  # non-parallel, the batch as 2 accumulated micro-batches
+    wrapped = FSDP(build_model(cfg, problem))
+    sgd_steps(wrapped, x[mine], None if y is None else y[mine], wrapped)
+    builtin = fsdp2(build_model(cfg, problem))
+    sgd_steps(builtin, x[mine], None if y is None else y[mine])
+    ours, theirs, want = wrapped.full_state_dict(), full_params(builtin), full_params(ref)
+    acc = full_params(accumulated)
+    ulp = lambda a, b: int((a.view(torch.int32) - b.view(torch.int32)).abs().max())
+    return {"keys": list(ours) == list(want),
+            "fsdp_equal_accumulated": [n for n in acc if torch.equal(ours[n], acc[n])],
+            "fsdp2_equal_accumulated": [n for n in acc if torch.equal(theirs[n], acc[n])],
+            "fsdp_equal": [n for n in want if torch.equal(ours[n], want[n])],
+            "fsdp2_equal": [n for n in want if torch.equal(theirs[n], want[n])],
+            "fsdp_max_ulp": max(ulp(ours[n], want[n]) for n in want),
+            "fsdp2_max_ulp": max(ulp(theirs[n], want[n]) for n in want), "names": list(want)}
+
+
+def mixed_precision(ctx):
+    cfg = Config(world_size=2, model="transformer", layers=2, dim=32, heads=2, seq=8, vocab=64, batch=8,
+                 dtype="float32")
+    problem = make_problem(cfg)
+    x, y = inputs(cfg, problem)[ctx.rank * 4:(ctx.rank + 1) * 4], targets(cfg, problem)[ctx.rank * 4:(ctx.rank + 1) * 4]
+    wrapped = FSDP(build_model(cfg, problem), compute_dtype=torch.bfloat16)
+    ours = sgd_steps(wrapped, x, y, wrapped)
+    dtypes = {str(p.dtype) for p in wrapped.parameters()} | {str(p.grad.dtype) for p in wrapped.parameters()}
+    builtin = fsdp2(build_model(cfg, problem), MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                   reduce_dtype=torch.float32))
+    theirs = sgd_steps(builtin, x, y)
+    a, b = wrapped.full_state_dict(), {n: t.detach() for n, t in full_params(builtin).items()}
+    return {"dtypes": dtypes, "losses": (ours, theirs),
+            "param_vs_fsdp2": max(float((a[n] - b[n]).abs().max() / b[n].abs().max()) for n in a)}
+
+
+class Toy(nn.Module):
+    """Rows not divisible by 2 (vocab 7, 5 outputs), biases, LayerNorm, a tied embedding/head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 6, dtype=torch.float64)
+        self.proj = nn.Linear(6, 5, dtype=torch.float64)
+        self.norm = nn.LayerNorm(5, dtype=torch.float64)
+        self.back = nn.Linear(5, 6, bias=False, dtype=torch.float64)
+        self.head = nn.Linear(6, 7, bias=False, dtype=torch.float64)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, tokens):
+        return self.head(self.back(self.norm(F.gelu(self.proj(self.emb(tokens))))))
+
+
+def any_module(ctx):
+    torch.manual_seed(0)
+    ref, tokens = Toy(), torch.randint(0, 7, (4, 3))
+    wrapped = FSDP(_copy(ref))
+    loss = lambda out, t: F.cross_entropy(out.reshape(-1, 7), t.reshape(-1))
+    opt_r, opt_w = torch.optim.SGD(ref.parameters(), lr=LR), torch.optim.SGD(wrapped.parameters(), lr=LR)
+    for _ in range(STEPS):
+        for opt in (opt_r, opt_w):
+            opt.zero_grad()
+        loss(ref(tokens), tokens).backward()
+        loss(wrapped(tokens[ctx.rank * 2:(ctx.rank + 1) * 2]), tokens[ctx.rank * 2:(ctx.rank + 1) * 2]).backward()
+        wrapped.finish_gradient_synchronization()
+        opt_r.step()
+        opt_w.step()
+    got, want = wrapped.full_state_dict(), dict(ref.named_parameters())
+    return {"keys": list(got) == list(want),
+            "err": max(float((got[n] - want[n]).abs().max()) for n in want),
+            "shard_shapes": {n: tuple(p.shape) for n, p in wrapped.module.named_parameters()}}
+
+
+def _copy(module):
+    twin = Toy()
+    twin.load_state_dict(module.state_dict())
+    return twin
+
+
+def checks(ctx):
+    mlp = Config(world_size=2, layers=2, dim=16, batch=512, dtype="float32")
+    tr = Config(world_size=2, model="transformer", layers=2, dim=16, heads=2, seq=8, vocab=32, batch=64,
+                dtype="float32")
+    out = {"mlp": bit_for_bit(ctx, mlp), "transformer": bit_for_bit(ctx, tr),
+           "mixed": mixed_precision(ctx), "toy": any_module(ctx)}
+    return out if ctx.rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def result():
+    return launch(checks, 2)[0]
+
+
+def test_mlp_equals_non_parallel_training_bit_for_bit(result):
+    r = result["mlp"]
+    assert r["keys"] and r["fsdp_equal"] == r["names"], r
+    assert r["fsdp2_equal"] == r["names"], r  # measured: FSDP2 too (at N = 2 its pre-divide is exact)
+
+
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
+def test_equals_non_parallel_gradient_accumulation_bit_for_bit(result, model):
+    """The transformer (embeddings, norms, linears) and the MLP, any batch size: every parameter
+    torch.equal to single-process training of the same batch as 2 accumulated micro-batches. Why it
+    holds: each rank's backward is bitwise the reference's backward of that micro-batch (same
+    weights, same shapes, same kernels); the wrapper's reduce-scatter then adds 2 terms, and a
+    2-term float sum is the same in either order; dividing by 2 is exact. (At N = 4 the ring's order
+    of 4 terms is not the accumulation's, so this is a world-size-2 property.)"""
+    r = result[model]
+    assert r["fsdp_equal_accumulated"] == r["names"], r
+    assert r["fsdp2_equal_accumulated"] == r["names"], r  # FSDP2 too, at N = 2
+
+
+def test_transformer_is_as_close_as_fsdp2(result):
+    """Transformer (B·T/N = 256 rows per rank): the embeddings' scatter-add over the tokens and the
+    norms' row sums do not split exactly over the batch halves, and after one step every weight
+    downstream differs too. Neither FSDP2 nor any reduction order can fix that (it is inside each
+    rank's backward): the wrapper lands on exactly the bits FSDP2 lands on."""
+    r = result["transformer"]
+    assert r["keys"] and r["fsdp_equal"] == r["fsdp2_equal"] and r["fsdp_max_ulp"] == r["fsdp2_max_ulp"], r
+
+
+def test_mixed_precision_matches_fsdp2_and_keeps_float32_state(result):
+    r = result["mixed"]
+    assert r["dtypes"] == {"torch.float32"}, r  # master weights and gradients
+    ours, theirs = r["losses"]
+    # bfloat16 (8 mantissa bits) compute in both; the two differ in where they round (e.g. FSDP2
+    # casts the gains too and reduces in its flat buffer), so allow a few bf16 ulps of the loss.
+    assert max(abs(a - b) / abs(b) for a, b in zip(ours, theirs)) < 2e-2, r
+    assert r["param_vs_fsdp2"] < 2e-2, r
+
+
+def test_any_module_padding_biases_and_tied_weights(result):
+    r = result["toy"]
+    assert r["keys"], r
+    assert r["err"] < 1e-12, r  # float64: only summation order differs
+    assert r["shard_shapes"]["emb.weight"] == (4, 6) and r["shard_shapes"]["proj.weight"] == (3, 6), r
