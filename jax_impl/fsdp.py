@@ -42,8 +42,19 @@ from jax.sharding import PartitionSpec as P
 from jax_impl import transformer
 from jax_impl.devices import make_mesh
 from jax_impl.harness import Setup, train_loop
-from jax_impl.model import (build_model, gelu, inputs, jax_dtype, loss_fn, make_optimizer, named_params,
-                            output_loss, targets, to_numpy, tree_bytes)
+from jax_impl.model import (
+    build_model,
+    gelu,
+    inputs,
+    jax_dtype,
+    loss_fn,
+    make_optimizer,
+    named_params,
+    output_loss,
+    targets,
+    to_numpy,
+    tree_bytes,
+)
 from jax_impl.transformer import Rules
 from shared.config import Config
 from shared.problem import Problem, param_names

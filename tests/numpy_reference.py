@@ -81,7 +81,7 @@ def transformer_loss(params: dict[str, np.ndarray], tokens: np.ndarray, targets:
     layers = sum(1 for k in params if k.endswith("attn.qkv.weight"))
     causal = np.tril(np.ones((t, t), dtype=bool))
     for l in range(layers):
-        p = lambda n: params[f"blocks.{l}.{n}.weight"]
+        p = lambda n, l=l: params[f"blocks.{l}.{n}.weight"]
         qkv = norm(x, p("norm1")) @ p("attn.qkv")  # (B, T, 3D)
         q, k, v = qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:]
         heads_out = []

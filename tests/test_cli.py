@@ -107,7 +107,7 @@ def test_same_seed_same_losses_bit_for_bit(tmp_path):
     for i in range(2):
         path = tmp_path / f"run{i}.json"
         proc = subprocess.run(
-            [sys.executable, "compare.py", "--patterns", "tp", "--world-size", "2", "--steps", "3", "--layers", "2",
+            [sys.executable, "compare.py", "--patterns", "tp", "--world-size", "2", "--steps", "3", "--layers", "1",
              "--dim", "8", "--batch", "8", "--seq", "4", "--vocab", "16", "--json", str(path), "--quiet"],
             cwd=ROOT, capture_output=True, text=True, timeout=240,
         )

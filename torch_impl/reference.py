@@ -17,8 +17,8 @@ from torch_impl.model import (
     inputs,
     loss_fn,
     make_optimizer,
-    targets,
     optimizer_state_bytes,
+    targets,
     tensor_bytes,
 )
 
