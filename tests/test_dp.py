@@ -316,13 +316,13 @@ def bucketed_vs_ddp(ctx, cfg: Config = SPEED_CFG, repeats: int = 5) -> dict[str,
 
 @pytest.mark.slow
 def test_bucketed_step_time_close_to_ddp():
-    """The issue's target: median over >= 5 interleaved repeats, bucketed <= 1.05 x DDP (15 here).
+    """The issue's target: median over >= 5 interleaved repeats, bucketed <= 1.05 x DDP (41 here).
     Timing on a shared CPU is noisy: the bound asserted leaves room, the ratio is printed."""
-    times = launch(bucketed_vs_ddp, SPEED_CFG.world_size, SPEED_CFG, 15)[0]
+    times = launch(bucketed_vs_ddp, SPEED_CFG.world_size, SPEED_CFG, 41)[0]
     ratio = float(np.median(times["bucketed"]) / np.median(times["ddp"]))
     ms = {k: [round(t * 1e3) for t in v] for k, v in times.items()}
     print(f"bucketed / DDP median step time: {ratio:.3f} (L=8, D=512, B=512, float32, N=4); ms {ms}")
-    assert ratio <= 1.10, times
+    assert ratio <= 1.05, times  # measured 1.02 (three runs) on a quiet machine
 
 
 # --- the wrapper's DDP-like behaviour (rank-side checks from the world-size-2 launch) ---------------
