@@ -39,15 +39,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl.devices import make_mesh
-from jax_impl.harness import Setup, train_loop
+from jax_impl.harness import Setup, leaves_fixture, train_loop
 from jax_impl.model import (
     build_model,
     inputs,
     jax_dtype,
     loss_fn,
     make_optimizer,
-    named_params,
+    module_fixture,
     output_loss,
+    spec,
     targets,
     to_numpy,
 )
@@ -76,10 +77,6 @@ def rules(cfg: Config, variant: str, moments: bool = False) -> Rules:
             return ("dp",) + (None,) * (len(shape) - 1)
         return (None,) * len(shape)
     return rule
-
-
-def spec(rule: Rules, name: str, shape) -> P:
-    return P(*rule(name, tuple(shape)))
 
 
 def flatten(ws, n: int) -> jax.Array:
@@ -151,7 +148,7 @@ def shard_map_setup(cfg: Config, problem: Problem, mesh, variant: str, batch: tu
     step = jax.shard_map(partial(body, cfg, tx), mesh=mesh, check_vma=True,
                          in_specs=(param_specs, opt_specs, *[P("dp")] * len(batch)),
                          out_specs=(param_specs, opt_specs, P("dp"), grad_spec))
-    by_name = lambda tree: [to_numpy(tree[k]) for k in names]  # jit hands dicts back key-sorted
+    by_name = partial(leaves_fixture, names=names)  # jit hands dicts back key-sorted
 
     def grads_fixture(g):  # zero1: the flat mean gradient, gathered by device_get
         return by_name(g) if variant == "dp" else unflatten(to_numpy(g), problem.params.values())
@@ -188,7 +185,7 @@ def jit_setup(cfg: Config, problem: Problem, mesh, variant: str, batch: tuple) -
                 lax.with_sharding_constraint(nnx.state(opt), opt_shardings),
                 loss, lax.with_sharding_constraint(grads, grad_shardings))
 
-    fixture = lambda state: [to_numpy(a) for a in named_params(nnx.merge(model_def, state)).values()]
+    fixture = partial(module_fixture, model_def)
     return Setup(step=jax.jit(step, donate_argnums=(0, 1)), state=(params, opt_state), batch=batch,
                  grads_fixture=fixture, params_fixture=lambda state: fixture(state[0]))
 

@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_impl import transformer
 from jax_impl.devices import make_mesh
-from jax_impl.harness import Setup, train_loop
+from jax_impl.harness import Setup, leaves_fixture, train_loop
 from jax_impl.model import (
     build_model,
     gelu,
@@ -49,10 +49,10 @@ from jax_impl.model import (
     jax_dtype,
     loss_fn,
     make_optimizer,
-    named_params,
+    module_fixture,
     output_loss,
+    spec,
     targets,
-    to_numpy,
     tree_bytes,
 )
 from jax_impl.transformer import Rules
@@ -78,10 +78,6 @@ def rules(cfg: Config) -> Rules:
             return ("dp",) + (None,) * (len(shape) - 1)
         return (None,) * len(shape)
     return rule
-
-
-def spec(rule: Rules, name: str, shape) -> P:
-    return P(*rule(name, tuple(shape)))
 
 
 def is_sharded(rule: Rules, name: str, shape) -> bool:
@@ -167,7 +163,7 @@ def shard_map_setup(cfg: Config, problem: Problem, mesh, variant: str, batch: tu
     b_spec = tuple(P("dp") for _ in batch)
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(p_spec, o_spec, *b_spec),
                                  out_specs=(p_spec, o_spec, P("dp"), zero), check_vma=True))
-    fixture = lambda tree: [to_numpy(tree[k]) for k in param_names(cfg)]
+    fixture = partial(leaves_fixture, names=param_names(cfg))
     return Setup(step=step, state=(params, opt_state), batch=batch, grads_fixture=fixture,
                  params_fixture=lambda state: fixture(state[0]))
 
@@ -199,7 +195,7 @@ def jit_setup(cfg: Config, problem: Problem, mesh, variant: str, batch: tuple) -
         opt.update(model, grads)
         return nnx.state(model), nnx.state(opt), loss, grads  # laid out by out_shardings
 
-    fixture = lambda state: [to_numpy(a) for a in named_params(nnx.merge(model_def, state)).values()]
+    fixture = partial(module_fixture, model_def)
     step = jax.jit(step, out_shardings=(param_shardings, opt_shardings, None, grad_shardings), donate_argnums=(0, 1))
     return Setup(step=step, state=(params, opt_state), batch=batch,
                  grads_fixture=fixture, params_fixture=lambda state: fixture(state[0]))

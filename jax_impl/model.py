@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jax_impl import transformer
 from jax_impl.transformer import Rules, gelu
@@ -90,6 +91,17 @@ def named_params(model: nnx.Module) -> dict[str, jax.Array]:
     if isinstance(model, MLP):
         return {f"layers.{l}.linear.weight": layer.kernel[...] for l, layer in enumerate(model.layers)}
     return transformer.named_params(model)
+
+
+def module_fixture(graphdef, state) -> list[np.ndarray]:
+    """The model ``nnx.merge(graphdef, state)``'s parameters (or a gradient state shaped like them)
+    as float64 fixture arrays in param_names order: what a jit step's Setup reports."""
+    return [to_numpy(a) for a in named_params(nnx.merge(graphdef, state)).values()]
+
+
+def spec(rule: Rules, name: str, shape) -> P:
+    """A rules function's answer for one parameter as a PartitionSpec."""
+    return P(*rule(name, tuple(shape)))
 
 
 def params_of(model: nnx.Module) -> list[jax.Array]:

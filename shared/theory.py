@@ -288,9 +288,6 @@ def zero3_comm(cfg: Config, regather_first: bool = False) -> dict[str, tuple[int
     return {"all_gather": (n_ag, n_ag * s), "reduce_scatter": (l, l * s)}
 
 
-def zero3_skip_first_comm_bytes(cfg: Config) -> int:
-    """ZeRO-3 without layer 0's backward re-gather: zero3_comm_bytes(cfg) − D²·b = (3L−1)·D²·b."""
-    return sum(nbytes for _, nbytes in zero3_comm(cfg).values())
 
 
 # --- fsdp (generic) ------------------------------------------------------------------------------
