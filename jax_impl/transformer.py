@@ -115,9 +115,11 @@ def embed(params: dict, tokens: jax.Array, positions: jax.Array | None = None) -
     return params["wte.weight"][tokens] + params["wpe.weight"][positions]  # (B, T, D)
 
 
-def block(params: dict, l: int, x: jax.Array, head_dim: int) -> jax.Array:
+def block(params: dict, l: int, x: jax.Array, head_dim: int, attn=attention) -> jax.Array:
+    """``attn(qkv, head_dim) -> (B, T, h·dh)`` is ``attention`` unless a pattern splits the sequence
+    (context parallelism: a ring or an all-to-all around the same math)."""
     p = lambda n: params[f"blocks.{l}.{n}.weight"]
-    x = x + attention(rms_norm(x, p("norm1")) @ p("attn.qkv"), head_dim) @ p("attn.o")
+    x = x + attn(rms_norm(x, p("norm1")) @ p("attn.qkv"), head_dim) @ p("attn.o")
     return x + gelu(rms_norm(x, p("norm2")) @ p("mlp.up")) @ p("mlp.down")  # (B, T, D)
 
 
@@ -125,10 +127,12 @@ def head(params: dict, x: jax.Array) -> jax.Array:
     return rms_norm(x, params["normf.weight"]) @ params["head.weight"]  # (B, T, V)
 
 
-def apply(params: dict, tokens: jax.Array, head_dim: int) -> jax.Array:
-    """Logits (B, T, V) from the {name: array} dict; the blocks present are those in ``params``."""
-    x = embed(params, tokens)
+def apply(params: dict, tokens: jax.Array, head_dim: int, positions: jax.Array | None = None,
+          attn=attention) -> jax.Array:
+    """Logits (B, T, V) from the {name: array} dict; the blocks present are those in ``params``.
+    ``positions``: the global positions of a sequence shard (default ``arange(T)``)."""
+    x = embed(params, tokens, positions)
     layers = sorted({int(k.split(".")[1]) for k in params if k.startswith("blocks.")})
     for l in layers:
-        x = block(params, l, x, head_dim)
+        x = block(params, l, x, head_dim, attn)
     return head(params, x)

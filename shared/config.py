@@ -12,7 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 
 DTYPES = ("float32", "float64", "bfloat16")
-PATTERNS = ("collectives", "dp", "fsdp", "tp", "pp")
+PATTERNS = ("collectives", "dp", "fsdp", "tp", "pp", "cp")
+SEQUENCE_PATTERNS = ("cp",)  # patterns that split the sequence: the transformer only
 MODELS = ("mlp", "transformer")
 BYTES_PER_ELEMENT = {"float32": 4, "float64": 8, "bfloat16": 2}
 
@@ -75,6 +76,15 @@ class Config:
         return self.dim // self.heads
 
     @property
+    def zigzag_chunks(self) -> int:
+        """cp's ring_zigzag cuts the sequence into 2·cp chunks (rank r takes r and 2·cp−1−r)."""
+        return 2 * self.world_size
+
+    def applies(self, pattern: str) -> bool:
+        """Whether ``pattern`` has something to split on this model (cp needs a sequence)."""
+        return not (pattern in SEQUENCE_PATTERNS and self.model != "transformer")
+
+    @property
     def n_params(self) -> int:
         """Φ: parameter count. MLP: L weights of D×D, no biases. Transformer: embeddings
         (V + T)·D, per layer 12·D² (W_qkv 3D², W_o D², W_up 4D², W_down 4D²) + 2·D (norm gains),
@@ -92,6 +102,8 @@ class Config:
         if pattern not in PATTERNS:
             raise ValueError(f"unknown pattern {pattern!r}; choose from {', '.join(PATTERNS)}")
         name = pattern if self.model == "mlp" else f"{pattern} ({self.model})"
+        if not self.applies(pattern):
+            raise ValueError(f"{pattern}: the {self.model} has no sequence to split (use --model transformer)")
         for size, by, why in self.divisibility(pattern):
             if getattr(self, size) % getattr(self, by):
                 raise ValueError(f"{name}: {size}={getattr(self, size)} is not divisible by "
@@ -112,8 +124,13 @@ class Config:
             if mlp:
                 return [("dim", n, "every weight is split into equal slices")]
             return [("heads", n, "every rank owns whole attention heads"),
-                    ("vocab", n, "embedding and head are split over the vocabulary")]
+                    ("vocab", n, "embedding and head are split over the vocabulary"),
+                    ("seq", n, "megatron_sp splits the sequence outside the matmuls")]
         if pattern == "pp":
             return [("layers", n, f"every stage holds the same number of {'layers' if mlp else 'blocks'}"),
                     ("batch", "microbatches", "every micro-batch has the same number of rows")]
+        if pattern == "cp":
+            return [("seq", n, "every rank holds T/cp tokens of every sequence"),
+                    ("seq", "zigzag_chunks", "ring_zigzag: rank r takes chunks r and 2·cp−1−r"),
+                    ("heads", n, "ulysses: the all-to-all hands every rank H/cp whole heads")]
         return []

@@ -11,6 +11,11 @@ pipelining) see what they see in torchtitan: ``nn.Embedding`` for tokens and pos
 ``Attention`` reads its head count from its own weight (``qkv.out_features // 3 // head_dim``),
 so the same module runs on a tensor-parallel rank that holds H/tp heads of (D, 3D/tp).
 ``forward`` returns logits (B, T, V); ``shared``'s loss is ``torch_impl.model.loss_fn``.
+
+Two seams for the patterns that split the sequence (context parallelism): ``Attention.core``
+(default: causal SDPA) takes q, k, v (B, H, T, dh) and returns (B, H, T, dh), so a ring or an
+all-to-all can replace it; ``forward(tokens, positions)`` takes the global positions of a
+sequence shard (default ``arange(T)``).
 """
 
 from __future__ import annotations
@@ -22,10 +27,15 @@ import torch.nn.functional as F
 from shared.problem import RMS_EPS
 
 
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, dh), scale 1/√dh
+
+
 class Attention(nn.Module):
     def __init__(self, dim: int, heads: int, dtype=None, device=None):
         super().__init__()
         self.head_dim = dim // heads
+        self.core = causal_sdpa  # (q, k, v) -> y, all (B, H, T, dh); context parallelism swaps it
         self.qkv = nn.Linear(dim, 3 * dim, bias=False, dtype=dtype, device=device)  # q | k | v columns
         self.o = nn.Linear(dim, dim, bias=False, dtype=dtype, device=device)
 
@@ -33,7 +43,7 @@ class Attention(nn.Module):
         b, t, _ = h.shape
         q, k, v = self.qkv(h).chunk(3, dim=-1)  # 3 × (B, T, H·dh): the q|k|v column blocks
         q, k, v = (a.reshape(b, t, -1, self.head_dim).transpose(1, 2) for a in (q, k, v))  # (B, H, T, dh)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, dh), scale 1/√dh
+        y = self.core(q, k, v)  # (B, H, T, dh)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))  # heads concatenated in order: (B, T, D)
 
 
@@ -69,12 +79,13 @@ class Transformer(nn.Module):
         self.normf = nn.RMSNorm(dim, eps=RMS_EPS, dtype=dtype, device=device)
         self.head = nn.Linear(dim, vocab, bias=False, dtype=dtype, device=device)
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)  # (T,)
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)  # (T,)
         return self.wte(tokens) + self.wpe(positions)  # (B, T, D)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)  # (B, T, D)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(tokens, positions)  # (B, T, D)
         for block in self.blocks:
             x = block(x)
         return self.head(self.normf(x))  # (B, T, V) logits
