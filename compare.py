@@ -2,6 +2,7 @@
 
     python compare.py                                   # everything, both models, CPU, world size 4 simulated
     python compare.py --model transformer --patterns tp # one model, one pattern
+    python compare.py --model transformer --patterns tp,cp --show-collectives cp   # SP, ring, Ulysses
     python compare.py --patterns dp,fsdp --dtype float32 --json out.json
     python compare.py bench --frameworks torch,jax      # nccl-tests-style bandwidth sweep
     torchrun --nproc_per_node=8 compare.py --frameworks torch --world-size 8   # join a torchrun launch
@@ -135,8 +136,9 @@ def make_configs(args):
     if "RANK" in os.environ and "jax" in args.frameworks:
         raise ValueError("under torchrun every rank runs this script: use --frameworks torch "
                          "(run the JAX side once, without torchrun)")
-    for cfg in cfgs:
-        for pattern in args.patterns:
+    for pattern in args.patterns:
+        applying = [cfg for cfg in cfgs if cfg.applies(pattern)]
+        for cfg in applying or cfgs:  # a pattern no requested model has (cp on the MLP): its one-line reason
             cfg.check(pattern)
     return cfgs
 
@@ -149,7 +151,8 @@ def run_torch(cfgs, patterns, device, timeout_s):
     from torch_impl.harness import run_jobs
     from torch_impl.launch import launch
 
-    return launch(run_jobs, cfgs[0].world_size, [(p, cfgs) for p in patterns], device=device, timeout_s=timeout_s)
+    jobs = [(p, [c for c in cfgs if c.applies(p)]) for p in patterns]
+    return launch(run_jobs, cfgs[0].world_size, jobs, device=device, timeout_s=timeout_s)
 
 
 def run_jax(cfgs, patterns, device):
@@ -163,7 +166,7 @@ def run_jax(cfgs, patterns, device):
 
             out[pattern] = collectives.check_all(make_mesh(cfgs[0].world_size, "x", device))
         else:
-            out[pattern] = harness.run_pattern(pattern, cfgs, device=device)
+            out[pattern] = harness.run_pattern(pattern, [c for c in cfgs if c.applies(pattern)], device=device)
     return out
 
 
@@ -202,16 +205,18 @@ def collect(cfgs, patterns, frameworks, device, progress, timeout_s=900.0):
 
     raw, errors, cfg = {}, [], cfgs[0]
     models = [c.model for c in cfgs]
+    models_of = {p: [c.model for c in cfgs if c.applies(p)] for p in patterns}  # cp: the transformer only
     for fw in frameworks:
         progress(f"{fw}: {', '.join(patterns)} on {' + '.join(models)} at world size {cfg.world_size}")
         try:  # raw[fw][pattern]: the collectives' checks, or {model: the harness's entry}
             if fw == "torch":
                 per_rank = run_torch(cfgs, patterns, device, timeout_s)
-                raw[fw] = {p: ([r[p] for r in per_rank] if p == "collectives" else dict(zip(models, per_rank[0][p])))
-                           for p in patterns}
+                raw[fw] = {p: ([r[p] for r in per_rank] if p == "collectives"
+                               else dict(zip(models_of[p], per_rank[0][p], strict=True))) for p in patterns}
             else:
                 res = run_jax(cfgs, patterns, device)
-                raw[fw] = {p: (res[p] if p == "collectives" else dict(zip(models, res[p]))) for p in patterns}
+                raw[fw] = {p: (res[p] if p == "collectives" else dict(zip(models_of[p], res[p], strict=True)))
+                           for p in patterns}
         except Exception as exc:  # noqa: BLE001 - reported as a failed framework, exit 1
             errors.append(f"{fw}: {type(exc).__name__}: {exc}")
             if os.environ.get("PARALLEL_TWINS_DEBUG"):
@@ -222,7 +227,7 @@ def collect(cfgs, patterns, frameworks, device, progress, timeout_s=900.0):
             for fw in (f for f in frameworks if f in raw):
                 rows += collective_rows(fw, cfg, raw[fw][pattern] if fw == "torch" else [raw[fw][pattern]])
             continue
-        for model in models:
+        for model in models_of[pattern]:
             for fw in (f for f in frameworks if f in raw):
                 data = raw[fw][pattern][model]
                 refs[pattern, model, fw] = list(data["reference"].losses)
@@ -332,9 +337,15 @@ def _collectives_table(rows, pattern, model, console) -> None:
     for r in rows:
         if r.framework == "jax" and r.style == "jit":
             twin = by_key.get(("jax", "shard_map", r.variant))
-            if twin and _counts(twin.comm) != _counts(r.comm):
+            if twin is None:  # nothing hand-written to mirror (cp's seq_sharded): what XLA chose
+                console.print(f"[yellow]{r.variant}[/]: XLA (jit) chose {_describe(r.comm)}")
+            elif _counts(twin.comm) != _counts(r.comm):
                 console.print(f"[yellow]{r.variant}[/]: XLA (jit) issued {_describe(r.comm)}; "
                               f"the shard_map step issues {_describe(twin.comm)}")
+    work = {(r.style, r.variant): r.extra["attention_scores"] for r in rows if r.extra.get("attention_scores")}
+    for (style, variant), scores in work.items():  # cp: the causal work each rank does (zigzag balances it)
+        console.print(f"attention score entries per rank per layer, {style}/{variant}: "
+                      f"{', '.join(str(s) for s in scores)} (max/min {max(scores) / max(min(scores), 1):.2f})")
 
 
 def _counts(comm) -> dict[str, int]:

@@ -131,3 +131,52 @@ def plot_memory(runs: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_cp_layout(n: int, path: str) -> None:
+    """Context parallelism over ``n`` ranks, three panels: the ring (rank r sends its K|V block to
+    r+1, n−1 hops), and the causal query×key matrix in 2n chunks coloured by the rank that computes
+    each chunk pair — contiguous layout (ring: rank r holds T/n consecutive tokens) vs zigzag
+    (rank r holds chunks r and 2n−1−r) — with each rank's share of the work (shared.theory)."""
+    import math
+
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    from shared.config import Config
+    from shared.theory import cp_attention_scores, cp_chunks
+
+    colours = plt.get_cmap("tab10").colors
+    fig, axes = plt.subplots(1, 3, figsize=(15, 5.2))
+    ax = axes[0]
+    for r in range(n):
+        a = math.pi / 2 - 2 * math.pi * r / n
+        ax.add_patch(plt.Circle((math.cos(a), math.sin(a)), 0.22, color=colours[r % 10]))
+        ax.text(math.cos(a), math.sin(a), f"rank {r}\nQ{r} K{r}V{r}", ha="center", va="center", fontsize=8,
+                color="white")
+        b = math.pi / 2 - 2 * math.pi * (r + 1) / n
+        ax.add_patch(FancyArrowPatch((math.cos(a - 0.35), math.sin(a - 0.35)), (math.cos(b + 0.35), math.sin(b + 0.35)),
+                                     connectionstyle="arc3,rad=-0.25", arrowstyle="-|>", mutation_scale=14))
+    ax.set_xlim(-1.5, 1.5), ax.set_ylim(-1.5, 1.5), ax.set_aspect("equal"), ax.axis("off")
+    ax.set_title(f"ring: every hop sends K|V to rank r+1\n{n - 1} hops forward; backward K|V + dK|dV", fontsize=10)
+    cfg = Config(world_size=n, model="transformer", layers=1, dim=n, heads=n, seq=2 * n, vocab=n, batch=1)
+    for ax, variant, title in ((axes[1], "ring", "contiguous (ring)"), (axes[2], "ring_zigzag", "zigzag")):
+        owner = {c: r for r in range(n) for c in cp_chunks(n, r, variant)}  # chunk (of its size) -> rank
+        size = 2 if variant == "ring" else 1  # in units of T/(2n)
+        for q in range(2 * n):
+            for k in range(2 * n):  # chunk pairs of T/(2n); a diagonal block of the ring is computed whole
+                if k // size > q // size:
+                    continue  # wholly in the future: skipped
+                rank, masked = owner[q // size], k > q
+                ax.add_patch(Rectangle((k, 2 * n - 1 - q), 1, 1, facecolor=colours[rank % 10],
+                                       alpha=0.3 if masked else 0.85, hatch="//" if masked else None, lw=0))
+                if k == q:
+                    ax.plot([k, k + 1], [2 * n - q, 2 * n - 1 - q], color="white", lw=1)
+        ax.set_xlim(0, 2 * n), ax.set_ylim(0, 2 * n), ax.set_aspect("equal")
+        ax.set_xticks([]), ax.set_yticks([]), ax.set_xlabel("key position →"), ax.set_ylabel("← query position")
+        work = cp_attention_scores(cfg, variant)
+        ax.set_title(f"{title}: score entries computed per rank\n" + " : ".join(f"{w / min(work):.2g}" for w in work)
+                     + ("  (hatched: computed, masked)" if variant == "ring" else ""), fontsize=10)
+    fig.legend(handles=[Patch(color=colours[r % 10], label=f"rank {r}") for r in range(n)], loc="lower center", ncol=n)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -82,8 +82,12 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
     state_bytes = setup.state_bytes(state) if setup.state_bytes else {
         "params": tree_bytes(state[0], per_device=True), "grads": tree_bytes(state[0], per_device=True),
         "optimizer": tree_bytes(state[1], per_device=True)}
+    extra = dict(setup.extra)
+    memory = compiled.memory_analysis()  # per device; None where the backend does not say
+    if memory is not None:
+        extra["temp_bytes"] = memory.temp_size_in_bytes  # XLA's scratch: the activations live in it
     return Trained(losses=losses, grads0=grads0, params=setup.params_fixture(state), step_times=step_times,
-                   comm=comm, comm_theory=setup.comm_theory, state_bytes=state_bytes, extra=dict(setup.extra))
+                   comm=comm, comm_theory=setup.comm_theory, state_bytes=state_bytes, extra=extra)
 
 
 def _reference(cfg: Config, device: str):

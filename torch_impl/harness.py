@@ -74,6 +74,67 @@ class Setup:
     grads_fixture: Callable[[list[torch.Tensor]], list[np.ndarray]] | None = None
 
 
+class _Saved:
+    """What autograd holds instead of a saved tensor while the meter runs; its end is the tensor's."""
+
+    __slots__ = ("tensor", "keys", "meter")
+
+    def __init__(self, tensor, keys, meter):
+        self.tensor, self.keys, self.meter = tensor, keys, meter
+
+    def __del__(self):
+        for key in self.keys:
+            self.meter.release(key)
+
+
+class SavedTensorMeter:
+    """Peak bytes of the tensors autograd saves for backward (activation memory), on this rank:
+    ``torch.autograd.graph.saved_tensors_hooks`` sees every saved tensor; unique storages are
+    counted (q, k, v are views of one qkv output), parameters and views of them are not (nor
+    DTensor parameters' local shards, nor FSDP's gathered ones, which are ``nn.Parameter``s);
+    a storage leaves the count when autograd drops the last tensor saved on it. The innermost
+    hooks win: a pattern that installs its own (explicit ZeRO-3 packs its gathered weights as
+    handles) hides what it saves inside them, so its number counts only what is saved outside."""
+
+    def __init__(self, params):
+        self.params = {key for p in params for key, _ in self._storages(p)}
+        self.live: dict[int, list[int]] = {}  # storage address -> [saved tensors on it, bytes]
+        self.now = self.peak = 0
+
+    @classmethod
+    def _storages(cls, t: torch.Tensor) -> list[tuple[int, int]]:
+        """(address, bytes) of the storages under ``t``: a wrapper subclass (DTensor, the
+        AsyncCollectiveTensor of a functional collective) has none of its own: its inner tensors'."""
+        if hasattr(t, "__tensor_flatten__"):
+            inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
+            return [s for x in inner if isinstance(x, torch.Tensor) for s in cls._storages(x)]
+        s = t.untyped_storage()
+        return [(s.data_ptr(), s.nbytes())]
+
+    def pack(self, t: torch.Tensor) -> _Saved:
+        storages = self._storages(t)
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or \
+                any(key in self.params for key, _ in storages):
+            storages = []
+        for key, nbytes in storages:
+            entry = self.live.setdefault(key, [0, nbytes])
+            if entry[0] == 0:
+                self.now += nbytes
+                self.peak = max(self.peak, self.now)
+            entry[0] += 1
+        return _Saved(t.detach(), [key for key, _ in storages], self)  # detached: no cycle via grad_fn
+
+    def release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.now -= entry[1]
+            del self.live[key]
+
+    def recording(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda saved: saved.tensor)
+
+
 def reported_loss(loss: torch.Tensor, how: str, group=None) -> float:
     """The step's global loss from this rank's ``loss`` (bookkeeping: outside the ledger)."""
     if how == "same":
@@ -89,17 +150,20 @@ def reported_loss(loss: torch.Tensor, how: str, group=None) -> float:
 
 def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
     """Run ``cfg.steps`` steps of ``setup`` on this rank; the ledger records the last one (after
-    warm-up: DDP rebuilds its buckets after the first iteration)."""
+    warm-up: DDP rebuilds its buckets after the first iteration). Step 0 also measures the peak
+    bytes saved for backward (``extra["activation_bytes"]``, this rank's: SavedTensorMeter)."""
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     losses, step_times, grads0, comm = [], [], None, {}
+    meter = SavedTensorMeter(setup.params)
     for k in range(cfg.steps):
         last = k == cfg.steps - 1
         if setup.before_step:
             setup.before_step()
         with ctx.ledger.recording() if last else contextlib.nullcontext():
             t0 = time.perf_counter()
-            loss = setup.forward_backward()
+            with meter.recording() if k == 0 else contextlib.nullcontext():
+                loss = setup.forward_backward()
             if k == 0:
                 grads0 = [g.detach().clone() for g in setup.grads()]  # local; gathered below
             setup.update()
@@ -113,7 +177,7 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
     state = setup.state() if setup.state else {
         "params": tensor_bytes(setup.params), "grads": tensor_bytes(g for g in setup.grads() if g is not None),
         "optimizer": optimizer_state_bytes(setup.optimizer)}
-    extra = dict(setup.extra)
+    extra = dict(setup.extra, activation_bytes=meter.peak)
     if ctx.device.type == "cuda":
         extra["peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
     return Trained(losses=losses, grads0=grads0, params=setup.fixture(setup.params), step_times=step_times,

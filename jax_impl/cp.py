@@ -1,0 +1,298 @@
+"""Context parallelism (CP): the sequence is split over the mesh axis "cp" for the whole model.
+
+Sharded: tokens, targets and their global positions, P(None, "cp") / P("cp"). Device r holds the
+tokens at ``shared.theory.cp_positions(T, N, r, variant)`` (ring / ulysses: T/N consecutive ones;
+ring_zigzag: chunks r and 2N−1−r of 2N): the host permutes the sequence so that a contiguous shard
+IS that layout, and wpe is read at the positions. Every device holds the FULL batch and every
+weight, P(). Everything but attention is per token, hence local; attention needs every earlier
+key/value, which is what the variants do differently (a = B·(T/N)·D·b, one device's share of the
+residual stream, of Q, of K and of V):
+
+    shard_map/ring         Ring attention (Liu et al. 2023, arXiv:2310.01889): a ``jax.custom_vjp``
+                           around the attention seam. Forward: the K|V block (ONE array) hops N−1
+                           times to r+1 (``ppermute``); each hop's visible chunk pairs are merged
+                           into the running output with an online softmax (running out + log-sum-
+                           exp). Backward (only the local q, k, v, out, lse saved): K|V rotate again
+                           (N−1) and the dK|dV accumulator (ONE array) travels with its block, N
+                           hops (the last brings it home): L·(3N−2) collective-permutes of 2a
+                           (XLA:CPU would CSE the backward K|V hops into the forward ones: cpu_options).
+    shard_map/ring_zigzag  The same ring over the load-balanced layout (ring-flash-attention; cf.
+                           Brandon et al. 2023, striped attention): every hop ≥ 1 computes exactly 2
+                           chunk pairs on every device, so causal work is even (``attention_scores``).
+    shard_map/ulysses      DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv:2309.14509): q, k, v
+                           (B, T/N, H, dh) -> 3 all-to-alls -> (B, T, H/N, dh), causal attention over
+                           the whole sequence for H/N heads, 1 all-to-all back; autodiff transposes
+                           them: 8·L all-to-alls of a per step.
+    jit/seq_sharded        The plain single-device loss with tokens P(None, "cp") and the residual
+                           stream constrained to P(None, "cp", None): XLA (GSPMD) picks attention's
+                           collectives. Seen at cp = 2 and 4 (``seq_sharded_comm``): forward all-
+                           gathers K and V, (B, T, D) each per layer; backward all-reduces the whole-
+                           sequence dK, dV partials (no reduce-scatter); no causal skipping.
+
+Loss: the shard_map returns each device's mean cross-entropy over its B·T/N tokens (out_specs
+P("cp")); the step differentiates their mean OUTSIDE the shard_map, so the replicated weights'
+gradients come back summed over "cp" by the transpose of their implicit invariant -> varying cast:
+all-reduce Φ·b per step (XLA's combiner sets the count). Bytes per step: shared.theory.cp_comm.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_impl.devices import make_mesh
+from jax_impl.harness import Setup, leaves_fixture, train_loop
+from jax_impl.model import inputs, jax_dtype, make_optimizer, output_loss, targets
+from jax_impl.transformer import apply, attention, block, embed, head
+from shared.config import Config
+from shared.problem import Problem, param_names
+from shared.results import Trained
+from shared.theory import cp_attention_scores, cp_chunks, cp_comm_bytes, cp_positions
+
+VARIANTS = (("shard_map", "ring"), ("shard_map", "ring_zigzag"), ("shard_map", "ulysses"), ("jit", "seq_sharded"))
+AXIS = "cp"
+
+
+def mesh_for(cfg: Config, device: str = "auto"):
+    return make_mesh(cfg.world_size, AXIS, device)
+
+
+def positions(cfg: Config, variant: str) -> list[list[int]]:
+    """Per device, the global positions it holds (ulysses and seq_sharded: contiguous, as ring)."""
+    kind = "ring_zigzag" if variant == "ring_zigzag" else "ring"
+    return [cp_positions(cfg.seq, cfg.world_size, r, kind) for r in range(cfg.world_size)]
+
+
+# --- which chunk pairs each (device, hop) computes: ONE function for the body and the report ----------
+
+
+def chunk_pairs(n: int, rank: int, hop: int, variant: str) -> tuple[tuple[int, int, bool], ...]:
+    """(q's local chunk, kv's local chunk, diagonal) for every pair device ``rank`` computes at ring
+    hop ``hop``, holding the K|V block of device (rank − hop) mod n. A pair is computed iff its key
+    chunk is not later than its query chunk (kc <= qc), with the causal mask inside iff kc == qc."""
+    qs, ks = cp_chunks(n, rank, variant), cp_chunks(n, (rank - hop) % n, variant)
+    return tuple((a, b, kc == qc) for a, qc in enumerate(qs) for b, kc in enumerate(ks) if kc <= qc)
+
+
+def attention_scores(cfg: Config, variant: str) -> list[int]:
+    """Score entries each device computes per layer in forward (summed over batch and heads)."""
+    n, bh = cfg.world_size, cfg.batch * cfg.heads
+    if variant == "ulysses":
+        return [bh * cfg.seq * cfg.seq // n] * n  # the whole (masked) T × T for H/N heads
+    c = cfg.seq // (n * len(cp_chunks(n, 0, variant)))  # tokens per chunk
+    return [bh * c * c * sum(len(chunk_pairs(n, r, hop, variant)) for hop in range(n)) for r in range(n)]
+
+
+def on_schedule(n: int, hop: int, variant: str, branch, *operands):
+    """``branch(pairs)(*operands)`` with this device's pairs at ``hop``: one ``lax.switch`` over the
+    distinct pair lists, so a skipped pair is never computed (shapes stay static)."""
+    per_device = [chunk_pairs(n, r, hop, variant) for r in range(n)]
+    kinds = sorted(set(per_device))
+    if len(kinds) == 1:
+        return branch(kinds[0])(*operands)
+    index = jnp.asarray([kinds.index(p) for p in per_device], jnp.int32)[lax.axis_index(AXIS)]
+    return lax.switch(index, [branch(k) for k in kinds], *operands)
+
+
+# --- ring attention: online-softmax forward, flash-attention backward, per query chunk ---------------
+
+
+def _groups(pairs, c: int) -> list[tuple[int, slice, np.ndarray | None]]:
+    """A pair list as (query chunk a, the held block's key range it sees, mask or None): every
+    schedule gives each query chunk a contiguous run of key chunks, computed as one block."""
+    runs: dict[int, list[tuple[int, bool]]] = {}
+    for a, b, diag in pairs:
+        runs.setdefault(a, []).append((b, diag))
+    out = []
+    for a, bd in runs.items():
+        bs = [b for b, _ in bd]
+        assert bs == list(range(bs[0], bs[-1] + 1)), pairs
+        mask = np.concatenate([np.tril(np.ones((c, c), bool)) if d else np.ones((c, c), bool) for _, d in bd], 1)
+        out.append((a, slice(bs[0] * c, (bs[-1] + 1) * c), None if mask.all() else mask))
+    return out
+
+
+def _scores(q, k, mask):
+    """q (B, H, c, dh) · k (B, H, m·c, dh) / √dh -> (B, H, c, m·c), the future masked out."""
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
+    return s if mask is None else jnp.where(mask, s, -jnp.inf)
+
+
+def _fwd_pairs(pairs, c: int):
+    def run(out, lse, q, kv):  # per local chunk a: out[a] (B, H, c, dh), lse[a] (B, H, c); kv (2, B, H, T/N, dh)
+        out, lse = list(out), list(lse)
+        for a, keys, mask in _groups(pairs, c):
+            s = _scores(q[a], kv[0][..., keys, :], mask)  # (B, H, c, m·c)
+            lse_b = jax.nn.logsumexp(s, axis=-1)  # (B, H, c)
+            o_b = jnp.einsum("bhqk,bhkd->bhqd", jnp.exp(s - lse_b[..., None]), kv[1][..., keys, :])
+            new = jnp.logaddexp(lse[a], lse_b)  # online softmax: rescale both to the merged lse
+            out[a] = out[a] * jnp.exp(lse[a] - new)[..., None] + o_b * jnp.exp(lse_b - new)[..., None]
+            lse[a] = new
+        return out, lse
+    return run
+
+
+def _bwd_pairs(pairs, c: int):
+    def run(dq, dkv, q, kv, dout, lse, delta):  # dkv (2, B, H, T/N, dh): dK|dV of the block held
+        dq = list(dq)
+        for a, keys, mask in _groups(pairs, c):
+            k, v = kv[0][..., keys, :], kv[1][..., keys, :]
+            p = jnp.exp(_scores(q[a], k, mask) - lse[a][..., None])  # (B, H, c, m·c): final probabilities
+            ds = p * (jnp.einsum("bhqd,bhkd->bhqk", dout[a], v) - delta[a][..., None])  # P ∘ (dP − rowsum(dO∘O))
+            scale = 1 / jnp.sqrt(jnp.asarray(q[a].shape[-1], k.dtype))
+            dq[a] = dq[a] + jnp.einsum("bhqk,bhkd->bhqd", ds, k) * scale
+            dkv = dkv.at[:, ..., keys, :].add(jnp.stack([jnp.einsum("bhqk,bhqd->bhkd", ds, q[a]) * scale,
+                                                         jnp.einsum("bhqk,bhqd->bhkd", p, dout[a])]))
+        return dq, dkv
+    return run
+
+
+def ring_attention(variant: str, n: int):
+    """attn(qkv, head_dim) for the transformer's seam: the ring written out, Python-unrolled."""
+    ring = [(j, (j + 1) % n) for j in range(n)]
+    send = lambda x: lax.ppermute(x, AXIS, ring)  # to r+1: I receive the block of r−1
+    m = len(cp_chunks(n, 0, variant))  # chunks per device
+    chunks = lambda x: jnp.split(x, m, axis=2)  # (B, H, T/N, …) -> m × (B, H, c, …)
+
+    @jax.custom_vjp
+    def core(q, k, v):
+        return core_fwd(q, k, v)[0]
+
+    def core_fwd(q, k, v):  # (B, H, T/N, dh) each
+        c = q.shape[2] // m
+        kv = jnp.stack([k, v])  # (2, B, H, T/N, dh): K|V travel as one message
+        out, lse = [jnp.zeros_like(x) for x in chunks(q)], [jnp.full(q.shape[:2] + (c,), -jnp.inf, q.dtype)] * m
+        for hop in range(n):
+            incoming = send(kv) if hop < n - 1 else None  # next block's transfer first, then compute
+            out, lse = on_schedule(n, hop, variant, partial(_fwd_pairs, c=c), out, lse, chunks(q), kv)
+            kv = incoming
+        out, lse = jnp.concatenate(out, axis=2), jnp.concatenate(lse, axis=2)  # (B, H, T/N, dh), (B, H, T/N)
+        return out, (q, k, v, out, lse)
+
+    def core_bwd(res, dout):
+        q, k, v, out, lse = res
+        c, delta = q.shape[2] // m, jnp.sum(dout * out, axis=-1)  # (B, H, T/N)
+        # The barrier keeps XLA from CSE-ing this rotation with the forward one (same op on the same
+        # K|V): merged, the step sends N−1 fewer messages per layer but keeps every received block
+        # alive from forward to backward, the memory ring attention's backward exists to avoid
+        # (XLA:CPU drops barriers before CSE: cpu_options).
+        kv, dq = jnp.stack(lax.optimization_barrier((k, v))), [jnp.zeros_like(x) for x in chunks(q)]
+        dkv = jnp.zeros_like(kv)  # (2, B, H, T/N, dh): dK|dV of the block held, travels with it
+        for hop in range(n):
+            incoming = send(kv) if hop < n - 1 else None
+            dq, dkv = on_schedule(n, hop, variant, partial(_bwd_pairs, c=c), dq, dkv, chunks(q), kv,
+                                  chunks(dout), chunks(lse), chunks(delta))
+            dkv, kv = send(dkv), incoming  # hop n−1: dK|dV arrive at their owner
+        return jnp.concatenate(dq, axis=2), dkv[0], dkv[1]
+
+    core.defvjp(core_fwd, core_bwd)
+
+    def attn(qkv, head_dim: int):
+        b, t, _ = qkv.shape  # (B, T/N, 3D)
+        q, k, v = (a.reshape(b, t, -1, head_dim).transpose(0, 2, 1, 3) for a in jnp.split(qkv, 3, axis=-1))
+        return core(q, k, v).transpose(0, 2, 1, 3).reshape(b, t, -1)  # (B, T/N, D)
+    return attn
+
+
+def ulysses_attention(qkv, head_dim: int):
+    """(B, T/N, 3D) -> all-to-all to head-sharded (B, T, H/N, dh), causal attention, and back."""
+    b, t, _ = qkv.shape
+    to_heads = lambda x: lax.all_to_all(x.reshape(b, t, -1, head_dim), AXIS, 2, 1, tiled=True)  # (B, T, H/N, dh)
+    q, k, v = (to_heads(a) for a in jnp.split(qkv, 3, axis=-1))
+    n = lax.axis_size(AXIS)
+    assert q.shape == (b, t * n, qkv.shape[-1] // 3 // head_dim // n, head_dim), q.shape
+    y = attention(jnp.concatenate([a.reshape(b, t * n, -1) for a in (q, k, v)], -1), head_dim)  # (B, T, D/N)
+    y = lax.all_to_all(y.reshape(b, t * n, -1, head_dim), AXIS, 1, 2, tiled=True)  # (B, T/N, H, dh)
+    return y.reshape(b, t, -1)
+
+
+def cpu_options(mesh, variant: str) -> dict | None:
+    """XLA:CPU drops optimization barriers (cse_barrier_expander) before its last CSE pass, which
+    then merges the backward K|V rotation into the forward one (measured: L·(2N−1) permutes instead
+    of L·(3N−2), the received blocks kept from forward to backward); as jax_impl.fsdp.cpu_options
+    does for ZeRO-3's re-gathers, the ring steps compile without CSE on CPU. GPU / TPU keep the barrier."""
+    if mesh.devices.flat[0].platform != "cpu" or variant not in ("ring", "ring_zigzag"):
+        return None
+    return {"xla_disable_hlo_passes": "cse"}
+
+
+def seq_sharded_comm(cfg: Config) -> dict[str, tuple[int, int]]:
+    """What XLA (GSPMD) issued for jit/seq_sharded, measured at cp = 2 and 4 (not a design): per
+    layer forward all-gathers of K and V along the sequence, each output (B, T, H, dh): 2L of
+    B·T·D·b; backward, every device's partial dK and dV over the WHOLE sequence all-reduced (no
+    reduce-scatter): 2L·B·T·D·b, in the same combined all-reduces as the gradients (Φ·b) and the
+    scalar loss (b). Each device scores its T/N queries against all T keys, masked: B·H·T²/N."""
+    act, b = cfg.batch * cfg.seq * cfg.dim * cfg.bytes_per_element, cfg.bytes_per_element
+    return {"all_gather": (2 * cfg.layers, 2 * cfg.layers * act),
+            "all_reduce": (None, cfg.n_params * b + 2 * cfg.layers * act + b)}  # count: XLA's combiner
+
+
+# --- the losses -------------------------------------------------------------------------------------
+
+
+def shard_map_loss(cfg: Config, variant: str, mesh):
+    """loss(params, tokens, targets, positions) -> (N,) local mean cross-entropies."""
+    attn = ulysses_attention if variant == "ulysses" else ring_attention(variant, cfg.world_size)
+
+    def local(params, tokens, y, pos):
+        assert tokens.shape == y.shape == (cfg.batch, cfg.seq // cfg.world_size), tokens.shape  # (B, T/N)
+        logits = apply(params, tokens, cfg.head_dim, pos, attn=attn)  # (B, T/N, V)
+        return output_loss(logits, y)[None]
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, AXIS), P(None, AXIS), P(AXIS)),
+                         out_specs=P(AXIS), check_vma=True)
+
+
+def seq_sharded_loss(cfg: Config, mesh):
+    """The single-device loss, the residual stream pinned to P(None, "cp", None)."""
+    pin = lambda x: lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, AXIS, None)))
+
+    def loss(params, tokens, y, pos):
+        x = pin(embed(params, tokens, pos))  # (B, T, D), T split
+        for l in range(cfg.layers):
+            x = pin(block(params, l, x, cfg.head_dim))
+        return output_loss(head(params, x), y)
+    return loss
+
+
+def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:
+    if (style, variant) not in VARIANTS:
+        raise ValueError(f"cp: unknown style/variant {style}/{variant}; choose from {VARIANTS}")
+    cfg.check("cp")
+    if mesh.shape[AXIS] != cfg.world_size:
+        raise ValueError(f"mesh has cp={mesh.shape[AXIS]} devices, cfg.world_size={cfg.world_size}")
+    names, order = param_names(cfg), np.concatenate(positions(cfg, variant))  # (T,): shard r = device r's tokens
+    params = {k: jax.device_put(jnp.asarray(w, jax_dtype(cfg)), NamedSharding(mesh, P()))
+              for k, w in problem.params.items()}
+    seq = NamedSharding(mesh, P(None, AXIS))
+    batch = (jax.device_put(inputs(cfg, problem)[:, order], seq), jax.device_put(targets(cfg, problem)[:, order], seq),
+             jax.device_put(jnp.asarray(order, jnp.int32), NamedSharding(mesh, P(AXIS))))
+    tx = make_optimizer(cfg)
+    # (differentiated, reported): shard_map differentiates the mean of the local losses and reports
+    # the (N,) vector (the mean itself is never computed: no all-reduce); jit its global mean
+    to_loss = seq_sharded_loss(cfg, mesh) if style == "jit" else shard_map_loss(cfg, variant, mesh)
+    loss_of = lambda p, *b: (lambda v: (jnp.mean(v), v))(to_loss(p, *b))
+
+    def step(params, opt_state, *batch):
+        (_, loss), grads = jax.value_and_grad(loss_of, has_aux=True)(params, *batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, grads
+
+    fixture = partial(leaves_fixture, names=names)
+    extra = {"positions": positions(cfg, variant)}
+    if style == "shard_map":
+        extra["attention_scores"] = attention_scores(cfg, variant)
+        assert extra["attention_scores"] == cp_attention_scores(cfg, variant), extra["attention_scores"]
+    return train_loop(cfg, Setup(
+        step=jax.jit(step, donate_argnums=(0, 1)), state=(params, tx.init(params)), batch=batch,
+        grads_fixture=fixture, params_fixture=lambda state: fixture(state[0]),
+        comm_theory=cp_comm_bytes(cfg, variant) if style == "shard_map" else
+        sum(nbytes for _, nbytes in seq_sharded_comm(cfg).values()), extra=extra,
+        compiler_options=cpu_options(mesh, variant)))
