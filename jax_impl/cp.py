@@ -189,7 +189,7 @@ def ring_attention(variant: str, n: int):
             incoming = send(kv) if hop < n - 1 else None
             dq, dkv = on_schedule(n, hop, variant, partial(_bwd_pairs, c=c), dq, dkv, chunks(q), kv,
                                   chunks(dout), chunks(lse), chunks(delta))
-            dkv, kv = send(dkv), incoming  # hop n−1: dK|dV arrive at their owner
+            dkv, kv = send(dkv) if n > 1 else dkv, incoming  # hop n−1: dK|dV arrive at their owner
         return jnp.concatenate(dq, axis=2), dkv[0], dkv[1]
 
     core.defvjp(core_fwd, core_bwd)

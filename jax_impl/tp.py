@@ -30,6 +30,16 @@ MLP (CS336 lecture 8): allgather — every layer P(None, "tp") + all_gather (bwd
 last is "invarying": a slice); megatron — P(None,"tp") / P("tp",None) pairs with f / g, odd L: last
 column + all-gather. allgather is MLP-only (torch_impl/tp.py says why).
 Memory per device: split weights /tp, replicated norms and wpe whole (shared.theory.tp_state_bytes).
+
+Sequence parallelism (megatron_sp, Korthikanti et al. 2022, arXiv:2205.05198 §4.2.2; transformer
+only): the residual stream, norms and embedding output are (B, T/tp, D). shard_map: f -> g =
+``all_gather(axis=1, tiled)`` (transposes to psum_scatter), g -> ḡ = ``psum_scatter(
+scatter_dimension=1, tiled)`` (transposes to all_gather), the embedding's psum a psum_scatter, wpe
+sliced at this device's positions; the norm gains and wpe are invariant inputs used on varying
+data, so the transpose psums their gradients (XLA combines them). Per step per device: (4L+2)
+all-gathers + (4L+2) reduce-scatters of B·T·D·b, the loss's, and ((2L+1)·D + T·D)·b
+(shared.theory.tp_sp_comm). jit: the stream constrained to P(None, "tp", None); what XLA issued:
+tests/test_tp.py::test_jit_sequence_parallel_ledger, docs/tp.md.
 """
 
 from __future__ import annotations
@@ -53,7 +63,8 @@ from shared.problem import Problem
 from shared.results import Trained
 from shared.theory import tp_comm_bytes
 
-VARIANTS = (("shard_map", "allgather"), ("shard_map", "megatron"), ("jit", "allgather"), ("jit", "megatron"))
+VARIANTS = (("shard_map", "allgather"), ("shard_map", "megatron"), ("jit", "allgather"), ("jit", "megatron"),
+            ("shard_map", "megatron_sp"), ("jit", "megatron_sp"))
 KERNEL_AXES = {"col": (None, "tp"), "row": ("tp", None)}  # MLP: W_l's columns / rows split over "tp"
 TRANSFORMER_RULES = {
     "wte.weight": ("tp", None),
@@ -66,8 +77,9 @@ TRANSFORMER_RULES = {
 
 
 def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
-    """allgather is MLP-only."""
-    return VARIANTS if cfg.model == "mlp" else tuple(v for v in VARIANTS if v[1] != "allgather")
+    """allgather is MLP-only; megatron_sp (sequence parallel) transformer-only."""
+    drop = "megatron_sp" if cfg.model == "mlp" else "allgather"
+    return tuple(v for v in VARIANTS if v[1] != drop)
 
 
 def mesh_for(cfg: Config, device: str = "auto"):
@@ -126,12 +138,35 @@ def gather_columns(y: jax.Array, grad_is_partial: bool) -> jax.Array:
     return lax.all_gather(y, "tp", axis=1, tiled=True, to="varying" if grad_is_partial else "invarying")
 
 
-def vocab_embed(wte: jax.Array, tokens: jax.Array) -> jax.Array:
-    """wte rows [r·V/tp, (r+1)·V/tp) on device r: look up my tokens, zero for the rest, psum (g)."""
+def vocab_embed(wte: jax.Array, tokens: jax.Array, reduce=reduce_from_tp) -> jax.Array:
+    """wte rows [r·V/tp, (r+1)·V/tp) on device r: look up my tokens, zero for the rest, psum (g)
+    (sequence parallel: ``reduce=scatter_sequence``, ḡ: (B, T/tp, D))."""
     rows = wte.shape[0]  # V/tp
     local = tokens - lax.axis_index("tp") * rows  # (B, T)
     mine = (local >= 0) & (local < rows)
-    return reduce_from_tp(jnp.where(mine[..., None], wte[jnp.where(mine, local, 0)], 0))  # (B, T, D)
+    return reduce(jnp.where(mine[..., None], wte[jnp.where(mine, local, 0)], 0))  # (B, T, D) partial
+
+
+# --- sequence parallelism's g / ḡ (Korthikanti et al. 2022, §4.2.2) ---------------------------------
+
+
+def gather_sequence(x: jax.Array) -> jax.Array:
+    """g (before a column-parallel matmul): all-gather (B, T/tp, …) -> (B, T, …); its transpose is
+    psum_scatter (each device's dL/dx is partial: sum, keep my tokens)."""
+    return lax.all_gather(x, "tp", axis=1, tiled=True)
+
+
+def scatter_sequence(z: jax.Array) -> jax.Array:
+    """ḡ (after a row-parallel matmul, the embedding): psum_scatter (B, T, …) partial -> (B, T/tp, …);
+    its transpose is all_gather."""
+    return lax.psum_scatter(z, "tp", scatter_dimension=1, tiled=True)
+
+
+def local_positions(wpe: jax.Array, t: int) -> jax.Array:
+    """wpe's rows for this device's T/tp tokens (the invariant table sliced at a varying offset:
+    the transpose psums wpe's gradient over "tp")."""
+    n = lax.axis_size("tp")
+    return lax.dynamic_slice_in_dim(wpe, lax.axis_index("tp") * (t // n), t // n)  # (T/tp, D)
 
 
 def vocab_parallel_ce(logits: jax.Array, y: jax.Array) -> jax.Array:
@@ -167,27 +202,35 @@ def transformer_forward(p: dict, tokens: jax.Array, y: jax.Array, head_dim: int,
     """The loss over the TP layout. shard_map: local shapes, ops = explicit collectives; jit:
     global shapes, ops = sharding constraints."""
     t = tokens.shape[1]
-    x = ops.embed(p["wte.weight"], tokens) + p["wpe.weight"][:t]  # (B, T, D), replicated
+    x = ops.embed(p["wte.weight"], tokens) + ops.positions(p["wpe.weight"], t)  # (B, T, D); SP: (B, T/tp, D)
     layers = sum(1 for k in p if k.endswith("attn.qkv.weight"))
     for l in range(layers):
         w = lambda n, l=l: p[f"blocks.{l}.{n}.weight"]
         qkv = jnp.einsum("btd,dcf->btcf", ops.f(rms_norm(x, w("norm1"))), w("attn.qkv"))  # (B, T, 3, D/tp)
-        x = x + ops.g(attend(ops.split(qkv), head_dim) @ w("attn.o"))  # (B, T, D)
+        x = x + ops.g(ops.split(attend(ops.split(qkv), head_dim)) @ w("attn.o"))  # (B, T, D)
         x = x + ops.g(gelu(ops.split(ops.f(rms_norm(x, w("norm2"))) @ w("mlp.up"))) @ w("mlp.down"))
     logits = ops.split(ops.f(rms_norm(x, p["normf.weight"])) @ p["head.weight"])  # (B, T, V/tp)
     return ops.loss(logits, y)
 
 
 SHARD_MAP_OPS = SimpleNamespace(f=copy_to_tp, g=reduce_from_tp, split=lambda a: a, embed=vocab_embed,
-                                loss=vocab_parallel_ce)
+                                positions=lambda wpe, t: wpe[:t], loss=vocab_parallel_ce)
+# sequence parallel: the residual stream, norms and embedding output are (B, T/tp, D) on each device
+SHARD_MAP_SP_OPS = SimpleNamespace(f=gather_sequence, g=scatter_sequence, split=lambda a: a,
+                                   embed=lambda wte, tok: vocab_embed(wte, tok, scatter_sequence),
+                                   positions=local_positions, loss=vocab_parallel_ce)
 
 
-def jit_ops(mesh):
+def jit_ops(mesh, sequence_parallel: bool = False):
     """The same places as constraints: f's input and g's output replicated, split activations on
-    their last dim; XLA derives the collectives."""
+    their last dim; XLA derives the collectives. Sequence parallel: g's output, the embedding
+    output and wpe's rows sharded along the sequence, (B, T/tp, D)."""
     at = lambda *spec: lambda a: lax.with_sharding_constraint(a, NamedSharding(mesh, P(*spec)))
     last = lambda a: at(*([None] * (a.ndim - 1)), "tp")(a)
-    return SimpleNamespace(f=at(), g=at(), split=last, embed=lambda wte, tok: at()(wte[tok]), loss=output_loss)
+    stream = at(None, "tp", None) if sequence_parallel else at()  # the residual stream
+    rows = at("tp", None) if sequence_parallel else at()
+    return SimpleNamespace(f=at(), g=stream, split=last, embed=lambda wte, tok: stream(wte[tok]),
+                           positions=lambda wpe, t: rows(wpe[:t]), loss=output_loss)
 
 
 def mlp_forward_allgather(shards: list[jax.Array], x: jax.Array) -> jax.Array:
@@ -239,9 +282,11 @@ def loss_for(cfg: Config, style: str, variant: str, mesh, specs: dict):
         forward = mlp_forward_allgather if variant == "allgather" else mlp_forward_megatron
         local = lambda p, x: output_loss(forward([p[k] for k in specs], x))  # full output: no collective
         return jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_vma=True)
+    sp = variant == "megatron_sp"
     if style == "jit":
-        return lambda p, tok, y: transformer_forward(p, tok, y, cfg.head_dim, jit_ops(mesh))
-    local = lambda p, tok, y: transformer_forward(p, tok, y, cfg.head_dim, SHARD_MAP_OPS)
+        return lambda p, tok, y: transformer_forward(p, tok, y, cfg.head_dim, jit_ops(mesh, sp))
+    ops = SHARD_MAP_SP_OPS if sp else SHARD_MAP_OPS
+    local = lambda p, tok, y: transformer_forward(p, tok, y, cfg.head_dim, ops)
     return jax.shard_map(local, mesh=mesh, in_specs=(specs, P(), P()), out_specs=P(), check_vma=True)
 
 
@@ -258,15 +303,22 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
                   for a in (inputs(cfg, problem), targets(cfg, problem)) if a is not None)
     loss_of, tx = loss_for(cfg, style, variant, mesh, specs), make_optimizer(cfg)
 
+    state = (params, tx.init(params))
+    placed = jax.tree.map(lambda a: a.sharding if isinstance(a.sharding, NamedSharding) else None, state)
+
     def step(params, opt_state, *batch):
         loss, grads = jax.value_and_grad(loss_of)(params, *batch)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, grads
+        new = (optax.apply_updates(params, updates), opt_state)
+        if style == "jit":  # the state leaves as it came (megatron_sp: XLA would keep wpe row-split)
+            new = jax.tree.map(lambda a, s: a if s is None else lax.with_sharding_constraint(a, s), new, placed,
+                               is_leaf=lambda x: x is None)
+        return *new, loss, grads
 
     # jax sorts dict keys (layers.10 < layers.2): back to param_names order; device_get gathers
     fixture = lambda tree: leaves_fixture(from_layout({k: tree[k] for k in layout}))
     return train_loop(cfg, Setup(
-        step=jax.jit(step), state=(params, tx.init(params)), batch=batch,
+        step=jax.jit(step), state=state, batch=batch,
         grads_fixture=fixture, params_fixture=lambda state: fixture(state[0]),
         comm_theory=tp_comm_bytes(cfg, variant),
         extra={"rules": {k: str(s) for k, s in specs.items()}}))

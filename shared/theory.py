@@ -220,7 +220,12 @@ def tp_megatron_comm(cfg: Config) -> dict[str, tuple[int, int]]:
 
 
 def tp_comm(cfg: Config, variant: str) -> dict[str, tuple[int, int]]:
-    """variant "allgather" or "megatron" (DTensor's Colwise/Rowwise plan is "megatron")."""
+    """variant "allgather" or "megatron" (DTensor's Colwise/Rowwise plan is "megatron");
+    "megatron_sp" / "dtensor_sp" (sequence parallel, transformer only): tp_sp_comm."""
+    if variant == "megatron_sp":
+        return tp_sp_comm(cfg)
+    if variant == "dtensor_sp":  # loss_parallel: 3 all-reduces; one redistribute per SP parameter
+        return tp_sp_comm(cfg, loss_all_reduces=3, param_all_reduces=2 * cfg.layers + 2)
     if cfg.model == "transformer":
         return tp_transformer_comm(cfg, loss_all_reduces=3 if variant == "dtensor" else 2)
     return tp_allgather_comm(cfg) if variant == "allgather" else tp_megatron_comm(cfg)
@@ -265,7 +270,7 @@ def tp_transformer_state_bytes(cfg: Config, variant: str = "megatron") -> dict[s
     d, n, b = cfg.dim, cfg.world_size, cfg.bytes_per_element
     split = cfg.vocab * d + cfg.layers * 12 * d * d + d * cfg.vocab
     per_rank = (split / n + cfg.seq * d + cfg.layers * 2 * d + d) * b
-    grads = per_rank + (cfg.vocab * d * b * (n - 1) / n if variant == "dtensor" else 0)
+    grads = per_rank + (cfg.vocab * d * b * (n - 1) / n if variant in ("dtensor", "dtensor_sp") else 0)
     return {"params": per_rank, "grads": grads, "optimizer": 2 * per_rank}
 
 
@@ -393,7 +398,8 @@ def cp_comm(cfg: Config, variant: str) -> dict[str, tuple[int, int]]:
     ring / ring_zigzag (Liu et al. 2023): per layer, forward N−1 hops of the K|V block (one message
     of 2a); backward (memory-efficient: only the local K, V are saved) N−1 hops of K|V again, and
     N hops of the dK|dV accumulator travelling with it (the last hop brings it home): 2a each.
-    So L·(3N−2) sends of 2a (JAX: collective-permutes). The layout does not change the bytes.
+    So L·(3N−2) sends of 2a (JAX: collective-permutes; none on one rank). The layout does not
+    change the bytes.
     ulysses (Jacobs et al. 2023): per layer 4 all-to-alls forward (q, k, v: sequence-sharded ->
     head-sharded; the output back) and their 4 transposes backward, each of buffer a.
     Plus the gradient all-reduce, Φ·b (count 1: one flat buffer or one bucket)."""
@@ -401,7 +407,8 @@ def cp_comm(cfg: Config, variant: str) -> dict[str, tuple[int, int]]:
     a = cfg.batch * (cfg.seq // n) * cfg.dim * b
     out = {"all_reduce": (1, cfg.n_params * b)}
     if variant in ("ring", "ring_zigzag"):
-        out["send"] = (l * (3 * n - 2), l * (3 * n - 2) * 2 * a)
+        hops = l * (3 * n - 2) if n > 1 else 0
+        out["send"] = (hops, hops * 2 * a)
     elif variant == "ulysses":
         out["all_to_all"] = (8 * l, 8 * l * a)
     else:
@@ -429,3 +436,52 @@ def cp_attention_scores(cfg: Config, variant: str) -> list[int]:
     c = cfg.seq // (2 * n if variant == "ring_zigzag" else n)
     return [bh * c * c * sum(1 for q in cp_chunks(n, r, variant) for s in range(n)
                              for k in cp_chunks(n, s, variant) if k <= q) for r in range(n)]
+
+
+# --- tp + sp (transformer) ---
+# Megatron sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198, §4.2.2): the tp
+# variant "megatron_sp" (torch explicit, JAX shard_map / jit) and "dtensor_sp" (torch builtin).
+# Outside the matmuls (embedding output, norms, residual adds) the activations are (B, T/tp, D).
+
+
+def tp_sp_comm(cfg: Config, loss_all_reduces: int = 2, param_all_reduces: int = 1) -> dict[str, tuple[int, int]]:
+    """Per step per rank, op -> (count, payload bytes). A = B·T·D·b.
+
+    Megatron's all-reduce after each row-parallel matmul (g) becomes a reduce-scatter along the
+    sequence, (B, T, D) partial -> (B, T/tp, D), and the identity before each column-parallel
+    matmul (f) an all-gather, (B, T/tp, D) -> (B, T, D); each one's backward is the other.
+    Forward: the embedding's reduce-scatter, per layer an all-gather before W_qkv and W_up and a
+    reduce-scatter after W_o and W_down, an all-gather before the head: 2L+1 of each.
+    Backward: the same 2L+1 + 2L+1, transposed. Sizes (nccl-tests S): an all-gather's gathered
+    output, a reduce-scatter's full input: A each. So (4L+2) all-gathers and (4L+2)
+    reduce-scatters, (8L+4)·A payload, twice Megatron's (4L+2)·A of all-reduces, and the same
+    bytes on the wire: a ring all-reduce of S moves 2·S·(N−1)/N per rank, an all-gather or a
+    reduce-scatter S·(N−1)/N.
+    Plus the vocab-parallel loss, 3·B·T·b in ``loss_all_reduces`` calls (as tp_transformer_comm),
+    and the parameters used inside the sequence-parallel regions, whose gradients are partial
+    (each rank saw T/tp of the tokens): the norm gains (2L+1)·D and wpe T·D (each rank adds its
+    own T/tp rows), all-reduced: ((2L+1)·D + T·D)·b in ``param_all_reduces`` calls (torch
+    explicit: one flat buffer, as Megatron's sequence-parallel gradient all-reduce; DTensor: one
+    per parameter, 2L+2; JAX: XLA's all-reduce combiner merges the transposes' psums)."""
+    b, l = cfg.bytes_per_element, cfg.layers
+    act, n = cfg.batch * cfg.seq * cfg.dim * b, 4 * l + 2
+    sp_params = ((2 * l + 1) * cfg.dim + cfg.seq * cfg.dim) * b
+    return {"all_gather": (n, n * act), "reduce_scatter": (n, n * act),
+            "all_reduce": (loss_all_reduces + param_all_reduces, 3 * cfg.batch * cfg.seq * b + sp_params)}
+
+
+def tp_sp_activation_saving(cfg: Config, norm_saved_per_token: int | None = None) -> int:
+    """Bytes of tensors saved for backward that megatron_sp holds less of than megatron, per rank
+    (torch explicit, measured by torch_impl.harness's saved-tensor hooks). Only the norms'
+    saved tensors change: torch's composite RMSNorm x·rsqrt(mean(x²) + ε)·g saves its input x
+    (B, T, D), rsqrt (B, T, 1) and the normalised x·rsqrt (B, T, D) — 2·D + 1 elements per
+    token; under SP each norm runs on T/tp tokens. Everything the matmuls, attention, GELU and
+    the loss save is the same (the column-parallel matmuls save their all-gathered (B, T, D)
+    input, as Megatron saves the replicated one; Megatron-LM instead saves the shard and
+    gathers again in backward). 2L+1 norms: (2L+1)·(2D+1)·B·T·b·(tp−1)/tp.
+    ``norm_saved_per_token``: the elements one norm saves per token where a torch release fuses
+    RMSNorm differently (a fused kernel saves x and rsqrt: D + 1); default 2·D + 1 (torch 2.13)."""
+    n = cfg.world_size
+    per_token = 2 * cfg.dim + 1 if norm_saved_per_token is None else norm_saved_per_token
+    per_norm = per_token * cfg.batch * cfg.seq * cfg.bytes_per_element
+    return (2 * cfg.layers + 1) * per_norm * (n - 1) // n

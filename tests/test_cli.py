@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--patterns", "dp,moe"], "'dp,moe': choose from collectives, dp, fsdp, tp, pp"),
+        (["--patterns", "dp,moe"], "'dp,moe': choose from collectives, dp, fsdp, tp, pp, cp"),
         (["--frameworks", "mxnet"], "choose from torch, jax"),
         (["--dtype", "float16"], "invalid choice: 'float16'"),
         (["--steps", "0"], "steps must be a positive integer, got 0"),
@@ -103,18 +103,23 @@ def _alive(pid: int) -> bool:
 
 
 def test_same_seed_same_losses_bit_for_bit(tmp_path):
+    """Two processes, same seed: identical losses. torch, where ranks, gloo's reductions, SDPA and
+    DTensor could make a run differ (JAX runs one process whose XLA:CPU programs are fixed at
+    compile time; its runs are compared to the float64 references everywhere else)."""
     runs = []
     for i in range(2):
         path = tmp_path / f"run{i}.json"
         proc = subprocess.run(
             [sys.executable, "compare.py", "--patterns", "tp", "--world-size", "2", "--steps", "3", "--layers", "1",
-             "--dim", "8", "--batch", "8", "--seq", "4", "--vocab", "16", "--json", str(path), "--quiet"],
+             "--dim", "8", "--batch", "8", "--seq", "4", "--vocab", "16", "--frameworks", "torch",
+             "--json", str(path), "--quiet"],
             cwd=ROOT, capture_output=True, text=True, timeout=240,
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         runs.append({(r["model"], r["framework"], r["style"], r["variant"]): r["losses"]
                      for r in json.loads(path.read_text())["runs"]})
     assert {k[0] for k in runs[0]} == {"mlp", "transformer"}  # the default: both models
+    assert {k[1] for k in runs[0]} == {"torch"}
     assert runs[0] == runs[1]  # exact float equality, not a tolerance
 
 
@@ -173,14 +178,28 @@ def test_json_markdown_and_plots_contract(tmp_path):
 
 def test_show_collectives_contrasts_the_four_styles(capsys):
     code = compare.main(["--show-collectives", "tp", "--world-size", "2", "--dim", "8", "--batch", "4",
-                         "--seq", "4", "--vocab", "16", "--steps", "2", "--quiet"])
+                         "--model", "mlp", "--steps", "2", "--quiet"])
     assert code == 0
     out = capsys.readouterr().out
-    assert "collectives of one tp step on the mlp" in out and "collectives of one tp step on the transformer" in out
+    assert "collectives of one tp step on the mlp" in out
     for style in ("explicit", "builtin", "shard_map", "jit"):
         assert style in out
     # XLA:CPU forms the all-gather TP backward as all-reduce, where shard_map writes reduce-scatter
     assert "allgather: XLA (jit) issued" in out
+
+
+def test_show_collectives_cp_ring_zigzag_ulysses_and_xla(capsys):
+    """Default models (both): cp runs on the transformer only; the table, XLA's choice for
+    seq_sharded and the per-rank attention work (zigzag balanced)."""
+    code = compare.main(["--show-collectives", "cp", "--world-size", "2", "--layers", "1", "--dim", "8",
+                         "--heads", "2", "--seq", "8", "--vocab", "16", "--batch", "2", "--steps", "2", "--quiet"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "collectives of one cp step on the transformer" in out and "on the mlp" not in out
+    for variant in ("ring", "ring_zigzag", "ulysses", "seq_sharded"):
+        assert variant in out
+    assert "seq_sharded: XLA (jit) chose" in out
+    assert "explicit/ring: 64, 128 (max/min 2.00)" in out and "explicit/ring_zigzag: 80, 80 (max/min 1.00)" in out
 
 
 def _refuse(name):

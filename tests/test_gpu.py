@@ -25,9 +25,9 @@ def _run(tmp_path, *argv):
 def test_world_size_1_every_pattern_on_cpu(tmp_path):
     """The transformer (its single-stage pipeline, 1-way TP plan and FSDP units take the same code
     paths as the MLP's, plus embeddings, norms and the loss); the MLP at N = 1 runs in compare.py."""
-    code, data = _run(tmp_path, "--device", "cpu", "--model", "transformer")
+    code, data = _run(tmp_path, "--device", "cpu", "--model", "transformer", "--layers", "1")
     assert code == 0, [r for r in data["runs"] if not r["ok"]] or data["errors"]
-    assert {r["pattern"] for r in data["runs"]} == {"collectives", "dp", "fsdp", "tp", "pp"}
+    assert {r["pattern"] for r in data["runs"]} == {"collectives", "dp", "fsdp", "tp", "pp", "cp"}
     assert {r["model"] for r in data["runs"] if r["pattern"] != "collectives"} == {"transformer"}
 
 

@@ -5,7 +5,9 @@ per-rank state.
 One torch launch and one JAX harness call per world size (module-scoped fixture): the MLP at
 layers=4 (every variant) and layers=3 (odd: the last layer is column-parallel + all-gather;
 Megatron variants only in JAX), and the transformer (layers=2, dim=16, heads=4, seq=8, vocab=32;
-allgather is MLP-only), float64 and float32 each (the transformer's float32 at tp=2, torch only).
+allgather is MLP-only; the sequence-parallel variants megatron_sp / dtensor_sp transformer-only),
+float64 and float32 each (the transformer's float32 at tp=2, torch only; JAX's megatron_sp at tp=2,
+tp=4 in a slow test). Sequence parallelism also: the saved-activation bytes vs shared.theory.
 """
 
 from __future__ import annotations
@@ -17,17 +19,22 @@ from jax_impl import tp as jax_tp
 from jax_impl.harness import _reference as jax_reference
 from jax_impl.harness import run_pattern as jax_run_pattern
 from shared.config import Config
-from shared.problem import param_names, param_shapes
+from shared.problem import make_problem, param_names, param_shapes
 from shared.results import comm_bytes, cross_framework_ok, parity, within
-from shared.theory import tp_comm, tp_comm_bytes, tp_state_bytes
+from shared.theory import tp_comm, tp_comm_bytes, tp_sp_activation_saving, tp_state_bytes
 from torch_impl import tp as torch_tp
 from torch_impl.harness import run_pattern as torch_run_pattern
 from torch_impl.launch import launch
 from torch_impl.model import empty_model
+from torch_impl.reference import train as torch_train
 
 WORLD_SIZES = (2, 4)
 DTYPES = ("float64", "float32")
 JAX_MEGATRON = [("shard_map", "megatron"), ("jit", "megatron")]
+# JAX transformer: megatron_sp at tp=2 only (each compile costs ~3 s; torch runs it at tp=2 and 4;
+# JAX's tp=4: test_jax_sequence_parallel_tp4, slow)
+JAX_SP = [("shard_map", "megatron_sp"), ("jit", "megatron_sp")]
+JAX_TRANSFORMER = {2: JAX_MEGATRON + JAX_SP, 4: JAX_MEGATRON}
 
 
 def _mlp(ws: int, layers: int) -> list[Config]:
@@ -49,8 +56,13 @@ def runs(request):
     # Torch runs every MLP variant at L=3 too (it costs no extra launch); JAX compiles only Megatron's.
     torch_out = launch(torch_run_pattern, ws, "tp", _mlp(ws, 4) + _mlp(ws, 3) + _transformer(ws))[0]
     jax_out = (jax_run_pattern("tp", _mlp(ws, 4)) + jax_run_pattern("tp", _mlp(ws, 3), JAX_MEGATRON)
-               + jax_run_pattern("tp", [c for c in _transformer(ws) if c.dtype == "float64"]))
+               + jax_run_pattern("tp", [c for c in _transformer(ws) if c.dtype == "float64"], JAX_TRANSFORMER[ws]))
     return {"torch": torch_out, "jax": jax_out}
+
+
+def torch_reference(cfg: Config):
+    """torch's single-device run of ``cfg`` (in this process: the reference needs no launch)."""
+    return torch_train(cfg.replace(world_size=1), make_problem(cfg), "cpu")
 
 
 def _all_runs(runs):
@@ -68,14 +80,18 @@ def _all_runs(runs):
 
 def test_every_variant_runs(runs):
     names = {(fw, s, v, cfg.model, cfg.layers) for fw, cfg, s, v, *_ in _all_runs(runs)}
-    for s, v in jax_tp.VARIANTS:
+    for s, v in jax_tp.variants(Config()):
         assert ("jax", s, v, "mlp", 4) in names
-    for s, v in torch_tp.VARIANTS:
+    for s, v in torch_tp.variants(Config()):
         assert ("torch", s, v, "mlp", 3) in names
     assert ("jax", "shard_map", "megatron", "mlp", 3) in names and ("jax", "jit", "megatron", "mlp", 3) in names
     transformer = {(fw, s, v) for fw, s, v, model, _ in names if model == "transformer"}
+    ws = runs["torch"][0]["cfg"].world_size
     assert transformer == {("torch", "explicit", "megatron"), ("torch", "builtin", "dtensor"),
-                           ("jax", "shard_map", "megatron"), ("jax", "jit", "megatron")}
+                           ("torch", "explicit", "megatron_sp"), ("torch", "builtin", "dtensor_sp")} | {
+        ("jax", s, v) for s, v in JAX_TRANSFORMER[ws]}
+    assert {("jax", s, v) for s, v in jax_tp.variants(runs["jax"][-1]["cfg"])} == {
+        ("jax", s, v) for s, v in JAX_TRANSFORMER[2]}
 
 
 def test_parity_with_own_reference(runs):
@@ -92,9 +108,10 @@ def test_parity_with_other_framework(runs):
 
 def test_ledger_matches_theory(runs):
     """Exact per-op counts and bytes: torch explicit and DTensor, shard_map; for the transformer
-    also jit (XLA issued the same all-reduces, merging the target-logit sum into a backward one)."""
+    also jit/megatron (XLA issued the same all-reduces, merging the target-logit sum into a backward
+    one). jit/megatron_sp: test_jit_sequence_parallel_ledger."""
     for fw, cfg, style, variant, trained, _, _ in _all_runs(runs):
-        if style == "jit" and cfg.model == "mlp":
+        if style == "jit" and (cfg.model == "mlp" or variant == "megatron_sp"):
             continue
         expected = {op: {"count": c, "bytes": b} for op, (c, b) in tp_comm(cfg, variant).items()}
         assert trained.comm == expected, (fw, style, variant, cfg.model, cfg.layers, trained.comm)
@@ -112,6 +129,79 @@ def test_mlp_jit_ledger_payload(runs):
         theory = tp_comm(cfg, variant)
         assert comm_bytes(trained.comm) == tp_comm_bytes(cfg, variant), (variant, trained.comm)
         assert sum(v["count"] for v in trained.comm.values()) == sum(c for c, _ in theory.values())
+
+
+def _xla_cpu_sp_ledger(cfg: Config) -> dict:
+    """jit/megatron_sp's collectives as GSPMD issues them on CPU (test_jit_sequence_parallel_ledger)."""
+    b, l = cfg.bytes_per_element, cfg.layers
+    act, rows, vd, td = cfg.batch * cfg.seq * cfg.dim * b, cfg.batch * cfg.seq * b, cfg.vocab * cfg.dim * b, \
+        cfg.seq * cfg.dim * b
+    return {"all_gather": {"count": 4 * l + 4, "bytes": (4 * l + 1) * act + vd + 2 * td},
+            "all_reduce": {"count": 4 * l + 4, "bytes": (4 * l + 1) * act + 3 * rows + (2 * l + 1) * cfg.dim * b + vd}}
+
+
+def test_jit_sequence_parallel_ledger(runs):
+    """What GSPMD issued for jit/megatron_sp on CPU (XLA's choice, not the theory; tp=2 and 4 alike),
+    A = B·T·D·b: every reduce-scatter as an all-reduce of A + a local slice (XLA:CPU has no
+    reduce-scatter creator pass): 2L fwd + 2L+1 bwd; the 4L+1 other all-gathers of A as theory's; the
+    embedding as an all-gather of the (V/tp, D) table shards (V·D) and a local lookup, so no
+    reduce-scatter fwd and no all-gather bwd there; wpe's gradient kept row-split (no all-reduce):
+    AdamW's moment updates all-gather (1−β1)·g and (1−β2)·g², (T, D) each; one tuple all-reduce of
+    the norm gains' and wte's gradients with the target logit. Same payload order as theory;
+    all-reduce wire bytes are twice a reduce-scatter's."""
+    for _, cfg, style, variant, trained, _, _ in _all_runs(runs):
+        if (style, variant) == ("jit", "megatron_sp"):
+            assert trained.comm == _xla_cpu_sp_ledger(cfg), (cfg.world_size, trained.comm)
+
+
+@pytest.mark.slow
+def test_jax_sequence_parallel_tp4():
+    """JAX megatron_sp at tp=4 (the default suite compiles it at tp=2 only): parity with both
+    references, shard_map's ledger == theory, jit's == what XLA issued at tp=2."""
+    cfg = _transformer(4)[0]
+    out = jax_run_pattern("tp", [cfg], JAX_SP)[0]
+    for style, variant, trained in out["runs"]:
+        assert within(parity(trained, out["reference"]), cfg.dtype), style
+        assert cross_framework_ok(parity(trained, torch_reference(cfg)), cfg.dtype), style
+        expected = _xla_cpu_sp_ledger(cfg) if style == "jit" else {
+            op: {"count": c, "bytes": b} for op, (c, b) in tp_comm(cfg, variant).items()}
+        assert trained.comm == expected, (style, trained.comm)
+
+
+def _norm_saved_per_token(dim: int, dtype: str) -> int:
+    """Elements one nn.RMSNorm saves for backward per token on THIS torch (2.13's composite
+    x·rsqrt(mean(x²)+ε)·g: 2·D + 1; a fused kernel would save fewer), measured as the harness does."""
+    import torch
+
+    from torch_impl.harness import SavedTensorMeter
+
+    norm = torch.nn.RMSNorm(dim, dtype=getattr(torch, dtype))
+    x = torch.randn(3, 5, dim, dtype=getattr(torch, dtype), requires_grad=True)
+    meter = SavedTensorMeter(list(norm.parameters()))
+    with meter.recording():
+        norm(x).sum().backward()
+    return meter.peak // (15 * x.element_size())
+
+
+def test_sequence_parallel_activation_memory(runs):
+    """Peak bytes saved for backward per rank (torch_impl.harness.SavedTensorMeter): megatron −
+    megatron_sp == the norms' saved tensors × (tp−1)/tp (shared.theory.tp_sp_activation_saving),
+    exactly, for the hand-written code and for DTensor (same autograd graph on DTensors). JAX:
+    XLA's temp buffer per device (compiled.memory_analysis()) is smaller with SP under shard_map."""
+    for fw in ("torch", "jax"):
+        for entry in runs[fw]:
+            cfg = entry["cfg"]
+            if cfg.model != "transformer":
+                continue
+            got = {(s, v): t.extra for s, v, t in entry["runs"]}
+            if fw == "torch":
+                for base, sp in ((("explicit", "megatron"), ("explicit", "megatron_sp")),
+                                 (("builtin", "dtensor"), ("builtin", "dtensor_sp"))):
+                    saved = got[base]["activation_bytes"] - got[sp]["activation_bytes"]
+                    per_token = _norm_saved_per_token(cfg.dim, cfg.dtype)
+                    assert saved == tp_sp_activation_saving(cfg, per_token), (cfg.world_size, cfg.dtype, base, saved)
+            elif ("shard_map", "megatron_sp") in got:  # JAX: tp=2
+                assert got[("shard_map", "megatron_sp")]["temp_bytes"] < got[("shard_map", "megatron")]["temp_bytes"]
 
 
 def test_state_bytes(runs):
@@ -133,6 +223,10 @@ def test_plan_and_rules_cover_the_transformer():
         spec = rules(name, layout[name].shape)
         assert (name in styles) == any(a is not None for a in spec), (name, spec)
     assert set(styles.values()) == {"vocab_embed", "colwise_heads", "rowwise", "colwise", "colwise_vocab"}
+    sp = torch_tp.styles_of(empty_model(cfg, "meta"), torch_tp.SP_PLAN)  # SP: the same splits + SP regions
+    assert {k: s for k, s in sp.items() if s not in torch_tp.SEQUENCE_STYLES} == styles
+    assert {k for k, s in sp.items() if s in torch_tp.SEQUENCE_STYLES} == {
+        n for n in param_names(cfg) if "norm" in n or n == "wpe.weight"}
 
 
 @pytest.mark.parametrize("layers", [1, 5])
@@ -156,5 +250,9 @@ def test_bad_sizes_are_rejected_before_any_process():
         Config(world_size=4, model="transformer", dim=16, heads=2).check("tp")
     with pytest.raises(ValueError, match="vocab=30 is not divisible by world_size=4"):
         Config(world_size=4, model="transformer", dim=16, heads=4, vocab=30).check("tp")
+    with pytest.raises(ValueError, match="seq=6 is not divisible by world_size=4"):  # megatron_sp's split
+        Config(world_size=4, model="transformer", dim=16, heads=4, seq=6).check("tp")
     with pytest.raises(ValueError, match="allgather"):  # MLP-only
         jax_tp.train(Config(model="transformer", heads=4), None, "shard_map", "allgather", None)
+    with pytest.raises(ValueError, match="megatron_sp"):  # transformer-only: the MLP has no sequence
+        jax_tp.train(Config(), None, "shard_map", "megatron_sp", None)

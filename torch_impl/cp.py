@@ -180,7 +180,8 @@ class RingAttention(torch.autograd.Function):
                 ds = p * (douts[a] @ vs[b].transpose(-1, -2) - deltas[a].unsqueeze(-1))  # (B, H, c, c)
                 dqs[a].add_(ds @ ks[b] * scale)
                 dks[b].add_(ds.transpose(-1, -2) @ qs[a] * scale)
-            dkv, dworks = ring_exchange(dkv, core.group)  # dK|dV travel with their block: N hops
+            # dK|dV travel with their block: N hops (one rank: already home)
+            dkv, dworks = ring_exchange(dkv, core.group) if n > 1 else (dkv, [])
             wait(works + dworks)
             kv = nxt
         return dq, dkv[0], dkv[1], None  # the last hop brought my block's dK|dV home

@@ -14,6 +14,8 @@ stores them, (out, in)):
     colwise_vocab  the LM head: colwise, logits stay split (B, T, V/tp) for vocab_parallel_ce
     colwise_out    colwise + all-gather of the output (MLP, odd L: the last layer; bwd a slice)
     colwise_gather colwise + all-gather, no f (MLP allgather scheme: bwd reduce-scatter)
+    sequence       (SP) weight replicated, runs on this rank's T/tp tokens; gradient partial
+    positions      (SP) wpe: as sequence, its input (the positions) cut to this rank's T/tp first
 
 Transformer (TRANSFORMER_PLAN; norms and wpe replicated): per block 2 all-reduces of B·T·D
 forward (g after attn.o, mlp.down) and 2 backward (f before attn.qkv, mlp.up); plus the embedding's
@@ -36,6 +38,19 @@ ColwiseParallel(output_layouts=Shard(-1)) and the loss under ``loss_parallel()``
 permuted at load time (heads_perm) so DTensor's contiguous Shard(0) gives each rank [q_r; k_r; v_r],
 and un-permuted in ``fixture``. DTensor issues the same collectives, one for one.
 Memory per rank: split weights /tp, replicated norms and wpe whole (tp_state_bytes).
+
+Sequence parallelism (megatron_sp / dtensor_sp, Korthikanti et al. 2022, arXiv:2205.05198 §4.2.2;
+transformer only; SP_PLAN = the same splits + "sequence" norms and "positions" wpe): between the
+matmuls (embedding output, norms, residual adds) the activations are (B, T/tp, D). f becomes g =
+all-gather of the sequence before each column-parallel matmul (bwd reduce-scatter), g becomes ḡ =
+reduce-scatter after each row-parallel matmul and the embedding (bwd all-gather); the head's input
+is gathered, the logits stay (B, T, V/tp). Per step per rank (A = B·T·D·b): (4L+2) all-gathers and
+(4L+2) reduce-scatters of A (= Megatron's wire bytes), the loss's all-reduces, and one all-reduce
+of the SP parameters' partial gradients ((2L+1)·D + T·D)·b (shared.theory.tp_sp_comm). Saved
+activations: each norm's input, rsqrt and output /tp (theory.tp_sp_activation_saving). builtin:
+torchtitan's plan (SequenceParallel norms, Colwise(input_layouts=Shard(1)), Rowwise(output_layouts=
+Shard(1)), the embedding Rowwise(output_layouts=Shard(1))); wpe = SequenceParallel(sequence_dim=0)
+after local_positions. DTensor leaves the SP gradients Partial: ``train`` redistributes them once.
 """
 
 from __future__ import annotations
@@ -48,7 +63,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 from shared.config import Config
 from shared.problem import Problem
@@ -58,7 +79,9 @@ from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import build_model, inputs, is_transposed, loss_fn, make_optimizer, targets, to_fixture
 
-VARIANTS = (("explicit", "allgather"), ("explicit", "megatron"), ("builtin", "dtensor"))
+VARIANTS = (("explicit", "allgather"), ("explicit", "megatron"), ("builtin", "dtensor"),
+            ("explicit", "megatron_sp"), ("builtin", "dtensor_sp"))
+SP_VARIANTS = ("megatron_sp", "dtensor_sp")  # sequence parallel: the transformer only
 
 TRANSFORMER_PLAN = {
     "wte": "vocab_embed",
@@ -76,13 +99,32 @@ DTENSOR_STYLES = {
     "colwise_vocab": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     "colwise_out": lambda: ColwiseParallel(output_layouts=Replicate()),
 }
+# Sequence parallelism (megatron_sp, dtensor_sp): the same splits, and the modules between the
+# matmuls run on this rank's T/tp tokens. Their weights stay replicated with partial gradients.
+SP_PLAN = TRANSFORMER_PLAN | {
+    "wpe": "positions",  # rows of this rank's positions: (T/tp, D)
+    "blocks.*.norm1": "sequence",  # on (B, T/tp, D)
+    "blocks.*.norm2": "sequence",
+    "normf": "sequence",
+}
+SEQUENCE_STYLES = ("sequence", "positions")
+DTENSOR_SP_STYLES = {  # torchtitan's parallelize_llama with sequence parallel
+    "vocab_embed": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "colwise_heads": lambda: ColwiseParallel(input_layouts=Shard(1)),  # all-gather the sequence first
+    "colwise": lambda: ColwiseParallel(input_layouts=Shard(1)),
+    "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)),  # reduce-scatter to the sequence shard
+    "colwise_vocab": lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    "sequence": lambda: SequenceParallel(),
+    "positions": lambda: SequenceParallel(sequence_dim=0, use_local_output=True),  # after local_positions
+}
 SHARD_DIM = {"colwise": 0, "colwise_heads": 0, "colwise_vocab": 0, "colwise_out": 0, "colwise_gather": 0,
              "rowwise": 1, "vocab_embed": 0}  # dim of the torch weight that is split
 
 
 def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
-    """allgather is MLP-only (see the module docstring)."""
-    return VARIANTS if cfg.model == "mlp" else tuple(v for v in VARIANTS if v[1] != "allgather")
+    """allgather is MLP-only (see the module docstring); sequence parallelism transformer-only."""
+    drop = SP_VARIANTS if cfg.model == "mlp" else ("allgather",)
+    return tuple(v for v in VARIANTS if v[1] not in drop)
 
 
 def mlp_plan(layers: int, variant: str) -> dict[str, str]:
@@ -93,7 +135,9 @@ def mlp_plan(layers: int, variant: str) -> dict[str, str]:
 
 
 def plan_for(cfg: Config, variant: str) -> dict[str, str]:
-    return mlp_plan(cfg.layers, variant) if cfg.model == "mlp" else TRANSFORMER_PLAN
+    if cfg.model == "mlp":
+        return mlp_plan(cfg.layers, variant)
+    return SP_PLAN if variant in SP_VARIANTS else TRANSFORMER_PLAN
 
 
 def matches(path: str, pattern: str) -> bool:
@@ -173,6 +217,71 @@ class GatherColumns(torch.autograd.Function):
         return out, None, None
 
 
+# --- sequence parallelism's g / ḡ (Korthikanti et al. 2022, §4.2.2): all-gather <-> reduce-scatter ------
+
+
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, T/tp, …) -> (B, T, …): every rank's sequence shard, in rank order."""
+    n = dist.get_world_size(group)
+    rows = x.movedim(1, 0).contiguous()  # (T/tp, B, …): all_gather_single concatenates along dim 0
+    out = rows.new_empty(n * rows.shape[0], *rows.shape[1:])  # (T, B, …)
+    dist.all_gather_single(out, rows, group=group)
+    return out.movedim(0, 1)  # (B, T, …)
+
+
+def scatter_sequence(z: torch.Tensor, group) -> torch.Tensor:
+    """(B, T, …) partial sums -> (B, T/tp, …): the sum over ranks of my sequence shard."""
+    n = dist.get_world_size(group)
+    rows = z.movedim(1, 0).contiguous()  # (T, B, …)
+    assert rows.shape[0] % n == 0, (z.shape, n)
+    out = rows.new_empty(rows.shape[0] // n, *rows.shape[1:])  # (T/tp, B, …)
+    dist.reduce_scatter_single(out, rows, group=group)
+    return out.movedim(0, 1)  # (B, T/tp, …)
+
+
+class GatherSequence(torch.autograd.Function):
+    """g (replaces f before a column-parallel matmul): all-gather the sequence fwd; reduce-scatter
+    bwd (each rank's dL/dx of the gathered input is partial: sum, keep my tokens)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return scatter_sequence(grad, ctx.group), None
+
+
+class ScatterSequence(torch.autograd.Function):
+    """ḡ (replaces g after a row-parallel matmul / the embedding): reduce-scatter fwd (sum the
+    partial products, keep my tokens); all-gather bwd (dL/dz is needed for every token)."""
+
+    @staticmethod
+    def forward(ctx, z, group):
+        ctx.group = group
+        return scatter_sequence(z, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_sequence(grad, ctx.group), None
+
+
+def local_positions(rank: int, n: int):
+    """Forward pre-hook for wpe: its input, the positions (T,), -> this rank's T/tp (a view)."""
+    return lambda m, args: (args[0].chunk(n)[rank],)
+
+
+def reduce_sequence_grads(params: list[torch.Tensor], group) -> None:
+    """The SP regions' parameters (norm gains, wpe) saw only this rank's tokens: their gradients
+    are partial. One flat all-reduce (Megatron-LM's sequence-parallel gradient all-reduce)."""
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    for g, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(summed.view_as(g))
+
+
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy from vocab-split logits (B, T, V/tp): all-reduce MAX of the row max (B, T),
     then one SUM of (2, B, T): the target logit (found on one rank, zero elsewhere) and Σexp.
@@ -223,16 +332,22 @@ def unshard(local: torch.Tensor, style: str, group) -> torch.Tensor:
     return full
 
 
-def apply_plan(model: nn.Module, plan: dict[str, str], group) -> dict[str, str]:
-    """Swap in this rank's shard of every planned weight and hook in f / g / the gather.
+def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel: bool = False) -> dict[str, str]:
+    """Swap in this rank's shard of every planned weight and hook in f / g / the gather
+    (``sequence_parallel``: g / ḡ, the all-gather / reduce-scatter along the sequence).
     Returns {parameter name: style}."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
+    enter, leave = (GatherSequence, ScatterSequence) if sequence_parallel else (CopyToTP, ReduceFromTP)
     styles, last = styles_of(model, plan), f"{list(plan)[-1]}.weight"  # the last gather feeds the loss
     for name, style in styles.items():
         module = model.get_submodule(name.removesuffix(".weight"))
+        if style == "positions":
+            module.register_forward_pre_hook(local_positions(rank, n))
+        if style in SEQUENCE_STYLES:
+            continue  # replicated weight on my T/tp tokens: reduce_sequence_grads after backward
         module.weight = nn.Parameter(shard(module.weight.detach(), style, rank, n))
-        f = lambda m, args: (CopyToTP.apply(args[0], group),)
-        g = lambda m, args, out: ReduceFromTP.apply(out, group)
+        f = lambda m, args: (enter.apply(args[0], group),)
+        g = lambda m, args, out: leave.apply(out, group)
         if style in ("colwise", "colwise_heads", "colwise_vocab", "colwise_out"):
             module.register_forward_pre_hook(f)
         if style == "rowwise":
@@ -250,19 +365,24 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group) -> dict[str, str]:
 
             module.register_forward_pre_hook(to_local_ids)
             module.register_forward_hook(
-                lambda m, args, out, mask=mask: ReduceFromTP.apply(out * mask["mine"].unsqueeze(-1), group))
+                lambda m, args, out, mask=mask: leave.apply(out * mask["mine"].unsqueeze(-1), group))
     return styles
 
 
-def apply_dtensor_plan(model: nn.Module, plan: dict[str, str], mesh) -> dict[str, str]:
+def apply_dtensor_plan(model: nn.Module, plan: dict[str, str], mesh, sequence_parallel: bool = False) -> dict[str, str]:
     """The same plan through ``parallelize_module``. W_qkv's rows are permuted first (heads_perm),
-    so DTensor's contiguous Shard(0) hands rank r [q_r; k_r; v_r]. Returns {parameter name: style}."""
-    styles = styles_of(model, plan)
+    so DTensor's contiguous Shard(0) hands rank r [q_r; k_r; v_r]. Sequence parallel: wpe's
+    positions are cut to this rank's first (local_positions, registered before SequenceParallel's
+    input hook, which takes a plain tensor for the local shard). Returns {parameter name: style}."""
+    styles, table = styles_of(model, plan), DTENSOR_SP_STYLES if sequence_parallel else DTENSOR_STYLES
     with torch.no_grad():
         for name in (k for k, s in styles.items() if s == "colwise_heads"):
             w = model.get_parameter(name)  # (3D, D)
             w.copy_(w[heads_perm(w.shape[0], mesh.size())])
-    parallelize_module(model, mesh, {k: DTENSOR_STYLES[s]() for k, s in plan.items()})
+    for name in (k for k, s in styles.items() if s == "positions"):
+        model.get_submodule(name.removesuffix(".weight")).register_forward_pre_hook(
+            local_positions(mesh.get_local_rank(), mesh.size()))
+    parallelize_module(model, mesh, {k: table[s]() for k, s in plan.items()})
     return styles
 
 
@@ -281,17 +401,17 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     if (style, variant) not in variants(cfg):
         raise ValueError(f"tp: unknown variant {style}/{variant} for the {cfg.model}; choose from {variants(cfg)}")
     cfg.check("tp")
-    n, group, transformer = ctx.world_size, ctx.group, cfg.model == "transformer"
-    plan = plan_for(cfg, "allgather" if variant == "allgather" else "megatron")
+    n, group, transformer, sp = ctx.world_size, ctx.group, cfg.model == "transformer", variant in SP_VARIANTS
+    plan = plan_for(cfg, variant)
     model = build_model(cfg, problem, ctx.device)
     x, y = inputs(cfg, problem, ctx.device), targets(cfg, problem, ctx.device)  # full batch on every rank
     if style == "explicit":
-        styles = apply_plan(model, plan, group)
+        styles = apply_plan(model, plan, group, sp)
         loss_of = (lambda out: VocabParallelCrossEntropy.apply(out, y, group)) if transformer else loss_fn
         parallel_loss = contextlib.nullcontext
-        full = lambda t, name: unshard(t, styles[name], group) if name in styles else t
+        full = lambda t, name: unshard(t, styles[name], group) if name in split else t
     else:
-        styles = apply_dtensor_plan(model, plan, init_device_mesh(ctx.device.type, (n,), mesh_dim_names=("tp",)))
+        styles = apply_dtensor_plan(model, plan, init_device_mesh(ctx.device.type, (n,), mesh_dim_names=("tp",)), sp)
         loss_of = lambda out: loss_fn(out, y)
         parallel_loss = loss_parallel if transformer else contextlib.nullcontext  # CE over Shard(-1) logits
 
@@ -299,11 +419,13 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
             t = t.full_tensor() if hasattr(t, "full_tensor") else t
             return t[torch.argsort(heads_perm(t.shape[0], n))] if styles.get(name) == "colwise_heads" else t
 
+    split = {k: s for k, s in styles.items() if s not in SEQUENCE_STYLES}  # the rest: replicated
     names = [name for name, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]
+    partial = [p for name, p in zip(names, params, strict=True) if styles.get(name) in SEQUENCE_STYLES]
     for name, p in zip(names, params, strict=True):  # rank code: local shapes
         expect = list(problem.params[name].shape[::-1] if is_transposed(model, name) else problem.params[name].shape)
-        if name in styles:
+        if name in split:
             expect[SHARD_DIM[styles[name]]] //= n  # e.g. attn.qkv (3D/tp, D), mlp.down (D, 4D/tp), wte (V/tp, D)
         assert list((p.to_local() if hasattr(p, "to_local") else p).shape) == expect, (name, p.shape, expect)
     opt = make_optimizer(params, cfg)
@@ -313,12 +435,17 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         with parallel_loss():
             loss = loss_of(model(x))  # logits (B, T, V/tp) stay split; MLP: the full (B, D) output
             loss.backward()
+        if partial and style == "explicit":
+            reduce_sequence_grads(partial, group)
+        elif partial:  # DTensor leaves their .grad Partial(sum): reduce once (else every AdamW op that
+            for p in partial:  # reads it all-reduces it again: 3 times per parameter per step)
+                p.grad = p.grad.redistribute(placements=[Replicate()])
         return loss.to_local() if hasattr(loss, "to_local") else loss  # replicated on every rank
 
     def fixture(tensors):
         out = []
         for name, t in zip(names, tensors, strict=True):
-            if name not in styles:
+            if name not in split:
                 check_replicated(t.to_local() if hasattr(t, "to_local") else t, name, group)
             out.append(to_fixture(model, name, full(t, name)))
         return out

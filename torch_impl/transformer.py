@@ -40,8 +40,9 @@ class Attention(nn.Module):
         self.o = nn.Linear(dim, dim, bias=False, dtype=dtype, device=device)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        b, t, _ = h.shape
-        q, k, v = self.qkv(h).chunk(3, dim=-1)  # 3 × (B, T, H·dh): the q|k|v column blocks
+        qkv = self.qkv(h)  # (B, T, 3·H·dh); sequence parallel: h is (B, T/tp, D), gathered by qkv's hook
+        b, t, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=-1)  # 3 × (B, T, H·dh): the q|k|v column blocks
         q, k, v = (a.reshape(b, t, -1, self.head_dim).transpose(1, 2) for a in (q, k, v))  # (B, H, T, dh)
         y = self.core(q, k, v)  # (B, H, T, dh)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))  # heads concatenated in order: (B, T, D)
