@@ -23,12 +23,18 @@ def _run(tmp_path, *argv):
 
 
 def test_world_size_1_every_pattern_on_cpu(tmp_path):
-    """The transformer (its single-stage pipeline, 1-way TP plan and FSDP units take the same code
-    paths as the MLP's, plus embeddings, norms and the loss); the MLP at N = 1 runs in compare.py."""
-    code, data = _run(tmp_path, "--device", "cpu", "--model", "transformer", "--layers", "1")
+    """The one-rank path of every pattern. torch on the transformer (its single-stage pipeline,
+    1-way TP plan, FSDP units and one-rank ring take the same code paths as the MLP's, plus
+    embeddings, norms and the loss); JAX's one-device meshes on the MLP (its transformer steps
+    compile for seconds each; every JAX pattern body is model-generic and tested at N >= 2)."""
+    code, data = _run(tmp_path, "--device", "cpu", "--model", "transformer", "--layers", "1", "--frameworks", "torch")
     assert code == 0, [r for r in data["runs"] if not r["ok"]] or data["errors"]
     assert {r["pattern"] for r in data["runs"]} == {"collectives", "dp", "fsdp", "tp", "pp", "cp"}
     assert {r["model"] for r in data["runs"] if r["pattern"] != "collectives"} == {"transformer"}
+    code, data = _run(tmp_path, "--device", "cpu", "--model", "mlp", "--frameworks", "jax",
+                      "--patterns", "collectives,dp,fsdp,tp,pp")
+    assert code == 0, [r for r in data["runs"] if not r["ok"]] or data["errors"]
+    assert {r["pattern"] for r in data["runs"]} == {"collectives", "dp", "fsdp", "tp", "pp"}
 
 
 def _jax_sees_gpu() -> bool:

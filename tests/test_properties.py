@@ -46,7 +46,7 @@ def _assert_parity(entry, framework):
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
-@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_jax_parity_on_random_configs(pattern, data):
     cfg = data.draw(configs(pattern))
