@@ -60,6 +60,7 @@ from torch_impl.dp import BucketedDDP
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import build_model, inputs, loss_fn, make_optimizer, targets, to_fixture
+from torch_impl.tp import Transposed
 
 VARIANTS = (("explicit", "ring"), ("explicit", "ring_zigzag"), ("explicit", "ulysses"),
             ("builtin", "context_parallel"))
@@ -210,28 +211,6 @@ def heads_to_seq(y: torch.Tensor, group) -> torch.Tensor:
     return recv.permute(1, 3, 0, 2, 4).reshape(b, t // n, n * hn, d).transpose(1, 2)  # laid out (B, T/N, H, dh)
 
 
-class SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return heads_to_seq(grad, ctx.group), None
-
-
-class HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group = group
-        return heads_to_seq(y, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return seq_to_heads(grad, ctx.group), None
-
-
 class UlyssesCore:
     """``Attention.core`` for ulysses: 3 all-to-alls in, causal SDPA on H/N heads, 1 back."""
 
@@ -240,9 +219,11 @@ class UlyssesCore:
 
     def __call__(self, q, k, v):
         assert q.shape[2] == self.local_seq and q.shape[1] % dist.get_world_size(self.group) == 0, q.shape
-        q, k, v = (SeqToHeads.apply(x, self.group) for x in (q, k, v))  # (B, H/N, T, dh)
+        # each all-to-all's backward is the reverse one (tp.Transposed)
+        q, k, v = (Transposed.apply(x, self.group, seq_to_heads, heads_to_seq) for x in (q, k, v))  # (B, H/N, T, dh)
         self.scores = q.shape[0] * q.shape[1] * q.shape[2] ** 2  # the whole T×T, masked half included
-        return HeadsToSeq.apply(F.scaled_dot_product_attention(q, k, v, is_causal=True), self.group)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/N, T, dh)
+        return Transposed.apply(y, self.group, heads_to_seq, seq_to_heads)  # (B, H, T/N, dh)
 
 
 # --- training ---------------------------------------------------------------------------------------

@@ -239,32 +239,30 @@ def scatter_sequence(z: torch.Tensor, group) -> torch.Tensor:
     return out.movedim(0, 1)  # (B, T/tp, …)
 
 
-class GatherSequence(torch.autograd.Function):
+class Transposed(torch.autograd.Function):
+    """A collective whose backward is its transpose: ``fwd(x, group)`` forward, ``bwd(grad, group)``
+    backward (SP's all-gather <-> reduce-scatter along the sequence; cp's Ulysses all-to-alls)."""
+
+    @staticmethod
+    def forward(ctx, x, group, fwd, bwd):
+        ctx.group, ctx.bwd = group, bwd
+        return fwd(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.bwd(grad, ctx.group), None, None, None
+
+
+def sp_gather(x: torch.Tensor, group) -> torch.Tensor:
     """g (replaces f before a column-parallel matmul): all-gather the sequence fwd; reduce-scatter
     bwd (each rank's dL/dx of the gathered input is partial: sum, keep my tokens)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return gather_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return scatter_sequence(grad, ctx.group), None
+    return Transposed.apply(x, group, gather_sequence, scatter_sequence)
 
 
-class ScatterSequence(torch.autograd.Function):
+def sp_scatter(z: torch.Tensor, group) -> torch.Tensor:
     """ḡ (replaces g after a row-parallel matmul / the embedding): reduce-scatter fwd (sum the
     partial products, keep my tokens); all-gather bwd (dL/dz is needed for every token)."""
-
-    @staticmethod
-    def forward(ctx, z, group):
-        ctx.group = group
-        return scatter_sequence(z, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_sequence(grad, ctx.group), None
+    return Transposed.apply(z, group, scatter_sequence, gather_sequence)
 
 
 def local_positions(rank: int, n: int):
@@ -337,7 +335,7 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel:
     (``sequence_parallel``: g / ḡ, the all-gather / reduce-scatter along the sequence).
     Returns {parameter name: style}."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
-    enter, leave = (GatherSequence, ScatterSequence) if sequence_parallel else (CopyToTP, ReduceFromTP)
+    enter, leave = (sp_gather, sp_scatter) if sequence_parallel else (CopyToTP.apply, ReduceFromTP.apply)
     styles, last = styles_of(model, plan), f"{list(plan)[-1]}.weight"  # the last gather feeds the loss
     for name, style in styles.items():
         module = model.get_submodule(name.removesuffix(".weight"))
@@ -346,8 +344,8 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel:
         if style in SEQUENCE_STYLES:
             continue  # replicated weight on my T/tp tokens: reduce_sequence_grads after backward
         module.weight = nn.Parameter(shard(module.weight.detach(), style, rank, n))
-        f = lambda m, args: (enter.apply(args[0], group),)
-        g = lambda m, args, out: leave.apply(out, group)
+        f = lambda m, args: (enter(args[0], group),)
+        g = lambda m, args, out: leave(out, group)
         if style in ("colwise", "colwise_heads", "colwise_vocab", "colwise_out"):
             module.register_forward_pre_hook(f)
         if style == "rowwise":
@@ -365,7 +363,7 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel:
 
             module.register_forward_pre_hook(to_local_ids)
             module.register_forward_hook(
-                lambda m, args, out, mask=mask: leave.apply(out * mask["mine"].unsqueeze(-1), group))
+                lambda m, args, out, mask=mask: leave(out * mask["mine"].unsqueeze(-1), group))
     return styles
 
 
