@@ -4,6 +4,8 @@
     python compare.py --model transformer --patterns tp # one model, one pattern
     python compare.py --model transformer --patterns tp,cp --show-collectives cp   # SP, ring, Ulysses
     python compare.py --patterns dp,fsdp --dtype float32 --json out.json
+    python compare.py --model transformer --mesh dp=2,tp=2,pp=2 --show-collectives mesh  # 3-D, 8 ranks
+    python compare.py --mesh "dp=2,tp=2;fsdp=2,tp=2;tp=2,pp=2"   # several layouts, one launch each side
     python compare.py bench --frameworks torch,jax      # nccl-tests-style bandwidth sweep
     torchrun --nproc_per_node=8 compare.py --frameworks torch --world-size 8   # join a torchrun launch
 
@@ -25,7 +27,7 @@ import time
 import traceback
 
 from shared.collectives import BENCH_OPS, BENCH_SIZES  # NumPy only: safe before JAX starts
-from shared.config import DTYPES, MODELS, PATTERNS
+from shared.config import DTYPES, MODELS, PATTERNS, format_mesh, parse_mesh
 from shared.env import simulate_host_devices
 
 FRAMEWORKS = ("torch", "jax")
@@ -51,9 +53,20 @@ def _csv(choices):
     return parse
 
 
+def _layouts(text: str) -> list[tuple[tuple[str, int], ...]]:
+    try:
+        return [parse_mesh(part) for part in text.split(";") if part.strip()] or [parse_mesh(text)]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="compare.py", description="Run every parallelism pattern in torch and JAX and check parity.")
-    p.add_argument("--patterns", type=_csv(PATTERNS), default=list(PATTERNS), help="comma list (default: all)")
+    p.add_argument("--patterns", type=_csv(PATTERNS), default=None,
+                   help="comma list (default: every 1-D pattern; mesh when --mesh is given)")
+    p.add_argument("--mesh", type=_layouts, default=None, metavar="LAYOUT[;LAYOUT…]",
+                   help="N-D layouts of the transformer, axes in device order, innermost last, e.g. "
+                        "dp=2,tp=2,pp=2 (axes dp|fsdp, pp, cp, tp; product = world size)"),
     p.add_argument("--frameworks", type=_csv(FRAMEWORKS), default=list(FRAMEWORKS))
     p.add_argument("--model", type=_csv(MODELS), default=list(MODELS),
                    help="comma list of workloads (default: both): the CS336 MLP, a GPT-style transformer")
@@ -125,22 +138,54 @@ def make_configs(args):
     """The run's Configs, one per model, checked for every requested pattern (ValueError on a bad one)."""
     from shared.config import Config
 
-    world = args.world_size if args.world_size is not None else default_world_size(args.device)
+    if args.patterns is None:  # the mesh pattern runs when layouts are given, and only then by default
+        args.patterns = ["mesh"] if args.mesh else [p for p in PATTERNS if p != "mesh"]
+    elif args.mesh and "mesh" not in args.patterns:
+        args.patterns = [*args.patterns, "mesh"]
+    if args.show_collectives:
+        args.patterns = [args.show_collectives]
+    layouts = args.mesh or []
+    sizes = sorted({_product(layout) for layout in layouts})
+    if len(sizes) > 1:
+        raise ValueError(f"--mesh: every layout of one run needs the same world size, got "
+                         f"{', '.join(f'{format_mesh(m)} ({_product(m)})' for m in layouts)}")
+    world = args.world_size if args.world_size is not None else \
+        sizes[0] if sizes and "WORLD_SIZE" not in os.environ else default_world_size(args.device)
     base = Config(world_size=world, layers=args.layers, dim=args.dim, batch=args.batch,
                   microbatches=args.microbatches, steps=args.steps, seed=args.seed, dtype=args.dtype,
                   lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb,
                   heads=args.heads, seq=args.seq, vocab=args.vocab)
     cfgs = [base.replace(model=m) for m in args.model]
-    if args.show_collectives:
-        args.patterns = [args.show_collectives]
+    if "mesh" in args.patterns:  # one config per (model, layout); the 1-D patterns ignore cfg.mesh
+        cfgs += [base.replace(model=m, mesh=layout) for m in args.model for layout in layouts]
     if "RANK" in os.environ and "jax" in args.frameworks:
         raise ValueError("under torchrun every rank runs this script: use --frameworks torch "
                          "(run the JAX side once, without torchrun)")
     for pattern in args.patterns:
-        applying = [cfg for cfg in cfgs if cfg.applies(pattern)]
-        for cfg in applying or cfgs:  # a pattern no requested model has (cp on the MLP): its one-line reason
+        mine = [cfg for cfg in cfgs if bool(cfg.mesh) == (pattern == "mesh")] or \
+            [base.replace(model=m) for m in args.model]  # --patterns mesh without --mesh: its one-line reason
+        applying = [cfg for cfg in mine if cfg.applies(pattern)]
+        for cfg in applying or mine:  # a pattern no requested model has (cp on the MLP): its one-line reason
             cfg.check(pattern)
     return cfgs
+
+
+def _product(layout) -> int:
+    out = 1
+    for _, n in layout:
+        out *= n
+    return out
+
+
+def cfgs_for(cfgs, pattern):
+    """The configs ``pattern`` runs: mesh those with a layout, the 1-D patterns the others; only the
+    models it applies to (cp and mesh: the transformer)."""
+    return [c for c in cfgs if bool(c.mesh) == (pattern == "mesh") and c.applies(pattern)]
+
+
+def run_key(cfg) -> str:
+    """What one entry of a pattern is reported under: the model, and the layout for mesh runs."""
+    return f"{cfg.model} {cfg.mesh_name}" if cfg.mesh else cfg.model
 
 
 # --- running --------------------------------------------------------------------------------
@@ -151,7 +196,7 @@ def run_torch(cfgs, patterns, device, timeout_s):
     from torch_impl.harness import run_jobs
     from torch_impl.launch import launch
 
-    jobs = [(p, [c for c in cfgs if c.applies(p)]) for p in patterns]
+    jobs = [(p, cfgs_for(cfgs, p)) for p in patterns]
     return launch(run_jobs, cfgs[0].world_size, jobs, device=device, timeout_s=timeout_s)
 
 
@@ -166,7 +211,7 @@ def run_jax(cfgs, patterns, device):
 
             out[pattern] = collectives.check_all(make_mesh(cfgs[0].world_size, "x", device))
         else:
-            out[pattern] = harness.run_pattern(pattern, [c for c in cfgs if c.applies(pattern)], device=device)
+            out[pattern] = harness.run_pattern(pattern, cfgs_for(cfgs, pattern), device=device)
     return out
 
 
@@ -204,8 +249,8 @@ def collect(cfgs, patterns, frameworks, device, progress, timeout_s=900.0):
     from shared.results import cross_framework_ok, parity
 
     raw, errors, cfg = {}, [], cfgs[0]
-    models = [c.model for c in cfgs]
-    models_of = {p: [c.model for c in cfgs if c.applies(p)] for p in patterns}  # cp: the transformer only
+    models = list(dict.fromkeys(c.model for c in cfgs))
+    models_of = {p: [run_key(c) for c in cfgs_for(cfgs, p)] for p in patterns}  # cp, mesh: the transformer only
     for fw in frameworks:
         progress(f"{fw}: {', '.join(patterns)} on {' + '.join(models)} at world size {cfg.world_size}")
         try:  # raw[fw][pattern]: the collectives' checks, or {model: the harness's entry}
@@ -284,7 +329,7 @@ def table_rows(rows):
 def describe_sizes(cfgs) -> str:
     """The sizes each model runs at, e.g. 'mlp L=4 D=32 B=32 | transformer L=4 D=32 H=4 T=16 V=64 B=32'."""
     parts = []
-    for c in cfgs:
+    for c in {c.model: c for c in cfgs}.values():  # mesh layouts share their model's sizes
         extra = f" H={c.heads} T={c.seq} V={c.vocab}" if c.model == "transformer" else ""
         parts.append(f"{c.model} L={c.layers} D={c.dim}{extra} B={c.batch} (Φ={c.n_params:,})")
     return " | ".join(parts)
@@ -348,6 +393,82 @@ def _collectives_table(rows, pattern, model, console) -> None:
                       f"{', '.join(str(s) for s in scores)} (max/min {max(scores) / max(min(scores), 1):.2f})")
 
 
+def _by_axis(view) -> dict[str, dict[str, tuple[int, int]]]:
+    """{label: {op: (count, bytes)}} from a ledger view or a theory ({op: {count, bytes}} or (count, bytes))."""
+    out = {}
+    for label, ops in (view or {}).items():
+        out[label] = {op: (v["count"], v["bytes"]) if isinstance(v, dict) else tuple(v) for op, v in ops.items()}
+    return out
+
+
+def _axis_bytes(view) -> dict[str, int]:
+    """Payload bytes per axis label, a message counted once (on the sender: recv skipped)."""
+    return {label: sum(b for op, (_, b) in ops.items() if op != "recv") for label, ops in _by_axis(view).items()}
+
+
+def mesh_tables(rows, console) -> None:
+    """The N-D contrast: per layout, what one step moves on each mesh axis in every style, per rank
+    (torch ranks with the same view merged; JAX runs one SPMD program: every device alike), against
+    shared.theory; then the memory per rank against theory."""
+    from rich.table import Table
+
+    rows = [r for r in rows if r.pattern == "mesh"]
+    for layout in dict.fromkeys(r.variant for r in rows):
+        mine = [r for r in rows if r.variant == layout]
+        views = []  # (framework, style, ranks, measured, theory)
+        for r in mine:
+            per_rank = r.extra.get("comm_by_axis_per_rank")
+            theory = r.extra.get("comm_by_axis_theory_per_rank") or [r.extra.get("comm_by_axis_theory")] * len(
+                per_rank or [0])
+            if not per_rank:
+                views.append((r, "all", r.extra.get("comm_by_axis"), r.extra.get("comm_by_axis_theory")))
+                continue
+            groups: dict = {}
+            for rank, (view, th) in enumerate(zip(per_rank, theory, strict=True)):
+                key = repr((_by_axis(view), _by_axis(th)))
+                groups.setdefault(key, [rank, view, th])
+                groups[key].append(rank) if groups[key][0] != rank else None
+            for first, view, th, *more in groups.values():
+                views.append((r, ",".join(str(x) for x in [first, *more]), view, th))
+        order = [name for name, _ in parse_mesh(layout)]  # the layout's axes, outermost first
+        labels = sorted({a for _, _, v, t in views for a in {**_by_axis(v), **_by_axis(t)}},
+                        key=lambda a: (order.index(a.split("+")[0]) if a.split("+")[0] in order else len(order), a))
+        table = Table(title=f"{layout} ({mine[0].world_size} ranks): payload per step per rank on each mesh axis "
+                            "(count × / bytes; = theory unless marked)")
+        for col in ("framework", "style", "ranks", *labels, "vs theory"):
+            table.add_column(col, justify="left" if col in ("framework", "style", "ranks") else "right")
+        for r, ranks, view, th in views:
+            measured, expected = _by_axis(view), _axis_bytes(th) if th is not None else None
+            cells = []
+            for a in labels:
+                ops = measured.get(a, {})
+                n, nbytes = sum(c for op, (c, _) in ops.items() if op != "recv"), _axis_bytes(view).get(a, 0)
+                text = f"{n}× {_fmt_bytes(nbytes)}" if ops else "-"
+                if expected is not None and expected.get(a, 0) != nbytes:
+                    text += f" [red](theory {_fmt_bytes(expected.get(a, 0))})[/]"
+                cells.append(text)
+            same = "-" if expected is None else "yes" if all(
+                expected.get(a, 0) == _axis_bytes(view).get(a, 0) for a in labels) else "[red]no[/]"
+            table.add_row(r.framework, r.style, ranks, *cells, same)
+        console.print(table)
+        memory = Table(title=f"{layout}: memory per rank (rank 0; params + grads + AdamW, and activations)")
+        for col in ("framework", "style", "params", "grads", "optimizer", "theory", "activations"):
+            memory.add_column(col, justify="left" if col in ("framework", "style") else "right")
+        for r in mine:
+            th = r.extra.get("state_bytes_theory")
+            total = sum(r.state_bytes.values()) if r.state_bytes else None
+            match = "-" if not th else "yes" if all(
+                abs(r.state_bytes.get(k, 0) - v) < 1 for k, v in th.items()) else f"[red]{_fmt_bytes(sum(th.values()))}[/]"
+            act = r.extra.get("activation_bytes", r.extra.get("temp_bytes"))
+            act_text = "-" if act is None else f"{_fmt_bytes(act)} ({'saved' if 'activation_bytes' in r.extra else 'XLA temp'})"
+            memory.add_row(r.framework, r.style, *(_fmt_bytes(r.state_bytes.get(k)) for k in ("params", "grads", "optimizer")),
+                           match if total is not None else "-", act_text)
+        console.print(memory)
+    refused = {r.extra.get("refused") for r in rows if r.extra.get("refused")}
+    for reason in refused:
+        console.print(f"[yellow]not run[/]: {reason}")
+
+
 def _counts(comm) -> dict[str, int]:
     return {op: v["count"] for op, v in comm.items()}
 
@@ -388,7 +509,9 @@ def main(argv=None) -> int:
     if not rank0:
         return 0 if not errors and all(r.ok for r in rows) else 1
 
-    if args.show_collectives:
+    if args.show_collectives == "mesh":
+        mesh_tables(rows, console)
+    elif args.show_collectives:
         collectives_table(rows, args.show_collectives, console)
     else:
         print_table(rows, cfgs, console)
@@ -406,7 +529,7 @@ def main(argv=None) -> int:
     console.print(verdict, style="bold green" if ok else "bold red")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": vars(cfg), "configs": {c.model: vars(c) for c in cfgs},
+            json.dump({"config": vars(cfg), "configs": {run_key(c): vars(c) for c in cfgs},
                        "runs": [r.to_json() for r in rows],
                        "cross_framework": _jsonable(xfw), "errors": errors, "ok": ok, "seconds": elapsed}, f, indent=1)
     if args.markdown:

@@ -12,8 +12,12 @@ import dataclasses
 from dataclasses import dataclass
 
 DTYPES = ("float32", "float64", "bfloat16")
-PATTERNS = ("collectives", "dp", "fsdp", "tp", "pp", "cp")
+PATTERNS = ("collectives", "dp", "fsdp", "tp", "pp", "cp", "mesh")
 SEQUENCE_PATTERNS = ("cp",)  # patterns that split the sequence: the transformer only
+# N-D parallelism (the "mesh" pattern): the axes a layout may name. dp and fsdp are the data axis
+# (replicated / ZeRO-3-sharded weights); one of them at most.
+MESH_AXES = ("dp", "fsdp", "pp", "cp", "tp")
+DATA_AXES = ("dp", "fsdp")
 MODELS = ("mlp", "transformer")
 BYTES_PER_ELEMENT = {"float32": 4, "float64": 8, "bfloat16": 2}
 
@@ -40,6 +44,10 @@ class Config:
     heads: int = 2
     seq: int = 8
     vocab: int = 32
+    # The "mesh" pattern's layout: ((axis, size), …) in device order, outermost first, innermost
+    # last (rank = row-major index over the sizes, as init_device_mesh / jax.make_mesh lay it out),
+    # e.g. (("dp", 2), ("pp", 2), ("tp", 2)). Empty: the 1-D patterns ignore it.
+    mesh: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("world_size", "layers", "dim", "batch", "microbatches", "steps", "heads", "seq", "vocab"):
@@ -66,6 +74,44 @@ class Config:
         if self.model == "transformer" and self.dim % self.heads:
             raise ValueError(f"transformer: dim={self.dim} is not divisible by heads={self.heads} "
                              "(every head has dim/heads features)")
+        if self.mesh:
+            object.__setattr__(self, "mesh", tuple((str(a), int(n)) for a, n in self.mesh))  # lists -> tuples
+            names = [a for a, _ in self.mesh]
+            unknown = [a for a in names if a not in MESH_AXES]
+            if unknown:
+                raise ValueError(f"mesh: unknown axis {unknown[0]!r}; choose from {', '.join(MESH_AXES)}")
+            if len(set(names)) != len(names):
+                raise ValueError(f"mesh: axis named twice in {format_mesh(self.mesh)}")
+            if all(a in names for a in DATA_AXES):
+                raise ValueError("mesh: dp and fsdp are both data axes (HSDP, replicate × shard, is not built): "
+                                 "name one of them")
+            bad = [(a, n) for a, n in self.mesh if n < 1]
+            if bad:
+                raise ValueError(f"mesh: axis {bad[0][0]}={bad[0][1]} must be a positive size")
+
+    def axis(self, name: str) -> int:
+        """The size of mesh axis ``name`` (1 when the layout does not name it)."""
+        return dict(self.mesh).get(name, 1)
+
+    @property
+    def data_axis(self) -> str | None:
+        """The layout's data axis, "dp" or "fsdp" (None: no data parallelism)."""
+        return next((a for a, _ in self.mesh if a in DATA_AXES), None)
+
+    @property
+    def data_size(self) -> int:
+        """Ranks the batch is split over: the dp or fsdp axis size (1 without one)."""
+        return self.axis(self.data_axis) if self.data_axis else 1
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Micro-batches of one step in a mesh layout: cfg.microbatches with a pp axis > 1, else 1."""
+        return self.microbatches if self.axis("pp") > 1 else 1
+
+    @property
+    def mesh_name(self) -> str:
+        """The layout as written on the command line, e.g. "dp=2,tp=2,pp=2"."""
+        return format_mesh(self.mesh)
 
     @property
     def bytes_per_element(self) -> int:
@@ -81,8 +127,9 @@ class Config:
         return 2 * self.world_size
 
     def applies(self, pattern: str) -> bool:
-        """Whether ``pattern`` has something to split on this model (cp needs a sequence)."""
-        return not (pattern in SEQUENCE_PATTERNS and self.model != "transformer")
+        """Whether ``pattern`` has something to split on this model (cp needs a sequence; the N-D
+        mesh composes the transformer's patterns)."""
+        return not ((pattern in SEQUENCE_PATTERNS or pattern == "mesh") and self.model != "transformer")
 
     @property
     def n_params(self) -> int:
@@ -101,6 +148,8 @@ class Config:
         """Validate what ``pattern`` needs on top of the basic checks; returns self."""
         if pattern not in PATTERNS:
             raise ValueError(f"unknown pattern {pattern!r}; choose from {', '.join(PATTERNS)}")
+        if pattern == "mesh":
+            return self._check_mesh()
         name = pattern if self.model == "mlp" else f"{pattern} ({self.model})"
         if not self.applies(pattern):
             raise ValueError(f"{pattern}: the {self.model} has no sequence to split (use --model transformer)")
@@ -134,3 +183,61 @@ class Config:
                     ("seq", "zigzag_chunks", "ring_zigzag: rank r takes chunks r and 2·cp−1−r"),
                     ("heads", n, "ulysses: the all-to-all hands every rank H/cp whole heads")]
         return []
+
+    def _check_mesh(self) -> Config:
+        """The N-D layout: the axes multiply to the world size, and every axis divides what it
+        splits (for the transformer: batch, heads, vocabulary, layers, sequence, weights' rows)."""
+        if not self.mesh:
+            raise ValueError("mesh: no layout given (e.g. --mesh dp=2,tp=2,pp=2)")
+        if self.model != "transformer":
+            raise ValueError(f"mesh: the {self.model} has no N-D layout here (use --model transformer)")
+        product = 1
+        for _, n in self.mesh:
+            product *= n
+        if product != self.world_size:
+            raise ValueError(f"mesh {self.mesh_name}: the axes multiply to {product}, "
+                             f"not the world size {self.world_size}")
+        for size, value, by, divisor, why in self.mesh_divisibility():
+            if value % divisor:
+                raise ValueError(f"mesh {self.mesh_name}: {size}={value} is not divisible by {by}={divisor} ({why})")
+        pp, m = self.axis("pp"), self.microbatches
+        if pp > 1 and m < pp:
+            raise ValueError(f"mesh {self.mesh_name}: microbatches={m} < pp={pp} (1F1B fills the {pp} stages "
+                             f"with {pp} micro-batches in flight; torch's Schedule1F1B refuses fewer)")
+        return self
+
+    def mesh_divisibility(self) -> list[tuple[str, int, str, int, str]]:
+        """(size, its value, divided by, divisor, why) for every split the layout makes."""
+        d, pp, cp, tp, f = self.data_size, self.axis("pp"), self.axis("cp"), self.axis("tp"), self.axis("fsdp")
+        out = []
+        if d > 1:
+            out.append(("batch", self.batch, self.data_axis, d, "every data rank takes B/dp sequences"))
+        if pp > 1:
+            out += [("layers", self.layers, "pp", pp, "every stage holds L/pp blocks"),
+                    ("batch", self.batch, f"{self.data_axis or 'data'}·microbatches", d * self.microbatches,
+                     "every micro-batch of every data rank has the same number of sequences")]
+        if tp > 1:
+            out += [("heads", self.heads, "tp", tp, "every tp rank owns whole attention heads"),
+                    ("vocab", self.vocab, "tp", tp, "embedding and head are split over the vocabulary")]
+        if cp > 1:
+            out.append(("seq", self.seq, "cp", cp, "every cp rank holds T/cp consecutive tokens (ring)"))
+        if f > 1:
+            out += [("dim", self.dim, "tp·fsdp", tp * f, "fsdp splits the rows of every tp-local matrix"),
+                    ("vocab", self.vocab, "tp·fsdp", tp * f, "fsdp splits the rows of the tp-local embedding"),
+                    ("seq", self.seq, "fsdp", f, "fsdp splits the rows of wpe")]
+        return out
+
+
+def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
+    """"dp=2,tp=2,pp=2" -> (("dp", 2), ("tp", 2), ("pp", 2)); ValueError with one clear line."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        name, eq, size = part.partition("=")
+        if not eq or not size.strip().isdigit():
+            raise ValueError(f"mesh {text!r}: write axis=size pairs, e.g. dp=2,tp=2,pp=2 (got {part!r})")
+        out.append((name.strip(), int(size)))
+    return tuple(out)
+
+
+def format_mesh(mesh) -> str:
+    return ",".join(f"{a}={n}" for a, n in mesh)

@@ -485,3 +485,46 @@ def tp_sp_activation_saving(cfg: Config, norm_saved_per_token: int | None = None
     per_token = 2 * cfg.dim + 1 if norm_saved_per_token is None else norm_saved_per_token
     per_norm = per_token * cfg.batch * cfg.seq * cfg.bytes_per_element
     return (2 * cfg.layers + 1) * per_norm * (n - 1) // n
+
+
+# --- mesh (N-D layouts: dp/fsdp × pp × cp × tp on one device mesh, the transformer) -------------
+# Config.mesh lists the axes in device order (outermost first): rank r's coordinates are r's
+# row-major index over the sizes. Every style composes the 1-D patterns (their sections above):
+# the data axis splits the batch (rows i·B/d …), cp the sequence (contiguous T/cp, the ring), pp the
+# blocks (stage s: L/pp blocks; embeddings on stage 0, final norm + head on the last), tp the
+# weights (Megatron, no SP). The replicated weights' gradients are averaged over the data and cp
+# axes together: one group, labelled with both names in mesh order ("dp+cp"); fsdp shards over
+# that same group (torchtitan's dp_shard_cp). Axes of size 1 communicate nothing.
+
+
+def mesh_coords(cfg: Config, rank: int) -> dict[str, int]:
+    """{axis: index} of ``rank`` on the layout (row-major, innermost axis last)."""
+    out = {}
+    for name, size in reversed(cfg.mesh):
+        out[name] = rank % size
+        rank //= size
+    return {name: out[name] for name, _ in cfg.mesh}
+
+
+def mesh_grad_axes(cfg: Config) -> str | None:
+    """The label of the group the gradients are averaged (dp) or sharded (fsdp) over: the data
+    axis and cp, those of size > 1, in mesh order, joined by "+"; None if neither."""
+    names = [a for a, n in cfg.mesh if a in ("dp", "fsdp", "cp") and n > 1]
+    return "+".join(names) or None
+
+
+def mesh_micro(cfg: Config) -> tuple[int, int, int]:
+    """(M micro-batches per step, m sequences per micro-batch on one rank, T/cp tokens per rank)."""
+    m_count = cfg.pipeline_microbatches
+    return m_count, cfg.batch // (cfg.data_size * m_count), cfg.seq // cfg.axis("cp")
+
+
+def mesh_stage_param_count(cfg: Config, stage: int, spmd: bool = False) -> int:
+    """Parameters one rank holds before any fsdp sharding: stage ``stage``'s L/pp blocks with their
+    tp-split weights (W_qkv, W_o, W_up, W_down /tp; norm gains whole), plus stage 0's embeddings
+    (wte /tp, wpe whole) and the last stage's final norm and head (/tp). ``spmd`` (the JAX circular
+    pipeline): every device holds the embedding and head slots (shared.theory.pp_spmd_param_count)."""
+    d, t, pp = cfg.dim, cfg.axis("tp"), cfg.axis("pp")
+    first, last = spmd or stage == 0, spmd or stage == pp - 1
+    return (cfg.layers // pp) * (12 * d * d // t + 2 * d) + first * (cfg.vocab * d // t + cfg.seq * d) + \
+        last * (d + d * cfg.vocab // t)

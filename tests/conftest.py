@@ -1,5 +1,5 @@
 """Test set-up. JAX's simulated CPU devices must be requested before JAX starts, so this runs
-first: 4 devices cover the world sizes 2, 3 and 4 the tests use."""
+first: 8 devices cover the world sizes 2, 3, 4 and 8 the tests use."""
 
 import os
 import sys
@@ -8,7 +8,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from shared.env import simulate_host_devices  # noqa: E402
 
-simulate_host_devices(4)
+simulate_host_devices(8)
 # XLA:CPU compiles with LLVM at -O0 in the tests: compilation of the transformer's steps (seconds
 # each at -O2) dominates the suite's time, and at these tiny sizes run time does not matter.
 # No fast-math either way (XLA:CPU's default), so the IEEE results, and every parity check, are the
