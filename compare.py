@@ -134,6 +134,41 @@ def check_devices(frameworks, world_size: int, device: str) -> None:
         devices(world_size, device)
 
 
+def join_jax_processes(args, cfgs):
+    """Multi-controller JAX: this process is one of JAX_NUM_PROCESSES (process JAX_PROCESS_ID,
+    coordinator at JAX_COORDINATOR_ADDRESS), every one running this same command. Joins
+    jax.distributed before any JAX use; the world size is the global device count (CPU: each
+    process simulates world_size / processes devices; GPU: a world size not given is every GPU of
+    every process); only process 0 prints and writes files, every process exits with the status
+    of the same (gathered) results. Returns the configs, rebuilt when the world size changed."""
+    from jax_impl.launch import host_device_flags
+
+    n = int(os.environ["JAX_NUM_PROCESSES"])
+    if args.frameworks != ["jax"]:
+        raise ValueError("a multi-process JAX launch (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+                         "JAX_PROCESS_ID set) runs JAX only: use --frameworks jax (torch: torchrun)")
+    if args.plots:
+        raise ValueError("--plots is not available under a multi-process JAX launch")
+    if cfgs[0].world_size % n:
+        raise ValueError(f"world_size={cfgs[0].world_size} is not divisible by JAX_NUM_PROCESSES={n}")
+    os.environ["XLA_FLAGS"] = host_device_flags(cfgs[0].world_size // n, os.environ.get("XLA_FLAGS", ""))
+    from jax_impl.devices import init_distributed
+
+    init_distributed()
+    import jax
+
+    if args.world_size is None and not args.mesh and jax.device_count() != cfgs[0].world_size:
+        args.world_size = jax.device_count()  # GPU nodes: every GPU of every process
+        cfgs = make_configs(args)
+    if jax.device_count() != cfgs[0].world_size:
+        raise ValueError(f"world_size={cfgs[0].world_size} but the {n} JAX processes hold "
+                         f"{jax.device_count()} devices")
+    if jax.process_index() != 0:
+        sys.stdout = open(os.devnull, "w")  # for the rest of this process: only process 0 prints
+        args.json = args.markdown = None
+    return cfgs
+
+
 def make_configs(args):
     """The run's Configs, one per model, checked for every requested pattern (ValueError on a bad one)."""
     from shared.config import Config
@@ -167,7 +202,7 @@ def make_configs(args):
         applying = [cfg for cfg in mine if cfg.applies(pattern)]
         for cfg in applying or mine:  # a pattern no requested model has (cp on the MLP): its one-line reason
             cfg.check(pattern)
-    return cfgs
+    return [c for c in cfgs if not c.mesh or c.applies("mesh")]  # the mesh runs the transformer only
 
 
 def _product(layout) -> int:
@@ -457,12 +492,13 @@ def mesh_tables(rows, console) -> None:
         for r in mine:
             th = r.extra.get("state_bytes_theory")
             total = sum(r.state_bytes.values()) if r.state_bytes else None
-            match = "-" if not th else "yes" if all(
-                abs(r.state_bytes.get(k, 0) - v) < 1 for k, v in th.items()) else f"[red]{_fmt_bytes(sum(th.values()))}[/]"
+            match = "-" if not th else "yes" if all(abs(r.state_bytes.get(k, 0) - v) < 1 for k, v in th.items()) \
+                else f"[red]{_fmt_bytes(sum(th.values()))}[/]"
             act = r.extra.get("activation_bytes", r.extra.get("temp_bytes"))
-            act_text = "-" if act is None else f"{_fmt_bytes(act)} ({'saved' if 'activation_bytes' in r.extra else 'XLA temp'})"
-            memory.add_row(r.framework, r.style, *(_fmt_bytes(r.state_bytes.get(k)) for k in ("params", "grads", "optimizer")),
-                           match if total is not None else "-", act_text)
+            kind = "saved" if "activation_bytes" in r.extra else "XLA temp"
+            act_text = "-" if act is None else f"{_fmt_bytes(act)} ({kind})"
+            state = (_fmt_bytes(r.state_bytes.get(k)) for k in ("params", "grads", "optimizer"))
+            memory.add_row(r.framework, r.style, *state, match if total is not None else "-", act_text)
         console.print(memory)
     refused = {r.extra.get("refused") for r in rows if r.extra.get("refused")}
     for reason in refused:
@@ -485,7 +521,13 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
         cfgs = make_configs(args)
         cfg = cfgs[0]
-        simulate_host_devices(cfg.world_size)  # before JAX starts
+        # --- multi-process JAX (one process per node, or jax_impl/launch.py): join before JAX starts ---
+        if all(os.environ.get(k) for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")):
+            cfgs = join_jax_processes(args, cfgs)
+            cfg = cfgs[0]
+        else:
+            simulate_host_devices(cfg.world_size)  # before JAX starts
+        # --- end multi-process JAX ---
         check_devices(args.frameworks, cfg.world_size, args.device)
     except (ArgumentError, ValueError) as exc:
         print(f"compare.py: error: {exc}", file=sys.stderr)

@@ -65,13 +65,15 @@ def plot_loss_curves(runs: list[dict], references: dict, path: str) -> None:
     single-device reference per step on a log scale, which is where they differ (1e-16 float64,
     1e-7 float32). ``runs``: RunResult.to_json() dicts; ``references``: {(pattern, model,
     framework): losses}."""
-    panels = list(dict.fromkeys((r["pattern"], r.get("model")) for r in runs if r["pattern"] != "collectives"))
+    # mesh runs: one panel per layout (their references are keyed "transformer dp=2,tp=2", as compare.run_key)
+    key = lambda r: (r["pattern"], f"{r.get('model')} {r['variant']}" if r["pattern"] == "mesh" else r.get("model"))
+    panels = list(dict.fromkeys(key(r) for r in runs if r["pattern"] != "collectives"))
     if not panels:
         raise ValueError("no training runs to plot")
     fig, axes = plt.subplots(len(panels), 2, figsize=(12, 3.0 * len(panels)), squeeze=False)
     for (ax_loss, ax_err), (pattern, model) in zip(axes, panels):
         ref = references.get((pattern, model, "torch")) or references.get((pattern, model, "jax"))
-        for r in (r for r in runs if r["pattern"] == pattern and r.get("model") == model):
+        for r in (r for r in runs if key(r) == (pattern, model)):
             label = f"{r['framework']} {r['style']}/{r['variant']}"
             steps = range(len(r["losses"]))
             ax_loss.plot(steps, r["losses"], _FW_STYLE[r["framework"]], marker=".", label=label, alpha=0.8)

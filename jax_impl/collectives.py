@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl.ledger import comm_of
+from jax_impl.model import fetch
 from shared.collectives import (
     BENCH_OPS,
     BENCH_SIZES,
@@ -174,7 +175,7 @@ def check_all(mesh) -> list[dict]:
         kwargs = {"root": root_rank(n)} if name in WITH_ROOT else {}
         step = _per_device(mesh, partial(FUNCTIONS[name], **kwargs))
         x = jax.device_put(np.concatenate([rank_input(name, r, n) for r in range(n)]), sharded)  # (N·n_in,)
-        out = np.split(np.asarray(step(x).block_until_ready()), n)  # N × this device's result
+        out = np.split(fetch(step(x)), n)  # N × this device's result (fetch: from any JAX process)
         wants = [expected(name, r, n) for r in range(n)]
         err = max(max_abs_err(o, w) for o, w in zip(out, wants, strict=True))
         extra_bytes = 4 if name == "barrier" else 0  # the psum of one int32
@@ -182,7 +183,7 @@ def check_all(mesh) -> list[dict]:
                "expected_bytes": expected_bytes(name, n, x.dtype.itemsize) + extra_bytes,
                "outputs": [None if w is None else o.tolist() for o, w in zip(out, wants, strict=True)]}
         if name in ("ring_all_reduce", "rs_then_ag"):  # equal to the library all-reduce?
-            lib = np.split(np.asarray(library(x)), n)
+            lib = np.split(fetch(library(x)), n)
             row["vs_library_max_abs_err"] = max(max_abs_err(o, l) for o, l in zip(out, lib, strict=True))
             row["ok"] = row["ok"] and row["vs_library_max_abs_err"] <= COLLECTIVES
         rows.append(row)
@@ -226,7 +227,7 @@ def spmd_reshardings(mesh) -> list[dict]:
     for label, collective, want, fn, value, in_spec, out_spec, result in cases:
         step = jax.jit(fn, out_shardings=NamedSharding(mesh, out_spec))
         x = jax.device_put(value, NamedSharding(mesh, in_spec))
-        got, chosen = np.asarray(step(x)), comm_of(step, x)
+        got, chosen = fetch(step(x)), comm_of(step, x)
         rows.append({"variant": label.replace("'x'", repr(axis)), "collective": collective, "expected": want,
                      "chosen": chosen, "matches": (not chosen) if want == "none" else want in chosen,
                      "ok": got.shape == result.shape and bool(np.all(got == result))})

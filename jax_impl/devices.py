@@ -1,13 +1,17 @@
 """Devices and meshes. Meshes are built here explicitly and passed to every function.
 
 CPU: N simulated devices (``shared.env.simulate_host_devices`` before JAX starts).
-GPU: the local GPUs. ``init_distributed()`` joins several JAX processes (Slurm, or explicit
-coordinator address / process count / process id) so that ``jax.devices()`` spans every node; the
-pattern modules here read results back with ``jax.device_get``, which needs every shard addressable
-from this process, so compare.py's JAX side runs on one node.
+GPU: the local GPUs. ``init_distributed()`` joins several JAX processes (multi-controller: Slurm,
+or coordinator address / process count / process id, e.g. jax_impl/launch.py's children or
+compare.py under a multi-node launch) so that ``jax.devices()`` spans every process's devices,
+process 0's first; results come back through ``jax_impl.model.to_numpy`` (process_allgather).
+Under several processes a run takes either every device (one SPMD program across processes) or
+only this process's own (the single-device reference: each process computes its own copy).
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import numpy as np
@@ -31,6 +35,8 @@ def platform(device: str = "auto", n: int = 1) -> str:
 
 
 def devices(n: int, device: str = "auto") -> list:
+    if jax.process_count() > 1:
+        return _multiprocess_devices(n, device)
     devs = jax.devices(platform(device, n))
     if len(devs) < n:
         raise ValueError(
@@ -49,7 +55,37 @@ def make_mesh(shape: int | tuple[int, ...], axis_names: str | tuple[str, ...], d
     return Mesh(devs, names, axis_types=(AxisType.Auto,) * len(names))
 
 
+def _multiprocess_devices(n: int, device: str) -> list:
+    """Every device (process-major: jax.devices() lists process 0's first) or this process's first n."""
+    kind = "cpu" if device == "cpu" else jax.default_backend()
+    if device == "gpu" and kind != "gpu":
+        raise ValueError("--device gpu: JAX sees no GPU (install the 'gpu' extra: jax[cuda12])")
+    everything, mine = jax.devices(kind), jax.local_devices(backend=kind)
+    if n == len(everything):
+        return everything
+    if n <= len(mine):
+        return mine[:n]
+    raise ValueError(f"world_size={n}: under {jax.process_count()} JAX processes a run takes all "
+                     f"{len(everything)} devices or at most this process's {len(mine)}")
+
+
+def multiprocess_env() -> tuple[str, int, int] | None:
+    """(coordinator address, process count, process id) from JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES, JAX_PROCESS_ID when all three are set (jax.distributed reads only the first
+    itself), else None. Reads the environment only: safe before JAX starts."""
+    names = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+    if not all(os.environ.get(k) for k in names):
+        return None
+    return os.environ[names[0]], int(os.environ[names[1]]), int(os.environ[names[2]])
+
+
 def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None) -> None:
-    """Multi-node JAX: one process per node. With no arguments JAX reads Slurm / cloud env."""
+    """Join a multi-controller JAX launch, before any JAX computation: explicit arguments, else
+    JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else what JAX detects itself
+    (Slurm, Open MPI, k8s, Cloud TPU). CPU collectives across processes go over gloo."""
+    env = multiprocess_env()
+    if env is not None and coordinator is num_processes is process_id is None:
+        coordinator, num_processes, process_id = env
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes, process_id)

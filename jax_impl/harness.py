@@ -1,5 +1,7 @@
 """Driver mirroring torch_impl.harness: train every (style, variant) of one pattern for a list
-of configs. One process, all devices.
+of configs. One process, all devices — or, under multi-controller JAX (jax_impl/launch.py), every
+process runs this same driver over the global devices, its own single-device reference included,
+and results come back through ``model.to_numpy`` (process_allgather where shards live elsewhere).
 
 Pattern modules (``jax_impl/dp.py`` …) provide
 ``VARIANTS: tuple[(style, variant), …]`` and
@@ -24,7 +26,7 @@ import numpy as np
 
 from jax_impl import reference
 from jax_impl.devices import devices
-from jax_impl.ledger import comm_from_hlo
+from jax_impl.ledger import comm_by_axis, comm_from_hlo
 from jax_impl.model import to_numpy, tree_bytes
 from shared.config import Config
 from shared.problem import make_problem
@@ -54,6 +56,7 @@ class Setup:
     state_bytes: Callable[[tuple], dict[str, int]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     compiler_options: dict[str, str] | None = None  # XLA options for this step (e.g. jax_impl.fsdp.cpu_options)
+    mesh: Any = None  # an N-D mesh: the ledger is also split per mesh axis (extra["comm_by_axis"])
 
 
 def leaves_fixture(tree, names=None) -> list[np.ndarray]:
@@ -83,6 +86,8 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
         "params": tree_bytes(state[0], per_device=True), "grads": tree_bytes(state[0], per_device=True),
         "optimizer": tree_bytes(state[1], per_device=True)}
     extra = dict(setup.extra)
+    if setup.mesh is not None:  # {axis label: {op: count, bytes}} (jax_impl.ledger.comm_by_axis)
+        extra["comm_by_axis"] = comm_by_axis(compiled.as_text(), setup.mesh)
     memory = compiled.memory_analysis()  # per device; None where the backend does not say
     if memory is not None:
         extra["temp_bytes"] = memory.temp_size_in_bytes  # XLA's scratch: the activations live in it

@@ -12,13 +12,20 @@ where theory (and torch) count 2; GPU keeps bf16 on the wire.
 
 The count is static: an op inside a while-loop body (``lax.scan`` / ``fori_loop``) is counted
 once, so steps whose ledger matters unroll their loops in Python.
+
+Per mesh axis (``comm_by_axis(hlo_text, mesh)``, the N-D layouts): every op's replica groups (or a
+collective-permute's source → target pairs) name devices by their position in ``mesh.devices.flat``
+(the SPMD partition id of a jit / shard_map over that mesh); the mesh axes along which the devices
+of one group differ label the op, joined by "+" in mesh order ("dp+cp"). Forms read:
+``{{0,1},{2,3}}``, iota ``[2,2]<=[4]`` / ``[2,2]<=[2,2]T(1,0)``, XLA's mesh-axes form
+``mesh['axis_0'=2,'axis_1'=2], device_ids=([2,2]T(1,0)) {'axis_0'}`` (its own axis names: read by
+position), and ``{}`` (all devices).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections import defaultdict
 
 _ITEM = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
          "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
@@ -40,27 +47,67 @@ def _arrays(shape: str) -> list[int]:
     return out
 
 
+def _iota(dims: str, perm: str | None):
+    """``[d0,d1,…]T(p…)``: arange over the dims, transposed by p (NumPy array of device ids)."""
+    import numpy as np
+
+    shape = [int(d) for d in dims.split(",")]
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+
+_IOTA = re.compile(r"replica_groups=\[(?P<g>\d+),(?P<s>\d+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
+# XLA's mesh-axes form: a mesh of (its own) named axes over the device ids (iota, or device_ids=…),
+# the group spanning the listed axes: mesh['axis_0'=2,'axis_1'=2], device_ids=([2,2]T(1,0)) {'axis_0'}
+_MESH = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
+                   r"(?:,\s*device_ids=\((?P<ids>[^()]*(?:\([^()]*\))?[^()]*)\))?\s*\{(?P<names>[^}]*)\}")
+
+
+def _mesh_groups(m: re.Match) -> list[list[int]]:
+    import numpy as np
+
+    axes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", m.group("axes"))]
+    sizes = [n for _, n in axes]
+    ids = m.group("ids")
+    if ids is None:
+        devs = np.arange(math.prod(sizes))
+    elif it := re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", ids.strip()):
+        devs = _iota(it.group(1), it.group(2)).reshape(-1)
+    else:
+        devs = np.array([int(d) for d in re.findall(r"\d+", ids)])
+    named = re.findall(r"'([^']+)'", m.group("names"))
+    assert ":" not in m.group("names"), f"sub-axes in replica groups are not read: {m.group(0)}"
+    order = [a for a, _ in axes]
+    inside = [order.index(a) for a in named]
+    outside = [k for k in range(len(order)) if k not in inside]
+    grid = devs.reshape(sizes).transpose(outside + inside)
+    return grid.reshape(-1, math.prod(sizes[k] for k in inside)).tolist()
+
+
+def _groups(line: str, num_devices: int) -> list[list[int]]:
+    """The device groups of one collective line (a collective-permute: its source → target pairs)."""
+    if m := re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line):
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
+    if m := re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line):
+        groups = [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+        return groups or [list(range(num_devices))]  # {}: every device
+    if m := _IOTA.search(line):
+        return _iota(m.group("dims"), m.group("perm")).reshape(int(m.group("g")), int(m.group("s"))).tolist()
+    if m := _MESH.search(line):
+        return _mesh_groups(m)
+    return [list(range(num_devices))]
+
+
 def _group_size(line: str, default: int) -> int:
-    m = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
-    if m:
-        return len(m.group(1).split(","))
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
-    if m:
-        return int(m.group(2))
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if m:
-        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
-        named = re.findall(r"'([^']+)'", m.group(2))
-        return math.prod(int(sizes[a]) for a in named if a in sizes) or default
-    return default
+    return len(_groups(line, default)[0])
 
 
-def comm_from_hlo(hlo_text: str, num_devices: int | None = None) -> dict[str, dict[str, int]]:
+def _collectives(hlo_text: str, num_devices: int | None = None):
+    """(op, payload bytes S, line, device count) for every collective of the module."""
     default = num_devices or 1
     m = re.search(r"num_partitions=(\d+)", hlo_text)
     if num_devices is None and m:
         default = int(m.group(1))
-    ops: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
     for line in hlo_text.splitlines():
         m = _LINE.search(line)
         if not m or m.group("suffix") == "-done":
@@ -77,10 +124,40 @@ def comm_from_hlo(hlo_text: str, num_devices: int | None = None) -> dict[str, di
         size = sum(arrays)
         if op == "reduce-scatter":
             size *= _group_size(line, default)
-        entry = ops[_OPS[op]]
-        entry["count"] += 1
-        entry["bytes"] += size
-    return {k: dict(v) for k, v in sorted(ops.items())}
+        yield _OPS[op], size, line, default
+
+
+def _add(ops: dict, op: str, size: int) -> None:
+    entry = ops.setdefault(op, {"count": 0, "bytes": 0})
+    entry["count"] += 1
+    entry["bytes"] += size
+
+
+def comm_from_hlo(hlo_text: str, num_devices: int | None = None) -> dict[str, dict[str, int]]:
+    ops: dict[str, dict[str, int]] = {}
+    for op, size, _, _ in _collectives(hlo_text, num_devices):
+        _add(ops, op, size)
+    return dict(sorted(ops.items()))
+
+
+def axis_label(line: str, mesh, num_devices: int | None = None) -> str:
+    """The mesh axes one collective runs along, "+"-joined in mesh order ("none": within one device)."""
+    import numpy as np
+
+    names = list(mesh.axis_names)
+    coords = np.array(np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape)).T  # id -> coords
+    varying = {names[k] for g in _groups(line, num_devices or mesh.devices.size) if len(g) > 1
+               for k in np.flatnonzero((coords[g] != coords[g[0]]).any(axis=0))}
+    return "+".join(a for a in names if a in varying) or "none"
+
+
+def comm_by_axis(hlo_text: str, mesh) -> dict[str, dict[str, dict[str, int]]]:
+    """{axis label: {op: {"count", "bytes"}}}: ``comm_from_hlo`` split by the mesh axes each op's
+    groups span (device id = position in ``mesh.devices.flat``; ``axis_label``)."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for op, size, line, n in _collectives(hlo_text, mesh.devices.size):
+        _add(out.setdefault(axis_label(line, mesh, n), {}), op, size)
+    return {label: dict(sorted(ops.items())) for label, ops in out.items()}
 
 
 def compiled_text(jitted, *args, **kwargs) -> str:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 from jax_impl import transformer
@@ -126,8 +127,21 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     return optax.adamw(cfg.lr, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
+def fetch(x) -> np.ndarray:
+    """A (global) array as NumPy in its own dtype. Under several JAX processes an array with shards
+    on other processes' devices cannot be ``device_get``: a replicated one is read from this
+    process's own copy, any other gathered with ``multihost_utils.process_allgather`` — a
+    collective, so every process must fetch the same arrays in the same order."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
 def to_numpy(x) -> np.ndarray:
-    return np.asarray(jax.device_get(x), dtype=np.float64)
+    """An array (a gradient, a parameter, a loss) as float64 NumPy, from any process (``fetch``)."""
+    return np.asarray(fetch(x), dtype=np.float64)
 
 
 def tree_bytes(tree, per_device: bool = False) -> int:

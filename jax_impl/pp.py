@@ -152,30 +152,40 @@ def working(t: int, stages: int, microbatches: int) -> np.ndarray:
 # --- the schedule, twice -----------------------------------------------------------------------
 
 
+def circular(stage, inp: jax.Array, stages: int) -> jax.Array:
+    """The circular schedule, inside a shard_map over "pp": ``stage(x)`` runs this device's blocks on
+    one micro-batch; inp (M, …) stage 0's inputs (real on stage 0 only). Returns (M, …) the micro-
+    batches leaving this stage in order (real on the last stage). jax_impl.mesh runs its tp / cp-aware
+    stages through it too."""
+    S, M = stages, inp.shape[0]
+    shift = [(i, (i + 1) % S) for i in range(S)]  # stage s → s+1, last → 0 (ignored there)
+    s = lax.axis_index("pp")
+    state, outs = None, []  # state: this stage's input from s − 1, (B/M, D) / (B/M, T, D)
+    for t in range(M + S - 1):  # Python loop: the ledger sees every collective-permute
+        x = inp[min(t, M - 1)]  # stage 0 feeds micro-batch t
+        x = x if state is None else jnp.where(s == 0, x, state)  # t = 0: only stage 0 works yet
+        y = stage(x)
+        assert y.shape == x.shape == inp.shape[1:], (y.shape, x.shape)  # (B/M, D) / (B/M, T, D)
+        y = jnp.where((t - s >= 0) & (t - s < M), y, 0)  # bubble: zero value, zero grad
+        if t >= S - 1:
+            outs.append(y)  # micro-batch t − S + 1, meaningful on the last stage
+        if t < M + S - 2:
+            state = lax.ppermute(y, "pp", shift)  # from stage s − 1
+    return jnp.stack(outs)
+
+
 def shard_map_loss(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head_dim: int) -> jax.Array:
     """Full-batch loss of the circular pipeline; params from ``split`` sharded over pp, xs (M, B/M, …)
     micro-batched inputs, ys (M, B/M, T) targets or None."""
-    S, M = mesh.shape["pp"], xs.shape[0]
-    shift = [(i, (i + 1) % S) for i in range(S)]  # stage s → s+1, last → 0 (ignored there)
+    S = mesh.shape["pp"]
 
     def body(params, xs, ys):
         local = jax.tree.map(lambda a: a[0], params)  # this stage's slice: blocks (L/S, …), slots (…)
         assert all(a.shape[0] == 1 for a in jax.tree.leaves(params)), "one stage per device"
-        s = lax.axis_index("pp")
         inp = embed(local["first"], xs)  # (M, B/M, D) / (M, B/M, T, D): real on stage 0 only
-        state, outs = None, []  # state: this stage's input from s − 1, (B/M, D) / (B/M, T, D)
-        for t in range(M + S - 1):  # Python loop: the ledger sees every collective-permute
-            x = inp[min(t, M - 1)]  # stage 0 feeds micro-batch t
-            x = x if state is None else jnp.where(s == 0, x, state)  # t = 0: only stage 0 works yet
-            y = stage_blocks(local["blocks"], x, head_dim)
-            assert y.shape == x.shape == inp.shape[1:], (y.shape, x.shape)  # (B/M, D) / (B/M, T, D)
-            y = jnp.where((t - s >= 0) & (t - s < M), y, 0)  # bubble: zero value, zero grad
-            if t >= S - 1:
-                outs.append(y)  # micro-batch t − S + 1, meaningful on the last stage
-            if t < M + S - 2:
-                state = lax.ppermute(y, "pp", shift)  # from stage s − 1
-        loss = output_loss(head(local["last"], jnp.stack(outs)), ys)  # mean over M equal micro-batches
-        return lax.psum(jnp.where(s == S - 1, loss, 0), "pp")  # the last stage's loss, everywhere
+        outs = circular(lambda x: stage_blocks(local["blocks"], x, head_dim), inp, S)
+        loss = output_loss(head(local["last"], outs), ys)  # mean over M equal micro-batches
+        return lax.psum(jnp.where(lax.axis_index("pp") == S - 1, loss, 0), "pp")  # the last stage's, everywhere
 
     # Differentiated OUTSIDE shard_map (jax.grad of this function): the gradient of the
     # replicated scalar loss flows back through psum / ppermute transposes, no manual scaling.
@@ -183,26 +193,37 @@ def shard_map_loss(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head
     return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P()), out_specs=P(), check_vma=True)(params, xs, ys)
 
 
-def jit_loss(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head_dim: int) -> jax.Array:
-    """The same schedule written on whole arrays; the (S,) stage axis is sharded over pp."""
-    S, M = mesh.shape["pp"], xs.shape[0]
-    by_stage = NamedSharding(mesh, P("pp"))
+def jit_circular(stage, inp: jax.Array, pin) -> jax.Array:
+    """The same schedule on whole arrays: inp (S, M, …) stage 0's inputs in row 0; ``stage(x)`` runs
+    every stage at once on x (S, …) (vmapped); ``pin(a)`` constrains an (S, …) or (S, M, …) array to
+    its stage rows on pp (jax_impl.mesh also keeps the batch, sequence and tp dims sharded there).
+    Returns (S, M, …): the micro-batches leaving each stage (real in row S−1)."""
+    S, M = inp.shape[:2]
     rows = lambda mask, a: mask.reshape((S,) + (1,) * (a.ndim - 1))  # (S,) mask against (S, …)
-    is_first, is_last = np.arange(S) == 0, np.arange(S) == S - 1
-    inp = jax.vmap(embed, in_axes=(0, None))(params["first"], xs) if params["first"] else \
-        jnp.broadcast_to(xs, (S,) + xs.shape)  # (S, M, B/M, …): stage 0's inputs, real in row 0 only
+    is_first = np.arange(S) == 0
     state, outs = None, []
     for t in range(M + S - 1):
         x = inp[:, min(t, M - 1)]  # (S, B/M, …): the micro-batch stage 0 reads
         x = x if state is None else jnp.where(rows(is_first, x), x, state)
-        x = lax.with_sharding_constraint(x, by_stage)  # (S, B/M, …): row s = stage s's input
-        y = jax.vmap(stage_blocks, in_axes=(0, 0, None))(params["blocks"], x, head_dim)  # every stage at once
+        x = pin(x)  # (S, B/M, …): row s = stage s's input
+        y = stage(x)  # every stage at once
         y = jnp.where(rows(working(t, S, M), y), y, 0)  # bubbles: zero value, zero grad
         if t >= S - 1:  # micro-batch t − S + 1 leaves the last stage
             outs.append(y)
         if t < M + S - 2:
-            state = lax.with_sharding_constraint(jnp.roll(y, 1, axis=0), by_stage)  # s → s+1
-    outs = lax.with_sharding_constraint(jnp.stack(outs, axis=1), by_stage)  # (S, M, B/M, …)
+            state = pin(jnp.roll(y, 1, axis=0))  # s → s+1
+    return pin(jnp.stack(outs, axis=1))  # (S, M, B/M, …)
+
+
+def jit_loss(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head_dim: int) -> jax.Array:
+    """The same schedule written on whole arrays; the (S,) stage axis is sharded over pp."""
+    S = mesh.shape["pp"]
+    by_stage = NamedSharding(mesh, P("pp"))
+    is_last = np.arange(S) == S - 1
+    inp = jax.vmap(embed, in_axes=(0, None))(params["first"], xs) if params["first"] else \
+        jnp.broadcast_to(xs, (S,) + xs.shape)  # (S, M, B/M, …): stage 0's inputs, real in row 0 only
+    stage = lambda x: jax.vmap(stage_blocks, in_axes=(0, 0, None))(params["blocks"], x, head_dim)
+    outs = jit_circular(stage, inp, lambda a: lax.with_sharding_constraint(a, by_stage))  # (S, M, B/M, …)
     losses = jax.vmap(lambda last, o: output_loss(head(last, o), ys))(params["last"], outs)  # (S,)
     return jnp.sum(jnp.where(is_last, losses, 0))  # the last stage's: kept (S,)-sharded, [S − 1] would gather
 

@@ -205,12 +205,21 @@ def transformer_forward(p: dict, tokens: jax.Array, y: jax.Array, head_dim: int,
     x = ops.embed(p["wte.weight"], tokens) + ops.positions(p["wpe.weight"], t)  # (B, T, D); SP: (B, T/tp, D)
     layers = sum(1 for k in p if k.endswith("attn.qkv.weight"))
     for l in range(layers):
-        w = lambda n, l=l: p[f"blocks.{l}.{n}.weight"]
-        qkv = jnp.einsum("btd,dcf->btcf", ops.f(rms_norm(x, w("norm1"))), w("attn.qkv"))  # (B, T, 3, D/tp)
-        x = x + ops.g(ops.split(attend(ops.split(qkv), head_dim)) @ w("attn.o"))  # (B, T, D)
-        x = x + ops.g(gelu(ops.split(ops.f(rms_norm(x, w("norm2"))) @ w("mlp.up"))) @ w("mlp.down"))
-    logits = ops.split(ops.f(rms_norm(x, p["normf.weight"])) @ p["head.weight"])  # (B, T, V/tp)
-    return ops.loss(logits, y)
+        x = block_forward(lambda n, l=l: p[f"blocks.{l}.{n}.weight"], x, head_dim, ops)
+    return ops.loss(head_logits(p, x, ops), y)
+
+
+def block_forward(w, x: jax.Array, head_dim: int, ops, attn=attend) -> jax.Array:
+    """One Megatron block, ``w(name)`` its weights in the TP layout; ``attn(qkv (B, T, 3, h·dh),
+    head_dim)`` (jax_impl.mesh passes cp's ring here)."""
+    qkv = jnp.einsum("btd,dcf->btcf", ops.f(rms_norm(x, w("norm1"))), w("attn.qkv"))  # (B, T, 3, D/tp)
+    x = x + ops.g(ops.split(attn(ops.split(qkv), head_dim)) @ w("attn.o"))  # (B, T, D)
+    return x + ops.g(gelu(ops.split(ops.f(rms_norm(x, w("norm2"))) @ w("mlp.up"))) @ w("mlp.down"))
+
+
+def head_logits(p: dict, x: jax.Array, ops) -> jax.Array:
+    """Final norm + column-parallel head: (…, D) -> logits (…, V/tp), never gathered."""
+    return ops.split(ops.f(rms_norm(x, p["normf.weight"])) @ p["head.weight"])  # (…, V/tp)
 
 
 SHARD_MAP_OPS = SimpleNamespace(f=copy_to_tp, g=reduce_from_tp, split=lambda a: a, embed=vocab_embed,

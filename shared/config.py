@@ -221,10 +221,11 @@ class Config:
                     ("vocab", self.vocab, "tp", tp, "embedding and head are split over the vocabulary")]
         if cp > 1:
             out.append(("seq", self.seq, "cp", cp, "every cp rank holds T/cp consecutive tokens (ring)"))
-        if f > 1:
-            out += [("dim", self.dim, "tp·fsdp", tp * f, "fsdp splits the rows of every tp-local matrix"),
-                    ("vocab", self.vocab, "tp·fsdp", tp * f, "fsdp splits the rows of the tp-local embedding"),
-                    ("seq", self.seq, "fsdp", f, "fsdp splits the rows of wpe")]
+        if f > 1:  # ZeRO-3 shards over the gradient group: fsdp and cp together (torchtitan's dp_shard_cp)
+            g, by = f * cp, "fsdp·cp" if cp > 1 else "fsdp"
+            out += [("dim", self.dim, f"tp·{by}", tp * g, "fsdp splits the rows of every tp-local matrix"),
+                    ("vocab", self.vocab, f"tp·{by}", tp * g, "fsdp splits the rows of the tp-local embedding"),
+                    ("seq", self.seq, by, g, "fsdp splits the rows of wpe")]
         return out
 
 

@@ -6,8 +6,11 @@ its backend initialises. compare.py and tests/conftest.py call ``simulate_host_d
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+import signal
+import sys
 
 FLAG = "--xla_force_host_platform_device_count"
 
@@ -22,3 +25,13 @@ def simulate_host_devices(n: int) -> None:
         return
     flags = re.sub(rf"{FLAG}=\d+", "", flags).strip()
     os.environ["XLA_FLAGS"] = f"{flags} {FLAG}={n}".strip()
+
+
+def die_with_parent() -> None:
+    """In a launched rank or process: the kernel SIGKILLs it when its parent dies (Linux
+    PR_SET_PDEATHSIG), so a killed launcher leaves no orphans (torch_impl / jax_impl launch.py)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass

@@ -36,6 +36,21 @@ ROOT = Path(__file__).resolve().parents[1]
          "tp (transformer): heads=2 is not divisible by world_size=4"),
         (["--model", "transformer", "--patterns", "tp", "--vocab", "30"],
          "tp (transformer): vocab=30 is not divisible by world_size=4"),
+        # N-D layouts (the mesh pattern): refused before any rank starts
+        (["--mesh", "dp=2,tp=2", "--world-size", "8"], "mesh dp=2,tp=2: the axes multiply to 4, not the world size 8"),
+        (["--mesh", "dp=2,ep=2"], "mesh: unknown axis 'ep'; choose from dp, fsdp, pp, cp, tp"),
+        (["--mesh", "dp=2,fsdp=2"], "mesh: dp and fsdp are both data axes"),
+        (["--mesh", "dp=2,tp=2", "--heads", "3", "--dim", "12"], "mesh dp=2,tp=2: heads=3 is not divisible by tp=2"),
+        (["--mesh", "dp=2,pp=4", "--layers", "6"], "mesh dp=2,pp=4: layers=6 is not divisible by pp=4"),
+        (["--mesh", "dp=2,cp=4", "--seq", "10"], "mesh dp=2,cp=4: seq=10 is not divisible by cp=4"),
+        (["--mesh", "dp=4,pp=2", "--batch", "12", "--microbatches", "2"],
+         "mesh dp=4,pp=2: batch=12 is not divisible by dp·microbatches=8"),
+        (["--mesh", "tp=2,pp=4", "--microbatches", "2", "--layers", "4"], "microbatches=2 < pp=4"),
+        (["--mesh", "dp=2,tp=2;pp=8"], "every layout of one run needs the same world size"),
+        (["--mesh", "dp2"], "write axis=size pairs"),
+        (["--patterns", "mesh"], "mesh: no layout given"),
+        (["--mesh", "dp=2,tp=2", "--model", "mlp"], "mesh: the mlp has no N-D layout here"),
+        (["--mesh", "fsdp=2,cp=2", "--vocab", "66"], "mesh fsdp=2,cp=2: vocab=66 is not divisible by tp·fsdp·cp=4"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
@@ -157,10 +172,21 @@ def test_json_markdown_and_plots_contract(tmp_path):
     """The --json contract, the Markdown table and the PNGs of a small pipeline run."""
     out_json, out_md, plot_dir = tmp_path / "out.json", tmp_path / "out.md", tmp_path / "plots"
     code = compare.main(["--patterns", "pp", "--world-size", "2", "--layers", "2", "--dim", "8", "--batch", "8",
-                         "--microbatches", "2", "--steps", "3", "--seq", "4", "--vocab", "16",
+                         "--microbatches", "2", "--steps", "3", "--seq", "4", "--vocab", "16", "--mesh", "dp=2;tp=2",
                          "--json", str(out_json), "--markdown", str(out_md), "--plots", str(plot_dir), "--quiet"])
     assert code == 0
     data = json.loads(out_json.read_text(), parse_constant=_refuse)
+    # --mesh adds the mesh pattern: one entry per (model, layout), every style, keyed by the layout
+    mesh = [r for r in data["runs"] if r["pattern"] == "mesh"]
+    assert {(r["framework"], r["style"], r["variant"]) for r in mesh} == {
+        (fw, st, v) for fw, st in (("torch", "explicit"), ("torch", "builtin"), ("jax", "shard_map"), ("jax", "jit"))
+        for v in ("dp=2", "tp=2")}
+    assert {x["model"] for x in data["cross_framework"] if x["pattern"] == "mesh"} == {"transformer dp=2",
+                                                                                         "transformer tp=2"}
+    assert data["configs"]["transformer tp=2"]["mesh"] == [["tp", 2]]
+    assert all(r["extra"]["comm_by_axis"] for r in mesh)
+    data["runs"] = [r for r in data["runs"] if r["pattern"] == "pp"]
+    data["cross_framework"] = [x for x in data["cross_framework"] if x["pattern"] == "pp"]
     required = {"pattern", "model", "framework", "style", "variant", "world_size", "dtype", "ok", "losses",
                 "max_rel_err_loss", "max_rel_err_grad", "step_time_s", "comm", "comm_bytes", "comm_bytes_theory"}
     assert data["runs"] and all(required <= set(r) for r in data["runs"])
@@ -168,7 +194,8 @@ def test_json_markdown_and_plots_contract(tmp_path):
     assert all(r["ok"] and len(r["losses"]) == 3 for r in data["runs"])
     assert {r["model"] for r in data["runs"]} == {"mlp", "transformer"}
     assert [(x["model"], x["ok"]) for x in data["cross_framework"]] == [("mlp", True), ("transformer", True)]
-    assert set(data["configs"]) == {"mlp", "transformer"} and data["configs"]["transformer"]["seq"] == 4
+    assert set(data["configs"]) == {"mlp", "transformer", "transformer dp=2", "transformer tp=2"}
+    assert data["configs"]["transformer"]["seq"] == 4
     assert out_md.read_text().count("\n| pp |") == len(data["runs"])
     pngs = sorted(p.name for p in plot_dir.iterdir())
     assert {"loss_curves.png", "memory.png", "bus_bandwidth.png", "pp_mlp_torch_explicit_1f1b_timeline.png",
@@ -215,3 +242,42 @@ def test_bench_subcommand_writes_valid_json(tmp_path):
     assert {r["framework"] for r in data["results"]} == {"torch", "jax"}
     assert all(r["busbw"] > 0 and r["time_s"] > 0 for r in data["results"])
     assert {f["op"] for f in data["fits"]} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+
+
+def test_show_collectives_mesh_table_per_axis_and_memory():
+    """The per-axis table of --show-collectives mesh, from rows shaped as the harnesses return them
+    (torch: per-rank views, merged where equal; JAX: one SPMD view), marks what differs from theory."""
+    import io
+
+    from rich.console import Console
+
+    from shared.results import RunResult
+
+    view = lambda tp_bytes, pp_bytes: {"tp": {"all_reduce": {"count": 4, "bytes": tp_bytes}},
+                                       "pp": {"send": {"count": 2, "bytes": pp_bytes},
+                                              "recv": {"count": 2, "bytes": pp_bytes}}}
+    per_rank = [view(100, 10), view(100, 10), view(200, 10), view(200, 10)]
+    theory = [view(100, 10), view(100, 10), view(200, 10), view(200, 10)]
+    theory[3] = view(200, 20)  # rank 3's pp bytes disagree with theory
+    state = {"params": 8, "grads": 8, "optimizer": 16}
+    rows = [
+        RunResult("mesh", "torch", "explicit", "tp=2,pp=2", 4, "float64", True, model="transformer",
+                  state_bytes=state, extra={"comm_by_axis_per_rank": per_rank, "comm_by_axis_theory_per_rank": theory,
+                                            "state_bytes_theory": state, "activation_bytes": 2048}),
+        RunResult("mesh", "jax", "shard_map", "tp=2,pp=2", 4, "float64", True, model="transformer",
+                  state_bytes=state, extra={"comm_by_axis": view(100, 10), "comm_by_axis_theory": view(100, 10),
+                                            "state_bytes_theory": {**state, "params": 4}, "temp_bytes": 4096}),
+    ]
+    out = io.StringIO()
+    compare.mesh_tables(rows, Console(file=out, width=200))
+    text = out.getvalue()
+    lines = [line.replace("│", " ").replace("┃", " ") for line in text.splitlines() if "torch" in line or "jax" in line]
+    assert lines[0].split()[:3] == ["torch", "explicit", "0,1"] and lines[0].rstrip().endswith("yes")
+    assert lines[1].split()[:3] == ["torch", "explicit", "2"] and lines[1].rstrip().endswith("yes")
+    assert lines[2].split()[:3] == ["torch", "explicit", "3"] and "(theory 20 B)" in lines[2] and "no" in lines[2]
+    assert lines[3].split()[:3] == ["jax", "shard_map", "all"] and lines[3].rstrip().endswith("yes")
+    header = next(line for line in text.splitlines() if "framework" in line and "ranks" in line)
+    assert header.index("tp") < header.index("pp")  # columns in the layout's order (tp=2,pp=2)
+    memory = [line for line in lines[4:]]
+    assert "yes" in memory[0] and "2.0 KiB (saved)" in memory[0]
+    assert "4.0 KiB (XLA temp)" in memory[1] and "yes" not in memory[1]

@@ -32,7 +32,9 @@ def jax_configs(world_size: int) -> list[Config]:
     return [c for c in configs(world_size) if c.model == "mlp" or c.dtype == "float64"]
 
 
-@pytest.fixture(scope="module", params=(2, 4), ids=lambda n: f"N{n}")
+# N=4 under -m slow (suite budget): N=2 runs every variant, model and dtype; the N-D mesh tests
+# (tests/test_mesh.py) run the fsdp wrapper again at fsdp=2 inside 2-D and 3-D layouts.
+@pytest.fixture(scope="module", params=(2, pytest.param(4, marks=pytest.mark.slow)), ids=lambda n: f"N{n}")
 def results(request):
     """One torch launch and one JAX run per world size: every variant × both models × both dtypes."""
     cfgs = configs(request.param)

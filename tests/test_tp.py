@@ -51,7 +51,9 @@ def _transformer(ws: int) -> list[Config]:
                    steps=3, dtype=dt) for dt in dtypes]
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda ws: f"tp{ws}")
+# tp=4 under -m slow (suite budget): tp=2 runs every variant, model and dtype; the N-D mesh tests
+# (tests/test_mesh.py) run the Megatron plan again at tp=2 inside 2-D and 3-D layouts.
+@pytest.fixture(scope="module", params=(2, pytest.param(4, marks=pytest.mark.slow)), ids=lambda ws: f"tp{ws}")
 def runs(request):
     """{"torch": [entry…], "jax": [entry…]}, entries as the harnesses return them."""
     ws = request.param

@@ -154,7 +154,7 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
     bytes saved for backward (``extra["activation_bytes"]``, this rank's: SavedTensorMeter)."""
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    losses, step_times, grads0, comm = [], [], None, {}
+    losses, step_times, grads0, comm, by_axis = [], [], None, {}, None
     meter = SavedTensorMeter(setup.params)
     for k in range(cfg.steps):
         last = k == cfg.steps - 1
@@ -171,6 +171,7 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
             step_times.append(time.perf_counter() - t0)
         if last:
             comm = ctx.ledger.summary()
+            by_axis = ctx.ledger.by_axis() if ctx.ledger.labels else None  # the mesh pattern labels its groups
         if k == 0:
             grads0 = (setup.grads_fixture or setup.fixture)(grads0)  # the check's gathers: outside every ledger
         losses.append(reported_loss(loss, setup.loss_reduction, setup.group))
@@ -178,6 +179,8 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
         "params": tensor_bytes(setup.params), "grads": tensor_bytes(g for g in setup.grads() if g is not None),
         "optimizer": optimizer_state_bytes(setup.optimizer)}
     extra = dict(setup.extra, activation_bytes=meter.peak)
+    if by_axis is not None:
+        extra["comm_by_axis"] = by_axis  # {axis label: {op: {"count", "bytes"}}} of the last step
     if ctx.device.type == "cuda":
         extra["peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
     return Trained(losses=losses, grads0=grads0, params=setup.fixture(setup.params), step_times=step_times,
@@ -186,8 +189,8 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
 
 def _reference(cfg: Config, device):
     """The single-device run depends on none of the parallel layout (world size, micro-batches,
-    buckets): compute it once per remaining configuration."""
-    return _cached_reference(cfg.replace(world_size=1, microbatches=1, bucket_mb=25.0), str(device))
+    buckets, mesh): compute it once per remaining configuration."""
+    return _cached_reference(cfg.replace(world_size=1, microbatches=1, bucket_mb=25.0, mesh=()), str(device))
 
 
 @functools.lru_cache(maxsize=8)

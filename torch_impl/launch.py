@@ -19,7 +19,6 @@ are started with the ``spawn`` method, which pickles it by name).
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import queue as queue_mod
@@ -36,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shared.env import die_with_parent
 from torch_impl.ledger import CommLedger
 
 DEFAULT_TIMEOUT_S = 300.0  # whole launch; collectives time out after the same
@@ -177,14 +177,6 @@ def _stop(procs, graceful: bool) -> None:
             p.join(timeout=2.0)
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
 def _init(rank: int, world_size: int, local_rank: int, kind: str, timeout_s: float, store=None) -> RankContext:
     timeout = timedelta(seconds=timeout_s)
     if kind == "cuda":
@@ -207,7 +199,7 @@ def _init(rank: int, world_size: int, local_rank: int, kind: str, timeout_s: flo
 
 
 def _rank_main(rank, world_size, port, fn, args, kind, results_q, timeout_s, threads) -> None:
-    _die_with_parent()
+    die_with_parent()
     torch.set_num_threads(threads)
     try:
         store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=timeout_s))

@@ -13,6 +13,13 @@ all-to-all: the buffer; send / recv: the message.
     with ledger.recording():          # resets, then records until the block ends
         train_step()
     ledger.summary()                  # {"all_reduce": {"count": 4, "bytes": 8192}, ...}
+
+Per mesh axis (the N-D "mesh" pattern): ``ledger.label_groups({pg_or_group_name: "tp", …})`` names
+the process groups; every op is then also recorded under the label of the group it ran on (found
+in the dispatched arguments: c10d ops carry the ProcessGroup, functional collectives — DTensor,
+FSDP2 — its name), and ``by_axis()`` gives {label: {op: {"count", "bytes"}}}. An op on a group
+without a label goes under "world" (the default group) or "group:<name>". ``label_groups({})``
+clears the labels (the 1-D patterns never set any).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import contextlib
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -81,23 +90,57 @@ _FUNCTIONAL = {
 _TABLES = {"c10d": _C10D, "_c10d_functional": _FUNCTIONAL}
 
 
+def _group_name(func, args) -> str | None:
+    """The name of the process group a dispatched c10d / functional op runs on: the first
+    ProcessGroup argument (a ScriptObject: unboxed) or, for functional collectives, the group-name
+    string that their schema calls ``group_name``."""
+    for arg, value in zip(func._schema.arguments, args):
+        if arg.name == "group_name" and isinstance(value, str):
+            return value
+        if isinstance(value, torch.ScriptObject):
+            try:
+                return ProcessGroup.unbox(value).group_name
+            except (RuntimeError, TypeError):  # another custom class (e.g. the ReduceOp)
+                continue
+    return None
+
+
 class CommLedger:
     def __init__(self, world_size: int):
         self.world_size = world_size
         self._ops: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+        self._axes: dict[str, dict[str, dict[str, int]]] = defaultdict(
+            lambda: defaultdict(lambda: {"count": 0, "bytes": 0}))
+        self.labels: dict[str, str] = {}  # process group name -> mesh axis label
         self.active = False
 
-    def record(self, op: str, nbytes: int) -> None:
+    def label_groups(self, labels: dict) -> None:
+        """{ProcessGroup or group name: label}; replaces the previous labels ({} clears them)."""
+        self.labels = {g if isinstance(g, str) else g.group_name: label for g, label in labels.items()}
+
+    def label_of(self, group_name: str | None) -> str:
+        if group_name in self.labels:
+            return self.labels[group_name]
+        world = dist.group.WORLD if dist.is_initialized() else None
+        return "world" if group_name is None or (world is not None and group_name == world.group_name) \
+            else f"group:{group_name}"
+
+    def record(self, op: str, nbytes: int, group_name: str | None = None) -> None:
         """Add one call by hand (for communication no dispatch mode can see)."""
-        entry = self._ops[op]
-        entry["count"] += 1
-        entry["bytes"] += int(nbytes)
+        for entry in (self._ops[op], self._axes[self.label_of(group_name)][op]):
+            entry["count"] += 1
+            entry["bytes"] += int(nbytes)
 
     def reset(self) -> None:
         self._ops.clear()
+        self._axes.clear()
 
     def summary(self) -> dict[str, dict[str, int]]:
         return {op: dict(v) for op, v in sorted(self._ops.items())}
+
+    def by_axis(self) -> dict[str, dict[str, dict[str, int]]]:
+        """{label: {op: {"count", "bytes"}}} of the recorded ops (see the module docstring)."""
+        return {label: {op: dict(v) for op, v in sorted(ops.items())} for label, ops in sorted(self._axes.items())}
 
     @contextlib.contextmanager
     def recording(self):
@@ -130,5 +173,5 @@ class _LedgerMode(TorchDispatchMode):
             entry = table.get(func._overloadpacket.__name__)
             if entry is not None:
                 label, size = entry
-                self.ledger.record(label, size(args, self.ledger.world_size))
+                self.ledger.record(label, size(args, self.ledger.world_size), _group_name(func, args))
         return func(*args, **(kwargs or {}))

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import gc
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,9 +87,10 @@ class Stage(nn.Module):
         if self.heads:
             self.normf, self.head = model.normf, model.head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embeds:  # x: (B/M, T) token ids
-            x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))  # (B/M, T, D)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if self.embeds:  # x: (B/M, T) token ids; ``positions``: their global positions (cp), default arange(T)
+            positions = torch.arange(x.shape[1], device=x.device) if positions is None else positions
+            x = self.wte(x) + self.wpe(positions)  # (B/M, T, D)
         for block in getattr(self, self.stack).values():
             x = block(x)  # (B/M, D) MLP, (B/M, T, D) transformer
         return self.head(self.normf(x)) if self.heads else x  # last transformer stage: (B/M, T, V) logits
@@ -105,19 +108,33 @@ def activation(cfg: Config) -> tuple[int, ...]:
     return (rows, cfg.dim) if cfg.model == "mlp" else (rows, cfg.seq, cfg.dim)
 
 
-def exchange(ctx: RankContext, send_fwd=None, send_bwd=None, recv_fwd=None, recv_bwd=None):
+@dataclass(frozen=True)
+class Pipe:
+    """Where this rank sits in a pipeline: stage ``stage`` of ``stages``, the stages being the
+    ranks of ``group`` in group order (None: the world, stage = rank; the N-D mesh passes its pp
+    group, whose neighbours' global ranks ``peer`` looks up)."""
+
+    stage: int
+    stages: int
+    group: Any = None
+
+    def peer(self, stage: int) -> int:
+        return stage if self.group is None else dist.get_global_rank(self.group, stage)
+
+
+def exchange(pipe: Pipe, send_fwd=None, send_bwd=None, recv_fwd=None, recv_bwd=None):
     """One batched exchange with the neighbours: send an activation to s+1 / a gradient to s−1,
     receive into the given buffers an activation from s−1 / a gradient from s+1. Ops that point
     past either end of the pipeline are dropped. Returns (activation, gradient) received."""
-    s, last = ctx.rank, ctx.world_size - 1
+    s, last, g = pipe.stage, pipe.stages - 1, pipe.group
     ops = []
     if send_fwd is not None and s < last:
-        ops.append(dist.P2POp(dist.isend, send_fwd, s + 1))
+        ops.append(dist.P2POp(dist.isend, send_fwd, pipe.peer(s + 1), g))
     if send_bwd is not None and s > 0:
-        ops.append(dist.P2POp(dist.isend, send_bwd, s - 1))
+        ops.append(dist.P2POp(dist.isend, send_bwd, pipe.peer(s - 1), g))
     x = recv_fwd if recv_fwd is not None and s > 0 else None
     dy = recv_bwd if recv_bwd is not None and s < last else None
-    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in ((x, s - 1), (dy, s + 1)) if t is not None]
+    ops += [dist.P2POp(dist.irecv, t, pipe.peer(peer), g) for t, peer in ((x, s - 1), (dy, s + 1)) if t is not None]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
@@ -125,17 +142,21 @@ def exchange(ctx: RankContext, send_fwd=None, send_bwd=None, recv_fwd=None, recv
 
 
 def explicit_step(schedule: str, module: Stage, x: torch.Tensor, y: torch.Tensor | None, cfg: Config,
-                  ctx: RankContext, t0: float):
+                  ctx: RankContext, t0: float, pipe: Pipe | None = None, microbatches: int | None = None,
+                  act_shape: tuple[int, ...] | None = None, loss_of=loss_fn):
     """One training step's forward and backward over M micro-batches; ``x`` the batch's inputs,
     ``y`` its targets (None for the MLP). Returns (this stage's sum of scaled micro-batch losses —
     the full-batch loss on the last stage, 0 elsewhere —, timeline of F/B blocks, peak number of
-    micro-batches whose activations were stashed)."""
-    S, s, M = ctx.world_size, ctx.rank, cfg.microbatches
+    micro-batches whose activations were stashed). The N-D mesh passes its ``pipe`` (pp group),
+    ``microbatches``, the local ``act_shape`` (m, T/cp, D), a ``loss_of(out, targets)`` (the
+    vocab-parallel CE under tp) and as ``module`` any callable (a stage with its positions bound)."""
+    pipe = pipe or Pipe(ctx.rank, ctx.world_size)
+    S, s, M = pipe.stages, pipe.stage, microbatches or cfg.microbatches
     first, last = s == 0, s == S - 1
-    dtype = torch_dtype(cfg)
+    dtype, shape = torch_dtype(cfg), act_shape or activation(cfg)
     xs = x.chunk(M)  # M × (B/M, D) or (B/M, T) tokens; only stage 0 reads them
     ys = y.chunk(M) if y is not None else [None] * M  # M × (B/M, T) targets; only the last stage
-    buf = lambda: torch.empty(activation(cfg), dtype=dtype, device=x.device)  # (B/M, D) / (B/M, T, D)
+    buf = lambda: torch.empty(shape, dtype=dtype, device=x.device)  # (B/M, D) / (B/M, T, D)
     stash, timeline, peak, loss = {}, [], 0, torch.zeros((), dtype=dtype, device=x.device)
 
     def clock():  # seconds since the step began; on GPU wait for the kernels first
@@ -149,10 +170,10 @@ def explicit_step(schedule: str, module: Stage, x: torch.Tensor, y: torch.Tensor
         x_in = xs[mb] if first else x_in.requires_grad_()  # (B/M, D) / (B/M, T) tokens / (B/M, T, D)
         out = module(x_in)  # (B/M, D) / (B/M, T, D); last transformer stage (B/M, T, V)
         if last:
-            out = loss_fn(out, ys[mb]) / M  # scalar: this micro-batch's share of the full-batch mean
+            out = loss_of(out, ys[mb]) / M  # scalar: this micro-batch's share of the full-batch mean
             loss = loss + out.detach()
         else:
-            assert out.shape == activation(cfg), (out.shape, activation(cfg))
+            assert out.shape == shape, (out.shape, shape)
         stash[mb] = (x_in, out)
         peak = max(peak, len(stash))
         timeline.append({"stage": s, "kind": "F", "mb": mb, "start": start, "end": clock()})
@@ -167,24 +188,24 @@ def explicit_step(schedule: str, module: Stage, x: torch.Tensor, y: torch.Tensor
 
     if schedule == "gpipe":
         for mb in range(M):
-            x_in, _ = exchange(ctx, recv_fwd=buf())
-            exchange(ctx, send_fwd=forward(mb, x_in))
+            x_in, _ = exchange(pipe, recv_fwd=buf())
+            exchange(pipe, send_fwd=forward(mb, x_in))
         for mb in range(M):
-            _, dy = exchange(ctx, recv_bwd=buf())
-            exchange(ctx, send_bwd=backward(mb, dy))
+            _, dy = exchange(pipe, recv_bwd=buf())
+            exchange(pipe, send_bwd=backward(mb, dy))
     else:  # 1f1b
         warmup = min(S - s - 1, M)
         for mb in range(warmup):
-            x_in, _ = exchange(ctx, recv_fwd=buf())
-            exchange(ctx, send_fwd=forward(mb, x_in))
-        x_in = exchange(ctx, recv_fwd=buf())[0] if warmup < M else None
+            x_in, _ = exchange(pipe, recv_fwd=buf())
+            exchange(pipe, send_fwd=forward(mb, x_in))
+        x_in = exchange(pipe, recv_fwd=buf())[0] if warmup < M else None
         for i in range(M - warmup):  # steady: F(warmup + i), then B(i)
-            _, dy = exchange(ctx, send_fwd=forward(warmup + i, x_in), recv_bwd=buf())
+            _, dy = exchange(pipe, send_fwd=forward(warmup + i, x_in), recv_bwd=buf())
             more = i < M - warmup - 1
-            x_in, _ = exchange(ctx, send_bwd=backward(i, dy), recv_fwd=buf() if more else None)
+            x_in, _ = exchange(pipe, send_bwd=backward(i, dy), recv_fwd=buf() if more else None)
         for mb in range(M - warmup, M):  # cool-down
-            _, dy = exchange(ctx, recv_bwd=buf())
-            exchange(ctx, send_bwd=backward(mb, dy))
+            _, dy = exchange(pipe, recv_bwd=buf())
+            exchange(pipe, send_bwd=backward(mb, dy))
     assert not stash, f"stage {s}: micro-batches {sorted(stash)} never went backward"
     return loss, timeline, peak
 

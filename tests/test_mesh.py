@@ -1,0 +1,294 @@
+"""N-D parallelism (the "mesh" pattern): every layout against the single-device reference of its
+own framework and of the other one, the per-axis ledger against shared.theory on EVERY rank, and the
+per-rank state bytes against shared.theory.
+
+torch: ONE launch per world size (module-scoped fixtures, names prefixed torch_): at 4 ranks the six
+2-D layouts (float64, both styles where builtin runs) + fsdp=2,tp=2 in float32; at 8 ranks the
+3-D layouts (slow: 8 gloo ranks on 2 cores). steps=3: the ledger records the last step, and DDP
+(builtin dp without tp) rebuilds its buckets in the second step's forward (two small broadcasts), so
+the last step must be the third. builtin dp × tp runs FSDP2 HSDP (torch_impl.mesh.hsdp_dp).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import init_device_mesh
+
+from jax_impl.harness import _reference as jax_reference
+from shared.config import Config, parse_mesh
+from shared.results import comm_bytes, cross_framework_ok, parity, within
+from torch_impl import mesh as torch_mesh
+from torch_impl.harness import run_pattern as torch_run_pattern
+from torch_impl.launch import launch
+
+TORCH_LAYOUTS = {
+    4: ("dp=2,tp=2", "fsdp=2,tp=2", "dp=2,pp=2", "tp=2,pp=2", "dp=2,cp=2", "cp=2,tp=2"),
+    8: ("dp=2,tp=2,pp=2", "fsdp=2,tp=2,pp=2", "dp=2,pp=2,cp=2"),
+}
+FLOAT32_LAYOUT = "fsdp=2,tp=2"  # both styles; tp + fsdp: the most collectives of the 2-D layouts
+
+
+def mesh_cfg(ws: int, layout: str, dtype: str = "float64") -> Config:
+    return Config(world_size=ws, model="transformer", layers=2, dim=16, heads=4, seq=16, vocab=32, batch=8,
+                  microbatches=2, steps=3, dtype=dtype, mesh=parse_mesh(layout))
+
+
+def _torch_cfgs(ws: int) -> list[Config]:
+    cfgs = [mesh_cfg(ws, layout) for layout in TORCH_LAYOUTS[ws]]
+    return cfgs + ([mesh_cfg(ws, FLOAT32_LAYOUT, "float32")] if ws == 4 else [])
+
+
+def _ledger_probe(ctx) -> dict:
+    """The per-axis ledger on known ops: a c10d all-reduce on tp, a functional (DTensor-style)
+    all-reduce on tp, a send/recv pair on dp, an all-reduce on the unlabelled world group."""
+    dm = init_device_mesh("cpu", (2, ctx.world_size // 2), mesh_dim_names=("dp", "tp"))
+    ctx.ledger.label_groups({dm["tp"].get_group(): "tp", dm["dp"].get_group().group_name: "dp"})
+    t, dp = torch.ones(3, dtype=torch.float64), dm["dp"].get_group()
+    peer = dist.get_global_rank(dp, 1 - dist.get_rank(dp))
+    with ctx.ledger.recording():
+        dist.all_reduce(t, group=dm["tp"].get_group())
+        funcol.all_reduce(t, "sum", dm["tp"].get_group()).wait()
+        pair = [dist.P2POp(dist.isend, t, peer, dp), dist.P2POp(dist.irecv, t.clone(), peer, dp)]
+        for w in dist.batch_isend_irecv(pair):
+            w.wait()
+        dist.all_reduce(t)
+    out = {"by_axis": ctx.ledger.by_axis(), "summary": ctx.ledger.summary()}
+    ctx.ledger.label_groups({})
+    return out
+
+
+def _torch_rank(ctx, cfgs):
+    probe = _ledger_probe(ctx)
+    return probe, torch_run_pattern(ctx, "mesh", cfgs)
+
+
+@pytest.fixture(scope="module")
+def torch_runs_4():
+    probe, entries = launch(_torch_rank, 4, _torch_cfgs(4))[0]
+    return {"probe": probe, "entries": entries}
+
+
+@pytest.fixture(scope="module")
+def torch_runs_8():  # 8 gloo ranks on 2 cores: ~30 s (the module's 2-D launch ~50 s): under -m slow
+    return {"entries": launch(torch_run_pattern, 8, "mesh", _torch_cfgs(8))[0]}
+
+
+def _runs(entries):
+    for entry in entries:
+        for style, variant, trained in entry["runs"]:
+            yield entry["cfg"], style, variant, trained, entry["reference"]
+
+
+def test_torch_ledger_labels_every_op_by_group(torch_runs_4):
+    b = 3 * 8
+    assert torch_runs_4["probe"]["by_axis"] == {
+        "tp": {"all_reduce": {"count": 2, "bytes": 2 * b}},
+        "dp": {"send": {"count": 1, "bytes": b}, "recv": {"count": 1, "bytes": b}},
+        "world": {"all_reduce": {"count": 1, "bytes": b}}}
+    assert torch_runs_4["probe"]["summary"]["all_reduce"] == {"count": 3, "bytes": 3 * b}  # summary unchanged
+
+
+def _check_variants(entries):
+    for entry in entries:
+        cfg, rows = entry["cfg"], [(s, v) for s, v, _ in entry["runs"]]
+        assert rows == list(torch_mesh.variants(cfg)) and ("explicit", cfg.mesh_name) in rows
+        refused = torch_mesh.builtin_refusal(cfg)
+        assert (("builtin", cfg.mesh_name) in rows) == (refused is None), (cfg.mesh_name, refused)
+
+
+def _check_parity(entries):
+    for cfg, style, variant, trained, ref in _runs(entries):
+        # within: float64 1e-12 (sums reordered over ranks: ~1e-15 seen), float32 5e-5 (shared.tolerances)
+        errors = parity(trained, ref)
+        assert within(errors, cfg.dtype), (style, variant, cfg.dtype, errors)
+        # the other framework's single-device run: twice the tolerance (shared.tolerances)
+        other = parity(trained, jax_reference(cfg.replace(mesh=()), "auto"))
+        assert cross_framework_ok(other, cfg.dtype), (style, variant, cfg.dtype, other)
+
+
+def _check_ledger(entries):
+    """Per axis, per op, count and bytes, on every rank; the total equals the theory's."""
+    for cfg, style, variant, trained, _ in _runs(entries):
+        measured, theory = trained.extra["comm_by_axis_per_rank"], trained.extra["comm_by_axis_theory_per_rank"]
+        assert len(measured) == len(theory) == cfg.world_size
+        for rank, (m, t) in enumerate(zip(measured, theory, strict=True)):
+            assert m == t, (style, variant, cfg.dtype, rank, m, t)
+        assert comm_bytes(trained.comm) == trained.comm_theory, (style, variant, trained.comm)
+
+
+def _check_state(entries):
+    for cfg, style, variant, trained, _ in _runs(entries):
+        assert trained.extra["state_bytes_per_rank"] == trained.extra["state_bytes_theory_per_rank"], (style, variant)
+        # bytes saved for backward, per rank (torch_impl.harness.SavedTensorMeter); explicit ZeRO-3 packs what
+        # it saves in its own hooks, which hide it from the meter (only the loss's are seen, last stage)
+        seen = trained.extra["activation_bytes_per_rank"]
+        assert len(seen) == cfg.world_size and (all(a > 0 for a in seen) or (style, cfg.data_axis) == (
+            "explicit", "fsdp")), (style, variant, seen)
+
+
+def test_torch_mesh_2d_variants(torch_runs_4):
+    _check_variants(torch_runs_4["entries"])
+    # builtin rows: every layout without cp (dp × tp through FSDP2 HSDP with a size-1 shard axis)
+    builtin = {e["cfg"].mesh_name for e in torch_runs_4["entries"] for s, _, _ in e["runs"] if s == "builtin"}
+    assert builtin == {layout for layout in TORCH_LAYOUTS[4] if "cp" not in layout}, builtin
+
+
+def test_torch_mesh_2d_parity(torch_runs_4):
+    _check_parity(torch_runs_4["entries"])
+
+
+def test_torch_mesh_2d_ledger_per_axis(torch_runs_4):
+    _check_ledger(torch_runs_4["entries"])
+
+
+def test_torch_mesh_2d_state(torch_runs_4):
+    _check_state(torch_runs_4["entries"])
+
+
+@pytest.mark.slow
+def test_torch_mesh_3d(torch_runs_8):
+    entries = torch_runs_8["entries"]
+    assert [e["cfg"].mesh_name for e in entries] == list(TORCH_LAYOUTS[8])
+    _check_variants(entries)
+    _check_parity(entries)
+    _check_ledger(entries)
+    _check_state(entries)
+
+
+# --- JAX (jax_impl/mesh.py): one SPMD program per layout and style ---------------------------------
+# Each JAX transformer step costs seconds to compile on 2 cores, so the default run is lean: the 3-D
+# headline dp=2,tp=2,pp=2 in both styles and fsdp=2,tp=2 (the ZeRO-3 gathers next to tp; compared with
+# torch's run of the same layout) in shard_map; every other layout × style: test_jax_mesh_every_layout (slow).
+
+JAX_LAYOUTS = {8: (("dp=2,tp=2,pp=2", ("shard_map", "jit")),), 4: (("fsdp=2,tp=2", ("shard_map",)),)}
+JAX_SLOW_LAYOUTS = {4: TORCH_LAYOUTS[4] + ("fsdp=2,cp=2",), 8: TORCH_LAYOUTS[8]}
+
+
+def _jax_run(layouts: dict) -> list[dict]:
+    from jax_impl.harness import run_pattern as jax_run_pattern
+
+    out = []
+    for ws, rows in layouts.items():
+        for layout, styles in rows:
+            cfg = mesh_cfg(ws, layout)
+            out += jax_run_pattern("mesh", [cfg], [(s, cfg.mesh_name) for s in styles])
+    return out
+
+
+@pytest.fixture(scope="module")
+def jax_runs():
+    return _jax_run(JAX_LAYOUTS)
+
+
+@functools.lru_cache(maxsize=4)
+def _torch_reference(cfg: Config):
+    """torch's single-device run of the layout's model (in this process: no launch needed)."""
+    from shared.problem import make_problem
+    from torch_impl.reference import train as torch_train
+
+    cfg = cfg.replace(world_size=1, microbatches=1, mesh=())
+    return torch_train(cfg, make_problem(cfg), "cpu")
+
+
+def _check_jax(entries):
+    for cfg, style, variant, trained, ref in _runs(entries):
+        assert variant == cfg.mesh_name
+        # float64 1e-12 (sums reordered over devices: ~1e-15 seen), shared.tolerances
+        errors = parity(trained, ref)
+        assert within(errors, cfg.dtype), (style, variant, errors)
+        other = parity(trained, _torch_reference(cfg))  # torch's single-device run: twice the tolerance
+        assert cross_framework_ok(other, cfg.dtype), (style, variant, other)
+        # per axis: the labels partition the whole ledger
+        by_axis = trained.extra["comm_by_axis"]
+        total: dict = {}
+        for ops in by_axis.values():
+            for op, v in ops.items():
+                total.setdefault(op, {"count": 0, "bytes": 0})
+                total[op] = {k: total[op][k] + v[k] for k in ("count", "bytes")}
+        assert total == trained.comm, (style, variant, by_axis, trained.comm)
+        assert "none" not in by_axis, by_axis  # every op runs along some mesh axis
+        theory = trained.extra["comm_by_axis_theory"]
+        if style == "shard_map":  # count and bytes per axis and op (counts of the gradient group: XLA's combiner)
+            assert by_axis == {a: {op: {"count": c, "bytes": b} for op, (c, b) in ops.items()}
+                               for a, ops in theory.items()}, (variant, by_axis, theory)
+            assert comm_bytes(trained.comm) == trained.comm_theory
+        elif theory is not None:  # jit without cp / fsdp: bytes per axis and op; counts but the gradient
+            # group's (its all-reduces: XLA's combiner decides how many, shared.theory.mesh_comm_jax)
+            assert {a: {op: v["bytes"] for op, v in ops.items()} for a, ops in by_axis.items()} == {
+                a: {op: b for op, (_, b) in ops.items()} for a, ops in theory.items()}, (variant, by_axis, theory)
+            assert all(by_axis[a][op]["count"] == c for a, ops in theory.items() for op, (c, _) in ops.items()
+                       if (a, op) != (cfg.data_axis, "all_reduce")), (variant, by_axis, theory)
+            assert "all_to_all" not in trained.comm, trained.comm  # no batch resharding
+            assert comm_bytes(trained.comm) == trained.comm_theory
+        else:  # jit with cp or fsdp: XLA's choice; the axes it used are the layout's
+            assert set(by_axis) <= {"+".join(c) for c in _axis_subsets(cfg)}, by_axis
+        assert trained.state_bytes == trained.extra["state_bytes_theory"], (style, variant, trained.state_bytes)
+        assert trained.extra["temp_bytes"] > 0
+
+
+def _axis_subsets(cfg: Config):
+    from itertools import combinations
+
+    names = [a for a, _ in cfg.mesh]
+    return [c for k in range(1, len(names) + 1) for c in combinations(names, k)]
+
+
+def test_jax_ledger_labels_ops_by_mesh_axis():
+    """comm_by_axis on a 2×2×2 mesh: psum over one axis, over two, a ppermute along one, an all_gather;
+    and XLA's iota and mesh-axes replica-group forms (device id = position in mesh.devices.flat)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    from jax_impl.devices import make_mesh
+    from jax_impl.ledger import axis_label, comm_by_axis
+
+    mesh = make_mesh((2, 2, 2), ("dp", "pp", "tp"))
+
+    def body(x):  # x (1,)
+        return (lax.psum(x, "tp") + lax.psum(2 * x, ("dp", "tp")) + lax.ppermute(x, "pp", [(0, 1), (1, 0)])
+                + lax.all_gather(x, "dp", tiled=True)[:1])
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("dp", "pp", "tp")), out_specs=P(("dp", "pp", "tp"))))
+    x = jnp.arange(8.0)
+    assert comm_by_axis(f.lower(x).compile().as_text(), mesh) == {
+        "tp": {"all_reduce": {"count": 1, "bytes": 8}}, "dp+tp": {"all_reduce": {"count": 1, "bytes": 8}},
+        "pp": {"collective_permute": {"count": 1, "bytes": 8}}, "dp": {"all_gather": {"count": 1, "bytes": 16}}}
+    small = make_mesh((2, 2), ("dp", "tp"))  # ids: dp = id // 2, tp = id % 2
+    assert axis_label("replica_groups=[2,2]<=[4]", small) == "tp"  # {0,1},{2,3}
+    assert axis_label("replica_groups=[2,2]<=[2,2]T(1,0)", small) == "dp"  # {0,2},{1,3}
+    assert axis_label("replica_groups={}", small) == "dp+tp"
+    assert axis_label("replica_groups=mesh['axis_0'=2,'axis_1'=2], device_ids=([2,2]T(1,0)) {'axis_0'}", small) == "tp"
+    assert axis_label("replica_groups=mesh['a'=1,'b'=2,'c'=1,'d'=2] {'d'}", small) == "tp"
+
+
+def test_jax_mesh_runs(jax_runs):
+    assert [(e["cfg"].mesh_name, [s for s, _, _ in e["runs"]]) for e in jax_runs] == [
+        (layout, list(styles)) for rows in JAX_LAYOUTS.values() for layout, styles in rows]
+    _check_jax(jax_runs)
+
+
+def test_jax_mesh_matches_torch_per_layout(jax_runs, torch_runs_4):
+    """The same layout in both frameworks: losses, step-0 gradients and final parameters (twice the tolerance)."""
+    torch_by_layout = {e["cfg"].mesh_name: e for e in torch_runs_4["entries"] if e["cfg"].dtype == "float64"}
+    compared = 0
+    for cfg, style, variant, trained, _ in _runs(jax_runs):
+        if variant not in torch_by_layout:
+            continue
+        for _, t_style, _, t_trained, _ in _runs([torch_by_layout[variant]]):
+            errors = parity(trained, t_trained)
+            assert cross_framework_ok(errors, cfg.dtype), (style, t_style, variant, errors)
+            compared += 1
+    assert compared >= 1
+
+
+@pytest.mark.slow
+def test_jax_mesh_every_layout():
+    _check_jax(_jax_run({ws: tuple((layout, ("shard_map", "jit")) for layout in layouts)
+                         for ws, layouts in JAX_SLOW_LAYOUTS.items()}))

@@ -1,0 +1,349 @@
+"""N-D parallelism: dp/fsdp × pp × cp × tp composed on one device mesh (the transformer), with
+torch.distributed. The layout is ``cfg.mesh``, e.g. dp=2,tp=2,pp=2: axes in device order,
+outermost first, innermost last (rank = row-major index: shared.theory.mesh_coords; tp innermost
+puts a tp group on neighbouring ranks, i.e. inside a node, where its per-layer all-reduces find the
+fast links; pp outermost crosses nodes, where its one message per micro-batch and boundary is cheap).
+
+Sharded (each axis as its 1-D pattern, on local sizes; shared/theory.py "mesh" sections):
+  data (dp | fsdp)  sequences [i·B/d, (i+1)·B/d) on data index i; fsdp also splits every tp-local
+                    ≥2-D weight by rows over the gradient group (ZeRO-3, torch_impl.fsdp.FSDP).
+  pp                blocks: stage s holds L/pp blocks (embeddings on 0, final norm + head on the
+                    last, torch_impl.pp.Stage); M micro-batches of m = B/(d·M) sequences, 1F1B.
+  cp                tokens [j·T/c, (j+1)·T/c) on cp index j (and their positions); ring attention
+                    (torch_impl.cp.RingCore, "ring") over the tp-local heads.
+  tp                Megatron (torch_impl.tp TRANSFORMER_PLAN; no sequence parallelism) on the
+                    stage's modules; the loss is the vocab-parallel CE.
+Replicated weights' gradients are averaged over the data axis and cp together: ONE group over the
+ranks that differ only in their data/cp coordinates, labelled e.g. "dp+cp" (fsdp: the ZeRO-3
+group, torchtitan's dp_shard_cp). Loss: each rank's local mean over its m·T/c tokens per
+micro-batch, /M; the global mean is the mean over (data, cp) ranks (equal token counts).
+
+Collectives per step, by axis (A = m·(T/c)·D·b; shared.theory.mesh_comm_torch derives each):
+  tp    all-reduce: per micro-batch 4 per block + embedding g (stage 0) + head f (last stage) of A,
+        + the CE's 2 (explicit) / 3 (DTensor) of (m, T/c)
+  cp    send/recv: per micro-batch and block 3c−2 messages of K|V (or dK|dV): 2·m·(T/c)·(D/t)·b
+  pp    send/recv: M activations to s+1, M gradients to s−1, of A
+  grad  dp: one flat all-reduce of the stage's gradients (builtin dp × tp: one per FSDP2
+        group); fsdp: all-gathers fwd + bwd and reduce-scatters per micro-batch per unit, one
+        all-reduce of the norm gains
+The ledger records every op under the axis of its group (CommLedger.label_groups).
+
+explicit  groups from ``init_device_mesh(…, mesh_dim_names=…)`` (``dm[axis].get_group()``) + the
+          gradient group (``new_subgroups_by_enumeration``); the hand-written patterns per axis.
+builtin   torchtitan's composition on the same DeviceMesh: DTensor TP (parallelize_module +
+          loss_parallel), FSDP2 ``fully_shard`` per block + root on dm["fsdp"], dp as
+          DistributedDataParallel on the dp group (tp = 1), PipelineStage + Schedule1F1B
+          (scale_grads) on dm["pp"]'s group. dp × tp: DDP cannot take DTensor weights, and
+          torchtitan's replicate is private, so the mesh gets a size-1 "dp_shard" axis right inside
+          dp and fully_shard runs on dm["dp", "dp_shard"]: FSDP2's HSDP, replicated over dp, sharded
+          over one rank, which (by FSDP2's single-rank path) all-gathers and reduce-scatters nothing
+          and all-reduces each group's gradient over dp once per step. Refused (BUILTIN_REFUSAL): cp.
+Papers: Narayanan et al. 2021 (Megatron-LM PTD-P, arXiv:2104.04473); torchtitan (Liang et al. 2024,
+arXiv:2410.06511).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import itertools
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.parallel import DistributedDataParallel
+
+from shared.config import Config
+from shared.problem import Problem
+from shared.results import Trained
+from shared.theory import (
+    cp_positions,
+    mesh_comm_bytes_torch,
+    mesh_comm_torch,
+    mesh_coords,
+    mesh_grad_axes,
+    mesh_micro,
+    mesh_state_bytes_torch,
+)
+from torch_impl import pp, tp
+from torch_impl.cp import RingCore
+from torch_impl.fsdp import FSDP, average_flat
+from torch_impl.harness import Setup, train_loop
+from torch_impl.launch import RankContext
+from torch_impl.model import (
+    empty_model,
+    inputs,
+    load_fixture,
+    loss_fn,
+    make_optimizer,
+    targets,
+    to_fixture,
+    torch_dtype,
+)
+
+STYLES = ("explicit", "builtin")
+# Known, harmless noise of the builtin composition on every rank: FSDP2 wraps the last stage's output
+# (a view of the head's DTensor logits) for its pre-backward hook, and gathering the fixture's fsdp × tp
+# weights (full_tensor, outside the ledger) takes two all-gathers. Neither changes a result.
+warnings.filterwarnings("ignore", message=".*returned a view tensor.*", category=UserWarning)
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+# {group name: ledger label} of every layout this process ran. DTensor caches its sharding decisions
+# keyed by DeviceMesh equality, which ignores process groups: a later layout whose sub-mesh equals
+# an earlier one's (same ranks, layout and axis name; e.g. tp of dp=2,tp=2 and of fsdp=2,tp=2) may
+# run its DTensor collectives on the earlier mesh's group, which therefore keeps its (same) label.
+_LABELS: dict[str, str] = {}
+# Layouts a style cannot run, and why (variants(cfg) omits them).
+BUILTIN_REFUSAL = {
+    "cp": "builtin: torch's context_parallel runs only on CUDA (NCCL) in float32/bfloat16 "
+          "(torch_impl.cp.BUILTIN_REFUSAL), so it is not composed into the mesh: no builtin row for cp > 1",
+}
+
+
+def builtin_refusal(cfg: Config) -> str | None:
+    """Why the builtin style cannot run ``cfg``'s layout (None: it can)."""
+    return BUILTIN_REFUSAL["cp"] if cfg.axis("cp") > 1 else None
+
+
+def hsdp_dp(cfg: Config) -> bool:
+    """builtin dp × tp: FSDP2 HSDP on a (dp, dp_shard = 1) mesh instead of DDP, whose first broadcast
+    fails on DTensor weights ('aten.cat.default got mixed torch.Tensor and DTensor')."""
+    return cfg.axis("dp") > 1 and cfg.axis("tp") > 1
+
+
+def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
+    """The variant of every style is the layout itself, so the rows of one layout line up."""
+    return tuple((style, cfg.mesh_name) for style in STYLES if style == "explicit" or builtin_refusal(cfg) is None)
+
+
+@dataclass
+class Layout:
+    """This rank's place on the mesh: the DeviceMesh, coordinates, one group per axis and the
+    gradient group (data + cp), and {group: ledger label}."""
+
+    dm: DeviceMesh
+    coords: dict[str, int]
+    groups: dict[str, Any]
+    grad_group: Any
+    labels: dict[Any, str]
+
+
+def make_layout(cfg: Config, ctx: RankContext, style: str = "explicit") -> Layout:
+    names, sizes = zip(*cfg.mesh, strict=True)
+    dims = tuple(cfg.mesh)
+    if style == "builtin" and hsdp_dp(cfg):  # a size-1 shard axis right inside dp (builtin_setup)
+        i = names.index("dp") + 1
+        dims = dims[:i] + (("dp_shard", 1),) + dims[i:]
+    dm = init_device_mesh(ctx.device.type, [n for _, n in dims], mesh_dim_names=[a for a, _ in dims])
+    groups = {a: dm[a].get_group() for a in names}
+    labels = {g: a for a, g in groups.items()}
+    grad_axes = [a for a in names if a in ("dp", "fsdp", "cp") and cfg.axis(a) > 1]
+    grad_group = groups[grad_axes[0]] if len(grad_axes) == 1 else None
+    if len(grad_axes) > 1:  # ranks that differ only in their data and cp coordinates: one group each
+        others = [a for a in names if a not in grad_axes]
+        key = lambda r: tuple(mesh_coords(cfg, r)[a] for a in others)
+        ranks = sorted(range(cfg.world_size), key=key)
+        enumeration = [list(g) for _, g in itertools.groupby(ranks, key=key)]
+        grad_group, _ = dist.new_subgroups_by_enumeration(enumeration)  # every rank, the same list
+        labels[grad_group] = mesh_grad_axes(cfg)
+    if grad_group is not None:
+        assert dist.get_world_size(grad_group) == cfg.data_size * cfg.axis("cp"), dist.get_world_size(grad_group)
+    return Layout(dm, mesh_coords(cfg, ctx.rank), groups, grad_group, labels)
+
+
+def local_batch(cfg: Config, problem: Problem, lay: Layout, device):
+    """(tokens, targets) (B/d, T/c) of this rank's data and cp coordinates, and positions (T/c,)."""
+    rows, i, j = cfg.batch // cfg.data_size, lay.coords.get(cfg.data_axis, 0), lay.coords.get("cp", 0)
+    pos = torch.tensor(cp_positions(cfg.seq, cfg.axis("cp"), j, "ring"), device=device)  # (T/c,) global
+    x, y = inputs(cfg, problem, device), targets(cfg, problem, device)  # (B, T) each
+    x, y = x[i * rows:(i + 1) * rows][:, pos], y[i * rows:(i + 1) * rows][:, pos]  # (B/d, T/c)
+    return x, y, pos
+
+
+def build_stage(cfg: Config, problem: Problem, stage: int, device) -> pp.Stage:
+    """Stage ``stage`` of pp (the whole model at pp = 1) holding the fixture's parameters."""
+    module = pp.Stage(empty_model(cfg, "meta"), stage, cfg.axis("pp")).to_empty(device=device)
+    return load_fixture(module, problem.params)
+
+
+# --- explicit ---------------------------------------------------------------------------------------
+
+
+def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) -> Setup:
+    S, s, t, c = cfg.axis("pp"), lay.coords.get("pp", 0), cfg.axis("tp"), cfg.axis("cp")
+    M, m, tc = mesh_micro(cfg)
+    x, y, pos = local_batch(cfg, problem, lay, ctx.device)
+    assert x.shape == y.shape == (M * m, tc), (x.shape, (M * m, tc))
+    stage = build_stage(cfg, problem, s, ctx.device)
+    styles, loss_of = {}, loss_fn
+    if t > 1:
+        tp_group = lay.groups["tp"]
+        styles = tp.apply_plan(stage, tp.TRANSFORMER_PLAN, tp_group)  # absent modules: not in styles
+        loss_of = lambda out, target: tp.VocabParallelCrossEntropy.apply(out, target, tp_group)  # (m, T/c, V/t)
+    if c > 1:
+        core = RingCore(cfg, "ring", lay.groups["cp"])
+        for block in stage.blocks.values():
+            block.attn.core = core  # q, k, v: (m, H/t, T/c, dh)
+    fsdp = FSDP(stage, group=lay.grad_group) if cfg.data_axis == "fsdp" and lay.grad_group else None
+    net = fsdp or stage
+    named = list(stage.named_parameters())  # after FSDP: shards (≥2-D) + replicated gains
+    params = [p for _, p in named]
+    opt = make_optimizer(params, cfg)
+    pipe = pp.Pipe(s, S, lay.groups.get("pp"))
+    run = functools.partial(net, positions=pos)  # stage 0 embeds at the global positions
+    last_step: dict = {}
+
+    def forward_backward() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss, last_step["timeline"], last_step["peak"] = pp.explicit_step(
+            "1f1b", run, x, y, cfg, ctx, time.perf_counter(), pipe=pipe, microbatches=M,
+            act_shape=(m, tc, cfg.dim), loss_of=loss_of)
+        if fsdp is not None:
+            fsdp.finish_gradient_synchronization()  # M reduce-scatters per unit waited, summed; gains averaged
+        elif lay.grad_group is not None:
+            average_flat([p.grad for p in params], lay.grad_group)  # ONE all-reduce over data + cp
+        # mean over the world = the global loss: last-stage ranks hold their local mean, scaled by
+        # S (only 1/S of the ranks hold one); the tp copies are equal
+        return loss * S if s == S - 1 else torch.zeros_like(loss)
+
+    def full(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = fsdp.full_tensor(name, tensor) if fsdp is not None else tensor.detach()  # tp-local
+        return tp.unshard(tensor, styles[name], lay.groups["tp"]) if name in styles else tensor
+
+    return Setup(forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for p in params],
+                 fixture=stage_fixture(cfg, lay, stage, named, full), params=params, optimizer=opt,
+                 loss_reduction="mean", group=None,
+                 extra={"last_step": last_step})
+
+
+def stage_fixture(cfg: Config, lay: Layout, stage: nn.Module, named: list, full):
+    """The harness's fixture: this rank's local tensors (``named`` order) -> ``full(name, t)`` (the
+    tp-local / DTensor piece made whole) -> every stage's fixture arrays, from every rank."""
+    return lambda tensors: gather_stages(cfg, lay, [to_fixture(stage, name, full(name, t))
+                                                    for (name, _), t in zip(named, tensors, strict=True)])
+
+
+def gather_stages(cfg: Config, lay: Layout, mine: list) -> list:
+    """Every stage's full arrays (from the rank at coordinates 0 on every other axis), in stage
+    order = fixture order (all_gather_object over the world: bookkeeping, outside the ledger)."""
+    every: list = [None] * cfg.world_size
+    dist.all_gather_object(every, (lay.coords, mine))
+    by_stage = {c.get("pp", 0): arrays for c, arrays in every if all(v == 0 for a, v in c.items() if a != "pp")}
+    return [a for s in range(cfg.axis("pp")) for a in by_stage[s]]
+
+
+# --- training ---------------------------------------------------------------------------------------
+
+
+def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankContext) -> Trained:
+    cfg.check("mesh")
+    if (style, variant) not in variants(cfg):
+        raise ValueError(builtin_refusal(cfg) or f"mesh: unknown style/variant {style}/{variant}; "
+                         f"choose from {variants(cfg)}")
+    lay = make_layout(cfg, ctx, style)
+    _LABELS.update({g.group_name: label for g, label in lay.labels.items()})
+    ctx.ledger.label_groups(_LABELS)
+    try:
+        setup = explicit_setup(cfg, problem, ctx, lay) if style == "explicit" else builtin_setup(cfg, problem, ctx, lay)
+        setup.comm_theory = mesh_comm_bytes_torch(cfg, style, ctx.rank)
+        theory = {label: {op: {"count": n, "bytes": b} for op, (n, b) in ops.items()}
+                  for label, ops in mesh_comm_torch(cfg, style, ctx.rank).items()}
+        setup.extra.update(comm_by_axis_theory=theory,
+                           state_bytes_theory=mesh_state_bytes_torch(cfg, style, ctx.rank))
+        last_step, schedule = setup.extra.pop("last_step", {}), setup.extra.pop("schedule", None)
+        trained = train_loop(cfg, ctx, setup)
+    finally:
+        ctx.ledger.label_groups({})
+    # every rank's view (bookkeeping after training): stages differ
+    mine = {"comm": trained.comm, "comm_by_axis": trained.extra.get("comm_by_axis", {}),
+            "comm_by_axis_theory": trained.extra["comm_by_axis_theory"], "state_bytes": trained.state_bytes,
+            "state_bytes_theory": trained.extra["state_bytes_theory"],
+            "activation_bytes": trained.extra["activation_bytes"], "peak": last_step.get("peak")}
+    every: list[dict] = [None] * cfg.world_size
+    dist.all_gather_object(every, mine)
+    trained.extra.update({f"{k}_per_rank": [e[k] for e in every] for k in mine})
+    trained.extra["coords_per_rank"] = [mesh_coords(cfg, r) for r in range(cfg.world_size)]
+    del setup, schedule
+    gc.collect()  # pipeline schedules / FSDP2 state sit in reference cycles (see torch_impl.pp.train)
+    return trained
+
+
+# --- builtin ----------------------------------------------------------------------------------------
+
+
+def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) -> Setup:
+    S, s, t, dm = cfg.axis("pp"), lay.coords.get("pp", 0), cfg.axis("tp"), lay.dm
+    M, m, tc = mesh_micro(cfg)
+    x, y, _ = local_batch(cfg, problem, lay, ctx.device)  # (B/d, T): no cp here
+    stage = build_stage(cfg, problem, s, ctx.device)
+    styles, parallel_loss = {}, contextlib.nullcontext
+    if t > 1:
+        paths = [path for path, _ in stage.named_modules()]
+        plan = {k: v for k, v in tp.TRANSFORMER_PLAN.items() if any(tp.matches(p, k) for p in paths)}
+        styles = tp.apply_dtensor_plan(stage, plan, dm["tp"])  # W_qkv rows permuted (heads_perm)
+        parallel_loss = loss_parallel  # CE over the Shard(-1) logits: 3 all-reduces of (m, T)
+        if S > 1 and s == S - 1:  # the pipeline passes plain tensors: local logits out, DTensor again in the loss
+            stage.head.register_forward_hook(lambda mod, args, out: out.to_local())  # (m, T, V/t)
+    if cfg.data_axis == "fsdp" and cfg.data_size > 1:
+        for block in stage.blocks.values():
+            fully_shard(block, mesh=dm["fsdp"])  # one all-gather / reduce-scatter group per block
+        fully_shard(stage, mesh=dm["fsdp"])  # root: this stage's embeddings / final norm + head
+    elif hsdp_dp(cfg):  # HSDP: replicated over dp, "sharded" over dp_shard = 1 (DDP fails on DTensors)
+        for block in stage.blocks.values():
+            fully_shard(block, mesh=dm["dp", "dp_shard"])
+        fully_shard(stage, mesh=dm["dp", "dp_shard"])
+    elif cfg.data_axis == "dp" and cfg.data_size > 1:
+        stage = DistributedDataParallel(stage, process_group=lay.groups["dp"])  # plain tensors (tp = 1)
+    named = list(stage.named_parameters())
+    params = [p for _, p in named]
+    opt = make_optimizer(params, cfg)
+
+    def loss_of(out, target):  # the micro-batch's mean CE; a local scalar (the pipeline scales by 1/M)
+        if isinstance(out, torch.Tensor) and t > 1 and not isinstance(out, DTensor):
+            out = DTensor.from_local(out, dm["tp"], [Shard(-1)])  # (m, T, V/t) -> (m, T, V) Shard(-1)
+        loss = loss_fn(out, target)
+        return loss.to_local() if isinstance(loss, DTensor) else loss
+
+    schedule = None
+    if S > 1:
+        meta = lambda shape: torch.empty(shape, dtype=torch_dtype(cfg), device=ctx.device, requires_grad=True)
+        act = (m, tc, cfg.dim)
+        pipe_stage = PipelineStage(stage, s, S, ctx.device, group=lay.groups["pp"],
+                                   input_args=x[:m] if s == 0 else meta(act),
+                                   output_args=meta((m, tc, cfg.vocab // t) if s == S - 1 else act))
+        schedule = Schedule1F1B(pipe_stage, M, loss_fn=loss_of, scale_grads=True)
+
+    def forward_backward() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        with parallel_loss():
+            if schedule is None:
+                loss = loss_of(stage(x), y)
+                loss.backward()
+            elif s == S - 1:
+                losses = []  # M micro-batch means
+                schedule.step(*(() if s else (x,)), target=y, losses=losses)
+                loss = torch.stack(losses).mean()
+            else:
+                schedule.step(*(() if s else (x,)))
+                loss = torch.zeros((), dtype=torch_dtype(cfg), device=ctx.device)
+        return loss.detach() * S if s == S - 1 else loss.detach()  # as explicit: world mean = global loss
+
+    def full(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+        return tensor[torch.argsort(tp.heads_perm(tensor.shape[0], t))] if styles.get(name) == "colwise_heads" \
+            else tensor
+
+    return Setup(forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for p in params],
+                 fixture=stage_fixture(cfg, lay, stage, named, full), params=params, optimizer=opt,
+                 loss_reduction="mean", group=None,
+                 extra={"schedule": schedule})
