@@ -6,6 +6,7 @@
     python compare.py --patterns dp,fsdp --dtype float32 --json out.json
     python compare.py --model transformer --mesh dp=2,tp=2,pp=2 --show-collectives mesh  # 3-D, 8 ranks
     python compare.py --mesh "dp=2,tp=2;fsdp=2,tp=2;tp=2,pp=2"   # several layouts, one launch each side
+    python compare.py --model transformer --patterns ep --experts 8 --topk 2 --show-collectives ep  # MoE
     python compare.py bench --frameworks torch,jax      # nccl-tests-style bandwidth sweep
     torchrun --nproc_per_node=8 compare.py --frameworks torch --world-size 8   # join a torchrun launch
 
@@ -67,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", type=_layouts, default=None, metavar="LAYOUT[;LAYOUT…]",
                    help="N-D layouts of the transformer, axes in device order, innermost last, e.g. "
                         "dp=2,tp=2,pp=2 (axes dp|fsdp, pp, cp, tp; product = world size)"),
+    p.add_argument("--experts", type=int, default=None, metavar="E",
+                   help="ep: experts per MoE layer, E %% world size == 0 (default: the smallest multiple of "
+                        "the world size >= 4)")
+    p.add_argument("--topk", type=int, default=2, metavar="K", help="ep: experts per token (default 2)")
     p.add_argument("--frameworks", type=_csv(FRAMEWORKS), default=list(FRAMEWORKS))
     p.add_argument("--model", type=_csv(MODELS), default=list(MODELS),
                    help="comma list of workloads (default: both): the CS336 MLP, a GPT-style transformer")
@@ -170,15 +175,18 @@ def join_jax_processes(args, cfgs):
 
 
 def make_configs(args):
-    """The run's Configs, one per model, checked for every requested pattern (ValueError on a bad one)."""
+    """The run's Configs, one per model (plus one per mesh layout, and the MoE transformer for ep),
+    checked for every requested pattern (ValueError on a bad one)."""
     from shared.config import Config
 
-    if args.patterns is None:  # the mesh pattern runs when layouts are given, and only then by default
+    defaulted = args.patterns is None
+    if defaulted:  # the mesh pattern runs when layouts are given, and only then by default
         args.patterns = ["mesh"] if args.mesh else [p for p in PATTERNS if p != "mesh"]
     elif args.mesh and "mesh" not in args.patterns:
         args.patterns = [*args.patterns, "mesh"]
     if args.show_collectives:
         args.patterns = [args.show_collectives]
+        defaulted = False
     layouts = args.mesh or []
     sizes = sorted({_product(layout) for layout in layouts})
     if len(sizes) > 1:
@@ -190,19 +198,39 @@ def make_configs(args):
                   microbatches=args.microbatches, steps=args.steps, seed=args.seed, dtype=args.dtype,
                   lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb,
                   heads=args.heads, seq=args.seq, vocab=args.vocab)
+    if args.experts is not None and "ep" not in args.patterns:
+        raise ValueError("--experts/--topk build the mixture-of-experts transformer, which runs under "
+                         "--patterns ep only")
     cfgs = [base.replace(model=m) for m in args.model]
     if "mesh" in args.patterns:  # one config per (model, layout); the 1-D patterns ignore cfg.mesh
         cfgs += [base.replace(model=m, mesh=layout) for m in args.model for layout in layouts]
+    if "ep" in args.patterns and "transformer" in args.model:  # the MoE transformer: ep's own config
+        experts = args.experts if args.experts is not None else default_experts(world)
+        cfgs.append(base.replace(model="transformer", experts=experts, topk=args.topk))
     if "RANK" in os.environ and "jax" in args.frameworks:
         raise ValueError("under torchrun every rank runs this script: use --frameworks torch "
                          "(run the JAX side once, without torchrun)")
+    if defaulted and not args.mesh:  # every 1-D pattern by default: those a requested model has (no cp on the MLP)
+        args.patterns = [p for p in args.patterns if p == "collectives" or cfgs_for(cfgs, p)]
     for pattern in args.patterns:
-        mine = [cfg for cfg in cfgs if bool(cfg.mesh) == (pattern == "mesh")] or \
+        mine = [cfg for cfg in cfgs if _belongs(cfg, pattern)] or \
             [base.replace(model=m) for m in args.model]  # --patterns mesh without --mesh: its one-line reason
         applying = [cfg for cfg in mine if cfg.applies(pattern)]
         for cfg in applying or mine:  # a pattern no requested model has (cp on the MLP): its one-line reason
             cfg.check(pattern)
     return [c for c in cfgs if not c.mesh or c.applies("mesh")]  # the mesh runs the transformer only
+
+
+def default_experts(world: int) -> int:
+    """ep's E when --experts is not given: the smallest multiple of the world size that is >= 4
+    (ep = world size needs E % N == 0; 4 experts on 1, 2 or 4 ranks, 8 on 8)."""
+    return world * -(-4 // world)
+
+
+def _belongs(cfg, pattern) -> bool:
+    """Which of the run's configs a pattern takes: mesh those with a layout, ep the MoE transformer,
+    the 1-D patterns the plain models."""
+    return bool(cfg.mesh) == (pattern == "mesh") and cfg.moe == (pattern == "ep")
 
 
 def _product(layout) -> int:
@@ -213,14 +241,15 @@ def _product(layout) -> int:
 
 
 def cfgs_for(cfgs, pattern):
-    """The configs ``pattern`` runs: mesh those with a layout, the 1-D patterns the others; only the
-    models it applies to (cp and mesh: the transformer)."""
-    return [c for c in cfgs if bool(c.mesh) == (pattern == "mesh") and c.applies(pattern)]
+    """The configs ``pattern`` runs (``_belongs``), only the models it applies to (cp, mesh and ep:
+    the transformer)."""
+    return [c for c in cfgs if _belongs(c, pattern) and c.applies(pattern)]
 
 
 def run_key(cfg) -> str:
-    """What one entry of a pattern is reported under: the model, and the layout for mesh runs."""
-    return f"{cfg.model} {cfg.mesh_name}" if cfg.mesh else cfg.model
+    """What one entry of a pattern is reported under: the model, and the layout (mesh) or the
+    experts (ep), e.g. "transformer dp=2,tp=2" or "transformer E=4,k=2"."""
+    return f"{cfg.model} {cfg.mesh_name}" if cfg.mesh else f"{cfg.model} {cfg.moe_name}" if cfg.moe else cfg.model
 
 
 # --- running --------------------------------------------------------------------------------
@@ -281,7 +310,7 @@ def pattern_rows(pattern, framework, entry, other_ref):
 def collect(cfgs, patterns, frameworks, device, progress, timeout_s=900.0):
     """Run everything; returns (rows, cross-framework reference comparisons, errors,
     {(pattern, model, framework): reference losses})."""
-    from shared.results import cross_framework_ok, parity
+    from shared.results import cross_framework_ok, parity, routing_mismatch
 
     raw, errors, cfg = {}, [], cfgs[0]
     models = list(dict.fromkeys(c.model for c in cfgs))
@@ -315,9 +344,11 @@ def collect(cfgs, patterns, frameworks, device, progress, timeout_s=900.0):
                 other_ref = raw[other][pattern][model]["reference"] if other else None
                 rows += pattern_rows(pattern, fw, data, other_ref)
             if all(fw in raw for fw in FRAMEWORKS):
-                errs = parity(raw["torch"][pattern][model]["reference"], raw["jax"][pattern][model]["reference"])
+                t_ref, j_ref = raw["torch"][pattern][model]["reference"], raw["jax"][pattern][model]["reference"]
+                errs, routing = parity(t_ref, j_ref), routing_mismatch(t_ref, j_ref)  # MoE: the same routing
                 xfw.append({"pattern": pattern, "model": model, "what": "torch reference vs jax reference",
-                            **errs, "ok": cross_framework_ok(errs, cfg.dtype)})
+                            **errs, "ok": cross_framework_ok(errs, cfg.dtype) and routing is None,
+                            **({"routing_mismatch": routing} if routing else {})})
     return rows, xfw, errors, refs
 
 
@@ -364,9 +395,10 @@ def table_rows(rows):
 def describe_sizes(cfgs) -> str:
     """The sizes each model runs at, e.g. 'mlp L=4 D=32 B=32 | transformer L=4 D=32 H=4 T=16 V=64 B=32'."""
     parts = []
-    for c in {c.model: c for c in cfgs}.values():  # mesh layouts share their model's sizes
+    for c in {(c.model, c.moe_name): c for c in cfgs}.values():  # mesh layouts share their model's sizes
         extra = f" H={c.heads} T={c.seq} V={c.vocab}" if c.model == "transformer" else ""
-        parts.append(f"{c.model} L={c.layers} D={c.dim}{extra} B={c.batch} (Φ={c.n_params:,})")
+        moe = f" MoE E={c.experts} k={c.topk}" if c.moe else ""
+        parts.append(f"{c.model}{moe} L={c.layers} D={c.dim}{extra} B={c.batch} (Φ={c.n_params:,})")
     return " | ".join(parts)
 
 
@@ -426,6 +458,47 @@ def _collectives_table(rows, pattern, model, console) -> None:
     for (style, variant), scores in work.items():  # cp: the causal work each rank does (zigzag balances it)
         console.print(f"attention score entries per rank per layer, {style}/{variant}: "
                       f"{', '.join(str(s) for s in scores)} (max/min {max(scores) / max(min(scores), 1):.2f})")
+
+
+def ep_tables(rows, cfgs, console) -> None:
+    """ep's data-dependent side: the routing of the last step (load per expert and per rank, the
+    same in every style since the routing is), the torch ranks' all-to-all bytes against the
+    routing-count formula, and the padding the static-shape (JAX) styles carry."""
+    from rich.table import Table
+
+    from shared.theory import ep_load
+
+    for cfg in cfgs:
+        mine = [r for r in rows if r.pattern == "ep" and r.extra.get("expert_load") is not None]
+        if not mine:
+            continue
+        load = mine[0].extra["expert_load"][-1]  # (L, B, E): the step the ledger recorded
+        table = Table(title=f"ep routing of the last step, {cfg.moe_name}, ep={cfg.world_size}: assignments "
+                            f"per expert and per rank (ideal {cfg.topk * cfg.batch * cfg.seq // cfg.experts} "
+                            f"per expert)")
+        for col in ("layer", *(f"e{e}" for e in range(cfg.experts)), *(f"rank {r}" for r in range(cfg.world_size)),
+                    "max/mean"):
+            table.add_column(col, justify="right")
+        for layer, load_layer in enumerate(load):
+            lo = ep_load(cfg, load_layer)
+            ranks = lo["per_rank"]
+            table.add_row(str(layer), *map(str, lo["per_expert"]), *map(str, ranks),
+                          f"{max(ranks) / (sum(ranks) / len(ranks)):.2f}")
+        console.print(table)
+        for r in mine:
+            per_rank, theory = r.extra.get("comm_per_rank"), r.extra.get("comm_theory_per_rank")
+            if per_rank and theory:
+                a2a = [v.get("all_to_all", {}).get("bytes", 0) for v in per_rank]
+                a2a_theory = [_by_axis({"x": t})["x"].get("all_to_all", (0, 0))[1] for t in theory]
+                verdict = "equal on every rank" if a2a == a2a_theory else ", ".join(map(_fmt_bytes, a2a_theory))
+                console.print(f"{r.framework} {r.style}/{r.variant}: all-to-all bytes per rank "
+                              f"{', '.join(_fmt_bytes(b) for b in a2a)} (routing-count formula: {verdict})")
+            pad = r.extra.get("padding")
+            if pad:
+                console.print(f"{r.framework} {r.style}/{r.variant}: static buffers of {pad['buffer_rows']} rows per "
+                              f"rank per all-to-all, {pad['useful_rows']} carry a token "
+                              f"({100 * pad['sent_waste']:.0f}% padding); the busiest rank received "
+                              f"{pad['max_received_rows']} real rows")
 
 
 def _by_axis(view) -> dict[str, dict[str, tuple[int, int]]]:
@@ -553,6 +626,9 @@ def main(argv=None) -> int:
 
     if args.show_collectives == "mesh":
         mesh_tables(rows, console)
+    elif args.show_collectives == "ep":
+        collectives_table(rows, "ep", console)
+        ep_tables(rows, cfgs_for(cfgs, "ep"), console)
     elif args.show_collectives:
         collectives_table(rows, args.show_collectives, console)
     else:
@@ -561,6 +637,13 @@ def main(argv=None) -> int:
         console.print(f"cross-framework {x['pattern']} ({x['model']}): torch vs jax reference, max rel err "
                       f"{max(x['max_rel_err_loss'], x['max_rel_err_grad'], x['max_rel_err_param']):.1e} "
                       f"({'ok' if x['ok'] else 'FAIL'})")
+    for r in rows:  # MoE: a run that routed a token unlike its reference (a float32 near-tie) says where
+        if r.extra.get("routing_mismatch"):
+            console.print(f"[bold red]{r.pattern} {r.framework} {r.style}/{r.variant}[/]: "
+                          f"{r.extra['routing_mismatch']}")
+    for x in xfw:
+        if x.get("routing_mismatch"):
+            console.print(f"[bold red]cross-framework {x['pattern']} ({x['model']})[/]: {x['routing_mismatch']}")
     for e in errors:
         console.print(f"[bold red]error[/] {e}")
     failed = [r for r in rows if not r.ok or r.xfw_ok is False]

@@ -182,3 +182,49 @@ def plot_cp_layout(n: int, path: str) -> None:
     fig.tight_layout(rect=(0, 0.07, 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_ep_dispatch(cfg, load_layer, path: str) -> None:
+    """Expert parallelism's dispatch for one MoE layer's real routing (``load_layer``: (B, E) counts,
+    a run's extra["expert_load"][step][layer]), three panels: the counts matrix C[source rank][expert]
+    that the counts exchange hands every rank (experts grouped by their owner); the dispatch
+    all-to-all's rows from each source to each destination rank (uneven: Megatron's dropless
+    splits); and per rank the rows a dropless all-to-all moves against the capacity-padded static
+    buffer (E·C rows) that shard_map's all_to_all and GShard's einsums carry."""
+    import numpy as np
+
+    from shared.theory import ep_capacity, ep_matrix, ep_split_sizes
+
+    n, e = cfg.world_size, cfg.experts
+    c = np.array(ep_matrix(cfg, load_layer))  # (n, E)
+    splits = np.array([ep_split_sizes(cfg, load_layer, r)[0] for r in range(n)])  # (src, dst)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    for ax, data, xlabel, title in (
+            (axes[0], c, "expert (owner rank below)", "C[source rank, expert] (all_gather of counts)"),
+            (axes[1], splits, "destination rank", "dispatch all_to_all: rows source → destination")):
+        im = ax.imshow(data, cmap="Blues", vmin=0)
+        for (i, j), v in np.ndenumerate(data):
+            ax.text(j, i, str(v), ha="center", va="center", fontsize=9,
+                    color="white" if v > data.max() * 0.6 else "black")
+        ax.set_xticks(range(data.shape[1]))
+        if data.shape[1] == e:
+            ax.set_xticklabels([f"e{j}\nr{j // (e // n)}" for j in range(e)], fontsize=8)
+        ax.set_yticks(range(n)), ax.set_yticklabels([f"rank {r}" for r in range(n)])
+        ax.set_xlabel(xlabel), ax.set_title(title, fontsize=10)
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    ax = axes[2]
+    sent = splits.sum(1)
+    received = splits.sum(0)
+    padded = e * ep_capacity(cfg)
+    x = np.arange(n)
+    ax.bar(x - 0.25, sent, 0.25, label="dropless: rows sent (k·n)")
+    ax.bar(x, received, 0.25, label="dropless: rows received (the rank's load)")
+    ax.bar(x + 0.25, [padded] * n, 0.25, label="capacity-padded buffer (E·C)", color="lightgray")
+    ax.set_xticks(x), ax.set_xticklabels([f"rank {r}" for r in range(n)]), ax.set_ylabel("rows of D")
+    ax.set_title(f"rows per all-to-all per rank (E={e}, k={cfg.topk}, n={cfg.batch // n * cfg.seq} tokens)",
+                 fontsize=10)
+    ax.set_ylim(0, padded * 1.35)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

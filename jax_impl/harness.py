@@ -27,7 +27,7 @@ import numpy as np
 from jax_impl import reference
 from jax_impl.devices import devices
 from jax_impl.ledger import comm_by_axis, comm_from_hlo
-from jax_impl.model import to_numpy, tree_bytes
+from jax_impl.model import fetch, to_numpy, tree_bytes
 from shared.config import Config
 from shared.problem import make_problem
 from shared.results import Trained
@@ -57,6 +57,9 @@ class Setup:
     extra: dict[str, Any] = field(default_factory=dict)
     compiler_options: dict[str, str] | None = None  # XLA options for this step (e.g. jax_impl.fsdp.cpu_options)
     mesh: Any = None  # an N-D mesh: the ledger is also split per mesh axis (extra["comm_by_axis"])
+    # Names of extra step outputs after ``grads`` (e.g. ep's ("expert_load",)): the step returns
+    # (*state, loss, grads, *outputs) and extra[name] = that output of every step, stacked (NumPy).
+    per_step: tuple[str, ...] = ()
 
 
 def leaves_fixture(tree, names=None) -> list[np.ndarray]:
@@ -73,9 +76,13 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
         compiler_options=setup.compiler_options)
     comm = comm_from_hlo(compiled.as_text())  # the collectives XLA put in the step
     state, losses, step_times, grads0 = tuple(setup.state), [], [], None
+    recorded = {name: [] for name in setup.per_step}
     for k in range(cfg.steps):
         t0 = time.perf_counter()
-        *state, loss, grads = compiled(*state, *setup.batch)
+        out = compiled(*state, *setup.batch)
+        *state, loss, grads = out[:len(out) - len(setup.per_step)]
+        for name, value in zip(setup.per_step, out[len(out) - len(setup.per_step):]):
+            recorded[name].append(value)  # read back after the loop, outside the timing
         jax.block_until_ready((state, loss))
         step_times.append(time.perf_counter() - t0)
         losses.append(float(np.mean(to_numpy(loss))))  # a vector: the mean of N local losses
@@ -85,7 +92,7 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
     state_bytes = setup.state_bytes(state) if setup.state_bytes else {
         "params": tree_bytes(state[0], per_device=True), "grads": tree_bytes(state[0], per_device=True),
         "optimizer": tree_bytes(state[1], per_device=True)}
-    extra = dict(setup.extra)
+    extra = dict(setup.extra) | {name: np.stack([fetch(v) for v in values]) for name, values in recorded.items()}
     if setup.mesh is not None:  # {axis label: {op: count, bytes}} (jax_impl.ledger.comm_by_axis)
         extra["comm_by_axis"] = comm_by_axis(compiled.as_text(), setup.mesh)
     memory = compiled.memory_analysis()  # per device; None where the backend does not say

@@ -51,6 +51,9 @@ def loss_fn(params, x: jax.Array, y: jax.Array | None = None, cfg: Config | None
     """Either model's loss from its parameter pytree (the transformer needs ``cfg`` for dh)."""
     if y is None:
         return output_loss(forward(params, x))
+    if cfg.moe:  # the MoE transformer: mean CE + Σ_l balancing loss (all experts on this device)
+        logits, aux, _ = transformer.apply_moe(params, x, cfg.head_dim, cfg.topk)
+        return output_loss(logits, y) + aux
     return output_loss(transformer.apply(params, x, cfg.head_dim), y)
 
 
@@ -80,7 +83,7 @@ def build_model(cfg: Config, problem: Problem, mesh=None, kernel_axes: tuple | N
     if cfg.model == "mlp":
         make = lambda: MLP(problem.params, jax_dtype(cfg), rules)
     else:
-        make = lambda: transformer.Transformer(problem.params, cfg.heads, jax_dtype(cfg), rules)
+        make = lambda: transformer.Transformer(problem.params, cfg.heads, jax_dtype(cfg), rules, cfg.topk)
     if rules is None:
         return make()
     with jax.set_mesh(mesh):

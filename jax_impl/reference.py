@@ -1,6 +1,8 @@
 """Single-device reference: the shared model (Flax NNX MLP or transformer) trained with optax AdamW on one device.
 
-Every parallel implementation is checked against this run (same fixture, same steps).
+Every parallel implementation is checked against this run (same fixture, same steps). The MoE
+transformer's loss adds the balancing losses, and its routing counts come back per step as
+``extra["expert_load"]`` (steps, L, B, E) int64.
 """
 
 from __future__ import annotations
@@ -8,9 +10,20 @@ from __future__ import annotations
 import time
 
 import jax
+import numpy as np
 from flax import nnx
 
-from jax_impl.model import build_model, inputs, make_optimizer, output_loss, params_of, targets, to_numpy, tree_bytes
+from jax_impl.model import (
+    build_model,
+    fetch,
+    inputs,
+    make_optimizer,
+    output_loss,
+    params_of,
+    targets,
+    to_numpy,
+    tree_bytes,
+)
 from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
@@ -23,16 +36,30 @@ def train(cfg: Config, problem: Problem, device=None) -> Trained:
         opt = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
         x, y = inputs(cfg, problem), targets(cfg, problem)  # (B, D) | (B, T), None | (B, T)
 
+        def moe_loss(m):  # (mean CE + Σ_l aux_l, load (L, B, E))
+            logits, aux, load = m(x)
+            return output_loss(logits, y) + aux, load
+
         @nnx.jit
         def step(model, opt, x, y):
             loss, grads = nnx.value_and_grad(lambda m: output_loss(m(x), y))(model)
             opt.update(model, grads)
             return loss, grads
 
-        losses, step_times, grads0 = [], [], None
+        @nnx.jit
+        def moe_step(model, opt, x, y):
+            (loss, load), grads = nnx.value_and_grad(moe_loss, has_aux=True)(model)
+            opt.update(model, grads)
+            return loss, grads, load
+
+        losses, step_times, grads0, loads = [], [], None, []
         for k in range(cfg.steps):
             t0 = time.perf_counter()
-            loss, grads = step(model, opt, x, y)
+            if cfg.moe:
+                loss, grads, load = moe_step(model, opt, x, y)
+                loads.append(np.asarray(fetch(load), np.int64))  # (L, B, E)
+            else:
+                loss, grads = step(model, opt, x, y)
             losses.append(float(loss))  # float() waits for the device
             step_times.append(time.perf_counter() - t0)
             if k == 0:  # grads: an nnx.State shaped like the model: read it through the same names
@@ -48,4 +75,5 @@ def train(cfg: Config, problem: Problem, device=None) -> Trained:
             "grads": tree_bytes(params),
             "optimizer": tree_bytes(nnx.state(opt, nnx.OptState)),
         },
+        extra={"expert_load": np.stack(loads)} if cfg.moe else {},  # (steps, L, B, E)
     )

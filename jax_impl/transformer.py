@@ -10,6 +10,15 @@
   read from the arrays (``W_qkv.shape[1] // 3 // head_dim``), so a tensor-parallel device holding
   (D, 3D/tp) of whole heads runs the same code.
 ``named_params(model)`` maps the module back to that dict. Loss: ``jax_impl.model.output_loss``.
+
+The mixture-of-experts transformer (``cfg.experts``; shared/problem.py's MoE recipe): a block whose
+fixture has ``mlp.router.weight`` gets a ``MoE`` module (router ``nnx.Linear(D, E)``, stacked experts
+``w_up`` (E, D, 4D) / ``w_down`` (E, 4D, D) as ``nnx.Param`` through the same rules, so a jit style
+can shard them on dim 0). The module and ``apply_moe`` return ``(logits, aux, load)``: the summed
+balancing losses and the routing counts (L, B, E); the dense path is untouched. ``moe`` has
+seams for expert parallelism: ``dispatch`` (default ``dispatch_local``: every expert on this
+device), ``total`` (the per-expert counts summed over the devices that share the batch) and
+``select`` (top-k: ``lax.top_k``, or the same answer as a sort; jax_impl/ep.py says why).
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from shared.problem import RMS_EPS
+from shared.problem import MOE_BALANCE_COEF, RMS_EPS
 
 Rules = Callable[[str, tuple[int, ...]], tuple | None]  # param name, shape -> mesh axes per dim (None: replicated)
 
@@ -55,8 +64,69 @@ def attention(qkv: jax.Array, head_dim: int) -> jax.Array:
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, -1)  # (B, T, h·dh)
 
 
+# --- mixture of experts: routing, the experts, the balancing loss ------------------------------------
+
+
+def route(h: jax.Array, w_r: jax.Array, k: int, select=jax.lax.top_k):
+    """h (n, D) -> probs (n, E), top (n, k) expert ids, gates (n, k). ``lax.top_k`` puts the
+    lower index first among equal probs (documented), the recipe's tie rule; gates are the k
+    probs renormalised to sum to 1 (the gradient flows through them and the renormalisation).
+    ``select(probs, k) -> (values, indices)``: top_k or the same answer another way."""
+    probs = jax.nn.softmax(h @ w_r, axis=-1)  # (n, E)
+    top_p, top = select(probs, k)  # (n, k), largest first
+    return probs, top, top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+
+
+def experts(w_up: jax.Array, w_down: jax.Array, rows: jax.Array) -> jax.Array:
+    """rows (E', R, D) through expert e' of the stacked (E', D, 4D), (E', 4D, D) -> (E', R, D)."""
+    return jnp.einsum("erf,efd->erd", gelu(jnp.einsum("erd,edf->erf", rows, w_up)), w_down)
+
+
+def combine(gates: jax.Array, picked: jax.Array) -> jax.Array:
+    """gates (n, k) · each token's k expert outputs (n, k, D), summed over k -> (n, D)."""
+    return jnp.sum(gates[..., None] * picked, axis=1)
+
+
+def dispatch_local(h, top, gates, w_up, w_down) -> jax.Array:
+    """Every expert on this device: each expert runs on every token (E·n rows; the tiny test sizes
+    make that cheap and it is exact), each token keeps its k outputs. -> (n, D)."""
+    y = experts(w_up, w_down, jnp.broadcast_to(h, (w_up.shape[0],) + h.shape))  # (E, n, D)
+    return combine(gates, y[top, jnp.arange(h.shape[0])[:, None]])  # y[top] (n, k, D)
+
+
+def moe(h: jax.Array, w_r, w_up, w_down, k: int, dispatch=dispatch_local, total=lambda c: c,
+        select=jax.lax.top_k):
+    """One MoE layer on h = norm2(x) (B', T, D) -> (out (B', T, D), aux (), load (B', E) int64).
+    aux = 0.01·E·Σ_e f_e·P_e: f_e = ``total``(this device's counts) / (k·B·T), a constant
+    (stop_gradient); P_e = mean probs over the tokens here (an ep device: its own, the mean over
+    devices of the local losses then holds the global P)."""
+    b, t, d = h.shape
+    probs, top, gates = route(h.reshape(-1, d), w_r, k, select)  # (n, E), (n, k), (n, k)
+    e = probs.shape[-1]
+    load = jax.nn.one_hot(top, e, dtype=jnp.int64).sum(1).reshape(b, t, e).sum(1)  # (B', E) (x64: jax_impl)
+    counts = total(load.sum(0))  # (E,) over the whole batch
+    f = jax.lax.stop_gradient(counts.astype(probs.dtype) / jnp.sum(counts).astype(probs.dtype))
+    aux = MOE_BALANCE_COEF * e * jnp.sum(f * jnp.mean(probs, axis=0))
+    return dispatch(h.reshape(-1, d), top, gates, w_up, w_down).reshape(b, t, d), aux, load
+
+
+class MoE(nnx.Module):
+    """The MoE layer as a module: router ``nnx.Linear(D, E)`` (kernel W_r), stacked experts."""
+
+    def __init__(self, prefix: str, params, dim: int, topk: int, dtype, rules: Rules | None):
+        e = params[prefix + "mlp.router.weight"].shape[1]
+        self.topk = topk
+        self.router = nnx.Linear(dim, e, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0),
+                                 kernel_init=fixture_init(params, prefix + "mlp.router.weight", rules))
+        stacked = lambda n: nnx.Param(fixture_init(params, prefix + n, rules)(None, params[prefix + n].shape, dtype))
+        self.w_up, self.w_down = stacked("mlp.experts.w_up"), stacked("mlp.experts.w_down")  # (E, D, 4D), (E, 4D, D)
+
+    def __call__(self, h: jax.Array):
+        return moe(h, self.router.kernel[...], self.w_up[...], self.w_down[...], self.topk)
+
+
 class Block(nnx.Module):
-    def __init__(self, prefix: str, params, dim: int, heads: int, dtype, rules: Rules | None):
+    def __init__(self, prefix: str, params, dim: int, heads: int, dtype, rules: Rules | None, topk: int = 1):
         lin = lambda n, i, o: nnx.Linear(i, o, use_bias=False, kernel_init=fixture_init(params, prefix + n, rules),
                                         dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
         norm = lambda n: nnx.RMSNorm(dim, epsilon=RMS_EPS, scale_init=fixture_init(params, prefix + n, rules),
@@ -64,32 +134,45 @@ class Block(nnx.Module):
         self.head_dim = dim // heads
         self.norm1, self.norm2 = norm("norm1.weight"), norm("norm2.weight")
         self.qkv, self.o = lin("attn.qkv.weight", dim, 3 * dim), lin("attn.o.weight", dim, dim)
-        self.up, self.down = lin("mlp.up.weight", dim, 4 * dim), lin("mlp.down.weight", 4 * dim, dim)
+        if prefix + "mlp.router.weight" in params:
+            self.mlp = MoE(prefix, params, dim, topk, dtype, rules)
+        else:
+            self.up, self.down = lin("mlp.up.weight", dim, 4 * dim), lin("mlp.down.weight", 4 * dim, dim)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array):
+        """-> x (B, T, D); an MoE block: (x, aux, load (B, E))."""
         x = x + self.o(attention(self.qkv(self.norm1(x)), self.head_dim))
+        if hasattr(self, "mlp"):
+            out, aux, load = self.mlp(self.norm2(x))
+            return x + out, aux, load
         return x + self.down(gelu(self.up(self.norm2(x))))  # (B, T, D)
 
 
 class Transformer(nnx.Module):
-    def __init__(self, params: dict[str, np.ndarray], heads: int, dtype, rules: Rules | None = None):
+    def __init__(self, params: dict[str, np.ndarray], heads: int, dtype, rules: Rules | None = None, topk: int = 1):
         vocab, dim = params["wte.weight"].shape
         seq = params["wpe.weight"].shape[0]
         layers = sum(1 for k in params if k.endswith("attn.qkv.weight"))
         emb = lambda n, rows: nnx.Embed(rows, dim, embedding_init=fixture_init(params, n, rules), dtype=dtype,
                                         param_dtype=dtype, rngs=nnx.Rngs(0))
         self.wte, self.wpe = emb("wte.weight", vocab), emb("wpe.weight", seq)
-        self.blocks = nnx.List(Block(f"blocks.{l}.", params, dim, heads, dtype, rules) for l in range(layers))
+        self.blocks = nnx.List(Block(f"blocks.{l}.", params, dim, heads, dtype, rules, topk) for l in range(layers))
         self.normf = nnx.RMSNorm(dim, epsilon=RMS_EPS, scale_init=fixture_init(params, "normf.weight", rules),
                                  dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
         self.head = nnx.Linear(dim, vocab, use_bias=False, kernel_init=fixture_init(params, "head.weight", rules),
                                dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array):
+        """-> logits (B, T, V); the MoE transformer: (logits, Σ_l aux_l, load (L, B, E))."""
         x = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))  # (B, T, D)
+        aux, loads = [], []
         for block in self.blocks:
             x = block(x)
-        return self.head(self.normf(x))  # (B, T, V) logits
+            if isinstance(x, tuple):
+                x, a, load = x
+                aux, loads = aux + [a], loads + [load]
+        logits = self.head(self.normf(x))  # (B, T, V)
+        return (logits, sum(aux), jnp.stack(loads)) if loads else logits
 
 
 def named_params(model: Transformer) -> dict[str, jax.Array]:
@@ -98,8 +181,12 @@ def named_params(model: Transformer) -> dict[str, jax.Array]:
     for l, b in enumerate(model.blocks):
         p = f"blocks.{l}."
         out |= {p + "norm1.weight": b.norm1.scale[...], p + "attn.qkv.weight": b.qkv.kernel[...],
-                p + "attn.o.weight": b.o.kernel[...], p + "norm2.weight": b.norm2.scale[...],
-                p + "mlp.up.weight": b.up.kernel[...], p + "mlp.down.weight": b.down.kernel[...]}
+                p + "attn.o.weight": b.o.kernel[...], p + "norm2.weight": b.norm2.scale[...]}
+        if hasattr(b, "mlp"):
+            out |= {p + "mlp.router.weight": b.mlp.router.kernel[...], p + "mlp.experts.w_up": b.mlp.w_up[...],
+                    p + "mlp.experts.w_down": b.mlp.w_down[...]}
+        else:
+            out |= {p + "mlp.up.weight": b.up.kernel[...], p + "mlp.down.weight": b.down.kernel[...]}
     return out | {"normf.weight": model.normf.scale[...], "head.weight": model.head.kernel[...]}
 
 
@@ -136,3 +223,25 @@ def apply(params: dict, tokens: jax.Array, head_dim: int, positions: jax.Array |
     for l in layers:
         x = block(params, l, x, head_dim, attn)
     return head(params, x)
+
+
+def moe_block(params: dict, l: int, x: jax.Array, head_dim: int, topk: int, dispatch=dispatch_local,
+              total=lambda c: c, attn=attention, select=jax.lax.top_k):
+    """An MoE block over the dict: -> (x (B, T, D), aux (), load (B, E)); ``moe``'s seams."""
+    p = lambda n: params[f"blocks.{l}.{n}"]
+    x = x + attn(rms_norm(x, p("norm1.weight")) @ p("attn.qkv.weight"), head_dim) @ p("attn.o.weight")
+    out, aux, load = moe(rms_norm(x, p("norm2.weight")), p("mlp.router.weight"), p("mlp.experts.w_up"),
+                         p("mlp.experts.w_down"), topk, dispatch, total, select)
+    return x + out, aux, load
+
+
+def apply_moe(params: dict, tokens: jax.Array, head_dim: int, topk: int, dispatch=dispatch_local,
+              total=lambda c: c, pin=lambda x: x, select=jax.lax.top_k):
+    """The MoE transformer over the dict: -> (logits (B, T, V), Σ_l aux_l, load (L, B, E)).
+    ``pin``: applied to the residual stream between blocks (a jit style's sharding constraint)."""
+    x, aux, loads = pin(embed(params, tokens)), 0.0, []
+    layers = sorted({int(k.split(".")[1]) for k in params if k.startswith("blocks.")})
+    for l in layers:
+        x, a, load = moe_block(params, l, x, head_dim, topk, dispatch, total, select=select)
+        x, aux, loads = pin(x), aux + a, loads + [load]
+    return head(params, x), aux, jnp.stack(loads)

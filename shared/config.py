@@ -12,8 +12,11 @@ import dataclasses
 from dataclasses import dataclass
 
 DTYPES = ("float32", "float64", "bfloat16")
-PATTERNS = ("collectives", "dp", "fsdp", "tp", "pp", "cp", "mesh")
+PATTERNS = ("collectives", "dp", "fsdp", "tp", "pp", "cp", "ep", "mesh")
 SEQUENCE_PATTERNS = ("cp",)  # patterns that split the sequence: the transformer only
+# Expert parallelism runs the mixture-of-experts transformer (Config.experts > 0), and only it does:
+# the other patterns' plans (TP's module table, FSDP's units, the pipeline's stages) name the dense MLP.
+EXPERT_PATTERNS = ("ep",)
 # N-D parallelism (the "mesh" pattern): the axes a layout may name. dp and fsdp are the data axis
 # (replicated / ZeRO-3-sharded weights); one of them at most.
 MESH_AXES = ("dp", "fsdp", "pp", "cp", "tp")
@@ -48,6 +51,10 @@ class Config:
     # last (rank = row-major index over the sizes, as init_device_mesh / jax.make_mesh lay it out),
     # e.g. (("dp", 2), ("pp", 2), ("tp", 2)). Empty: the 1-D patterns ignore it.
     mesh: tuple[tuple[str, int], ...] = ()
+    # Mixture of experts (the transformer only): 0 = the dense MLP; E >= 2 = every block's MLP is an
+    # MoE layer of E experts, each token routed to its ``topk`` most probable ones (shared/problem.py).
+    experts: int = 0
+    topk: int = 1
 
     def __post_init__(self) -> None:
         for name in ("world_size", "layers", "dim", "batch", "microbatches", "steps", "heads", "seq", "vocab"):
@@ -74,6 +81,16 @@ class Config:
         if self.model == "transformer" and self.dim % self.heads:
             raise ValueError(f"transformer: dim={self.dim} is not divisible by heads={self.heads} "
                              "(every head has dim/heads features)")
+        if isinstance(self.experts, bool) or not isinstance(self.experts, int) or self.experts < 0 \
+                or self.experts == 1:
+            raise ValueError(f"experts must be 0 (dense) or >= 2, got {self.experts!r}")
+        if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:
+            raise ValueError(f"topk must be a positive integer, got {self.topk!r}")
+        if self.experts:
+            if self.model != "transformer":
+                raise ValueError(f"experts: the {self.model} has no MoE layers (use --model transformer)")
+            if self.topk > self.experts:
+                raise ValueError(f"topk={self.topk} > experts={self.experts} (every token picks topk distinct experts)")
         if self.mesh:
             object.__setattr__(self, "mesh", tuple((str(a), int(n)) for a, n in self.mesh))  # lists -> tuples
             names = [a for a, _ in self.mesh]
@@ -126,9 +143,24 @@ class Config:
         """cp's ring_zigzag cuts the sequence into 2·cp chunks (rank r takes r and 2·cp−1−r)."""
         return 2 * self.world_size
 
+    @property
+    def moe(self) -> bool:
+        """Is every block's MLP a mixture of experts?"""
+        return self.experts > 0
+
+    @property
+    def moe_name(self) -> str:
+        """The MoE layer as compare.py reports it, e.g. "E=4,k=2" ("" when dense)."""
+        return f"E={self.experts},k={self.topk}" if self.experts else ""
+
     def applies(self, pattern: str) -> bool:
         """Whether ``pattern`` has something to split on this model (cp needs a sequence; the N-D
-        mesh composes the transformer's patterns)."""
+        mesh composes the transformer's patterns; ep needs experts: the MoE transformer, which
+        only ep runs)."""
+        if pattern in EXPERT_PATTERNS:
+            return self.moe
+        if self.moe and pattern != "collectives":
+            return False
         return not ((pattern in SEQUENCE_PATTERNS or pattern == "mesh") and self.model != "transformer")
 
     @property
@@ -139,7 +171,19 @@ class Config:
         d = self.dim
         if self.model == "mlp":
             return self.layers * d * d
-        return (self.vocab + self.seq) * d + self.layers * (12 * d * d + 2 * d) + d + d * self.vocab
+        return (self.vocab + self.seq) * d + self.layers * (self.block_params + 2 * d) + d + d * self.vocab
+
+    @property
+    def block_params(self) -> int:
+        """Matrix parameters of one block: attention 4·D², plus the MLP's 8·D², or with experts
+        the router D·E and E experts of 8·D² each."""
+        d = self.dim
+        return 4 * d * d + (d * self.experts + self.experts * 8 * d * d if self.moe else 8 * d * d)
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of the expert weights of the whole model (L·E·8·D²; 0 when dense): what ep shards."""
+        return self.layers * self.experts * 8 * self.dim * self.dim
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
@@ -148,9 +192,15 @@ class Config:
         """Validate what ``pattern`` needs on top of the basic checks; returns self."""
         if pattern not in PATTERNS:
             raise ValueError(f"unknown pattern {pattern!r}; choose from {', '.join(PATTERNS)}")
+        if self.moe and pattern not in EXPERT_PATTERNS:
+            raise ValueError(f"{pattern}: the mixture-of-experts transformer runs under ep only "
+                             f"(drop --experts, or use --patterns ep)")
         if pattern == "mesh":
             return self._check_mesh()
         name = pattern if self.model == "mlp" else f"{pattern} ({self.model})"
+        if pattern in EXPERT_PATTERNS and not self.moe:
+            raise ValueError(f"{pattern}: the mlp has no experts (use --model transformer --experts E)"
+                             if self.model == "mlp" else f"{pattern}: no experts to shard (give --experts E, E >= 2)")
         if not self.applies(pattern):
             raise ValueError(f"{pattern}: the {self.model} has no sequence to split (use --model transformer)")
         for size, by, why in self.divisibility(pattern):
@@ -178,6 +228,9 @@ class Config:
         if pattern == "pp":
             return [("layers", n, f"every stage holds the same number of {'layers' if mlp else 'blocks'}"),
                     ("batch", "microbatches", "every micro-batch has the same number of rows")]
+        if pattern == "ep":
+            return [("experts", n, "every rank owns E/ep whole experts"),
+                    ("batch", n, "every rank routes B/ep sequences (EP inside DP)")]
         if pattern == "cp":
             return [("seq", n, "every rank holds T/cp tokens of every sequence"),
                     ("seq", "zigzag_chunks", "ring_zigzag: rank r takes chunks r and 2·cp−1−r"),

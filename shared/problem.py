@@ -25,6 +25,20 @@ Transformer (GPT-style decoder; L layers, D dim, H heads, dh = D/H, V vocab, T s
              of each; causal softmax(q kᵀ / √dh) v per head; heads concatenated in order; @ W_o
     logits = normf(x) @ W_head;  loss = mean cross-entropy over all B·T positions
 
+Mixture-of-experts transformer (``Config.experts`` = E >= 2, ``Config.topk`` = k): every block's
+MLP is an MoE layer. Per layer the draws are, in order: W_qkv, W_o, then the router
+W_r (D, E) = N/√D, then for each expert e in order W_up_e (D, 4D) = N/√D and W_down_e (4D, D) =
+N/√(4D); the experts are stored stacked, ``mlp.experts.w_up`` (E, D, 4D) and ``w_down`` (E, 4D, D)
+(torchtitan's GroupedExperts layout). Per token of h = norm2(x)::
+
+    probs = softmax(h @ W_r)                      (E,)
+    top = the k largest probs (ties to the lower index); gates = probs[top] / sum(probs[top])
+    moe(h) = Σ_{e in top} gates_e · gelu(h @ W_up_e) @ W_down_e      (dropless: every token
+                                                                       reaches all k experts)
+    loss = mean CE + Σ_layers 0.01 · E · Σ_e f_e · P_e     (Switch Transformer's balancing loss)
+    f_e = share of the k·B·T assignments routed to e (a constant: no gradient through it)
+    P_e = mean of probs[:, e] over the B·T tokens
+
 Both: AdamW with torch semantics (decoupled weight decay on every parameter, norm gains too),
 lr/betas/eps/wd from Config; the loss of step k is the loss at the parameters before update k.
 
@@ -42,6 +56,7 @@ import numpy as np
 from shared.config import Config
 
 RMS_EPS = 1e-5  # RMSNorm's ε (both frameworks pass it explicitly)
+MOE_BALANCE_COEF = 0.01  # the Switch Transformer's load-balancing loss weight α (Fedus et al. 2021, §2.2)
 
 
 @dataclass(frozen=True)
@@ -61,16 +76,27 @@ def mlp_param_names(layers: int) -> list[str]:
     return [f"layers.{l}.linear.weight" for l in range(layers)]
 
 
-def transformer_param_names(layers: int) -> list[str]:
-    """Parameter names in torch's named_parameters() order of torch_impl.transformer.Transformer."""
+MOE_MLP = ("mlp.router.weight", "mlp.experts.w_up", "mlp.experts.w_down")  # an MoE block's MLP parameters
+
+
+def transformer_param_names(layers: int, experts: int = 0) -> list[str]:
+    """Parameter names in torch's named_parameters() order of torch_impl.transformer.Transformer
+    (with ``experts``: the MoE transformer's)."""
     names = ["wte.weight", "wpe.weight"]
+    mlp = MOE_MLP if experts else ("mlp.up.weight", "mlp.down.weight")
     for l in range(layers):
-        names += [f"blocks.{l}.{m}.weight" for m in ("norm1", "attn.qkv", "attn.o", "norm2", "mlp.up", "mlp.down")]
+        names += [f"blocks.{l}.{m}" for m in ("norm1.weight", "attn.qkv.weight", "attn.o.weight", "norm2.weight",
+                                                *mlp)]
     return names + ["normf.weight", "head.weight"]
 
 
+def is_expert_param(name: str) -> bool:
+    """Is ``name`` an expert weight (stacked over experts on dim 0: what ep shards)?"""
+    return ".mlp.experts." in name
+
+
 def param_names(cfg: Config) -> list[str]:
-    return mlp_param_names(cfg.layers) if cfg.model == "mlp" else transformer_param_names(cfg.layers)
+    return mlp_param_names(cfg.layers) if cfg.model == "mlp" else transformer_param_names(cfg.layers, cfg.experts)
 
 
 def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
@@ -78,11 +104,13 @@ def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     d, v, t = cfg.dim, cfg.vocab, cfg.seq
     if cfg.model == "mlp":
         return {n: (d, d) for n in mlp_param_names(cfg.layers)}
-    per_layer = {"norm1": (d,), "attn.qkv": (d, 3 * d), "attn.o": (d, d), "norm2": (d,),
-                 "mlp.up": (d, 4 * d), "mlp.down": (4 * d, d)}
+    e = cfg.experts
+    per_layer = {"norm1.weight": (d,), "attn.qkv.weight": (d, 3 * d), "attn.o.weight": (d, d), "norm2.weight": (d,)}
+    per_layer |= {"mlp.router.weight": (d, e), "mlp.experts.w_up": (e, d, 4 * d), "mlp.experts.w_down": (e, 4 * d, d)} \
+        if e else {"mlp.up.weight": (d, 4 * d), "mlp.down.weight": (4 * d, d)}
     shapes = {"wte.weight": (v, d), "wpe.weight": (t, d)}
     for l in range(cfg.layers):
-        shapes |= {f"blocks.{l}.{m}.weight": s for m, s in per_layer.items()}
+        shapes |= {f"blocks.{l}.{m}": s for m, s in per_layer.items()}
     return shapes | {"normf.weight": (d,), "head.weight": (d, v)}
 
 
@@ -100,10 +128,16 @@ def make_problem(cfg: Config) -> Problem:
         params[p + "attn.qkv.weight"] = n((d, 3 * d)) / np.sqrt(d)
         params[p + "attn.o.weight"] = n((d, d)) / np.sqrt(d)
         params[p + "norm2.weight"] = np.ones(d)
+        if cfg.experts:
+            params[p + "mlp.router.weight"] = n((d, cfg.experts)) / np.sqrt(d)
+            ups, downs = zip(*[(n((d, 4 * d)) / np.sqrt(d), n((4 * d, d)) / np.sqrt(4 * d))
+                               for _ in range(cfg.experts)])  # expert e: W_up_e, then W_down_e
+            params[p + "mlp.experts.w_up"], params[p + "mlp.experts.w_down"] = np.stack(ups), np.stack(downs)
+            continue
         params[p + "mlp.up.weight"] = n((d, 4 * d)) / np.sqrt(d)
         params[p + "mlp.down.weight"] = n((4 * d, d)) / np.sqrt(4 * d)
     params["normf.weight"] = np.ones(d)
     params["head.weight"] = n((d, cfg.vocab)) / np.sqrt(d)
     tokens = rng.integers(0, cfg.vocab, size=(cfg.batch, cfg.seq + 1))
-    assert list(params) == transformer_param_names(cfg.layers)
+    assert list(params) == transformer_param_names(cfg.layers, cfg.experts)
     return Problem(params=params, inputs=tokens[:, :-1], targets=tokens[:, 1:], model="transformer")

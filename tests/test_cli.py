@@ -51,6 +51,16 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--patterns", "mesh"], "mesh: no layout given"),
         (["--mesh", "dp=2,tp=2", "--model", "mlp"], "mesh: the mlp has no N-D layout here"),
         (["--mesh", "fsdp=2,cp=2", "--vocab", "66"], "mesh fsdp=2,cp=2: vocab=66 is not divisible by tp·fsdp·cp=4"),
+        # expert parallelism (the MoE transformer)
+        (["--patterns", "ep", "--experts", "6"], "ep (transformer): experts=6 is not divisible by world_size=4"),
+        (["--patterns", "ep", "--batch", "6", "--world-size", "4"],
+         "ep (transformer): batch=6 is not divisible by world_size=4"),
+        (["--patterns", "ep", "--experts", "4", "--topk", "5"], "topk=5 > experts=4"),
+        (["--patterns", "ep", "--experts", "1", "--world-size", "1"], "experts must be 0 (dense) or >= 2, got 1"),
+        (["--patterns", "ep", "--topk", "0"], "topk must be a positive integer, got 0"),
+        (["--patterns", "ep", "--model", "mlp"], "ep: the mlp has no experts (use --model transformer --experts E)"),
+        (["--patterns", "tp", "--experts", "4"], "--experts/--topk build the mixture-of-experts transformer, which "
+                                                "runs under --patterns ep only"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
@@ -125,7 +135,8 @@ def test_same_seed_same_losses_bit_for_bit(tmp_path):
     for i in range(2):
         path = tmp_path / f"run{i}.json"
         proc = subprocess.run(
-            [sys.executable, "compare.py", "--patterns", "tp", "--world-size", "2", "--steps", "3", "--layers", "1",
+            [sys.executable, "compare.py", "--patterns", "tp", "--model", "transformer", "--world-size", "2",
+             "--steps", "3", "--layers", "1",
              "--dim", "8", "--batch", "8", "--seq", "4", "--vocab", "16", "--frameworks", "torch",
              "--json", str(path), "--quiet"],
             cwd=ROOT, capture_output=True, text=True, timeout=240,
@@ -133,7 +144,7 @@ def test_same_seed_same_losses_bit_for_bit(tmp_path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         runs.append({(r["model"], r["framework"], r["style"], r["variant"]): r["losses"]
                      for r in json.loads(path.read_text())["runs"]})
-    assert {k[0] for k in runs[0]} == {"mlp", "transformer"}  # the default: both models
+    assert {k[0] for k in runs[0]} == {"transformer"}  # SDPA, DTensor and the vocab-parallel loss
     assert {k[1] for k in runs[0]} == {"torch"}
     assert runs[0] == runs[1]  # exact float equality, not a tolerance
 
@@ -172,7 +183,7 @@ def test_json_markdown_and_plots_contract(tmp_path):
     """The --json contract, the Markdown table and the PNGs of a small pipeline run."""
     out_json, out_md, plot_dir = tmp_path / "out.json", tmp_path / "out.md", tmp_path / "plots"
     code = compare.main(["--patterns", "pp", "--world-size", "2", "--layers", "2", "--dim", "8", "--batch", "8",
-                         "--microbatches", "2", "--steps", "3", "--seq", "4", "--vocab", "16", "--mesh", "dp=2;tp=2",
+                         "--microbatches", "2", "--steps", "3", "--seq", "4", "--vocab", "16", "--mesh", "tp=2",
                          "--json", str(out_json), "--markdown", str(out_md), "--plots", str(plot_dir), "--quiet"])
     assert code == 0
     data = json.loads(out_json.read_text(), parse_constant=_refuse)
@@ -180,9 +191,8 @@ def test_json_markdown_and_plots_contract(tmp_path):
     mesh = [r for r in data["runs"] if r["pattern"] == "mesh"]
     assert {(r["framework"], r["style"], r["variant"]) for r in mesh} == {
         (fw, st, v) for fw, st in (("torch", "explicit"), ("torch", "builtin"), ("jax", "shard_map"), ("jax", "jit"))
-        for v in ("dp=2", "tp=2")}
-    assert {x["model"] for x in data["cross_framework"] if x["pattern"] == "mesh"} == {"transformer dp=2",
-                                                                                         "transformer tp=2"}
+        for v in ("tp=2",)}
+    assert {x["model"] for x in data["cross_framework"] if x["pattern"] == "mesh"} == {"transformer tp=2"}
     assert data["configs"]["transformer tp=2"]["mesh"] == [["tp", 2]]
     assert all(r["extra"]["comm_by_axis"] for r in mesh)
     data["runs"] = [r for r in data["runs"] if r["pattern"] == "pp"]
@@ -194,7 +204,7 @@ def test_json_markdown_and_plots_contract(tmp_path):
     assert all(r["ok"] and len(r["losses"]) == 3 for r in data["runs"])
     assert {r["model"] for r in data["runs"]} == {"mlp", "transformer"}
     assert [(x["model"], x["ok"]) for x in data["cross_framework"]] == [("mlp", True), ("transformer", True)]
-    assert set(data["configs"]) == {"mlp", "transformer", "transformer dp=2", "transformer tp=2"}
+    assert set(data["configs"]) == {"mlp", "transformer", "transformer tp=2"}
     assert data["configs"]["transformer"]["seq"] == 4
     assert out_md.read_text().count("\n| pp |") == len(data["runs"])
     pngs = sorted(p.name for p in plot_dir.iterdir())
@@ -281,3 +291,58 @@ def test_show_collectives_mesh_table_per_axis_and_memory():
     memory = [line for line in lines[4:]]
     assert "yes" in memory[0] and "2.0 KiB (saved)" in memory[0]
     assert "4.0 KiB (XLA temp)" in memory[1] and "yes" not in memory[1]
+
+
+def test_ep_configs_keys_and_default_experts():
+    """--patterns ep adds the MoE transformer as its own config (keyed "transformer E=…,k=…"); the
+    default run includes ep with E = the smallest multiple of the world size >= 4; --model mlp alone
+    drops the patterns it has nothing for instead of refusing the default run."""
+    args = compare.build_parser().parse_args(["--patterns", "dp,ep", "--world-size", "8", "--topk", "1"])
+    cfgs = compare.make_configs(args)
+    assert [compare.run_key(c) for c in cfgs] == ["mlp", "transformer", "transformer E=8,k=1"]
+    assert [compare.run_key(c) for c in compare.cfgs_for(cfgs, "ep")] == ["transformer E=8,k=1"]
+    assert [c.model for c in compare.cfgs_for(cfgs, "dp")] == ["mlp", "transformer"]
+    assert [compare.default_experts(n) for n in (1, 2, 3, 4, 8)] == [4, 4, 6, 4, 8]
+    args = compare.build_parser().parse_args([])
+    compare.make_configs(args)
+    assert "ep" in args.patterns and "mesh" not in args.patterns
+    args = compare.build_parser().parse_args(["--model", "mlp"])
+    assert [c.model for c in compare.make_configs(args)] == ["mlp"] and args.patterns == \
+        ["collectives", "dp", "fsdp", "tp", "pp"]
+
+
+def test_show_collectives_ep_routing_bytes_and_padding():
+    """--show-collectives ep's routing table (load per expert and per rank of the last step), the
+    torch ranks' all-to-all bytes against the routing-count formula, and the static styles' padding,
+    from rows shaped as the harnesses return them."""
+    import io
+
+    import numpy as np
+    from rich.console import Console
+
+    from shared.config import Config
+    from shared.results import RunResult
+    from shared.theory import ep_padding
+
+    cfg = Config(world_size=2, model="transformer", layers=1, dim=8, heads=2, seq=4, vocab=16, batch=2, steps=1,
+                 experts=4, topk=1)
+    load = np.array([[[[4, 0, 0, 0], [1, 1, 1, 1]]]])  # (steps, L, B, E): sequence 0 all to e0
+    comm = lambda a2a: {"all_to_all": {"count": 4, "bytes": a2a}}
+    rows = [RunResult("ep", "torch", "explicit", "dropless", 2, "float64", True, model="transformer",
+                      extra={"expert_load": load, "comm_per_rank": [comm(100), comm(200)],
+                             "comm_theory_per_rank": [comm(100), comm(200)]}),
+            RunResult("ep", "torch", "builtin", "dropless", 2, "float64", True, model="transformer",
+                      extra={"expert_load": load, "comm_per_rank": [comm(100), comm(200)],
+                             "comm_theory_per_rank": [comm(100), comm(300)]}),
+            RunResult("ep", "jax", "shard_map", "capacity", 2, "float64", True, model="transformer",
+                      extra={"expert_load": load, "padding": ep_padding(cfg, load[-1])})]
+    out = io.StringIO()
+    compare.ep_tables(rows, [cfg], Console(file=out, width=200))
+    text = out.getvalue()
+    # layer 0: experts e0..e3 get 5, 1, 1, 1; rank 0 owns e0, e1 (6), rank 1 e2, e3 (2): max/mean 1.50
+    cells = [line.replace("│", " ").split() for line in text.splitlines()]
+    assert ["0", "5", "1", "1", "1", "6", "2", "1.50"] in cells
+    assert "explicit/dropless: all-to-all bytes per rank 100 B, 200 B (routing-count formula: equal on every rank)" \
+        in text
+    assert "builtin/dropless: all-to-all bytes per rank 100 B, 200 B (routing-count formula: 100 B, 300 B)" in text
+    assert "static buffers of 16 rows per rank per all-to-all, 4 carry a token (75% padding)" in text

@@ -29,7 +29,7 @@ def test_world_size_1_every_pattern_on_cpu(tmp_path):
     compile for seconds each; every JAX pattern body is model-generic and tested at N >= 2)."""
     code, data = _run(tmp_path, "--device", "cpu", "--model", "transformer", "--layers", "1", "--frameworks", "torch")
     assert code == 0, [r for r in data["runs"] if not r["ok"]] or data["errors"]
-    assert {r["pattern"] for r in data["runs"]} == {"collectives", "dp", "fsdp", "tp", "pp", "cp"}
+    assert {r["pattern"] for r in data["runs"]} == {"collectives", "dp", "fsdp", "tp", "pp", "cp", "ep"}
     assert {r["model"] for r in data["runs"] if r["pattern"] != "collectives"} == {"transformer"}
     code, data = _run(tmp_path, "--device", "cpu", "--model", "mlp", "--frameworks", "jax",
                       "--patterns", "collectives,dp,fsdp,tp,pp")

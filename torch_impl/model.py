@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from shared.config import Config
 from shared.problem import Problem
-from torch_impl.transformer import Transformer
+from torch_impl.transformer import MoE, Transformer
 
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -53,7 +53,8 @@ def empty_model(cfg: Config, device="cpu", layers: int | None = None) -> nn.Modu
     layers = cfg.layers if layers is None else layers
     if cfg.model == "mlp":
         return MLP(layers, cfg.dim, torch_dtype(cfg), device)
-    return Transformer(layers, cfg.dim, cfg.heads, cfg.vocab, cfg.seq, torch_dtype(cfg), device)
+    return Transformer(layers, cfg.dim, cfg.heads, cfg.vocab, cfg.seq, torch_dtype(cfg), device,
+                       cfg.experts, cfg.topk)
 
 
 def is_transposed(module: nn.Module, name: str) -> bool:
@@ -94,6 +95,17 @@ def loss_fn(out: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Ten
     if targets is None:
         return out.pow(2).mean()
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor | float:
+    """Σ over the MoE layers of their last forward's balancing loss (0 for a dense model)."""
+    return sum((m.aux for m in model.modules() if isinstance(m, MoE)), 0.0)
+
+
+def expert_load(model: nn.Module) -> np.ndarray:
+    """(L, B_local, E) int64: tokens of each local sequence routed to each expert by each MoE
+    layer in the last forward (every (l, b) row sums to k·T)."""
+    return np.stack([m.load.cpu().numpy() for m in model.modules() if isinstance(m, MoE)]).astype(np.int64)
 
 
 def make_optimizer(params, cfg: Config) -> torch.optim.Optimizer:

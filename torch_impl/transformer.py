@@ -16,6 +16,14 @@ Two seams for the patterns that split the sequence (context parallelism): ``Atte
 (default: causal SDPA) takes q, k, v (B, H, T, dh) and returns (B, H, T, dh), so a ring or an
 all-to-all can replace it; ``forward(tokens, positions)`` takes the global positions of a
 sequence shard (default ``arange(T)``).
+
+Mixture of experts (``experts=E``, ``topk=k``): every block's ``mlp`` is an ``MoE`` (children
+``router`` = nn.Linear(D, E) and ``experts`` = ``GroupedExperts``, stacked ``w_up`` (E, D, 4D) and
+``w_down`` (E, 4D, D) applied as ``x @ w_up[e]``: torchtitan's layout). Two seams for expert
+parallelism: ``MoE.dispatch`` (rows sorted by expert, per-expert counts -> the experts' outputs,
+same rows; default: the local experts) and ``MoE.global_counts`` (this device's (E,) counts -> the
+global ones for the balancing loss; default: the same). After forward an MoE holds ``aux`` (its
+balancing loss) and ``load`` ((B, E) int64 assignments per sequence).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shared.problem import RMS_EPS
+from shared.problem import MOE_BALANCE_COEF, RMS_EPS
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -58,13 +66,75 @@ class MLPBlock(nn.Module):
         return self.down(F.gelu(self.up(h), approximate="none"))  # (B, T, D)
 
 
+class GroupedExperts(nn.Module):
+    """Experts ``first … first+num−1`` of an MoE layer, stacked: ``w_up`` (num, D, 4D), ``w_down``
+    (num, 4D, D), expert e applied as gelu(x @ w_up[e]) @ w_down[e] (fixture orientation)."""
+
+    def __init__(self, num: int, dim: int, first: int = 0, dtype=None, device=None):
+        super().__init__()
+        self.first, self.num = first, num
+        self.w_up = nn.Parameter(torch.empty(num, dim, 4 * dim, dtype=dtype, device=device))
+        self.w_down = nn.Parameter(torch.empty(num, 4 * dim, dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x (Σ counts, D): rows grouped by local expert, counts[i] of them for expert first+i."""
+        assert len(counts) == self.num and x.shape[0] == sum(counts), (x.shape, counts)
+        return torch.cat([F.gelu(rows @ up, approximate="none") @ down
+                          for rows, up, down in zip(x.split(counts), self.w_up, self.w_down)])  # (Σ counts, D)
+
+    def shard(self, first: int, num: int) -> GroupedExperts:
+        """A copy holding experts first … first+num−1 only (expert parallelism)."""
+        part = GroupedExperts(num, self.w_up.shape[1], first, self.w_up.dtype, self.w_up.device)
+        with torch.no_grad():
+            part.w_up.copy_(self.w_up[first - self.first:first - self.first + num])
+            part.w_down.copy_(self.w_down[first - self.first:first - self.first + num])
+        return part
+
+
+class MoE(nn.Module):
+    """Top-k routed mixture of experts (shared/problem.py): probs = softmax(h @ W_r); the k most
+    probable experts (ties to the lower index: a stable descending sort); gates renormalised;
+    out = Σ gate · expert(h). Dropless. ``aux`` = 0.01·E·Σ_e f_e·P_e (f from the global counts)."""
+
+    def __init__(self, dim: int, experts: int, topk: int, dtype=None, device=None):
+        super().__init__()
+        self.num_experts, self.topk = experts, topk
+        self.router = nn.Linear(dim, experts, bias=False, dtype=dtype, device=device)  # weight = W_rᵀ
+        self.experts = GroupedExperts(experts, dim, 0, dtype, device)
+        # the seams (None: this device's experts, its own counts); expert parallelism sets both:
+        # dispatch (rows sorted by expert, counts list) -> expert outputs, global_counts (E,) -> (E,)
+        self.dispatch, self.global_counts = None, None
+        self.aux: torch.Tensor | None = None
+        self.load: torch.Tensor | None = None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, t, d = h.shape
+        e, k = self.num_experts, self.topk
+        x = h.reshape(b * t, d)  # (n, D)
+        probs = F.softmax(self.router(x), dim=-1)  # (n, E)
+        top_p, top_i = torch.sort(probs, dim=-1, descending=True, stable=True)  # ties: lower index first
+        top_p, top_i = top_p[:, :k], top_i[:, :k]  # (n, k)
+        gates = top_p / top_p.sum(-1, keepdim=True)  # (n, k), renormalised (gradient flows)
+        load = F.one_hot(top_i, e).reshape(b, t * k, e).sum(1)  # (B, E) int64 assignments per sequence
+        counts = load.sum(0)  # (E,)
+        total = self.global_counts(counts) if self.global_counts else counts  # (E,) over every device's tokens
+        f = total.to(probs.dtype) / total.sum()  # share of the k·B·T assignments: a constant
+        self.aux = MOE_BALANCE_COEF * e * (f * probs.mean(0)).sum()
+        self.load = load.detach()
+        flat = top_i.reshape(-1)  # (n·k,) assignment j = token j // k
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order within
+        y = (self.dispatch or self.experts)(x[order // k], counts.tolist())  # (n·k, D) expert outputs, sorted
+        out = torch.empty_like(y).index_copy(0, order, y).reshape(b * t, k, d)  # (n, k, D) unsorted
+        return (gates.unsqueeze(-1) * out).sum(1).reshape(b, t, d)  # (B, T, D)
+
+
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, dtype=None, device=None):
+    def __init__(self, dim: int, heads: int, dtype=None, device=None, experts: int = 0, topk: int = 1):
         super().__init__()
         self.norm1 = nn.RMSNorm(dim, eps=RMS_EPS, dtype=dtype, device=device)
         self.attn = Attention(dim, heads, dtype, device)
         self.norm2 = nn.RMSNorm(dim, eps=RMS_EPS, dtype=dtype, device=device)
-        self.mlp = MLPBlock(dim, dtype, device)
+        self.mlp = MoE(dim, experts, topk, dtype, device) if experts else MLPBlock(dim, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -72,11 +142,12 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, layers: int, dim: int, heads: int, vocab: int, seq: int, dtype=None, device=None):
+    def __init__(self, layers: int, dim: int, heads: int, vocab: int, seq: int, dtype=None, device=None,
+                 experts: int = 0, topk: int = 1):
         super().__init__()
         self.wte = nn.Embedding(vocab, dim, dtype=dtype, device=device)
         self.wpe = nn.Embedding(seq, dim, dtype=dtype, device=device)
-        self.blocks = nn.ModuleList(Block(dim, heads, dtype, device) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, dtype, device, experts, topk) for _ in range(layers))
         self.normf = nn.RMSNorm(dim, eps=RMS_EPS, dtype=dtype, device=device)
         self.head = nn.Linear(dim, vocab, bias=False, dtype=dtype, device=device)
 

@@ -1,0 +1,235 @@
+"""Expert parallelism (EP) in JAX: the mixture-of-experts transformer with its experts sharded over
+the mesh axis "ep", tokens sent to their experts' owners by all-to-all.
+
+Sharded: the E experts of every MoE layer, w_up (E, D, 4D) / w_down (E, 4D, D) P("ep", None, None):
+device r owns experts [r·E/N, (r+1)·E/N) whole (shared.theory.ep_experts_of). The batch too, P("ep"):
+device r routes sequences [r·B/N, (r+1)·B/N), n = B·T/N tokens (EP inside DP, as GShard and
+DeepSpeed-MoE lay it out). Embeddings, attention, norms, routers and the head are replicated, P().
+Per MoE layer (shared/problem.py's recipe; the math is jax_impl.transformer.moe with its seams):
+
+    shard_map/capacity  Explicit collectives, static shapes. Route locally (top-k, gates); psum
+                        the (E,) int32 counts over "ep" for the balancing loss's global f; scatter
+                        each of the k·n assignments into a (N, E/N, C, D) buffer at (owner, local
+                        expert, its rank among that expert's assignments from this device), with
+                        C = shared.theory.ep_capacity = n: no token can ever be dropped (every
+                        local token may pick the same expert, once). ONE ``lax.all_to_all``
+                        dispatches (row block j to device j), the E/N local experts run on their
+                        N·C rows, ONE all-to-all combines (rows back to their sources), each
+                        assignment's row is gathered and weighted by its gate. Padding rows are
+                        zeros and come back as zeros that no assignment reads. Backward: autodiff
+                        transposes each all-to-all into an all-to-all: 4 per layer of E·C·D·b
+                        (the buffer, whatever the routing: the waste is shared.theory.ep_padding).
+    shard_map/ragged    ``lax.ragged_all_to_all`` with the exchanged counts would send exactly the
+                        routed rows; XLA:CPU (jax 0.10.2) cannot run it: "UNIMPLEMENTED: HLO
+                        opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter"
+                        (RAGGED_REFUSAL), so ``variants`` leaves it out. (Its output buffer is
+                        static too, sized for the worst case: an HLO ledger would count that
+                        buffer, not the routed rows; jax_impl.ledger does not read the op yet.)
+    jit/gshard          GShard's formulation (Lepikhin et al. 2020, arXiv:2006.16668, §2.2 and
+                        Algorithm 2): G = N groups of S = n tokens; a one-hot dispatch mask
+                        (G, S, E, C) and combine weights (G, S, E, C) = mask·gates;
+                        einsum("gsec,gsd->egcd") constrained to P("ep") on E, the experts as
+                        einsums with their weights P("ep", None, None), einsum("gsec,egcd->gsd")
+                        constrained back to P("ep") on G. XLA (GSPMD) chooses the collectives:
+                        ``gshard_comm`` says what it chose (5 all-to-alls per layer and an all-
+                        gather: the combine weights' gradient is built on the expert side), the
+                        ledger reads the HLO. top-k as a stable sort (``sorted_top_k``): XLA
+                        all-gathers lax.top_k's operand even along its batch dim.
+
+Loss: each shard_map device returns its local loss, mean CE over its n tokens + Σ_l aux_l with the
+GLOBAL f and its LOCAL P_e (out_specs P("ep")); the step differentiates their mean OUTSIDE the
+shard_map, so the replicated weights' gradients come back summed over "ep" by the transpose of
+their implicit invariant -> varying cast (all-reduce of ep_replicated_params·b; XLA's combiner
+sets the count), while an expert's gradient stays on its owner: the all-to-alls' transposes
+already brought it every device's tokens' contribution (the 1/N of the mean is in it). The jit
+step differentiates the global loss. Both return the routing counts (L, B, E) of the step:
+extra["expert_load"] (steps, L, B, E) int64, as the references report it. Bytes per step:
+shared.theory.ep_comm_jax; state per device: ep_state_bytes_jax.
+
+Papers: Shazeer et al. 2017 (sparsely-gated MoE, arXiv:1701.06538); GShard (Lepikhin et al. 2020);
+Switch Transformer (Fedus et al. 2021, arXiv:2101.03961: top-1, the balancing loss, capacity
+factors — here 'dropless', C = n); DeepSpeed-MoE (Rajbhandari et al. 2022, arXiv:2201.05596);
+Megatron-Core's token dispatcher (uneven all-to-alls: the torch twin, torch_impl/ep.py).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_impl.devices import make_mesh
+from jax_impl.harness import Setup, leaves_fixture, train_loop
+from jax_impl.model import inputs, jax_dtype, make_optimizer, output_loss, targets
+from jax_impl.transformer import Rules, apply_moe, combine, experts
+from shared.config import Config
+from shared.problem import Problem, is_expert_param, param_names
+from shared.results import Trained
+from shared.theory import ep_capacity, ep_comm_jax, ep_padding, ep_replicated_params, ep_state_bytes_jax
+
+VARIANTS = (("shard_map", "capacity"), ("jit", "gshard"))
+RAGGED_REFUSAL = ("shard_map/ragged: XLA:CPU cannot run lax.ragged_all_to_all (jax 0.10.2: "
+                  "UNIMPLEMENTED: HLO opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter)")
+AXIS = "ep"
+
+
+def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
+    """Every (style, variant) that runs here: ragged_all_to_all has no CPU lowering (RAGGED_REFUSAL)."""
+    return VARIANTS
+
+
+def mesh_for(cfg: Config, device: str = "auto"):
+    return make_mesh(cfg.world_size, AXIS, device)
+
+
+def rules(cfg: Config) -> Rules:
+    """(name, shape) -> mesh axes: the stacked experts on "ep" (dim 0), everything else replicated."""
+    return lambda name, shape: ((AXIS,) if is_expert_param(name) else (None,)) + (None,) * (len(shape) - 1)
+
+
+# --- shard_map/capacity: the dispatch written out ----------------------------------------------------
+
+
+def slots(top: jax.Array, experts_total: int) -> tuple[jax.Array, jax.Array]:
+    """top (..., S, k) -> (expert, position) of every assignment, (..., S·k) each: assignment
+    a = token·k + slot; position = how many earlier assignments (same group) chose that expert."""
+    expert = top.reshape(top.shape[:-2] + (-1,))  # (…, S·k)
+    hits = jax.nn.one_hot(expert, experts_total, dtype=jnp.int32)  # (…, S·k, E)
+    return expert, jnp.sum((jnp.cumsum(hits, axis=-2) - 1) * hits, axis=-1)  # (…, S·k)
+
+
+def capacity_dispatch(cfg: Config):
+    """The ``dispatch`` seam of jax_impl.transformer.moe for one shard_map device."""
+    n_dev, c = cfg.world_size, ep_capacity(cfg)
+
+    def dispatch(h, top, gates, w_up, w_down):  # h (n, D); top, gates (n, k); w_* (E/N, …) mine
+        (n, d), k, e_loc = h.shape, top.shape[1], w_up.shape[0]
+        e = e_loc * n_dev
+        assert n == c and w_up.shape == (e_loc, d, 4 * d), (h.shape, w_up.shape)
+        expert, pos = slots(top, e)  # (n·k,) each
+        buf = jnp.zeros((e, c, d), h.dtype).at[expert, pos].set(h[jnp.arange(n * k) // k])  # (E, C, D)
+        buf = lax.all_to_all(buf.reshape(n_dev, e_loc, c, d), AXIS, 0, 0, tiled=True)  # (N src, E/N, C, D)
+        rows = buf.transpose(1, 0, 2, 3).reshape(e_loc, n_dev * c, d)  # (E/N, N·C, D): each expert's rows
+        y = experts(w_up, w_down, rows).reshape(e_loc, n_dev, c, d).transpose(1, 0, 2, 3)  # (N dst, E/N, C, D)
+        y = lax.all_to_all(y, AXIS, 0, 0, tiled=True).reshape(e, c, d)  # (E, C, D): my assignments' outputs
+        return combine(gates, y[expert, pos].reshape(n, k, d))  # (n, D)
+    return dispatch
+
+
+def shard_map_loss(cfg: Config, mesh, specs: dict):
+    """loss(params, tokens, targets) -> ((N,) local losses, load (L, B, E))."""
+    dispatch, total = capacity_dispatch(cfg), lambda counts: lax.psum(counts, AXIS)  # (E,) int64
+
+    def local(params, tokens, y):
+        assert tokens.shape == y.shape == (cfg.batch // cfg.world_size, cfg.seq), tokens.shape  # (B/N, T)
+        logits, aux, load = apply_moe(params, tokens, cfg.head_dim, cfg.topk, dispatch, total)
+        return (output_loss(logits, y) + aux)[None], load  # (1,), (L, B/N, E)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(specs, P(AXIS), P(AXIS)),
+                         out_specs=(P(AXIS), P(None, AXIS)), check_vma=True)
+
+
+# --- jit/gshard: dispatch and combine as einsums, XLA picks the collectives ---------------------------
+
+
+def gshard_dispatch(cfg: Config, mesh):
+    """The ``dispatch`` seam over the GLOBAL tokens (B·T, D), GShard's einsums."""
+    g, c = cfg.world_size, ep_capacity(cfg)  # groups = devices; S = C = n tokens per group
+    pin = lambda x, *spec: lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+
+    def dispatch(h, top, gates, w_up, w_down):  # h (B·T, D); top, gates (B·T, k); w_* (E, …) P("ep")
+        (bt, d), k, e = h.shape, top.shape[1], w_up.shape[0]
+        h, top, gates = h.reshape(g, c, d), top.reshape(g, c, k), gates.reshape(g, c, k)  # S = C
+        expert, pos = slots(top, e)  # (G, S·k) each
+        mask = (jax.nn.one_hot(expert, e, dtype=h.dtype)[..., None]
+                * jax.nn.one_hot(pos, c, dtype=h.dtype)[..., None, :]).reshape(g, c, k, e, c)  # (G, S, k, E, C)
+        dispatch_mask = jnp.sum(mask, axis=2)  # (G, S, E, C): 0/1, k ones per token
+        combine_w = jnp.einsum("gskec,gsk->gsec", mask, gates)  # (G, S, E, C)
+        x = pin(jnp.einsum("gsec,gsd->egcd", dispatch_mask, pin(h, AXIS)), AXIS)  # (E, G, C, D) on E
+        y = experts(w_up, w_down, x.reshape(e, g * c, d)).reshape(e, g, c, d)  # (E, G, C, D)
+        return pin(jnp.einsum("gsec,egcd->gsd", combine_w, pin(y, AXIS)), AXIS).reshape(bt, d)  # (B·T, D)
+    return dispatch
+
+
+def sorted_top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``lax.top_k`` as a stable descending sort: the same answer (equal probs: the lower index
+    first). XLA's SPMD partitioner all-gathers top_k's operand even when only its batch dim is
+    sharded (measured: one (B·T, E) all-gather per layer), while it keeps a sort's batch dim split."""
+    ids = jnp.broadcast_to(jnp.arange(probs.shape[-1]), probs.shape)  # (n, E)
+    neg, idx = lax.sort((-probs, ids), dimension=probs.ndim - 1, num_keys=1, is_stable=True)
+    return -neg[..., :k], idx[..., :k]  # (n, k) each
+
+
+def gshard_loss(cfg: Config, mesh):
+    dispatch = gshard_dispatch(cfg, mesh)
+    pin = lambda x: lax.with_sharding_constraint(x, NamedSharding(mesh, P(AXIS)))  # the batch on "ep"
+
+    def loss(params, tokens, y):
+        logits, aux, load = apply_moe(params, tokens, cfg.head_dim, cfg.topk, dispatch, pin=pin, select=sorted_top_k)
+        return output_loss(logits, y) + aux, load  # (), (L, B, E)
+    return loss
+
+
+def gshard_comm(cfg: Config) -> dict[str, tuple[int | None, int]]:
+    """What XLA (GSPMD, CPU) issued for jit/gshard, measured (not a design) at E = 4 and 8, D = 16
+    and 32, ep = 2 and 4, k = 1 and 2. a = E·C·D·b: one device's shard of the (E, G, C, D) expert
+    buffer (= the capacity style's all-to-all). Forward per layer: 2 all-to-alls of a (the dispatch
+    and combine einsums' resharding G -> E -> G). Backward per layer: their 2 transposes (a each),
+    and the combine weights' gradient (G, S, E, C) = Σ_d dout·y computed next to the experts'
+    outputs: an all-gather of the output gradient (G, S, D), B·T·D·b, then an all-to-all of its
+    E·S·C·b shard back to the groups. One all-reduce payload: the replicated gradients, the (E,)
+    int64 counts and (E,) mean probs of every layer (XLA defers them to the end of the forward)
+    and the CE's scalar sum (count: XLA's combiner)."""
+    b, L, e, c = cfg.bytes_per_element, cfg.layers, cfg.experts, ep_capacity(cfg)
+    a = e * c * cfg.dim * b
+    return {"all_to_all": (5 * L, L * (4 * a + e * c * c * b)),
+            "all_gather": (L, L * cfg.batch * cfg.seq * cfg.dim * b),
+            "all_reduce": (None, ep_replicated_params(cfg) * b + L * e * (8 + b) + b)}
+
+
+# --- the step -----------------------------------------------------------------------------------------
+
+
+def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:
+    if (style, variant) not in VARIANTS:
+        raise ValueError(f"ep: unknown style/variant {style}/{variant}; choose from {VARIANTS}"
+                         + (f" ({RAGGED_REFUSAL})" if variant == "ragged" else ""))
+    cfg.check("ep")
+    if mesh.shape[AXIS] != cfg.world_size:
+        raise ValueError(f"mesh has ep={mesh.shape[AXIS]} devices, cfg.world_size={cfg.world_size}")
+    names, rule = param_names(cfg), rules(cfg)
+    specs = {k: P(*rule(k, w.shape)) for k, w in problem.params.items()}
+    params = {k: jax.device_put(jnp.asarray(w, jax_dtype(cfg)), NamedSharding(mesh, specs[k]))
+              for k, w in problem.params.items()}
+    rows = NamedSharding(mesh, P(AXIS))
+    batch = (jax.device_put(inputs(cfg, problem), rows), jax.device_put(targets(cfg, problem), rows))
+    tx = make_optimizer(cfg)
+    if style == "shard_map":  # differentiate the mean of the (N,) local losses, report the vector
+        to_loss = shard_map_loss(cfg, mesh, specs)
+        loss_of = lambda p, *b: (lambda v, load: (jnp.mean(v), (v, load)))(*to_loss(p, *b))
+    else:
+        to_loss = gshard_loss(cfg, mesh)
+        loss_of = lambda p, *b: (lambda v, load: (v, (v, load)))(*to_loss(p, *b))
+
+    def step(params, opt_state, *batch):
+        (_, (loss, load)), grads = jax.value_and_grad(loss_of, has_aux=True)(params, *batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, grads, load  # load (L, B, E)
+
+    fixture = partial(leaves_fixture, names=names)
+    theory = ep_comm_jax(cfg, style) if style == "shard_map" else gshard_comm(cfg)
+    trained = train_loop(cfg, Setup(
+        step=jax.jit(step, donate_argnums=(0, 1)), state=(params, tx.init(params)), batch=batch,
+        grads_fixture=fixture, params_fixture=lambda state: fixture(state[0]),
+        comm_theory=None if theory is None else sum(nbytes for _, nbytes in theory.values()),
+        per_step=("expert_load",), extra={"capacity": ep_capacity(cfg)}))
+    load = trained.extra["expert_load"] = trained.extra["expert_load"].astype(np.int64)  # (steps, L, B, E)
+    trained.extra["padding"] = ep_padding(cfg, load[-1])  # both styles move E·C rows per device and layer
+    assert trained.state_bytes == ep_state_bytes_jax(cfg, style), trained.state_bytes
+    return trained
