@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from shared import plan
 from shared.config import Config
 from shared.problem import MOE_BALANCE_COEF, make_problem
 from shared.results import comm_bytes, cross_framework_ok, parity, routing_mismatch, within
@@ -180,6 +181,23 @@ def test_torch_state_bytes(runs):
     for fw, cfg, style, _, trained, _ in _all_runs(runs):
         if fw == "torch":
             assert trained.state_bytes == ep_state_bytes_torch(cfg), (style, cfg.world_size, trained.state_bytes)
+
+
+def test_plan_predicts_the_measured_state_and_routing_independent_ops(runs):
+    """compare.py plan (shared/plan.py) against the runs' own ledgers: the state per rank and the counts'
+    all-gathers and gradients' all-reduce exactly, the all-to-all count exactly (its bytes follow the
+    routing: the plan assumes a balanced one, the ledger equals ep_comm_torch on the real one above)."""
+    for fw, cfg, style, _, trained, _ in _all_runs(runs):
+        if fw != "torch":
+            continue
+        model, lay = plan.Model.from_config(cfg), plan.Layout.from_config(cfg, "ep")
+        assert plan.state(model, lay, 0, cfg.bytes_per_element, style, "pure") == trained.state_bytes
+        predicted = {op: v for ops in plan.comm(model, lay, 0, cfg.batch, cfg.bytes_per_element, style).values()
+                     for op, v in ops.items()}
+        for comm in trained.extra["comm_per_rank"]:
+            assert {op: (comm[op]["count"], comm[op]["bytes"]) for op in ("all_gather", "all_reduce")} == \
+                {op: predicted[op] for op in ("all_gather", "all_reduce")}
+            assert comm["all_to_all"]["count"] == predicted["all_to_all"][0]
 
 
 def test_load_is_uneven_and_reported(runs):

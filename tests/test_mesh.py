@@ -20,8 +20,10 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import init_device_mesh
 
 from jax_impl.harness import _reference as jax_reference
+from shared import plan
 from shared.config import Config, parse_mesh
 from shared.results import comm_bytes, cross_framework_ok, parity, within
+from shared.theory import mesh_coords
 from torch_impl import mesh as torch_mesh
 from torch_impl.harness import run_pattern as torch_run_pattern
 from torch_impl.launch import launch
@@ -131,6 +133,25 @@ def _check_state(entries):
             "explicit", "fsdp")), (style, variant, seen)
 
 
+def _check_plan(entries):
+    """compare.py plan's formulas (shared/plan.py, the ones it evaluates at full scale) against what the
+    runs measured, per rank: bytes and calls per axis, and params/grads/optimizer bytes."""
+    for cfg, style, variant, trained, _ in _runs(entries):
+        model, lay = plan.Model.from_config(cfg), plan.Layout.from_config(cfg)
+        views, states = trained.extra["comm_by_axis_per_rank"], trained.extra["state_bytes_per_rank"]
+        for rank, (view, state) in enumerate(zip(views, states, strict=True)):
+            s = mesh_coords(cfg, rank).get("pp", 0)
+            measured = {a: {op: tuple(v.values()) if isinstance(v, dict) else tuple(v) for op, v in ops.items()}
+                        for a, ops in view.items()}
+            assert plan.comm(model, lay, s, cfg.batch, cfg.bytes_per_element, style) == measured, (variant, rank)
+            assert plan.state(model, lay, s, cfg.bytes_per_element, style, "pure") == \
+                {k: state[k] for k in ("params", "grads", "optimizer")}, (variant, style, rank)
+
+
+def test_plan_predicts_the_measured_ledger_and_state(torch_runs_4):
+    _check_plan(torch_runs_4["entries"])
+
+
 def test_torch_mesh_2d_variants(torch_runs_4):
     _check_variants(torch_runs_4["entries"])
     # builtin rows: every layout without cp (dp × tp through FSDP2 HSDP with a size-1 shard axis)
@@ -158,6 +179,7 @@ def test_torch_mesh_3d(torch_runs_8):
     _check_parity(entries)
     _check_ledger(entries)
     _check_state(entries)
+    _check_plan(entries)
 
 
 # --- JAX (jax_impl/mesh.py): one SPMD program per layout and style ---------------------------------

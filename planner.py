@@ -1,0 +1,265 @@
+"""``compare.py plan``: rank the layouts of a model on a cluster (shared/plan.py), and check the plan
+against runs.
+
+    python compare.py plan --layers 80 --dim 8192 --heads 64 --vocab 128256 --seq 8192 \\
+        --global-batch 1024 --gpus 256 --gpus-per-node 8 --gpu-memory 80GiB --dtype bfloat16
+    python compare.py plan --experts 64 --topk 8 ... --gpus 1024          # an MoE model: dp × ep × pp
+    python compare.py plan ... --layout fsdp=128,tp=8,pp=16               # only layouts with these axes
+    python compare.py bench --frameworks torch --json bench.json          # this machine's α–β and FLOP/s
+    python compare.py --model transformer --mesh "dp=2,pp=2;fsdp=2,tp=2" --frameworks torch --json run.json
+    python compare.py plan --calibrate bench.json --measured run.json     # predicted vs measured, per rank
+
+Exit status 0; 2 for bad arguments (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import replace
+
+from shared import plan
+from shared.config import BYTES_PER_ELEMENT, Config, parse_mesh
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one clear line, exit 2
+        raise ValueError(message)
+
+
+def parse_bytes(text: str) -> float:
+    """"80GiB", "80 GB", "141e9" -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r}: write a size like 80GiB or 141GB")
+    scale = {None: 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2 ** 10, "MiB": 2 ** 20,
+             "GiB": 2 ** 30, "TiB": 2 ** 40}[m.group(2)]
+    return float(m.group(1)) * scale
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="compare.py plan", description="Rank the layouts of a transformer on a cluster.")
+    p.add_argument("--model", choices=("transformer",), default="transformer")
+    p.add_argument("--layers", type=int, default=80)
+    p.add_argument("--dim", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--mlp-ratio", type=int, default=4)
+    p.add_argument("--experts", type=int, default=0)
+    p.add_argument("--topk", type=int, default=1)
+    p.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
+    p.add_argument("--gpus", type=int, default=256)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", choices=tuple(plan.GPUS), default="h100", help="defaults for memory, FLOP/s, links")
+    p.add_argument("--gpu-memory", type=parse_bytes, help="bytes per GPU (e.g. 80GiB; default: the --gpu's)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32", "float64"), default="bfloat16")
+    p.add_argument("--precision", choices=plan.PRECISIONS, default="mixed",
+                   help="mixed: bf16 params/grads + fp32 master, m, v (16 bytes/param); pure: one dtype (the runs)")
+    p.add_argument("--style", choices=("builtin", "explicit"), default="builtin",
+                   help="torch style whose calls are counted")
+    p.add_argument("--attention", choices=("flash", "math"), default="flash")
+    p.add_argument("--peak-flops", type=float, help="FLOP/s per GPU (default: the --gpu's dense BF16)")
+    p.add_argument("--efficiency", type=float, default=0.6, help="fraction of peak the kernels reach")
+    p.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory kept free")
+    for where in ("intra", "inter"):
+        p.add_argument(f"--alpha-{where}", type=float, help=f"{where}-node latency per call, seconds")
+        p.add_argument(f"--beta-{where}", type=float, help=f"{where}-node bus bandwidth, bytes/s")
+    p.add_argument("--layout", help="only layouts with these axis sizes, e.g. fsdp=128,tp=8,pp=16")
+    p.add_argument("--top", type=int, default=8)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--calibrate", metavar="BENCH_JSON", help="α–β per op and FLOP/s from compare.py bench --json")
+    p.add_argument("--measured", metavar="RUN_JSON", help="compare the plan with a compare.py --json run, per rank")
+    return p
+
+
+def make_inputs(args):
+    model = plan.Model(args.layers, args.dim, args.heads, args.vocab, args.seq, args.mlp_ratio, args.experts,
+                       args.topk)
+    gpu = plan.GPUS[args.gpu]
+    link = lambda where: replace(gpu[where], **{k: v for k, v in (
+        ("alpha", getattr(args, f"alpha_{where}")), ("beta", getattr(args, f"beta_{where}"))) if v is not None})
+    if args.gpus < 1 or args.gpus_per_node < 1 or args.global_batch < 1:
+        raise ValueError("--gpus, --gpus-per-node and --global-batch must be positive")
+    if not 0 < args.efficiency <= 1:
+        raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
+    if not 0 <= args.headroom < 1:
+        raise ValueError(f"--headroom must be in [0, 1), got {args.headroom}")
+    cluster = plan.Cluster(args.gpus, args.gpus_per_node, args.gpu_memory or gpu["memory"],
+                           args.peak_flops or gpu["flops"], args.efficiency, link("intra"), link("inter"),
+                           args.headroom)
+    if args.calibrate:
+        with open(args.calibrate) as f:
+            args.bench = json.load(f)
+        cluster = plan.calibrated(cluster, args.bench, args.dtype)
+    want = dict(parse_mesh(args.layout)) if args.layout else {}
+    unknown = set(want) - {"dp", "fsdp", "tp", "pp", "cp", "ep"}
+    if unknown:
+        raise ValueError(f"--layout: unknown axis {sorted(unknown)[0]!r}; choose from dp, fsdp, tp, pp, cp, ep")
+    return model, cluster, want
+
+
+def _matches(lay: plan.Layout, want: dict) -> bool:
+    sizes = {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, lay.data_axis: lay.dp}
+    return all(sizes.get(a, 1) == n for a, n in want.items())
+
+
+def _gib(n) -> str:
+    return f"{n / plan.GiB:.1f}"
+
+
+def plan_main(argv) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        model, cluster, want = make_inputs(args)
+    except (ValueError, OSError, KeyError, argparse.ArgumentTypeError) as exc:
+        print(f"compare.py plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.measured:
+        return measured_main(args, cluster)
+    from rich.console import Console
+    from rich.table import Table
+
+    t0 = time.perf_counter()
+    b = BYTES_PER_ELEMENT[args.dtype]
+    fit, over = [], []
+    for lay in plan.layouts(model, cluster, args.global_batch, plan.policies(args.attention)):
+        if _matches(lay, want):
+            pred = plan.predict(model, lay, cluster, args.global_batch, b, args.precision, args.style, args.attention,
+                                time_if_over=False)
+            (fit if pred.fits else over).append(pred)
+    fit.sort(key=plan.rank_key)
+    over.sort(key=lambda p: p.memory["total"])
+    seconds = time.perf_counter() - t0
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    moe = f", E={model.experts} k={model.topk} ({model.active_params / 1e9:.1f}B active)" if model.moe else ""
+    console.print(f"[bold]{model.params / 1e9:.1f}B parameters[/] (L={model.layers} D={model.dim} H={model.heads} "
+                  f"V={model.vocab} T={model.seq} MLP {model.mlp_ratio}·D{moe}), global batch {args.global_batch} × "
+                  f"{model.seq} tokens, {args.precision} {args.dtype}; {cluster.gpus} GPUs ({cluster.gpus_per_node} "
+                  f"per node, {_gib(cluster.memory)} GiB, {cluster.flops / 1e12:.0f} TFLOP/s × {cluster.efficiency}); "
+                  f"{len(fit) + len(over)} layouts in {seconds:.2f} s: {len(fit)} fit")
+    table = Table(title="fastest layouts that fit (1F1B, or interleaved with v chunks per rank)")
+    for col in ("#", "layout", "M×m", "v", "ZeRO", "sp", "recompute", "params/grads/opt/act GiB", "total / usable GiB",
+                "GiB per step per GPU by axis", "bubble", "step s (compute + exposed comm)", "MFU"):
+        table.add_column(col, justify="left" if col in ("layout", "GiB per step per GPU by axis") else "right")
+    seen = set()
+    rows = []
+    for p in fit:  # one row per layout: its fastest recompute policy
+        key = (p.layout.name, p.layout.microbatches, p.layout.zero, p.layout.virtual)
+        if key not in seen:
+            seen.add(key)
+            rows.append(p)
+        if len(rows) == args.top:
+            break
+    for i, p in enumerate(rows, 1):
+        lay, mem = p.layout, p.memory
+        axes = " ".join(f"{a} {_gib(v)}" for a, v in plan.comm_bytes(p.comm).items())
+        m = args.global_batch // (lay.dp * lay.microbatches)
+        table.add_row(str(i), lay.name, f"{lay.microbatches}×{m}", str(lay.virtual), str(lay.zero),
+                      "y" if lay.sp else "-", lay.recompute,
+                      "/".join(_gib(mem[k]) for k in ("params", "grads", "optimizer", "activations")),
+                      f"{_gib(mem['total'])} / {_gib(cluster.usable)}", axes, f"{p.bubble:.2f}",
+                      f"{p.time['step']:.2f} ({p.time['compute']:.2f} + "
+                      f"{p.time['critical'] + p.time['exposed_data']:.2f})",
+                      f"{100 * p.mfu:.0f}%")
+    console.print(table)
+    if over:
+        console.print(f"{len(over)} layouts do not fit; the closest:")
+        shown = set()
+        for p in over:
+            key = p.layout.name
+            if key in shown:
+                continue
+            shown.add(key)
+            lay = p.layout
+            console.print(f"  {lay.name} M={lay.microbatches} v={lay.virtual} ZeRO-{lay.zero} {lay.recompute}: "
+                          f"{p.reason}")
+            if len(shown) == 5:
+                break
+    if not fit:
+        console.print("[red]no layout fits[/]: more GPUs, a smaller micro-batch or full recompute (all tried), or "
+                      "more memory per GPU")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": vars(model), "cluster": {"gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
+                                                         "memory": cluster.memory, "flops": cluster.flops},
+                       "global_batch": args.global_batch, "seconds": seconds, "fit": [p.to_json() for p in fit[:100]],
+                       "over": [p.to_json() for p in over[:100]], "n_fit": len(fit), "n_over": len(over)}, f, indent=1)
+    return 0
+
+
+# --- the plan against runs ----------------------------------------------------------------------
+
+
+def runnable(run: dict, configs: dict):
+    """(Config, Model, Layout) of a torch run the plan predicts (mesh and ep), else None."""
+    if run["framework"] != "torch" or run["pattern"] not in ("mesh", "ep"):
+        return None
+    key = f"{run['model']} {run['variant']}" if run["pattern"] == "mesh" else next(
+        (k for k in configs if k.startswith(f"{run['model']} E=")), None)
+    if key not in configs:
+        return None
+    raw = dict(configs[key], dtype=run["dtype"])
+    raw["mesh"] = tuple(tuple(a) for a in raw.get("mesh", ()))
+    cfg = Config(**raw)
+    return cfg, plan.Model.from_config(cfg), plan.Layout.from_config(cfg, run["pattern"])
+
+
+def measured_main(args, cluster) -> int:
+    """Per torch run of a compare.py --json file: the plan's bytes per axis and state per rank against the
+    ledger's (equal, or what differs), and the predicted step time against the measured median."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from shared.theory import mesh_coords
+
+    with open(args.measured) as f:
+        data = json.load(f)
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    table = Table(title=f"plan vs measured ({args.measured}; α–β and FLOP/s "
+                        f"{'from ' + args.calibrate if args.calibrate else 'of the --gpu defaults'})")
+    for col in ("run", "style", "ranks", "bytes per axis = ledger", "state = ledger", "step ms plan", "measured",
+                "error"):
+        table.add_column(col)
+    bad = 0
+    for run in data["runs"]:
+        found = runnable(run, data.get("configs", {}))
+        if not found:
+            continue
+        cfg, model, lay = found
+        b, style = cfg.bytes_per_element, run["style"]
+        ranks = range(cfg.world_size)
+        stages = [mesh_coords(cfg, r).get("pp", 0) if cfg.mesh else 0 for r in ranks]
+        stage = stages.__getitem__
+        if run["pattern"] == "mesh":
+            views = run["extra"]["comm_by_axis_per_rank"]
+            got = [{a: {op: (v["count"], v["bytes"]) for op, v in ops.items()} for a, ops in view.items()}
+                   for view in views]
+            same_comm = all(plan.comm(model, lay, stage(r), cfg.batch, b, style) == got[r] for r in ranks)
+            states = run["extra"]["state_bytes_per_rank"]
+        else:  # ep: the all-to-all depends on the routing; the other ops and the state do not
+            flat = {op: (v["count"], v["bytes"]) for op, v in run["comm"].items()}
+            pred = {op: v for ops in plan.comm(model, lay, 0, cfg.batch, b, style).values() for op, v in ops.items()}
+            same_comm = all(flat.get(op) == pred[op] for op in ("all_gather", "all_reduce")) and \
+                flat["all_to_all"][0] == pred["all_to_all"][0]
+            states = [run["state_bytes"]]
+        same_state = all(plan.state(model, lay, stage(r), b, style, "pure") == {
+            k: states[r][k] for k in ("params", "grads", "optimizer")} for r in range(len(states)))
+        bad += not (same_comm and same_state)
+        here = plan.calibrated(cluster, args.bench, cfg.dtype) if args.calibrate else cluster
+        pred = plan.predict(model, lay, here, cfg.batch, b, "pure", style)
+        measured = run.get("step_time_s")
+        err = f"{100 * (pred.time['step'] / measured - 1):+.0f}%" if measured else "-"
+        table.add_row(f"{run['pattern']} {run['variant']} {cfg.dtype}", style, str(cfg.world_size),
+                      "yes" if same_comm else "[red]no[/]", "yes" if same_state else "[red]no[/]",
+                      f"{1e3 * pred.time['step']:.2f}", f"{1e3 * measured:.2f}" if measured else "-", err)
+    console.print(table)
+    if any(r["pattern"] == "ep" for r in data["runs"]):
+        console.print("ep: the all-to-alls' bytes follow the routing; compared are their calls, the counts' "
+                      "all-gathers and the gradients' all-reduce (tests/test_ep.py checks the routing formula)")
+    if not args.calibrate:
+        console.print("step times: the --gpu defaults' FLOP/s and links (--calibrate bench.json: this machine's)")
+    return 1 if bad else 0

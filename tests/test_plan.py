@@ -1,0 +1,204 @@
+"""The layout planner (shared/plan.py, ``compare.py plan``): at tiny sizes it must give exactly what the
+runs measure — here against shared.theory on EVERY layout the mesh and ep patterns accept (theory equals
+the measured ledgers in tests/test_mesh.py and tests/test_ep.py, which also check the plan against the
+measured ledgers of their runs directly); at full size, published figures; and it must be fast."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shared import plan, schedule, theory
+from shared.config import Config
+
+TINY = ((4, 16, 4, 16, 32, 8), (4, 32, 4, 16, 64, 16))  # L, D, H, T, V, B
+
+
+def tiny_mesh_configs():
+    """Every mesh layout (data axis dp|fsdp|none × pp × cp × tp, sizes 1–4) Config.check("mesh") accepts
+    on 1–8 ranks, at two tiny sizes and M = 2, 4."""
+    for ws, data, pp, cp, tp, m, sizes in itertools.product(
+            (1, 2, 4, 8), ("dp", "fsdp", None), (1, 2, 4), (1, 2, 4), (1, 2, 4), (2, 4), TINY):
+        if ws % (pp * cp * tp):
+            continue
+        rest = ws // (pp * cp * tp)
+        mesh = tuple((a, n) for a, n in ((data, rest), ("pp", pp), ("cp", cp), ("tp", tp)) if a and n > 1)
+        if (data is None and rest > 1) or not mesh:
+            continue
+        L, D, H, T, V, B = sizes
+        try:
+            yield Config(world_size=ws, model="transformer", layers=L, dim=D, heads=H, seq=T, vocab=V, batch=B,
+                         microbatches=m, mesh=mesh).check("mesh")
+        except ValueError:
+            continue
+
+
+def test_plan_equals_theory_on_every_tiny_mesh_layout():
+    seen = 0
+    for cfg in tiny_mesh_configs():
+        model, lay = plan.Model.from_config(cfg), plan.Layout.from_config(cfg)
+        assert lay.gpus == cfg.world_size and model.params == cfg.n_params
+        for style in ("explicit", "builtin"):
+            for rank in range(cfg.world_size):
+                s = theory.mesh_coords(cfg, rank).get("pp", 0)
+                assert plan.comm(model, lay, s, cfg.batch, cfg.bytes_per_element, style) == \
+                    theory.mesh_comm_torch(cfg, style, rank), (cfg.mesh_name, cfg.microbatches, style, rank)
+                assert plan.state(model, lay, s, cfg.bytes_per_element, style, "pure") == \
+                    theory.mesh_state_bytes_torch(cfg, style, rank), (cfg.mesh_name, style, rank)
+                seen += 1
+    assert seen > 3000  # 1-, 2- and 3-D layouts, both data axes, both styles, every rank
+
+
+@pytest.mark.parametrize("ws,experts,topk", [(2, 4, 1), (2, 4, 2), (4, 4, 2), (4, 8, 2)])
+def test_plan_equals_theory_for_ep(ws, experts, topk):
+    """ep: the state and the routing-independent ops exactly; the all-to-alls equal theory.ep_comm_torch
+    on a perfectly balanced routing (the runs' all-to-all bytes follow their routing: tests/test_ep.py)."""
+    cfg = Config(world_size=ws, model="transformer", layers=2, dim=16, heads=4, seq=8, vocab=32, batch=4,
+                 experts=experts, topk=topk).check("ep")
+    per = cfg.seq * topk // experts
+    balanced = [[[per] * experts for _ in range(cfg.batch)] for _ in range(cfg.layers)]
+    model, lay = plan.Model.from_config(cfg), plan.Layout.from_config(cfg, "ep")
+    predicted = plan.comm(model, lay, 0, cfg.batch, cfg.bytes_per_element, "explicit")
+    assert set(predicted) == {"ep", "dp"}  # the dispatch on ep, the replicated gradients on the data axis
+    flat = {op: v for ops in predicted.values() for op, v in ops.items()}
+    for rank in range(ws):
+        assert flat == theory.ep_comm_torch(cfg, "explicit", balanced, rank)
+    assert plan.state(model, lay, 0, cfg.bytes_per_element, "explicit", "pure") == theory.ep_state_bytes_torch(cfg)
+
+
+def test_bubble_and_in_flight_equal_the_schedule_simulator():
+    """The plan's closed forms against shared.schedule (the simulator the executed schedules are checked
+    against): 1F1B and interleaved bubbles, and the chunks each stage holds at its peak."""
+    for p, m, v in itertools.product((1, 2, 3, 4), (1, 2, 4, 6, 8, 12), (1, 2, 3)):
+        if v > 1 and (p == 1 or m % p):
+            continue
+        name = "1f1b" if v == 1 else "interleaved"
+        lay = plan.Layout(pp=p, microbatches=m, virtual=v)
+        assert lay.bubble == pytest.approx(schedule.simulate(name, p, m, v, f=1, b=2, w=0).bubble)
+        peaks = schedule.simulate(name, p, m, v).peak_in_flight
+        assert [plan.in_flight(lay, s) for s in range(p)] == peaks, (p, m, v)
+
+
+def test_zero_paper_figure_1():
+    """Rajbhandari et al. 2020 (ZeRO, arXiv:1910.02054) Figure 1: Ψ = 7.5B, N_d = 64, K = 12 (mixed-precision
+    Adam, 16Ψ bytes unsharded): 120 GB, P_os 31.4 GB, P_os+g 16.6 GB, P_os+g+p 1.9 GB per device."""
+    psi = 7.5e9
+    published = {0: 120, 1: 31.4, 2: 16.6, 3: 1.9}
+    for zero, gb in published.items():
+        total = sum(plan.zero_state(psi, 64, zero, "mixed").values()) / 1e9
+        assert total == pytest.approx(gb, abs=0.05), (zero, total)  # the figure rounds to 0.1 GB
+
+
+def test_mixed_precision_adam_is_16_bytes_per_parameter():
+    """16Φ (2 + 2 + 12) for the whole model on one GPU; the Ultrascale Playbook's 70B: 1.12 TB unsharded."""
+    model = plan.Model(80, 8192, 64, 128256, 8192)
+    one = plan.state(model, plan.Layout(), 0, 2, "builtin", "mixed")
+    assert sum(one.values()) == 16 * model.params
+    assert 16 * plan.Model(126, 16384, 128, 128256, 8192).params / 1e12 == pytest.approx(6.56, abs=0.01)  # 405B-class
+
+
+def test_activations_match_korthikanti_without_dropout():
+    """Korthikanti et al. 2022 (arXiv:2205.05198) §4.1–4.2: per layer s·b·h·(34/t) bytes with tp + sp (b = 2
+    bytes, MLP 4h, flash-style attention without the 5as/h term). This model has no dropout: their 34 less
+    the attention and MLP dropout masks (1 byte each) is 32, i.e. 16·h/t elements, + the log-sum-exp."""
+    model = plan.Model(4, 1024, 16, 1000, 512)
+    for t in (1, 2, 8):
+        lay = plan.Layout(tp=t, sp=t > 1)
+        assert plan.activation_elements(model, lay, "none") == pytest.approx(16 * 1024 / t + 2 * 16 / t)
+        assert plan.activation_elements(model, lay, "full") == 1024 / t  # the block's input only
+    no_sp = plan.activation_elements(model, plan.Layout(tp=8), "none")
+    assert no_sp == pytest.approx(4 * 1024 + 12 * 1024 / 8 + 2 * 16 / 8)  # their 10 + 24/t, less the masks
+    math = plan.activation_elements(model, plan.Layout(tp=8, sp=True), "none", attention="math")
+    assert math - plan.activation_elements(model, plan.Layout(tp=8, sp=True), "selective", "math") == 16 * 512 / 8
+
+
+def test_activations_against_the_measured_formula_of_this_implementation():
+    """shared.theory.block_saved_elements equals what torch saves here (tests/test_recompute.py measures it);
+    the plan assumes fused kernels at scale. The difference is exactly torch's composite RMSNorm, which
+    saves x·rsqrt (D) and rsqrt (1) besides its input in each of a block's two norms, and the log-sum-exp,
+    which the plan counts as fp32 (2 elements of 2 bytes per head) and torch stores in the run's dtype."""
+    cfg = Config(model="transformer", layers=2, dim=16, heads=4, seq=8, vocab=32, batch=4)
+    model = plan.Model.from_config(cfg)
+    fused = plan.activation_elements(model, plan.Layout(), "none")
+    assert fused + 2 * (cfg.dim + 1) - cfg.heads == theory.block_saved_elements(cfg, "none")
+    assert plan.activation_elements(model, plan.Layout(), "full") == theory.block_saved_elements(cfg, "full")
+
+
+def test_llama3_405b_published_layout_fits():
+    """Llama 3 (Grattafiori et al. 2024, arXiv:2407.21783) Table 4: 16,384 H100 80 GB, TP 8, CP 1, PP 16,
+    DP 128 (FSDP: model, optimizer and gradients sharded, §3.3.2), sequence 8,192, 16 sequences per DP rank
+    per step (M = 16 micro-batches of one sequence), bf16. Here as the repo's model at 128 layers (126 in
+    the paper, whose first and last stage drop a layer each; 128 is the upper bound with equal stages).
+    It fits without recomputation; ZeRO-1 would not (the bf16 weights and gradients, 13 GiB, tip it over)."""
+    model = plan.Model(128, 16384, 128, 128256, 8192)
+    cluster = plan.Cluster(16384, memory=80e9)
+    fsdp = plan.predict(model, plan.Layout(dp=128, tp=8, pp=16, zero=3, microbatches=16, sp=True), cluster, 2048)
+    assert fsdp.fits, fsdp.reason
+    assert fsdp.memory["activations"] > 0.8 * fsdp.memory["total"]  # activations dominate once states are sharded
+    zero1 = plan.predict(model, plan.Layout(dp=128, tp=8, pp=16, zero=1, microbatches=16, sp=True), cluster, 2048)
+    assert not zero1.fits
+    assert 0.15 < fsdp.mfu < 0.6  # the paper: 38–43 % (interleaved schedule; here 1F1B's 48 % bubble)
+
+
+@pytest.mark.parametrize("name,model,gpus,batch", [
+    ("70B", plan.Model(80, 8192, 64, 128256, 8192), 256, 1024),
+    ("405B", plan.Model(126, 16384, 128, 128256, 8192), 16384, 2048),
+    ("MoE", plan.Model(32, 4096, 32, 32000, 4096, 4, 8, 2), 1024, 2048),
+])
+def test_full_scale_plans_are_fast_and_follow_the_rules_of_thumb(name, model, gpus, batch):
+    t0 = time.perf_counter()
+    fit, over = plan.plan(model, plan.Cluster(gpus), batch)
+    assert time.perf_counter() - t0 < 10
+    assert fit and over
+    best = fit[0].layout
+    assert best.tp <= 8  # tensor parallelism stays inside a node (NVLink)
+    assert all(p.memory["total"] <= plan.Cluster(gpus).usable for p in fit)
+    assert all(p.reason.startswith("needs") for p in over)
+    if model.moe:
+        assert best.ep > 1  # the experts are sharded
+
+
+def test_calibrate_reads_the_bench_fits_and_matmul_rate():
+    """plan --calibrate: α and β per op from compare.py bench's fits (β: algbw × the bus factor at the bench's
+    world size), the median matmul rate per rank as the compute rate; then an op costs α + S·factor/β."""
+    bench = {"world_size": 4, "compute": {"float64": {"32": 1e9, "64": 3e9, "128": 4e9}},
+             "fits": [{"framework": "torch", "op": "all_reduce", "alpha_s": 1e-4, "beta_bytes_per_s": 2e8},
+                      {"framework": "torch", "op": "all_gather", "alpha_s": 2e-4, "beta_bytes_per_s": float("inf")},
+                      {"framework": "jax", "op": "all_reduce", "alpha_s": 9.0, "beta_bytes_per_s": 1.0}]}
+    cluster = plan.calibrated(plan.Cluster(4), bench, "float64")
+    assert cluster.flops == 3e9 and cluster.efficiency == 1.0
+    assert cluster.intra == cluster.inter and cluster.intra.per_op == {"all_reduce": (1e-4, 2e8 * 1.5)}
+    assert cluster.intra.time("all_reduce", 2, 3e6, 4) == pytest.approx(2e-4 + 3e6 * 1.5 / 3e8)
+    with pytest.raises(ValueError, match="no torch"):
+        plan.calibrated(plan.Cluster(4), {"world_size": 4, "fits": []})
+
+
+def test_cli_plan_prints_ranked_layouts_and_json(tmp_path):
+    out = tmp_path / "plan.json"
+    run = subprocess.run([sys.executable, "compare.py", "plan", "--layers", "32", "--dim", "4096", "--heads", "32",
+                          "--vocab", "32000", "--seq", "4096", "--global-batch", "512", "--gpus", "64",
+                          "--gpu-memory", "80GiB", "--json", str(out)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "fastest layouts that fit" in run.stdout and "do not fit" in run.stdout
+    data = json.loads(out.read_text())
+    assert data["n_fit"] > 0 and data["fit"][0]["fits"] and data["fit"][0]["memory"]["total"] <= 0.9 * 80 * 2 ** 30
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--dim", "100", "--heads", "3"], "not divisible"),
+    (["--gpu-memory", "lots"], "write a size"),
+    (["--layout", "zz=2"], "unknown axis"),
+    (["--experts", "1"], "experts"),
+    (["--efficiency", "2"], "--efficiency"),
+])
+def test_cli_plan_refuses_bad_input(args, message, capsys):
+    from planner import plan_main  # in process: compare.py dispatches "plan" to it before anything else
+
+    assert plan_main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
