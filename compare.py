@@ -8,6 +8,7 @@
     python compare.py --mesh "dp=2,tp=2;fsdp=2,tp=2;tp=2,pp=2"   # several layouts, one launch each side
     python compare.py --model transformer --patterns ep --experts 8 --topk 2 --show-collectives ep  # MoE
     python compare.py bench --frameworks torch,jax      # nccl-tests-style bandwidth sweep
+    python compare.py plan --layers 80 --dim 8192 --heads 64 --gpus 256   # rank layouts (docs/plan.md)
     torchrun --nproc_per_node=8 compare.py --frameworks torch --world-size 8   # join a torchrun launch
 
 Exit status: 0 when everything agrees, 1 when a parity check (or a run) fails, 2 for bad
@@ -28,7 +29,7 @@ import time
 import traceback
 
 from shared.collectives import BENCH_OPS, BENCH_SIZES  # NumPy only: safe before JAX starts
-from shared.config import DTYPES, MODELS, PATTERNS, format_mesh, parse_mesh
+from shared.config import DTYPES, MODELS, PATTERNS, RECOMPUTE, format_mesh, parse_mesh
 from shared.env import simulate_host_devices
 
 FRAMEWORKS = ("torch", "jax")
@@ -84,7 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=16, help="transformer: sequence length T")
     p.add_argument("--vocab", type=int, default=64, help="transformer: vocabulary size V")
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="pp: model chunks per rank of the interleaved schedule (layers %% (world·V) == 0, "
+                        "microbatches %% world == 0)")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                   help="transformer: activation recomputation, full (each block) or selective (the attention "
+                        "core) (default none; needs --model transformer)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=DTYPES, default="float64")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -197,7 +204,7 @@ def make_configs(args):
     base = Config(world_size=world, layers=args.layers, dim=args.dim, batch=args.batch,
                   microbatches=args.microbatches, steps=args.steps, seed=args.seed, dtype=args.dtype,
                   lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb,
-                  heads=args.heads, seq=args.seq, vocab=args.vocab)
+                  heads=args.heads, seq=args.seq, vocab=args.vocab, virtual_stages=args.virtual_stages)
     if args.experts is not None and "ep" not in args.patterns:
         raise ValueError("--experts/--topk build the mixture-of-experts transformer, which runs under "
                          "--patterns ep only")
@@ -207,6 +214,7 @@ def make_configs(args):
     if "ep" in args.patterns and "transformer" in args.model:  # the MoE transformer: ep's own config
         experts = args.experts if args.experts is not None else default_experts(world)
         cfgs.append(base.replace(model="transformer", experts=experts, topk=args.topk))
+    cfgs = [c.replace(recompute=args.recompute) for c in cfgs]  # the MLP refuses all but "none"
     if "RANK" in os.environ and "jax" in args.frameworks:
         raise ValueError("under torchrun every rank runs this script: use --frameworks torch "
                          "(run the JAX side once, without torchrun)")
@@ -398,7 +406,8 @@ def describe_sizes(cfgs) -> str:
     for c in {(c.model, c.moe_name): c for c in cfgs}.values():  # mesh layouts share their model's sizes
         extra = f" H={c.heads} T={c.seq} V={c.vocab}" if c.model == "transformer" else ""
         moe = f" MoE E={c.experts} k={c.topk}" if c.moe else ""
-        parts.append(f"{c.model}{moe} L={c.layers} D={c.dim}{extra} B={c.batch} (Φ={c.n_params:,})")
+        recompute = f" recompute={c.recompute}" if c.recompute != "none" else ""
+        parts.append(f"{c.model}{moe} L={c.layers} D={c.dim}{extra} B={c.batch}{recompute} (Φ={c.n_params:,})")
     return " | ".join(parts)
 
 
@@ -415,6 +424,46 @@ def print_table(rows, cfgs, console) -> None:
     for r in table_rows(rows):
         table.add_row(*r, style=None if r[ok_col] == "ok" else "bold red")
     console.print(table)
+
+
+def pp_bubble_lines(rows, console) -> None:
+    """pp: each torch explicit schedule's bubble (last step): theory (the closed form at F = B = W),
+    the simulator's at the run's measured mean F / B / W times, and measured (idle / (stages · span))."""
+    for r in rows:
+        x = r.extra
+        if r.pattern == "pp" and "bubble_measured" in x:
+            v = x.get("virtual_stages", 1)
+            console.print(f"pp bubble {r.model} {r.framework} {r.style}/{r.variant}{f' (v={v})' if v > 1 else ''}: "
+                          f"theory {x['bubble_theory']:.3f}, simulated at measured costs "
+                          f"{x.get('bubble_simulated', float('nan')):.3f}, measured {x['bubble_measured']:.3f}")
+
+
+def recompute_lines(rows, cfgs, console) -> None:
+    """--recompute: per transformer run, rank 0's activations (torch: bytes saved for backward; JAX:
+    XLA's temp buffer, a proxy) against shared.theory.activation_bytes where the formula is exact for
+    the layout, beside the other policies' theory; and the extra forward FLOPs."""
+    from shared.theory import activation_bytes, recompute_extra_flops
+
+    for c in {(c.model, c.moe_name): c for c in cfgs if c.model == "transformer"}.values():
+        n, dense = c.world_size, c.replace(experts=0)
+        flops = recompute_extra_flops(c, sequences=c.batch // n)  # per rank of a data-parallel layout
+        policies = " / ".join(f"{p} {_fmt_bytes(activation_bytes(dense, p))}" for p in RECOMPUTE)
+        console.print(f"recompute={c.recompute}: extra forward FLOPs per step {flops['extra'] / 1e6:.2f} M per "
+                      f"rank of dp={n} ({100 * flops['fraction']:.1f}% of the step's 3×forward); single-device "
+                      f"activations (theory): {policies}")
+    c = next((c for c in cfgs if c.model == "transformer" and not c.mesh and not c.moe), None)
+    for r in rows:
+        if r.model != "transformer" or c is None:
+            continue
+        n, theory = c.world_size, None
+        if r.framework == "torch" and (r.pattern == "dp" or (r.pattern == "fsdp" and r.variant != "zero3")):
+            theory = activation_bytes(c, sequences=c.batch // n, id_sequences=c.batch)
+        elif r.framework == "torch" and r.pattern == "cp" and r.variant.startswith("ring"):
+            theory = activation_bytes(c.replace(seq=c.seq // n))
+        measured = r.extra.get("activation_bytes", r.extra.get("temp_bytes"))
+        kind = "saved" if "activation_bytes" in r.extra else "XLA temp"
+        console.print(f"  {r.pattern} {r.framework} {r.style}/{r.variant}: {kind} {_fmt_bytes(measured)}"
+                      + (f" (theory {_fmt_bytes(theory)}{', equal' if theory == measured else ''})" if theory else ""))
 
 
 def markdown_table(rows) -> str:
@@ -590,6 +639,10 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         return bench_main(argv[1:])
+    if argv and argv[0] == "plan":
+        from planner import plan_main
+
+        return plan_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
         cfgs = make_configs(args)
@@ -633,6 +686,10 @@ def main(argv=None) -> int:
         collectives_table(rows, args.show_collectives, console)
     else:
         print_table(rows, cfgs, console)
+    if args.recompute != "none":
+        recompute_lines(rows, cfgs, console)
+    if "pp" in args.patterns and not args.show_collectives:
+        pp_bubble_lines(rows, console)
     for x in xfw:
         console.print(f"cross-framework {x['pattern']} ({x['model']}): torch vs jax reference, max rel err "
                       f"{max(x['max_rel_err_loss'], x['max_rel_err_grad'], x['max_rel_err_param']):.1e} "
@@ -669,6 +726,7 @@ def main(argv=None) -> int:
 def write_plots(directory, rows, refs, cfg, args) -> list[str]:
     """The pictures: loss curves, per-rank memory, pipeline timelines, bus bandwidth."""
     import plots
+    from shared import schedule
 
     os.makedirs(directory, exist_ok=True)
     runs = [r.to_json() for r in rows]
@@ -690,6 +748,13 @@ def write_plots(directory, rows, refs, cfg, args) -> list[str]:
                 f"{r['model']}, {r['framework']} {r['style']}/{r['variant']}: {cfg.world_size} stages, "
                 f"M={cfg.microbatches} (bubble measured {r['extra'].get('bubble_measured', float('nan')):.2f}, "
                 f"theory {r['extra'].get('bubble_theory', float('nan')):.2f})")
+            if r["pattern"] == "pp" and r["variant"] in schedule.SCHEDULES:  # simulated (measured costs) beside it
+                timeline = r["extra"]["timeline"]
+                v = r["extra"].get("virtual_stages", 1)  # interleaved: its chunks per rank
+                plots.plot_schedule(schedule.simulate(r["variant"], cfg.world_size, cfg.microbatches, v,
+                                                      **schedule.measured_costs(timeline)),
+                                    out(f"pp_{r['model']}_{r['framework']}_{r['style']}_{r['variant']}_schedule.png"),
+                                    measured=timeline, title=f"{r['model']} {r['variant']}")
     if cfg.world_size >= 2:  # a short sweep: 4 KiB … 4 MiB
         bench = run_bench(args.frameworks, cfg.world_size, BENCH_OPS, BENCH_SIZES[:6], iters=5, warmup=2,
                           device=args.device)
@@ -737,9 +802,19 @@ def bench_main(argv) -> int:
             beta = fit["beta_bytes_per_s"]
             beta_text = f"{beta / 1e9:7.3f} GB/s" if beta != float("inf") else "   n/a (no size dependence measured)"
             console.print(f"{fw:5s} {op:15s} t = α + n/β:  α = {1e6 * fit['alpha_s']:8.1f} us,  β = {beta_text}")
+    compute = {}
+    if "torch" in args.frameworks:  # every rank multiplying at once: the FLOP/s a rank of a run gets (plan --calibrate)
+        from torch_impl.launch import launch
+
+        per_rank = launch(_torch_matmul, args.world_size, device=args.device)
+        for dtype in per_rank[0]:
+            compute[dtype] = {n: sorted(r[dtype][n] for r in per_rank)[len(per_rank) // 2] for n in per_rank[0][dtype]}
+            console.print(f"torch matmul {dtype:8s} FLOP/s per rank, {args.world_size} at once: " + ", ".join(
+                f"n={n}: {rate / 1e9:.2f} G" for n, rate in compute[dtype].items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(_jsonable({"world_size": args.world_size, "results": results, "fits": fits}), f, indent=1)
+            json.dump(_jsonable({"world_size": args.world_size, "results": results, "fits": fits, "compute": compute}),
+                      f, indent=1)
     return 0
 
 
@@ -758,6 +833,26 @@ def run_bench(frameworks, world_size, ops, sizes, iters, warmup, device) -> list
             results += [dict(r, framework="jax") for r in
                         bench(make_mesh(world_size, "x", device), tuple(ops), tuple(sizes), iters, warmup)]
     return results
+
+
+def _torch_matmul(ctx, sizes=(32, 64, 128, 256), iters=20) -> dict:
+    """{dtype: {n: FLOP/s}} of an (n, n) @ (n, n) product on this rank (the median of ``iters``)."""
+    import torch
+
+    out = {}
+    for dtype in ("float64", "float32"):
+        out[dtype] = {}
+        for n in sizes:
+            a = torch.randn(n, n, dtype=getattr(torch, dtype), device=ctx.device)
+            times = []
+            for _ in range(iters + 2):
+                t0 = time.perf_counter()
+                a @ a
+                if a.is_cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            out[dtype][str(n)] = 2 * n ** 3 / sorted(times[2:])[iters // 2]
+    return out
 
 
 def _torch_bench(ctx, ops, sizes, iters, warmup):

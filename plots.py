@@ -1,6 +1,7 @@
 """Figures for the docs (matplotlib, Agg backend: no display needed).
 
     plot_pipeline_timeline(trained.extra["timeline"], "plots/pp_1f1b.png", "1F1B, 4 stages, M=8")
+    plot_schedule(shared.schedule.simulate("zb", 4, 8), "plots/zb.png", measured=None)  # + a torch timeline
     plot_loss_curves(runs, references, "plots/loss_curves.png")     # compare.py --plots DIR
     plot_bus_bandwidth(bench_results, "plots/bus_bandwidth.png")
     plot_memory(runs, "plots/memory.png")
@@ -14,7 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-_COLOURS = {"F": "#4C72B0", "B": "#DD8452"}
+_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 
 
 def plot_pipeline_timeline(timeline: list[dict], path: str, title: str) -> None:
@@ -227,4 +228,45 @@ def plot_ep_dispatch(cfg, load_layer, path: str) -> None:
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_schedule(timeline, path: str, measured: list[dict] | None = None, title: str = "") -> None:
+    """A simulated pipeline schedule (shared.schedule.simulate's Timeline): one row per rank, a box
+    per op — F blue, B orange, W (zb's weight gradient) green; interleaved chunks c > 0 lighter —
+    labelled with its micro-batch. With ``measured`` (torch_impl.pp's extra["timeline"]: dicts
+    {"stage", "kind", "mb", "start", "end"[, "chunk"]} in seconds) the measured run is drawn below
+    it on the same time axis (simulate it with ``shared.schedule.measured_costs(measured)`` so both
+    are in seconds), each panel titled with its bubble (idle / (ranks · span))."""
+    scale, unit = 1.0, "unit costs"
+    panels = [("simulated", [(e.rank, e.op.kind, e.op.mb, e.op.chunk, e.start, e.end) for e in timeline.events])]
+    if measured:
+        scale, unit = (1e3, "ms") if max(e["end"] for e in measured) < 10 else (1.0, "s")
+        panels.append(("measured", [(e["stage"], e["kind"], e["mb"], e.get("chunk", 0), e["start"], e["end"])
+                                    for e in measured]))
+    ranks = max(row[0] for _, rows in panels for row in rows) + 1
+    xmax = max(row[5] for _, rows in panels for row in rows) * scale
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, (0.55 * ranks + 1.3) * len(panels) + 0.6), squeeze=False)
+    for ax, (name, rows) in zip(axes[:, 0], panels):
+        span = max(row[5] for row in rows)
+        busy = sum(row[5] - row[4] for row in rows)
+        ax.set_xlim(0, xmax)
+        px_per_unit = ax.get_window_extent().width / xmax
+        for rank, kind, mb, chunk, start, end in rows:
+            x0, width = start * scale, (end - start) * scale
+            ax.broken_barh([(x0, width)], (rank - 0.4, 0.8), facecolors=_COLOURS[kind],
+                           alpha=1.0 if chunk % 2 == 0 else 0.55, edgecolor="white", linewidth=0.6)
+            if width * px_per_unit > 6.5 * len(str(mb)) + 2:
+                ax.text(x0 + width / 2, rank, str(mb), ha="center", va="center", fontsize=7, color="white")
+        ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+        ax.set_ylim(ranks - 0.5, -0.5)  # rank 0 on top
+        ax.set_xlabel(f"time ({unit})", fontsize=8)
+        ax.set_title(f"{title + ': ' if title else ''}{name}, bubble {1 - busy / (ranks * span):.2f}",
+                     loc="left", fontsize=9)
+    axes[-1, 0].legend(handles=[Patch(color=_COLOURS["F"], label="F forward"),
+                                Patch(color=_COLOURS["B"], label="B backward (zb: input grad)"),
+                                Patch(color=_COLOURS["W"], label="W weight grad")],
+                       loc="upper right", bbox_to_anchor=(1.0, -0.22), ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_impl import reference
+from jax_impl import reference, transformer
 from jax_impl.devices import devices
 from jax_impl.ledger import comm_by_axis, comm_from_hlo
 from jax_impl.model import fetch, to_numpy, tree_bytes
@@ -104,8 +104,10 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
 
 def _reference(cfg: Config, device: str):
     """The single-device run depends on none of the parallel layout (world size, micro-batches,
-    buckets): compute it once per remaining configuration."""
-    return _cached_reference(cfg.replace(world_size=1, microbatches=1, bucket_mb=25.0), device)
+    buckets) nor on recomputation (a run with recompute is checked against the one without):
+    compute it once per remaining configuration."""
+    return _cached_reference(cfg.replace(world_size=1, microbatches=1, bucket_mb=25.0, recompute="none",
+                                        virtual_stages=1), device)
 
 
 @functools.lru_cache(maxsize=8)
@@ -124,7 +126,8 @@ def run_pattern(
         problem = make_problem(cfg)
         ref = _reference(cfg, device)
         mesh = module.mesh_for(cfg, device)
-        runs = [(style, variant, module.train(cfg, problem, style, variant, mesh))
-                for style, variant in variants or getattr(module, "variants", lambda c: module.VARIANTS)(cfg)]
+        with transformer.recomputing(cfg.recompute):  # every block traced in the steps below (not the reference)
+            runs = [(style, variant, module.train(cfg, problem, style, variant, mesh))
+                    for style, variant in variants or getattr(module, "variants", lambda c: module.VARIANTS)(cfg)]
         out.append({"cfg": cfg, "reference": ref, "runs": runs})
     return out

@@ -41,6 +41,8 @@ Styles:
   jit        the loop sees all stages as arrays with a leading (S,) axis sharded over ``pp``
              (``rules``); jax.vmap runs the stages, the shift is jnp.roll(·, 1, axis=0) under a
              sharding constraint, and XLA's SPMD partitioner turns the roll into collective-permutes.
+  shard_map  variant "1f1b": torch's 1F1B on the same layout, gradients taken inside the schedule by
+             per-micro-batch jax.vjp (jax_impl/pp_1f1b.py: ticks, stash, one permute per tick).
 
 Papers: Huang et al. 2019 (GPipe); the SPMD formulation: Xu et al. 2021 (GSPMD, arXiv:2105.04663).
 """
@@ -56,7 +58,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl import transformer
+from jax_impl import pp_1f1b, transformer
 from jax_impl.devices import make_mesh
 from jax_impl.harness import Setup, train_loop
 from jax_impl.model import gelu, inputs, jax_dtype, make_optimizer, output_loss, targets, to_numpy
@@ -64,6 +66,8 @@ from shared.config import Config
 from shared.problem import Problem, param_names
 from shared.results import Trained
 from shared.theory import (
+    pp_1f1b_permute_bytes,
+    pp_1f1b_permute_count,
     pp_bubble_fraction,
     pp_circular_permute_bytes,
     pp_circular_permute_count,
@@ -71,7 +75,7 @@ from shared.theory import (
     pp_state_bytes,
 )
 
-VARIANTS = (("shard_map", "circular"), ("jit", "circular"))
+VARIANTS = (("shard_map", "circular"), ("jit", "circular"), ("shard_map", "1f1b"))
 BLOCK = re.compile(r"^(?:layers|blocks)\.(\d+)\.(.+)$")  # "blocks.3.attn.qkv.weight" -> 3, "attn.qkv.weight"
 
 
@@ -121,7 +125,7 @@ def unsplit(tree, names: list[str]) -> list[np.ndarray]:
 
 def stage_blocks(blocks: dict, x: jax.Array, head_dim: int) -> jax.Array:
     """This stage's L/S blocks; blocks {suffix: (L/S, …)}, x (B/M, D) MLP, (B/M, T, D) transformer."""
-    for l in range(next(iter(blocks.values())).shape[0]):
+    for l in range(len(next(iter(blocks.values())))):  # (L/S, …) arrays, or lists of L/S (1f1b)
         if "linear.weight" in blocks:  # the MLP
             x = gelu(x @ blocks["linear.weight"][l])  # (B/M, D)
         else:
@@ -193,6 +197,35 @@ def shard_map_loss(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head
     return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P()), out_specs=P(), check_vma=True)(params, xs, ys)
 
 
+def shard_map_1f1b(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head_dim: int, info=None):
+    """(loss, grads) of the 1F1B schedule (jax_impl/pp_1f1b.py): the gradient is computed inside
+    the schedule, micro-batch by micro-batch (no jax.grad over it); params, xs, ys as above; ``info``
+    gets the stash sizes (pp_1f1b.run)."""
+    S, M = mesh.shape["pp"], xs.shape[0]
+
+    def body(params, xs, ys):
+        s = lax.axis_index("pp")
+
+        def stage_fn(local, x, mb):  # micro-batch mb through this stage: + embedding on 0, + head and loss on S−1
+            x = jnp.where(s == 0, embed(local["first"], xs[mb][None])[0], x)  # (B/M, D) / (B/M, T, D)
+            y = stage_blocks(local["blocks"], x, head_dim)
+            loss = output_loss(head(local["last"], y), None if ys is None else ys[mb]) / M  # share of the mean
+            return y, jnp.where(s == S - 1, loss, 0)
+
+        local = jax.tree.map(lambda a: a[0], params)  # this stage's slice: blocks (L/S, …), slots (…)
+        # blocks as lists of per-layer weights: a weight the vjp keeps is then the input itself, not
+        # a slice of the stack, and pp_1f1b leaves it out of the per-micro-batch stash
+        local |= {"blocks": {k: list(w) for k, w in local["blocks"].items()}}
+        message = jax.eval_shape(lambda: embed(local["first"], xs[:1])[0])  # (B/M, D) / (B/M, T, D)
+        loss, grads = pp_1f1b.run(stage_fn, local, message, S, M, info)
+        grads |= {"blocks": {k: jnp.stack(g) for k, g in grads["blocks"].items()}}  # (L/S, …)
+        return lax.psum(loss, "pp"), jax.tree.map(lambda g: g[None], grads)  # the last stage's loss, everywhere
+
+    specs = jax.tree.map(lambda a: P(*rules("", a.shape)), params)
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P()), out_specs=(P(), specs),
+                         check_vma=True)(params, xs, ys)
+
+
 def jit_circular(stage, inp: jax.Array, pin) -> jax.Array:
     """The same schedule on whole arrays: inp (S, M, …) stage 0's inputs in row 0; ``stage(x)`` runs
     every stage at once on x (S, …) (vmapped); ``pin(a)`` constrains an (S, …) or (S, M, …) array to
@@ -228,11 +261,13 @@ def jit_loss(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head_dim: 
     return jnp.sum(jnp.where(is_last, losses, 0))  # the last stage's: kept (S,)-sharded, [S − 1] would gather
 
 
-def make_step(cfg: Config, style: str, mesh, tx):
+def make_step(cfg: Config, style: str, mesh, tx, variant: str = "circular", info: dict | None = None):
     loss_of = shard_map_loss if style == "shard_map" else jit_loss
+    grad_of = jax.value_and_grad(loss_of) if variant == "circular" else \
+        lambda *args: shard_map_1f1b(*args, info=info)
 
     def step(params, opt_state, xs, ys):
-        loss, grads = jax.value_and_grad(loss_of)(params, xs, ys, mesh, cfg.head_dim)  # grads like params
+        loss, grads = grad_of(params, xs, ys, mesh, cfg.head_dim)  # grads like params
         updates, opt_state = tx.update(grads, opt_state, params)
         return jax.tree.map(lambda a, u: a + u, params, updates), opt_state, loss, grads
 
@@ -241,6 +276,7 @@ def make_step(cfg: Config, style: str, mesh, tx):
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:
     cfg.check("pp")
+    one_f_one_b = variant == "1f1b"
     S, M, names = cfg.world_size, cfg.microbatches, param_names(cfg)
     assert mesh.shape["pp"] == S, (mesh.shape, S)
     dtype = jax_dtype(cfg)
@@ -251,12 +287,19 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     xs, ys = micro(inputs(cfg, problem)), micro(targets(cfg, problem))
     tx = make_optimizer(cfg)
     opt_state = jax.jit(tx.init)(params)  # moments inherit the params' sharding: over pp
+    extra = {"bubble_theory": pp_bubble_fraction(S, M), "iterations": M + S - 1,
+             "permute_count_theory": pp_1f1b_permute_count(cfg) if one_f_one_b else
+             pp_circular_permute_count(cfg, style),
+             "state_bytes_theory": pp_state_bytes(pp_spmd_param_count(cfg), cfg)}  # every device alike
+    if one_f_one_b:  # the static schedule it runs (order, ticks, most stashed per stage); the stash's bytes
+        plan = pp_1f1b.plan(S, M)  # are added to ``extra`` when the step is traced (train_loop compiles it)
+        extra |= {"order": plan.executed(), "iterations": len(plan.grid), "peak_in_flight": plan.peak_in_flight,
+                  "bubble_ticks": float(np.mean(plan.kind == pp_1f1b.IDLE))}  # unit F = B ticks: the theory
     setup = Setup(
-        step=make_step(cfg, style, mesh, tx), state=(params, opt_state), batch=(xs, ys),
+        step=make_step(cfg, style, mesh, tx, variant, extra), state=(params, opt_state), batch=(xs, ys),
         grads_fixture=lambda grads: unsplit(grads, names), params_fixture=lambda state: unsplit(state[0], names),
-        comm_theory=pp_circular_permute_bytes(cfg, style) + cfg.bytes_per_element,  # + the loss all-reduce
-        extra={"bubble_theory": pp_bubble_fraction(S, M), "iterations": M + S - 1,
-               "permute_count_theory": pp_circular_permute_count(cfg, style),
-               "state_bytes_theory": pp_state_bytes(pp_spmd_param_count(cfg), cfg)},  # every device alike
+        comm_theory=(pp_1f1b_permute_bytes(cfg) if one_f_one_b else pp_circular_permute_bytes(cfg, style))
+        + cfg.bytes_per_element,  # + the loss all-reduce
+        extra=extra,
     )
     return train_loop(cfg, setup)

@@ -54,6 +54,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_impl import transformer
 from jax_impl.devices import make_mesh
 from jax_impl.harness import Setup, leaves_fixture, train_loop
 from jax_impl.model import gelu, inputs, jax_dtype, make_optimizer, output_loss, targets
@@ -212,9 +213,14 @@ def transformer_forward(p: dict, tokens: jax.Array, y: jax.Array, head_dim: int,
 def block_forward(w, x: jax.Array, head_dim: int, ops, attn=attend) -> jax.Array:
     """One Megatron block, ``w(name)`` its weights in the TP layout; ``attn(qkv (B, T, 3, h·dh),
     head_dim)`` (jax_impl.mesh passes cp's ring here)."""
-    qkv = jnp.einsum("btd,dcf->btcf", ops.f(rms_norm(x, w("norm1"))), w("attn.qkv"))  # (B, T, 3, D/tp)
-    x = x + ops.g(ops.split(attn(ops.split(qkv), head_dim)) @ w("attn.o"))  # (B, T, D)
-    return x + ops.g(gelu(ops.split(ops.f(rms_norm(x, w("norm2"))) @ w("mlp.up"))) @ w("mlp.down"))
+    core = transformer.remat_core(attn)  # cfg.recompute (jax_impl.transformer.recomputing)
+
+    def run(x):
+        qkv = jnp.einsum("btd,dcf->btcf", ops.f(rms_norm(x, w("norm1"))), w("attn.qkv"))  # (B, T, 3, D/tp)
+        x = x + ops.g(ops.split(core(ops.split(qkv), head_dim)) @ w("attn.o"))  # (B, T, D)
+        return x + ops.g(gelu(ops.split(ops.f(rms_norm(x, w("norm2"))) @ w("mlp.up"))) @ w("mlp.down"))
+
+    return transformer.remat_block(run)(x)
 
 
 def head_logits(p: dict, x: jax.Array, ops) -> jax.Array:

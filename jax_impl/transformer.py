@@ -19,10 +19,20 @@ balancing losses and the routing counts (L, B, E); the dense path is untouched. 
 seams for expert parallelism: ``dispatch`` (default ``dispatch_local``: every expert on this
 device), ``total`` (the per-expert counts summed over the devices that share the batch) and
 ``select`` (top-k: ``lax.top_k``, or the same answer as a sort; jax_impl/ep.py says why).
+
+Activation recomputation (cfg.recompute; Korthikanti et al. 2022, arXiv:2205.05198): every block
+function here (``Block``, ``block``, ``moe_block``; jax_impl/tp.py's ``block_forward``) goes through
+``remat_block`` (full: ``jax.checkpoint`` of the whole block, only its input x is a residual) and its
+attention core through ``remat_core`` (selective: ``jax.checkpoint`` of the core alone, QKᵀ, softmax
+and ·V recomputed from qkv). The policy is the one ``recomputing(policy)`` sets while a step is
+traced — jax_impl/harness.run_pattern traces every pattern's step under cfg.recompute — so the
+patterns' own jax.checkpoint policies (fsdp, mesh: re-gather the weights) wrap it unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Callable
 
 import jax
@@ -37,6 +47,33 @@ Rules = Callable[[str, tuple[int, ...]], tuple | None]  # param name, shape -> m
 
 def gelu(x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=False)  # exact erf GELU, as torch's F.gelu
+
+
+# --- activation recomputation: the policy the blocks are traced under ------------------------------
+
+_RECOMPUTE = contextvars.ContextVar("recompute", default="none")
+
+
+@contextlib.contextmanager
+def recomputing(policy: str):
+    """Blocks traced inside this context recompute per ``policy`` ("none" | "full" | "selective")."""
+    token = _RECOMPUTE.set(policy)
+    try:
+        yield
+    finally:
+        _RECOMPUTE.reset(token)
+
+
+def remat_block(fn: Callable) -> Callable:
+    """full: ``jax.checkpoint(fn)`` (default policy: only fn's arguments are saved; the weights it
+    closes over are alive anyway), so backward runs the block's forward again."""
+    return jax.checkpoint(fn) if _RECOMPUTE.get() == "full" else fn
+
+
+def remat_core(attn: Callable) -> Callable:
+    """selective: the attention core ``attn(qkv, head_dim)`` under ``jax.checkpoint``: its residual
+    is qkv, the (B, h, T, T) logits and probabilities are recomputed in backward."""
+    return jax.checkpoint(attn, static_argnums=(1,)) if _RECOMPUTE.get() == "selective" else attn
 
 
 def fixture_init(params: dict[str, np.ndarray], name: str, rules: Rules | None):
@@ -141,7 +178,10 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array):
         """-> x (B, T, D); an MoE block: (x, aux, load (B, E))."""
-        x = x + self.o(attention(self.qkv(self.norm1(x)), self.head_dim))
+        return remat_block(self._forward)(x)
+
+    def _forward(self, x: jax.Array):
+        x = x + self.o(remat_core(attention)(self.qkv(self.norm1(x)), self.head_dim))
         if hasattr(self, "mlp"):
             out, aux, load = self.mlp(self.norm2(x))
             return x + out, aux, load
@@ -205,9 +245,13 @@ def embed(params: dict, tokens: jax.Array, positions: jax.Array | None = None) -
 def block(params: dict, l: int, x: jax.Array, head_dim: int, attn=attention) -> jax.Array:
     """``attn(qkv, head_dim) -> (B, T, h·dh)`` is ``attention`` unless a pattern splits the sequence
     (context parallelism: a ring or an all-to-all around the same math)."""
-    p = lambda n: params[f"blocks.{l}.{n}.weight"]
-    x = x + attn(rms_norm(x, p("norm1")) @ p("attn.qkv"), head_dim) @ p("attn.o")
-    return x + gelu(rms_norm(x, p("norm2")) @ p("mlp.up")) @ p("mlp.down")  # (B, T, D)
+    p, core = lambda n: params[f"blocks.{l}.{n}.weight"], remat_core(attn)
+
+    def run(x):
+        x = x + core(rms_norm(x, p("norm1")) @ p("attn.qkv"), head_dim) @ p("attn.o")
+        return x + gelu(rms_norm(x, p("norm2")) @ p("mlp.up")) @ p("mlp.down")  # (B, T, D)
+
+    return remat_block(run)(x)
 
 
 def head(params: dict, x: jax.Array) -> jax.Array:
@@ -228,11 +272,15 @@ def apply(params: dict, tokens: jax.Array, head_dim: int, positions: jax.Array |
 def moe_block(params: dict, l: int, x: jax.Array, head_dim: int, topk: int, dispatch=dispatch_local,
               total=lambda c: c, attn=attention, select=jax.lax.top_k):
     """An MoE block over the dict: -> (x (B, T, D), aux (), load (B, E)); ``moe``'s seams."""
-    p = lambda n: params[f"blocks.{l}.{n}"]
-    x = x + attn(rms_norm(x, p("norm1.weight")) @ p("attn.qkv.weight"), head_dim) @ p("attn.o.weight")
-    out, aux, load = moe(rms_norm(x, p("norm2.weight")), p("mlp.router.weight"), p("mlp.experts.w_up"),
-                         p("mlp.experts.w_down"), topk, dispatch, total, select)
-    return x + out, aux, load
+    p, core = lambda n: params[f"blocks.{l}.{n}"], remat_core(attn)
+
+    def run(x):
+        x = x + core(rms_norm(x, p("norm1.weight")) @ p("attn.qkv.weight"), head_dim) @ p("attn.o.weight")
+        out, aux, load = moe(rms_norm(x, p("norm2.weight")), p("mlp.router.weight"), p("mlp.experts.w_up"),
+                             p("mlp.experts.w_down"), topk, dispatch, total, select)
+        return x + out, aux, load
+
+    return remat_block(run)(x)
 
 
 def apply_moe(params: dict, tokens: jax.Array, head_dim: int, topk: int, dispatch=dispatch_local,

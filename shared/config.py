@@ -22,6 +22,9 @@ EXPERT_PATTERNS = ("ep",)
 MESH_AXES = ("dp", "fsdp", "pp", "cp", "tp")
 DATA_AXES = ("dp", "fsdp")
 MODELS = ("mlp", "transformer")
+# Activation recomputation (the transformer): keep every activation, keep only each block's input and
+# recompute the block in backward, or recompute only the attention core (Korthikanti et al. 2022).
+RECOMPUTE = ("none", "full", "selective")
 BYTES_PER_ELEMENT = {"float32": 4, "float64": 8, "bfloat16": 2}
 
 
@@ -55,9 +58,15 @@ class Config:
     # MoE layer of E experts, each token routed to its ``topk`` most probable ones (shared/problem.py).
     experts: int = 0
     topk: int = 1
+    # Pipeline: model chunks per pp rank for the interleaved schedule (rank r holds virtual stages
+    # c·S + r, c < v; Narayanan et al. 2021). 1 = one chunk; the other schedules always use one.
+    virtual_stages: int = 1
+    # Activation recomputation (RECOMPUTE): what backward recomputes instead of keeping (the transformer).
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "layers", "dim", "batch", "microbatches", "steps", "heads", "seq", "vocab"):
+        for name in ("world_size", "layers", "dim", "batch", "microbatches", "steps", "heads", "seq", "vocab",
+                     "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -81,6 +90,11 @@ class Config:
         if self.model == "transformer" and self.dim % self.heads:
             raise ValueError(f"transformer: dim={self.dim} is not divisible by heads={self.heads} "
                              "(every head has dim/heads features)")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if self.recompute != "none" and self.model != "transformer":
+            raise ValueError(f"recompute={self.recompute}: the {self.model} has no blocks to recompute "
+                             "(use --model transformer)")
         if isinstance(self.experts, bool) or not isinstance(self.experts, int) or self.experts < 0 \
                 or self.experts == 1:
             raise ValueError(f"experts must be 0 (dense) or >= 2, got {self.experts!r}")
@@ -207,6 +221,15 @@ class Config:
             if getattr(self, size) % getattr(self, by):
                 raise ValueError(f"{name}: {size}={getattr(self, size)} is not divisible by "
                                  f"{by}={getattr(self, by)} ({why})")
+        if pattern == "pp" and self.virtual_stages > 1:  # the interleaved schedule's chunks
+            n, v = self.world_size, self.virtual_stages
+            if self.layers % (n * v):
+                unit = "layers" if self.model == "mlp" else "blocks"
+                raise ValueError(f"{name}: layers={self.layers} is not divisible by world_size·virtual_stages="
+                                 f"{n * v} (every model chunk holds the same number of {unit})")
+            from shared.schedule import validate  # pure Python
+
+            validate("interleaved", n, self.microbatches, v)
         return self
 
     def divisibility(self, pattern: str) -> list[tuple[str, str, str]]:
@@ -244,6 +267,9 @@ class Config:
             raise ValueError("mesh: no layout given (e.g. --mesh dp=2,tp=2,pp=2)")
         if self.model != "transformer":
             raise ValueError(f"mesh: the {self.model} has no N-D layout here (use --model transformer)")
+        if self.virtual_stages > 1:
+            raise ValueError(f"mesh: virtual_stages={self.virtual_stages} (the interleaved schedule) runs under "
+                             "--patterns pp only; the mesh's pp axis runs 1F1B")
         product = 1
         for _, n in self.mesh:
             product *= n

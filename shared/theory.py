@@ -56,11 +56,14 @@ def zero3_comm_bytes(cfg: Config) -> int:
     return 3 * cfg.n_params * cfg.bytes_per_element
 
 
-def pp_p2p_bytes(cfg: Config) -> int:
+def pp_p2p_bytes(cfg: Config, virtual: int = 1) -> int:
     """Pipeline, whole pipeline per step: per stage boundary and micro-batch one activation
     (B/M, D) forward and one gradient backward: 2·(S−1)·M·(B/M)·D·b = 2·(S−1)·B·D·b
-    (transformer: (B/M, T, D) messages, 2·(S−1)·B·T·D·b; see pp_activation_elements)."""
-    return 2 * (cfg.world_size - 1) * pp_activation_elements(cfg) * cfg.bytes_per_element
+    (transformer: (B/M, T, D) messages, 2·(S−1)·B·T·D·b; see pp_activation_elements).
+    Interleaved, v chunks per rank: S·v − 1 boundaries between virtual stages, every one
+    between ranks when S > 1: 2·(S·v − 1)·B·D·b."""
+    boundaries = cfg.world_size * virtual - 1 if cfg.world_size > 1 else 0
+    return 2 * boundaries * pp_activation_elements(cfg) * cfg.bytes_per_element
 
 
 def pp_bubble_fraction(stages: int, microbatches: int) -> float:
@@ -112,19 +115,26 @@ def fit_alpha_beta(sizes_bytes, times_s) -> tuple[float, float]:
     return float(alpha), (float(1.0 / inv_beta) if inv_beta > 0 else float("inf"))
 
 
-def pp_p2p_bytes_per_rank(cfg: Config, rank: int) -> int:
+def pp_p2p_bytes_per_rank(cfg: Config, rank: int, virtual: int = 1) -> int:
     """Pipeline (torch explicit schedules), payload sent by one rank = stage s per step: M
     activations (B/M, D) to s+1 unless s is last, M activation-gradients (B/M, D) to s−1 unless
     s is first: ((s < S−1) + (s > 0))·B·D·b (transformer: (B/M, T, D) messages, B·T·D·b).
-    Summed over ranks: pp_p2p_bytes."""
-    s, last = rank, cfg.world_size - 1
-    return ((s < last) + (s > 0)) * pp_activation_elements(cfg) * cfg.bytes_per_element
+    Summed over ranks: pp_p2p_bytes. Interleaved (``virtual`` = v chunks, virtual stage c·S + s):
+    pp_p2p_count_per_rank(…, v) messages of (B/M)·D·b: (2v − [s = 0] − [s = S−1])·B·D·b."""
+    return pp_p2p_count_per_rank(cfg, rank, virtual) * pp_activation_elements(cfg) // cfg.microbatches \
+        * cfg.bytes_per_element
 
 
-def pp_p2p_count_per_rank(cfg: Config, rank: int) -> int:
-    """Sends per step of stage s (receives likewise, mirrored): ((s < S−1) + (s > 0))·M."""
+def pp_p2p_count_per_rank(cfg: Config, rank: int, virtual: int = 1) -> int:
+    """Sends per step of stage s (receives likewise, mirrored): ((s < S−1) + (s > 0))·M.
+    Interleaved, v chunks: every chunk sends M activations on, except the last virtual stage's
+    (rank S−1's chunk v−1), and M gradients back, except virtual stage 0's (rank 0's chunk 0):
+    (2v − [s = 0] − [s = S−1])·M for S > 1, v× plain pipelining's in the middle; S = 1: none
+    (every chunk boundary stays on the rank)."""
     s, last = rank, cfg.world_size - 1
-    return ((s < last) + (s > 0)) * cfg.microbatches
+    if last == 0:
+        return 0
+    return (2 * virtual - (s == last) - (s == 0)) * cfg.microbatches
 
 
 def pp_circular_permute_count(cfg: Config, style: str = "shard_map") -> int:
@@ -146,8 +156,37 @@ def pp_circular_permute_bytes(cfg: Config, style: str = "shard_map") -> int:
     return pp_circular_permute_count(cfg, style) * mb_bytes
 
 
-def pp_peak_activations(schedule: str, stages: int, microbatches: int, rank: int) -> int:
-    """Micro-batches whose activations stage ``rank`` holds at once: GPipe M; 1F1B min(M, S − s)."""
+def pp_1f1b_permute_count(cfg: Config) -> int:
+    """JAX 1F1B by hand (jax_impl/pp_1f1b.py), collective-permutes per step on every device: one
+    per tick in which some device sends (F sends s → s+1, B sends s → s−1, in ONE permute whose
+    pairs are the tick's senders). Unit ticks, 2·(M+S−1) in all: stage s runs F(i) at s+i for
+    i < min(S−s, M), F(S−s+j) at 2S−s+2j, B(j) at 2S−1−s+2j. M = 1: the F chain then the B chain,
+    2·(S−1); S = 2: stage 0's M F-ticks and stage 1's M B-ticks coincide M−2 times, M + 2;
+    S ≥ 3, M ≥ 2: every tick but the last (stage 0's final B, which sends nothing): 2·(M+S−1) − 1."""
+    S, M = cfg.world_size, cfg.microbatches
+    if S == 1:
+        return 0
+    if M == 1:
+        return 2 * (S - 1)
+    return M + 2 if S == 2 else 2 * (M + S - 1) - 1
+
+
+def pp_1f1b_permute_bytes(cfg: Config) -> int:
+    """Payload per device per step of JAX's 1F1B: pp_1f1b_permute_count messages of one
+    micro-batch's activation (B/M)·D·b (transformer (B/M)·T·D·b); + b for the loss all-reduce
+    is counted by the caller, as for the circular pipeline."""
+    return pp_1f1b_permute_count(cfg) * (pp_activation_elements(cfg) // cfg.microbatches * cfg.bytes_per_element)
+
+
+def pp_peak_activations(schedule: str, stages: int, microbatches: int, rank: int, virtual: int = 1) -> int:
+    """Micro-batches whose activations stage ``rank`` holds at once: GPipe M; 1F1B min(M, S − s);
+    ZB-H1 (zb, held from F until W) min(M, S) on every stage (shared.schedule.simulate agrees);
+    interleaved (v chunks; (micro-batch, chunk)s of L/(S·v) blocks each): its warm-up + 1,
+    min(2·(S−s−1) + (v−1)·S + 1, v·M) — at v = 1 up to 2(S−s)−1, more than 1F1B's S−s."""
+    if schedule == "zb":
+        return min(microbatches, stages)
+    if schedule == "interleaved":  # (micro-batch, chunk)s, each 1/v of a stage's: warm-up + the steady F
+        return min(2 * (stages - rank - 1) + (virtual - 1) * stages + 1, virtual * microbatches)
     return microbatches if schedule == "gpipe" else min(microbatches, stages - rank)
 
 
@@ -939,3 +978,61 @@ def ep_state_bytes_jax(cfg: Config, style: str) -> dict[str, int]:
     the same; AdamW's two moments of each (sharded like the parameters)."""
     held = (ep_replicated_params(cfg) + cfg.expert_params // cfg.world_size) * cfg.bytes_per_element
     return {"params": held, "grads": held, "optimizer": 2 * held}
+
+
+# --- activation recomputation (the transformer; Korthikanti et al. 2022, arXiv:2205.05198) ---------
+# Elements saved for backward, derived op by op for torch_impl/transformer.py (torch 2.13, checked by
+# torch_impl.harness.SavedTensorMeter, which counts each storage once). Per token of one block:
+#   norm1, norm2  composite RMSNorm x·rsqrt(mean(x²)+ε)·g saves x, rsqrt, x·rsqrt:  2·(2D + 1)
+#   W_qkv, W_up   their inputs (the norms' outputs):                             D + D
+#   attention     q|k|v (views of ONE qkv storage) 3D; the core's output D (W_o's input is a view
+#                 of it); SDPA on CPU runs the flash kernel (float64 too): + its log-sum-exp, H.
+#                 The math backend (SDPBackend.MATH) saves copies instead, q·√s, k·√s, v (3D), the
+#                 softmax H·T (Korthikanti's a·s/h term) and W_o's input, a copy (D): H·T for H.
+#   GELU, W_down  GELU's input 4D, W_down's input 4D
+# none = 18D + 2 + H (flash) | 18D + 2 + H·T (math). Korthikanti's 34 + 5·a·s/h bytes (fp16, per
+# s·b·h) is the same walk with LayerNorm saving its input only, and dropout masks and biases this
+# model lacks. selective = none without the core's own tensors (checkpoint keeps q|k|v and the
+# output): 18D + 2. full = the block's input, D (while backward recomputes one block, that block's
+# whole set is alive once more, inside the checkpoint, where the meter does not look).
+# Outside the blocks: the token and target ids (int64) and the positions; the final norm 2D + 1, the
+# head's input D, the log-softmax V per token, and the loss's scalar total weight.
+
+
+def block_saved_elements(cfg: Config, policy: str, attention: str = "flash") -> int:
+    """Elements one block saves for backward per token (see the table above), tensor parallelism off."""
+    d, h = cfg.dim, cfg.heads
+    if policy == "full":
+        return d
+    core = 0 if policy == "selective" else h if attention == "flash" else h * cfg.seq
+    return 18 * d + 2 + core
+
+
+def activation_bytes(cfg: Config, policy: str | None = None, sequences: int | None = None,
+                     id_sequences: int | None = None, attention: str = "flash") -> int:
+    """Peak bytes saved for backward by one forward of the whole transformer over ``sequences``
+    sequences of cfg.seq tokens (default cfg.batch): L blocks, the ids, norm, head and loss. The
+    ids are int64 (8 bytes whatever the dtype); ``id_sequences``: rows of the storage the token and
+    target ids are views of (dp slices the global (B, T) arrays: cfg.batch). Exact for the
+    single-device run, dp and fsdp's zero2 / fsdp2 (B/N sequences), cp's ring (T/N tokens: pass
+    ``cfg.replace(seq=T//N)``) and each 1F1B stage (in-flight micro-batches × its blocks)."""
+    policy = cfg.recompute if policy is None else policy
+    n = (cfg.batch if sequences is None else sequences) * cfg.seq  # tokens
+    ids = 2 * (cfg.batch if id_sequences is None else id_sequences) * cfg.seq + cfg.seq  # tokens, targets, positions
+    outside = (3 * cfg.dim + 1 + cfg.vocab) * n + 1  # final norm 2D+1, head input D, log-softmax V; scalar
+    blocks = cfg.layers * block_saved_elements(cfg, policy, attention) * n
+    return (blocks + outside) * cfg.bytes_per_element + 8 * ids
+
+
+def recompute_extra_flops(cfg: Config, policy: str | None = None, sequences: int | None = None) -> dict[str, int]:
+    """Extra forward FLOPs of one step from recomputation (matmuls, 2 per multiply-add; softmax, norms
+    and GELU not counted), against the step's 3× forward. Per block and sequence: the matmuls 2·T·12D²
+    (W_qkv 3D², W_o D², W_up 4D², W_down 4D²), the attention core 2·2·T²·D (QKᵀ and ·V over the whole
+    T×T, as JAX's written-out attention and the math backend compute it; a causal kernel that skips
+    the masked half does half). full recomputes the block, selective the core."""
+    policy = cfg.recompute if policy is None else policy
+    s, t, d = cfg.batch if sequences is None else sequences, cfg.seq, cfg.dim
+    core, block = 4 * s * t * t * d, 24 * s * t * d * d
+    forward = cfg.layers * (block + core) + 2 * s * t * d * cfg.vocab  # + the head
+    extra = cfg.layers * {"none": 0, "selective": core, "full": block + core}[policy]
+    return {"extra": extra, "step": 3 * forward, "fraction": extra / (3 * forward)}

@@ -16,11 +16,16 @@ from __future__ import annotations
 
 import pytest
 
+from jax_impl import pp as jax_pp
+from jax_impl import pp_1f1b
 from jax_impl.harness import run_pattern as jax_run_pattern
-from plots import plot_pipeline_timeline
+from plots import plot_pipeline_timeline, plot_schedule
 from shared.config import Config
 from shared.results import cross_framework_ok, parity, within
+from shared.schedule import closed_form_bubble, measured_costs, order, simulate
 from shared.theory import (
+    pp_1f1b_permute_bytes,
+    pp_1f1b_permute_count,
     pp_bubble_fraction,
     pp_circular_permute_bytes,
     pp_circular_permute_count,
@@ -32,10 +37,13 @@ from shared.theory import (
     pp_stage_param_count,
     pp_state_bytes,
 )
+from torch_impl import pp as torch_pp
 from torch_impl.harness import run_pattern as torch_run_pattern
 from torch_impl.launch import launch
 
 SIZES = dict(dim=8, batch=12, steps=5)
+ONE_F_ONE_B = ("shard_map", "1f1b")
+CIRCULAR = [v for v in jax_pp.VARIANTS if v != ONE_F_ONE_B]
 MICROBATCHES = {2: (1, 4), 3: (1, 4), 4: (1, 2, 6)}  # M = 1, (1 < M < S,) M > S
 
 
@@ -51,11 +59,20 @@ def transformer_configs(stages: int, jax_default: bool | None = None) -> list[Co
 
 
 def configs(stages: int, jax: bool = False) -> list[Config]:
-    """Every config of one launch (torch), or JAX's default run (``jax``)."""
+    """Every config of one launch (torch), or JAX's default run (``jax``). S = 2: the float64 MLP at
+    M > S and the float64 transformer run torch's interleaved schedule with v = 2 chunks per rank
+    (the other variants ignore virtual_stages); elsewhere interleaved runs at v = 1 where M % S == 0."""
     ms = MICROBATCHES[stages]
     cfgs = [Config(world_size=stages, layers=2 * stages, microbatches=m, **SIZES) for m in ms]
     cfgs.append(cfgs[-1].replace(dtype="float32"))
-    return cfgs + transformer_configs(stages, True if jax else None)
+    cfgs += transformer_configs(stages, True if jax else None)
+    return [c.replace(virtual_stages=2) if stages == 2 and c.dtype == "float64" and c.microbatches > 1 else c
+            for c in cfgs]
+
+
+def chunks(variant: str, cfg: Config) -> int:
+    """Model chunks per rank a torch run used: cfg.virtual_stages under interleaved, else 1."""
+    return cfg.virtual_stages if variant == "interleaved" else 1
 
 
 # S=3 (an odd stage count) under -m slow (suite budget); S=2 and 4 run by default.
@@ -64,14 +81,45 @@ def stages(request) -> int:
     return request.param
 
 
+# torch's interleaved schedules (explicit, builtin) and builtin zero-bubble run by default where S = 2
+# runs v = 2 chunks, and (builtin zb) on the float64 MLP at M > S = 4; their other configs under -m
+# slow (suite budget: each builtin run costs 0.3–1 s here).
+NEW_VARIANTS = {("explicit", "interleaved"), ("builtin", "interleaved"), ("builtin", "zb")}
+
+
+def torch_variants(stages: int, rest: bool = False) -> dict[Config, list[tuple[str, str]]]:
+    """{config: its torch variants} of the default launch, or (``rest``) the new variants it leaves out."""
+    out = {}
+    for cfg in configs(stages):
+        default = cfg.virtual_stages > 1 or (cfg.model, cfg.dtype, stages) == ("mlp", "float64", 4) and \
+            cfg.microbatches > stages
+        out[cfg] = [sv for sv in torch_pp.variants(cfg) if (sv in NEW_VARIANTS and not default) == rest]
+    return {cfg: chosen for cfg, chosen in out.items() if chosen}
+
+
 @pytest.fixture(scope="module")
 def torch_out(stages):
-    return launch(torch_run_pattern, stages, "pp", configs(stages))[0]
+    chosen = torch_variants(stages)
+    return launch(torch_run_pattern, stages, "pp", list(chosen), chosen)[0]
 
 
 @pytest.fixture(scope="module")
 def jax_out(stages):
-    return jax_run_pattern("pp", configs(stages, jax=True))
+    return jax_run_pattern("pp", configs(stages, jax=True), variants=CIRCULAR)
+
+
+# JAX 1F1B by hand (jax_impl/pp_1f1b.py) compiles its own, longer unrolled schedule (2·(M+S−1) ticks
+# of F/B branches): by default the MLP at S = 4, M = 6 > S (warm-up, steady state, cool-down all
+# present), float64 (~3 s); S = 2 (the MLP ~1.5 s, the transformer ~11 s with its JAX reference),
+# S = 3, float32 and the transformer under -m slow. tests/test_cli.py's JSON contract runs the JAX
+# 1F1B at S = 2 on both models by default (parity only). S -> (default configs, the rest).
+ONE_F_ONE_B_RUNS = {2: lambda: ([], configs(2)[1:]), 3: lambda: ([], configs(3)[1:]),
+                    4: lambda: (configs(4)[2:3], configs(4)[3:])}
+
+
+@pytest.fixture(scope="module")
+def jax_1f1b_out(stages):
+    return jax_run_pattern("pp", ONE_F_ONE_B_RUNS[stages]()[0], variants=[ONE_F_ONE_B])
 
 
 def runs(out):
@@ -109,12 +157,13 @@ def test_torch_ledger_point_to_point(torch_out):
     (B/M, D) (transformer (B/M, T, D)); receives mirror the sends. Nothing else in the ledgered step (the loss broadcast
     is outside it). The builtin schedules move exactly the same messages."""
     for cfg, _, style, variant, run in runs(torch_out):
-        per_rank = run.extra["comm_per_rank"]
+        per_rank, v = run.extra["comm_per_rank"], chunks(variant, cfg)  # interleaved: v× the messages
+        assert run.extra["virtual_stages"] == v
         for r, comm in enumerate(per_rank):
-            expected = {"count": pp_p2p_count_per_rank(cfg, r), "bytes": pp_p2p_bytes_per_rank(cfg, r)}
+            expected = {"count": pp_p2p_count_per_rank(cfg, r, v), "bytes": pp_p2p_bytes_per_rank(cfg, r, v)}
             assert comm == {"send": expected, "recv": expected}, (style, variant, cfg.microbatches, r, comm)
-        assert sum(c["send"]["bytes"] for c in per_rank) == pp_p2p_bytes(cfg)
-        assert run.comm_theory == pp_p2p_bytes_per_rank(cfg, 0)
+        assert sum(c["send"]["bytes"] for c in per_rank) == pp_p2p_bytes(cfg, v)
+        assert run.comm_theory == pp_p2p_bytes_per_rank(cfg, 0, v)
 
 
 def test_jax_ledger_collective_permute(jax_out):
@@ -158,45 +207,130 @@ def test_jax_transformer_rest(torch_out, stages):
     test_state_bytes_one_stage_per_rank(torch_out, rest)
 
 
-def expected_order(schedule: str, stages: int, stage: int, m: int) -> list[tuple[str, int]]:
-    if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warmup = min(stages - stage - 1, m)
-    order = [("F", i) for i in range(warmup)]
-    for i in range(m - warmup):
-        order += [("F", warmup + i), ("B", i)]
-    return order + [("B", i) for i in range(m - warmup, m)]
+def simulator_order(stages: int, m: int) -> list[list[tuple[str, int]]]:
+    """shared.schedule's 1F1B order as [(kind, mb)] per stage (the JAX run records that form)."""
+    return [[(op.kind, op.mb) for op in ops] for ops in order("1f1b", stages, m)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
+def test_jax_1f1b_plan_matches_simulator_and_ledger_formula(n):
+    """The static tick tables of JAX's 1F1B (pure Python, every M up to 10): executed order = the
+    simulator's 1F1B order, each op at its start in the simulator's unit-cost timeline; peak stash
+    min(S − s, M); 2·(M+S−1) ticks; one permute per tick with a sender =
+    shared.theory.pp_1f1b_permute_count; the tick bubble = the simulator's = (S−1)/(M+S−1)."""
+    for m in range(1, 11):
+        plan = pp_1f1b.plan(n, m)
+        assert plan.executed() == simulator_order(n, m), (n, m)
+        assert plan.peak_in_flight == [pp_peak_activations("1f1b", n, m, s) for s in range(n)]
+        assert len(plan.grid) == 2 * (m + n - 1) and plan.inbox_slots <= 2  # messages wait ≤ 2 deep
+        cfg = Config(world_size=n, microbatches=m, layers=n, batch=m, dim=8)
+        assert sum(bool(pairs) for pairs in plan.pairs) == pp_1f1b_permute_count(cfg), (n, m)
+        # the ticks ARE the simulator's ideal timeline at unit cost (f = b = 1, w = 0: unsplit backward)
+        sim = simulate("1f1b", n, m, w=0.0)
+        assert {(e.rank, e.op.kind, e.op.mb): e.start for e in sim.events} == \
+            {(s, *op): t for t, row in enumerate(plan.grid) for s, op in enumerate(row) if op}
+        assert plan.peak_in_flight == sim.peak_in_flight
+        # bubble: idle ticks / all (exact fractions of small integers: 1e-12 is float rounding)
+        assert (plan.kind == pp_1f1b.IDLE).mean() == pytest.approx(sim.bubble, abs=1e-12)
+        assert (plan.kind == pp_1f1b.IDLE).mean() == pytest.approx(pp_bubble_fraction(n, m), abs=1e-12)
+
+
+def test_jax_1f1b(torch_out, jax_1f1b_out):
+    """1F1B in JAX: parity with the single-device reference and torch's; the executed order is the
+    simulator's; stage s stashes at most min(S − s, M) micro-batches; the HLO holds exactly
+    pp_1f1b_permute_count collective-permutes of one micro-batch's activation and the loss's all-reduce."""
+    if not jax_1f1b_out:
+        pytest.skip("no default 1F1B config at this S (the slow test runs them)")
+    test_jax_parity(jax_1f1b_out)
+    test_cross_framework(torch_out, jax_1f1b_out)
+    for cfg, _, _, _, run in runs(jax_1f1b_out):
+        S, M, b = cfg.world_size, cfg.microbatches, cfg.bytes_per_element
+        assert run.extra["order"] == simulator_order(S, M)
+        assert run.extra["peak_in_flight"] == [pp_peak_activations("1f1b", S, M, s) for s in range(S)]
+        # SPMD: every device allocates stage 0's min(S, M) stash slots
+        assert run.extra["stash_bytes"] == min(S, M) * run.extra["stash_bytes_per_microbatch"] > 0
+        assert run.comm == {"collective_permute": {"count": pp_1f1b_permute_count(cfg),
+                                                   "bytes": pp_1f1b_permute_bytes(cfg)},
+                            "all_reduce": {"count": 1, "bytes": b}}, (cfg.model, M, run.comm)
+        assert run.comm_theory == pp_1f1b_permute_bytes(cfg) + b
+        assert run.state_bytes == pp_state_bytes(pp_spmd_param_count(cfg), cfg)
+
+
+@pytest.mark.slow
+def test_jax_1f1b_rest(torch_out, stages):
+    """The JAX 1F1B configs the default run leaves out, through the same checks."""
+    test_jax_1f1b(torch_out, jax_run_pattern("pp", ONE_F_ONE_B_RUNS[stages]()[1], variants=[ONE_F_ONE_B]))
 
 
 def test_torch_schedule_timeline_and_memory(torch_out):
-    """Each stage runs its schedule's order of F/B blocks, never two at once; peak stashed
-    activations are M for GPipe and min(M, S − s) for 1F1B; the bubble is reported."""
+    """Each stage runs the simulator's order of F/B (zb: F/B/W) blocks (shared.schedule.order;
+    interleaved: with their chunk), never two at once; peak stashed activations are M for GPipe,
+    min(M, S − s) for 1F1B, min(M, S) for ZB-H1 (held until W) and the interleaved warm-up + 1
+    (micro-batch, chunk)s, the simulator's peak in flight; the bubble is reported (theory: the
+    simulator's at F = B = W, the closed form (S−1)/(v·M+S−1) for interleaved; and simulated at the
+    run's mean block times)."""
     for cfg, _, style, variant, run in runs(torch_out):
         if style != "explicit":
             continue
-        S, M, extra = cfg.world_size, cfg.microbatches, run.extra
-        assert extra["peak_activations"] == [pp_peak_activations(variant, S, M, s) for s in range(S)]
-        for s in range(S):
+        S, M, v, extra = cfg.world_size, cfg.microbatches, chunks(variant, cfg), run.extra
+        assert extra["peak_activations"] == [pp_peak_activations(variant, S, M, s, v) for s in range(S)]
+        assert extra["peak_activations"] == simulate(variant, S, M, v).peak_in_flight
+        for s, ops in enumerate(order(variant, S, M, v)):
             blocks = [e for e in extra["timeline"] if e["stage"] == s]
-            assert [(e["kind"], e["mb"]) for e in blocks] == expected_order(variant, S, s, M), (variant, s)
+            assert [(e["kind"], e["mb"], e.get("chunk", 0)) for e in blocks] == \
+                [(op.kind, op.mb, op.chunk) for op in ops], (variant, s)
             assert all(a["end"] <= b["start"] for a, b in zip(blocks, blocks[1:]))
-        assert extra["bubble_theory"] == pp_bubble_fraction(S, M)
+        assert extra["bubble_theory"] == simulate(variant, S, M, v).bubble
+        if v > 1:
+            assert extra["bubble_theory"] == closed_form_bubble(variant, S, M, v) == (S - 1) / (v * M + S - 1)
+        elif variant != "zb":
+            assert extra["bubble_theory"] == pp_bubble_fraction(S, M)
+        assert 0.0 <= extra["bubble_simulated"] <= 1.0
         assert 0.0 <= extra["bubble_measured"] <= 1.0
         assert all(b + i == pytest.approx(extra["span_s"]) for b, i in zip(extra["busy_s"], extra["idle_s"]))
 
 
+@pytest.mark.slow
+def test_torch_new_variants_rest(stages):
+    """The (config, variant)s of torch's interleaved and builtin zero-bubble the default launch leaves
+    out, through the same checks (interleaved at v = 1 where M % S == 0)."""
+    chosen = torch_variants(stages, rest=True)
+    out = launch(torch_run_pattern, stages, "pp", list(chosen), chosen)[0]
+    test_torch_parity(out)
+    test_torch_ledger_point_to_point(out)
+    test_state_bytes_one_stage_per_rank(out, [])
+    test_torch_schedule_timeline_and_memory(out)
+
+
+@pytest.mark.slow
+def test_torch_interleaved_four_stages():
+    """Interleaved 1F1B at S = 4, v = 2 (8 virtual stages), both models, M = S and M = 3S (its own
+    launch, interleaved variants only): parity, ledger, executed order, memory, as above."""
+    cfgs = [Config(world_size=4, layers=8, microbatches=m, virtual_stages=2, **SIZES) for m in (4, 12)]
+    cfgs.append(Config(world_size=4, layers=8, microbatches=4, virtual_stages=2, **TRANSFORMER))
+    out = launch(torch_run_pattern, 4, "pp", cfgs, [("explicit", "interleaved"), ("builtin", "interleaved")])[0]
+    test_torch_parity(out)
+    test_torch_ledger_point_to_point(out)
+    test_torch_schedule_timeline_and_memory(out)
+
+
 def test_plot_pipeline_timeline(torch_out, tmp_path):
-    run = next(r for _, _, style, _, r in runs(torch_out) if style == "explicit")
-    path = tmp_path / "timeline.png"
-    plot_pipeline_timeline(run.extra["timeline"], str(path), "gpipe")
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+    cfg, _, _, variant, run = next(r for r in runs(torch_out) if r[2] == "explicit")
+    timeline = run.extra["timeline"]
+    plot_pipeline_timeline(timeline, str(tmp_path / "timeline.png"), "gpipe")
+    simulated = simulate(variant, cfg.world_size, cfg.microbatches, **measured_costs(timeline))
+    plot_schedule(simulated, str(tmp_path / "schedule.png"), measured=timeline, title=variant)
+    for name in ("timeline.png", "schedule.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
 
 
 @pytest.mark.parametrize("changes, message", [
     (dict(layers=6), "layers=6 is not divisible by world_size=4"),
     (dict(batch=12, microbatches=5), "batch=12 is not divisible by microbatches=5"),
     (dict(model="transformer", layers=6), r"pp \(transformer\): layers=6 is not divisible by world_size=4"),
+    (dict(virtual_stages=3), r"pp: layers=8 is not divisible by world_size·virtual_stages=12"),
+    (dict(virtual_stages=2, batch=12, microbatches=6), r"interleaved: microbatches=6 is not divisible by stages=4"),
 ])
 def test_bad_input_raises_before_launch(changes, message):
     cfg = Config(**{"world_size": 4, "layers": 8, **SIZES, **changes})

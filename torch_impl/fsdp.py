@@ -16,6 +16,8 @@ explicit/zero3  ``FSDP(module)``: params, grads, AdamW state sharded (vectors re
          that do not save the weight cause no re-gather: embeddings (their backward needs only
          the indices) and a Linear whose input needs no gradient (the MLP's layer 0). Each unit's
          gradient is reduce-scattered asynchronously; ``finish_gradient_synchronization`` waits.
+         Under full recomputation a checkpointed block saves no weight through these hooks: its
+         recompute in backward gathers them again (pre-hooks, no prefetch), in place of the handles.
     payload S per step per rank (shared.theory.fsdp_comm): all-gather every unit fwd, every unit
     but the embeddings (MLP: but layer 0) bwd; reduce-scatter every unit; 1 all-reduce of the
     vectors. MLP: (2L−1)·D²·b + L·D²·b = 3Φb − D²b; transformer: 3Φb − (V+T)·D·b − (2L+1)·D·b.
@@ -174,6 +176,7 @@ class FSDP(nn.Module):
         self._inflight = {}  # Unit -> (buffer, work, source): all-gathers started, not yet waited for
         self._fwd_order = [u for _, _, u in self.units]  # first step: registration order
         self._pending = []  # reduce-scatters in flight: (unit, out, work, input)
+        self._forwarding = False  # inside forward(); False while backward recomputes a checkpointed block
 
     # all-gathers with prefetch
     def _start(self, unit: Unit) -> None:
@@ -202,7 +205,10 @@ class FSDP(nn.Module):
     # forward: hooks on the modules that own units
     def _pre_forward(self, owner, args):
         for o, attr, unit in self.units:
-            if o is owner:
+            if o is owner and not self._forwarding:  # activation recomputation in backward (a checkpointed
+                # block runs again): gather, no prefetch, no bookkeeping; its saves go to the checkpoint
+                owner.__dict__[attr] = _Gathered.apply(unit.shard, self, unit)
+            elif o is owner:
                 full = _Gathered.apply(unit.shard, self, unit)  # (R, …), compute dtype
                 self._fwd_pos = self._prefetch_after(self._fwd_order, unit, self._fwd_pos)
                 self._seen.append(unit)
@@ -245,7 +251,11 @@ class FSDP(nn.Module):
             args = [a.to(self.compute_dtype) if torch.is_floating_point(a) else a for a in args]
         self._fwd_pos, self._seen, self._live, self._saves, self._regathered = 0, [], {}, {}, {}
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            out = self.module(*args, **kwargs)
+            self._forwarding = True
+            try:
+                out = self.module(*args, **kwargs)
+            finally:
+                self._forwarding = False
         for unit in list(self._inflight):  # a prefetch nobody used (the order changed): finish it
             self._wait(unit)
         self._fwd_order = self._seen  # next step prefetches in the order this forward ran

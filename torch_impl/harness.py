@@ -189,8 +189,10 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
 
 def _reference(cfg: Config, device):
     """The single-device run depends on none of the parallel layout (world size, micro-batches,
-    buckets, mesh): compute it once per remaining configuration."""
-    return _cached_reference(cfg.replace(world_size=1, microbatches=1, bucket_mb=25.0, mesh=()), str(device))
+    buckets, mesh) nor on recomputation (a run with recompute is checked against the one without):
+    compute it once per remaining configuration."""
+    return _cached_reference(cfg.replace(world_size=1, microbatches=1, bucket_mb=25.0, mesh=(), recompute="none",
+                                         virtual_stages=1), str(device))
 
 
 @functools.lru_cache(maxsize=8)
@@ -199,10 +201,12 @@ def _cached_reference(cfg: Config, device: str):
 
 
 def run_pattern(
-    ctx: RankContext, pattern: str, cfgs: list[Config], variants: list[tuple[str, str]] | None = None
+    ctx: RankContext, pattern: str, cfgs: list[Config],
+    variants: list[tuple[str, str]] | dict[Config, list[tuple[str, str]]] | None = None,
 ) -> list[dict] | None:
     """Returns, on rank 0, one entry per config:
-    ``{"cfg": cfg, "reference": Trained, "runs": [(style, variant, Trained), …]}``; None elsewhere."""
+    ``{"cfg": cfg, "reference": Trained, "runs": [(style, variant, Trained), …]}``; None elsewhere.
+    ``variants``: the (style, variant)s to run (a dict: per config), default every one the pattern has."""
     module = importlib.import_module(f"torch_impl.{pattern}")
     out = []
     for cfg in cfgs:
@@ -211,7 +215,8 @@ def run_pattern(
         ref = _reference(cfg, ctx.device) if ctx.rank == 0 else None
         runs = []
         # a pattern may offer some variants for one model only: its variants(cfg), else VARIANTS
-        for style, variant in variants or getattr(module, "variants", lambda c: module.VARIANTS)(cfg):
+        chosen = variants.get(cfg) if isinstance(variants, dict) else variants
+        for style, variant in chosen or getattr(module, "variants", lambda c: module.VARIANTS)(cfg):
             trained = module.train(cfg, problem, style, variant, ctx)
             runs.append((style, variant, trained))
         out.append({"cfg": cfg, "reference": ref, "runs": runs})

@@ -54,7 +54,7 @@ def empty_model(cfg: Config, device="cpu", layers: int | None = None) -> nn.Modu
     if cfg.model == "mlp":
         return MLP(layers, cfg.dim, torch_dtype(cfg), device)
     return Transformer(layers, cfg.dim, cfg.heads, cfg.vocab, cfg.seq, torch_dtype(cfg), device,
-                       cfg.experts, cfg.topk)
+                       cfg.experts, cfg.topk, cfg.recompute)
 
 
 def is_transposed(module: nn.Module, name: str) -> bool:

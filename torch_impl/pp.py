@@ -1,4 +1,4 @@
-"""Pipeline parallelism (GPipe, 1F1B) with torch.distributed point-to-point, trained end to end.
+"""Pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, ZB-H1) with torch.distributed point-to-point.
 
 Sharded: the model's blocks, in contiguous stages — rank s holds blocks s·L/S … (s+1)·L/S − 1
 (their weights, grads and AdamW state). Transformer: the embeddings (wte, wpe) also sit on stage
@@ -24,7 +24,15 @@ equal the single-device ones.
 Schedules (Huang et al. 2019 "GPipe"; Narayanan et al. 2019 "PipeDream", 1F1B as in Megatron-LM):
   gpipe  all M forwards, then all M backwards: every stage stashes M micro-batches' activations.
   1f1b   warm-up of S−s−1 forwards, steady one-forward-one-backward, cool-down: ≤ S−s stashed.
-Both idle (p−1)/(M+p−1) of the time (the bubble); 1F1B only saves memory.
+  zb     ZB-H1 (Qi et al. 2024, arXiv:2401.10241): 1F1B with each backward split into B (the input
+         gradient, sent on at once: autograd.grad w.r.t. the stage input, graph retained) and W (the
+         weight gradient: autograd.backward w.r.t. the parameters — a second pass through the
+         stage), stage s deferring its W's by s; ≤ S micro-batches held from F to W on every stage.
+  interleaved  Megatron's interleaved 1F1B over v = cfg.virtual_stages model chunks per rank
+         (torch_impl/pp_schedules.py: its chunks, messages and exchange plan).
+gpipe and 1f1b idle (p−1)/(M+p−1) of the time (the bubble), 1F1B only saves memory; interleaved
+(p−1)/(v·M+p−1) at v× the messages; ZB-H1 idles a third of 1F1B's time at F = B = W. The order of
+every stage is shared.schedule.order's (asserted).
 
 Deadlock freedom: every exchange goes through ``exchange`` = one dist.batch_isend_irecv that
 posts the sends and receives together (NCCL groups them), and both neighbours issue the same
@@ -32,8 +40,9 @@ sequence of exchanges (the steady state fuses "send activation + receive gradien
 "send gradient + receive activation" on s+1, as Megatron's p2p_communication does). This holds
 for any M ≥ 1, including M < S.
 
-builtin: torch.distributed.pipelining (PipelineStage + ScheduleGPipe / Schedule1F1B) on the same
-``Stage`` modules.
+builtin: torch.distributed.pipelining on the same ``Stage`` modules: PipelineStage + ScheduleGPipe /
+Schedule1F1B, and one PipelineStage per chunk for ScheduleInterleaved1F1B and, zero bubble,
+ScheduleInterleavedZeroBubble (at one chunk per rank: ZB-H1, the order of ``zb``).
 """
 
 from __future__ import annotations
@@ -46,12 +55,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
 
 from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
-from shared.theory import pp_bubble_fraction, pp_p2p_bytes_per_rank, pp_stage_param_count, pp_state_bytes
+from shared.schedule import closed_form_bubble, measured_costs, simulate
+from shared.schedule import order as schedule_order
+from shared.theory import pp_p2p_bytes_per_rank, pp_stage_param_count, pp_state_bytes
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
@@ -64,8 +81,16 @@ from torch_impl.model import (
     to_fixture,
     torch_dtype,
 )
+from torch_impl.pp_schedules import interleaved_step
 
-VARIANTS = (("explicit", "gpipe"), ("explicit", "1f1b"), ("builtin", "gpipe"), ("builtin", "1f1b"))
+VARIANTS = (("explicit", "gpipe"), ("explicit", "1f1b"), ("explicit", "interleaved"), ("explicit", "zb"),
+            ("builtin", "gpipe"), ("builtin", "1f1b"), ("builtin", "interleaved"), ("builtin", "zb"))
+
+
+def variants(cfg: Config) -> list[tuple[str, str]]:
+    """Every variant; interleaved only where M % S == 0 (Megatron's constraint; with v > 1
+    Config.check refuses the rest). It runs cfg.virtual_stages chunks per rank, the others one."""
+    return [sv for sv in VARIANTS if sv[1] != "interleaved" or cfg.microbatches % cfg.world_size == 0]
 
 
 class Stage(nn.Module):
@@ -96,9 +121,10 @@ class Stage(nn.Module):
         return self.head(self.normf(x)) if self.heads else x  # last transformer stage: (B/M, T, V) logits
 
 
-def build_stage(cfg: Config, problem: Problem, stage: int, device) -> Stage:
-    """Stage ``stage`` holding the fixture's parameters; only its own modules are allocated."""
-    module = Stage(empty_model(cfg, "meta"), stage, cfg.world_size).to_empty(device=device)
+def build_stage(cfg: Config, problem: Problem, stage: int, device, stages: int | None = None) -> Stage:
+    """Stage ``stage`` of ``stages`` (default: one per rank; interleaved: S·v virtual stages) holding
+    the fixture's parameters; only its own modules are allocated."""
+    module = Stage(empty_model(cfg, "meta"), stage, stages or cfg.world_size).to_empty(device=device)
     return load_fixture(module, problem.params)
 
 
@@ -158,6 +184,12 @@ def explicit_step(schedule: str, module: Stage, x: torch.Tensor, y: torch.Tensor
     ys = y.chunk(M) if y is not None else [None] * M  # M × (B/M, T) targets; only the last stage
     buf = lambda: torch.empty(shape, dtype=dtype, device=x.device)  # (B/M, D) / (B/M, T, D)
     stash, timeline, peak, loss = {}, [], 0, torch.zeros((), dtype=dtype, device=x.device)
+    zb, weights_after, pending = schedule == "zb", {}, {}  # zb: B's micro-batch -> the W's the order runs after it
+    for op in schedule_order("zb", S, M)[s] if zb else ():
+        if op.kind == "B":
+            b_mb = op.mb
+        elif op.kind == "W":  # a W always follows a B (or another W)
+            weights_after.setdefault(b_mb, []).append(op.mb)
 
     def clock():  # seconds since the step began; on GPU wait for the kernels first
         if x.is_cuda:
@@ -181,10 +213,24 @@ def explicit_step(schedule: str, module: Stage, x: torch.Tensor, y: torch.Tensor
 
     def backward(mb, dy):
         start = clock()
-        x_in, out = stash.pop(mb)
-        torch.autograd.backward(out, None if last else dy)  # accumulates this stage's dW
+        dy = None if last else dy
+        if zb:  # B: the input gradient only; the graph stays for W (stage 0 has no input gradient)
+            x_in, out = stash[mb]
+            dx = None if first else torch.autograd.grad(out, x_in, dy, retain_graph=True)[0]
+            pending[mb] = dy
+        else:
+            x_in, out = stash.pop(mb)
+            torch.autograd.backward(out, dy)  # accumulates this stage's dW
+            dx = None if first else x_in.grad
         timeline.append({"stage": s, "kind": "B", "mb": mb, "start": start, "end": clock()})
-        return None if first else x_in.grad  # gradient for stage s−1, shaped like the activation
+        return dx  # gradient for stage s−1, shaped like the activation
+
+    def weights(b_mb):  # zb: the W's the schedule runs after B(b_mb): accumulate dW, free the stash
+        for mb in weights_after.get(b_mb, []):
+            start = clock()
+            _, out = stash.pop(mb)
+            torch.autograd.backward(out, pending.pop(mb), inputs=[p for p in module.parameters() if p.requires_grad])
+            timeline.append({"stage": s, "kind": "W", "mb": mb, "start": start, "end": clock()})
 
     if schedule == "gpipe":
         for mb in range(M):
@@ -193,7 +239,7 @@ def explicit_step(schedule: str, module: Stage, x: torch.Tensor, y: torch.Tensor
         for mb in range(M):
             _, dy = exchange(pipe, recv_bwd=buf())
             exchange(pipe, send_bwd=backward(mb, dy))
-    else:  # 1f1b
+    else:  # 1f1b; zb the same exchanges, W's (no communication) after the B's they follow
         warmup = min(S - s - 1, M)
         for mb in range(warmup):
             x_in, _ = exchange(pipe, recv_fwd=buf())
@@ -203,32 +249,39 @@ def explicit_step(schedule: str, module: Stage, x: torch.Tensor, y: torch.Tensor
             _, dy = exchange(pipe, send_fwd=forward(warmup + i, x_in), recv_bwd=buf())
             more = i < M - warmup - 1
             x_in, _ = exchange(pipe, send_bwd=backward(i, dy), recv_fwd=buf() if more else None)
+            weights(i)
         for mb in range(M - warmup, M):  # cool-down
             _, dy = exchange(pipe, recv_bwd=buf())
             exchange(pipe, send_bwd=backward(mb, dy))
+            weights(mb)
     assert not stash, f"stage {s}: micro-batches {sorted(stash)} never went backward"
     return loss, timeline, peak
 
 
-def make_builtin(variant: str, module: Stage, cfg: Config, ctx: RankContext, x: torch.Tensor):
-    """torch.distributed.pipelining's stage and schedule. The schedule calls loss_fn(out, target)
-    once per micro-batch and (scale_grads=True) divides the summed gradients by M afterwards:
-    loss_fn is the micro-batch mean (MLP mean(y²) against a zero target, transformer mean CE), so
-    the result is the full-batch mean's gradient."""
-    S, s, M = ctx.world_size, ctx.rank, cfg.microbatches
+def make_builtin(variant: str, chunks: list[Stage], cfg: Config, ctx: RankContext, x: torch.Tensor):
+    """torch.distributed.pipelining's stages (one per chunk: virtual stage c·S + rank) and schedule.
+    The schedule calls loss_fn(out, target) once per micro-batch and (scale_grads=True) divides the
+    summed gradients by M afterwards: loss_fn is the micro-batch mean (MLP mean(y²) against a zero
+    target, transformer mean CE), so the result is the full-batch mean's gradient."""
+    S, s, M, v = ctx.world_size, ctx.rank, cfg.microbatches, len(chunks)
     # Static metadata skips the shape-inference round trip; requires_grad marks which tensors
     # have gradients to send back (every stage's output, inputs except stage 0's).
     meta = lambda shape: torch.empty(shape, dtype=torch_dtype(cfg), device=x.device, requires_grad=True)
     act = activation(cfg)  # (B/M, D) / (B/M, T, D)
     first_in = torch.empty((cfg.batch // M, *x.shape[1:]), dtype=x.dtype, device=x.device)  # (B/M, D) / (B/M, T) ids
     last_out = act if cfg.model == "mlp" else act[:-1] + (cfg.vocab,)  # (B/M, D) / (B/M, T, V) logits
-    stage = PipelineStage(module, s, S, ctx.device, input_args=first_in if s == 0 else meta(act),
-                          output_args=meta(last_out if s == S - 1 else act))
+    stages = [PipelineStage(chunk, k, S * v, ctx.device, input_args=first_in if k == 0 else meta(act),
+                            output_args=meta(last_out if k == S * v - 1 else act))
+              for k, chunk in ((c * S + s, chunk) for c, chunk in enumerate(chunks))]
     # Schedule1F1B raises ValueError for M < S (torch 2.13): ScheduleGPipe runs instead (same
     # gradients; stages s > S − M stash M micro-batches, not S − s); extra["builtin_schedule"] says so.
     cls = Schedule1F1B if variant == "1f1b" and M >= S else ScheduleGPipe
     mlp_target = lambda out, target: loss_fn(out - target)  # mean(y²): the target is zeros
-    return cls(stage, M, loss_fn=mlp_target if cfg.model == "mlp" else loss_fn, scale_grads=True)
+    loss = mlp_target if cfg.model == "mlp" else loss_fn
+    if variant in ("interleaved", "zb"):  # multi-stage schedules take the list (zb: one stage per rank = ZB-H1)
+        multi = ScheduleInterleaved1F1B if variant == "interleaved" else ScheduleInterleavedZeroBubble
+        return multi(stages, M, loss_fn=loss, scale_grads=True)
+    return cls(stages[0], M, loss_fn=loss, scale_grads=True)
 
 
 def builtin_step(schedule, cfg: Config, ctx: RankContext, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
@@ -255,32 +308,39 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     cfg.check("pp")
     S, s, M = ctx.world_size, ctx.rank, cfg.microbatches
     assert cfg.world_size == S, (cfg.world_size, S)
-    module = build_stage(cfg, problem, s, ctx.device)
-    named = list(module.named_parameters())
-    opt = make_optimizer(module.parameters(), cfg)
+    v = cfg.virtual_stages if variant == "interleaved" else 1  # chunk c = virtual stage c·S + s
+    chunks = [build_stage(cfg, problem, c * S + s, ctx.device, S * v) for c in range(v)]
+    named = [(c, name, p) for c, chunk in enumerate(chunks) for name, p in chunk.named_parameters()]
+    opt = make_optimizer([p for *_, p in named], cfg)
     x, y = inputs(cfg, problem, ctx.device), targets(cfg, problem, ctx.device)  # (B, D) / (B, T), (B, T)
-    schedule = make_builtin(variant, module, cfg, ctx, x) if style == "builtin" else None
+    schedule = make_builtin(variant, chunks, cfg, ctx, x) if style == "builtin" else None
     last_step = {}  # the explicit schedule's timeline and peak stash of the latest step
 
     def forward_backward() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
         if style == "builtin":
             return builtin_step(schedule, cfg, ctx, x, y)
-        loss, last_step["timeline"], last_step["peak"] = explicit_step(
-            variant, module, x, y, cfg, ctx, time.perf_counter())
+        if variant == "interleaved":
+            loss, last_step["timeline"], last_step["peak"] = interleaved_step(
+                chunks, x, y, cfg, ctx, time.perf_counter(), activation(cfg))
+        else:
+            loss, last_step["timeline"], last_step["peak"] = explicit_step(
+                variant, chunks[0], x, y, cfg, ctx, time.perf_counter())
         return loss
 
     def fixture(tensors: list[torch.Tensor]) -> list:
-        """Every stage's arrays (fixture orientation), gathered; stage order = fixture order."""
-        mine = [to_fixture(module, name, t) for (name, _), t in zip(named, tensors, strict=True)]
+        """Every stage's arrays (fixture orientation), gathered; virtual-stage order = fixture order."""
+        mine = [[] for _ in chunks]
+        for (c, name, _), t in zip(named, tensors, strict=True):
+            mine[c].append(to_fixture(chunks[c], name, t))
         every: list = [None] * S
         dist.all_gather_object(every, mine)
-        return [a for stage in every for a in stage]
+        return [a for k in range(S * v) for a in every[k % S][k // S]]  # virtual stage k: rank k % S, chunk k // S
 
     setup = Setup(
-        forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for _, p in named],
-        fixture=fixture, params=[p for _, p in named], optimizer=opt,
-        comm_theory=pp_p2p_bytes_per_rank(cfg, s), loss_reduction=f"src:{S - 1}",
+        forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for *_, p in named],
+        fixture=fixture, params=[p for *_, p in named], optimizer=opt,
+        comm_theory=pp_p2p_bytes_per_rank(cfg, s, v), loss_reduction=f"src:{S - 1}",
         before_step=dist.barrier,  # a common start for every stage's timeline
     )
     trained = train_loop(cfg, ctx, setup)
@@ -292,16 +352,20 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     trained.extra.update({
         "losses_per_rank": [e["losses"] for e in every],
         "comm_per_rank": [e["comm"] for e in every],
-        "comm_theory_per_rank": [pp_p2p_bytes_per_rank(cfg, r) for r in range(S)],
+        "comm_theory_per_rank": [pp_p2p_bytes_per_rank(cfg, r, v) for r in range(S)],
         "state_bytes_per_rank": [e["state"] for e in every],  # uneven: embeddings on 0, head on S−1
         "state_bytes_theory_per_rank": [pp_state_bytes(pp_stage_param_count(cfg, r), cfg) for r in range(S)],
         "loss_broadcast_bytes": cfg.bytes_per_element,  # per step, outside the ledger
-        "bubble_theory": pp_bubble_fraction(S, M),
+        # F = B = W; ZB-H1's closed form needs M ≥ S (below, the simulator's)
+        "bubble_theory": simulate("zb", S, M).bubble if variant == "zb" and M < S else closed_form_bubble(
+            variant, S, M, v),
+        "virtual_stages": v,
     })
     if style == "explicit":
         timeline = sorted((e for r in every for e in r["timeline"]), key=lambda e: (e["stage"], e["start"]))
         trained.extra.update(timeline=timeline, peak_activations=[e["peak"] for e in every],
-                             **bubble_stats(timeline, S))
+                             **bubble_stats(timeline, S),  # and the simulator's at the measured mean F / B / W
+                             bubble_simulated=simulate(variant, S, M, v, **measured_costs(timeline)).bubble)
     else:
         trained.extra["builtin_schedule"] = type(schedule).__name__
         # The stage and schedule sit in reference cycles; left to the collector at interpreter

@@ -24,6 +24,14 @@ parallelism: ``MoE.dispatch`` (rows sorted by expert, per-expert counts -> the e
 same rows; default: the local experts) and ``MoE.global_counts`` (this device's (E,) counts -> the
 global ones for the balancing loss; default: the same). After forward an MoE holds ``aux`` (its
 balancing loss) and ``load`` ((B, E) int64 assignments per sequence).
+
+Activation recomputation (``recompute``, shared.config.RECOMPUTE; Korthikanti et al. 2022,
+arXiv:2205.05198): "full" runs each ``Block.forward`` under ``torch.utils.checkpoint`` (non-reentrant:
+only the block's input is saved, the block runs again in backward), "selective" only the attention
+core (whatever ``Attention.core`` is: SDPA, a ring, Ulysses), so q|k|v and the core's output stay
+saved and the core's own tensors are recomputed. Both are attributes (``Block.recompute``,
+``Attention.recompute``), so every pattern that builds this model gets them; shared.theory's
+"activation recomputation" section counts what each policy saves.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from shared.problem import MOE_BALANCE_COEF, RMS_EPS
 
@@ -40,9 +49,9 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int, dtype=None, device=None):
+    def __init__(self, dim: int, heads: int, dtype=None, device=None, recompute: str = "none"):
         super().__init__()
-        self.head_dim = dim // heads
+        self.head_dim, self.recompute = dim // heads, recompute
         self.core = causal_sdpa  # (q, k, v) -> y, all (B, H, T, dh); context parallelism swaps it
         self.qkv = nn.Linear(dim, 3 * dim, bias=False, dtype=dtype, device=device)  # q | k | v columns
         self.o = nn.Linear(dim, dim, bias=False, dtype=dtype, device=device)
@@ -52,7 +61,10 @@ class Attention(nn.Module):
         b, t, _ = qkv.shape
         q, k, v = qkv.chunk(3, dim=-1)  # 3 × (B, T, H·dh): the q|k|v column blocks
         q, k, v = (a.reshape(b, t, -1, self.head_dim).transpose(1, 2) for a in (q, k, v))  # (B, H, T, dh)
-        y = self.core(q, k, v)  # (B, H, T, dh)
+        if self.recompute == "selective":  # keep q, k, v (one qkv storage); backward runs the core again
+            y = checkpoint(self.core, q, k, v, use_reentrant=False)  # (B, H, T, dh)
+        else:
+            y = self.core(q, k, v)  # (B, H, T, dh)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))  # heads concatenated in order: (B, T, D)
 
 
@@ -129,25 +141,33 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, dtype=None, device=None, experts: int = 0, topk: int = 1):
+    def __init__(self, dim: int, heads: int, dtype=None, device=None, experts: int = 0, topk: int = 1,
+                 recompute: str = "none"):
         super().__init__()
+        self.recompute = recompute
         self.norm1 = nn.RMSNorm(dim, eps=RMS_EPS, dtype=dtype, device=device)
-        self.attn = Attention(dim, heads, dtype, device)
+        self.attn = Attention(dim, heads, dtype, device, recompute)
         self.norm2 = nn.RMSNorm(dim, eps=RMS_EPS, dtype=dtype, device=device)
         self.mlp = MoE(dim, experts, topk, dtype, device) if experts else MLPBlock(dim, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "full":  # saves x (B, T, D) only; backward runs _forward again
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))  # (B, T, D)
 
 
 class Transformer(nn.Module):
     def __init__(self, layers: int, dim: int, heads: int, vocab: int, seq: int, dtype=None, device=None,
-                 experts: int = 0, topk: int = 1):
+                 experts: int = 0, topk: int = 1, recompute: str = "none"):
         super().__init__()
         self.wte = nn.Embedding(vocab, dim, dtype=dtype, device=device)
         self.wpe = nn.Embedding(seq, dim, dtype=dtype, device=device)
-        self.blocks = nn.ModuleList(Block(dim, heads, dtype, device, experts, topk) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, dtype, device, experts, topk, recompute)
+                                    for _ in range(layers))
         self.normf = nn.RMSNorm(dim, eps=RMS_EPS, dtype=dtype, device=device)
         self.head = nn.Linear(dim, vocab, bias=False, dtype=dtype, device=device)
 
