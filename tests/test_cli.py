@@ -185,10 +185,12 @@ def test_killing_a_worker_ends_the_whole_job_quickly():
 
 
 def test_json_markdown_and_plots_contract(tmp_path):
-    """The --json contract, the Markdown table and the PNGs of a small pipeline run."""
+    """The --json contract, the Markdown table and the PNGs of a small pipeline run (the MLP: every pp
+    schedule in both frameworks; the transformer's pp rows are tests/test_pp.py's, and its config's JSON
+    round trip is test_mesh_configs_keys_in_json's)."""
     out_json, out_md, plot_dir = tmp_path / "out.json", tmp_path / "out.md", tmp_path / "plots"
-    code = compare.main(["--patterns", "pp", "--world-size", "2", "--layers", "2", "--dim", "8", "--batch", "8",
-                         "--microbatches", "2", "--steps", "3", "--seq", "4", "--vocab", "16",
+    code = compare.main(["--patterns", "pp", "--model", "mlp", "--world-size", "2", "--layers", "2", "--dim", "8",
+                         "--batch", "8", "--microbatches", "2", "--steps", "3",
                          "--json", str(out_json), "--markdown", str(out_md), "--plots", str(plot_dir), "--quiet"])
     assert code == 0
     data = json.loads(out_json.read_text(), parse_constant=_refuse)
@@ -199,14 +201,14 @@ def test_json_markdown_and_plots_contract(tmp_path):
     assert data["runs"] and all(required <= set(r) for r in data["runs"])
     assert {r["framework"] for r in data["runs"]} == {"torch", "jax"}
     assert all(r["ok"] and len(r["losses"]) == 3 for r in data["runs"])
-    assert {r["model"] for r in data["runs"]} == {"mlp", "transformer"}
-    assert [(x["model"], x["ok"]) for x in data["cross_framework"]] == [("mlp", True), ("transformer", True)]
-    assert set(data["configs"]) == {"mlp", "transformer"}
-    assert data["configs"]["transformer"]["seq"] == 4
+    assert {r["model"] for r in data["runs"]} == {"mlp"}
+    assert {r["variant"] for r in data["runs"]} >= {"gpipe", "1f1b", "interleaved", "zb", "circular"}
+    assert [(x["model"], x["ok"]) for x in data["cross_framework"]] == [("mlp", True)]
+    assert set(data["configs"]) == {"mlp"} and data["configs"]["mlp"]["microbatches"] == 2
     assert out_md.read_text().count("\n| pp |") == len(data["runs"])
     pngs = sorted(p.name for p in plot_dir.iterdir())
     assert {"loss_curves.png", "memory.png", "bus_bandwidth.png", "pp_mlp_torch_explicit_1f1b_timeline.png",
-            "pp_transformer_torch_explicit_1f1b_timeline.png"} <= set(pngs)
+            "pp_mlp_torch_explicit_zb_schedule.png"} <= set(pngs)
     assert all((plot_dir / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
 
