@@ -20,7 +20,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import init_device_mesh
 
 from jax_impl.harness import _reference as jax_reference
-from shared import plan
+from shared import plan, schedule
 from shared.config import Config, parse_mesh
 from shared.results import comm_bytes, cross_framework_ok, parity, within
 from shared.theory import mesh_coords
@@ -148,6 +148,22 @@ def _check_plan(entries):
                 {k: state[k] for k in ("params", "grads", "optimizer")}, (variant, style, rank)
 
 
+def _check_pipeline_order(entries):
+    """The explicit pipeline's executed F/B order on every rank equals shared.schedule's 1F1B order for
+    its stage (the mesh runs torch_impl.pp.explicit_step over the pp group)."""
+    for cfg, style, variant, trained, _ in _runs(entries):
+        if style != "explicit" or cfg.axis("pp") == 1:
+            continue
+        expected = schedule.order("1f1b", cfg.axis("pp"), cfg.microbatches)
+        for rank, executed in enumerate(trained.extra["order_per_rank"]):
+            s = mesh_coords(cfg, rank)["pp"]
+            assert [tuple(x) for x in executed] == [(op.kind, op.mb) for op in expected[s]], (variant, rank)
+
+
+def test_mesh_pipeline_order_equals_the_simulator(torch_runs_4):
+    _check_pipeline_order(torch_runs_4["entries"])
+
+
 def test_plan_predicts_the_measured_ledger_and_state(torch_runs_4):
     _check_plan(torch_runs_4["entries"])
 
@@ -180,6 +196,7 @@ def test_torch_mesh_3d(torch_runs_8):
     _check_ledger(entries)
     _check_state(entries)
     _check_plan(entries)
+    _check_pipeline_order(entries)
 
 
 # --- JAX (jax_impl/mesh.py): one SPMD program per layout and style ---------------------------------

@@ -268,7 +268,8 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     mine = {"comm": trained.comm, "comm_by_axis": trained.extra.get("comm_by_axis", {}),
             "comm_by_axis_theory": trained.extra["comm_by_axis_theory"], "state_bytes": trained.state_bytes,
             "state_bytes_theory": trained.extra["state_bytes_theory"],
-            "activation_bytes": trained.extra["activation_bytes"], "peak": last_step.get("peak")}
+            "activation_bytes": trained.extra["activation_bytes"], "peak": last_step.get("peak"),
+            "order": [(e["kind"], e["mb"]) for e in last_step.get("timeline") or []]}  # the pipeline's F/B order
     every: list[dict] = [None] * cfg.world_size
     dist.all_gather_object(every, mine)
     trained.extra.update({f"{k}_per_rank": [e[k] for e in every] for k in mine})
