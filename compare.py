@@ -428,9 +428,16 @@ def print_table(rows, cfgs, console) -> None:
 
 def pp_bubble_lines(rows, console) -> None:
     """pp: each torch explicit schedule's bubble (last step): theory (the closed form at F = B = W),
-    the simulator's at the run's measured mean F / B / W times, and measured (idle / (stages · span))."""
+    the simulator's at the run's measured mean F / B / W times, and measured (idle / (stages · span)).
+    JAX's hand-written schedules run in lock-step ticks inside one compiled program (no per-op clock):
+    theory beside the tick grid's idle fraction."""
     for r in rows:
         x = r.extra
+        if r.pattern == "pp" and r.framework == "jax" and "bubble_ticks" in x:
+            v = x.get("virtual_stages", 1)
+            console.print(f"pp bubble {r.model} {r.framework} {r.style}/{r.variant}{f' (v={v})' if v > 1 else ''}: "
+                          f"theory {x['bubble_theory']:.3f}, tick grid {x['bubble_ticks']:.3f} (one program: "
+                          "no per-op time to measure)")
         if r.pattern == "pp" and "bubble_measured" in x:
             v = x.get("virtual_stages", 1)
             console.print(f"pp bubble {r.model} {r.framework} {r.style}/{r.variant}{f' (v={v})' if v > 1 else ''}: "

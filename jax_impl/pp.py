@@ -41,8 +41,10 @@ Styles:
   jit        the loop sees all stages as arrays with a leading (S,) axis sharded over ``pp``
              (``rules``); jax.vmap runs the stages, the shift is jnp.roll(·, 1, axis=0) under a
              sharding constraint, and XLA's SPMD partitioner turns the roll into collective-permutes.
-  shard_map  variant "1f1b": torch's 1F1B on the same layout, gradients taken inside the schedule by
-             per-micro-batch jax.vjp (jax_impl/pp_1f1b.py: ticks, stash, one permute per tick).
+  shard_map  variants "1f1b", "zb" (ZB-H1: B = input gradient, W deferred), "interleaved" (v =
+             cfg.virtual_stages chunks per device, ``chunked`` layout: row s = virtual stages s,
+             S + s, …): torch's orders, gradients taken inside the schedule by per-micro-batch
+             jax.vjp (jax_impl/pp_1f1b.py: ticks, stash, one permute per tick).
 
 Papers: Huang et al. 2019 (GPipe); the SPMD formulation: Xu et al. 2021 (GSPMD, arXiv:2105.04663).
 """
@@ -65,18 +67,26 @@ from jax_impl.model import gelu, inputs, jax_dtype, make_optimizer, output_loss,
 from shared.config import Config
 from shared.problem import Problem, param_names
 from shared.results import Trained
+from shared.schedule import closed_form_bubble, simulate
 from shared.theory import (
-    pp_1f1b_permute_bytes,
-    pp_1f1b_permute_count,
     pp_bubble_fraction,
     pp_circular_permute_bytes,
     pp_circular_permute_count,
     pp_spmd_param_count,
     pp_state_bytes,
+    pp_ticks_permute_bytes,
+    pp_ticks_permute_count,
 )
 
-VARIANTS = (("shard_map", "circular"), ("jit", "circular"), ("shard_map", "1f1b"))
+VARIANTS = (("shard_map", "circular"), ("jit", "circular"), ("shard_map", "1f1b"), ("shard_map", "zb"),
+            ("shard_map", "interleaved"))
+BY_HAND = ("1f1b", "zb", "interleaved")  # jax_impl/pp_1f1b.py
 BLOCK = re.compile(r"^(?:layers|blocks)\.(\d+)\.(.+)$")  # "blocks.3.attn.qkv.weight" -> 3, "attn.qkv.weight"
+
+
+def variants(cfg: Config) -> list[tuple[str, str]]:
+    """Every variant; interleaved only where M % S == 0, as torch_impl/pp.py's (Megatron's order)."""
+    return [sv for sv in VARIANTS if sv[1] != "interleaved" or cfg.microbatches % cfg.world_size == 0]
 
 
 def mesh_for(cfg: Config, device: str = "auto"):
@@ -118,6 +128,28 @@ def unsplit(tree, names: list[str]) -> list[np.ndarray]:
         else:
             out.append(to_numpy(tree["first"][name][0] if name in tree["first"] else tree["last"][name][-1]))
     return out
+
+
+def interleaved_name(name: str, layers: int, stages: int, virtual: int) -> str:
+    """The interleaved layout (v chunks per device, chunk c of device s = virtual stage c·S + s, of
+    n = L/(S·v) layers each): block l's fixture name renumbered to its place in ``split``'s stack,
+    row s = [chunk 0's n layers, chunk 1's, …]. Other names, and v = 1, unchanged."""
+    if not (m := BLOCK.match(name)) or virtual == 1:
+        return name
+    n = layers // (stages * virtual)
+    (c, s), q = divmod(int(m[1]) // n, stages), int(m[1]) % n  # chunk, device; layer in the chunk
+    return f"{name.split('.')[0]}.{s * (layers // stages) + c * n + q}.{m[2]}"
+
+
+def chunked(params: dict[str, np.ndarray], stages: int, virtual: int) -> dict[str, np.ndarray]:
+    """The fixture under ``interleaved_name``s, blocks in their new order (``split`` stacks them in
+    dict order): embeddings first, head last, as before."""
+    layers = len({BLOCK.match(k)[1] for k in params if BLOCK.match(k)})
+    renamed = {interleaved_name(k, layers, stages, virtual): w for k, w in params.items()}
+    keys, at = list(renamed), lambda k: int(BLOCK.match(k)[1]) if BLOCK.match(k) else None
+    start = next(i for i, k in enumerate(keys) if at(k) is not None)  # the first block's parameter
+    blocks = sorted((k for k in keys if at(k) is not None), key=at)  # stable: a layer's suffix order kept
+    return {k: renamed[k] for k in keys[:start] + blocks + [k for k in keys[start:] if at(k) is None]}
 
 
 # --- one stage's pieces, on local slices (one device's, or one row under vmap) -------------------
@@ -197,28 +229,39 @@ def shard_map_loss(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head
     return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P()), out_specs=P(), check_vma=True)(params, xs, ys)
 
 
-def shard_map_1f1b(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head_dim: int, info=None):
-    """(loss, grads) of the 1F1B schedule (jax_impl/pp_1f1b.py): the gradient is computed inside
-    the schedule, micro-batch by micro-batch (no jax.grad over it); params, xs, ys as above; ``info``
+def shard_map_scheduled(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head_dim: int,
+                        schedule: str = "1f1b", virtual: int = 1, info=None):
+    """(loss, grads) of a schedule by hand (jax_impl/pp_1f1b.py: 1f1b, zb, interleaved): the gradient
+    is computed inside the schedule, micro-batch by micro-batch (no jax.grad over it); params, xs, ys
+    as above (interleaved: blocks laid out by ``chunked``, device s's v chunks in its row); ``info``
     gets the stash sizes (pp_1f1b.run)."""
     S, M = mesh.shape["pp"], xs.shape[0]
 
     def body(params, xs, ys):
         s = lax.axis_index("pp")
 
-        def stage_fn(local, x, mb):  # micro-batch mb through this stage: + embedding on 0, + head and loss on S−1
-            x = jnp.where(s == 0, embed(local["first"], xs[mb][None])[0], x)  # (B/M, D) / (B/M, T, D)
+        def stage_fn(local, x, mb, c):  # mb through chunk c: + embedding on virtual stage 0, + head, loss on the last
+            if c == 0:
+                x = jnp.where(s == 0, embed(local["first"], xs[mb][None])[0], x)  # (B/M, D) / (B/M, T, D)
             y = stage_blocks(local["blocks"], x, head_dim)
+            if c < virtual - 1:
+                return y, lax.pcast(jnp.zeros((), y.dtype), "pp", to="varying")  # no loss off the last chunk
             loss = output_loss(head(local["last"], y), None if ys is None else ys[mb]) / M  # share of the mean
             return y, jnp.where(s == S - 1, loss, 0)
 
         local = jax.tree.map(lambda a: a[0], params)  # this stage's slice: blocks (L/S, …), slots (…)
         # blocks as lists of per-layer weights: a weight the vjp keeps is then the input itself, not
-        # a slice of the stack, and pp_1f1b leaves it out of the per-micro-batch stash
-        local |= {"blocks": {k: list(w) for k, w in local["blocks"].items()}}
+        # a slice of the stack, and pp_1f1b leaves it out of the per-micro-batch stash; chunk c takes
+        # layers c·n … (c+1)·n − 1 of the row (n = L/(S·v)), chunk 0 the embedding, chunk v−1 the head
+        n = len(next(iter(local["blocks"].values()))) // virtual
+        chunks = [{"first": local["first"] if c == 0 else {}, "last": local["last"] if c == virtual - 1 else {},
+                   "blocks": {k: list(w[c * n:(c + 1) * n]) for k, w in local["blocks"].items()}}
+                  for c in range(virtual)]
         message = jax.eval_shape(lambda: embed(local["first"], xs[:1])[0])  # (B/M, D) / (B/M, T, D)
-        loss, grads = pp_1f1b.run(stage_fn, local, message, S, M, info)
-        grads |= {"blocks": {k: jnp.stack(g) for k, g in grads["blocks"].items()}}  # (L/S, …)
+        loss, grads = pp_1f1b.run(stage_fn, chunks, message, S, M, schedule, virtual, info)
+        grads = {"first": grads[0]["first"], "last": grads[-1]["last"],
+                 "blocks": {k: jnp.stack([w for g in grads for w in g["blocks"][k]])  # (L/S, …)
+                            for k in local["blocks"]}}
         return lax.psum(loss, "pp"), jax.tree.map(lambda g: g[None], grads)  # the last stage's loss, everywhere
 
     specs = jax.tree.map(lambda a: P(*rules("", a.shape)), params)
@@ -264,7 +307,7 @@ def jit_loss(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head_dim: 
 def make_step(cfg: Config, style: str, mesh, tx, variant: str = "circular", info: dict | None = None):
     loss_of = shard_map_loss if style == "shard_map" else jit_loss
     grad_of = jax.value_and_grad(loss_of) if variant == "circular" else \
-        lambda *args: shard_map_1f1b(*args, info=info)
+        lambda *args: shard_map_scheduled(*args, variant, cfg.virtual_stages if variant == "interleaved" else 1, info)
 
     def step(params, opt_state, xs, ys):
         loss, grads = grad_of(params, xs, ys, mesh, cfg.head_dim)  # grads like params
@@ -276,29 +319,33 @@ def make_step(cfg: Config, style: str, mesh, tx, variant: str = "circular", info
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:
     cfg.check("pp")
-    one_f_one_b = variant == "1f1b"
-    S, M, names = cfg.world_size, cfg.microbatches, param_names(cfg)
+    by_hand = variant in BY_HAND
+    S, M, v = cfg.world_size, cfg.microbatches, cfg.virtual_stages if variant == "interleaved" else 1
+    names = [interleaved_name(n, cfg.layers, S, v) for n in param_names(cfg)]  # v = 1: the fixture's
     assert mesh.shape["pp"] == S, (mesh.shape, S)
     dtype = jax_dtype(cfg)
     place = lambda a: jax.device_put(jnp.asarray(a, dtype), NamedSharding(mesh, P(*rules("", a.shape))))
-    params = jax.tree.map(place, split(problem.params, S))  # blocks (S, L/S, …), slots (S, …) over pp
+    params = jax.tree.map(place, split(chunked(problem.params, S, v), S))  # blocks (S, L/S, …), slots (S, …) over pp
     micro = lambda a: None if a is None else jax.device_put(
         a.reshape((M, cfg.batch // M) + a.shape[1:]), NamedSharding(mesh, P()))  # (M, B/M, …), replicated
     xs, ys = micro(inputs(cfg, problem)), micro(targets(cfg, problem))
     tx = make_optimizer(cfg)
     opt_state = jax.jit(tx.init)(params)  # moments inherit the params' sharding: over pp
     extra = {"bubble_theory": pp_bubble_fraction(S, M), "iterations": M + S - 1,
-             "permute_count_theory": pp_1f1b_permute_count(cfg) if one_f_one_b else
-             pp_circular_permute_count(cfg, style),
+             "permute_count_theory": pp_ticks_permute_count(cfg, variant, v) if by_hand else
+             pp_circular_permute_count(cfg, style), "virtual_stages": v,
              "state_bytes_theory": pp_state_bytes(pp_spmd_param_count(cfg), cfg)}  # every device alike
-    if one_f_one_b:  # the static schedule it runs (order, ticks, most stashed per stage); the stash's bytes
-        plan = pp_1f1b.plan(S, M)  # are added to ``extra`` when the step is traced (train_loop compiles it)
+    if by_hand:  # the static schedule it runs (order, ticks, most stashed per stage); the stash's bytes
+        plan = pp_1f1b.plan(S, M, variant, v)  # are added to ``extra`` when the step is traced (train_loop)
         extra |= {"order": plan.executed(), "iterations": len(plan.grid), "peak_in_flight": plan.peak_in_flight,
-                  "bubble_ticks": float(np.mean(plan.kind == pp_1f1b.IDLE))}  # unit F = B ticks: the theory
+                  "bubble_ticks": float(np.mean(plan.kind == pp_1f1b.IDLE)),  # unit F = B (= W) ticks
+                  # the closed form (F = B = W); ZB-H1's needs M ≥ S, below it the simulator's
+                  "bubble_theory": simulate("zb", S, M).bubble if variant == "zb" and M < S else
+                  closed_form_bubble(variant, S, M, v)}
     setup = Setup(
         step=make_step(cfg, style, mesh, tx, variant, extra), state=(params, opt_state), batch=(xs, ys),
         grads_fixture=lambda grads: unsplit(grads, names), params_fixture=lambda state: unsplit(state[0], names),
-        comm_theory=(pp_1f1b_permute_bytes(cfg) if one_f_one_b else pp_circular_permute_bytes(cfg, style))
+        comm_theory=(pp_ticks_permute_bytes(cfg, variant, v) if by_hand else pp_circular_permute_bytes(cfg, style))
         + cfg.bytes_per_element,  # + the loss all-reduce
         extra=extra,
     )

@@ -178,6 +178,33 @@ def pp_1f1b_permute_bytes(cfg: Config) -> int:
     return pp_1f1b_permute_count(cfg) * (pp_activation_elements(cfg) // cfg.microbatches * cfg.bytes_per_element)
 
 
+def pp_ticks_permute_count(cfg: Config, schedule: str = "1f1b", virtual: int = 1) -> int:
+    """JAX's schedules by hand (jax_impl/pp_1f1b.py: 1f1b, zb, interleaved), collective-permutes per
+    step on every device, from shared.schedule's unit-cost timeline (f = b = 1; w = 1 under zb, 0
+    otherwise: every op at an integer tick): one per tick in which some op sends — F on virtual
+    stage k < S·v − 1 to k+1, B on k > 0 to k−1; W never — and a second where two of the tick's
+    messages go to one device (one permute delivers one message per device). 1f1b: equals
+    pp_1f1b_permute_count; zb: its W ticks add none, so at most 1F1B's count plus the cool-down's
+    longer tail; interleaved: v·M F's and B's per device instead of M."""
+    from shared.schedule import simulate  # pure Python
+
+    S, v = cfg.world_size, virtual
+    sim = simulate(schedule, S, cfg.microbatches, v, f=1.0, b=1.0, w=1.0 if schedule == "zb" else 0.0)
+    last, ticks = S * v - 1, {}  # tick -> [receiving device of each message sent then]
+    for e in sim.events:
+        k = e.op.chunk * S + e.rank  # virtual stage
+        if (e.op.kind == "F" and k < last) or (e.op.kind == "B" and k > 0):
+            ticks.setdefault(e.start, []).append((k + (1 if e.op.kind == "F" else -1)) % S)
+    return sum(1 if len(set(to)) == len(to) else 2 for to in ticks.values())
+
+
+def pp_ticks_permute_bytes(cfg: Config, schedule: str = "1f1b", virtual: int = 1) -> int:
+    """Payload per device per step: pp_ticks_permute_count messages of one micro-batch's activation
+    (B/M)·D·b (transformer (B/M)·T·D·b); the loss's all-reduce (b) is the caller's."""
+    mb_bytes = pp_activation_elements(cfg) // cfg.microbatches * cfg.bytes_per_element
+    return pp_ticks_permute_count(cfg, schedule, virtual) * mb_bytes
+
+
 def pp_peak_activations(schedule: str, stages: int, microbatches: int, rank: int, virtual: int = 1) -> int:
     """Micro-batches whose activations stage ``rank`` holds at once: GPipe M; 1F1B min(M, S − s);
     ZB-H1 (zb, held from F until W) min(M, S) on every stage (shared.schedule.simulate agrees);

@@ -36,6 +36,8 @@ from shared.theory import (
     pp_spmd_param_count,
     pp_stage_param_count,
     pp_state_bytes,
+    pp_ticks_permute_bytes,
+    pp_ticks_permute_count,
 )
 from torch_impl import pp as torch_pp
 from torch_impl.harness import run_pattern as torch_run_pattern
@@ -43,7 +45,7 @@ from torch_impl.launch import launch
 
 SIZES = dict(dim=8, batch=12, steps=5)
 ONE_F_ONE_B = ("shard_map", "1f1b")
-CIRCULAR = [v for v in jax_pp.VARIANTS if v != ONE_F_ONE_B]
+CIRCULAR = [v for v in jax_pp.VARIANTS if v[1] == "circular"]
 MICROBATCHES = {2: (1, 4), 3: (1, 4), 4: (1, 2, 6)}  # M = 1, (1 < M < S,) M > S
 
 
@@ -207,9 +209,9 @@ def test_jax_transformer_rest(torch_out, stages):
     test_state_bytes_one_stage_per_rank(torch_out, rest)
 
 
-def simulator_order(stages: int, m: int) -> list[list[tuple[str, int]]]:
-    """shared.schedule's 1F1B order as [(kind, mb)] per stage (the JAX run records that form)."""
-    return [[(op.kind, op.mb) for op in ops] for ops in order("1f1b", stages, m)]
+def simulator_order(stages: int, m: int, schedule: str = "1f1b", v: int = 1) -> list[list[tuple[str, int, int]]]:
+    """shared.schedule's order as [(kind, mb, chunk)] per stage (the JAX run records that form)."""
+    return [[(op.kind, op.mb, op.chunk) for op in ops] for ops in order(schedule, stages, m, v)]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
@@ -224,11 +226,11 @@ def test_jax_1f1b_plan_matches_simulator_and_ledger_formula(n):
         assert plan.peak_in_flight == [pp_peak_activations("1f1b", n, m, s) for s in range(n)]
         assert len(plan.grid) == 2 * (m + n - 1) and plan.inbox_slots <= 2  # messages wait ≤ 2 deep
         cfg = Config(world_size=n, microbatches=m, layers=n, batch=m, dim=8)
-        assert sum(bool(pairs) for pairs in plan.pairs) == pp_1f1b_permute_count(cfg), (n, m)
+        assert sum(len(permutes) for permutes in plan.pairs) == pp_1f1b_permute_count(cfg), (n, m)
         # the ticks ARE the simulator's ideal timeline at unit cost (f = b = 1, w = 0: unsplit backward)
         sim = simulate("1f1b", n, m, w=0.0)
         assert {(e.rank, e.op.kind, e.op.mb): e.start for e in sim.events} == \
-            {(s, *op): t for t, row in enumerate(plan.grid) for s, op in enumerate(row) if op}
+            {(s, op.kind, op.mb): t for t, row in enumerate(plan.grid) for s, op in enumerate(row) if op}
         assert plan.peak_in_flight == sim.peak_in_flight
         # bubble: idle ticks / all (exact fractions of small integers: 1e-12 is float rounding)
         assert (plan.kind == pp_1f1b.IDLE).mean() == pytest.approx(sim.bubble, abs=1e-12)
@@ -260,6 +262,124 @@ def test_jax_1f1b(torch_out, jax_1f1b_out):
 def test_jax_1f1b_rest(torch_out, stages):
     """The JAX 1F1B configs the default run leaves out, through the same checks."""
     test_jax_1f1b(torch_out, jax_run_pattern("pp", ONE_F_ONE_B_RUNS[stages]()[1], variants=[ONE_F_ONE_B]))
+
+
+# JAX ZB-H1 and interleaved 1F1B by hand (the same machinery, jax_impl/pp_1f1b.py), by default the
+# float64 MLP at S = 2: interleaved at M = 4, v = 2 (configs(2)[1], as torch's default launch runs
+# it: ~2.5 s, compiling 18 unrolled ticks) and zb at M = 2 (~1.5 s; torch's zb at that config is
+# tests/test_cli.py's); every config of configs(S) (zb; interleaved where M % S == 0) and S = 4 at
+# v = 2 (JAX reference only: torch's runs its own launch) under -m slow.
+BY_HAND = [("shard_map", "zb"), ("shard_map", "interleaved")]
+
+
+@pytest.fixture(scope="module")
+def jax_by_hand_out(stages):
+    if stages != 2:
+        return []
+    cfg = configs(2)[1]
+    return jax_run_pattern("pp", [cfg], variants=BY_HAND[1:]) + \
+        jax_run_pattern("pp", [cfg.replace(microbatches=2)], variants=BY_HAND[:1])
+
+
+def unit_ticks(schedule: str, n: int, m: int, v: int = 1):
+    """The simulator's unit-cost timeline JAX's tables follow (F = B = 1; zb W = 1, else unsplit)."""
+    return simulate(schedule, n, m, v, w=1.0 if schedule == "zb" else 0.0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_jax_zb_interleaved_plans_match_simulator_and_ledger_formula(n):
+    """The tick tables of JAX's zb and interleaved (pure Python, M ≤ 8, v ≤ 3): executed order = the
+    simulator's, each op at its unit-cost start; peak stash = the simulator's peak in flight (zb:
+    min(S, M) everywhere, held until W); permutes = shared.theory.pp_ticks_permute_count (= the
+    1F1B closed form for 1f1b); the tick bubble = the closed form (zb: M ≥ S)."""
+    for m in range(1, 9):
+        runs = [("1f1b", 1), ("zb", 1)] + [("interleaved", v) for v in (1, 2, 3) if m % n == 0]
+        for schedule, v in runs:
+            plan, sim = pp_1f1b.plan(n, m, schedule, v), unit_ticks(schedule, n, m, v)
+            assert plan.executed() == simulator_order(n, m, schedule, v), (schedule, n, m, v)
+            assert {(e.rank, e.op): e.start for e in sim.events} == \
+                {(s, op): t for t, row in enumerate(plan.grid) for s, op in enumerate(row) if op}
+            assert plan.peak_in_flight == sim.peak_in_flight == \
+                [pp_peak_activations(schedule, n, m, s, v) for s in range(n)]
+            cfg = Config(world_size=n, microbatches=m, layers=n * v, batch=m, dim=8)
+            assert sum(len(permutes) for permutes in plan.pairs) == pp_ticks_permute_count(cfg, schedule, v)
+            if schedule == "1f1b":
+                assert pp_ticks_permute_count(cfg, schedule) == pp_1f1b_permute_count(cfg)
+            # exact fractions of small integers: 1e-12 is float rounding
+            assert (plan.kind == pp_1f1b.IDLE).mean() == pytest.approx(sim.bubble, abs=1e-12)
+            if schedule != "zb" or m >= n:
+                assert sim.bubble == pytest.approx(closed_form_bubble(schedule, n, m, v), abs=1e-12)
+
+
+def check_by_hand(out) -> None:
+    """Parity aside, what a JAX run of zb / interleaved must show: order, peak, ledger, bubble."""
+    for cfg, _, _, variant, run in runs(out):
+        S, M, b, x = cfg.world_size, cfg.microbatches, cfg.bytes_per_element, run.extra
+        v = cfg.virtual_stages if variant == "interleaved" else 1
+        sim = unit_ticks(variant, S, M, v)
+        assert x["virtual_stages"] == v and x["order"] == simulator_order(S, M, variant, v), (variant, M)
+        assert x["peak_in_flight"] == sim.peak_in_flight == [pp_peak_activations(variant, S, M, s, v) for s in range(S)]
+        # SPMD: every device allocates the busiest stage's slots (zb: + the gradient B received, for W)
+        assert x["stash_bytes"] == max(sim.peak_in_flight) * x["stash_bytes_per_microbatch"] > 0
+        assert run.comm == {"collective_permute": {"count": pp_ticks_permute_count(cfg, variant, v),
+                                                   "bytes": pp_ticks_permute_bytes(cfg, variant, v)},
+                            "all_reduce": {"count": 1, "bytes": b}}, (variant, M, run.comm)
+        assert run.comm_theory == pp_ticks_permute_bytes(cfg, variant, v) + b
+        assert x["bubble_theory"] == (closed_form_bubble(variant, S, M, v) if variant != "zb" or M >= S
+                                      else simulate("zb", S, M).bubble)
+        assert x["bubble_ticks"] == pytest.approx(sim.bubble, abs=1e-12)  # exact small fractions
+        assert run.state_bytes == pp_state_bytes(pp_spmd_param_count(cfg), cfg)
+
+
+def test_jax_zb_and_interleaved(torch_out, jax_by_hand_out):
+    """ZB-H1 and interleaved 1F1B in JAX: parity with the single-device reference and, where torch's
+    launch ran the config (interleaved, v = 2: torch's explicit and builtin), with torch's; ``check_by_hand``."""
+    if not jax_by_hand_out:
+        pytest.skip("the default zb / interleaved config runs at S = 2 (the slow test runs the rest)")
+    test_jax_parity(jax_by_hand_out)
+    test_cross_framework(torch_out, [e for e in jax_by_hand_out if e["cfg"] in {t["cfg"] for t in torch_out}])
+    check_by_hand(jax_by_hand_out)
+
+
+@pytest.mark.slow
+def test_jax_zb_and_interleaved_rest(torch_out, stages):
+    """The JAX zb / interleaved configs the default run leaves out, through the same checks; S = 4:
+    interleaved at v = 2 (M = 4, 12; the transformer at M = 4) against the JAX reference."""
+    out = jax_run_pattern("pp", configs(stages), variants=BY_HAND[:1]) + jax_run_pattern(
+        "pp", [c for c in configs(stages) if c.microbatches % stages == 0 and c != configs(2)[1]], variants=BY_HAND[1:])
+    test_jax_parity(out)
+    test_cross_framework(torch_out, out)
+    check_by_hand(out)
+    if stages == 4:
+        v2 = [Config(world_size=4, layers=8, microbatches=m, virtual_stages=2, **SIZES) for m in (4, 12)]
+        v2.append(Config(world_size=4, layers=8, microbatches=4, virtual_stages=2, **TRANSFORMER))
+        out = jax_run_pattern("pp", v2, variants=BY_HAND[1:])
+        test_jax_parity(out)
+        check_by_hand(out)
+
+
+@pytest.mark.slow
+def test_jax_zb_b_computes_no_weight_gradient():
+    """ZB-H1's B is the input gradient only: in the compiled step (MLP, S = 2, M = 4, two layers a
+    stage) the (D, D) weight-gradient dots are exactly the W branches' (2 each), none in B's; 1F1B's
+    unsplit B has them (2 each)."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from shared.problem import make_problem
+
+    cfg = Config(world_size=2, layers=4, microbatches=4, dim=8, batch=12, steps=1)
+    mesh, stacked = jax_pp.mesh_for(cfg), jax_pp.split(make_problem(cfg).params, 2)
+    params = jax.tree.map(lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, jax.P("pp"))), stacked)
+    for variant, kind in (("zb", pp_1f1b.WGT), ("1f1b", pp_1f1b.BWD)):
+        step = jax.jit(lambda p, xs, v=variant: jax_pp.shard_map_scheduled(p, xs, None, mesh, cfg.head_dim, v))
+        hlo = step.lower(params, jnp.zeros((4, 3, 8))).compile().as_text()
+        plan = pp_1f1b.plan(2, 4, variant)
+        branches = sum(bool(np.any(row == kind)) for row in plan.kind)  # ticks at which someone runs W (B)
+        assert len(re.findall(r"= f64\[8,8\]\S* dot\(", hlo)) == 2 * branches, variant
 
 
 def test_torch_schedule_timeline_and_memory(torch_out):
