@@ -136,17 +136,16 @@ def test_same_seed_same_losses_bit_for_bit(tmp_path):
     """Two processes, same seed: identical losses. torch, where ranks, gloo's reductions, SDPA and
     DTensor could make a run differ (JAX runs one process whose XLA:CPU programs are fixed at
     compile time; its runs are compared to the float64 references everywhere else)."""
+    paths = [tmp_path / f"run{i}.json" for i in range(2)]
+    procs = [subprocess.Popen(  # both at once: independent processes, the same seed
+        [sys.executable, "compare.py", "--patterns", "tp", "--model", "transformer", "--world-size", "2",
+         "--steps", "3", "--layers", "1", "--dim", "8", "--batch", "8", "--seq", "4", "--vocab", "16",
+         "--frameworks", "torch", "--json", str(path), "--quiet"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for path in paths]
     runs = []
-    for i in range(2):
-        path = tmp_path / f"run{i}.json"
-        proc = subprocess.run(
-            [sys.executable, "compare.py", "--patterns", "tp", "--model", "transformer", "--world-size", "2",
-             "--steps", "3", "--layers", "1",
-             "--dim", "8", "--batch", "8", "--seq", "4", "--vocab", "16", "--frameworks", "torch",
-             "--json", str(path), "--quiet"],
-            cwd=ROOT, capture_output=True, text=True, timeout=240,
-        )
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+    for proc, path in zip(procs, paths):
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out
         runs.append({(r["model"], r["framework"], r["style"], r["variant"]): r["losses"]
                      for r in json.loads(path.read_text())["runs"]})
     assert {k[0] for k in runs[0]} == {"transformer"}  # SDPA, DTensor and the vocab-parallel loss
