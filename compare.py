@@ -763,8 +763,8 @@ def write_plots(directory, rows, refs, cfg, args) -> list[str]:
                                     out(f"pp_{r['model']}_{r['framework']}_{r['style']}_{r['variant']}_schedule.png"),
                                     measured=timeline, title=f"{r['model']} {r['variant']}")
     if cfg.world_size >= 2:  # a short sweep: 4 KiB … 4 MiB
-        bench = run_bench(args.frameworks, cfg.world_size, BENCH_OPS, BENCH_SIZES[:6], iters=5, warmup=2,
-                          device=args.device)
+        bench, _ = run_bench(args.frameworks, cfg.world_size, BENCH_OPS, BENCH_SIZES[:6], iters=5, warmup=2,
+                             device=args.device)
         plots.plot_bus_bandwidth(bench, out("bus_bandwidth.png"))
     return written
 
@@ -793,7 +793,8 @@ def bench_main(argv) -> int:
     while s <= args.max_bytes:
         sizes.append(s)
         s *= 4
-    results = run_bench(args.frameworks, args.world_size, args.ops, sizes, args.iters, args.warmup, args.device)
+    results, matmul = run_bench(args.frameworks, args.world_size, args.ops, sizes, args.iters, args.warmup,
+                                args.device, matmul=True)
     console = Console(width=None if sys.stdout.isatty() else 170)
     table = Table(title=f"collective bandwidth, world size {args.world_size} (median of {args.iters})")
     for col in ("framework", "op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):
@@ -809,15 +810,11 @@ def bench_main(argv) -> int:
             beta = fit["beta_bytes_per_s"]
             beta_text = f"{beta / 1e9:7.3f} GB/s" if beta != float("inf") else "   n/a (no size dependence measured)"
             console.print(f"{fw:5s} {op:15s} t = α + n/β:  α = {1e6 * fit['alpha_s']:8.1f} us,  β = {beta_text}")
-    compute = {}
-    if "torch" in args.frameworks:  # every rank multiplying at once: the FLOP/s a rank of a run gets (plan --calibrate)
-        from torch_impl.launch import launch
-
-        per_rank = launch(_torch_matmul, args.world_size, device=args.device)
-        for dtype in per_rank[0]:
-            compute[dtype] = {n: sorted(r[dtype][n] for r in per_rank)[len(per_rank) // 2] for n in per_rank[0][dtype]}
-            console.print(f"torch matmul {dtype:8s} FLOP/s per rank, {args.world_size} at once: " + ", ".join(
-                f"n={n}: {rate / 1e9:.2f} G" for n, rate in compute[dtype].items()))
+    compute = {}  # every torch rank multiplying at once: the FLOP/s a rank of a run gets (plan --calibrate)
+    for dtype in matmul[0] if matmul else ():
+        compute[dtype] = {n: sorted(r[dtype][n] for r in matmul)[len(matmul) // 2] for n in matmul[0][dtype]}
+        console.print(f"torch matmul {dtype:8s} FLOP/s per rank, {args.world_size} at once (median rank): " + ", ".join(
+            f"n={n}: {rate / 1e9:.2f} G" for n, rate in compute[dtype].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(_jsonable({"world_size": args.world_size, "results": results, "fits": fits, "compute": compute}),
@@ -825,21 +822,24 @@ def bench_main(argv) -> int:
     return 0
 
 
-def run_bench(frameworks, world_size, ops, sizes, iters, warmup, device) -> list[dict]:
-    """The nccl-tests-style sweep in each framework: dicts {framework, op, size_bytes, time_s, algbw, busbw}."""
-    results = []
+def run_bench(frameworks, world_size, ops, sizes, iters, warmup, device, matmul=False) -> tuple[list[dict], list]:
+    """The nccl-tests-style sweep in each framework: dicts {framework, op, size_bytes, time_s, algbw, busbw};
+    with ``matmul`` also every torch rank's matmul rates, in the same launch (_torch_matmul)."""
+    results, rates = [], []
     for fw in frameworks:
         if fw == "torch":
             from torch_impl.launch import launch
 
-            results += launch(_torch_bench, world_size, tuple(ops), tuple(sizes), iters, warmup, device=device)[0]
+            per_rank = launch(_torch_bench, world_size, tuple(ops), tuple(sizes), iters, warmup, matmul, device=device)
+            results += per_rank[0]["rows"]
+            rates = [r["matmul"] for r in per_rank] if matmul else []
         else:
             from jax_impl.collectives import bench
             from jax_impl.devices import make_mesh
 
             results += [dict(r, framework="jax") for r in
                         bench(make_mesh(world_size, "x", device), tuple(ops), tuple(sizes), iters, warmup)]
-    return results
+    return results, rates
 
 
 def _torch_matmul(ctx, sizes=(32, 64, 128, 256), iters=20) -> dict:
@@ -862,10 +862,11 @@ def _torch_matmul(ctx, sizes=(32, 64, 128, 256), iters=20) -> dict:
     return out
 
 
-def _torch_bench(ctx, ops, sizes, iters, warmup):
+def _torch_bench(ctx, ops, sizes, iters, warmup, matmul=False):
     from torch_impl.collectives import bench
 
-    return [dict(r, framework="torch") for r in bench(ctx, ops, sizes, iters, warmup)]
+    rows = [dict(r, framework="torch") for r in bench(ctx, ops, sizes, iters, warmup)]
+    return {"rows": rows, "matmul": _torch_matmul(ctx) if matmul else None}
 
 
 if __name__ == "__main__":

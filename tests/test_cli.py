@@ -250,6 +250,8 @@ def test_bench_subcommand_writes_valid_json(tmp_path):
     assert {r["framework"] for r in data["results"]} == {"torch", "jax"}
     assert all(r["busbw"] > 0 and r["time_s"] > 0 for r in data["results"])
     assert {f["op"] for f in data["fits"]} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+    assert set(data["compute"]) == {"float64", "float32"}  # the matmul rate plan --calibrate reads
+    assert all(rate > 0 for rates in data["compute"].values() for rate in rates.values())
 
 
 def test_show_collectives_mesh_table_per_axis_and_memory():
