@@ -44,7 +44,7 @@ Styles:
   shard_map  variants "1f1b", "zb" (ZB-H1: B = input gradient, W deferred), "interleaved" (v =
              cfg.virtual_stages chunks per device, ``chunked`` layout: row s = virtual stages s,
              S + s, …): torch's orders, gradients taken inside the schedule by per-micro-batch
-             jax.vjp (jax_impl/pp_1f1b.py: ticks, stash, one permute per tick).
+             jax.vjp (jax_impl/pp_schedules.py: ticks, stash, one permute per tick).
 
 Papers: Huang et al. 2019 (GPipe); the SPMD formulation: Xu et al. 2021 (GSPMD, arXiv:2105.04663).
 """
@@ -60,7 +60,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl import pp_1f1b, transformer
+from jax_impl import pp_schedules, transformer
 from jax_impl.devices import make_mesh
 from jax_impl.harness import Setup, train_loop
 from jax_impl.model import gelu, inputs, jax_dtype, make_optimizer, output_loss, targets, to_numpy
@@ -80,7 +80,7 @@ from shared.theory import (
 
 VARIANTS = (("shard_map", "circular"), ("jit", "circular"), ("shard_map", "1f1b"), ("shard_map", "zb"),
             ("shard_map", "interleaved"))
-BY_HAND = ("1f1b", "zb", "interleaved")  # jax_impl/pp_1f1b.py
+BY_HAND = ("1f1b", "zb", "interleaved")  # jax_impl/pp_schedules.py
 BLOCK = re.compile(r"^(?:layers|blocks)\.(\d+)\.(.+)$")  # "blocks.3.attn.qkv.weight" -> 3, "attn.qkv.weight"
 
 
@@ -231,10 +231,10 @@ def shard_map_loss(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head
 
 def shard_map_scheduled(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head_dim: int,
                         schedule: str = "1f1b", virtual: int = 1, info=None):
-    """(loss, grads) of a schedule by hand (jax_impl/pp_1f1b.py: 1f1b, zb, interleaved): the gradient
+    """(loss, grads) of a schedule by hand (jax_impl/pp_schedules.py: 1f1b, zb, interleaved): the gradient
     is computed inside the schedule, micro-batch by micro-batch (no jax.grad over it); params, xs, ys
     as above (interleaved: blocks laid out by ``chunked``, device s's v chunks in its row); ``info``
-    gets the stash sizes (pp_1f1b.run)."""
+    gets the stash sizes (pp_schedules.run)."""
     S, M = mesh.shape["pp"], xs.shape[0]
 
     def body(params, xs, ys):
@@ -251,14 +251,14 @@ def shard_map_scheduled(params: dict, xs: jax.Array, ys: jax.Array | None, mesh,
 
         local = jax.tree.map(lambda a: a[0], params)  # this stage's slice: blocks (L/S, …), slots (…)
         # blocks as lists of per-layer weights: a weight the vjp keeps is then the input itself, not
-        # a slice of the stack, and pp_1f1b leaves it out of the per-micro-batch stash; chunk c takes
+        # a slice of the stack, and pp_schedules leaves it out of the per-micro-batch stash; chunk c takes
         # layers c·n … (c+1)·n − 1 of the row (n = L/(S·v)), chunk 0 the embedding, chunk v−1 the head
         n = len(next(iter(local["blocks"].values()))) // virtual
         chunks = [{"first": local["first"] if c == 0 else {}, "last": local["last"] if c == virtual - 1 else {},
                    "blocks": {k: list(w[c * n:(c + 1) * n]) for k, w in local["blocks"].items()}}
                   for c in range(virtual)]
         message = jax.eval_shape(lambda: embed(local["first"], xs[:1])[0])  # (B/M, D) / (B/M, T, D)
-        loss, grads = pp_1f1b.run(stage_fn, chunks, message, S, M, schedule, virtual, info)
+        loss, grads = pp_schedules.run(stage_fn, chunks, message, S, M, schedule, virtual, info)
         grads = {"first": grads[0]["first"], "last": grads[-1]["last"],
                  "blocks": {k: jnp.stack([w for g in grads for w in g["blocks"][k]])  # (L/S, …)
                             for k in local["blocks"]}}
@@ -336,9 +336,9 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
              pp_circular_permute_count(cfg, style), "virtual_stages": v,
              "state_bytes_theory": pp_state_bytes(pp_spmd_param_count(cfg), cfg)}  # every device alike
     if by_hand:  # the static schedule it runs (order, ticks, most stashed per stage); the stash's bytes
-        plan = pp_1f1b.plan(S, M, variant, v)  # are added to ``extra`` when the step is traced (train_loop)
+        plan = pp_schedules.plan(S, M, variant, v)  # are added to ``extra`` when the step is traced (train_loop)
         extra |= {"order": plan.executed(), "iterations": len(plan.grid), "peak_in_flight": plan.peak_in_flight,
-                  "bubble_ticks": float(np.mean(plan.kind == pp_1f1b.IDLE)),  # unit F = B (= W) ticks
+                  "bubble_ticks": float(np.mean(plan.kind == pp_schedules.IDLE)),  # unit F = B (= W) ticks
                   # the closed form (F = B = W); ZB-H1's needs M ≥ S, below it the simulator's
                   "bubble_theory": simulate("zb", S, M).bubble if variant == "zb" and M < S else
                   closed_form_bubble(variant, S, M, v)}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from jax_impl import pp as jax_pp
-from jax_impl import pp_1f1b
+from jax_impl import pp_schedules
 from jax_impl.harness import run_pattern as jax_run_pattern
 from plots import plot_pipeline_timeline, plot_schedule
 from shared.config import Config
@@ -110,7 +110,7 @@ def jax_out(stages):
     return jax_run_pattern("pp", configs(stages, jax=True), variants=CIRCULAR)
 
 
-# JAX 1F1B by hand (jax_impl/pp_1f1b.py) compiles its own, longer unrolled schedule (2·(M+S−1) ticks
+# JAX 1F1B by hand (jax_impl/pp_schedules.py) compiles its own, longer unrolled schedule (2·(M+S−1) ticks
 # of F/B branches): by default the MLP at S = 4, M = 6 > S (warm-up, steady state, cool-down all
 # present), float64 (~3 s); S = 2 (the MLP ~1.5 s, the transformer ~11 s with its JAX reference),
 # S = 3, float32 and the transformer under -m slow. tests/test_cli.py's JSON contract runs the JAX
@@ -221,7 +221,7 @@ def test_jax_1f1b_plan_matches_simulator_and_ledger_formula(n):
     min(S − s, M); 2·(M+S−1) ticks; one permute per tick with a sender =
     shared.theory.pp_1f1b_permute_count; the tick bubble = the simulator's = (S−1)/(M+S−1)."""
     for m in range(1, 11):
-        plan = pp_1f1b.plan(n, m)
+        plan = pp_schedules.plan(n, m)
         assert plan.executed() == simulator_order(n, m), (n, m)
         assert plan.peak_in_flight == [pp_peak_activations("1f1b", n, m, s) for s in range(n)]
         assert len(plan.grid) == 2 * (m + n - 1) and plan.inbox_slots <= 2  # messages wait ≤ 2 deep
@@ -233,8 +233,8 @@ def test_jax_1f1b_plan_matches_simulator_and_ledger_formula(n):
             {(s, op.kind, op.mb): t for t, row in enumerate(plan.grid) for s, op in enumerate(row) if op}
         assert plan.peak_in_flight == sim.peak_in_flight
         # bubble: idle ticks / all (exact fractions of small integers: 1e-12 is float rounding)
-        assert (plan.kind == pp_1f1b.IDLE).mean() == pytest.approx(sim.bubble, abs=1e-12)
-        assert (plan.kind == pp_1f1b.IDLE).mean() == pytest.approx(pp_bubble_fraction(n, m), abs=1e-12)
+        assert (plan.kind == pp_schedules.IDLE).mean() == pytest.approx(sim.bubble, abs=1e-12)
+        assert (plan.kind == pp_schedules.IDLE).mean() == pytest.approx(pp_bubble_fraction(n, m), abs=1e-12)
 
 
 def test_jax_1f1b(torch_out, jax_1f1b_out):
@@ -264,7 +264,7 @@ def test_jax_1f1b_rest(torch_out, stages):
     test_jax_1f1b(torch_out, jax_run_pattern("pp", ONE_F_ONE_B_RUNS[stages]()[1], variants=[ONE_F_ONE_B]))
 
 
-# JAX ZB-H1 and interleaved 1F1B by hand (the same machinery, jax_impl/pp_1f1b.py), by default the
+# JAX ZB-H1 and interleaved 1F1B by hand (the same machinery, jax_impl/pp_schedules.py), by default the
 # float64 MLP at S = 2: interleaved at M = 4, v = 2 (configs(2)[1], as torch's default launch runs
 # it: ~2.5 s, compiling 18 unrolled ticks) and zb at M = 2 (~1.5 s; torch's zb at that config is
 # tests/test_cli.py's); every config of configs(S) (zb; interleaved where M % S == 0) and S = 4 at
@@ -295,7 +295,7 @@ def test_jax_zb_interleaved_plans_match_simulator_and_ledger_formula(n):
     for m in range(1, 9):
         runs = [("1f1b", 1), ("zb", 1)] + [("interleaved", v) for v in (1, 2, 3) if m % n == 0]
         for schedule, v in runs:
-            plan, sim = pp_1f1b.plan(n, m, schedule, v), unit_ticks(schedule, n, m, v)
+            plan, sim = pp_schedules.plan(n, m, schedule, v), unit_ticks(schedule, n, m, v)
             assert plan.executed() == simulator_order(n, m, schedule, v), (schedule, n, m, v)
             assert {(e.rank, e.op): e.start for e in sim.events} == \
                 {(s, op): t for t, row in enumerate(plan.grid) for s, op in enumerate(row) if op}
@@ -306,7 +306,7 @@ def test_jax_zb_interleaved_plans_match_simulator_and_ledger_formula(n):
             if schedule == "1f1b":
                 assert pp_ticks_permute_count(cfg, schedule) == pp_1f1b_permute_count(cfg)
             # exact fractions of small integers: 1e-12 is float rounding
-            assert (plan.kind == pp_1f1b.IDLE).mean() == pytest.approx(sim.bubble, abs=1e-12)
+            assert (plan.kind == pp_schedules.IDLE).mean() == pytest.approx(sim.bubble, abs=1e-12)
             if schedule != "zb" or m >= n:
                 assert sim.bubble == pytest.approx(closed_form_bubble(schedule, n, m, v), abs=1e-12)
 
@@ -374,10 +374,10 @@ def test_jax_zb_b_computes_no_weight_gradient():
     cfg = Config(world_size=2, layers=4, microbatches=4, dim=8, batch=12, steps=1)
     mesh, stacked = jax_pp.mesh_for(cfg), jax_pp.split(make_problem(cfg).params, 2)
     params = jax.tree.map(lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, jax.P("pp"))), stacked)
-    for variant, kind in (("zb", pp_1f1b.WGT), ("1f1b", pp_1f1b.BWD)):
+    for variant, kind in (("zb", pp_schedules.WGT), ("1f1b", pp_schedules.BWD)):
         step = jax.jit(lambda p, xs, v=variant: jax_pp.shard_map_scheduled(p, xs, None, mesh, cfg.head_dim, v))
         hlo = step.lower(params, jnp.zeros((4, 3, 8))).compile().as_text()
-        plan = pp_1f1b.plan(2, 4, variant)
+        plan = pp_schedules.plan(2, 4, variant)
         branches = sum(bool(np.any(row == kind)) for row in plan.kind)  # ticks at which someone runs W (B)
         assert len(re.findall(r"= f64\[8,8\]\S* dot\(", hlo)) == 2 * branches, variant
 
