@@ -67,15 +67,9 @@ import numpy as np
 from jax import lax
 
 from shared.schedule import Op, simulate
-from shared.schedule import order as schedule_order
 
 IDLE, FWD, BWD, WGT = 0, 1, 2, 3
 KINDS = {"F": FWD, "B": BWD, "W": WGT}
-
-
-def order(stages: int, microbatches: int) -> list[list[tuple[str, int]]]:
-    """torch_impl/pp.py explicit_step's 1F1B order, per stage: [(kind, mb)] (shared.schedule's)."""
-    return [[(op.kind, op.mb) for op in ops] for ops in schedule_order("1f1b", stages, microbatches)]
 
 
 def message(stages: int, virtual: int, s: int, op: Op) -> tuple[int, tuple[int, str, int, int]] | None:
