@@ -567,7 +567,9 @@ def _by_axis(view) -> dict[str, dict[str, tuple[int, int]]]:
 
 def _axis_bytes(view) -> dict[str, int]:
     """Payload bytes per axis label, a message counted once (on the sender: recv skipped)."""
-    return {label: sum(b for op, (_, b) in ops.items() if op != "recv") for label, ops in _by_axis(view).items()}
+    from shared.plan import comm_bytes
+
+    return comm_bytes(_by_axis(view))
 
 
 def mesh_tables(rows, console) -> None:

@@ -160,6 +160,11 @@ class Layout:
                    zero=3 if fsdp else 0, microbatches=cfg.pipeline_microbatches)
 
 
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' bus factor of ``op`` over ``n`` ranks (a point-to-point send: sendrecv's 1)."""
+    return BUSBW_FACTOR.get({"send": "sendrecv"}.get(op, op), lambda n: 1.0)(n)
+
+
 @dataclass(frozen=True)
 class Link:
     alpha: float  # seconds per collective call
@@ -168,7 +173,7 @@ class Link:
 
     def time(self, op: str, count: int, nbytes: int, n: int) -> float:
         alpha, beta = self.per_op.get(op, (self.alpha, self.beta))
-        factor = BUSBW_FACTOR.get({"send": "sendrecv"}.get(op, op), lambda n: 1.0)(n)
+        factor = bus_factor(op, n)
         return count * alpha + nbytes * factor / beta
 
 
@@ -553,7 +558,7 @@ def plan(model: Model, cluster: Cluster, batch: int, b: int = 2, precision: str 
 
 def wire_bytes(view: dict) -> float:
     """Bytes one rank puts on the wire (payload × the nccl-tests bus factor, with the group's size)."""
-    return sum(nb * BUSBW_FACTOR.get({"send": "sendrecv"}.get(op, op), lambda n: 1.0)(2)
+    return sum(nb * bus_factor(op, 2)
                for ops in view.values() for op, (_, nb) in ops.items() if op != "recv")
 
 
