@@ -116,18 +116,25 @@ def _cached_reference(cfg: Config, device: str):
 
 
 def run_pattern(
-    pattern: str, cfgs: list[Config], variants: list[tuple[str, str]] | None = None, device: str = "auto"
+    pattern: str, cfgs: list[Config], variants: list[tuple[str, str]] | None = None, device: str = "auto",
+    progress=None,
 ) -> list[dict]:
-    """One entry per config: ``{"cfg", "reference": Trained, "runs": [(style, variant, Trained)]}``."""
+    """One entry per config: ``{"cfg", "reference": Trained, "runs": [(style, variant, Trained)]}``.
+    ``progress(event)`` hears ("start", what) before each run and ("done", 1) after it."""
     module = importlib.import_module(f"jax_impl.{pattern}")
+    progress = progress or (lambda event: None)
     out = []
     for cfg in cfgs:
         cfg.check(pattern)
         problem = make_problem(cfg)
+        progress(("start", f"{pattern} {cfg.model}: single-device reference"))
         ref = _reference(cfg, device)
         mesh = module.mesh_for(cfg, device)
+        runs = []
         with transformer.recomputing(cfg.recompute):  # every block traced in the steps below (not the reference)
-            runs = [(style, variant, module.train(cfg, problem, style, variant, mesh))
-                    for style, variant in variants or getattr(module, "variants", lambda c: module.VARIANTS)(cfg)]
+            for style, variant in variants or getattr(module, "variants", lambda c: module.VARIANTS)(cfg):
+                progress(("start", f"{pattern} {cfg.model} {style}/{variant}"))
+                runs.append((style, variant, module.train(cfg, problem, style, variant, mesh)))
+                progress(("done", 1))
         out.append({"cfg": cfg, "reference": ref, "runs": runs})
     return out

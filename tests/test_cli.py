@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import compare
+import report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,6 +67,14 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--patterns", "ep", "--model", "mlp"], "ep: the mlp has no experts (use --model transformer --experts E)"),
         (["--patterns", "tp", "--experts", "4"], "--experts/--topk build the mixture-of-experts transformer, which "
                                                 "runs under --patterns ep only"),
+        # output paths: checked before anything runs (a typo must not cost the whole run)
+        (["--json", "/nonexistent/dir/x.json"], "--json /nonexistent/dir/x.json: the folder /nonexistent/dir does "
+                                                "not exist"),
+        (["--markdown", "/"], "--markdown /: is a folder; give a file name"),
+        (["--plots", "/dev/null"], "--plots /dev/null: exists and is not a folder"),
+        (["--plots", "/dev/null/plots"], "--plots /dev/null/plots: cannot create it: /dev/null is not a writable "
+                                          "folder"),
+        (["bench", "--json", "/nonexistent/b.json"], "--json /nonexistent/b.json: the folder /nonexistent does not"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
@@ -279,7 +288,7 @@ def test_show_collectives_mesh_table_per_axis_and_memory():
                                             "state_bytes_theory": {**state, "params": 4}, "temp_bytes": 4096}),
     ]
     out = io.StringIO()
-    compare.mesh_tables(rows, Console(file=out, width=200))
+    report.mesh_tables(rows, Console(file=out, width=200))
     text = out.getvalue()
     lines = [line.replace("│", " ").replace("┃", " ") for line in text.splitlines() if "torch" in line or "jax" in line]
     assert lines[0].split()[:3] == ["torch", "explicit", "0,1"] and lines[0].rstrip().endswith("yes")
@@ -350,7 +359,7 @@ def test_show_collectives_ep_routing_bytes_and_padding():
             RunResult("ep", "jax", "shard_map", "capacity", 2, "float64", True, model="transformer",
                       extra={"expert_load": load, "padding": ep_padding(cfg, load[-1])})]
     out = io.StringIO()
-    compare.ep_tables(rows, [cfg], Console(file=out, width=200))
+    report.ep_tables(rows, [cfg], Console(file=out, width=200))
     text = out.getvalue()
     # layer 0: experts e0..e3 get 5, 1, 1, 1; rank 0 owns e0, e1 (6), rank 1 e2, e3 (2): max/mean 1.50
     cells = [line.replace("│", " ").split() for line in text.splitlines()]

@@ -212,12 +212,16 @@ def run_pattern(
     for cfg in cfgs:
         cfg.check(pattern)
         problem = make_problem(cfg)
+        if ctx.rank == 0:
+            ctx.progress(("start", f"{pattern} {cfg.model}: single-device reference"))
         ref = _reference(cfg, ctx.device) if ctx.rank == 0 else None
         runs = []
         # a pattern may offer some variants for one model only: its variants(cfg), else VARIANTS
         chosen = variants.get(cfg) if isinstance(variants, dict) else variants
         for style, variant in chosen or getattr(module, "variants", lambda c: module.VARIANTS)(cfg):
+            ctx.progress(("start", f"{pattern} {cfg.model} {style}/{variant}"))
             trained = module.train(cfg, problem, style, variant, ctx)
+            ctx.progress(("done", 1))
             runs.append((style, variant, trained))
         out.append({"cfg": cfg, "reference": ref, "runs": runs})
     return out if ctx.rank == 0 else None
@@ -236,7 +240,9 @@ def run_jobs(ctx: RankContext, jobs: list[tuple[str, list[Config]]]) -> dict[str
     out: dict[str, object] = {}
     for pattern, cfgs in jobs:
         if pattern == "collectives":
+            ctx.progress(("start", "collectives"))
             out[pattern] = run_collectives(ctx)
+            ctx.progress(("done", len(out[pattern])))
         else:
             out[pattern] = run_pattern(ctx, pattern, cfgs)
     return out

@@ -49,6 +49,9 @@ class RankContext:
     device: torch.device
     backend: str  # "gloo" | "nccl"
     ledger: CommLedger
+    # Rank 0's progress events, ("start", what) / ("done", runs), to the launching process's
+    # ``launch(progress=…)``; a no-op elsewhere and when nobody listens.
+    progress: Callable[[tuple], None] = lambda event: None
 
     @property
     def group(self):
@@ -87,10 +90,13 @@ def launch(
     *args: Any,
     device: str = "auto",
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    progress: Callable[[tuple], None] | None = None,
 ) -> list[Any]:
+    """Run ``fn(ctx, *args)`` on ``world_size`` fresh ranks (or join torchrun's); returns every
+    rank's answer. ``progress`` hears rank 0's ``ctx.progress`` events while they run."""
     kind = resolve_device(device, world_size)
     if under_torchrun():
-        return _join_torchrun(fn, world_size, args, kind, timeout_s)
+        return _join_torchrun(fn, world_size, args, kind, timeout_s, progress)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
 
@@ -101,7 +107,7 @@ def launch(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, store.port, fn, args, kind, results_q, timeout_s, threads),
+            args=(rank, world_size, store.port, fn, args, kind, results_q, timeout_s, threads, progress is not None),
             daemon=True,
             name=f"rank{rank}",
         )
@@ -126,6 +132,9 @@ def launch(
                 if time.monotonic() > deadline:
                     raise LaunchError(f"launch timed out after {timeout_s:.0f}s; done: {sorted(results)}") from None
                 continue
+            if status == "progress":
+                progress(payload)
+                continue
             if status == "error":
                 raise LaunchError(_died_first(procs, results) + f"rank {rank} raised:\n{payload}")
             results[rank] = payload
@@ -141,6 +150,8 @@ def _drain(q, results: dict[int, Any], procs) -> None:
             rank, status, payload = q.get_nowait()
         except queue_mod.Empty:
             return
+        if status == "progress":
+            continue
         if status == "error":  # maybe a reaction to the rank that died: name the dead first
             raise LaunchError(_died_first(procs, results) + f"rank {rank} raised:\n{payload}")
         results[rank] = payload
@@ -198,12 +209,14 @@ def _init(rank: int, world_size: int, local_rank: int, kind: str, timeout_s: flo
     return RankContext(rank, world_size, local_rank, device, backend, CommLedger(world_size))
 
 
-def _rank_main(rank, world_size, port, fn, args, kind, results_q, timeout_s, threads) -> None:
+def _rank_main(rank, world_size, port, fn, args, kind, results_q, timeout_s, threads, listened=False) -> None:
     die_with_parent()
     torch.set_num_threads(threads)
     try:
         store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=timeout_s))
         ctx = _init(rank, world_size, rank, kind, timeout_s, store=store)
+        if listened and rank == 0:
+            ctx.progress = lambda event: results_q.put((rank, "progress", event))
         result = fn(ctx, *args)
         results_q.put((rank, "ok", result))
         status = 0
@@ -223,7 +236,7 @@ def _rank_main(rank, world_size, port, fn, args, kind, results_q, timeout_s, thr
     os._exit(status)
 
 
-def _join_torchrun(fn, world_size, args, kind, timeout_s) -> list[Any]:
+def _join_torchrun(fn, world_size, args, kind, timeout_s, progress=None) -> list[Any]:
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world_size:
         raise ValueError(f"torchrun started {env_world} ranks but world_size={world_size} was asked for")
@@ -233,6 +246,8 @@ def _join_torchrun(fn, world_size, args, kind, timeout_s) -> list[Any]:
     else:
         device = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
         ctx = RankContext(rank, env_world, local_rank, device, dist.get_backend(), CommLedger(env_world))
+    if progress is not None and rank == 0:
+        ctx.progress = progress
     try:
         result = fn(ctx, *args)
     except BaseException:

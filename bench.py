@@ -1,0 +1,140 @@
+"""``compare.py bench``: an nccl-tests-style sweep of the collectives in both frameworks.
+
+    python compare.py bench --frameworks torch,jax --world-size 4 --json bench.json
+
+For each op (all-reduce, all-gather, reduce-scatter, all-to-all) and size: warm-up, repeated timed
+iterations, the median; ``algbw`` = size / time and ``busbw`` = algbw × nccl-tests' bus factor
+(shared.plan.bus_factor); then a latency/bandwidth fit ``t = α + n/β`` per op. With torch it also
+measures the matmul FLOP/s each rank gets while every rank multiplies (what ``plan --calibrate``
+reads). Torch ranks import this module (``_torch_bench``): its top level imports no JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from compare import FRAMEWORKS, ArgumentError, HelpFormatter, _csv, _Parser, check_devices, check_output_path
+from shared.collectives import BENCH_OPS  # NumPy only: safe before JAX starts
+from shared.env import simulate_host_devices
+
+
+def build_bench_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="compare.py bench", formatter_class=HelpFormatter,
+                description="nccl-tests-style bandwidth sweep of the collectives (median time, algbw, busbw, "
+                            "an α–β fit per op) and each torch rank's matmul FLOP/s.")
+    p.add_argument("--frameworks", type=_csv(FRAMEWORKS), default=list(FRAMEWORKS), metavar="LIST",
+                   help=f"comma list of {', '.join(FRAMEWORKS)}")
+    p.add_argument("--world-size", type=int, default=4, help="ranks / devices (>= 2)")
+    p.add_argument("--ops", type=_csv(BENCH_OPS), default=list(BENCH_OPS), metavar="LIST",
+                   help=f"comma list of {', '.join(BENCH_OPS)}")
+    p.add_argument("--min-bytes", type=int, default=4 * 1024, help="smallest message (bytes)")
+    p.add_argument("--max-bytes", type=int, default=16 * 1024 * 1024, help="largest message (bytes; sizes step ×4)")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations per size (the median is reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations per size first")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="gpu: NCCL / JAX on GPUs, or refuse; cpu: gloo / simulated devices; auto: GPUs if enough")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="write {world_size, results, fits, compute} here as JSON (default: none)")
+    return p
+
+
+def bench_main(argv) -> int:
+    try:
+        args = build_bench_parser().parse_args(argv)
+        if args.world_size < 2:
+            raise ValueError(f"bench needs world_size >= 2, got {args.world_size}")
+        if not 0 < args.min_bytes <= args.max_bytes:
+            raise ValueError(f"need 0 < --min-bytes <= --max-bytes, got {args.min_bytes}, {args.max_bytes}")
+        if args.iters < 1 or args.warmup < 0:
+            raise ValueError("--iters must be >= 1 and --warmup >= 0")
+        check_output_path("--json", args.json)
+        simulate_host_devices(args.world_size)  # before JAX starts
+        check_devices(args.frameworks, args.world_size, args.device)
+    except (ArgumentError, ValueError) as exc:
+        print(f"compare.py bench: error: {exc}", file=sys.stderr)
+        return 2
+    from rich.table import Table
+
+    from report import fmt_bytes, make_console, write_json
+    from shared.collectives import fit_per_op
+
+    sizes, s = [], args.min_bytes
+    while s <= args.max_bytes:
+        sizes.append(s)
+        s *= 4
+    results, matmul = run_bench(args.frameworks, args.world_size, args.ops, sizes, args.iters, args.warmup,
+                                args.device, matmul=True)
+    fits = [{"framework": fw, "op": op, **fit} for fw in args.frameworks
+            for op, fit in fit_per_op([r for r in results if r["framework"] == fw]).items()]
+    compute = {}  # every torch rank multiplying at once: the FLOP/s a rank of a run gets (plan --calibrate)
+    for dtype in matmul[0] if matmul else ():
+        compute[dtype] = {n: sorted(r[dtype][n] for r in matmul)[len(matmul) // 2] for n in matmul[0][dtype]}
+    if args.json:  # first: nothing printed below can lose the measurements
+        write_json(args.json, {"world_size": args.world_size, "results": results, "fits": fits, "compute": compute})
+    console = make_console()
+    table = Table(title=f"collective bandwidth, world size {args.world_size} (median of {args.iters})")
+    for col in ("framework", "op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):
+        table.add_column(col, justify="left" if col in ("framework", "op") else "right", overflow="fold")
+    for r in results:
+        table.add_row(r["framework"], r["op"], fmt_bytes(r["size_bytes"]), f"{1e6 * r['time_s']:.1f}",
+                      f"{r['algbw'] / 1e9:.3f}", f"{r['busbw'] / 1e9:.3f}")
+    console.print(table)
+    for fit in fits:
+        beta = fit["beta_bytes_per_s"]
+        beta_text = f"{beta / 1e9:7.3f} GB/s" if beta != float("inf") else "   n/a (no size dependence measured)"
+        console.print(f"{fit['framework']:5s} {fit['op']:15s} t = α + n/β:  α = {1e6 * fit['alpha_s']:8.1f} us,  "
+                      f"β = {beta_text}")
+    for dtype, rates in compute.items():
+        console.print(f"torch matmul {dtype:8s} FLOP/s per rank, {args.world_size} at once (median rank): " + ", ".join(
+            f"n={n}: {rate / 1e9:.2f} G" for n, rate in rates.items()))
+    return 0
+
+
+def run_bench(frameworks, world_size, ops, sizes, iters, warmup, device, matmul=False) -> tuple[list[dict], list]:
+    """The nccl-tests-style sweep in each framework: dicts {framework, op, size_bytes, time_s, algbw, busbw};
+    with ``matmul`` also every torch rank's matmul rates, in the same launch (_torch_matmul)."""
+    results, rates = [], []
+    for fw in frameworks:
+        if fw == "torch":
+            from torch_impl.launch import launch
+
+            per_rank = launch(_torch_bench, world_size, tuple(ops), tuple(sizes), iters, warmup, matmul, device=device)
+            results += per_rank[0]["rows"]
+            rates = [r["matmul"] for r in per_rank] if matmul else []
+        else:
+            from jax_impl.collectives import bench
+            from jax_impl.devices import make_mesh
+
+            results += [dict(r, framework="jax") for r in
+                        bench(make_mesh(world_size, "x", device), tuple(ops), tuple(sizes), iters, warmup)]
+    return results, rates
+
+
+def _torch_matmul(ctx, sizes=(32, 64, 128, 256), iters=20) -> dict:
+    """{dtype: {n: FLOP/s}} of an (n, n) @ (n, n) product on this rank (the median of ``iters``)."""
+    import torch
+
+    out = {}
+    for dtype in ("float64", "float32"):
+        out[dtype] = {}
+        for n in sizes:
+            a = torch.randn(n, n, dtype=getattr(torch, dtype), device=ctx.device)
+            times = []
+            for _ in range(iters + 2):
+                t0 = time.perf_counter()
+                a @ a
+                if a.is_cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            out[dtype][str(n)] = 2 * n ** 3 / sorted(times[2:])[iters // 2]
+    return out
+
+
+def _torch_bench(ctx, ops, sizes, iters, warmup, matmul=False):
+    from torch_impl.collectives import bench
+
+    rows = [dict(r, framework="torch") for r in bench(ctx, ops, sizes, iters, warmup)]
+    return {"rows": rows, "matmul": _torch_matmul(ctx) if matmul else None}
+

@@ -1,0 +1,495 @@
+"""What compare.py prints and writes: the parity table (compact by default, every column with --wide),
+the Markdown and JSON files, the ``--show-collectives`` tables, the pipeline and recompute lines, and
+the progress line while the runs go.
+
+    console = make_console()                        # a terminal: its width; piped: plain text, no limit
+    print_table(rows, cfgs, console, wide=False)    # nothing is ever cut: long names wrap at '/'
+    lines = table_lines(rows, width=80)             # what print_table prints (tests render 80/100/120)
+
+compare.py runs; this module only formats what the runs returned (shared.results.RunResult rows).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+from shared.config import RECOMPUTE, parse_mesh
+
+
+def make_console(quiet: bool = False):
+    """A terminal: rich at the terminal's real width. Piped (CI logs, ``| tee``, a file): plain text
+    without colour codes or any width limit, so no table is wrapped or cut."""
+    from rich.console import Console
+
+    tty = sys.stdout.isatty()
+    return Console(quiet=quiet, width=None if tty else 100_000, soft_wrap=not tty)
+
+
+def write_json(path: str, data) -> None:
+    """Strict JSON (no NaN / Infinity), written aside and renamed: a file is complete or absent."""
+    from shared.results import _jsonable
+
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(_jsonable(data), f, indent=1)
+    os.replace(tmp, path)
+
+
+def fmt_bytes(n) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def fmt_err(x) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def _fmt_ms(seconds) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.2f}"
+
+
+def row_ok(r) -> bool:
+    return bool(r.ok) and r.xfw_ok is not False
+
+
+# --- the parity table ---------------------------------------------------------------------------
+
+# --wide, --markdown (and --json, which has everything): one column per quantity.
+TABLE_COLUMNS = ("pattern", "model", "framework", "style", "variant", "ok", "rel err loss", "rel err grad",
+                 "vs other fw", "step ms", "comm/step", "theory", "state/rank")
+# The default: one table, a section per (pattern, model); the columns a reader checks first.
+COMPACT_COLUMNS = ("implementation", "ok", "vs ref", "vs other", "step ms", "comm/step", "theory")
+_RIGHT = {"rel err loss", "rel err grad", "vs other fw", "step ms", "comm/step", "theory", "state/rank", "vs ref",
+          "vs other"}
+
+
+def table_rows(rows):
+    """The --wide / Markdown cells, one tuple per run (TABLE_COLUMNS)."""
+    out = []
+    for r in rows:
+        is_coll = r.pattern == "collectives"
+        out.append((
+            r.pattern, r.model or "-", r.framework, r.style, r.variant,
+            "ok" if row_ok(r) else "FAIL",
+            "-" if is_coll else fmt_err(r.max_rel_err_loss),
+            "-" if is_coll else fmt_err(max(r.max_rel_err_grad, r.max_rel_err_param)),
+            fmt_err(r.xfw_max_rel_err),
+            _fmt_ms(r.step_time_s),
+            fmt_bytes(r.comm_bytes),
+            fmt_bytes(r.comm_bytes_theory),
+            "-" if not r.state_bytes else fmt_bytes(sum(r.state_bytes.values())),
+        ))
+    return out
+
+
+def compact_cells(r) -> tuple[str, ...]:
+    """COMPACT_COLUMNS of one run: the worst error against its own reference (loss, step-0 gradient,
+    final parameters), against the other framework's, and "=" where the bytes equal theory."""
+    own = None if r.pattern == "collectives" else max(r.max_rel_err_loss, r.max_rel_err_grad, r.max_rel_err_param)
+    theory = "-" if r.comm_bytes_theory is None else "=" if r.comm_bytes == r.comm_bytes_theory \
+        else fmt_bytes(r.comm_bytes_theory)
+    return (f"{r.framework}/{r.style}/{r.variant}", "ok" if row_ok(r) else "FAIL", fmt_err(own),
+            fmt_err(r.xfw_max_rel_err), _fmt_ms(r.step_time_s), fmt_bytes(r.comm_bytes), theory)
+
+
+def _wrap_at_slashes(text: str, width: int) -> list[str]:
+    """``text`` in lines of at most ``width``, broken after a '/' where it can be, else folded: every
+    character kept (never cut)."""
+    parts = [p + "/" for p in text.split("/")[:-1]] + [text.split("/")[-1]]
+    lines, line = [], ""
+    for part in parts:
+        if line and len(line) + len(part) > width:
+            lines.append(line)
+            line = ""
+        line += part
+        while len(line) > width:
+            lines.append(line[:width])
+            line = line[width:]
+    return lines + [line] if line else lines
+
+
+@dataclass(frozen=True)
+class Line:
+    text: str
+    kind: str = "row"  # "header" | "rule" | "section" | "row" | "fail"
+
+
+def grid(columns, sections, width: int | None, wrap: int = 0) -> list[Line]:
+    """A plain-text table: ``sections`` = [(title, [cells, …]), …]. It takes its natural width; where that
+    exceeds ``width`` the gaps narrow to one space, then column ``wrap`` breaks at '/' onto more lines.
+    No cell is ever truncated (``width`` None: no limit, one line per row)."""
+    rows = [cells for _, body in sections for cells in body]
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
+    gap = 2
+    if width is not None and sum(widths) + gap * (len(columns) - 1) > width:
+        gap = 1
+        spare = width - (sum(widths) - widths[wrap]) - gap * (len(columns) - 1)
+        widths[wrap] = max(min(widths[wrap], spare), 8)
+
+    def join(cells) -> str:
+        out = [c.rjust(w) if columns[i] in _RIGHT else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return (" " * gap).join(out).rstrip()
+
+    total = sum(widths) + gap * (len(columns) - 1)
+    lines = [Line(join(columns), "header"), Line("─" * total, "rule")]
+    for title, body in sections:
+        if title:
+            lines.append(Line(f"── {title} " + "─" * max(0, total - len(title) - 4), "section"))
+        for cells in body:
+            kind = "fail" if "FAIL" in cells else "row"
+            wrapped = _wrap_at_slashes(cells[wrap], widths[wrap])
+            lines.append(Line(join([wrapped[0] if i == wrap else c for i, c in enumerate(cells)]), kind))
+            for more in wrapped[1:]:
+                lines.append(Line(join([more if i == wrap else "" for i in range(len(cells))]), kind))
+    return lines
+
+
+def _sections(rows):
+    """[(title, [run, …]), …]: one section per pattern and model, in the order the runs came."""
+    out: dict[str, list] = {}
+    for r in rows:
+        out.setdefault(r.pattern if r.model is None else f"{r.pattern} · {r.model}", []).append(r)
+    return list(out.items())
+
+
+def table_lines(rows, width: int | None, wide: bool = False) -> list[Line]:
+    """The parity table as lines: compact (a section per pattern and model) or, ``wide``, every column."""
+    if wide:
+        return grid(TABLE_COLUMNS, [("", table_rows(rows))], None, wrap=TABLE_COLUMNS.index("variant"))
+    return grid(COMPACT_COLUMNS, [(title, [compact_cells(r) for r in runs]) for title, runs in _sections(rows)],
+                width, wrap=0)
+
+
+def describe_sizes(cfgs) -> str:
+    """The sizes each model runs at, e.g. 'mlp L=4 D=32 B=32 | transformer L=4 D=32 H=4 T=16 V=64 B=32'."""
+    parts = []
+    for c in {(c.model, c.moe_name): c for c in cfgs}.values():  # mesh layouts share their model's sizes
+        extra = f" H={c.heads} T={c.seq} V={c.vocab}" if c.model == "transformer" else ""
+        moe = f" MoE E={c.experts} k={c.topk}" if c.moe else ""
+        recompute = f" recompute={c.recompute}" if c.recompute != "none" else ""
+        parts.append(f"{c.model}{moe} L={c.layers} D={c.dim}{extra} B={c.batch}{recompute} (Φ={c.n_params:,})")
+    return " | ".join(parts)
+
+
+_STYLES = {"header": "bold", "rule": "dim", "section": "bold cyan", "row": None, "fail": "bold red"}
+
+
+def print_table(rows, cfgs, console, wide: bool = False) -> None:
+    from rich.text import Text
+
+    cfg = cfgs[0]
+    console.print(f"parallel-twins: world size {cfg.world_size}, {cfg.dtype}, M={cfg.microbatches}, "
+                  f"{cfg.steps} steps; {describe_sizes(cfgs)}", style="bold", highlight=False)
+    if not wide:
+        console.print("vs ref: worst relative error (loss, step-0 gradient, final parameters) against the same "
+                      "framework's single-device run; vs other: against the other framework's; theory: '=' "
+                      "where the bytes per step equal shared/theory's (--wide: every column)", style="dim",
+                      highlight=False)
+    width = console.width if console.is_terminal else None
+    for line in table_lines(rows, width, wide):
+        console.print(Text(line.text, style=_STYLES[line.kind] or ""), no_wrap=True, crop=False, soft_wrap=True)
+
+
+def markdown_table(rows) -> str:
+    lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+    lines += ["| " + " | ".join(r) + " |" for r in table_rows(rows)]
+    return "\n".join(lines) + "\n"
+
+
+# --- progress -----------------------------------------------------------------------------------
+
+
+class Progress:
+    """One live line on a terminal while the runs go: runs done / total, the run in flight, elapsed
+    and an estimate of what is left (each framework's mean seconds per run so far × its runs left).
+    ``event(framework, ("start", label) | ("done", n))`` is what the harnesses report."""
+
+    def __init__(self, planned: dict[str, int]):
+        self.planned, self.done = dict(planned), dict.fromkeys(planned, 0)
+        self.spent = dict.fromkeys(planned, 0.0)
+        self.t0 = self.mark = time.perf_counter()
+        self.current = "starting"
+
+    def event(self, framework: str, event) -> None:
+        kind, value = event
+        now = time.perf_counter()
+        if kind == "start":
+            self.current = f"{framework}: {value}"
+        elif kind == "done":
+            self.done[framework] += value
+            self.spent[framework] += now - self.mark
+            self.mark = now
+        elif kind == "framework":  # a framework starts: its launch / compile time counts towards its runs
+            self.mark = now
+
+    def estimate(self) -> float | None:
+        rates = {fw: self.spent[fw] / self.done[fw] for fw in self.done if self.done[fw]}
+        if not rates:
+            return None
+        fallback = sum(rates.values()) / len(rates)
+        return sum(max(0, self.planned[fw] - self.done[fw]) * rates.get(fw, fallback) for fw in self.planned)
+
+    def text(self) -> str:
+        done, total = sum(self.done.values()), sum(self.planned.values())
+        left = self.estimate()
+        eta = "estimating" if left is None else f"about {_clock(left)} left"
+        return f"[{min(done, total)}/{total} runs] {self.current} · {_clock(time.perf_counter() - self.t0)} · {eta}"
+
+    def __rich__(self):
+        from rich.text import Text
+
+        return Text(self.text(), no_wrap=True, overflow="ellipsis")  # a transient status line, not a result
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def pp_bubble_lines(rows, console) -> None:
+    """pp: each torch explicit schedule's bubble (last step): theory (the closed form at F = B = W),
+    the simulator's at the run's measured mean F / B / W times, and measured (idle / (stages · span)).
+    JAX's hand-written schedules run in lock-step ticks inside one compiled program (no per-op clock):
+    theory beside the tick grid's idle fraction."""
+    for r in rows:
+        x = r.extra
+        if r.pattern == "pp" and r.framework == "jax" and "bubble_ticks" in x:
+            v = x.get("virtual_stages", 1)
+            console.print(f"pp bubble {r.model} {r.framework} {r.style}/{r.variant}{f' (v={v})' if v > 1 else ''}: "
+                          f"theory {x['bubble_theory']:.3f}, tick grid {x['bubble_ticks']:.3f} (one program: "
+                          "no per-op time to measure)")
+        if r.pattern == "pp" and "bubble_measured" in x:
+            v = x.get("virtual_stages", 1)
+            console.print(f"pp bubble {r.model} {r.framework} {r.style}/{r.variant}{f' (v={v})' if v > 1 else ''}: "
+                          f"theory {x['bubble_theory']:.3f}, simulated at measured costs "
+                          f"{x.get('bubble_simulated', float('nan')):.3f}, measured {x['bubble_measured']:.3f}")
+
+
+def recompute_lines(rows, cfgs, console) -> None:
+    """--recompute: per transformer run, rank 0's activations (torch: bytes saved for backward; JAX:
+    XLA's temp buffer, a proxy) against shared.theory.activation_bytes where the formula is exact for
+    the layout, beside the other policies' theory; and the extra forward FLOPs."""
+    from shared.theory import activation_bytes, recompute_extra_flops
+
+    for c in {(c.model, c.moe_name): c for c in cfgs if c.model == "transformer"}.values():
+        n, dense = c.world_size, c.replace(experts=0)
+        flops = recompute_extra_flops(c, sequences=c.batch // n)  # per rank of a data-parallel layout
+        policies = " / ".join(f"{p} {fmt_bytes(activation_bytes(dense, p))}" for p in RECOMPUTE)
+        console.print(f"recompute={c.recompute}: extra forward FLOPs per step {flops['extra'] / 1e6:.2f} M per "
+                      f"rank of dp={n} ({100 * flops['fraction']:.1f}% of the step's 3×forward); single-device "
+                      f"activations (theory): {policies}")
+    c = next((c for c in cfgs if c.model == "transformer" and not c.mesh and not c.moe), None)
+    for r in rows:
+        if r.model != "transformer" or c is None:
+            continue
+        n, theory = c.world_size, None
+        if r.framework == "torch" and (r.pattern == "dp" or (r.pattern == "fsdp" and r.variant != "zero3")):
+            theory = activation_bytes(c, sequences=c.batch // n, id_sequences=c.batch)
+        elif r.framework == "torch" and r.pattern == "cp" and r.variant.startswith("ring"):
+            theory = activation_bytes(c.replace(seq=c.seq // n))
+        measured = r.extra.get("activation_bytes", r.extra.get("temp_bytes"))
+        kind = "saved" if "activation_bytes" in r.extra else "XLA temp"
+        console.print(f"  {r.pattern} {r.framework} {r.style}/{r.variant}: {kind} {fmt_bytes(measured)}"
+                      + (f" (theory {fmt_bytes(theory)}{', equal' if theory == measured else ''})" if theory else ""))
+
+
+def collectives_table(rows, pattern, console) -> None:
+    """The SPMD-vs-explicit contrast: what one training step communicates in each style, per model."""
+    rows = [r for r in rows if r.pattern == pattern]
+    for model in dict.fromkeys(r.model for r in rows):
+        _collectives_table([r for r in rows if r.model == model], pattern, model, console)
+
+
+def _collectives_table(rows, pattern, model, console) -> None:
+    from rich.table import Table
+
+    ops = sorted({op for r in rows for op in r.comm})
+    table = Table(title=f"collectives of one {pattern} step on the {model}, per rank (count × / payload bytes)")
+    for col in ("framework", "style", "variant", *ops, "total", "theory", "vs theory"):
+        table.add_column(col, justify="left" if col in ("framework", "style", "variant") else "right",
+                         overflow="fold")
+    for r in rows:
+        cells = [f"{r.comm[op]['count']}× {fmt_bytes(r.comm[op]['bytes'])}" if op in r.comm else "" for op in ops]
+        diff = None if r.comm_bytes_theory is None else r.comm_bytes - r.comm_bytes_theory
+        match = "-" if diff is None else "yes" if diff == 0 else f"{'+' if diff > 0 else '−'}{fmt_bytes(abs(diff))}"
+        table.add_row(r.framework, r.style, r.variant, *cells, fmt_bytes(r.comm_bytes),
+                      fmt_bytes(r.comm_bytes_theory), match)
+    console.print(table)
+    # Where XLA's choice (jit) differs from the hand-written shard_map step of the same variant, say so.
+    by_key = {(r.framework, r.style, r.variant): r for r in rows}
+    for r in rows:
+        if r.framework == "jax" and r.style == "jit":
+            twin = by_key.get(("jax", "shard_map", r.variant))
+            if twin is None:  # nothing hand-written to mirror (cp's seq_sharded): what XLA chose
+                console.print(f"[yellow]{r.variant}[/]: XLA (jit) chose {_describe(r.comm)}")
+            elif _counts(twin.comm) != _counts(r.comm):
+                console.print(f"[yellow]{r.variant}[/]: XLA (jit) issued {_describe(r.comm)}; "
+                              f"the shard_map step issues {_describe(twin.comm)}")
+    work = {(r.style, r.variant): r.extra["attention_scores"] for r in rows if r.extra.get("attention_scores")}
+    for (style, variant), scores in work.items():  # cp: the causal work each rank does (zigzag balances it)
+        console.print(f"attention score entries per rank per layer, {style}/{variant}: "
+                      f"{', '.join(str(s) for s in scores)} (max/min {max(scores) / max(min(scores), 1):.2f})")
+
+
+def ep_tables(rows, cfgs, console) -> None:
+    """ep's data-dependent side: the routing of the last step (load per expert and per rank, the
+    same in every style since the routing is), the torch ranks' all-to-all bytes against the
+    routing-count formula, and the padding the static-shape (JAX) styles carry."""
+    from rich.table import Table
+
+    from shared.theory import ep_load
+
+    for cfg in cfgs:
+        mine = [r for r in rows if r.pattern == "ep" and r.extra.get("expert_load") is not None]
+        if not mine:
+            continue
+        load = mine[0].extra["expert_load"][-1]  # (L, B, E): the step the ledger recorded
+        table = Table(title=f"ep routing of the last step, {cfg.moe_name}, ep={cfg.world_size}: assignments "
+                            f"per expert and per rank (ideal {cfg.topk * cfg.batch * cfg.seq // cfg.experts} "
+                            f"per expert)")
+        for col in ("layer", *(f"e{e}" for e in range(cfg.experts)), *(f"rank {r}" for r in range(cfg.world_size)),
+                    "max/mean"):
+            table.add_column(col, justify="right", overflow="fold")
+        for layer, load_layer in enumerate(load):
+            lo = ep_load(cfg, load_layer)
+            ranks = lo["per_rank"]
+            table.add_row(str(layer), *map(str, lo["per_expert"]), *map(str, ranks),
+                          f"{max(ranks) / (sum(ranks) / len(ranks)):.2f}")
+        console.print(table)
+        for r in mine:
+            per_rank, theory = r.extra.get("comm_per_rank"), r.extra.get("comm_theory_per_rank")
+            if per_rank and theory:
+                a2a = [v.get("all_to_all", {}).get("bytes", 0) for v in per_rank]
+                a2a_theory = [_by_axis({"x": t})["x"].get("all_to_all", (0, 0))[1] for t in theory]
+                verdict = "equal on every rank" if a2a == a2a_theory else ", ".join(map(fmt_bytes, a2a_theory))
+                console.print(f"{r.framework} {r.style}/{r.variant}: all-to-all bytes per rank "
+                              f"{', '.join(fmt_bytes(b) for b in a2a)} (routing-count formula: {verdict})")
+            pad = r.extra.get("padding")
+            if pad:
+                console.print(f"{r.framework} {r.style}/{r.variant}: static buffers of {pad['buffer_rows']} rows per "
+                              f"rank per all-to-all, {pad['useful_rows']} carry a token "
+                              f"({100 * pad['sent_waste']:.0f}% padding); the busiest rank received "
+                              f"{pad['max_received_rows']} real rows")
+
+
+def _by_axis(view) -> dict[str, dict[str, tuple[int, int]]]:
+    """{label: {op: (count, bytes)}} from a ledger view or a theory ({op: {count, bytes}} or (count, bytes))."""
+    out = {}
+    for label, ops in (view or {}).items():
+        out[label] = {op: (v["count"], v["bytes"]) if isinstance(v, dict) else tuple(v) for op, v in ops.items()}
+    return out
+
+
+def _axis_bytes(view) -> dict[str, int]:
+    """Payload bytes per axis label, a message counted once (on the sender: recv skipped)."""
+    from shared.plan import comm_bytes
+
+    return comm_bytes(_by_axis(view))
+
+
+def mesh_tables(rows, console) -> None:
+    """The N-D contrast: per layout, what one step moves on each mesh axis in every style, per rank
+    (torch ranks with the same view merged; JAX runs one SPMD program: every device alike), against
+    shared.theory; then the memory per rank against theory."""
+    from rich.table import Table
+
+    rows = [r for r in rows if r.pattern == "mesh"]
+    for layout in dict.fromkeys(r.variant for r in rows):
+        mine = [r for r in rows if r.variant == layout]
+        views = []  # (framework, style, ranks, measured, theory)
+        for r in mine:
+            per_rank = r.extra.get("comm_by_axis_per_rank")
+            theory = r.extra.get("comm_by_axis_theory_per_rank") or [r.extra.get("comm_by_axis_theory")] * len(
+                per_rank or [0])
+            if not per_rank:
+                views.append((r, "all", r.extra.get("comm_by_axis"), r.extra.get("comm_by_axis_theory")))
+                continue
+            groups: dict = {}
+            for rank, (view, th) in enumerate(zip(per_rank, theory, strict=True)):
+                key = repr((_by_axis(view), _by_axis(th)))
+                groups.setdefault(key, [rank, view, th])
+                groups[key].append(rank) if groups[key][0] != rank else None
+            for first, view, th, *more in groups.values():
+                views.append((r, ",".join(str(x) for x in [first, *more]), view, th))
+        order = [name for name, _ in parse_mesh(layout)]  # the layout's axes, outermost first
+        labels = sorted({a for _, _, v, t in views for a in {**_by_axis(v), **_by_axis(t)}},
+                        key=lambda a: (order.index(a.split("+")[0]) if a.split("+")[0] in order else len(order), a))
+        table = Table(title=f"{layout} ({mine[0].world_size} ranks): payload per step per rank on each mesh axis "
+                            "(count × / bytes; = theory unless marked)")
+        for col in ("framework", "style", "ranks", *labels, "vs theory"):
+            table.add_column(col, justify="left" if col in ("framework", "style", "ranks") else "right",
+                             overflow="fold")
+        for r, ranks, view, th in views:
+            measured, expected = _by_axis(view), _axis_bytes(th) if th is not None else None
+            cells = []
+            for a in labels:
+                ops = measured.get(a, {})
+                n, nbytes = sum(c for op, (c, _) in ops.items() if op != "recv"), _axis_bytes(view).get(a, 0)
+                text = f"{n}× {fmt_bytes(nbytes)}" if ops else "-"
+                if expected is not None and expected.get(a, 0) != nbytes:
+                    text += f" [red](theory {fmt_bytes(expected.get(a, 0))})[/]"
+                cells.append(text)
+            same = "-" if expected is None else "yes" if all(
+                expected.get(a, 0) == _axis_bytes(view).get(a, 0) for a in labels) else "[red]no[/]"
+            table.add_row(r.framework, r.style, ranks, *cells, same)
+        console.print(table)
+        memory = Table(title=f"{layout}: memory per rank (rank 0; params + grads + AdamW, and activations)")
+        for col in ("framework", "style", "params", "grads", "optimizer", "theory", "activations"):
+            memory.add_column(col, justify="left" if col in ("framework", "style") else "right", overflow="fold")
+        for r in mine:
+            th = r.extra.get("state_bytes_theory")
+            total = sum(r.state_bytes.values()) if r.state_bytes else None
+            match = "-" if not th else "yes" if all(abs(r.state_bytes.get(k, 0) - v) < 1 for k, v in th.items()) \
+                else f"[red]{fmt_bytes(sum(th.values()))}[/]"
+            act = r.extra.get("activation_bytes", r.extra.get("temp_bytes"))
+            kind = "saved" if "activation_bytes" in r.extra else "XLA temp"
+            act_text = "-" if act is None else f"{fmt_bytes(act)} ({kind})"
+            state = (fmt_bytes(r.state_bytes.get(k)) for k in ("params", "grads", "optimizer"))
+            memory.add_row(r.framework, r.style, *state, match if total is not None else "-", act_text)
+        console.print(memory)
+    refused = {r.extra.get("refused") for r in rows if r.extra.get("refused")}
+    for reason in refused:
+        console.print(f"[yellow]not run[/]: {reason}")
+
+
+def _counts(comm) -> dict[str, int]:
+    return {op: v["count"] for op, v in comm.items()}
+
+
+def _describe(comm) -> str:
+    return ", ".join(f"{v['count']}× {op}" for op, v in comm.items()) or "nothing"
+
+
+def verdict_lines(rows, xfw, errors, frameworks, elapsed: float, console) -> bool:
+    """After the tables: each cross-framework check, any routing mismatch, errors, and the verdict.
+    Returns whether everything agreed."""
+    for x in xfw:
+        console.print(f"cross-framework {x['pattern']} ({x['model']}): torch vs jax reference, max rel err "
+                      f"{max(x['max_rel_err_loss'], x['max_rel_err_grad'], x['max_rel_err_param']):.1e} "
+                      f"({'ok' if x['ok'] else 'FAIL'})", highlight=False)
+    for r in rows:  # MoE: a run that routed a token unlike its reference (a float32 near-tie) says where
+        if r.extra.get("routing_mismatch"):
+            console.print(f"[bold red]{r.pattern} {r.framework} {r.style}/{r.variant}[/]: "
+                          f"{r.extra['routing_mismatch']}")
+    for x in xfw:
+        if x.get("routing_mismatch"):
+            console.print(f"[bold red]cross-framework {x['pattern']} ({x['model']})[/]: {x['routing_mismatch']}")
+    for e in errors:
+        console.print(f"[bold red]error[/] {e}", highlight=False)
+    failed = [r for r in rows if not row_ok(r)]
+    ok = not errors and not failed and all(x["ok"] for x in xfw)
+    verdict = (f"verdict: all {len(rows)} runs agree with their reference"
+               f"{' and across frameworks' if len(frameworks) > 1 else ''} ({elapsed:.0f} s)"
+               if ok else f"verdict: {len(failed)} of {len(rows)} runs failed parity, {len(errors)} errors")
+    console.print(verdict, style="bold green" if ok else "bold red", highlight=False)
+    return ok

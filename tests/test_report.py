@@ -1,0 +1,108 @@
+"""What compare.py prints: the parity table is whole in any terminal of 80 columns or more (long names
+wrap at '/', nothing is cut), one line per run when piped; --wide and Markdown carry every column;
+the progress line counts runs and estimates what is left; --help lists the subcommands and every
+option's default. No process is launched here."""
+
+import time
+
+import pytest
+
+import compare
+import report
+from shared.results import RunResult
+
+
+def _run(pattern, model, framework, style, variant, **kw):
+    base = dict(world_size=4, dtype="float64", ok=True, max_rel_err_loss=2.1e-16, max_rel_err_grad=7.7e-15,
+                max_rel_err_param=3.0e-15, step_time_s=0.01415, comm_bytes=32768, comm_bytes_theory=32768,
+                state_bytes={"params": 1, "grads": 1, "optimizer": 2}, xfw_max_rel_err=1.5e-15, xfw_ok=True)
+    return RunResult(pattern=pattern, framework=framework, style=style, variant=variant, model=model, **{**base, **kw})
+
+
+ROWS = [  # the longest names and values the table can meet
+    _run("collectives", None, "torch", "explicit", "ring_all_reduce", max_rel_err_loss=0.0, xfw_max_rel_err=None,
+         step_time_s=None, comm_bytes=16),
+    _run("dp", "mlp", "torch", "builtin", "ddp"),
+    _run("fsdp", "transformer", "jax", "jit", "zero3", comm_bytes=862_515, comm_bytes_theory=1_268_736),
+    _run("cp", "transformer", "torch", "builtin", "context_parallel", step_time_s=12.34567, comm_bytes=1_048_000),
+    _run("tp", "transformer", "torch", "explicit", "megatron_sp", ok=False, max_rel_err_grad=float("inf")),
+    _run("mesh", "transformer", "jax", "shard_map", "dp=2,fsdp=2,cp=2,tp=2,pp=2", xfw_ok=False),
+]
+
+
+def _parse(lines):
+    """[(implementation, [other cells])] back from the rendered rows: the implementation column ends
+    where the 'ok' column starts; a line with nothing after it continues the row above."""
+    start = lines[0].text.index(" ok") + 1
+    out = []
+    for line in lines:
+        if line.kind not in ("row", "fail"):
+            continue
+        piece, rest = line.text[:start].strip(), line.text[start:].split()
+        if rest:
+            out.append([piece, rest])
+        else:
+            out[-1][0] += piece
+    return out
+
+
+@pytest.mark.parametrize("width", [80, 100, 120, None])
+def test_table_is_whole_at_any_width(width):
+    lines = report.table_lines(ROWS, width)
+    if width is not None:
+        assert max(len(line.text) for line in lines) <= width
+    parsed = _parse(lines)
+    assert len(parsed) == len(ROWS)
+    for (impl, rest), r in zip(parsed, ROWS):
+        cells = report.compact_cells(r)
+        assert impl == cells[0]  # the implementation, every character, in order
+        assert " ".join(rest) == " ".join(cells[1:])  # every value whole (KiB/MiB keep their unit)
+    if width in (None, 120):  # room enough: one line per run
+        assert sum(line.kind in ("row", "fail") for line in lines) == len(ROWS)
+    assert [line.kind for line in lines].count("fail") >= 2  # FAIL (own or cross-framework) stands out
+    assert {line.text.split()[1] for line in lines if line.kind == "section"} >= {"collectives", "dp", "mesh"}
+
+
+def test_wide_and_markdown_carry_every_column():
+    wide = report.table_lines(ROWS, 80, wide=True)
+    assert wide[0].text.split("  ")[0] == "pattern" and "state/rank" in wide[0].text
+    assert sum(line.kind in ("row", "fail") for line in wide) == len(ROWS)  # never narrowed: the terminal wraps
+    md = report.markdown_table(ROWS)
+    assert md.count("\n") == len(ROWS) + 2 and "| 1.2 MiB |" in md and "| inf |" in md
+
+
+def test_progress_counts_runs_and_estimates_what_is_left(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+
+    def at(t, framework, event):
+        now[0] = t
+        p.event(framework, event)
+
+    p = report.Progress({"torch": 3, "jax": 2})  # t0 = 0
+    at(0, "torch", ("framework", "torch"))
+    at(1, "torch", ("start", "dp mlp explicit/naive"))  # nothing counted yet
+    at(3, "torch", ("done", 1))  # torch: 3 s per run (launch included)
+    assert p.estimate() == 2 * 3.0 + 2 * 3.0  # jax not started: torch's rate stands in
+    at(4, "jax", ("framework", "jax"))
+    at(4, "jax", ("start", "dp mlp jit/dp"))
+    at(10, "jax", ("done", 1))  # jax: 6 s per run
+    assert p.estimate() == 2 * 3.0 + 1 * 6.0
+    assert p.text().startswith("[2/5 runs] jax: dp mlp jit/dp") and "left" in p.text()
+
+
+@pytest.mark.parametrize("argv", [[], ["bench"]])
+def test_help_lists_subcommands_and_every_default(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        compare.main([*argv, "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert bool(argv) or ("compare.py bench" in text and "compare.py plan" in text and "exit status" in text)
+    parser = compare.build_parser() if not argv else __import__("bench").build_bench_parser()
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, action.dest
+        shown = compare.HelpFormatter("compare.py")._get_help_string(action)
+        if action.default is not False:  # (switches are off unless given)
+            assert "(default: " in shown, action.dest  # None: worked out at run time, said in its own words
