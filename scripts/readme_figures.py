@@ -1,0 +1,142 @@
+"""Regenerate the README's measured blocks from fresh runs on this machine, so no figure is copied by hand.
+
+    python scripts/readme_figures.py                 # every block (about 6 min on 2 cores)
+    python scripts/readme_figures.py --only fsdp,plan
+    python scripts/readme_figures.py --check         # every block in README.md has a recipe here (no run)
+
+Each block sits between ``<!-- figures:NAME -->`` and ``<!-- /figures:NAME -->`` in README.md and is
+replaced whole: the command's output as printed when piped (plain text), under a line naming the
+command, the date, the machine and the versions it came from. The ``run`` block re-renders an excerpt
+of the default run's table from its ``--json`` with report.py, and keeps its closing lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+sys.path.insert(0, ROOT)
+
+PLAN = ["plan", "--layers", "80", "--dim", "8192", "--heads", "64", "--vocab", "128256", "--seq", "8192",
+        "--global-batch", "1024", "--gpus", "256", "--top", "3"]
+BLOCKS = {  # name: the compare.py arguments it shows
+    "run": ["--json", "{tmp}/run.json"],
+    "fsdp": ["--show-collectives", "fsdp"],
+    "mesh": ["--model", "transformer", "--mesh", "dp=2,tp=2,pp=2", "--show-collectives", "mesh"],
+    "ep": ["--model", "transformer", "--show-collectives", "ep", "--experts", "8", "--topk", "2"],
+    "plan": PLAN,
+}
+# The default run's rows the README shows (pattern, model, framework, style, variant); the rest: --json.
+EXCERPT = [
+    ("dp", "mlp", "torch", "explicit", "bucketed"), ("dp", "transformer", "torch", "builtin", "ddp"),
+    ("dp", "transformer", "jax", "shard_map", "zero1"), ("fsdp", "transformer", "torch", "explicit", "zero3"),
+    ("fsdp", "transformer", "torch", "builtin", "fsdp2"), ("fsdp", "transformer", "jax", "jit", "zero3"),
+    ("tp", "mlp", "torch", "explicit", "megatron"), ("tp", "transformer", "torch", "explicit", "megatron"),
+    ("tp", "transformer", "torch", "builtin", "dtensor"), ("tp", "transformer", "jax", "shard_map", "megatron"),
+    ("tp", "transformer", "torch", "explicit", "megatron_sp"), ("tp", "transformer", "jax", "jit", "megatron_sp"),
+    ("pp", "transformer", "torch", "explicit", "1f1b"), ("pp", "transformer", "jax", "shard_map", "circular"),
+    ("cp", "transformer", "torch", "explicit", "ring"), ("cp", "transformer", "jax", "shard_map", "ring_zigzag"),
+    ("cp", "transformer", "torch", "explicit", "ulysses"), ("cp", "transformer", "jax", "jit", "seq_sharded"),
+    ("ep", "transformer", "torch", "explicit", "dropless"), ("ep", "transformer", "jax", "shard_map", "capacity"),
+]
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import jax  # noqa: F401 - versions only (no backend is started)
+    import torch
+
+    return (f"{os.cpu_count()} cores ({cpu}), torch {torch.__version__}, jax {sys.modules['jax'].__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def run(args: list[str]) -> tuple[str, float]:
+    """compare.py's stdout when piped (plain text, nothing cut) and the seconds it took; fails loudly."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "compare.py", *args], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"compare.py {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return proc.stdout.rstrip("\n"), time.perf_counter() - t0
+
+
+def run_block(stdout: str, path: str, seconds: float) -> str:
+    """The default run: its size, an excerpt of its table, its closing lines."""
+    import report
+    from shared.results import RunResult
+
+    data = json.load(open(path))
+    rows = [RunResult(**r) for r in data["runs"]]
+    key = {(r.pattern, r.model, r.framework, r.style, r.variant): r for r in rows}
+    missing = [k for k in EXCERPT if k not in key]
+    if missing:
+        sys.exit(f"the default run has no row {missing[0]}: update EXCERPT in {__file__}")
+    count = {p: sum(r.pattern == p for r in rows) for p in dict.fromkeys(r.pattern for r in rows)}
+    mlp = sum(r.model == "mlp" for r in rows)
+    lines = [f"{len(rows)} runs ({', '.join(f'{p} {n}' for p, n in count.items())}; {mlp} on the MLP, "
+             f"{len(rows) - mlp - count.get('collectives', 0)} on the transformer), {seconds:.0f} s in all; "
+             f"the excerpt below, every row with --json / --markdown:", ""]
+    lines += [line.text for line in report.table_lines([key[k] for k in EXCERPT], 100)]
+    tail = stdout.splitlines()
+    keep = [t for t in tail if t.startswith(("cross-framework", "pp bubble transformer", "verdict"))]
+    xfw = [t for t in keep if t.startswith("cross-framework")]
+    lines += ["", *xfw[:2], "...", *xfw[-1:], *[t for t in keep if not t.startswith("cross-framework")]]
+    return "\n".join(lines)
+
+
+def replace_block(text: str, name: str, body: str, command: str, stamp: str) -> str:
+    pattern = re.compile(rf"(<!-- figures:{name} -->\n).*?(<!-- /figures:{name} -->)", re.S)
+    if not pattern.search(text):
+        sys.exit(f"README.md has no block {name}")
+    new = f"`{command}` ({stamp}):\n\n```\n{body}\n```\n"
+    return pattern.sub(lambda m: m.group(1) + new + m.group(2), text)
+
+
+def blocks_in(text: str) -> list[str]:
+    return re.findall(r"<!-- figures:([a-z]+) -->", text)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", default=",".join(BLOCKS), help="comma list of " + ", ".join(BLOCKS))
+    p.add_argument("--check", action="store_true", help="only check that README's blocks and these recipes match")
+    args = p.parse_args(argv)
+    text = open(README).read()
+    found = blocks_in(text)
+    if sorted(found) != sorted(BLOCKS) or any(text.count(f"<!-- /figures:{n} -->") != 1 for n in found):
+        print(f"README.md blocks {found} vs recipes {list(BLOCKS)}", file=sys.stderr)
+        return 1
+    if args.check:
+        return 0
+    stamp_base = f"measured {datetime.date.today().isoformat()} on {machine()}"
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.only.split(","):
+            argv_ = [a.format(tmp=tmp) for a in BLOCKS[name]]
+            print(f"running compare.py {' '.join(argv_)} …", file=sys.stderr, flush=True)
+            out, seconds = run(argv_)
+            shown = [a for a in argv_ if "{tmp}" not in a and tmp not in a]
+            shown = [a for i, a in enumerate(shown) if not (a == "--json" and i == len(shown) - 1)]
+            body = run_block(out, f"{tmp}/run.json", seconds) if name == "run" else out
+            text = replace_block(text, name, body, " ".join(["python compare.py", *shown]),
+                                 f"{stamp_base}; {seconds:.0f} s")
+    with open(README, "w") as f:
+        f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
