@@ -16,9 +16,9 @@ arguments, a bad config or an output path that cannot be written (one line on st
 process starts), 3 when the runs agreed and were printed (and --json written) but a later output
 (--plots) failed.
 
-The flow: the command line (this file) → the runs (torch_impl/, jax_impl/: one launch per framework)
-→ the report (report.py: tables, Markdown, JSON; plots.py: PNGs). ``bench`` is bench.py, ``plan``
-planner.py.
+The flow: the command line (this file: arguments → checked configs) → the runs (runs.py: one launch
+per framework into torch_impl/ and jax_impl/, then the rows) → the report (report.py: tables,
+Markdown, JSON, progress; plots.py: PNGs). ``bench`` is bench.py, ``plan`` planner.py.
 
 JAX is imported only after the simulated-device flag is set (and only if asked for), and torch
 ranks never import JAX: they are spawned fresh and re-import this file as ``__mp_main__``, whose
@@ -31,7 +31,6 @@ import argparse
 import os
 import sys
 import time
-import traceback
 
 from shared.collectives import BENCH_OPS, BENCH_SIZES  # NumPy only: safe before JAX starts
 from shared.config import DTYPES, MODELS, PATTERNS, RECOMPUTE, format_mesh, parse_mesh
@@ -316,133 +315,6 @@ def run_key(cfg) -> str:
     return f"{cfg.model} {cfg.mesh_name}" if cfg.mesh else f"{cfg.model} {cfg.moe_name}" if cfg.moe else cfg.model
 
 
-# --- running --------------------------------------------------------------------------------
-
-
-def planned_runs(cfgs, patterns, frameworks) -> dict[str, int]:
-    """{framework: the number of table rows it will produce}: what the progress line counts towards."""
-    import importlib
-
-    from shared.collectives import NAMES
-
-    out = {}
-    for fw in frameworks:
-        out[fw] = 0
-        for pattern in patterns:
-            if pattern == "collectives":
-                out[fw] += len(NAMES)
-                continue
-            module = importlib.import_module(f"{'torch_impl' if fw == 'torch' else 'jax_impl'}.{pattern}")
-            variants = getattr(module, "variants", lambda c, m=module: m.VARIANTS)  # as the harnesses choose
-            out[fw] += sum(len(variants(cfg)) for cfg in cfgs_for(cfgs, pattern))
-    return out
-
-
-def run_torch(cfgs, patterns, device, timeout_s, progress=None):
-    """One launch for every pattern and model: per rank, {pattern: checks (collectives) | entries}.
-    ``progress(event)``: rank 0's ("start", what) / ("done", runs) as they happen."""
-    from torch_impl.harness import run_jobs
-    from torch_impl.launch import launch
-
-    jobs = [(p, cfgs_for(cfgs, p)) for p in patterns]
-    return launch(run_jobs, cfgs[0].world_size, jobs, device=device, timeout_s=timeout_s, progress=progress)
-
-
-def run_jax(cfgs, patterns, device, progress=None):
-    from jax_impl import harness
-    from jax_impl.devices import make_mesh
-    from shared.collectives import NAMES
-
-    progress = progress or (lambda event: None)
-    out = {}
-    for pattern in patterns:
-        if pattern == "collectives":
-            from jax_impl import collectives
-
-            progress(("start", "collectives"))
-            out[pattern] = collectives.check_all(make_mesh(cfgs[0].world_size, "x", device))
-            progress(("done", len(NAMES)))
-        else:
-            out[pattern] = harness.run_pattern(pattern, cfgs_for(cfgs, pattern), device=device, progress=progress)
-    return out
-
-
-def collective_rows(framework, cfg, per_rank_checks):
-    """Merge every rank's collective checks into one row per collective (ok on all ranks)."""
-    import numpy as np
-
-    from shared.collectives import DTYPE
-    from shared.results import RunResult, comm_bytes
-
-    style = "explicit" if framework == "torch" else "shard_map"
-    rows = []
-    for i, first in enumerate(per_rank_checks[0]):
-        checks = [rank_checks[i] for rank_checks in per_rank_checks]
-        rows.append(RunResult(
-            pattern="collectives", framework=framework, style=first.get("style", style),
-            variant=first["variant"], model=None, world_size=cfg.world_size, dtype=np.dtype(DTYPE).name,
-            ok=all(c["ok"] for c in checks), comm=first.get("comm", {}),
-            comm_bytes=comm_bytes(first.get("comm", {})), comm_bytes_theory=first.get("expected_bytes"),
-            extra={"max_abs_err": max(float(c.get("max_abs_err", 0.0)) for c in checks)},
-        ))
-    return rows
-
-
-def pattern_rows(pattern, framework, entry, other_ref):
-    from shared.results import make_result
-
-    return [make_result(pattern, framework, style, variant, entry["cfg"], trained, entry["reference"], other_ref)
-            for style, variant, trained in entry["runs"]]
-
-
-def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0):
-    """Run everything; returns (rows, cross-framework reference comparisons, errors,
-    {(pattern, model, framework): reference losses}). ``progress(framework, event)`` hears each
-    framework start and each run start and finish."""
-    from shared.results import cross_framework_ok, parity, routing_mismatch
-
-    raw, errors, cfg = {}, [], cfgs[0]
-    models_of = {p: [run_key(c) for c in cfgs_for(cfgs, p)] for p in patterns}  # cp, mesh: the transformer only
-    for fw in frameworks:
-        report = (lambda event, fw=fw: progress(fw, event)) if progress else None
-        if report:
-            report(("framework", fw))
-            report(("start", "starting the ranks" if fw == "torch" else "starting JAX"))
-        try:  # raw[fw][pattern]: the collectives' checks, or {model: the harness's entry}
-            if fw == "torch":
-                per_rank = run_torch(cfgs, patterns, device, timeout_s, report)
-                raw[fw] = {p: ([r[p] for r in per_rank] if p == "collectives"
-                               else dict(zip(models_of[p], per_rank[0][p], strict=True))) for p in patterns}
-            else:
-                res = run_jax(cfgs, patterns, device, report)
-                raw[fw] = {p: (res[p] if p == "collectives" else dict(zip(models_of[p], res[p], strict=True)))
-                           for p in patterns}
-        except Exception as exc:  # noqa: BLE001 - reported as a failed framework, exit 1
-            errors.append(f"{fw}: {type(exc).__name__}: {exc}")
-            if os.environ.get("PARALLEL_TWINS_DEBUG"):
-                traceback.print_exc()
-    rows, xfw, refs = [], [], {}
-    for pattern in patterns:
-        if pattern == "collectives":  # model-independent
-            for fw in (f for f in frameworks if f in raw):
-                rows += collective_rows(fw, cfg, raw[fw][pattern] if fw == "torch" else [raw[fw][pattern]])
-            continue
-        for model in models_of[pattern]:
-            for fw in (f for f in frameworks if f in raw):
-                data = raw[fw][pattern][model]
-                refs[pattern, model, fw] = list(data["reference"].losses)
-                other = next((o for o in frameworks if o != fw and o in raw), None)
-                other_ref = raw[other][pattern][model]["reference"] if other else None
-                rows += pattern_rows(pattern, fw, data, other_ref)
-            if all(fw in raw for fw in FRAMEWORKS):
-                t_ref, j_ref = raw["torch"][pattern][model]["reference"], raw["jax"][pattern][model]["reference"]
-                errs, routing = parity(t_ref, j_ref), routing_mismatch(t_ref, j_ref)  # MoE: the same routing
-                xfw.append({"pattern": pattern, "model": model, "what": "torch reference vs jax reference",
-                            **errs, "ok": cross_framework_ok(errs, cfg.dtype) and routing is None,
-                            **({"routing_mismatch": routing} if routing else {})})
-    return rows, xfw, errors, refs
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
@@ -472,6 +344,7 @@ def main(argv=None) -> int:
         print(f"compare.py: error: {exc}", file=sys.stderr)
         return 2
     import report
+    from runs import collect, planned_runs
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
     console = report.make_console(quiet=not rank0)
