@@ -41,38 +41,50 @@ def parse_bytes(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="compare.py plan", description="Rank the layouts of a transformer on a cluster.")
-    p.add_argument("--model", choices=("transformer",), default="transformer")
-    p.add_argument("--layers", type=int, default=80)
-    p.add_argument("--dim", type=int, default=8192)
-    p.add_argument("--heads", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--mlp-ratio", type=int, default=4)
-    p.add_argument("--experts", type=int, default=0)
-    p.add_argument("--topk", type=int, default=1)
-    p.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
-    p.add_argument("--gpus", type=int, default=256)
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    from compare import HelpFormatter
+
+    p = _Parser(prog="compare.py plan", formatter_class=HelpFormatter,
+                description="Rank the layouts of a transformer on a GPU cluster: memory per GPU, bytes per step per\n"
+                            "axis, bubble, step time and MFU (docs/plan.md).")
+    p.add_argument("--model", choices=("transformer",), default="transformer", help="the model family")
+    p.add_argument("--layers", type=int, default=80, metavar="L", help="transformer blocks")
+    p.add_argument("--dim", type=int, default=8192, metavar="D", help="model width")
+    p.add_argument("--heads", type=int, default=64, metavar="H", help="attention heads")
+    p.add_argument("--vocab", type=int, default=128256, metavar="V", help="vocabulary size")
+    p.add_argument("--seq", type=int, default=8192, metavar="T", help="sequence length")
+    p.add_argument("--mlp-ratio", type=int, default=4, metavar="R", help="MLP width as a multiple of D")
+    p.add_argument("--experts", type=int, default=0, metavar="E", help="experts per MoE layer (0: dense)")
+    p.add_argument("--topk", type=int, default=1, metavar="K", help="experts per token (MoE)")
+    p.add_argument("--global-batch", type=int, default=1024, metavar="B", help="sequences per step")
+    p.add_argument("--gpus", type=int, default=256, metavar="N", help="GPUs in the cluster")
+    p.add_argument("--gpus-per-node", type=int, default=8, metavar="G", help="GPUs per node (tp stays inside one)")
     p.add_argument("--gpu", choices=tuple(plan.GPUS), default="h100", help="defaults for memory, FLOP/s, links")
-    p.add_argument("--gpu-memory", type=parse_bytes, help="bytes per GPU (e.g. 80GiB; default: the --gpu's)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32", "float64"), default="bfloat16")
+    p.add_argument("--gpu-memory", type=parse_bytes, metavar="BYTES",
+                   help="bytes per GPU, e.g. 80GiB (default: the --gpu's)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32", "float64"), default="bfloat16",
+                   help="parameters and activations")
     p.add_argument("--precision", choices=plan.PRECISIONS, default="mixed",
                    help="mixed: bf16 params/grads + fp32 master, m, v (16 bytes/param); pure: one dtype (the runs)")
     p.add_argument("--style", choices=("builtin", "explicit"), default="builtin",
                    help="torch style whose calls are counted")
-    p.add_argument("--attention", choices=("flash", "math"), default="flash")
-    p.add_argument("--peak-flops", type=float, help="FLOP/s per GPU (default: the --gpu's dense BF16)")
-    p.add_argument("--efficiency", type=float, default=0.6, help="fraction of peak the kernels reach")
-    p.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory kept free")
+    p.add_argument("--attention", choices=("flash", "math"), default="flash",
+                   help="flash keeps no T×T scores; math does (selective recompute drops them)")
+    p.add_argument("--peak-flops", type=float, metavar="FLOPS", help="FLOP/s per GPU (default: the --gpu's dense BF16)")
+    p.add_argument("--efficiency", type=float, default=0.6, metavar="F", help="fraction of peak the kernels reach")
+    p.add_argument("--headroom", type=float, default=0.1, metavar="F", help="fraction of GPU memory kept free")
     for where in ("intra", "inter"):
-        p.add_argument(f"--alpha-{where}", type=float, help=f"{where}-node latency per call, seconds")
-        p.add_argument(f"--beta-{where}", type=float, help=f"{where}-node bus bandwidth, bytes/s")
-    p.add_argument("--layout", help="only layouts with these axis sizes, e.g. fsdp=128,tp=8,pp=16")
-    p.add_argument("--top", type=int, default=8)
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--calibrate", metavar="BENCH_JSON", help="α–β per op and FLOP/s from compare.py bench --json")
-    p.add_argument("--measured", metavar="RUN_JSON", help="compare the plan with a compare.py --json run, per rank")
+        p.add_argument(f"--alpha-{where}", type=float, metavar="S",
+                       help=f"{where}-node latency per call, seconds (default: the --gpu's)")
+        p.add_argument(f"--beta-{where}", type=float, metavar="B/S",
+                       help=f"{where}-node bus bandwidth, bytes/s (default: the --gpu's)")
+    p.add_argument("--layout", metavar="LAYOUT",
+                   help="only layouts with these axis sizes, e.g. fsdp=128,tp=8,pp=16 (default: every layout)")
+    p.add_argument("--top", type=int, default=8, metavar="K", help="layouts shown")
+    p.add_argument("--json", metavar="PATH", help="write the ranked layouts here as JSON (default: none)")
+    p.add_argument("--calibrate", metavar="BENCH_JSON",
+                   help="α–β per op and FLOP/s from compare.py bench --json (default: the --gpu's figures)")
+    p.add_argument("--measured", metavar="RUN_JSON",
+                   help="compare the plan with a compare.py --json run, per rank (default: none)")
     return p
 
 
@@ -114,14 +126,18 @@ def _gib(n) -> str:
 def plan_main(argv) -> int:
     try:
         args = build_parser().parse_args(argv)
+        from compare import check_output_path
+
+        check_output_path("--json", args.json)
         model, cluster, want = make_inputs(args)
     except (ValueError, OSError, KeyError, argparse.ArgumentTypeError) as exc:
         print(f"compare.py plan: error: {exc}", file=sys.stderr)
         return 2
     if args.measured:
         return measured_main(args, cluster)
-    from rich.console import Console
     from rich.table import Table
+
+    from report import make_console
 
     t0 = time.perf_counter()
     b = BYTES_PER_ELEMENT[args.dtype]
@@ -134,7 +150,7 @@ def plan_main(argv) -> int:
     fit.sort(key=plan.rank_key)
     over.sort(key=lambda p: p.memory["total"])
     seconds = time.perf_counter() - t0
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = make_console()
     moe = f", E={model.experts} k={model.topk} ({model.active_params / 1e9:.1f}B active)" if model.moe else ""
     console.print(f"[bold]{model.params / 1e9:.1f}B parameters[/] (L={model.layers} D={model.dim} H={model.heads} "
                   f"V={model.vocab} T={model.seq} MLP {model.mlp_ratio}·D{moe}), global batch {args.global_batch} × "
@@ -211,14 +227,14 @@ def runnable(run: dict, configs: dict):
 def measured_main(args, cluster) -> int:
     """Per torch run of a compare.py --json file: the plan's bytes per axis and state per rank against the
     ledger's (equal, or what differs), and the predicted step time against the measured median."""
-    from rich.console import Console
     from rich.table import Table
 
+    from report import make_console
     from shared.theory import mesh_coords
 
     with open(args.measured) as f:
         data = json.load(f)
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = make_console()
     table = Table(title=f"plan vs measured ({args.measured}; α–β and FLOP/s "
                         f"{'from ' + args.calibrate if args.calibrate else 'of the --gpu defaults'})")
     for col in ("run", "style", "ranks", "bytes per axis = ledger", "state = ledger", "step ms plan", "measured",
