@@ -4,6 +4,8 @@ first: 8 devices cover the world sizes 2, 3, 4 and 8 the tests use."""
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from shared.env import simulate_host_devices  # noqa: E402
@@ -20,11 +22,34 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 os.environ.setdefault("JAX_PLATFORMS", os.environ.get("PARALLEL_TWINS_TEST_JAX_PLATFORMS", "cpu"))
 
 
+# --- figures a test measures but does not assert (they depend on the machine) ----------------------
+# A test takes the ``measured`` fixture and calls it with one line of text; the line is kept as a
+# user property of the test's report (so it crosses from pytest-xdist's workers to the controller)
+# and printed in the run's terminal summary, section "measured, not asserted", pass or fail.
+_MEASURED: list[tuple[str, str]] = []
+
+
+@pytest.fixture
+def measured(record_property):
+    """``measured(text)``: report a machine-dependent figure in the run's summary instead of asserting it."""
+    return lambda text: record_property("measured", str(text))
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        _MEASURED.extend((report.nodeid, value) for key, value in report.user_properties if key == "measured")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _MEASURED:
+        terminalreporter.section("measured, not asserted (machine-dependent figures)")
+        for nodeid, text in _MEASURED:
+            terminalreporter.write_line(f"{nodeid}: {text}")
+
+
 def pytest_collection_modifyitems(config, items):
     """A plain ``pytest`` keeps the suite's time budget (<= 6 min on 2 cores): tests marked slow
-    (heavier sweeps, speed ratios) run only when asked for, e.g. ``pytest -m slow``."""
-    import pytest
-
+    (heavier sweeps, speed measurements) run only when asked for, e.g. ``pytest -m slow``."""
     if "slow" in (config.getoption("markexpr") or ""):
         return
     skip = pytest.mark.skip(reason="slow: run with -m slow")

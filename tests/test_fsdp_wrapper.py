@@ -1,7 +1,9 @@
 """The hand-written FSDP wrapper (torch_impl.fsdp.FSDP) on its own, in ONE launch at world size 2:
-- bit for bit: float32, plain SGD, 3 steps, every parameter torch.equal to non-parallel training
-  (the MLP at B = 512, where every batch reduction splits exactly; see docs/fsdp.md), and FSDP2's
-  result on the same run recorded next to it;
+- bit for bit: float32, plain SGD, 3 steps, every parameter torch.equal to non-parallel training of
+  the same batch as 2 accumulated micro-batches (the same computation split the same way: what the
+  code guarantees on every machine), for the wrapper and for FSDP2; against FULL-batch training
+  within the float32 tolerance, the difference in ulp measured and reported, not asserted (it is
+  the BLAS kernel's blocking, i.e. the machine's; see docs/fsdp.md);
 - mixed precision: compute_dtype=bfloat16 against FSDP2 with MixedPrecisionPolicy(bf16, fp32);
   gradients and master weights stay float32;
 - any module: padding (row counts not divisible by N), biases and a tied embedding / head."""
@@ -17,6 +19,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from shared.config import Config
 from shared.problem import make_problem
+from shared.results import rel_err
+from shared.tolerances import FLOAT32
 from torch_impl.fsdp import FSDP
 from torch_impl.launch import launch
 from torch_impl.model import build_model, inputs, loss_fn, targets
@@ -78,14 +82,25 @@ def bit_for_bit(ctx, cfg):
     sgd_steps(builtin, x[mine], None if y is None else y[mine])
     ours, theirs, want = wrapped.full_state_dict(), full_params(builtin), full_params(ref)
     acc = full_params(accumulated)
-    ulp = lambda a, b: int((a.view(torch.int32) - b.view(torch.int32)).abs().max())
+    max_ulp = lambda got: max(ulps(got[n], want[n]) for n in want)
+    err = lambda got: rel_err([got[n].detach().numpy() for n in want], [want[n].detach().numpy() for n in want])
     return {"keys": list(ours) == list(want),
             "fsdp_equal_accumulated": [n for n in acc if torch.equal(ours[n], acc[n])],
             "fsdp2_equal_accumulated": [n for n in acc if torch.equal(theirs[n], acc[n])],
+            # against FULL-batch training (measured: the machine's BLAS decides, see full_batch_ulps)
             "fsdp_equal": [n for n in want if torch.equal(ours[n], want[n])],
             "fsdp2_equal": [n for n in want if torch.equal(theirs[n], want[n])],
-            "fsdp_max_ulp": max(ulp(ours[n], want[n]) for n in want),
-            "fsdp2_max_ulp": max(ulp(theirs[n], want[n]) for n in want), "names": list(want)}
+            "fsdp_max_ulp": max_ulp(ours), "fsdp2_max_ulp": max_ulp(theirs),
+            "accumulated_max_ulp": max_ulp(acc),  # one process, no distributed code at all
+            "fsdp_rel_err": err(ours), "fsdp2_rel_err": err(theirs), "names": list(want)}
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance between a and b in float32 units in the last place: the number of float32
+    values between them (0: the same bits; across zero counted through it: +0 and -0 are 0 apart)."""
+    assert a.dtype == b.dtype == torch.float32, (a.dtype, b.dtype)
+    ordered = lambda t: (lambda i: torch.where(i < 0, -(i & 0x7FFFFFFF), i))(t.contiguous().view(torch.int32).long())
+    return int((ordered(a) - ordered(b)).abs().max())
 
 
 def mixed_precision(ctx):
@@ -147,6 +162,8 @@ def _copy(module):
 
 
 def checks(ctx):
+    # the MLP at B = 512: where MKL on the CPU of docs/fsdp.md splits the weight-gradient GEMM exactly
+    # (full-batch difference 0 ulp there); elsewhere the measured figure says what this machine does
     mlp = Config(world_size=2, layers=2, dim=16, batch=512, dtype="float32")
     tr = Config(world_size=2, model="transformer", layers=2, dim=16, heads=2, seq=8, vocab=32, batch=64,
                 dtype="float32")
@@ -160,32 +177,46 @@ def result():
     return launch(checks, 2)[0]
 
 
-def test_mlp_equals_non_parallel_training_bit_for_bit(result):
-    r = result["mlp"]
-    assert r["keys"] and r["fsdp_equal"] == r["names"], r
-    assert r["fsdp2_equal"] == r["names"], r  # measured: FSDP2 too (at N = 2 its pre-divide is exact)
-
-
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
 def test_equals_non_parallel_gradient_accumulation_bit_for_bit(result, model):
     """The transformer (embeddings, norms, linears) and the MLP, any batch size: every parameter
     torch.equal to single-process training of the same batch as 2 accumulated micro-batches. Why it
-    holds: each rank's backward is bitwise the reference's backward of that micro-batch (same
-    weights, same shapes, same kernels); the wrapper's reduce-scatter then adds 2 terms, and a
-    2-term float sum is the same in either order; dividing by 2 is exact. (At N = 4 the ring's order
-    of 4 terms is not the accumulation's, so this is a world-size-2 property.)"""
+    holds on every machine: each rank's backward is bitwise the reference's backward of that
+    micro-batch (same weights, same shapes, same kernels: the launcher gives every rank the same
+    thread count, and torch's CPU allocator aligns every buffer alike); the wrapper's reduce-scatter
+    then adds 2 terms, and a 2-term float sum is the same in either order; dividing by 2 is exact.
+    (At N = 4 the ring's order of 4 terms is not the accumulation's, so this is a world-size-2
+    property.)"""
     r = result[model]
     assert r["fsdp_equal_accumulated"] == r["names"], r
     assert r["fsdp2_equal_accumulated"] == r["names"], r  # FSDP2 too, at N = 2
 
 
-def test_transformer_is_as_close_as_fsdp2(result):
-    """Transformer (B·T/N = 256 rows per rank): the embeddings' scatter-add over the tokens and the
-    norms' row sums do not split exactly over the batch halves, and after one step every weight
-    downstream differs too. Neither FSDP2 nor any reduction order can fix that (it is inside each
-    rank's backward): the wrapper lands on exactly the bits FSDP2 lands on."""
-    r = result["transformer"]
-    assert r["keys"] and r["fsdp_equal"] == r["fsdp2_equal"] and r["fsdp_max_ulp"] == r["fsdp2_max_ulp"], r
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
+def test_full_batch_training_within_round_off_ulps_measured(result, model, measured):
+    """Against non-parallel training on the FULL batch (one backward over all B rows) nothing is
+    guaranteed bit for bit: each rank's backward reduces over its B/2 rows, and whether a float32
+    reduction over B rows (the weight gradient's GEMM, a row sum, the embedding's scatter-add)
+    equals the sum of the two halves' bit for bit is up to the kernel's blocking, i.e. the
+    machine's BLAS and CPU. Seen: MKL on one CPU split the MLP's GEMM at B = 512 exactly; on an AMD
+    EPYC (MKL, AVX2) one process's full-batch gradient differs from the mean of its two half-batch
+    gradients by 2 ulp, no distributed code involved. So, asserted: every parameter within the
+    float32 tolerance of full-batch training (plain SGD, 3 steps: a few ulps, far inside it; a
+    wrong scale or a missing term is >= 1e-3), for the wrapper and FSDP2, and the wrapper's
+    difference is exactly FSDP2's and exactly one process's accumulation's (all three are the
+    same bits, test above). Measured and reported in the run's summary ("measured, not
+    asserted"): the largest difference in ulp."""
+    r = result[model]
+    assert r["keys"], r
+    assert r["fsdp_rel_err"] <= FLOAT32 and r["fsdp2_rel_err"] <= FLOAT32, r
+    assert r["fsdp_equal"] == r["fsdp2_equal"], r
+    assert r["fsdp_max_ulp"] == r["fsdp2_max_ulp"] == r["accumulated_max_ulp"], r
+    n = len(r["names"])
+    measured(f"{model}, N=2, float32, 3 SGD steps, vs full-batch non-parallel training: FSDP wrapper max "
+             f"{r['fsdp_max_ulp']} ulp, relative error {r['fsdp_rel_err']:.1e} ({len(r['fsdp_equal'])}/{n} "
+             f"parameters bit-equal), FSDP2 max {r['fsdp2_max_ulp']} ulp, {r['fsdp2_rel_err']:.1e} "
+             f"({len(r['fsdp2_equal'])}/{n}); one process accumulating the two halves: "
+             f"{r['accumulated_max_ulp']} ulp (this machine's kernels, not the distributed code)")
 
 
 def test_mixed_precision_matches_fsdp2_and_keeps_float32_state(result):

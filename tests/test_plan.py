@@ -1,7 +1,8 @@
 """The layout planner (shared/plan.py, ``compare.py plan``): at tiny sizes it must give exactly what the
 runs measure — here against shared.theory on EVERY layout the mesh and ep patterns accept (theory equals
 the measured ledgers in tests/test_mesh.py and tests/test_ep.py, which also check the plan against the
-measured ledgers of their runs directly); at full size, published figures; and it must be fast."""
+measured ledgers of their runs directly); at full size, published figures; and it must be fast (a
+bounded search; its seconds are reported)."""
 
 from __future__ import annotations
 
@@ -150,10 +151,15 @@ def test_llama3_405b_published_layout_fits():
     ("405B", plan.Model(126, 16384, 128, 128256, 8192), 16384, 2048),
     ("MoE", plan.Model(32, 4096, 32, 32000, 4096, 4, 8, 2), 1024, 2048),
 ])
-def test_full_scale_plans_are_fast_and_follow_the_rules_of_thumb(name, model, gpus, batch):
+def test_full_scale_plans_are_fast_and_follow_the_rules_of_thumb(name, model, gpus, batch, measured):
+    """Fast: the seconds are the machine's (reported, "measured, not asserted"; 0.05–1.6 s on a loaded
+    2-core CPU); what keeps them few on any machine is the size of the search, asserted: the layouts
+    the planner evaluates (70B on 256 GPUs: 9,208 measured) stay within 50,000."""
     t0 = time.perf_counter()
     fit, over = plan.plan(model, plan.Cluster(gpus), batch)
-    assert time.perf_counter() - t0 < 10
+    seconds = time.perf_counter() - t0
+    measured(f"plan {name} on {gpus} GPUs: {len(fit) + len(over)} layouts evaluated in {seconds:.2f} s")
+    assert len(fit) + len(over) <= 50_000
     assert fit and over
     best = fit[0].layout
     assert best.tp <= 8  # tensor parallelism stays inside a node (NVLink)
