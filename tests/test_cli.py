@@ -163,10 +163,10 @@ def test_same_seed_same_losses_bit_for_bit(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_killing_a_worker_ends_the_whole_job_quickly():
+def test_killing_a_worker_ends_the_whole_job_quickly(measured):
     proc = subprocess.Popen(
         [sys.executable, "compare.py", "--patterns", "tp", "--frameworks", "torch", "--world-size", "2",
-         "--model", "mlp", "--steps", "100000", "--dim", "8", "--batch", "8", "--quiet"],
+         "--model", "mlp", "--steps", "100000", "--dim", "8", "--batch", "8", "--quiet", "--timeout", "120"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -181,8 +181,11 @@ def test_killing_a_worker_ends_the_whole_job_quickly():
         time.sleep(3.0)  # let them get into training
         os.kill(ranks[1], signal.SIGKILL)
         t0 = time.monotonic()
-        out, _ = proc.communicate(timeout=60)
-        assert time.monotonic() - t0 < 20, "the job did not end within seconds"
+        out, _ = proc.communicate(timeout=120)
+        seconds = time.monotonic() - t0
+        measured(f"the job ended {seconds:.1f} s after a rank was killed")
+        # The bug this catches (waiting for the launch's 120-s timeout) takes >= 120 s on any machine.
+        assert seconds < 60, "the job did not end well before the launch's timeout"
         assert proc.returncode != 0
         assert "rank 1 died with signal SIGKILL" in out, out[-2000:]
         time.sleep(0.5)
