@@ -175,6 +175,14 @@ class Zero1Optimizer:
 
     def __init__(self, params, optimizer_cls, group=None, **kwargs):
         self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("Zero1Optimizer: no trainable parameter was given (none, or all frozen). Fix: pass "
+                             "the parameters to train")
+        kinds = sorted({f"{p.dtype} on {p.device}" for p in self.params})
+        if len(kinds) > 1:
+            raise ValueError(f"Zero1Optimizer: one flat buffer holds every parameter, but they are {kinds}: the "
+                             f"others would be cast to {self.params[0].dtype} silently. Fix: one Zero1Optimizer per "
+                             "dtype and device (or cast the model to one dtype)")
         self.group = group
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         self.numel = sum(p.numel() for p in self.params)  # Φ

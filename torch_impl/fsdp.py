@@ -21,6 +21,11 @@ explicit/zero3  ``FSDP(module)``: params, grads, AdamW state sharded (vectors re
     payload S per step per rank (shared.theory.fsdp_comm): all-gather every unit fwd, every unit
     but the embeddings (MLP: but layer 0) bwd; reduce-scatter every unit; 1 all-reduce of the
     vectors. MLP: (2L−1)·D²·b + L·D²·b = 3Φb − D²b; transformer: 3Φb − (V+T)·D·b − (2L+1)·D·b.
+    Any module: a parameter must be read inside the forward of a module that holds it (a tied
+    one is held by each user: one unit, gathered in each). Elsewhere only the shard exists: while
+    the wrapped forward runs, a read of it outside its holder's forward (F.linear(h,
+    self.emb.weight) in a parent) raises ShardReadError naming the parameter and the remedy.
+    Frozen parameters are gathered, never reduce-scattered.
 explicit/zero2  ``Zero2(module)``: full params; each matrix's gradient is reduce-scattered by a
     post-accumulate-grad hook the moment autograd produces it; AdamW on the row shards (and the
     replicated vectors); the updated shards are all-gathered back: 2·(Φ − vectors)·b + vectors·b.
@@ -142,6 +147,46 @@ class _Handle:
         self.unit, self.size, self.stride, self.offset = unit, t.size(), t.stride(), t.storage_offset()
 
 
+class ShardReadError(RuntimeError):
+    """A sharded parameter was read outside the forward of the module that holds it."""
+
+
+def _find_guard(obj):
+    if isinstance(obj, _ShardOnly):
+        return obj
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return next((g for g in map(_find_guard, items) if g is not None), None)
+
+
+class _ShardOnly:
+    """What ``owner.<attr>`` is while FSDP runs the wrapped module's forward but not the owner's:
+    the shard is all there is, so every use (a torch op, ``.shape``, indexing) raises
+    ``ShardReadError`` naming the parameter and the remedy, instead of computing with 1/N of it."""
+
+    def __init__(self, message: str):
+        object.__setattr__(self, "_message", message)
+
+    def __getattr__(self, name):
+        raise ShardReadError(self._message)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise ShardReadError(_find_guard([args, kwargs or {}])._message)
+
+    def __repr__(self):
+        return f"<FSDP shard guard: {self._message}>"
+
+
+def _raise_read(self, *args, **kwargs):
+    raise ShardReadError(self._message)
+
+
+for _name in ("__getitem__", "__len__", "__iter__", "__bool__", "__float__", "__int__", "__index__", "__array__",
+              "__neg__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__matmul__",
+              "__rmatmul__", "__truediv__", "__rtruediv__", "__pow__"):
+    setattr(_ShardOnly, _name, _raise_read)
+
+
 class FSDP(nn.Module):
     """Fully sharded data parallel over any ``nn.Module`` (see the module docstring).
 
@@ -168,6 +213,9 @@ class FSDP(nn.Module):
             if id(p) in shard_ids:
                 self.unit_of_name[name] = shard_ids[id(p)]
         owners = {id(o): o for o, _, _ in self.units}
+        paths = {id(m): path for path, m in module.named_modules()}
+        self._guards = [(o, attr, _ShardOnly(self._read_message(paths.get(id(o), "?"), o, attr, u)))
+                        for o, attr, u in self.units]
         if compute_dtype is not None:
             owners |= {id(o): o for o, _, _ in self.replicated}
         for owner in owners.values():  # one pre/post hook pair per module that owns parameters
@@ -177,6 +225,24 @@ class FSDP(nn.Module):
         self._fwd_order = [u for _, _, u in self.units]  # first step: registration order
         self._pending = []  # reduce-scatters in flight: (unit, out, work, input)
         self._forwarding = False  # inside forward(); False while backward recomputes a checkpointed block
+
+    def _read_message(self, path: str, owner: nn.Module, attr: str, unit: Unit) -> str:
+        name = f"{path}.{attr}" if path else attr
+        return (f"FSDP: parameter {name!r} {tuple(unit.shape)} was read outside the forward of the module that "
+                f"holds it ({path or 'the root'!r}, {type(owner).__name__}), e.g. F.linear(h, self.{name}) in a "
+                f"parent's forward (a tied-weight idiom). FSDP gathers a parameter only while its module runs: "
+                f"here it is this rank's ({unit.shard_rows}, …) shard of {unit.n}, and any result would be wrong. "
+                f"Fix: make the reader a module that holds the parameter, e.g. tie it (head = nn.Linear(...); "
+                f"head.weight = self.{name}; logits = head(h)), or compute inside the forward of "
+                f"{path or 'its module'!r}")
+
+    def _guard(self, on: bool) -> None:
+        """Install (on) or remove the shard guards of every unit in its owners' instance dicts."""
+        for owner, attr, guard in self._guards:
+            if on:
+                owner.__dict__[attr] = guard
+            elif owner.__dict__.get(attr) is guard:
+                del owner.__dict__[attr]
 
     # all-gathers with prefetch
     def _start(self, unit: Unit) -> None:
@@ -220,8 +286,13 @@ class FSDP(nn.Module):
 
     def _post_forward(self, owner, args, out):
         for attr in [a for o, a, _ in self.units + self.replicated if o is owner and a in owner.__dict__]:
-            full = owner.__dict__.pop(attr)  # the shard is visible again; the full weight is dropped
-            self._live.pop(full.untyped_storage().data_ptr(), None)
+            full = owner.__dict__.pop(attr)  # the full weight is dropped
+            if isinstance(full, torch.Tensor):
+                self._live.pop(full.untyped_storage().data_ptr(), None)
+        if self._forwarding:  # until the wrapped forward ends, a read of the shard raises
+            for o, attr, guard in self._guards:
+                if o is owner:
+                    owner.__dict__[attr] = guard
 
     # backward: saved-tensor hooks turn every saved gathered weight into a re-gather
     def _pack(self, t: torch.Tensor):
@@ -252,10 +323,12 @@ class FSDP(nn.Module):
         self._fwd_pos, self._seen, self._live, self._saves, self._regathered = 0, [], {}, {}, {}
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             self._forwarding = True
+            self._guard(True)
             try:
                 out = self.module(*args, **kwargs)
             finally:
                 self._forwarding = False
+                self._guard(False)
         for unit in list(self._inflight):  # a prefetch nobody used (the order changed): finish it
             self._wait(unit)
         self._fwd_order = self._seen  # next step prefetches in the order this forward ran
@@ -295,13 +368,16 @@ class Zero2:
     """ZeRO-2 over any module: full params on every rank; each matrix's gradient is reduce-
     scattered the moment autograd has accumulated it (a post-accumulate-grad hook), so the full
     gradient never exists all at once; ``params`` (row shards + replicated vectors) go to the
-    optimizer; ``all_gather_params()`` after its step puts the updated rows back."""
+    optimizer; ``all_gather_params()`` after its step puts the updated rows back. Frozen
+    parameters are skipped (no hook, no shard, not in ``params``)."""
 
     def __init__(self, module: nn.Module, group=None):
         self.module, self.group = module, group if group is not None else dist.group.WORLD
         self.n, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.names, self.params, self.units, self._pending = [], [], {}, []
         for name, p in module.named_parameters():
+            if not p.requires_grad:
+                continue  # frozen: no gradient to reduce, nothing to update (as BucketedDDP / Zero1 / FSDP)
             self.names.append(name)
             if p.dim() < 2:
                 self.params.append(p)  # replicated vector: its optimizer state is full too
