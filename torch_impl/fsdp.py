@@ -25,7 +25,8 @@ explicit/zero3  ``FSDP(module)``: params, grads, AdamW state sharded (vectors re
     one is held by each user: one unit, gathered in each). Elsewhere only the shard exists: while
     the wrapped forward runs, a read of it outside its holder's forward (F.linear(h,
     self.emb.weight) in a parent) raises ShardReadError naming the parameter and the remedy.
-    Frozen parameters are gathered, never reduce-scattered.
+    Frozen parameters are gathered, never reduce-scattered. comm_theory() / state_theory(): from
+    the module wrapped (torch_impl.model_theory).
 explicit/zero2  ``Zero2(module)``: full params; each matrix's gradient is reduce-scattered by a
     post-accumulate-grad hook the moment autograd produces it; AdamW on the row shards (and the
     replicated vectors); the updated shards are all-gathered back: 2·(Φ − vectors)·b + vectors·b.
@@ -52,6 +53,7 @@ from torch.distributed.tensor import DTensor
 from shared.config import Config
 from shared.problem import Problem
 from shared.theory import fsdp_comm_bytes
+from torch_impl import model_theory
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
@@ -206,6 +208,7 @@ class FSDP(nn.Module):
         self.module, self.compute_dtype = module, compute_dtype
         self.group = group if group is not None else dist.group.WORLD
         self.n, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self._infos = model_theory.describe(module)  # full shapes, before sharding: comm_theory()
         self.units, self.replicated = split_params(module, rank, self.n)
         self.unit_of_name = {}  # parameter name -> Unit (shards keep their original names)
         shard_ids = {id(u.shard): u for _, _, u in self.units}
@@ -351,6 +354,24 @@ class FSDP(nn.Module):
         self._pending.clear()
         average_flat([p.grad for _, _, p in self.replicated if p.grad is not None], self.group)
 
+    def comm_theory(self) -> dict[str, tuple[int, int]]:
+        """Per step per rank, from the module wrapped (model_theory.zero3_comm): an all-gather per
+        holder of each unit in forward, a reduce-scatter per holder of each trainable one, one
+        all-reduce of the trainable vectors, and a re-gather in backward of each unit whose weight
+        the last forward kept for backward (before any forward: every unit not held by an
+        nn.Embedding — model_theory.default_regathered)."""
+        regathered = None
+        if hasattr(self, "_bwd_order"):
+            names = {id(u): name for name, u in self.unit_of_name.items()}
+            regathered = [names[id(u)] for u in self._bwd_order if id(u) in names]
+        itemsize = torch.empty((), dtype=self.compute_dtype).element_size() if self.compute_dtype else None
+        return model_theory.zero3_comm(self._infos, self.n, regathered, itemsize)
+
+    def state_theory(self) -> dict[str, int]:
+        """Per rank with AdamW: shards of every unit (⌈R/N⌉ rows), vectors whole; gradients and 2
+        moments of the trainable ones (model_theory.zero3_state)."""
+        return model_theory.zero3_state(self._infos, self.n)
+
     def full_tensor(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's tensor of parameter ``name`` (shard or replicated; parameter or gradient)
         -> the full tensor (an all-gather for units: call on every rank)."""
@@ -375,6 +396,7 @@ class Zero2:
         self.module, self.group = module, group if group is not None else dist.group.WORLD
         self.n, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.names, self.params, self.units, self._pending = [], [], {}, []
+        self._infos = model_theory.describe(module)
         for name, p in module.named_parameters():
             if not p.requires_grad:
                 continue  # frozen: no gradient to reduce, nothing to update (as BucketedDDP / Zero1 / FSDP)
@@ -387,6 +409,14 @@ class Zero2:
             self.units[name] = unit
             self.params.append(unit.shard)
             p.register_post_accumulate_grad_hook(lambda p, u=unit: self._reduce_scatter(u, p))
+
+    def comm_theory(self) -> dict[str, tuple[int, int]]:
+        """Per step per rank (model_theory.zero2_comm): a reduce-scatter and an all-gather per
+        trainable unit (rows padded to N), one all-reduce of the trainable vectors."""
+        return model_theory.zero2_comm(self._infos, self.n)
+
+    def state_theory(self) -> dict[str, int]:
+        return model_theory.zero2_state(self._infos, self.n)
 
     def _reduce_scatter(self, unit: Unit, p: nn.Parameter) -> None:
         out = torch.empty_like(unit.shard)  # (⌈R/N⌉, …)
@@ -439,6 +469,8 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     model = build_model(cfg, problem, ctx.device)  # every rank: the same fixture, then sharded
     names = [name for name, _ in model.named_parameters()]
     fixture = lambda full: lambda ts: [to_fixture(model, nm, full(nm, t)) for nm, t in zip(names, ts)]
+    # zero3 / fsdp2: the Config formula (zero3's backward re-gathers depend on what the forward keeps,
+    # FSDP.comm_theory() reads that after one; fsdp2 groups per block); zero2: from the module below
     comm_theory = fsdp_comm_bytes(cfg, variant)
 
     if variant == "zero3":
@@ -458,6 +490,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
                                           extra={"shard": "dim 0 of each ≥2-D parameter (Linear: columns of W)"}))
     if variant == "zero2":
         zero2 = Zero2(model, group)
+        comm_theory = model_theory.comm_bytes(zero2.comm_theory())  # = shared.theory's on our models
         params = model.parameters()
         opt = make_optimizer(zero2.params, cfg)
 
