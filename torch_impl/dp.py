@@ -23,6 +23,10 @@ model, cfg.n_params; the embedding gradients are dense (V, D) and (T, D) tensors
     bucketed, DDP          bwd: ⌈Φ·b / bucket⌉ all-reduces, overlapped Φ·b   = dp_comm_bytes
     zero1                  reduce-scatter dW + all-gather W           2·Φ·b = zero1_comm_bytes
 On a ring both put 2·Φ·b·(N−1)/N bytes on the wire per rank: ZeRO-1 saves memory, not traffic.
+The run's ``comm_theory`` comes from the module wrapped (torch_impl.model_theory: the trainable
+parameters, each tied one once, ZeRO-1's flat Φ padded to N), so it is right for any nn.Module;
+on the project's models it equals the Config formulas above. The wrappers answer the same
+(``BucketedDDP.comm_theory()`` / ``state_theory()``, ``Zero1Optimizer.comm_theory()`` / ``state_theory()``).
 The reported loss is the mean of the ranks' local losses, all-reduced AFTER the recorded step
 (torch_impl.harness): bookkeeping, so the ledger holds gradient (and parameter) traffic only.
 Each variant is a harness.Setup (make_setup); train() runs it through harness.train_loop.
@@ -41,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
-from shared.theory import dp_comm_bytes, zero1_comm_bytes
+from torch_impl import model_theory
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
@@ -87,6 +91,7 @@ class BucketedDDP(nn.Module):
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         self.module = module  # the only registered child: the wrapper adds no parameters
         self.group, self.world_size = group, dist.get_world_size(group)
+        self._infos = model_theory.describe(module)
         self.require_sync = True
         with torch.no_grad():  # every rank starts from rank 0's weights
             for t in [*module.parameters(), *module.buffers()]:
@@ -118,6 +123,14 @@ class BucketedDDP(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def comm_theory(self) -> dict[str, tuple[int, int]]:
+        """Per step: one all-reduce per bucket, the trainable gradients' bytes (model_theory)."""
+        return model_theory.bucketed_comm(b["flat"].numel() * b["flat"].element_size() for b in self.buckets)
+
+    def state_theory(self) -> dict[str, int]:
+        """Per rank with AdamW: the module's parameters, trainable gradients, 2 moments of each."""
+        return model_theory.dp_state(self._infos)
 
     def _grad_hook(self, bucket: dict, view: torch.Tensor):
         def hook(p: nn.Parameter) -> None:  # runs when p.grad is complete for this backward
@@ -175,8 +188,17 @@ class Zero1Optimizer:
 
     def __init__(self, params, optimizer_cls, group=None, **kwargs):
         self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("Zero1Optimizer: no trainable parameter was given (none, or all frozen). Fix: pass "
+                             "the parameters to train")
+        kinds = sorted({f"{p.dtype} on {p.device}" for p in self.params})
+        if len(kinds) > 1:
+            raise ValueError(f"Zero1Optimizer: one flat buffer holds every parameter, but they are {kinds}: the "
+                             f"others would be cast to {self.params[0].dtype} silently. Fix: one Zero1Optimizer per "
+                             "dtype and device (or cast the model to one dtype)")
         self.group = group
         n, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.n, self._infos = n, model_theory.describe(self.params)
         self.numel = sum(p.numel() for p in self.params)  # Φ
         shard = -(-self.numel // n)  # ceil(Φ/N)
         p0 = self.params[0]
@@ -188,6 +210,14 @@ class Zero1Optimizer:
         self.shard = self.flat[rank * shard:(rank + 1) * shard]  # (Φ_pad/N,) this rank's slice
         self.shard.grad = torch.zeros_like(self.shard)  # (Φ_pad/N,) averaged gradient slice
         self.local = optimizer_cls([self.shard], **kwargs)  # state for 1/N of the parameters
+
+    def comm_theory(self) -> dict[str, tuple[int, int]]:
+        """Per step: one reduce-scatter and one all-gather of the flat Φ padded to N (model_theory)."""
+        return model_theory.zero1_comm(self._infos, self.n)
+
+    def state_theory(self) -> dict[str, int]:
+        """Per rank: the flat padded parameters, full gradients, AdamW state of this rank's slice."""
+        return model_theory.zero1_state(self._infos, self.n)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -262,6 +292,7 @@ def make_setup(cfg: Config, problem: Problem, style: str, variant: str, ctx: Ran
         return [to_fixture(model, name, t) for name, t in zip(names, tensors)]
 
     zero1 = variant == "zero1"
+    theory = opt.comm_theory() if zero1 else net.comm_theory() if variant == "bucketed" else model_theory.dp_comm(model)
     buckets = [b["flat"] for b in getattr(net, "buckets", [])]
     state = lambda: {"params": tensor_bytes([opt.flat] if zero1 else params),  # zero1: flat, padded
                      "grads": tensor_bytes(buckets or params),  # bucketed: p.grad are bucket views
@@ -274,7 +305,7 @@ def make_setup(cfg: Config, problem: Problem, style: str, variant: str, ctx: Ran
         grads_fixture=(lambda g: fixture(opt.gather_flat(g[0]))) if zero1 else None,
         params=params,
         optimizer=opt,
-        comm_theory=zero1_comm_bytes(cfg) if zero1 else dp_comm_bytes(cfg),
+        comm_theory=model_theory.comm_bytes(theory),  # from the model wrapped (= shared.theory's on ours)
         loss_reduction="mean",  # equal shards: the mean of local means is the global mean
         group=group,
         state=state,

@@ -21,6 +21,12 @@ explicit/zero3  ``FSDP(module)``: params, grads, AdamW state sharded (vectors re
     payload S per step per rank (shared.theory.fsdp_comm): all-gather every unit fwd, every unit
     but the embeddings (MLP: but layer 0) bwd; reduce-scatter every unit; 1 all-reduce of the
     vectors. MLP: (2L−1)·D²·b + L·D²·b = 3Φb − D²b; transformer: 3Φb − (V+T)·D·b − (2L+1)·D·b.
+    Any module: a parameter must be read inside the forward of a module that holds it (a tied
+    one is held by each user: one unit, gathered in each). Elsewhere only the shard exists: while
+    the wrapped forward runs, a read of it outside its holder's forward (F.linear(h,
+    self.emb.weight) in a parent) raises ShardReadError naming the parameter and the remedy.
+    Frozen parameters are gathered, never reduce-scattered. comm_theory() / state_theory(): from
+    the module wrapped (torch_impl.model_theory).
 explicit/zero2  ``Zero2(module)``: full params; each matrix's gradient is reduce-scattered by a
     post-accumulate-grad hook the moment autograd produces it; AdamW on the row shards (and the
     replicated vectors); the updated shards are all-gathered back: 2·(Φ − vectors)·b + vectors·b.
@@ -47,6 +53,7 @@ from torch.distributed.tensor import DTensor
 from shared.config import Config
 from shared.problem import Problem
 from shared.theory import fsdp_comm_bytes
+from torch_impl import model_theory
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
@@ -142,6 +149,46 @@ class _Handle:
         self.unit, self.size, self.stride, self.offset = unit, t.size(), t.stride(), t.storage_offset()
 
 
+class ShardReadError(RuntimeError):
+    """A sharded parameter was read outside the forward of the module that holds it."""
+
+
+def _find_guard(obj):
+    if isinstance(obj, _ShardOnly):
+        return obj
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return next((g for g in map(_find_guard, items) if g is not None), None)
+
+
+class _ShardOnly:
+    """What ``owner.<attr>`` is while FSDP runs the wrapped module's forward but not the owner's:
+    the shard is all there is, so every use (a torch op, ``.shape``, indexing) raises
+    ``ShardReadError`` naming the parameter and the remedy, instead of computing with 1/N of it."""
+
+    def __init__(self, message: str):
+        object.__setattr__(self, "_message", message)
+
+    def __getattr__(self, name):
+        raise ShardReadError(self._message)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise ShardReadError(_find_guard([args, kwargs or {}])._message)
+
+    def __repr__(self):
+        return f"<FSDP shard guard: {self._message}>"
+
+
+def _raise_read(self, *args, **kwargs):
+    raise ShardReadError(self._message)
+
+
+for _name in ("__getitem__", "__len__", "__iter__", "__bool__", "__float__", "__int__", "__index__", "__array__",
+              "__neg__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__matmul__",
+              "__rmatmul__", "__truediv__", "__rtruediv__", "__pow__"):
+    setattr(_ShardOnly, _name, _raise_read)
+
+
 class FSDP(nn.Module):
     """Fully sharded data parallel over any ``nn.Module`` (see the module docstring).
 
@@ -161,6 +208,7 @@ class FSDP(nn.Module):
         self.module, self.compute_dtype = module, compute_dtype
         self.group = group if group is not None else dist.group.WORLD
         self.n, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self._infos = model_theory.describe(module)  # full shapes, before sharding: comm_theory()
         self.units, self.replicated = split_params(module, rank, self.n)
         self.unit_of_name = {}  # parameter name -> Unit (shards keep their original names)
         shard_ids = {id(u.shard): u for _, _, u in self.units}
@@ -168,6 +216,9 @@ class FSDP(nn.Module):
             if id(p) in shard_ids:
                 self.unit_of_name[name] = shard_ids[id(p)]
         owners = {id(o): o for o, _, _ in self.units}
+        paths = {id(m): path for path, m in module.named_modules()}
+        self._guards = [(o, attr, _ShardOnly(self._read_message(paths.get(id(o), "?"), o, attr, u)))
+                        for o, attr, u in self.units]
         if compute_dtype is not None:
             owners |= {id(o): o for o, _, _ in self.replicated}
         for owner in owners.values():  # one pre/post hook pair per module that owns parameters
@@ -177,6 +228,24 @@ class FSDP(nn.Module):
         self._fwd_order = [u for _, _, u in self.units]  # first step: registration order
         self._pending = []  # reduce-scatters in flight: (unit, out, work, input)
         self._forwarding = False  # inside forward(); False while backward recomputes a checkpointed block
+
+    def _read_message(self, path: str, owner: nn.Module, attr: str, unit: Unit) -> str:
+        name = f"{path}.{attr}" if path else attr
+        return (f"FSDP: parameter {name!r} {tuple(unit.shape)} was read outside the forward of the module that "
+                f"holds it ({path or 'the root'!r}, {type(owner).__name__}), e.g. F.linear(h, self.{name}) in a "
+                f"parent's forward (a tied-weight idiom). FSDP gathers a parameter only while its module runs: "
+                f"here it is this rank's ({unit.shard_rows}, …) shard of {unit.n}, and any result would be wrong. "
+                f"Fix: make the reader a module that holds the parameter, e.g. tie it (head = nn.Linear(...); "
+                f"head.weight = self.{name}; logits = head(h)), or compute inside the forward of "
+                f"{path or 'its module'!r}")
+
+    def _guard(self, on: bool) -> None:
+        """Install (on) or remove the shard guards of every unit in its owners' instance dicts."""
+        for owner, attr, guard in self._guards:
+            if on:
+                owner.__dict__[attr] = guard
+            elif owner.__dict__.get(attr) is guard:
+                del owner.__dict__[attr]
 
     # all-gathers with prefetch
     def _start(self, unit: Unit) -> None:
@@ -220,8 +289,13 @@ class FSDP(nn.Module):
 
     def _post_forward(self, owner, args, out):
         for attr in [a for o, a, _ in self.units + self.replicated if o is owner and a in owner.__dict__]:
-            full = owner.__dict__.pop(attr)  # the shard is visible again; the full weight is dropped
-            self._live.pop(full.untyped_storage().data_ptr(), None)
+            full = owner.__dict__.pop(attr)  # the full weight is dropped
+            if isinstance(full, torch.Tensor):
+                self._live.pop(full.untyped_storage().data_ptr(), None)
+        if self._forwarding:  # until the wrapped forward ends, a read of the shard raises
+            for o, attr, guard in self._guards:
+                if o is owner:
+                    owner.__dict__[attr] = guard
 
     # backward: saved-tensor hooks turn every saved gathered weight into a re-gather
     def _pack(self, t: torch.Tensor):
@@ -252,10 +326,12 @@ class FSDP(nn.Module):
         self._fwd_pos, self._seen, self._live, self._saves, self._regathered = 0, [], {}, {}, {}
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             self._forwarding = True
+            self._guard(True)
             try:
                 out = self.module(*args, **kwargs)
             finally:
                 self._forwarding = False
+                self._guard(False)
         for unit in list(self._inflight):  # a prefetch nobody used (the order changed): finish it
             self._wait(unit)
         self._fwd_order = self._seen  # next step prefetches in the order this forward ran
@@ -278,6 +354,24 @@ class FSDP(nn.Module):
         self._pending.clear()
         average_flat([p.grad for _, _, p in self.replicated if p.grad is not None], self.group)
 
+    def comm_theory(self) -> dict[str, tuple[int, int]]:
+        """Per step per rank, from the module wrapped (model_theory.zero3_comm): an all-gather per
+        holder of each unit in forward, a reduce-scatter per holder of each trainable one, one
+        all-reduce of the trainable vectors, and a re-gather in backward of each unit whose weight
+        the last forward kept for backward (before any forward: every unit not held by an
+        nn.Embedding — model_theory.default_regathered)."""
+        regathered = None
+        if hasattr(self, "_bwd_order"):
+            names = {id(u): name for name, u in self.unit_of_name.items()}
+            regathered = [names[id(u)] for u in self._bwd_order if id(u) in names]
+        itemsize = torch.empty((), dtype=self.compute_dtype).element_size() if self.compute_dtype else None
+        return model_theory.zero3_comm(self._infos, self.n, regathered, itemsize)
+
+    def state_theory(self) -> dict[str, int]:
+        """Per rank with AdamW: shards of every unit (⌈R/N⌉ rows), vectors whole; gradients and 2
+        moments of the trainable ones (model_theory.zero3_state)."""
+        return model_theory.zero3_state(self._infos, self.n)
+
     def full_tensor(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's tensor of parameter ``name`` (shard or replicated; parameter or gradient)
         -> the full tensor (an all-gather for units: call on every rank)."""
@@ -295,13 +389,17 @@ class Zero2:
     """ZeRO-2 over any module: full params on every rank; each matrix's gradient is reduce-
     scattered the moment autograd has accumulated it (a post-accumulate-grad hook), so the full
     gradient never exists all at once; ``params`` (row shards + replicated vectors) go to the
-    optimizer; ``all_gather_params()`` after its step puts the updated rows back."""
+    optimizer; ``all_gather_params()`` after its step puts the updated rows back. Frozen
+    parameters are skipped (no hook, no shard, not in ``params``)."""
 
     def __init__(self, module: nn.Module, group=None):
         self.module, self.group = module, group if group is not None else dist.group.WORLD
         self.n, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.names, self.params, self.units, self._pending = [], [], {}, []
+        self._infos = model_theory.describe(module)
         for name, p in module.named_parameters():
+            if not p.requires_grad:
+                continue  # frozen: no gradient to reduce, nothing to update (as BucketedDDP / Zero1 / FSDP)
             self.names.append(name)
             if p.dim() < 2:
                 self.params.append(p)  # replicated vector: its optimizer state is full too
@@ -311,6 +409,14 @@ class Zero2:
             self.units[name] = unit
             self.params.append(unit.shard)
             p.register_post_accumulate_grad_hook(lambda p, u=unit: self._reduce_scatter(u, p))
+
+    def comm_theory(self) -> dict[str, tuple[int, int]]:
+        """Per step per rank (model_theory.zero2_comm): a reduce-scatter and an all-gather per
+        trainable unit (rows padded to N), one all-reduce of the trainable vectors."""
+        return model_theory.zero2_comm(self._infos, self.n)
+
+    def state_theory(self) -> dict[str, int]:
+        return model_theory.zero2_state(self._infos, self.n)
 
     def _reduce_scatter(self, unit: Unit, p: nn.Parameter) -> None:
         out = torch.empty_like(unit.shard)  # (⌈R/N⌉, …)
@@ -363,6 +469,8 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     model = build_model(cfg, problem, ctx.device)  # every rank: the same fixture, then sharded
     names = [name for name, _ in model.named_parameters()]
     fixture = lambda full: lambda ts: [to_fixture(model, nm, full(nm, t)) for nm, t in zip(names, ts)]
+    # zero3 / fsdp2: the Config formula (zero3's backward re-gathers depend on what the forward keeps,
+    # FSDP.comm_theory() reads that after one; fsdp2 groups per block); zero2: from the module below
     comm_theory = fsdp_comm_bytes(cfg, variant)
 
     if variant == "zero3":
@@ -382,6 +490,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
                                           extra={"shard": "dim 0 of each ≥2-D parameter (Linear: columns of W)"}))
     if variant == "zero2":
         zero2 = Zero2(model, group)
+        comm_theory = model_theory.comm_bytes(zero2.comm_theory())  # = shared.theory's on our models
         params = model.parameters()
         opt = make_optimizer(zero2.params, cfg)
 

@@ -188,7 +188,7 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
     styles, loss_of = {}, loss_fn
     if t > 1:
         tp_group = lay.groups["tp"]
-        styles = tp.apply_plan(stage, tp.TRANSFORMER_PLAN, tp_group)  # absent modules: not in styles
+        styles = tp.apply_plan(stage, tp.TRANSFORMER_PLAN, tp_group, missing_ok=True)  # a stage: absent modules
         loss_of = lambda out, target: tp.VocabParallelCrossEntropy.apply(out, target, tp_group)  # (m, T/c, V/t)
     if c > 1:
         core = RingCore(cfg, "ring", lay.groups["cp"])

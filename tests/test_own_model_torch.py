@@ -1,0 +1,649 @@
+"""Bring your own model (issue 24, torch): the wrappers and ``tp.apply_plan`` on modules the project
+does not own, against single-process training from the same weights, in ONE launch at world size 2.
+
+Models (defined here, float64): ``BiasedMLP`` (biases, LayerNorm, a frozen matrix and a frozen gain,
+a buffer, 7 and 5 rows: padding at N = 2); ``TPMLP`` (LayerNorm, biased colwise/rowwise pair; the
+DTensor path is its second reference); ``TinyLlama`` (separate q, k, v, o; SwiGLU gate, up, down;
+RMSNorm; an untied head; V = 25, not divisible by 2; padding_idx on rank 1's half).
+
+Tolerance: float64 throughout, 1e-12. The parallel runs compute the same sums split over ranks (and
+the all-reduces add partial products in another order), ~1e-16 relative per op; 3 AdamW steps
+carry that to ~1e-15. 1e-12 leaves three orders of margin and sits ten orders below every defect
+these tests pin (2.9e-2 loss error from step 0 for the vocabulary offset, (N−1)·bias in the output).
+
+Refusals (``tp.check_plan``, the preconditions ``apply_plan`` checks first) run in-process, no launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from shared.config import Config
+from shared.theory import (
+    adam_state_bytes,
+    dp_comm_bytes,
+    fsdp_comm,
+    fsdp_regathered,
+    fsdp_state_bytes,
+    zero1_comm_bytes,
+)
+from torch_impl import model_theory as mt
+from torch_impl import tp
+from torch_impl.dp import BucketedDDP, Zero1Optimizer
+from torch_impl.fsdp import FSDP, ShardReadError, Zero2
+from torch_impl.launch import launch
+from torch_impl.model import empty_model
+
+DT, STEPS, LR, WD = torch.float64, 3, 1e-2, 0.1
+TOL = 1e-12  # float64: see the module docstring
+V, D, HEADS, B, T = 25, 8, 2, 2, 6
+
+
+class BiasedMLP(nn.Module):
+    """Biases, a LayerNorm, a frozen Linear and a frozen gain, a buffer; 7 and 5 output rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(6, 7, dtype=DT)
+        self.norm = nn.LayerNorm(7, dtype=DT)
+        self.down = nn.Linear(7, 5, dtype=DT)
+        self.fixed = nn.Linear(5, 5, bias=False, dtype=DT).requires_grad_(False)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 5, dtype=DT), requires_grad=False)
+        self.register_buffer("shift", torch.linspace(-1, 1, 5, dtype=DT))
+
+    def forward(self, x):
+        return self.fixed(self.down(F.gelu(self.norm(self.up(x))))) * self.gain + self.shift
+
+
+class TPMLP(nn.Module):
+    """A LayerNorm (replicated; SP: 'sequence'), then a biased colwise / rowwise pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(6, dtype=DT)
+        self.up = nn.Linear(6, 8, dtype=DT)
+        self.down = nn.Linear(8, 6, dtype=DT)
+
+    def forward(self, x):  # (B, T, 6)
+        return self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.n_heads, self.head_dim = HEADS, D // HEADS
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False, dtype=DT) for _ in range(4))
+
+    def forward(self, h):  # (B, T, D); under TP q, k, v hold H/tp heads: the -1 below
+        b, t, _ = h.shape
+        q, k, v = (m(h).view(b, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, dh)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up = nn.Linear(D, 2 * D, bias=False, dtype=DT), nn.Linear(D, 2 * D, bias=False, dtype=DT)
+        self.down = nn.Linear(2 * D, D, bias=False, dtype=DT)
+
+    def forward(self, h):
+        return self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = nn.RMSNorm(D, eps=1e-6, dtype=DT), nn.RMSNorm(D, eps=1e-6, dtype=DT)
+        self.attn, self.mlp = Attention(), SwiGLU()
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(V, D, padding_idx=20, dtype=DT)  # row 20: rank 1's, local 7
+        self.layers = nn.ModuleList(LlamaBlock() for _ in range(layers))
+        self.normf = nn.RMSNorm(D, eps=1e-6, dtype=DT)
+        self.head = nn.Linear(D, V, bias=False, dtype=DT)  # untied
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for block in self.layers:
+            h = block(h)
+        return self.head(self.normf(h))  # (B, T, V); under TP (B, T, ⌈V/tp⌉), padding −inf
+
+
+LLAMA_PLAN = {
+    "emb": "vocab_embed",
+    "layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise", "layers.*.attn.v": "colwise",
+    "layers.*.attn.o": "rowwise",
+    "layers.*.mlp.gate": "colwise", "layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise",
+    "head": "colwise_vocab",
+}
+
+
+class TiedReader(nn.Module):
+    """The tying idiom FSDP cannot gather for: the parent reads the embedding's weight itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, D, dtype=DT)
+        self.norm = nn.RMSNorm(D, dtype=DT)
+
+    def forward(self, tokens):
+        return F.linear(self.norm(self.emb(tokens)), self.emb.weight)  # (B, T, 11)
+
+
+def made(fn, *args, seed=0, **kw):
+    """``fn(*args, **kw)`` under ``torch.manual_seed(seed)``: a model's (or a batch's) same values anywhere."""
+    torch.manual_seed(seed)
+    return fn(*args, **kw)
+
+
+# --- rank code -------------------------------------------------------------------------------------
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WD)
+
+
+def train(step, params, sync=None, ledger=None, grads0=None):
+    """STEPS of AdamW; ``step()`` -> loss (forward); returns the losses. The ledger (if given)
+    records the last step; ``grads0()`` is captured after the first backward."""
+    opt, losses, first = adamw(params), [], None
+    for k in range(STEPS):
+        with ledger.recording() if ledger is not None and k == STEPS - 1 else _null():
+            opt.zero_grad(set_to_none=True)
+            loss = step()
+            loss.backward()
+            if sync is not None:
+                sync()
+            if k == 0 and grads0 is not None:
+                first = grads0()
+            opt.step()
+        losses.append(loss.item())
+    return losses, first
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def full(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def max_err(a, b):
+    if isinstance(a, dict):
+        assert list(a) == list(b), (list(a), list(b))
+        return max(max_err(a[k], b[k]) for k in a)
+    return max(abs(x - y) for x, y in zip(a, b, strict=True)) if isinstance(a, list) \
+        else float((a - b).detach().abs().max())
+
+
+def ce(logits, y):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def vocab_smallest(ctx):
+    """The issue's smallest case: nn.Embedding(5, 1) rows 0..4 over 2 ranks; a (3 -> 5) head's loss."""
+    emb = nn.Embedding(5, 1, dtype=DT)
+    with torch.no_grad():
+        emb.weight.copy_(torch.arange(5, dtype=DT).view(5, 1))
+    holder = nn.Sequential(emb)
+    tp.apply_plan(holder, {"0": "vocab_embed"}, ctx.group)
+    rows = holder(torch.arange(5)).view(-1).tolist()
+    head, y = made(nn.Linear, 3, 5, bias=False, dtype=DT, seed=3), torch.tensor([[0, 2, 3, 4]])
+    x = made(torch.randn, 1, 4, 3, dtype=DT, seed=4)
+    want = ce(head(x), y).item()
+    sharded = nn.Sequential(head)
+    tp.apply_plan(sharded, {"0": "colwise_vocab"}, ctx.group)
+    got = tp.VocabParallelCrossEntropy.apply(sharded(x), y, ctx.group).item()
+    return {"rows": rows, "loss": (got, want), "local_head": tuple(head.weight.shape),
+            "full_head": tuple(tp.unshard(head.weight, "colwise_vocab", ctx.group).shape)}
+
+
+def tp_mlp(ctx, sequence_parallel=False):
+    """TPMLP: explicit apply_plan vs single-process vs the DTensor path (its bias handling)."""
+    x = made(torch.randn, B, 4, 6, dtype=DT, seed=1)
+    ref = made(TPMLP)
+    ref_losses, _ = train(lambda: ref(x).pow(2).mean(), ref.parameters())
+    model, plan = made(TPMLP), {"up": "colwise", "down": "rowwise"}
+    n, r = ctx.world_size, ctx.rank
+    if sequence_parallel:  # input and output on this rank's T/tp tokens; the loss a share of the mean
+        plan = {"norm": "sequence"} | plan
+        styles = tp.apply_plan(model, plan, ctx.group, sequence_parallel=True)
+        partial = [p for name, p in model.named_parameters() if styles.get(name) in tp.SEQUENCE_STYLES]
+        local = x.chunk(n, dim=1)[r]
+        step = lambda: model(local).pow(2).sum() / x[..., 0].numel() / 6  # Σ over ranks = the mean
+
+        def sync():
+            tp.reduce_sequence_grads(partial, ctx.group)
+        losses, _ = train(step, model.parameters(), sync)
+        summed = torch.tensor(losses, dtype=DT)
+        torch.distributed.all_reduce(summed, group=ctx.group)
+        losses = summed.tolist()
+    else:
+        styles = tp.apply_plan(model, plan, ctx.group)
+        losses, _ = train(lambda: model(x).pow(2).mean(), model.parameters())
+    got = tp.full_tensors(model, styles, ctx.group)
+    out = {"loss_err": max_err(losses, ref_losses), "param_err": max_err(got, full(ref)), "styles": styles}
+    if not sequence_parallel:
+        dt = made(TPMLP)
+        tp.apply_dtensor_plan(dt, plan, init_device_mesh("cpu", (n,)))
+        dt_losses, _ = train(lambda: dt(x).pow(2).mean(), dt.parameters())
+        theirs = {k: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for k, p in dt.named_parameters()}
+        out |= {"dtensor_loss_err": max_err(dt_losses, ref_losses), "dtensor_vs_explicit": max_err(got, theirs)}
+    return out
+
+
+def llama(ctx, shared_f=True, steps_only=False):
+    tokens, y = made(torch.randint, 0, V, (B, T), seed=2), made(torch.randint, 0, V, (B, T), seed=3)
+    tokens[0, 1] = 20  # the padding row is looked up too
+    model = made(TinyLlama)
+    styles = tp.apply_plan(model, LLAMA_PLAN, ctx.group, shared_f=shared_f)
+    step = lambda: tp.VocabParallelCrossEntropy.apply(model(tokens), y, ctx.group)
+    losses, grads0 = train(step, model.parameters(), ledger=ctx.ledger,
+                           grads0=lambda: tp.full_tensors(model, styles, ctx.group, grads=True))
+    comm = ctx.ledger.summary()
+    out = {"all_reduce": comm["all_reduce"]["count"], "ops": sorted(comm), "losses": losses}
+    if steps_only:
+        return out
+    ref = made(TinyLlama)
+    ref_losses, ref_grads0 = train(lambda: ce(ref(tokens), y), ref.parameters(),
+                                   grads0=lambda: {n: p.grad.clone() for n, p in ref.named_parameters()})
+    return out | {"loss_err": max_err(losses, ref_losses), "grad0_err": max_err(grads0, ref_grads0),
+                  "param_err": max_err(tp.full_tensors(model, styles, ctx.group), full(ref)),
+                  "local_vocab": (tuple(model.emb.weight.shape), tuple(model.head.weight.shape)),
+                  "padding_idx": _every(model.emb.padding_idx, ctx)}
+
+
+def apply_plan_refuses_first(ctx):
+    """apply_plan checks before it changes anything: a bad key leaves the module as it was."""
+    model = made(TPMLP)
+    before = full(model)
+    try:
+        tp.apply_plan(model, {"up": "colwise", "dwon": "rowwise"}, ctx.group)
+    except tp.PlanError as e:
+        return {"message": str(e), "unchanged": max_err(full(model), before) == 0.0,
+                "hooks": len(model.up._forward_pre_hooks) + len(model._forward_pre_hooks)}
+    return {"message": None}
+
+
+def data_parallel(ctx):
+    """BucketedDDP, Zero1Optimizer, Zero2, FSDP on BiasedMLP: each trains like the single process
+    (batch split in 2 halves), and its ledger equals the model-derived theory."""
+    x = made(torch.randn, 8, 6, dtype=DT, seed=4)
+    mine = x.chunk(ctx.world_size)[ctx.rank]
+    ref = made(BiasedMLP)
+    ref_losses, _ = train(lambda: ref(x).pow(2).mean(), [p for p in ref.parameters() if p.requires_grad])
+    want, n = full(ref), ctx.world_size
+    loss_of = lambda m: (lambda: m(mine).pow(2).mean())
+    mean = lambda losses: _mean(losses, ctx)  # the ranks' local means -> the global mean
+    out = {"phi_all": sum(p.numel() for p in ref.parameters()),
+           "phi_trainable": sum(p.numel() for p in ref.parameters() if p.requires_grad)}
+
+    model = made(BiasedMLP)
+    ddp = BucketedDDP(model, bucket_mb=25.0)
+    losses, _ = train(loss_of(ddp), [p for p in model.parameters() if p.requires_grad],
+                      ddp.finish_gradient_synchronization, ctx.ledger)
+    out["bucketed"] = {"loss_err": max_err(mean(losses), ref_losses), "param_err": max_err(full(model), want),
+                       "ledger": ctx.ledger.summary(), "theory": ddp.comm_theory(),
+                       "model": mt.dp_comm(made(BiasedMLP)), "state": ddp.state_theory()}
+
+    model = made(BiasedMLP)
+    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WD)
+    losses = []
+    for k in range(STEPS):
+        with ctx.ledger.recording() if k == STEPS - 1 else _null():
+            opt.zero_grad()
+            loss = loss_of(model)()
+            loss.backward()
+            opt.step()
+        losses.append(loss.item())
+    out["zero1"] = {"loss_err": max_err(mean(losses), ref_losses), "param_err": max_err(full(model), want),
+                    "ledger": ctx.ledger.summary(), "theory": opt.comm_theory(),
+                    "model": mt.zero1_comm(made(BiasedMLP), n), "state": opt.state_theory(),
+                    "measured_optimizer": sum(t.numel() * t.element_size() for s in opt.local.state.values()
+                                              for t in s.values() if t.dim() > 0)}
+
+    model = made(BiasedMLP)
+    zero2 = Zero2(model)  # crashed here before: a frozen parameter got a gradient hook
+    opt2 = adamw(zero2.params)
+    losses = []
+    for k in range(STEPS):
+        with ctx.ledger.recording() if k == STEPS - 1 else _null():
+            opt2.zero_grad(set_to_none=True)
+            loss = loss_of(model)()
+            loss.backward()
+            zero2.finish_gradient_synchronization()
+            opt2.step()
+            zero2.all_gather_params()
+        losses.append(loss.item())
+    out["zero2"] = {"loss_err": max_err(mean(losses), ref_losses), "param_err": max_err(full(model), want),
+                    "ledger": ctx.ledger.summary(), "theory": zero2.comm_theory(),
+                    "model": mt.zero2_comm(made(BiasedMLP), n), "state": zero2.state_theory(),
+                    "measured": {"params": sum(p.numel() * 8 for p in model.parameters()),
+                                 "grads": sum(p.grad.numel() * 8 for p in zero2.params if p.grad is not None),
+                                 "optimizer": sum(t.numel() * 8 for s in opt2.state.values() for t in s.values()
+                                                  if t.dim() > 0)}}
+
+    model = made(BiasedMLP)
+    fsdp = FSDP(model)
+    before = fsdp.comm_theory()  # nothing run yet: every non-embedding unit assumed re-gathered
+    trainable = [p for p in fsdp.parameters() if p.requires_grad]
+    losses, _ = train(loss_of(fsdp), trainable, fsdp.finish_gradient_synchronization, ctx.ledger)
+    got = fsdp.full_state_dict()
+    out["fsdp"] = {"loss_err": max_err(mean(losses), ref_losses), "param_err": max_err(got, want),
+                   "ledger": ctx.ledger.summary(), "theory": fsdp.comm_theory(), "before_forward": before,
+                   "model": mt.zero3_comm(made(BiasedMLP), n, regathered=["down.weight", "fixed.weight"]),
+                   "state": fsdp.state_theory(),
+                   "measured_params": sum(p.numel() * 8 for p in fsdp.parameters())}
+    return out
+
+
+def _every(obj, ctx):
+    out = [None] * ctx.world_size
+    torch.distributed.all_gather_object(out, obj, group=ctx.group)
+    return out
+
+
+def _mean(losses, ctx):
+    t = torch.tensor(losses, dtype=DT)
+    torch.distributed.all_reduce(t, group=ctx.group)
+    return (t / ctx.world_size).tolist()
+
+
+def fsdp_tied_reader(ctx):
+    model = made(TiedReader)
+    fsdp = FSDP(model)
+    try:
+        fsdp(torch.randint(0, 11, (2, 3)))
+    except ShardReadError as e:
+        message = str(e)
+    else:
+        message = None
+    # the guard is gone after forward: optimizer and state dict see the shard as before
+    return {"message": message, "after": tuple(model.emb.weight.shape), "is_param": isinstance(model.emb.weight,
+                                                                                               nn.Parameter)}
+
+
+def fsdp_on_project_models(ctx):
+    """FSDP.comm_theory() after a step == the ledger == shared.theory's Config formula (our models)."""
+    from shared.problem import make_problem
+    from torch_impl.model import build_model, inputs, loss_fn, targets
+    out = {}
+    for cfg in (Config(world_size=2, layers=2, dim=8, batch=4, dtype="float64"),
+                Config(world_size=2, model="transformer", layers=1, dim=8, heads=2, seq=4, vocab=16, batch=2,
+                       dtype="float64")):
+        problem = make_problem(cfg)
+        x, y = inputs(cfg, problem)[ctx.rank::2], targets(cfg, problem)
+        y = None if y is None else y[ctx.rank::2]
+        fsdp = FSDP(build_model(cfg, problem))
+        train(lambda f=fsdp, x=x, y=y: loss_fn(f(x), y), fsdp.parameters(), fsdp.finish_gradient_synchronization,
+              ctx.ledger)
+        out[cfg.model] = {"ledger": ctx.ledger.summary(), "theory": fsdp.comm_theory(),
+                          "config": fsdp_comm(cfg, "zero3")}
+    return out
+
+
+def rank_checks(ctx):
+    out = {"vocab": vocab_smallest(ctx), "tp_mlp": tp_mlp(ctx), "tp_mlp_sp": tp_mlp(ctx, sequence_parallel=True),
+           "llama": llama(ctx), "llama_unshared": llama(ctx, shared_f=False, steps_only=True),
+           "refuse": apply_plan_refuses_first(ctx), "dp": data_parallel(ctx), "tied_reader": fsdp_tied_reader(ctx),
+           "project": fsdp_on_project_models(ctx)}
+    return out if ctx.rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def result():
+    return launch(rank_checks, 2)[0]
+
+
+def ledger_of(comm):
+    return {op: (v["count"], v["bytes"]) for op, v in comm.items()}
+
+
+def plugged_in(phi_bytes: int) -> dict[str, int]:
+    """shared.theory's formulas with the module's Φ plugged in (all parameters, as Config.n_params
+    counts a model): DP Φb, ZeRO-1 and ZeRO-2 2Φb, ZeRO-3 3Φb."""
+    return {"bucketed": phi_bytes, "zero1": 2 * phi_bytes, "zero2": 2 * phi_bytes, "fsdp": 3 * phi_bytes}
+
+
+# --- tensor parallelism ------------------------------------------------------------------------------
+
+
+def test_vocab_parallel_any_vocabulary(result):
+    """nn.Embedding(5, 1) over 2 ranks: rows 0..4 (was [0, 1, 5, 4, 0]); a 5-token head's
+    vocab-parallel loss equals cross-entropy (padded rows: zero weights, −inf logits)."""
+    r = result["vocab"]
+    assert r["rows"] == [0.0, 1.0, 2.0, 3.0, 4.0], r
+    got, want = r["loss"]
+    assert abs(got - want) <= TOL, r
+    assert r["local_head"] == (3, 3) and r["full_head"] == (5, 3), r  # ⌈5/2⌉ rows per rank; unshard drops the pad
+
+
+def test_llama_block_equals_single_process(result):
+    """V = 25 over 2 ranks (13 rows each, one padding row), separate q/k/v, SwiGLU, RMSNorm, untied
+    head, padding_idx on rank 1: losses, step-0 gradients, parameters after 3 AdamW steps."""
+    r = result["llama"]
+    assert r["loss_err"] <= TOL and r["grad0_err"] <= TOL and r["param_err"] <= TOL, r
+    assert r["local_vocab"] == ((13, D), (13, D)), r
+    assert r["padding_idx"] == [None, 20 - 13], r  # the global padding row, local on its owner only
+
+
+def test_sibling_projections_share_one_f(result):
+    """Ledger of one step of the 2-block Llama-like model: per block 2 forward g (after o, down)
+    and 2 backward f (one for q, k, v; one for gate, up): Megatron's 4, where one f per module
+    pays 7; plus the embedding's g, the head's f and the loss's 2 (max, then the 2 sums)."""
+    layers, shared, unshared = 2, result["llama"], result["llama_unshared"]
+    assert shared["ops"] == unshared["ops"] == ["all_reduce"], (shared, unshared)
+    assert shared["all_reduce"] == 4 * layers + 4 == 12, shared
+    assert unshared["all_reduce"] == 7 * layers + 4 == 18, unshared
+    assert max_err(shared["losses"], unshared["losses"]) <= TOL  # the same numbers either way
+
+
+def test_biased_colwise_rowwise_equal_single_process_and_dtensor(result):
+    """colwise splits its bias with its rows; rowwise adds its bias once, after g (was: on every
+    rank before it, output off by (N−1)·bias; colwise crashed on the unsplit bias)."""
+    r = result["tp_mlp"]
+    assert r["loss_err"] <= TOL and r["param_err"] <= TOL, r
+    assert r["dtensor_loss_err"] <= TOL and r["dtensor_vs_explicit"] <= TOL, r
+    assert r["styles"] == {"up.weight": "colwise", "up.bias": "colwise", "down.weight": "rowwise"}, r
+
+
+def test_biased_rowwise_under_sequence_parallelism(result):
+    """Under SP the rowwise bias is added after the reduce-scatter, on this rank's T/tp tokens: its
+    gradient is partial, so apply_plan reports it 'sequence' (reduced with the norm's)."""
+    r = result["tp_mlp_sp"]
+    assert r["loss_err"] <= TOL and r["param_err"] <= TOL, r
+    assert {k for k, s in r["styles"].items() if s == "sequence"} == {"norm.weight", "norm.bias", "down.bias"}, r
+
+
+def test_apply_plan_refuses_before_changing_anything(result):
+    r = result["refuse"]
+    assert r["message"] and "'dwon'" in r["message"] and "['down']" in r["message"], r
+    assert r["unchanged"] and r["hooks"] == 0, r
+
+
+def test_check_plan_accepts_the_llama_plan_at_any_vocabulary():
+    styles = tp.check_plan(made(TinyLlama), LLAMA_PLAN, 2)
+    assert styles["emb.weight"] == "vocab_embed" and styles["head.weight"] == "colwise_vocab"
+    assert len(styles) == 2 + 7 * 2  # embedding, head, 7 projections per block; norms replicated
+
+
+def test_check_plan_shares_a_tied_embedding_and_head():
+    """Tied wte/head split alike (rows, padded to ⌈V/tp⌉): one shard serves both."""
+    model = made(TinyLlama)
+    model.head.weight = model.emb.weight
+    styles = tp.check_plan(model, LLAMA_PLAN, 2)
+    assert styles["emb.weight"] == "vocab_embed" and styles["head.weight"] == "colwise_vocab"
+
+
+class ThreeHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head_dim = 4
+        self.q = nn.Linear(12, 12, bias=False)
+
+
+class ScaledLinear(nn.Linear):
+    def __init__(self):
+        super().__init__(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+
+
+def _tied():
+    model = made(TinyLlama)
+    model.head.weight = model.emb.weight
+    return model
+
+
+def _transformer_heads_2():
+    return empty_model(Config(world_size=4, model="transformer", layers=1, dim=16, heads=2, vocab=32), "meta")
+
+
+REFUSALS = {  # id: (model, plan, world size, sequence parallel, the message's what / where)
+    "key_matches_no_module": (lambda: made(TinyLlama), {"layers.*.attn.qq": "colwise"}, 2, False,
+                              r"key 'layers\.\*\.attn\.qq' \(colwise\) matches no module .*layers\.0\.attn\.q"),
+    "unknown_style": (lambda: made(TinyLlama), {"head": "colwise_vocabulary"}, 2, False,
+                      r"key 'head' has unknown style 'colwise_vocabulary'"),
+    "colwise_on_a_norm": (lambda: made(TinyLlama), {"layers.*.norm1": "colwise"}, 2, False,
+                          r"'colwise' at 'layers\.0\.norm1' \(RMSNorm\): this style splits an nn\.Linear"),
+    "vocab_embed_on_a_linear": (lambda: made(TinyLlama), {"head": "vocab_embed"}, 2, False,
+                                r"'vocab_embed' at 'head' \(Linear\): this style splits an nn\.Embedding"),
+    "colwise_out_features": (lambda: nn.Sequential(nn.Linear(6, 7)), {"0": "colwise"}, 2, False,
+                             r"'colwise' at '0' \(Linear\): out_features=7 is not divisible by tp=2"),
+    "rowwise_in_features": (lambda: nn.Sequential(nn.Linear(7, 4)), {"0": "rowwise"}, 2, False,
+                            r"'rowwise' at '0' \(Linear\): in_features=7 is not divisible by tp=2"),
+    "part_of_a_head": (ThreeHeads, {"q": "colwise"}, 2, False,
+                       r"'colwise' at 'q' \(Linear\): it would split 3 heads of head_dim=4 over tp=2"),
+    "colwise_heads": (_transformer_heads_2, {"blocks.*.attn.qkv": "colwise_heads"}, 4, False,
+                      r"'colwise_heads' at 'blocks\.0\.attn\.qkv' \(Linear\): .*whole heads per rank"),
+    "two_styles_for_one_module": (lambda: made(TinyLlama), {"layers.*.attn.q": "colwise", "layers.0.attn.*": "rowwise"},
+                                  2, False, r"module 'layers\.0\.attn\.q' \(Linear\) is matched by"),
+    "tied_split_unlike": (_tied, {"emb": "vocab_embed"}, 2, False,
+                          r"one Parameter \(tied\) is used as 'emb\.weight' \(vocab_embed\), "
+                          r"'head\.weight' \(replicated\)"),
+    "sequence_without_sp": (lambda: made(TinyLlama), {"layers.*.norm1": "sequence"}, 2, False,
+                            r"'sequence' at 'layers\.0\.norm1' \(RMSNorm\): .*only under sequence parallelism"),
+    "sp_leaves_a_gain_unplanned": (lambda: made(TinyLlama), LLAMA_PLAN, 2, True,
+                                   r"'layers\.0\.norm1\.weight' is in no plan entry"),
+    "embedding_max_norm": (lambda: nn.Sequential(nn.Embedding(5, 2, max_norm=1.0)), {"0": "vocab_embed"}, 2, False,
+                           r"'vocab_embed' at '0' \(Embedding\): max_norm"),
+    "unknown_parameter": (lambda: nn.Sequential(ScaledLinear()), {"0": "colwise"}, 2, False,
+                          r"'colwise' at '0' \(ScaledLinear\): it has a parameter 'scale'"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_check_plan_refuses(case):
+    """ONE PlanError naming what, where (module path) and how to fix, before any change."""
+    build, plan, n, sp, what = REFUSALS[case]
+    model = build()
+    before = {k: (tuple(p.shape), p.device.type) for k, p in model.named_parameters()}
+    with pytest.raises(tp.PlanError, match=what) as err:
+        tp.check_plan(model, plan, n, sequence_parallel=sp)
+    assert "Fix: " in str(err.value), err.value
+    assert {k: (tuple(p.shape), p.device.type) for k, p in model.named_parameters()} == before
+
+
+# --- data parallel, ZeRO, FSDP -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wrapper", ["bucketed", "zero1", "zero2", "fsdp"])
+def test_wrappers_train_a_foreign_module_like_one_process(result, wrapper):
+    """Biases, LayerNorm, a frozen Linear and gain, a buffer, 7- and 5-row weights (padded at N = 2).
+    Zero2 used to crash in its constructor on the frozen parameters."""
+    r = result["dp"][wrapper]
+    assert r["loss_err"] <= TOL and r["param_err"] <= TOL, (wrapper, r)
+
+
+@pytest.mark.parametrize("wrapper", ["bucketed", "zero1", "zero2", "fsdp"])
+def test_theory_from_the_wrapped_model_equals_the_ledger(result, wrapper):
+    """The wrapper's comm_theory() (and model_theory's function of the unwrapped module) == the
+    ledger of a step, op by op; shared.theory's formulas with this module's Φ are off (frozen
+    parameters, padding, FSDP's vectors and un-re-gathered first layer)."""
+    r, phi_b = result["dp"][wrapper], result["dp"]["phi_all"] * 8
+    assert ledger_of(r["ledger"]) == r["theory"], (wrapper, r)
+    if wrapper == "bucketed":
+        assert r["model"]["all_reduce"][1] == mt.comm_bytes(r["theory"])  # naive: one call per tensor
+    else:
+        assert r["model"] == r["theory"], (wrapper, r)
+    assert mt.comm_bytes(r["theory"]) != plugged_in(phi_b)[wrapper], (wrapper, r)
+
+
+def test_fsdp_theory_reads_what_the_forward_kept(result):
+    """Before any forward FSDP assumes every non-embedding unit is re-gathered in backward; after
+    one it knows the first Linear (fed by the data) kept no weight: one all-gather fewer."""
+    r = result["dp"]["fsdp"]
+    before, after = r["before_forward"], r["theory"]
+    assert before["all_gather"][0] == after["all_gather"][0] + 1, r
+    assert before["all_gather"][1] - after["all_gather"][1] == 8 * 6 * 8, r  # up.weight (7, 6): 8 rows padded, float64
+
+
+def test_state_from_the_wrapped_model(result):
+    dp = result["dp"]
+    assert dp["zero2"]["state"] == dp["zero2"]["measured"], dp["zero2"]
+    assert dp["fsdp"]["state"]["params"] == dp["fsdp"]["measured_params"], dp["fsdp"]
+    assert dp["zero1"]["state"]["optimizer"] == dp["zero1"]["measured_optimizer"], dp["zero1"]
+    assert dp["bucketed"]["state"] == {"params": 133 * 8, "grads": 103 * 8, "optimizer": 2 * 103 * 8}, dp["bucketed"]
+
+
+def test_fsdp_theory_on_the_project_models(result):
+    """On our own MLP and transformer FSDP.comm_theory() == the ledger == shared.theory's formula."""
+    for model, r in result["project"].items():
+        assert ledger_of(r["ledger"]) == r["theory"] == r["config"], (model, r)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
+def test_model_theory_equals_shared_theory_on_the_project_models(model, n):
+    """The model-derived formulas reduce to shared.theory's Config formulas on our models (in-process:
+    the model on the meta device)."""
+    cfg = Config(world_size=n, model=model, layers=2, dim=16, heads=4, vocab=32, seq=8)
+    m = empty_model(cfg, "meta")
+    assert mt.comm_bytes(mt.dp_comm(m)) == dp_comm_bytes(cfg)
+    assert mt.comm_bytes(mt.zero1_comm(m, n)) == zero1_comm_bytes(cfg)
+    assert mt.zero2_comm(m, n) == fsdp_comm(cfg, "zero2")
+    assert mt.zero3_comm(m, n, fsdp_regathered(cfg)) == fsdp_comm(cfg, "zero3")
+    assert mt.dp_state(m) == adam_state_bytes(cfg, "dp")
+    assert mt.zero1_state(m, n) == adam_state_bytes(cfg, "zero1")
+    for variant, state in (("zero2", mt.zero2_state(m, n)), ("zero3", mt.zero3_state(m, n))):
+        assert state == fsdp_state_bytes(cfg, variant), (variant, state)
+
+
+@pytest.mark.parametrize("case", ["frozen", "dtypes"])
+def test_zero1_refuses_what_one_flat_buffer_cannot_hold(case):
+    """Checked before any collective (in-process): nothing to train, or parameters of two dtypes
+    (the flat buffer would cast them to the first one's silently)."""
+    model = made(BiasedMLP)
+    if case == "frozen":
+        model.requires_grad_(False)
+    else:
+        model.down.to(torch.float32)
+    what = "no trainable parameter" if case == "frozen" else r"\['torch.float32 on cpu', 'torch.float64 on cpu'\]"
+    with pytest.raises(ValueError, match=f"Zero1Optimizer: .*{what}.*Fix: "):
+        Zero1Optimizer(model.parameters(), torch.optim.AdamW)
+
+
+def test_fsdp_refuses_a_parent_reading_a_childs_weight(result):
+    """F.linear(h, self.emb.weight) in the parent's forward read the 1/N shard (crashing later with
+    "shape '[-1, 11]' is invalid", or silently if the shapes fit); now the read raises, naming the
+    parameter and the remedy, and after forward the shard is a Parameter again."""
+    r = result["tied_reader"]
+    assert r["message"] is not None, r
+    assert "'emb.weight' (11, 8)" in r["message"] and "head.weight = self.emb.weight" in r["message"], r
+    assert r["after"] == (6, 8) and r["is_param"], r
