@@ -1,4 +1,4 @@
-"""Bring your own model (issue 24, torch): the wrappers and ``tp.apply_plan`` on modules the project
+"""Bring your own model (issue 24, torch): the wrappers and ``tp_plan.apply_plan`` on modules the project
 does not own, against single-process training from the same weights, in ONE launch at world size 2.
 
 Models (defined here, float64): ``BiasedMLP`` (biases, LayerNorm, a frozen matrix and a frozen gain,
@@ -11,7 +11,7 @@ the all-reduces add partial products in another order), ~1e-16 relative per op; 
 carry that to ~1e-15. 1e-12 leaves three orders of margin and sits ten orders below every defect
 these tests pin (2.9e-2 loss error from step 0 for the vocabulary offset, (N−1)·bias in the output).
 
-Refusals (``tp.check_plan``, the preconditions ``apply_plan`` checks first) run in-process, no launch.
+Refusals (``tp_plan.check_plan``, the preconditions ``apply_plan`` checks first) run in-process, no launch.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from shared.theory import (
     zero1_comm_bytes,
 )
 from torch_impl import model_theory as mt
-from torch_impl import tp
+from torch_impl import tp, tp_plan
 from torch_impl.dp import BucketedDDP, Zero1Optimizer
 from torch_impl.fsdp import FSDP, ShardReadError, Zero2
 from torch_impl.launch import launch
@@ -203,16 +203,16 @@ def vocab_smallest(ctx):
     with torch.no_grad():
         emb.weight.copy_(torch.arange(5, dtype=DT).view(5, 1))
     holder = nn.Sequential(emb)
-    tp.apply_plan(holder, {"0": "vocab_embed"}, ctx.group)
+    tp_plan.apply_plan(holder, {"0": "vocab_embed"}, ctx.group)
     rows = holder(torch.arange(5)).view(-1).tolist()
     head, y = made(nn.Linear, 3, 5, bias=False, dtype=DT, seed=3), torch.tensor([[0, 2, 3, 4]])
     x = made(torch.randn, 1, 4, 3, dtype=DT, seed=4)
     want = ce(head(x), y).item()
     sharded = nn.Sequential(head)
-    tp.apply_plan(sharded, {"0": "colwise_vocab"}, ctx.group)
+    tp_plan.apply_plan(sharded, {"0": "colwise_vocab"}, ctx.group)
     got = tp.VocabParallelCrossEntropy.apply(sharded(x), y, ctx.group).item()
     return {"rows": rows, "loss": (got, want), "local_head": tuple(head.weight.shape),
-            "full_head": tuple(tp.unshard(head.weight, "colwise_vocab", ctx.group).shape)}
+            "full_head": tuple(tp_plan.unshard(head.weight, "colwise_vocab", ctx.group).shape)}
 
 
 def tp_mlp(ctx, sequence_parallel=False):
@@ -224,7 +224,7 @@ def tp_mlp(ctx, sequence_parallel=False):
     n, r = ctx.world_size, ctx.rank
     if sequence_parallel:  # input and output on this rank's T/tp tokens; the loss a share of the mean
         plan = {"norm": "sequence"} | plan
-        styles = tp.apply_plan(model, plan, ctx.group, sequence_parallel=True)
+        styles = tp_plan.apply_plan(model, plan, ctx.group, sequence_parallel=True)
         partial = [p for name, p in model.named_parameters() if styles.get(name) in tp.SEQUENCE_STYLES]
         local = x.chunk(n, dim=1)[r]
         step = lambda: model(local).pow(2).sum() / x[..., 0].numel() / 6  # Σ over ranks = the mean
@@ -236,13 +236,13 @@ def tp_mlp(ctx, sequence_parallel=False):
         torch.distributed.all_reduce(summed, group=ctx.group)
         losses = summed.tolist()
     else:
-        styles = tp.apply_plan(model, plan, ctx.group)
+        styles = tp_plan.apply_plan(model, plan, ctx.group)
         losses, _ = train(lambda: model(x).pow(2).mean(), model.parameters())
-    got = tp.full_tensors(model, styles, ctx.group)
+    got = tp_plan.full_tensors(model, styles, ctx.group)
     out = {"loss_err": max_err(losses, ref_losses), "param_err": max_err(got, full(ref)), "styles": styles}
     if not sequence_parallel:
         dt = made(TPMLP)
-        tp.apply_dtensor_plan(dt, plan, init_device_mesh("cpu", (n,)))
+        tp_plan.apply_dtensor_plan(dt, plan, init_device_mesh("cpu", (n,)))
         dt_losses, _ = train(lambda: dt(x).pow(2).mean(), dt.parameters())
         theirs = {k: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for k, p in dt.named_parameters()}
         out |= {"dtensor_loss_err": max_err(dt_losses, ref_losses), "dtensor_vs_explicit": max_err(got, theirs)}
@@ -253,10 +253,10 @@ def llama(ctx, shared_f=True, steps_only=False):
     tokens, y = made(torch.randint, 0, V, (B, T), seed=2), made(torch.randint, 0, V, (B, T), seed=3)
     tokens[0, 1] = 20  # the padding row is looked up too
     model = made(TinyLlama)
-    styles = tp.apply_plan(model, LLAMA_PLAN, ctx.group, shared_f=shared_f)
+    styles = tp_plan.apply_plan(model, LLAMA_PLAN, ctx.group, shared_f=shared_f)
     step = lambda: tp.VocabParallelCrossEntropy.apply(model(tokens), y, ctx.group)
     losses, grads0 = train(step, model.parameters(), ledger=ctx.ledger,
-                           grads0=lambda: tp.full_tensors(model, styles, ctx.group, grads=True))
+                           grads0=lambda: tp_plan.full_tensors(model, styles, ctx.group, grads=True))
     comm = ctx.ledger.summary()
     out = {"all_reduce": comm["all_reduce"]["count"], "ops": sorted(comm), "losses": losses}
     if steps_only:
@@ -265,7 +265,7 @@ def llama(ctx, shared_f=True, steps_only=False):
     ref_losses, ref_grads0 = train(lambda: ce(ref(tokens), y), ref.parameters(),
                                    grads0=lambda: {n: p.grad.clone() for n, p in ref.named_parameters()})
     return out | {"loss_err": max_err(losses, ref_losses), "grad0_err": max_err(grads0, ref_grads0),
-                  "param_err": max_err(tp.full_tensors(model, styles, ctx.group), full(ref)),
+                  "param_err": max_err(tp_plan.full_tensors(model, styles, ctx.group), full(ref)),
                   "local_vocab": (tuple(model.emb.weight.shape), tuple(model.head.weight.shape)),
                   "padding_idx": _every(model.emb.padding_idx, ctx)}
 
@@ -275,8 +275,8 @@ def apply_plan_refuses_first(ctx):
     model = made(TPMLP)
     before = full(model)
     try:
-        tp.apply_plan(model, {"up": "colwise", "dwon": "rowwise"}, ctx.group)
-    except tp.PlanError as e:
+        tp_plan.apply_plan(model, {"up": "colwise", "dwon": "rowwise"}, ctx.group)
+    except tp_plan.PlanError as e:
         return {"message": str(e), "unchanged": max_err(full(model), before) == 0.0,
                 "hooks": len(model.up._forward_pre_hooks) + len(model._forward_pre_hooks)}
     return {"message": None}
@@ -479,7 +479,7 @@ def test_apply_plan_refuses_before_changing_anything(result):
 
 
 def test_check_plan_accepts_the_llama_plan_at_any_vocabulary():
-    styles = tp.check_plan(made(TinyLlama), LLAMA_PLAN, 2)
+    styles = tp_plan.check_plan(made(TinyLlama), LLAMA_PLAN, 2)
     assert styles["emb.weight"] == "vocab_embed" and styles["head.weight"] == "colwise_vocab"
     assert len(styles) == 2 + 7 * 2  # embedding, head, 7 projections per block; norms replicated
 
@@ -488,7 +488,7 @@ def test_check_plan_shares_a_tied_embedding_and_head():
     """Tied wte/head split alike (rows, padded to ⌈V/tp⌉): one shard serves both."""
     model = made(TinyLlama)
     model.head.weight = model.emb.weight
-    styles = tp.check_plan(model, LLAMA_PLAN, 2)
+    styles = tp_plan.check_plan(model, LLAMA_PLAN, 2)
     assert styles["emb.weight"] == "vocab_embed" and styles["head.weight"] == "colwise_vocab"
 
 
@@ -554,8 +554,8 @@ def test_check_plan_refuses(case):
     build, plan, n, sp, what = REFUSALS[case]
     model = build()
     before = {k: (tuple(p.shape), p.device.type) for k, p in model.named_parameters()}
-    with pytest.raises(tp.PlanError, match=what) as err:
-        tp.check_plan(model, plan, n, sequence_parallel=sp)
+    with pytest.raises(tp_plan.PlanError, match=what) as err:
+        tp_plan.check_plan(model, plan, n, sequence_parallel=sp)
     assert "Fix: " in str(err.value), err.value
     assert {k: (tuple(p.shape), p.device.type) for k, p in model.named_parameters()} == before
 

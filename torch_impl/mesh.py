@@ -76,7 +76,7 @@ from shared.theory import (
     mesh_micro,
     mesh_state_bytes_torch,
 )
-from torch_impl import pp, tp
+from torch_impl import pp, tp, tp_plan
 from torch_impl.cp import RingCore
 from torch_impl.fsdp import FSDP, average_flat
 from torch_impl.harness import Setup, train_loop
@@ -188,7 +188,7 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
     styles, loss_of = {}, loss_fn
     if t > 1:
         tp_group = lay.groups["tp"]
-        styles = tp.apply_plan(stage, tp.TRANSFORMER_PLAN, tp_group, missing_ok=True)  # a stage: absent modules
+        styles = tp_plan.apply_plan(stage, tp.TRANSFORMER_PLAN, tp_group, missing_ok=True)  # a stage: absent modules
         loss_of = lambda out, target: tp.VocabParallelCrossEntropy.apply(out, target, tp_group)  # (m, T/c, V/t)
     if c > 1:
         core = RingCore(cfg, "ring", lay.groups["cp"])
@@ -218,7 +218,7 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
 
     def full(name: str, tensor: torch.Tensor) -> torch.Tensor:
         tensor = fsdp.full_tensor(name, tensor) if fsdp is not None else tensor.detach()  # tp-local
-        return tp.unshard(tensor, styles[name], lay.groups["tp"]) if name in styles else tensor
+        return tp_plan.unshard(tensor, styles[name], lay.groups["tp"]) if name in styles else tensor
 
     return Setup(forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for p in params],
                  fixture=stage_fixture(cfg, lay, stage, named, full), params=params, optimizer=opt,
@@ -290,8 +290,8 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
     styles, parallel_loss = {}, contextlib.nullcontext
     if t > 1:
         paths = [path for path, _ in stage.named_modules()]
-        plan = {k: v for k, v in tp.TRANSFORMER_PLAN.items() if any(tp.matches(p, k) for p in paths)}
-        styles = tp.apply_dtensor_plan(stage, plan, dm["tp"])  # W_qkv rows permuted (heads_perm)
+        plan = {k: v for k, v in tp.TRANSFORMER_PLAN.items() if any(tp_plan.matches(p, k) for p in paths)}
+        styles = tp_plan.apply_dtensor_plan(stage, plan, dm["tp"])  # W_qkv rows permuted (heads_perm)
         parallel_loss = loss_parallel  # CE over the Shard(-1) logits: 3 all-reduces of (m, T)
         if S > 1 and s == S - 1:  # the pipeline passes plain tensors: local logits out, DTensor again in the loss
             stage.head.register_forward_hook(lambda mod, args, out: out.to_local())  # (m, T, V/t)
