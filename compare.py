@@ -391,8 +391,13 @@ def main(argv=None) -> int:
         report.pp_bubble_lines(rows, console)
     report.verdict_lines(rows, xfw, errors, args.frameworks, elapsed, console)
     if args.plots:
+        from bench import run_bench
+        from plots import write_plots
+
+        bench = lambda: run_bench(args.frameworks, cfg.world_size, BENCH_OPS, BENCH_SIZES[:6], iters=5,
+                                  warmup=2, device=args.device)[0]  # a short sweep: 4 KiB … 4 MiB
         try:
-            for path in write_plots(args.plots, rows, refs, cfg, args):
+            for path in write_plots(args.plots, [r.to_json() for r in rows], refs, cfg, args.patterns, bench):
                 console.print(f"wrote {path}")
         except Exception as exc:  # noqa: BLE001 - the results are printed and saved: say so, exit 3
             console.print(f"[bold red]error[/] --plots {args.plots}: {type(exc).__name__}: {exc}")
@@ -400,49 +405,6 @@ def main(argv=None) -> int:
     if not ok:
         return 1
     return 3 if late_failure else 0
-
-
-def write_plots(directory, rows, refs, cfg, args) -> list[str]:
-    """The pictures: loss curves, per-rank memory, pipeline timelines, bus bandwidth."""
-    import plots
-    from shared import schedule
-
-    os.makedirs(directory, exist_ok=True)
-    runs = [r.to_json() for r in rows]
-    written = []
-
-    def out(name):
-        written.append(os.path.join(directory, name))
-        return written[-1]
-
-    if any(r["pattern"] != "collectives" for r in runs):
-        plots.plot_loss_curves(runs, refs, out("loss_curves.png"))
-    if any(r.get("state_bytes") for r in runs):
-        plots.plot_memory(runs, out("memory.png"))
-    for r in runs:
-        if r["extra"].get("timeline"):
-            plots.plot_pipeline_timeline(
-                r["extra"]["timeline"],
-                out(f"pp_{r['model']}_{r['framework']}_{r['style']}_{r['variant']}_timeline.png"),
-                f"{r['model']}, {r['framework']} {r['style']}/{r['variant']}: {cfg.world_size} stages, "
-                f"M={cfg.microbatches} (bubble measured {r['extra'].get('bubble_measured', float('nan')):.2f}, "
-                f"theory {r['extra'].get('bubble_theory', float('nan')):.2f})")
-            if r["pattern"] == "pp" and r["variant"] in schedule.SCHEDULES:  # simulated (measured costs) beside it
-                timeline = r["extra"]["timeline"]
-                v = r["extra"].get("virtual_stages", 1)  # interleaved: its chunks per rank
-                plots.plot_schedule(schedule.simulate(r["variant"], cfg.world_size, cfg.microbatches, v,
-                                                      **schedule.measured_costs(timeline)),
-                                    out(f"pp_{r['model']}_{r['framework']}_{r['style']}_{r['variant']}_schedule.png"),
-                                    measured=timeline, title=f"{r['model']} {r['variant']}")
-    if cfg.world_size >= 2:  # a short sweep: 4 KiB … 4 MiB
-        from bench import run_bench
-
-        bench, _ = run_bench(args.frameworks, cfg.world_size, BENCH_OPS, BENCH_SIZES[:6], iters=5, warmup=2,
-                             device=args.device)
-        plots.plot_bus_bandwidth(bench, out("bus_bandwidth.png"))
-    return written
-
-
 
 
 if __name__ == "__main__":

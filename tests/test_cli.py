@@ -218,8 +218,9 @@ def test_json_markdown_and_plots_contract(tmp_path):
     assert set(data["configs"]) == {"mlp"} and data["configs"]["mlp"]["microbatches"] == 2
     assert out_md.read_text().count("\n| pp |") == len(data["runs"])
     pngs = sorted(p.name for p in plot_dir.iterdir())
-    assert {"loss_curves.png", "memory.png", "bus_bandwidth.png", "pp_mlp_torch_explicit_1f1b_timeline.png",
+    assert {"loss_curves.png", "memory.png", "pp_mlp_torch_explicit_1f1b_timeline.png",
             "pp_mlp_torch_explicit_zb_schedule.png"} <= set(pngs)
+    assert "bus_bandwidth.png" not in pngs  # the collectives pattern did not run
     assert all((plot_dir / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
 
