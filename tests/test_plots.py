@@ -8,6 +8,7 @@ import matplotlib.pyplot as plt
 import pytest
 
 import plots
+import plots_layouts
 from shared.config import Config
 from shared.schedule import simulate
 
@@ -64,13 +65,13 @@ def test_implementations_distinct_and_zero_floor_labelled():
 
 
 def test_pipeline_legend_and_rows():
-    zb = plots._pipeline_rows(_timeline("zb"))
-    labels = [h.get_label() for h in plots._pipeline_legend(zb, 2, 1)]
+    zb = plots_layouts._pipeline_rows(_timeline("zb"))
+    labels = [h.get_label() for h in plots_layouts._pipeline_legend(zb, 2, 1)]
     assert labels == ["F forward", "B backward, input gradient", "W backward, weight gradient", "idle"]
     interleaved = [(r, k, mb, c, s, e) for r, k, mb, c, s, e in zb if k != "W"] + [(0, "F", 0, 1, 9.0, 9.5)]
-    labels = [h.get_label() for h in plots._pipeline_legend(interleaved, 2, 2)]
+    labels = [h.get_label() for h in plots_layouts._pipeline_legend(interleaved, 2, 2)]
     assert "light: chunk 1 = stage r + 2 on rank r" in labels
     fig, ax = plt.subplots()
-    plots._draw_pipeline(ax, zb, 2, 1, 1e3)
+    plots_layouts._draw_pipeline(ax, zb, 2, 1, 1e3)
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
     plt.close(fig)
