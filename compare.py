@@ -376,13 +376,15 @@ def main(argv=None) -> int:
     else:
         late_failure = False
 
+    if args.show_collectives:
+        import report_collectives as shown
     if args.show_collectives == "mesh":
-        report.mesh_tables(rows, console)
+        shown.mesh_tables(rows, console)
     elif args.show_collectives == "ep":
-        report.collectives_table(rows, "ep", console)
-        report.ep_tables(rows, cfgs_for(cfgs, "ep"), console)
+        shown.collectives_table(rows, "ep", console)
+        shown.ep_tables(rows, cfgs_for(cfgs, "ep"), console)
     elif args.show_collectives:
-        report.collectives_table(rows, args.show_collectives, console)
+        shown.collectives_table(rows, args.show_collectives, console)
     else:
         report.print_table(rows, cfgs, console, wide=args.wide)
     if args.recompute != "none":

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import compare
-import report
+import report_collectives
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -292,7 +292,7 @@ def test_show_collectives_mesh_table_per_axis_and_memory():
                                             "state_bytes_theory": {**state, "params": 4}, "temp_bytes": 4096}),
     ]
     out = io.StringIO()
-    report.mesh_tables(rows, Console(file=out, width=200))
+    report_collectives.mesh_tables(rows, Console(file=out, width=200))
     text = out.getvalue()
     lines = [line.replace("│", " ").replace("┃", " ") for line in text.splitlines() if "torch" in line or "jax" in line]
     assert lines[0].split()[:3] == ["torch", "explicit", "0,1"] and lines[0].rstrip().endswith("yes")
@@ -363,7 +363,7 @@ def test_show_collectives_ep_routing_bytes_and_padding():
             RunResult("ep", "jax", "shard_map", "capacity", 2, "float64", True, model="transformer",
                       extra={"expert_load": load, "padding": ep_padding(cfg, load[-1])})]
     out = io.StringIO()
-    report.ep_tables(rows, [cfg], Console(file=out, width=200))
+    report_collectives.ep_tables(rows, [cfg], Console(file=out, width=200))
     text = out.getvalue()
     # layer 0: experts e0..e3 get 5, 1, 1, 1; rank 0 owns e0, e1 (6), rank 1 e2, e3 (2): max/mean 1.50
     cells = [line.replace("│", " ").split() for line in text.splitlines()]
