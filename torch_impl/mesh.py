@@ -4,7 +4,7 @@ outermost first, innermost last (rank = row-major index: shared.theory.mesh_coor
 puts a tp group on neighbouring ranks, i.e. inside a node, where its per-layer all-reduces find the
 fast links; pp outermost crosses nodes, where its one message per micro-batch and boundary is cheap).
 
-Sharded (each axis as its 1-D pattern, on local sizes; shared/theory.py "mesh" sections):
+Sharded (each axis as its 1-D pattern, on local sizes; shared/theory/mesh.py):
   data (dp | fsdp)  sequences [i·B/d, (i+1)·B/d) on data index i; fsdp also splits every tp-local
                     ≥2-D weight by rows over the gradient group (ZeRO-3, torch_impl.fsdp.FSDP).
   pp                blocks: stage s holds L/pp blocks (embeddings on 0, final norm + head on the

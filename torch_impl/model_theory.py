@@ -1,6 +1,6 @@
 """Communication and state per rank from the parameters a wrapper actually sees, for any module.
 
-shared/theory.py derives these from a ``Config``: right for the project's MLP and transformer, wrong
+shared/theory/ derives these from a ``Config``: right for the project's MLP and transformer, wrong
 for a model it does not describe (biases, LayerNorm, frozen or tied parameters, row counts not
 divisible by N). Here they come from ``describe(module)``: each parameter once (tied ones under
 their first name) with its full shape, element size, ``requires_grad`` and the modules that hold

@@ -1,0 +1,68 @@
+"""Activation memory and recomputation: elements saved for backward, and the extra forward FLOPs.
+
+Papers: Chen et al. 2016 (arXiv:1604.06174, gradient checkpointing); Korthikanti et al. 2022
+(arXiv:2205.05198, §4: activation memory per layer, selective recomputation). Quantities: elements
+saved per token of one block under none / selective / full recomputation (flash or math attention),
+activation bytes of a run, and the forward FLOPs recomputation adds.
+"""
+
+from __future__ import annotations
+
+from shared.config import Config
+
+# --- activation recomputation (the transformer; Korthikanti et al. 2022, arXiv:2205.05198) ---------
+# Elements saved for backward, derived op by op for torch_impl/transformer.py (torch 2.13, checked by
+# torch_impl.harness.SavedTensorMeter, which counts each storage once). Per token of one block:
+#   norm1, norm2  composite RMSNorm x·rsqrt(mean(x²)+ε)·g saves x, rsqrt, x·rsqrt:  2·(2D + 1)
+#   W_qkv, W_up   their inputs (the norms' outputs):                             D + D
+#   attention     q|k|v (views of ONE qkv storage) 3D; the core's output D (W_o's input is a view
+#                 of it); SDPA on CPU runs the flash kernel (float64 too): + its log-sum-exp, H.
+#                 The math backend (SDPBackend.MATH) saves copies instead, q·√s, k·√s, v (3D), the
+#                 softmax H·T (Korthikanti's a·s/h term) and W_o's input, a copy (D): H·T for H.
+#   GELU, W_down  GELU's input 4D, W_down's input 4D
+# none = 18D + 2 + H (flash) | 18D + 2 + H·T (math). Korthikanti's 34 + 5·a·s/h bytes (fp16, per
+# s·b·h) is the same walk with LayerNorm saving its input only, and dropout masks and biases this
+# model lacks. selective = none without the core's own tensors (checkpoint keeps q|k|v and the
+# output): 18D + 2. full = the block's input, D (while backward recomputes one block, that block's
+# whole set is alive once more, inside the checkpoint, where the meter does not look).
+# Outside the blocks: the token and target ids (int64) and the positions; the final norm 2D + 1, the
+# head's input D, the log-softmax V per token, and the loss's scalar total weight.
+
+
+def block_saved_elements(cfg: Config, policy: str, attention: str = "flash") -> int:
+    """Elements one block saves for backward per token (see the table above), tensor parallelism off."""
+    d, h = cfg.dim, cfg.heads
+    if policy == "full":
+        return d
+    core = 0 if policy == "selective" else h if attention == "flash" else h * cfg.seq
+    return 18 * d + 2 + core
+
+
+def activation_bytes(cfg: Config, policy: str | None = None, sequences: int | None = None,
+                     id_sequences: int | None = None, attention: str = "flash") -> int:
+    """Peak bytes saved for backward by one forward of the whole transformer over ``sequences``
+    sequences of cfg.seq tokens (default cfg.batch): L blocks, the ids, norm, head and loss. The
+    ids are int64 (8 bytes whatever the dtype); ``id_sequences``: rows of the storage the token and
+    target ids are views of (dp slices the global (B, T) arrays: cfg.batch). Exact for the
+    single-device run, dp and fsdp's zero2 / fsdp2 (B/N sequences), cp's ring (T/N tokens: pass
+    ``cfg.replace(seq=T//N)``) and each 1F1B stage (in-flight micro-batches × its blocks)."""
+    policy = cfg.recompute if policy is None else policy
+    n = (cfg.batch if sequences is None else sequences) * cfg.seq  # tokens
+    ids = 2 * (cfg.batch if id_sequences is None else id_sequences) * cfg.seq + cfg.seq  # tokens, targets, positions
+    outside = (3 * cfg.dim + 1 + cfg.vocab) * n + 1  # final norm 2D+1, head input D, log-softmax V; scalar
+    blocks = cfg.layers * block_saved_elements(cfg, policy, attention) * n
+    return (blocks + outside) * cfg.bytes_per_element + 8 * ids
+
+
+def recompute_extra_flops(cfg: Config, policy: str | None = None, sequences: int | None = None) -> dict[str, int]:
+    """Extra forward FLOPs of one step from recomputation (matmuls, 2 per multiply-add; softmax, norms
+    and GELU not counted), against the step's 3× forward. Per block and sequence: the matmuls 2·T·12D²
+    (W_qkv 3D², W_o D², W_up 4D², W_down 4D²), the attention core 2·2·T²·D (QKᵀ and ·V over the whole
+    T×T, as JAX's written-out attention and the math backend compute it; a causal kernel that skips
+    the masked half does half). full recomputes the block, selective the core."""
+    policy = cfg.recompute if policy is None else policy
+    s, t, d = cfg.batch if sequences is None else sequences, cfg.seq, cfg.dim
+    core, block = 4 * s * t * t * d, 24 * s * t * d * d
+    forward = cfg.layers * (block + core) + 2 * s * t * d * cfg.vocab  # + the head
+    extra = cfg.layers * {"none": 0, "selective": core, "full": block + core}[policy]
+    return {"extra": extra, "step": 3 * forward, "fraction": extra / (3 * forward)}
