@@ -1,9 +1,10 @@
 """The layout planner behind ``compare.py plan``: which layout to train *this* model on *these* GPUs.
 
-The formulas are the ones shared.theory checks against the ledgers of the tiny runs, written for any
-size and one more time generally (ZeRO-1/2 on the data axis, Megatron's sequence parallelism, mixed
-precision, MoE layers inside a pipeline); for every layout the mesh and ep patterns can run, ``comm``
-and ``state`` give exactly what those runs measure (tests/test_plan.py, tests/test_mesh.py).
+The formulas are shared.theory's, the same functions the tiny runs' ledgers are checked against
+(``Model``, ``Layout``: shared/theory/layout.py; ``comm``, ``state``: shared/theory/mesh.py;
+``activations``: shared/theory/recompute.py), evaluated at full size (ZeRO-1/2 on the data axis,
+Megatron's sequence parallelism, mixed precision, MoE layers inside a pipeline); this module adds
+the GPUs and links, the time model, the search and the calibration.
 
 A layout: the data axis (``dp`` replicated weights with ZeRO stage 0/1/2, or ``fsdp`` = ZeRO-3) × pp × cp
 × tp, devices in that order (pp outermost, tp innermost, torchtitan's order); MoE models add ep inside the
@@ -28,136 +29,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from shared.theory import BUSBW_FACTOR, fsdp2_pipeline_gathers
+from shared.theory import BUSBW_FACTOR
+from shared.theory.dp import zero_state  # noqa: F401 - the formulas the runs are checked against, re-exported:
+from shared.theory.layout import Layout, Model  # noqa: F401   plan.comm is theory.mesh.comm, one form
+from shared.theory.mesh import comm, comm_bytes, stage_params, state  # noqa: F401
+from shared.theory.pp import in_flight  # noqa: F401
+from shared.theory.recompute import activation_elements, activations  # noqa: F401
 
 GiB = 1024 ** 3
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("mixed", "pure")
 
 
-@dataclass(frozen=True)
-class Model:
-    """The repo's GPT-style decoder (shared/problem.py) at any size: learned positions, RMSNorm gains,
-    no biases, MLP D → r·D → D with GELU, untied head; MoE: a router and E such MLPs per block."""
-
-    layers: int
-    dim: int
-    heads: int
-    vocab: int
-    seq: int
-    mlp_ratio: int = 4
-    experts: int = 0
-    topk: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("layers", "dim", "heads", "vocab", "seq", "mlp_ratio", "topk"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.dim % self.heads:
-            raise ValueError(f"dim={self.dim} is not divisible by heads={self.heads}")
-        if self.experts == 1 or self.experts < 0 or self.topk > max(self.experts, 1):
-            raise ValueError(f"experts must be 0 or >= 2 and topk <= experts, got E={self.experts}, k={self.topk}")
-
-    @classmethod
-    def from_config(cls, cfg) -> Model:
-        return cls(cfg.layers, cfg.dim, cfg.heads, cfg.vocab, cfg.seq, 4, cfg.experts, cfg.topk)
-
-    @property
-    def ffn(self) -> int:
-        return self.mlp_ratio * self.dim
-
-    @property
-    def moe(self) -> bool:
-        return self.experts > 0
-
-    def block_units(self, t: int = 1, ep: int = 1) -> tuple[int, int]:
-        """(count, elements) of one block's ≥2-D parameters on one rank: W_qkv 3D²/t, W_o D²/t, and
-        W_up, W_down D·F/t — or the router D·E and the E/ep local experts' stacked W_up, W_down."""
-        d, f = self.dim, self.ffn
-        if self.moe:
-            return 5, 4 * d * d // t + d * self.experts + 2 * (self.experts // ep) * d * f
-        return 4, (4 * d * d + 2 * d * f) // t
-
-    def expert_elements(self, ep: int = 1) -> int:
-        """Elements of one block's local experts (0 when dense)."""
-        return 2 * (self.experts // ep) * self.dim * self.ffn if self.moe else 0
-
-    @property
-    def params(self) -> int:
-        """Φ, every parameter: (V + T)·D + L·(block + 2D) + D + D·V."""
-        return (self.vocab + self.seq) * self.dim + self.layers * (self.block_units()[1] + 2 * self.dim) + \
-            self.dim + self.dim * self.vocab
-
-    @property
-    def active_params(self) -> int:
-        """Parameters one token multiplies by (k of the E experts)."""
-        return self.params - self.layers * self.expert_elements() * (self.experts - self.topk) // max(self.experts, 1)
-
-    def flops_per_token(self, recompute: str = "none") -> float:
-        """Training FLOPs per token: 6 × the matmul parameters it uses (2 fwd + 4 bwd; the embedding
-        lookups are not matmuls) + causal attention 6·L·T·D (QKᵀ and ·V over half the positions);
-        full recompute runs the blocks' forward again (+2·blocks), selective the attention core (+2LTD)."""
-        d, L = self.dim, self.layers
-        blocks = self.active_params - (self.vocab + self.seq) * d - L * 2 * d - d - d * self.vocab
-        attn = 2 * L * self.seq * d
-        extra = {"none": 0, "selective": attn, "full": 2 * blocks + attn}[recompute]
-        return 6 * (blocks + d * self.vocab) + 3 * attn + extra
 
 
-@dataclass(frozen=True)
-class Layout:
-    """One way to lay the model out: axis sizes (their product is the GPU count), the ZeRO stage of the
-    data axis, M micro-batches per step (each of B/(dp·M) sequences per rank), sequence parallelism,
-    the recompute policy and the model chunks per pipeline rank. ``invalid`` says what it cannot run."""
-
-    dp: int = 1  # the data axis' size ("dp" with zero 0/1/2, "fsdp" with zero 3)
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1  # MoE: experts sharded over ep ranks of the data axis
-    zero: int = 0
-    microbatches: int = 1
-    sp: bool = False  # Megatron sequence parallelism with tp
-    recompute: str = "none"
-    virtual: int = 1  # model chunks per pp rank (interleaved 1F1B, Narayanan et al. 2021 arXiv:2104.04473 §2.2)
-
-    @property
-    def bubble(self) -> float:
-        """1F1B (p−1)/(M+p−1); interleaved (p−1)/(v·M+p−1)."""
-        return (self.pp - 1) / (self.virtual * self.microbatches + self.pp - 1)
-
-    @property
-    def data_axis(self) -> str:
-        return "fsdp" if self.zero == 3 else "dp"
-
-    @property
-    def gpus(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    @property
-    def mesh(self) -> tuple[tuple[str, int], ...]:
-        """Axes of size > 1, outermost first (pp, data, cp, tp)."""
-        axes = (("pp", self.pp), (self.data_axis, self.dp), ("cp", self.cp), ("tp", self.tp))
-        return tuple((a, n) for a, n in axes if n > 1)
-
-    @property
-    def name(self) -> str:
-        parts = [f"{a}={n}" for a, n in self.mesh] + ([f"ep={self.ep}"] if self.ep > 1 else [])
-        return ",".join(parts) or "1 GPU"
-
-    @property
-    def grad_label(self) -> str | None:
-        """The group the gradients are averaged / sharded over: data and cp (theory.mesh_grad_axes)."""
-        return "+".join(a for a, n in ((self.data_axis, self.dp), ("cp", self.cp)) if n > 1) or None
-
-    @classmethod
-    def from_config(cls, cfg, pattern: str = "mesh", variant: str = "") -> Layout:
-        """The layout a runnable config trains: the mesh pattern (cfg.mesh) or ep (ep = dp = N)."""
-        if pattern == "ep":
-            return cls(dp=cfg.world_size, ep=cfg.world_size)
-        fsdp = cfg.data_axis == "fsdp"
-        return cls(dp=cfg.data_size, tp=cfg.axis("tp"), pp=cfg.axis("pp"), cp=cfg.axis("cp"),
-                   zero=3 if fsdp else 0, microbatches=cfg.pipeline_microbatches)
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -216,183 +101,25 @@ class Cluster:
 # --- what one rank holds -----------------------------------------------------------------------
 
 
-def stage_params(model: Model, layout: Layout, stage: int) -> dict[str, int]:
-    """Elements on one rank of stage ``stage`` before any ZeRO sharding: "units" (≥2-D: wte V·D/t and wpe
-    T·D on stage 0, L/pp blocks, the head D·V/t on the last), "n_units", "regathered" (units but the
-    embeddings: what ZeRO-3 gathers again for backward), "vectors" (norm gains), "experts" (inside units)
-    and "block" (one block with its gains). theory.mesh_stage_units_torch / mesh_stage_param_count."""
-    d, t, per = model.dim, layout.tp, model.layers // layout.pp
-    first, last = stage == 0, stage == layout.pp - 1
-    n_block, block = model.block_units(t, layout.ep)
-    embed = first * (model.vocab * d // t + model.seq * d)
-    units = per * block + embed + last * (d * model.vocab // t)
-    return {"units": units, "n_units": per * n_block + 2 * first + last, "regathered": units - embed,
-            "n_regathered": per * n_block + last, "vectors": per * 2 * d + last * d,
-            "experts": per * model.expert_elements(layout.ep), "block": block + 2 * d, "per": per}
 
 
-def state(model: Model, layout: Layout, stage: int, b: int, style: str = "builtin",
-          precision: str = "pure") -> dict[str, int]:
-    """Bytes of params, grads and optimizer on one rank of ``stage`` (theory.mesh_state_bytes_torch,
-    ep_state_bytes_torch; ZeRO-1/2 and mixed precision beyond them). g = dp·cp ranks share the ZeRO
-    shards (experts: dp·cp/ep). pure: b, b, 2b per element; mixed: 2, 2, 12 (bf16 + fp32 master, m, v)."""
-    sp = stage_params(model, layout, stage)
-    total = sp["units"] + sp["vectors"]
-    g = layout.dp * layout.cp
-    if layout.zero == 3:
-        held = total // g if style == "builtin" else sp["units"] // g + sp["vectors"]
-        return zero_state(held, 1, 0, precision, b)
-    experts = sp["experts"]
-    sharded = (total - experts) // g + experts // max(g // layout.ep, 1)  # ZeRO-1/2: experts over edp
-    out = zero_state(total, total / sharded if sharded else 1, layout.zero, precision, b)
-    out = {k: int(round(v)) for k, v in out.items()}
-    if style == "builtin" and stage == 0 and layout.dp == 1 and precision == "pure":
-        out["grads"] += model.vocab * model.dim * b * (layout.tp - 1) // layout.tp  # DTensor keeps wte's grad whole
-    return out
 
 
-def zero_state(params: float, shards: float, zero: int, precision: str = "mixed", b: int = 2) -> dict[str, float]:
-    """Bytes of ``params`` parameters' state, ZeRO stage ``zero`` over ``shards`` ranks (the ZeRO paper's
-    Figure 1): stage 1 shards the optimizer, 2 also the gradients, 3 also the parameters. pure: b, b, 2b
-    bytes per parameter (one dtype, as the runs); mixed: 2 (bf16), 2 (bf16), K = 12 (fp32 master, m, v)."""
-    pb, gb, ob = (b, b, 2 * b) if precision == "pure" else (2, 2, 12)
-    cut = lambda k: params / shards if zero >= k else params
-    return {"params": cut(3) * pb, "grads": cut(2) * gb, "optimizer": cut(1) * ob}
 
 
-def activation_elements(model: Model, layout: Layout, policy: str, attention: str = "flash") -> float:
-    """Elements saved for backward per token per block on one rank (b bytes each). Derived from what
-    every op of the block saves (the Korthikanti et al. count for this model: no dropout masks, no biases):
-    norm1's input D, W_qkv's input D, q, k, v 3D/t, the attention output (W_o's input) D/t; norm2's input
-    D, W_up's input D, GELU's input F/t, W_down's input F/t. The norms and the matmul inputs outside the
-    tp region are replicated (D each) unless sequence parallelism splits them (D/t). FlashAttention keeps
-    only a log-sum-exp per head (2·H/t, fp32); math attention also the (H/t)·T softmax per token.
-    MoE (tp = 1): the router's probabilities E, then per routed copy (k) its input D, GELU's input and
-    W_down's input 2F, and the expert output D the gate multiplies.
-    selective: the attention core (QKᵀ, softmax, ·V) is recomputed: no scores (= none under flash);
-    full: only the block's input, D (D/t with sp), is kept."""
-    d, f, t = model.dim, model.ffn, layout.tp
-    rep = d / t if layout.sp else d  # a replicated (B, T, D) activation
-    if policy == "full":
-        return rep
-    attn = 2 * rep + 4 * d / t + 2 * model.heads / t
-    if attention == "math" and policy == "none":
-        attn += model.heads * model.seq / t
-    mlp = 2 * rep + (model.experts + model.topk * (2 * d + 2 * f) if model.moe else 2 * f / t)
-    return attn + mlp
 
 
-def in_flight(layout: Layout, stage: int) -> int:
-    """Most (micro-batch, chunk)s whose activations stage ``stage`` holds at once: 1F1B min(pp − s, M)
-    (warm-up pp − s − 1 forwards, then one in, one out); interleaved Megatron's warm-up
-    (pp − s − 1)·2 + (v − 1)·pp chunk forwards + 1, at most v·M (= shared.schedule's simulator)."""
-    p, v, m = layout.pp, layout.virtual, layout.microbatches
-    return min(p - stage, m) if v == 1 else min((p - stage - 1) * 2 + (v - 1) * p + 1, v * m)
 
 
-def activations(model: Model, layout: Layout, stage: int, batch: int, b: int, attention: str = "flash") -> int:
-    """Bytes of activations on one rank of ``stage`` at its peak: min(pp − s, M) micro-batches (1F1B) of
-    L/pp blocks (interleaved: Megatron's warm-up count of L/(pp·v)-block chunks) × n = m·T/cp tokens
-    (m = B/(dp·M) sequences); with full recompute plus one block's whole set while it is recomputed;
-    the last stage adds the micro-batch's fp32 logits n·V/t (the loss)."""
-    m = batch // (layout.dp * layout.microbatches)
-    n = m * model.seq // layout.cp
-    blocks = in_flight(layout, stage) * (model.layers // (layout.pp * layout.virtual))
-    elems = blocks * activation_elements(model, layout, layout.recompute, attention)
-    if layout.recompute == "full":
-        elems += activation_elements(model, layout, "none", attention)
-    logits = (stage == layout.pp - 1) * n * model.vocab // layout.tp * 4
-    return int(elems * n * b) + logits
 
 
 # --- what one rank sends -----------------------------------------------------------------------
 
 
-def comm(model: Model, layout: Layout, stage: int, batch: int, b: int,
-         style: str = "builtin") -> dict[str, dict[str, tuple[int, int]]]:
-    """{axis label: {op: (count, payload bytes)}} per step on one rank of ``stage`` (recv listed, as the
-    ledgers; theory.mesh_comm_torch, ep_comm_torch under balanced routing). M micro-batches of
-    m = B/(dp·M) sequences × Tc = T/cp tokens; A = m·Tc·D·b.
-    tp: per micro-batch Megatron's 4 all-reduces of A per block, the embedding's and the head's, and the
-        vocab-parallel loss' 3·m·Tc·b (2 calls explicit, 3 DTensor); with sp each all-reduce becomes an
-        all-gather + a reduce-scatter of A, and the sequence-split gains' and wpe's gradients are
-        all-reduced once (theory.tp_sp_comm).
-    cp: the ring, 3·cp − 2 sends of K|V (2·m·Tc·D/t) per block and micro-batch.
-    pp: A (A/t with sp) to the next stage and its gradient back, per micro-batch (and model chunk).
-    ep: per MoE block and micro-batch an all-gather of the (E,) int64 counts from ep ranks and 4
-        all-to-alls of k·n·D·b each way (dispatch, combine, their transposes; balanced routing).
-    gradient group (dp·cp ranks; experts: edp = dp/ep): ZeRO-0 one all-reduce of the stage's gradients
-        (DDP's one bucket; HSDP with tp: one per block + root); ZeRO-1 a reduce-scatter of the gradients
-        and an all-gather of the updated parameters; ZeRO-2 the same, but the reduce-scatter runs after
-        every micro-batch (the full gradient is never kept: why Megatron's distributed optimizer is ZeRO-1);
-        ZeRO-3 explicit: per micro-batch every unit gathered forward, again backward (but the
-        embeddings), reduce-scattered, the gains all-reduced once;
-        FSDP2 (builtin): theory.mesh_builtin_grad_comm_torch."""
-    d, t, c, S = model.dim, layout.tp, layout.cp, layout.pp
-    first, last = int(stage == 0), int(stage == S - 1)
-    M = layout.microbatches
-    m = batch // (layout.dp * M)
-    tc = model.seq // c
-    act = m * tc * d * b
-    sp = stage_params(model, layout, stage)
-    per = sp["per"]
-    out: dict[str, dict[str, tuple[int, int]]] = {}
-    if t > 1:
-        loss_calls = 3 if style == "builtin" else 2
-        n_act = 4 * per + first + last
-        loss = (M * loss_calls * last, M * last * 3 * m * tc * b)
-        if layout.sp:
-            gains = (2 * per + last) * d + first * model.seq * d
-            out["tp"] = {"all_gather": (M * n_act, M * n_act * act), "reduce_scatter": (M * n_act, M * n_act * act),
-                         "all_reduce": (loss[0] + 1, loss[1] + gains * b)}
-        else:
-            out["tp"] = {"all_reduce": (M * n_act + loss[0], M * n_act * act + loss[1])}
-    if c > 1:
-        hops = M * per * (3 * c - 2)
-        msg = 2 * m * tc * (d // t) * b
-        out["cp"] = {"send": (hops, hops * msg), "recv": (hops, hops * msg)}
-    if S > 1:  # interleaved: every chunk's output goes on, but the last virtual stage's (and back, but the first)
-        n = (2 * layout.virtual - (stage == S - 1) - (stage == 0)) * M
-        msg = act // t if layout.sp else act
-        out["pp"] = {"send": (n, n * msg), "recv": (n, n * msg)}
-    if model.moe and layout.ep > 1:
-        k_n = model.topk * m * tc
-        out["ep"] = {"all_gather": (M * per, M * per * layout.ep * model.experts * 8),
-                     "all_to_all": (4 * M * per, 4 * M * per * k_n * d * b)}
-    label = layout.grad_label
-    if label is not None:
-        out.setdefault(label, {}).update(_grad_comm(model, layout, stage, b, style, sp))
-    edp = layout.dp // layout.ep
-    if model.moe and layout.ep > 1 and edp > 1 and sp["experts"]:
-        op = "all_reduce" if layout.zero == 0 else None
-        out["edp"] = {op: (1, sp["experts"] * b)} if op else {"reduce_scatter": (1, sp["experts"] * b),
-                                                                "all_gather": (1, sp["experts"] * b)}
-    return out
 
 
-def _grad_comm(model: Model, layout: Layout, stage: int, b: int, style: str, sp: dict) -> dict:
-    M, total = layout.microbatches, sp["units"] + sp["vectors"]
-    dense = total - (sp["experts"] if layout.ep > 1 else 0)  # ep: the experts' gradients go over edp
-    if layout.zero in (1, 2):  # ZeRO-2 keeps only its shard of the gradients: it reduces every micro-batch's
-        rs = layout.microbatches if layout.zero == 2 else 1
-        return {"reduce_scatter": (rs, rs * dense * b), "all_gather": (1, dense * b)}
-    if layout.zero == 0:
-        root = total - sp["per"] * sp["block"]
-        calls = 1 if style != "builtin" or layout.tp == 1 else sp["per"] + (root > 0)
-        return {"all_reduce": (calls, dense * b)}
-    if style == "builtin":  # FSDP2: fully_shard per block + the stage as root
-        root = total - sp["per"] * sp["block"]
-        gathers = fsdp2_pipeline_gathers(M, layout.pp, stage)
-        return {"all_gather": (sp["per"] * gathers + (root > 0), (sp["per"] * gathers * sp["block"] + root) * b),
-                "reduce_scatter": (sp["per"] + (root > 0), total * b)}
-    return {"all_gather": (M * (sp["n_units"] + sp["n_regathered"]), M * (sp["units"] + sp["regathered"]) * b),
-            "reduce_scatter": (M * sp["n_units"], M * sp["units"] * b),
-            "all_reduce": (1, sp["vectors"] * b)}
 
 
-def comm_bytes(view: dict) -> dict[str, int]:
-    """Payload bytes per axis label, a message counted once (recv skipped: results.comm_bytes' rule)."""
-    return {a: sum(nb for op, (_, nb) in ops.items() if op != "recv") for a, ops in view.items()}
 
 
 # --- time ----------------------------------------------------------------------------------------

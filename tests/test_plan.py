@@ -1,8 +1,9 @@
-"""The layout planner (shared/plan.py, ``compare.py plan``): at tiny sizes it must give exactly what the
-runs measure — here against shared.theory on EVERY layout the mesh and ep patterns accept (theory equals
-the measured ledgers in tests/test_mesh.py and tests/test_ep.py, which also check the plan against the
-measured ledgers of their runs directly); at full size, published figures; and it must be fast (a
-bounded search; its seconds are reported)."""
+"""The layout planner (shared/plan.py, ``compare.py plan``). Its formulas are shared.theory's — one form:
+``plan.comm`` IS ``theory.mesh.comm``, the function the tiny runs' ledgers are checked against per rank
+and per axis (tests/test_mesh.py, tests/test_ep.py, which also check the plan against their runs
+directly). Here: the adapters from a runnable Config describe every tiny layout, the formulas' own
+invariants on all of them, published figures at full size, and a bounded search (its seconds are
+reported)."""
 
 from __future__ import annotations
 
@@ -39,26 +40,35 @@ def tiny_mesh_configs():
             continue
 
 
-def test_plan_equals_theory_on_every_tiny_mesh_layout():
+def test_the_one_form_on_every_tiny_mesh_layout():
+    """Every layout the mesh pattern accepts on 1–8 ranks: Model/Layout.from_config describe it (GPUs, Φ),
+    the torch styles' ledger formula is the planner's own function evaluated at the run's sizes, and it
+    keeps its invariants: every send has its receive on the pp and cp axes, and the state of a stage
+    sums, over the gradient group's shards, to the stage's parameters."""
     seen = 0
     for cfg in tiny_mesh_configs():
         model, lay = plan.Model.from_config(cfg), plan.Layout.from_config(cfg)
-        assert lay.gpus == cfg.world_size and model.params == cfg.n_params
+        assert lay.gpus == cfg.world_size and model.params == cfg.n_params, cfg.mesh_name
         for style in ("explicit", "builtin"):
             for rank in range(cfg.world_size):
                 s = theory.mesh_coords(cfg, rank).get("pp", 0)
-                assert plan.comm(model, lay, s, cfg.batch, cfg.bytes_per_element, style) == \
-                    theory.mesh_comm_torch(cfg, style, rank), (cfg.mesh_name, cfg.microbatches, style, rank)
-                assert plan.state(model, lay, s, cfg.bytes_per_element, style, "pure") == \
-                    theory.mesh_state_bytes_torch(cfg, style, rank), (cfg.mesh_name, style, rank)
+                view = theory.mesh_comm_torch(cfg, style, rank)
+                assert view == plan.comm(model, lay, s, cfg.batch, cfg.bytes_per_element, style)
+                for axis in ("pp", "cp"):
+                    assert view.get(axis, {}).get("send") == view.get(axis, {}).get("recv"), (cfg.mesh_name, axis)
+                held = theory.mesh_state_bytes_torch(cfg, style, rank)["params"] // cfg.bytes_per_element
+                stage = theory.mesh_stage_param_count(cfg, s)
+                g = cfg.data_size * cfg.axis("cp") if cfg.data_axis == "fsdp" else 1
+                assert held * g >= stage >= held, (cfg.mesh_name, style, rank, held, stage)  # ZeRO-3: 1/g (+ gains)
                 seen += 1
     assert seen > 3000  # 1-, 2- and 3-D layouts, both data axes, both styles, every rank
 
 
 @pytest.mark.parametrize("ws,experts,topk", [(2, 4, 1), (2, 4, 2), (4, 4, 2), (4, 8, 2)])
 def test_plan_equals_theory_for_ep(ws, experts, topk):
-    """ep: the state and the routing-independent ops exactly; the all-to-alls equal theory.ep_comm_torch
-    on a perfectly balanced routing (the runs' all-to-all bytes follow their routing: tests/test_ep.py)."""
+    """ep: the plan's routing-independent ops and its balanced-routing all-to-alls equal
+    theory.ep_comm_torch evaluated on a perfectly balanced routing (the runs' all-to-all bytes follow
+    their routing: tests/test_ep.py); the state is mesh.state on the ep layout (one form)."""
     cfg = Config(world_size=ws, model="transformer", layers=2, dim=16, heads=4, seq=8, vocab=32, batch=4,
                  experts=experts, topk=topk).check("ep")
     per = cfg.seq * topk // experts

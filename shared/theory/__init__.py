@@ -5,7 +5,7 @@ jax_impl/X.py), and what ``compare.py plan`` evaluates at full size:
     fsdp         ZeRO-2/3, FSDP2: units, gathers         tp         Megatron TP, sequence parallelism
     pp           messages, bubble, stages, in-flight     cp         ring, zigzag, Ulysses
     ep           routing-dependent all-to-alls           mesh       N-D layouts, per mesh axis
-    recompute    activations saved, recompute FLOPs
+    recompute    activations saved, recompute FLOPs        layout     Model and Layout at any size
 
 Units: payload bytes per training step per rank, counting each collective as nccl-tests' size S
 (all-reduce: the buffer; all-gather: the gathered output; reduce-scatter: the input;
@@ -33,8 +33,8 @@ from shared.theory.cp import (  # noqa: F401
 from shared.theory.dp import (  # noqa: F401
     adam_state_bytes,
     dp_comm_bytes,
-    fp32_adam_bytes,
     zero1_comm_bytes,
+    zero_state,
 )
 from shared.theory.ep import (  # noqa: F401
     ep_capacity,
@@ -63,9 +63,12 @@ from shared.theory.fsdp import (  # noqa: F401
     zero3_comm,
     zero3_comm_bytes,
 )
+from shared.theory.layout import (  # noqa: F401
+    Layout,
+    Model,
+)
 from shared.theory.mesh import (  # noqa: F401
     fsdp2_pipeline_gathers,
-    mesh_builtin_grad_comm_torch,
     mesh_comm_bytes_torch,
     mesh_comm_jax,
     mesh_comm_torch,
@@ -73,12 +76,12 @@ from shared.theory.mesh import (  # noqa: F401
     mesh_grad_axes,
     mesh_micro,
     mesh_stage_param_count,
-    mesh_stage_units_torch,
     mesh_state_bytes_jax,
     mesh_state_bytes_torch,
     mesh_units_jax,
 )
 from shared.theory.pp import (  # noqa: F401
+    in_flight,
     pp_1f1b_permute_bytes,
     pp_1f1b_permute_count,
     pp_activation_elements,
@@ -97,6 +100,8 @@ from shared.theory.pp import (  # noqa: F401
 )
 from shared.theory.recompute import (  # noqa: F401
     activation_bytes,
+    activation_elements,
+    activations,
     block_saved_elements,
     recompute_extra_flops,
 )

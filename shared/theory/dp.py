@@ -4,7 +4,7 @@ Papers: PyTorch DDP, Li et al. 2020 (arXiv:2006.15704); ZeRO, Rajbhandari et al.
 (arXiv:1910.02054), stage 1 (optimizer state sharded). Quantities: payload S per step per rank
 (DP all-reduce Φ·b; ZeRO-1 reduce-scatter + all-gather 2·Φ·b); params / grads / AdamW moments per
 rank, in the runs' one dtype (``adam_state_bytes``) or the ZeRO paper's mixed precision
-(``fp32_adam_bytes``: K = 12 bytes of fp32 state per parameter).
+(``zero_state``: K = 12 bytes of fp32 state per parameter), one formula for both.
 """
 
 from __future__ import annotations
@@ -29,17 +29,17 @@ def zero1_comm_bytes(cfg: Config) -> int:
 
 
 def adam_state_bytes(cfg: Config, variant: str) -> dict[str, float]:
-    """Per-rank bytes of parameters, gradients and AdamW state (two moments) for one dtype:
-    dp: all full; zero1: optimizer/N; zero2: grads+optimizer/N; zero3: everything/N."""
-    phi, b, n = cfg.n_params, cfg.bytes_per_element, cfg.world_size
-    full = {"params": phi * b, "grads": phi * b, "optimizer": 2 * phi * b}
-    shard = {"dp": (), "zero1": ("optimizer",), "zero2": ("grads", "optimizer"),
-             "zero3": ("params", "grads", "optimizer")}[variant]
-    return {k: (v / n if k in shard else v) for k, v in full.items()}
+    """Per-rank bytes of parameters, gradients and AdamW state (two moments) in the run's one dtype:
+    dp: all full; zero1: optimizer/N; zero2: grads+optimizer/N; zero3: everything/N (``zero_state``)."""
+    stage = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[variant]
+    return zero_state(cfg.n_params, cfg.world_size, stage, "pure", cfg.bytes_per_element)
 
 
-def fp32_adam_bytes(n_params: int, n: int, stage: int) -> float:
-    """fp32 AdamW, 4 bytes each of params, grads, m, v (16Φ in all): DP 16Φ;
-    ZeRO-1 8Φ + 8Φ/N; ZeRO-2 4Φ + 12Φ/N; ZeRO-3 16Φ/N."""
-    phi = n_params
-    return {0: 16 * phi, 1: 8 * phi + 8 * phi / n, 2: 4 * phi + 12 * phi / n, 3: 16 * phi / n}[stage]
+def zero_state(params: float, shards: float, zero: int, precision: str = "mixed", b: int = 2) -> dict[str, float]:
+    """Bytes of ``params`` parameters' state, ZeRO stage ``zero`` over ``shards`` ranks (the ZeRO paper's
+    Figure 1): stage 1 shards the optimizer, 2 also the gradients, 3 also the parameters. pure: b, b, 2b
+    bytes per parameter (one dtype, as the runs); mixed: 2 (bf16), 2 (bf16), K = 12 (fp32 master, m, v):
+    16Φ unsharded, 4Φ + 12Φ/N at ZeRO-2, 16Φ/N at ZeRO-3."""
+    pb, gb, ob = (b, b, 2 * b) if precision == "pure" else (2, 2, 12)
+    cut = lambda k, per: params * per / shards if zero >= k else params * per
+    return {"params": cut(3, pb), "grads": cut(2, gb), "optimizer": cut(1, ob)}

@@ -10,6 +10,8 @@ capacity and padding of static-shape buffers, state per rank.
 from __future__ import annotations
 
 from shared.config import Config
+from shared.theory.layout import Layout, Model
+from shared.theory.mesh import state
 
 # --- ep (expert parallelism, the MoE transformer) ----------------------------------------------
 # E experts per MoE layer sharded over N = ep ranks: rank r owns experts [r·E/N, (r+1)·E/N) whole
@@ -121,9 +123,8 @@ def ep_comm_bytes_torch(cfg: Config, style: str, load_last_step, rank: int) -> i
 
 def ep_state_bytes_torch(cfg: Config) -> dict[str, int]:
     """Per rank: the replicated parameters whole + E/N experts of every layer; gradients the same;
-    AdamW two moments of each."""
-    held = (ep_replicated_params(cfg) + cfg.expert_params // cfg.world_size) * cfg.bytes_per_element
-    return {"params": held, "grads": held, "optimizer": 2 * held}
+    AdamW two moments of each (mesh.state on the ep layout: ep = dp = N, ZeRO-0, one dtype)."""
+    return state(Model.from_config(cfg), Layout.from_config(cfg, "ep"), 0, cfg.bytes_per_element, "explicit", "pure")
 
 
 # --- ep: JAX styles -----------------------------------------------------------------------------

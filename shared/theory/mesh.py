@@ -10,7 +10,8 @@ SPMD program); state per rank. Built from the 1-D patterns' formulas.
 from __future__ import annotations
 
 from shared.config import Config
-from shared.theory.pp import pp_state_bytes
+from shared.theory.dp import zero_state
+from shared.theory.layout import Layout, Model
 
 # --- mesh (N-D layouts: dp/fsdp × pp × cp × tp on one device mesh, the transformer) -------------
 # Config.mesh lists the axes in device order (outermost first): rank r's coordinates are r's
@@ -56,90 +57,135 @@ def mesh_stage_param_count(cfg: Config, stage: int, spmd: bool = False) -> int:
 
 
 # --- mesh: torch styles ---------------------------------------------------------------------------
-# torch_impl/mesh.py. Rank r of the layout sits at stage s = its pp coordinate (S = pp stages), holds
-# the tp-local weights of that stage, and runs M micro-batches of m sequences × T/cp tokens
-# ((M, m, Tc) = mesh_micro). A = m·Tc·D·b is one micro-batch's residual stream on one rank (the
-# pipeline's message, and the size of every Megatron all-reduce). Labels: the mesh axis of the
-# group an op ran on; the gradient group is mesh_grad_axes(cfg) (e.g. "dp+cp").
+# torch_impl/mesh.py, and compare.py plan at any size (Model, Layout: shared/theory/layout.py;
+# ZeRO-1/2, sequence parallelism, MoE, mixed precision beyond the runs). Rank r of the layout sits
+# at stage s = its pp coordinate (S = pp stages), holds the tp-local weights of that stage, and runs
+# M micro-batches of m sequences × T/cp tokens ((M, m, Tc) = mesh_micro). A = m·Tc·D·b is one
+# micro-batch's residual stream on one rank (the pipeline's message, and the size of every Megatron
+# all-reduce). Labels: the mesh axis of the group an op ran on; the gradient group is
+# mesh_grad_axes(cfg) (e.g. "dp+cp").
 
 
-def mesh_stage_units_torch(cfg: Config, stage: int) -> tuple[dict[str, int], dict[str, int]]:
-    """(units, vectors) of stage ``stage`` after tp: element counts of its ≥2-D parameters (tp-local:
-    wte V·D/t and wpe T·D on stage 0; per block W_qkv 3D²/t, W_o D²/t, W_up 4D²/t, W_down 4D²/t; the
-    head D·V/t on the last stage) and of its vectors (2 norm gains per block; the final norm on the
-    last stage). Σ = mesh_stage_param_count(cfg, stage)."""
-    d, t, pp = cfg.dim, cfg.axis("tp"), cfg.axis("pp")
-    per = cfg.layers // pp
-    units, vectors = {}, {}
-    if stage == 0:
-        units.update({"wte": cfg.vocab * d // t, "wpe": cfg.seq * d})
-    for l in range(stage * per, (stage + 1) * per):
-        units.update({f"blocks.{l}.attn.qkv": 3 * d * d // t, f"blocks.{l}.attn.o": d * d // t,
-                      f"blocks.{l}.mlp.up": 4 * d * d // t, f"blocks.{l}.mlp.down": 4 * d * d // t})
-        vectors.update({f"blocks.{l}.norm1": d, f"blocks.{l}.norm2": d})
-    if stage == pp - 1:
-        units["head"] = d * cfg.vocab // t
-        vectors["normf"] = d
-    return units, vectors
+def stage_params(model: Model, layout: Layout, stage: int) -> dict[str, int]:
+    """Elements on one rank of stage ``stage`` before any ZeRO sharding: "units" (≥2-D: wte V·D/t and wpe
+    T·D on stage 0, L/pp blocks, the head D·V/t on the last), "n_units", "regathered" (units but the
+    embeddings: what ZeRO-3 gathers again for backward), "vectors" (norm gains), "experts" (inside units)
+    and "block" (one block with its gains). theory.mesh_stage_units_torch / mesh_stage_param_count."""
+    d, t, per = model.dim, layout.tp, model.layers // layout.pp
+    first, last = stage == 0, stage == layout.pp - 1
+    n_block, block = model.block_units(t, layout.ep)
+    embed = first * (model.vocab * d // t + model.seq * d)
+    units = per * block + embed + last * (d * model.vocab // t)
+    return {"units": units, "n_units": per * n_block + 2 * first + last, "regathered": units - embed,
+            "n_regathered": per * n_block + last, "vectors": per * 2 * d + last * d,
+            "experts": per * model.expert_elements(layout.ep), "block": block + 2 * d, "per": per}
 
 
-def mesh_comm_torch(cfg: Config, style: str, rank: int) -> dict[str, dict[str, tuple[int, int]]]:
-    """{axis label: {op: (count, payload bytes)}} per step on world rank ``rank`` (recv listed too:
-    results.comm_bytes skips it). s, S = the rank's stage and the stage count; first = [s = 0],
-    last = [s = S−1]; t, c = tp, cp; (M, m, Tc) = mesh_micro(cfg); A = m·Tc·D·b; L/S blocks per stage.
+def state(model: Model, layout: Layout, stage: int, b: int, style: str = "builtin",
+          precision: str = "pure") -> dict[str, int]:
+    """Bytes of params, grads and optimizer on one rank of ``stage`` (theory.mesh_state_bytes_torch,
+    ep_state_bytes_torch; ZeRO-1/2 and mixed precision beyond them). g = dp·cp ranks share the ZeRO
+    shards (experts: dp·cp/ep). pure: b, b, 2b per element; mixed: 2, 2, 12 (bf16 + fp32 master, m, v)."""
+    sp = stage_params(model, layout, stage)
+    total = sp["units"] + sp["vectors"]
+    g = layout.dp * layout.cp
+    if layout.zero == 3:
+        held = total // g if style == "builtin" else sp["units"] // g + sp["vectors"]
+        return zero_state(held, 1, 0, precision, b)
+    experts = sp["experts"]
+    sharded = (total - experts) // g + experts // max(g // layout.ep, 1)  # ZeRO-1/2: experts over edp
+    out = zero_state(total, total / sharded if sharded else 1, layout.zero, precision, b)
+    out = {k: int(round(v)) for k, v in out.items()}
+    if style == "builtin" and stage == 0 and layout.dp == 1 and precision == "pure":
+        out["grads"] += model.vocab * model.dim * b * (layout.tp - 1) // layout.tp  # DTensor keeps wte's grad whole
+    return out
 
-    "tp" (tp > 1; tp_transformer_comm on the stage's blocks and one micro-batch, M times): per
-        micro-batch Megatron's 4 all-reduces of A per block (g after W_o, W_down fwd; f before
-        W_qkv, W_up bwd), the embedding's g on stage 0 (fwd), the head's f on the last stage (bwd),
-        and the vocab-parallel CE on the last stage: explicit 2 all-reduces (MAX (m, Tc); SUM
-        (2, m, Tc)), DTensor's loss_parallel 3, 3·m·Tc·b either way:
-        M·(4·L/S + first + last + (2|3)·last) calls, M·[(4·L/S + first + last)·A + last·3·m·Tc·b].
-    "cp" (cp > 1; cp_comm's ring on the stage's blocks, the tp-local heads): per micro-batch and
-        block 3c−2 sends of the K|V block (or its dK|dV accumulator) 2·m·Tc·(D/t)·b; recv mirrored.
-    "pp" (S > 1; pp_p2p_bytes_per_rank on the local activation): ((s < S−1) + (s > 0))·M sends of A
-        (activations to s+1, their gradients to s−1); recv mirrored.
-    grad group (mesh_grad_axes: the data axis and cp, size g = data·cp > 1):
-        dp, or cp without a data axis (explicit): ONE all-reduce of the stage's flat gradients,
-            mesh_stage_param_count(cfg, s)·b, after all micro-batches (dp_comm_bytes on the stage).
-        fsdp (explicit: torch_impl.fsdp.FSDP over the group, fsdp_comm's zero3 on the tp-local
-            units of mesh_stage_units_torch, PER MICRO-BATCH): every unit all-gathered fwd, every
-            unit but wte/wpe again bwd (fsdp_regathered), every unit's gradient reduce-scattered
-            (S = the full tp-local unit); then one all-reduce of the stage's vectors, (2·L/S + last)·D·b.
-        builtin: see mesh_builtin_grad_comm_torch."""
-    b, d, L = cfg.bytes_per_element, cfg.dim, cfg.layers
-    coords = mesh_coords(cfg, rank)
-    S, s = cfg.axis("pp"), coords.get("pp", 0)
-    first, last = int(s == 0), int(s == S - 1)
-    t, c = cfg.axis("tp"), cfg.axis("cp")
-    M, m, tc = mesh_micro(cfg)
-    act, per = m * tc * d * b, L // S
+
+def comm(model: Model, layout: Layout, stage: int, batch: int, b: int,
+         style: str = "builtin") -> dict[str, dict[str, tuple[int, int]]]:
+    """{axis label: {op: (count, payload bytes)}} per step on one rank of ``stage`` (recv listed, as the
+    ledgers; theory.mesh_comm_torch, ep_comm_torch under balanced routing). M micro-batches of
+    m = B/(dp·M) sequences × Tc = T/cp tokens; A = m·Tc·D·b.
+    tp: per micro-batch Megatron's 4 all-reduces of A per block, the embedding's and the head's, and the
+        vocab-parallel loss' 3·m·Tc·b (2 calls explicit, 3 DTensor); with sp each all-reduce becomes an
+        all-gather + a reduce-scatter of A, and the sequence-split gains' and wpe's gradients are
+        all-reduced once (theory.tp_sp_comm).
+    cp: the ring, 3·cp − 2 sends of K|V (2·m·Tc·D/t) per block and micro-batch.
+    pp: A (A/t with sp) to the next stage and its gradient back, per micro-batch (and model chunk).
+    ep: per MoE block and micro-batch an all-gather of the (E,) int64 counts from ep ranks and 4
+        all-to-alls of k·n·D·b each way (dispatch, combine, their transposes; balanced routing).
+    gradient group (dp·cp ranks; experts: edp = dp/ep): ZeRO-0 one all-reduce of the stage's gradients
+        (DDP's one bucket; HSDP with tp: one per block + root); ZeRO-1 a reduce-scatter of the gradients
+        and an all-gather of the updated parameters; ZeRO-2 the same, but the reduce-scatter runs after
+        every micro-batch (the full gradient is never kept: why Megatron's distributed optimizer is ZeRO-1);
+        ZeRO-3 explicit: per micro-batch every unit gathered forward, again backward (but the
+        embeddings), reduce-scattered, the gains all-reduced once;
+        FSDP2 (builtin): theory.mesh_builtin_grad_comm_torch."""
+    d, t, c, S = model.dim, layout.tp, layout.cp, layout.pp
+    first, last = int(stage == 0), int(stage == S - 1)
+    M = layout.microbatches
+    m = batch // (layout.dp * M)
+    tc = model.seq // c
+    act = m * tc * d * b
+    sp = stage_params(model, layout, stage)
+    per = sp["per"]
     out: dict[str, dict[str, tuple[int, int]]] = {}
     if t > 1:
         loss_calls = 3 if style == "builtin" else 2
         n_act = 4 * per + first + last
-        out["tp"] = {"all_reduce": (M * (n_act + loss_calls * last), M * (n_act * act + last * 3 * m * tc * b))}
+        loss = (M * loss_calls * last, M * last * 3 * m * tc * b)
+        if layout.sp:
+            gains = (2 * per + last) * d + first * model.seq * d
+            out["tp"] = {"all_gather": (M * n_act, M * n_act * act), "reduce_scatter": (M * n_act, M * n_act * act),
+                         "all_reduce": (loss[0] + 1, loss[1] + gains * b)}
+        else:
+            out["tp"] = {"all_reduce": (M * n_act + loss[0], M * n_act * act + loss[1])}
     if c > 1:
         hops = M * per * (3 * c - 2)
         msg = 2 * m * tc * (d // t) * b
         out["cp"] = {"send": (hops, hops * msg), "recv": (hops, hops * msg)}
-    if S > 1:
-        n = ((s < S - 1) + (s > 0)) * M
-        out["pp"] = {"send": (n, n * act), "recv": (n, n * act)}
-    label = mesh_grad_axes(cfg)
+    if S > 1:  # interleaved: every chunk's output goes on, but the last virtual stage's (and back, but the first)
+        n = (2 * layout.virtual - (stage == S - 1) - (stage == 0)) * M
+        msg = act // t if layout.sp else act
+        out["pp"] = {"send": (n, n * msg), "recv": (n, n * msg)}
+    if model.moe and layout.ep > 1:
+        k_n = model.topk * m * tc
+        out["ep"] = {"all_gather": (M * per, M * per * layout.ep * model.experts * 8),
+                     "all_to_all": (4 * M * per, 4 * M * per * k_n * d * b)}
+    label = layout.grad_label
     if label is not None:
-        if style == "builtin":
-            grad = mesh_builtin_grad_comm_torch(cfg, s)
-        elif cfg.data_axis == "fsdp":
-            units, vectors = mesh_stage_units_torch(cfg, s)
-            regathered = [k for k in units if k not in ("wte", "wpe")]
-            grad = {"all_gather": (M * (len(units) + len(regathered)),
-                                         M * (sum(units.values()) + sum(units[k] for k in regathered)) * b),
-                          "reduce_scatter": (M * len(units), M * sum(units.values()) * b),
-                          "all_reduce": (1, sum(vectors.values()) * b)}
-        else:
-            grad = {"all_reduce": (1, mesh_stage_param_count(cfg, s) * b)}
-        out.setdefault(label, {}).update(grad)  # cp alone: its ring's sends and the gradients' all-reduce
+        out.setdefault(label, {}).update(_grad_comm(model, layout, stage, b, style, sp))
+    edp = layout.dp // layout.ep
+    if model.moe and layout.ep > 1 and edp > 1 and sp["experts"]:
+        op = "all_reduce" if layout.zero == 0 else None
+        out["edp"] = {op: (1, sp["experts"] * b)} if op else {"reduce_scatter": (1, sp["experts"] * b),
+                                                                "all_gather": (1, sp["experts"] * b)}
     return out
+
+
+def _grad_comm(model: Model, layout: Layout, stage: int, b: int, style: str, sp: dict) -> dict:
+    M, total = layout.microbatches, sp["units"] + sp["vectors"]
+    dense = total - (sp["experts"] if layout.ep > 1 else 0)  # ep: the experts' gradients go over edp
+    if layout.zero in (1, 2):  # ZeRO-2 keeps only its shard of the gradients: it reduces every micro-batch's
+        rs = layout.microbatches if layout.zero == 2 else 1
+        return {"reduce_scatter": (rs, rs * dense * b), "all_gather": (1, dense * b)}
+    if layout.zero == 0:
+        root = total - sp["per"] * sp["block"]
+        calls = 1 if style != "builtin" or layout.tp == 1 else sp["per"] + (root > 0)
+        return {"all_reduce": (calls, dense * b)}
+    if style == "builtin":  # FSDP2: fully_shard per block + the stage as root
+        root = total - sp["per"] * sp["block"]
+        gathers = fsdp2_pipeline_gathers(M, layout.pp, stage)
+        return {"all_gather": (sp["per"] * gathers + (root > 0), (sp["per"] * gathers * sp["block"] + root) * b),
+                "reduce_scatter": (sp["per"] + (root > 0), total * b)}
+    return {"all_gather": (M * (sp["n_units"] + sp["n_regathered"]), M * (sp["units"] + sp["regathered"]) * b),
+            "reduce_scatter": (M * sp["n_units"], M * sp["units"] * b),
+            "all_reduce": (1, sp["vectors"] * b)}
+
+
+def comm_bytes(view: dict) -> dict[str, int]:
+    """Payload bytes per axis label, a message counted once (recv skipped: results.comm_bytes' rule)."""
+    return {a: sum(nb for op, (_, nb) in ops.items() if op != "recv") for a, ops in view.items()}
 
 
 def fsdp2_pipeline_gathers(microbatches: int, stages: int, stage: int) -> int:
@@ -157,58 +203,22 @@ def fsdp2_pipeline_gathers(microbatches: int, stages: int, stage: int) -> int:
     return gathers
 
 
-def mesh_builtin_grad_comm_torch(cfg: Config, stage: int) -> dict[str, tuple[int, int]]:
-    """The gradient group's ops of the builtin style on stage ``stage`` (tp-local sizes):
-    dp: DistributedDataParallel on the dp group: one bucket (Φ_s·b ≤ 25 MB here) all-reduced once per
-        step (the pipeline runs the non-last micro-batches under no_sync); DDP's one-off bucket
-        rebuild (2 broadcasts of the bucket indices, in the second step's forward) is warm-up: the
-        ledger records a later step.
-    dp with tp > 1: FSDP2 HSDP on the (dp, dp_shard = 1) mesh, fully_shard per block + the stage as
-        root (torch_impl.mesh.hsdp_dp): the shard group has one rank, so FSDP2 issues no all-gather
-        and no reduce-scatter; each group's (whole tp-local) gradient is all-reduced over dp once per
-        step (after the last micro-batch): L/S + [root has parameters] calls, Φ_s·b bytes in all.
-    fsdp: FSDP2 fully_shard per block + the stage as root (fsdp_comm's fsdp2 on the stage, one flat
-        group per block, gains inside): every block gathered fsdp2_pipeline_gathers(M, S, s) times,
-        the root's group (its embeddings / final norm + head, when the stage has any) once (the root
-        is not resharded), and each group reduce-scattered once per step (gradients accumulate
-        unsharded over micro-batches: requires_gradient_sync only for the step's reduce)."""
-    b, d, S = cfg.bytes_per_element, cfg.dim, cfg.axis("pp")
-    total = mesh_stage_param_count(cfg, stage)
-    per, block = cfg.layers // S, 12 * d * d // cfg.axis("tp") + 2 * d
-    root = total - per * block
-    if cfg.data_axis != "fsdp":
-        return {"all_reduce": (1 if cfg.axis("tp") == 1 else per + (root > 0), total * b)}
-    g = fsdp2_pipeline_gathers(cfg.pipeline_microbatches, S, stage)
-    return {"all_gather": (per * g + (root > 0), (per * g * block + root) * b),
-            "reduce_scatter": (per + (root > 0), total * b)}
+def mesh_comm_torch(cfg: Config, style: str, rank: int) -> dict[str, dict[str, tuple[int, int]]]:
+    """The torch styles' ledger on world rank ``rank`` of a runnable layout: ``comm`` at the run's sizes
+    (its stage = the rank's pp coordinate; every rank of a stage sends alike)."""
+    stage = mesh_coords(cfg, rank).get("pp", 0)
+    return comm(Model.from_config(cfg), Layout.from_config(cfg), stage, cfg.batch, cfg.bytes_per_element, style)
 
 
 def mesh_comm_bytes_torch(cfg: Config, style: str, rank: int) -> int:
     """The rank's payload per step: every op's bytes but recv (results.comm_bytes' rule)."""
-    return sum(nbytes for ops in mesh_comm_torch(cfg, style, rank).values()
-               for op, (_, nbytes) in ops.items() if op != "recv")
+    return sum(comm_bytes(mesh_comm_torch(cfg, style, rank)).values())
 
 
 def mesh_state_bytes_torch(cfg: Config, style: str, rank: int) -> dict[str, int]:
-    """Per-rank bytes of params, grads and AdamW moments: the stage's tp-local parameters
-    P_s = mesh_stage_param_count(cfg, s) (pp_state_bytes); under fsdp the units are split over the
-    gradient group (g = fsdp·cp ranks): explicit (fsdp_state_bytes' zero3) units/g + vectors whole;
-    builtin (FSDP2 shards the vectors too) P_s/g. builtin without fsdp: DTensor keeps wte's gradient
-    Replicate on stage 0, + V·D·b·(t−1)/t of grads (not under dp's HSDP: FSDP2 reduces it to the
-    parameter's tp placement)."""
-    b, s, t = cfg.bytes_per_element, mesh_coords(cfg, rank).get("pp", 0), cfg.axis("tp")
-    if cfg.data_axis != "fsdp":
-        out = pp_state_bytes(mesh_stage_param_count(cfg, s), cfg)
-        if style == "builtin" and s == 0 and cfg.axis("dp") == 1:  # wte's grad Replicate (tp_transformer_state_bytes)
-            out["grads"] += cfg.vocab * cfg.dim * b * (t - 1) // t
-        return out
-    g = cfg.data_size * cfg.axis("cp")
-    units, vectors = mesh_stage_units_torch(cfg, s)
-    if style == "builtin":
-        held = mesh_stage_param_count(cfg, s) // g
-    else:
-        held = sum(units.values()) // g + sum(vectors.values())
-    return {"params": held * b, "grads": held * b, "optimizer": 2 * held * b}
+    """Params / grads / AdamW bytes on world rank ``rank`` of a runnable layout (one dtype): ``state``."""
+    stage = mesh_coords(cfg, rank).get("pp", 0)
+    return state(Model.from_config(cfg), Layout.from_config(cfg), stage, cfg.bytes_per_element, style, "pure")
 
 
 # --- mesh: JAX styles -----------------------------------------------------------------------------

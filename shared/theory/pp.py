@@ -10,6 +10,7 @@ bubble (p−1)/(M+p−1), parameters per stage, and the micro-batches a stage ho
 from __future__ import annotations
 
 from shared.config import Config
+from shared.theory.layout import Layout
 
 
 def pp_p2p_bytes(cfg: Config, virtual: int = 1) -> int:
@@ -166,3 +167,11 @@ def pp_state_bytes(param_count: int, cfg: Config) -> dict[str, int]:
     pp_spmd_param_count): params, grads Φ_s·b each, AdamW moments 2·Φ_s·b."""
     b = cfg.bytes_per_element
     return {"params": param_count * b, "grads": param_count * b, "optimizer": 2 * param_count * b}
+
+
+def in_flight(layout: Layout, stage: int) -> int:
+    """Most (micro-batch, chunk)s whose activations stage ``stage`` holds at once: 1F1B min(pp − s, M)
+    (warm-up pp − s − 1 forwards, then one in, one out); interleaved Megatron's warm-up
+    (pp − s − 1)·2 + (v − 1)·pp chunk forwards + 1, at most v·M (= shared.schedule's simulator)."""
+    p, v, m = layout.pp, layout.virtual, layout.microbatches
+    return min(p - stage, m) if v == 1 else min((p - stage - 1) * 2 + (v - 1) * p + 1, v * m)

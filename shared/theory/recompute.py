@@ -9,6 +9,8 @@ activation bytes of a run, and the forward FLOPs recomputation adds.
 from __future__ import annotations
 
 from shared.config import Config
+from shared.theory.layout import Layout, Model
+from shared.theory.pp import in_flight
 
 # --- activation recomputation (the transformer; Korthikanti et al. 2022, arXiv:2205.05198) ---------
 # Elements saved for backward, derived op by op for torch_impl/transformer.py (torch 2.13, checked by
@@ -66,3 +68,43 @@ def recompute_extra_flops(cfg: Config, policy: str | None = None, sequences: int
     forward = cfg.layers * (block + core) + 2 * s * t * d * cfg.vocab  # + the head
     extra = cfg.layers * {"none": 0, "selective": core, "full": block + core}[policy]
     return {"extra": extra, "step": 3 * forward, "fraction": extra / (3 * forward)}
+
+
+# --- at any size (compare.py plan): fused RMSNorm, GPU attention kernels, sequence parallelism, MoE ---
+
+
+def activation_elements(model: Model, layout: Layout, policy: str, attention: str = "flash") -> float:
+    """Elements saved for backward per token per block on one rank (b bytes each). Derived from what
+    every op of the block saves (the Korthikanti et al. count for this model: no dropout masks, no biases):
+    norm1's input D, W_qkv's input D, q, k, v 3D/t, the attention output (W_o's input) D/t; norm2's input
+    D, W_up's input D, GELU's input F/t, W_down's input F/t. The norms and the matmul inputs outside the
+    tp region are replicated (D each) unless sequence parallelism splits them (D/t). FlashAttention keeps
+    only a log-sum-exp per head (2·H/t, fp32); math attention also the (H/t)·T softmax per token.
+    MoE (tp = 1): the router's probabilities E, then per routed copy (k) its input D, GELU's input and
+    W_down's input 2F, and the expert output D the gate multiplies.
+    selective: the attention core (QKᵀ, softmax, ·V) is recomputed: no scores (= none under flash);
+    full: only the block's input, D (D/t with sp), is kept."""
+    d, f, t = model.dim, model.ffn, layout.tp
+    rep = d / t if layout.sp else d  # a replicated (B, T, D) activation
+    if policy == "full":
+        return rep
+    attn = 2 * rep + 4 * d / t + 2 * model.heads / t
+    if attention == "math" and policy == "none":
+        attn += model.heads * model.seq / t
+    mlp = 2 * rep + (model.experts + model.topk * (2 * d + 2 * f) if model.moe else 2 * f / t)
+    return attn + mlp
+
+
+def activations(model: Model, layout: Layout, stage: int, batch: int, b: int, attention: str = "flash") -> int:
+    """Bytes of activations on one rank of ``stage`` at its peak: min(pp − s, M) micro-batches (1F1B) of
+    L/pp blocks (interleaved: Megatron's warm-up count of L/(pp·v)-block chunks) × n = m·T/cp tokens
+    (m = B/(dp·M) sequences); with full recompute plus one block's whole set while it is recomputed;
+    the last stage adds the micro-batch's fp32 logits n·V/t (the loss)."""
+    m = batch // (layout.dp * layout.microbatches)
+    n = m * model.seq // layout.cp
+    blocks = in_flight(layout, stage) * (model.layers // (layout.pp * layout.virtual))
+    elems = blocks * activation_elements(model, layout, layout.recompute, attention)
+    if layout.recompute == "full":
+        elems += activation_elements(model, layout, "none", attention)
+    logits = (stage == layout.pp - 1) * n * model.vocab // layout.tp * 4
+    return int(elems * n * b) + logits
