@@ -11,7 +11,7 @@ the all-reduces add partial products in another order), ~1e-16 relative per op; 
 carry that to ~1e-15. 1e-12 leaves three orders of margin and sits ten orders below every defect
 these tests pin (2.9e-2 loss error from step 0 for the vocabulary offset, (N−1)·bias in the output).
 
-Refusals (``tp_plan.check_plan``, the preconditions ``apply_plan`` checks first) run in-process, no launch.
+Refusals (``tp_plan.check_plan``, the preconditions ``apply_plan`` checks first): test_tp_plan.py, no launch.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from own_models import LLAMA_PLAN, TPMLP, B, BiasedMLP, D, T, TiedReader, TinyLlama, V, made
 from torch.distributed.device_mesh import init_device_mesh
 
 from shared.config import Config
@@ -40,112 +41,6 @@ from torch_impl.model import empty_model
 
 DT, STEPS, LR, WD = torch.float64, 3, 1e-2, 0.1
 TOL = 1e-12  # float64: see the module docstring
-V, D, HEADS, B, T = 25, 8, 2, 2, 6
-
-
-class BiasedMLP(nn.Module):
-    """Biases, a LayerNorm, a frozen Linear and a frozen gain, a buffer; 7 and 5 output rows."""
-
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(6, 7, dtype=DT)
-        self.norm = nn.LayerNorm(7, dtype=DT)
-        self.down = nn.Linear(7, 5, dtype=DT)
-        self.fixed = nn.Linear(5, 5, bias=False, dtype=DT).requires_grad_(False)
-        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 5, dtype=DT), requires_grad=False)
-        self.register_buffer("shift", torch.linspace(-1, 1, 5, dtype=DT))
-
-    def forward(self, x):
-        return self.fixed(self.down(F.gelu(self.norm(self.up(x))))) * self.gain + self.shift
-
-
-class TPMLP(nn.Module):
-    """A LayerNorm (replicated; SP: 'sequence'), then a biased colwise / rowwise pair."""
-
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(6, dtype=DT)
-        self.up = nn.Linear(6, 8, dtype=DT)
-        self.down = nn.Linear(8, 6, dtype=DT)
-
-    def forward(self, x):  # (B, T, 6)
-        return self.down(F.gelu(self.up(self.norm(x))))
-
-
-class Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.n_heads, self.head_dim = HEADS, D // HEADS
-        self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False, dtype=DT) for _ in range(4))
-
-    def forward(self, h):  # (B, T, D); under TP q, k, v hold H/tp heads: the -1 below
-        b, t, _ = h.shape
-        q, k, v = (m(h).view(b, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, dh)
-        return self.o(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class SwiGLU(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.gate, self.up = nn.Linear(D, 2 * D, bias=False, dtype=DT), nn.Linear(D, 2 * D, bias=False, dtype=DT)
-        self.down = nn.Linear(2 * D, D, bias=False, dtype=DT)
-
-    def forward(self, h):
-        return self.down(F.silu(self.gate(h)) * self.up(h))
-
-
-class LlamaBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm1, self.norm2 = nn.RMSNorm(D, eps=1e-6, dtype=DT), nn.RMSNorm(D, eps=1e-6, dtype=DT)
-        self.attn, self.mlp = Attention(), SwiGLU()
-
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
-class TinyLlama(nn.Module):
-    def __init__(self, layers: int = 2):
-        super().__init__()
-        self.emb = nn.Embedding(V, D, padding_idx=20, dtype=DT)  # row 20: rank 1's, local 7
-        self.layers = nn.ModuleList(LlamaBlock() for _ in range(layers))
-        self.normf = nn.RMSNorm(D, eps=1e-6, dtype=DT)
-        self.head = nn.Linear(D, V, bias=False, dtype=DT)  # untied
-
-    def forward(self, tokens):
-        h = self.emb(tokens)
-        for block in self.layers:
-            h = block(h)
-        return self.head(self.normf(h))  # (B, T, V); under TP (B, T, ⌈V/tp⌉), padding −inf
-
-
-LLAMA_PLAN = {
-    "emb": "vocab_embed",
-    "layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise", "layers.*.attn.v": "colwise",
-    "layers.*.attn.o": "rowwise",
-    "layers.*.mlp.gate": "colwise", "layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise",
-    "head": "colwise_vocab",
-}
-
-
-class TiedReader(nn.Module):
-    """The tying idiom FSDP cannot gather for: the parent reads the embedding's weight itself."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(11, D, dtype=DT)
-        self.norm = nn.RMSNorm(D, dtype=DT)
-
-    def forward(self, tokens):
-        return F.linear(self.norm(self.emb(tokens)), self.emb.weight)  # (B, T, 11)
-
-
-def made(fn, *args, seed=0, **kw):
-    """``fn(*args, **kw)`` under ``torch.manual_seed(seed)``: a model's (or a batch's) same values anywhere."""
-    torch.manual_seed(seed)
-    return fn(*args, **kw)
 
 
 # --- rank code -------------------------------------------------------------------------------------
@@ -476,88 +371,6 @@ def test_apply_plan_refuses_before_changing_anything(result):
     r = result["refuse"]
     assert r["message"] and "'dwon'" in r["message"] and "['down']" in r["message"], r
     assert r["unchanged"] and r["hooks"] == 0, r
-
-
-def test_check_plan_accepts_the_llama_plan_at_any_vocabulary():
-    styles = tp_plan.check_plan(made(TinyLlama), LLAMA_PLAN, 2)
-    assert styles["emb.weight"] == "vocab_embed" and styles["head.weight"] == "colwise_vocab"
-    assert len(styles) == 2 + 7 * 2  # embedding, head, 7 projections per block; norms replicated
-
-
-def test_check_plan_shares_a_tied_embedding_and_head():
-    """Tied wte/head split alike (rows, padded to ⌈V/tp⌉): one shard serves both."""
-    model = made(TinyLlama)
-    model.head.weight = model.emb.weight
-    styles = tp_plan.check_plan(model, LLAMA_PLAN, 2)
-    assert styles["emb.weight"] == "vocab_embed" and styles["head.weight"] == "colwise_vocab"
-
-
-class ThreeHeads(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.head_dim = 4
-        self.q = nn.Linear(12, 12, bias=False)
-
-
-class ScaledLinear(nn.Linear):
-    def __init__(self):
-        super().__init__(4, 4)
-        self.scale = nn.Parameter(torch.ones(4))
-
-
-def _tied():
-    model = made(TinyLlama)
-    model.head.weight = model.emb.weight
-    return model
-
-
-def _transformer_heads_2():
-    return empty_model(Config(world_size=4, model="transformer", layers=1, dim=16, heads=2, vocab=32), "meta")
-
-
-REFUSALS = {  # id: (model, plan, world size, sequence parallel, the message's what / where)
-    "key_matches_no_module": (lambda: made(TinyLlama), {"layers.*.attn.qq": "colwise"}, 2, False,
-                              r"key 'layers\.\*\.attn\.qq' \(colwise\) matches no module .*layers\.0\.attn\.q"),
-    "unknown_style": (lambda: made(TinyLlama), {"head": "colwise_vocabulary"}, 2, False,
-                      r"key 'head' has unknown style 'colwise_vocabulary'"),
-    "colwise_on_a_norm": (lambda: made(TinyLlama), {"layers.*.norm1": "colwise"}, 2, False,
-                          r"'colwise' at 'layers\.0\.norm1' \(RMSNorm\): this style splits an nn\.Linear"),
-    "vocab_embed_on_a_linear": (lambda: made(TinyLlama), {"head": "vocab_embed"}, 2, False,
-                                r"'vocab_embed' at 'head' \(Linear\): this style splits an nn\.Embedding"),
-    "colwise_out_features": (lambda: nn.Sequential(nn.Linear(6, 7)), {"0": "colwise"}, 2, False,
-                             r"'colwise' at '0' \(Linear\): out_features=7 is not divisible by tp=2"),
-    "rowwise_in_features": (lambda: nn.Sequential(nn.Linear(7, 4)), {"0": "rowwise"}, 2, False,
-                            r"'rowwise' at '0' \(Linear\): in_features=7 is not divisible by tp=2"),
-    "part_of_a_head": (ThreeHeads, {"q": "colwise"}, 2, False,
-                       r"'colwise' at 'q' \(Linear\): it would split 3 heads of head_dim=4 over tp=2"),
-    "colwise_heads": (_transformer_heads_2, {"blocks.*.attn.qkv": "colwise_heads"}, 4, False,
-                      r"'colwise_heads' at 'blocks\.0\.attn\.qkv' \(Linear\): .*whole heads per rank"),
-    "two_styles_for_one_module": (lambda: made(TinyLlama), {"layers.*.attn.q": "colwise", "layers.0.attn.*": "rowwise"},
-                                  2, False, r"module 'layers\.0\.attn\.q' \(Linear\) is matched by"),
-    "tied_split_unlike": (_tied, {"emb": "vocab_embed"}, 2, False,
-                          r"one Parameter \(tied\) is used as 'emb\.weight' \(vocab_embed\), "
-                          r"'head\.weight' \(replicated\)"),
-    "sequence_without_sp": (lambda: made(TinyLlama), {"layers.*.norm1": "sequence"}, 2, False,
-                            r"'sequence' at 'layers\.0\.norm1' \(RMSNorm\): .*only under sequence parallelism"),
-    "sp_leaves_a_gain_unplanned": (lambda: made(TinyLlama), LLAMA_PLAN, 2, True,
-                                   r"'layers\.0\.norm1\.weight' is in no plan entry"),
-    "embedding_max_norm": (lambda: nn.Sequential(nn.Embedding(5, 2, max_norm=1.0)), {"0": "vocab_embed"}, 2, False,
-                           r"'vocab_embed' at '0' \(Embedding\): max_norm"),
-    "unknown_parameter": (lambda: nn.Sequential(ScaledLinear()), {"0": "colwise"}, 2, False,
-                          r"'colwise' at '0' \(ScaledLinear\): it has a parameter 'scale'"),
-}
-
-
-@pytest.mark.parametrize("case", list(REFUSALS))
-def test_check_plan_refuses(case):
-    """ONE PlanError naming what, where (module path) and how to fix, before any change."""
-    build, plan, n, sp, what = REFUSALS[case]
-    model = build()
-    before = {k: (tuple(p.shape), p.device.type) for k, p in model.named_parameters()}
-    with pytest.raises(tp_plan.PlanError, match=what) as err:
-        tp_plan.check_plan(model, plan, n, sequence_parallel=sp)
-    assert "Fix: " in str(err.value), err.value
-    assert {k: (tuple(p.shape), p.device.type) for k, p in model.named_parameters()} == before
 
 
 # --- data parallel, ZeRO, FSDP -----------------------------------------------------------------------

@@ -1,0 +1,123 @@
+"""Models the project does not own, for the torch own-model tests (test_own_model_torch.py,
+test_tp_plan.py): float64, small, each with what real models bring.
+
+``BiasedMLP``: biases, LayerNorm, a frozen matrix and a frozen gain, a buffer, 7 and 5 rows (padding at
+N = 2). ``TPMLP``: LayerNorm, a biased colwise/rowwise pair. ``TinyLlama``: separate q, k, v, o; SwiGLU
+gate, up, down; RMSNorm; an untied head; V = 25, not divisible by 2; padding_idx on rank 1's half
+(``LLAMA_PLAN`` splits it Megatron's way). ``TiedReader``: a parent reading a child's weight
+(F.linear(h, self.emb.weight)), the tying idiom FSDP must refuse.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DT = torch.float64
+V, D, HEADS, B, T = 25, 8, 2, 2, 6
+
+
+class BiasedMLP(nn.Module):
+    """Biases, a LayerNorm, a frozen Linear and a frozen gain, a buffer; 7 and 5 output rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(6, 7, dtype=DT)
+        self.norm = nn.LayerNorm(7, dtype=DT)
+        self.down = nn.Linear(7, 5, dtype=DT)
+        self.fixed = nn.Linear(5, 5, bias=False, dtype=DT).requires_grad_(False)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 5, dtype=DT), requires_grad=False)
+        self.register_buffer("shift", torch.linspace(-1, 1, 5, dtype=DT))
+
+    def forward(self, x):
+        return self.fixed(self.down(F.gelu(self.norm(self.up(x))))) * self.gain + self.shift
+
+
+class TPMLP(nn.Module):
+    """A LayerNorm (replicated; SP: 'sequence'), then a biased colwise / rowwise pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(6, dtype=DT)
+        self.up = nn.Linear(6, 8, dtype=DT)
+        self.down = nn.Linear(8, 6, dtype=DT)
+
+    def forward(self, x):  # (B, T, 6)
+        return self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.n_heads, self.head_dim = HEADS, D // HEADS
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False, dtype=DT) for _ in range(4))
+
+    def forward(self, h):  # (B, T, D); under TP q, k, v hold H/tp heads: the -1 below
+        b, t, _ = h.shape
+        q, k, v = (m(h).view(b, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, dh)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up = nn.Linear(D, 2 * D, bias=False, dtype=DT), nn.Linear(D, 2 * D, bias=False, dtype=DT)
+        self.down = nn.Linear(2 * D, D, bias=False, dtype=DT)
+
+    def forward(self, h):
+        return self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = nn.RMSNorm(D, eps=1e-6, dtype=DT), nn.RMSNorm(D, eps=1e-6, dtype=DT)
+        self.attn, self.mlp = Attention(), SwiGLU()
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(V, D, padding_idx=20, dtype=DT)  # row 20: rank 1's, local 7
+        self.layers = nn.ModuleList(LlamaBlock() for _ in range(layers))
+        self.normf = nn.RMSNorm(D, eps=1e-6, dtype=DT)
+        self.head = nn.Linear(D, V, bias=False, dtype=DT)  # untied
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for block in self.layers:
+            h = block(h)
+        return self.head(self.normf(h))  # (B, T, V); under TP (B, T, ⌈V/tp⌉), padding −inf
+
+
+LLAMA_PLAN = {
+    "emb": "vocab_embed",
+    "layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise", "layers.*.attn.v": "colwise",
+    "layers.*.attn.o": "rowwise",
+    "layers.*.mlp.gate": "colwise", "layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise",
+    "head": "colwise_vocab",
+}
+
+
+class TiedReader(nn.Module):
+    """The tying idiom FSDP cannot gather for: the parent reads the embedding's weight itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, D, dtype=DT)
+        self.norm = nn.RMSNorm(D, dtype=DT)
+
+    def forward(self, tokens):
+        return F.linear(self.norm(self.emb(tokens)), self.emb.weight)  # (B, T, 11)
+
+
+def made(fn, *args, seed=0, **kw):
+    """``fn(*args, **kw)`` under ``torch.manual_seed(seed)``: a model's (or a batch's) same values anywhere."""
+    torch.manual_seed(seed)
+    return fn(*args, **kw)
