@@ -184,7 +184,7 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
     if ctx.device.type == "cuda":
         extra["peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
     return Trained(losses=losses, grads0=grads0, params=setup.fixture(setup.params), step_times=step_times,
-                   comm=comm, comm_theory=setup.comm_theory, state_bytes=state, extra=extra)
+                   comm=comm, comm_theory=setup.comm_theory, state_bytes=state, extra=extra, where=ctx.where)
 
 
 def _reference(cfg: Config, device):
