@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (the HLO lines are kept verbatim, as XLA prints them)
 """GPU readiness without a GPU (issue 25): everything about a CUDA run that a CPU machine can check.
 
 - one CUDA stack: the gpu extra's JAX plugin on torch's CUDA major (a resolver report, canned here;
