@@ -131,7 +131,7 @@ def test_device_gpu_refuses_in_one_line_without_a_gpu():
     for refuse in (lambda: resolve_device("gpu", 2), lambda: platform("gpu", 2)):
         with pytest.raises(ValueError) as err:
             refuse()
-        assert str(err.value).startswith("--device gpu: ") and "\n" not in str(err.value), err.value
+        assert str(err.value).startswith("--device gpu") and "\n" not in str(err.value), err.value
     assert resolve_device("auto", 2) == "cpu" and fallback_reason("auto", 2) is None  # no GPU: not a fallback
     assert platform("auto", 2) == "cpu"
 
@@ -241,3 +241,14 @@ def test_every_jax_step_lowers_for_cuda(monkeypatch):
                 failed.append(f"{pattern} {cfg.model} {cfg.mesh or ''} {style}/{variant}: {str(exc).splitlines()[0]}")
     assert not failed, "\n".join(failed)
     assert lowered >= 40, lowered  # every pattern × model × style/variant (+ mesh layouts) at world size 4
+
+
+# --- the doctor (item 8) ----------------------------------------------------------------------------------
+
+def test_doctor_probes_on_cpu(capsys):
+    """On a CPU node it reports what it finds and skips the GPU runs (both probes: separate processes)."""
+    from doctor import doctor_main
+
+    assert doctor_main(["--probe-only"]) == 0
+    out = capsys.readouterr().out
+    assert '"jax": "0.' in out and '"matmul_fp32_precision": "ieee"' in out and "send back" in out

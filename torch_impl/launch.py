@@ -107,9 +107,11 @@ def resolve_device(device: str, world_size: int) -> str:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
     if device == "gpu":
         if not torch.cuda.is_available():
-            why = ("this torch is a CPU build" if torch.version.cuda is None
-                   else f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no usable GPU")
-            raise ValueError(f"--device gpu: {why}; install the CUDA torch wheel (pip install torch) on a GPU node")
+            why = ("this torch is a CPU build: install the CUDA wheel (pip install torch) on a GPU node"
+                   if torch.version.cuda is None else
+                   f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no usable GPU")
+            raise ValueError(f"--device gpu needs {local} GPUs on this node for world_size={world_size}, "
+                             f"found 0 ({why})")
         if n_gpu < local:
             raise ValueError(
                 f"--device gpu needs {local} GPUs on this node for world_size={world_size}, found {n_gpu} "
