@@ -252,3 +252,63 @@ def test_doctor_probes_on_cpu(capsys):
     assert doctor_main(["--probe-only"]) == 0
     out = capsys.readouterr().out
     assert '"jax": "0.' in out and '"matmul_fp32_precision": "ieee"' in out and "send back" in out
+
+
+# --- the device audit (item 3) ----------------------------------------------------------------------------
+
+def test_audit_names_the_tensor_nccl_would_refuse():
+    import torch
+
+    from torch_impl.ledger import AuditError, audit_tensors
+
+    cpu = torch.device("cpu")
+    audit_tensors("allreduce_", [[torch.zeros(4)], torch.zeros(2, dtype=torch.bfloat16)], cpu)  # fine
+    for bad, why in ((torch.zeros(4, 4).t(), "not contiguous"), (torch.zeros(4, device="meta"), "on meta"),
+                     (torch.zeros(4, dtype=torch.complex64), "dtype torch.complex64")):
+        with pytest.raises(AuditError, match=why):
+            audit_tensors("allreduce_", [[bad]], cpu)
+
+
+def _audited_rank(ctx):
+    """Inside a rank under PARALLEL_TWINS_AUDIT=meta: a factory without device= is meta, and a
+    collective handed a non-contiguous tensor is refused by the audit."""
+    import torch
+    import torch.distributed as dist
+
+    from torch_impl.ledger import AuditError
+
+    made = torch.zeros(2).device.type
+    x = torch.ones(4, 4, device=ctx.device)
+    with ctx.ledger.recording():
+        dist.all_reduce(x)
+        try:
+            dist.all_reduce(x.t())
+            refused = False
+        except AuditError:
+            refused = True
+    return made, refused, ctx.ledger.audited
+
+
+def test_audit_in_a_launch(monkeypatch):
+    from torch_impl.launch import launch
+
+    monkeypatch.setenv("PARALLEL_TWINS_AUDIT", "meta")
+    assert launch(_audited_rank, 2) == [("meta", True, 1)] * 2  # the refused call is not counted
+
+
+@pytest.mark.slow
+def test_every_torch_pattern_under_the_meta_audit(tmp_path, monkeypatch):
+    """Every torch pattern and model, and two mesh layouts, with the default device meta: a tensor
+    made without device= fails the run or its parity. tp (and layouts with tp) are left out until
+    torch_impl/tp.py's heads_perm takes a device (it indexes with a default-device arange)."""
+    import compare
+
+    monkeypatch.setenv("PARALLEL_TWINS_AUDIT", "meta")
+    small = ["--frameworks", "torch", "--steps", "2", "--quiet", "--device", "cpu"]
+    for argv in (["--world-size", "2", "--patterns", "collectives,dp,fsdp,pp,cp,ep"],
+                 ["--model", "transformer", "--mesh", "dp=2,pp=2;fsdp=2,cp=2"]):
+        path = tmp_path / "out.json"
+        code = compare.main([*small, *argv, "--json", str(path)])
+        data = json.loads(path.read_text())
+        assert code == 0, data["errors"] or [r for r in data["runs"] if not r["ok"]]
+        assert all(r["extra"].get("audited_collectives", 0) > 0 for r in data["runs"] if r["pattern"] != "collectives")

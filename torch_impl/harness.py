@@ -181,6 +181,8 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
     extra = dict(setup.extra, activation_bytes=meter.peak)
     if by_axis is not None:
         extra["comm_by_axis"] = by_axis  # {axis label: {op: {"count", "bytes"}}} of the last step
+    if ctx.ledger.audit_device is not None:
+        extra["audited_collectives"] = ctx.ledger.audited  # the device audit's checks, this launch so far
     if ctx.device.type == "cuda":
         extra["peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
     return Trained(losses=losses, grads0=grads0, params=setup.fixture(setup.params), step_times=step_times,

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shared.env import die_with_parent
-from torch_impl.ledger import CommLedger
+from torch_impl.ledger import AUDIT_ENV, CommLedger
 
 DEFAULT_TIMEOUT_S = 300.0  # whole launch; collectives time out after the same
 
@@ -256,7 +256,20 @@ def _init(rank: int, world_size: int, local_rank: int, kind: str, timeout_s: flo
     dist.init_process_group(**kwargs)
     ctx = RankContext(rank, world_size, local_rank, device, backend, CommLedger(world_size))
     ctx.devices = _gather_devices(device, world_size)
+    if os.environ.get(AUDIT_ENV):
+        start_audit(ctx, meta=os.environ[AUDIT_ENV] == "meta")
     return ctx
+
+
+def start_audit(ctx: RankContext, meta: bool = True) -> None:
+    """The device audit (tests/conftest.py: PARALLEL_TWINS_AUDIT): the ledger checks every collective
+    it records (device, contiguity, NCCL dtype: torch_impl.ledger.audit_tensors); with ``meta`` the
+    default device becomes meta, so a factory call without ``device=`` makes a meta tensor that fails
+    (or gives a wrong answer the parity check sees) on CPU, where on a GPU it would silently put a
+    tensor on the CPU."""
+    ctx.ledger.audit_device = ctx.device
+    if meta:
+        torch.set_default_device("meta")
 
 
 def _gather_devices(device: torch.device, world_size: int) -> list[str]:
