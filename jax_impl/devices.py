@@ -71,6 +71,12 @@ def platform(device: str = "auto", n: int = 1) -> str:
     return "cpu"
 
 
+def xla_platform(mesh) -> str:
+    """"cpu" | "cuda" | …: the platform a mesh's programs compile for (the XLA choices recorded per
+    platform, jax_impl.cp.seq_sharded_comm and jax_impl.ep.gshard_comm, are looked up by it)."""
+    return where(mesh.devices.flat)["platform"]
+
+
 def where(devs) -> dict:
     """Where a program runs, for Trained.where: {"platform": "cpu" | "cuda", "backend": None,
     "devices": ["cuda:0", …], "fallback": the auto fallback line when it ran on the CPU}."""

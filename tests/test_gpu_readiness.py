@@ -312,3 +312,18 @@ def test_every_torch_pattern_under_the_meta_audit(tmp_path, monkeypatch):
         data = json.loads(path.read_text())
         assert code == 0, data["errors"] or [r for r in data["runs"] if not r["ok"]]
         assert all(r["extra"].get("audited_collectives", 0) > 0 for r in data["runs"] if r["pattern"] != "collectives")
+
+
+def test_jit_styles_xla_choices_are_per_platform():
+    """XLA:CPU's recorded choices keep their counts and kinds; on cuda only the bytes (the combiner and
+    ReduceScatterCreator are free there), the same total, which the table's theory check compares."""
+    from jax_impl.cp import seq_sharded_comm
+    from jax_impl.ep import gshard_comm
+    from shared.config import Config
+
+    cfg = Config(world_size=4, model="transformer", layers=2, dim=16, heads=4, seq=16, vocab=32, batch=8)
+    moe = cfg.replace(experts=4, topk=2)
+    for choices in (lambda p: seq_sharded_comm(cfg, p), lambda p: gshard_comm(moe, p)):
+        cpu, cuda = choices("cpu"), choices("cuda")
+        assert "any" not in cpu and list(cuda) == ["any"] and cuda["any"][0] is None
+        assert cuda["any"][1] == sum(nbytes for _, nbytes in cpu.values())
