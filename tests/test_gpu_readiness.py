@@ -327,3 +327,37 @@ def test_jit_styles_xla_choices_are_per_platform():
         cpu, cuda = choices("cpu"), choices("cuda")
         assert "any" not in cpu and list(cuda) == ["any"] and cuda["any"][0] is None
         assert cuda["any"][1] == sum(nbytes for _, nbytes in cpu.values())
+
+
+# --- measurements that mean the same on a GPU (item 6) ----------------------------------------------------
+
+def test_pipeline_clock_on_cuda_waits_once_per_step(monkeypatch):
+    """The explicit pipelines' F/B/W stamps on CUDA are events resolved after one synchronize per
+    step (the GPU path, with a stand-in Event: elapsed_time in ms as CUDA's)."""
+    import torch
+
+    from torch_impl.pp_schedules import StepClock
+
+    ticks, syncs = iter(range(100)), []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            self.t = next(ticks)  # "ms" on the stream
+
+        def elapsed_time(self, other):
+            return float(other.t - self.t)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(a))
+    clock = StepClock(torch.device("cuda", 0), t0=0.0)
+    timeline = [{"kind": "F", "start": clock(), "end": clock()}, {"kind": "B", "start": clock(), "end": clock()}]
+    assert not syncs
+    out = clock.resolve(timeline)
+    assert len(syncs) == 1
+    stamps = [x - clock.offset for e in out for x in (e["start"], e["end"])]
+    assert stamps == pytest.approx([0.001, 0.002, 0.003, 0.004])  # 1 ms per tick after the origin event (tick 0)
+    cpu = StepClock(torch.device("cpu"), t0=0.0)
+    assert isinstance(cpu(), float) and cpu.resolve(timeline) is timeline
