@@ -233,7 +233,7 @@ def run_collectives(ctx: RankContext) -> list[dict]:
     """Every collective checked on this rank (all ranks return their own list)."""
     from torch_impl import collectives
 
-    return collectives.check_all(ctx)
+    return [{**check, "where": ctx.where} for check in collectives.check_all(ctx)]  # platform, backend, devices
 
 
 def run_jobs(ctx: RankContext, jobs: list[tuple[str, list[Config]]]) -> dict[str, object]:
