@@ -82,6 +82,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 SUBCOMMANDS = """subcommands (each has its own --help):
   compare.py bench   nccl-tests-style sweep of the collectives in both frameworks (algbw, busbw, α–β fit)
   compare.py plan    rank the layouts of a model on a GPU cluster: memory, bytes per axis, step time
+  compare.py doctor  on a GPU node: versions, CUDA majors, devices, NCCL, then small NCCL and JAX-on-GPU runs
 
 exit status: 0 every run agrees with its reference (and across frameworks); 1 a parity check or a run
 failed; 2 bad arguments, config or output path (one line, before any process starts); 3 the runs
@@ -190,15 +191,16 @@ def default_world_size(device: str) -> int:
 
 
 def check_devices(frameworks, world_size: int, device: str) -> None:
-    """Refuse (ValueError) a device request that cannot be met, before any rank starts."""
-    if "torch" in frameworks:
-        from torch_impl.launch import resolve_device
-
-        resolve_device(device, world_size)
+    """Refuse (ValueError) a device request that cannot be met, before any rank starts. JAX first:
+    its GPU backend starts before this process loads torch's CUDA libraries (jax-ml/jax#18032)."""
     if "jax" in frameworks and "RANK" not in os.environ:
         from jax_impl.devices import devices
 
         devices(world_size, device)
+    if "torch" in frameworks:
+        from torch_impl.launch import resolve_device
+
+        resolve_device(device, world_size)
 
 
 def join_jax_processes(args, cfgs):
@@ -325,6 +327,10 @@ def main(argv=None) -> int:
         from planner import plan_main
 
         return plan_main(argv[1:])
+    if argv and argv[0] == "doctor":
+        from doctor import doctor_main
+
+        return doctor_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
         check_output_path("--json", args.json)

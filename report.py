@@ -187,9 +187,12 @@ _STYLES = {"header": "bold", "rule": "dim", "section": "bold cyan", "row": None,
 def print_table(rows, cfgs, console, wide: bool = False) -> None:
     from rich.text import Text
 
-    cfg = cfgs[0]
+    from shared.results import where_line
+
+    cfg, where = cfgs[0], where_line(rows)
     console.print(f"parallel-twins: world size {cfg.world_size}, {cfg.dtype}, M={cfg.microbatches}, "
-                  f"{cfg.steps} steps; {describe_sizes(cfgs)}", style="bold", highlight=False)
+                  f"{cfg.steps} steps{f'; {where}' if where else ''}; {describe_sizes(cfgs)}", style="bold",
+                  highlight=False)
     if not wide:
         console.print("vs ref: worst relative error (loss, step-0 gradient, final parameters) against the same "
                       "framework's single-device run; vs other: against the other framework's; theory: '=' "

@@ -81,6 +81,8 @@ def collective_rows(framework, cfg, per_rank_checks):
             ok=all(c["ok"] for c in checks), comm=first.get("comm", {}),
             comm_bytes=comm_bytes(first.get("comm", {})), comm_bytes_theory=first.get("expected_bytes"),
             extra={"max_abs_err": max(float(c.get("max_abs_err", 0.0)) for c in checks)},
+            **{k: first.get("where", {}).get(k) for k in ("platform", "backend", "fallback")},
+            devices=first.get("where", {}).get("devices", []),
         ))
     return rows
 

@@ -26,6 +26,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_impl.devices import where
 from jax_impl.ledger import comm_of
 from jax_impl.model import fetch
 from shared.collectives import (
@@ -181,7 +182,8 @@ def check_all(mesh) -> list[dict]:
         extra_bytes = 4 if name == "barrier" else 0  # the psum of one int32
         row = {"variant": name, "ok": err <= COLLECTIVES, "max_abs_err": err, "comm": comm_of(step, x),
                "expected_bytes": expected_bytes(name, n, x.dtype.itemsize) + extra_bytes,
-               "outputs": [None if w is None else o.tolist() for o, w in zip(out, wants, strict=True)]}
+               "outputs": [None if w is None else o.tolist() for o, w in zip(out, wants, strict=True)],
+               "where": where(mesh.devices.flat)}  # platform / devices, for RunResult's fields
         if name in ("ring_all_reduce", "rs_then_ag"):  # equal to the library all-reduce?
             lib = np.split(fetch(library(x)), n)
             row["vs_library_max_abs_err"] = max(max_abs_err(o, l) for o, l in zip(out, lib, strict=True))

@@ -12,26 +12,80 @@ only this process's own (the single-device reference: each process computes its 
 from __future__ import annotations
 
 import os
+import sys
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+FALLBACK: str | None = None  # the line saying why --device auto took the CPU though a GPU was there
+_SAID: set[str] = set()
+
+
+def gpu_unavailable_reason() -> str:
+    """Why JAX has no GPU backend, in one line: the CUDA plugin's own initialisation error (e.g. a
+    CUDA/cuDNN library mismatch, jax-ml/jax#18032) when it tried and failed, else a missing plugin."""
+    from jax._src import xla_bridge  # the backends' initialisation errors live only here
+
+    errors = getattr(xla_bridge, "_backend_errors", {}) or {}
+    for name in ("cuda", "rocm", "gpu"):
+        if name in errors:
+            return f"JAX's {name} backend failed to initialize: {' '.join(str(errors[name]).split())}"
+    chosen = os.environ.get("JAX_PLATFORMS", "")
+    if chosen and not {"cuda", "gpu", "rocm"} & set(chosen.split(",")):
+        return f"JAX_PLATFORMS={chosen} leaves the GPU out"
+    return "JAX sees no GPU (no CUDA plugin: pip install '.[gpu]', i.e. jax[cuda13])"
+
+
+def _gpu_count() -> int:
+    try:
+        return len(jax.devices("gpu"))
+    except RuntimeError:
+        return 0
+
 
 def platform(device: str = "auto", n: int = 1) -> str:
     """'auto' | 'cpu' | 'gpu' -> the JAX platform to run on ('cpu' or 'gpu'). 'auto' takes the GPUs
-    only when there are at least ``n`` of them (as torch_impl.launch does), else the CPU devices."""
+    only when there are at least ``n`` of them (as torch_impl.launch does), else the CPU devices;
+    when it does not take GPUs it could see (or whose backend failed), it says so once on stderr and
+    keeps the line in ``FALLBACK`` for the rows. 'gpu' never falls back: ValueError, one line why."""
+    global FALLBACK
     if device not in ("auto", "cpu", "gpu"):
         raise ValueError(f"device must be auto, cpu or gpu, got {device!r}")
     if device == "cpu":
         return "cpu"
-    try:
-        n_gpu = len(jax.devices("gpu"))
-    except RuntimeError:
-        n_gpu = 0
+    n_gpu = _gpu_count()
     if device == "gpu" and n_gpu == 0:
-        raise ValueError("--device gpu: JAX sees no GPU (install the 'gpu' extra: jax[cuda12])")
-    return "gpu" if n_gpu >= (1 if device == "gpu" else n) else "cpu"
+        raise ValueError(f"--device gpu: {gpu_unavailable_reason()}")
+    if n_gpu >= (1 if device == "gpu" else n):
+        return "gpu"
+    from jax._src import xla_bridge
+
+    failed = any(k in (getattr(xla_bridge, "_backend_errors", {}) or {}) for k in ("cuda", "rocm", "gpu"))
+    if n_gpu or failed:
+        FALLBACK = (f"jax: {n_gpu} GPU(s) for {n} devices, so the CPU" if n_gpu
+                    else f"jax: the CPU, {gpu_unavailable_reason()}")
+        if FALLBACK not in _SAID:
+            _SAID.add(FALLBACK)
+            print(f"note: --device auto fell back: {FALLBACK}", file=sys.stderr)
+    return "cpu"
+
+
+def xla_platform(mesh) -> str:
+    """"cpu" | "cuda" | …: the platform a mesh's programs compile for (the XLA choices recorded per
+    platform, jax_impl.cp.seq_sharded_comm and jax_impl.ep.gshard_comm, are looked up by it)."""
+    return where(mesh.devices.flat)["platform"]
+
+
+def where(devs) -> dict:
+    """Where a program runs, for Trained.where: {"platform": "cpu" | "cuda", "backend": None,
+    "devices": ["cuda:0", …], "fallback": the auto fallback line when it ran on the CPU}."""
+    devs = list(devs)
+    kinds = {d.platform for d in devs}
+    plat = "/".join(sorted("cuda" if k == "gpu" else k for k in kinds))  # JAX calls CUDA devices "gpu"
+    names = [f"{'cuda' if d.platform == 'gpu' else d.platform}:{d.id}" for d in devs]
+    return {"platform": plat, "backend": None, "devices": names,
+            "fallback": FALLBACK if plat == "cpu" else None}
 
 
 def devices(n: int, device: str = "auto") -> list:
@@ -59,7 +113,7 @@ def _multiprocess_devices(n: int, device: str) -> list:
     """Every device (process-major: jax.devices() lists process 0's first) or this process's first n."""
     kind = "cpu" if device == "cpu" else jax.default_backend()
     if device == "gpu" and kind != "gpu":
-        raise ValueError("--device gpu: JAX sees no GPU (install the 'gpu' extra: jax[cuda12])")
+        raise ValueError(f"--device gpu: {gpu_unavailable_reason()}")
     everything, mine = jax.devices(kind), jax.local_devices(backend=kind)
     if n == len(everything):
         return everything

@@ -64,7 +64,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.devices import make_mesh
+from jax_impl.devices import make_mesh, xla_platform
 from jax_impl.harness import Setup, leaves_fixture, train_loop
 from jax_impl.model import inputs, jax_dtype, make_optimizer, output_loss, targets
 from jax_impl.transformer import Rules, apply_moe, combine, experts
@@ -176,7 +176,7 @@ def gshard_loss(cfg: Config, mesh):
     return loss
 
 
-def gshard_comm(cfg: Config) -> dict[str, tuple[int | None, int]]:
+def gshard_comm(cfg: Config, platform: str = "cpu") -> dict[str, tuple[int | None, int]]:
     """What XLA (GSPMD, CPU) issued for jit/gshard, measured (not a design) at E = 4 and 8, D = 16
     and 32, ep = 2 and 4, k = 1 and 2. a = E·C·D·b: one device's shard of the (E, G, C, D) expert
     buffer (= the capacity style's all-to-all). Forward per layer: 2 all-to-alls of a (the dispatch
@@ -185,12 +185,17 @@ def gshard_comm(cfg: Config) -> dict[str, tuple[int | None, int]]:
     outputs: an all-gather of the output gradient (G, S, D), B·T·D·b, then an all-to-all of its
     E·S·C·b shard back to the groups. One all-reduce payload: the replicated gradients, the (E,)
     int64 counts and (E,) mean probs of every layer (XLA defers them to the end of the forward)
-    and the CE's scalar sum (count: XLA's combiner)."""
+    and the CE's scalar sum (count: XLA's combiner).
+    ``platform``: these are XLA:CPU's choices. XLA:GPU combines independent collectives (up to 30 MiB)
+    and runs ReduceScatterCreator / AllReduceReassociate, so on "cuda" neither the counts nor the
+    kinds are kept: one entry, ``"any": (None, the same total bytes)``, and the verdict compares bytes
+    (not yet measured on a GPU: docs/gpu.md)."""
     b, L, e, c = cfg.bytes_per_element, cfg.layers, cfg.experts, ep_capacity(cfg)
     a = e * c * cfg.dim * b
-    return {"all_to_all": (5 * L, L * (4 * a + e * c * c * b)),
-            "all_gather": (L, L * cfg.batch * cfg.seq * cfg.dim * b),
-            "all_reduce": (None, ep_replicated_params(cfg) * b + L * e * (8 + b) + b)}
+    cpu = {"all_to_all": (5 * L, L * (4 * a + e * c * c * b)),
+           "all_gather": (L, L * cfg.batch * cfg.seq * cfg.dim * b),
+           "all_reduce": (None, ep_replicated_params(cfg) * b + L * e * (8 + b) + b)}
+    return cpu if platform == "cpu" else {"any": (None, sum(nbytes for _, nbytes in cpu.values()))}
 
 
 # --- the step -----------------------------------------------------------------------------------------
@@ -223,7 +228,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
         return optax.apply_updates(params, updates), opt_state, loss, grads, load  # load (L, B, E)
 
     fixture = partial(leaves_fixture, names=names)
-    theory = ep_comm_jax(cfg, style) if style == "shard_map" else gshard_comm(cfg)
+    theory = ep_comm_jax(cfg, style) if style == "shard_map" else gshard_comm(cfg, xla_platform(mesh))
     trained = train_loop(cfg, Setup(
         step=jax.jit(step, donate_argnums=(0, 1)), state=(params, tx.init(params)), batch=batch,
         grads_fixture=fixture, params_fixture=lambda state: fixture(state[0]),

@@ -26,6 +26,7 @@ import numpy as np
 
 from jax_impl import reference, transformer
 from jax_impl.devices import devices
+from jax_impl.devices import where as devices_where
 from jax_impl.ledger import comm_by_axis, comm_from_hlo
 from jax_impl.model import fetch, to_numpy, tree_bytes
 from shared.config import Config
@@ -98,8 +99,10 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
     memory = compiled.memory_analysis()  # per device; None where the backend does not say
     if memory is not None:
         extra["temp_bytes"] = memory.temp_size_in_bytes  # XLA's scratch: the activations live in it
+    placed = sorted({d for leaf in jax.tree.leaves(state) for d in leaf.sharding.device_set}, key=lambda d: d.id)
     return Trained(losses=losses, grads0=grads0, params=setup.params_fixture(state), step_times=step_times,
-                   comm=comm, comm_theory=setup.comm_theory, state_bytes=state_bytes, extra=extra)
+                   comm=comm, comm_theory=setup.comm_theory, state_bytes=state_bytes, extra=extra,
+                   where=devices_where(placed))
 
 
 def _reference(cfg: Config, device: str):

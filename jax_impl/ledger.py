@@ -116,8 +116,10 @@ def _collectives(hlo_text: str, num_devices: int | None = None):
         if not arrays:
             continue
         if m.group("suffix") == "-start":  # GPU async forms: the shape lists inputs, then outputs
-            if op == "collective-permute":  # ((inputs…), (outputs…), u32[], u32[]): the message
-                arrays = [a for a, dt in zip(arrays, _ARRAY.findall(m.group("shape"))) if dt[1]]  # drop u32[]
+            if op == "collective-permute":  # (inputs…, outputs…, u32[], u32[]): the message
+                kinds = _ARRAY.findall(m.group("shape"))
+                while len(arrays) > 2 and kinds[-1] == ("u32", ""):  # the two u32[] contexts only: a
+                    arrays, kinds = arrays[:-1], kinds[:-1]  # scalar message (f32[]) keeps its 4 bytes
                 arrays = arrays[: max(1, len(arrays) // 2)]
             elif op != "all-reduce":  # all-gather, reduce-scatter, all-to-all: keep the outputs
                 arrays = arrays[len(arrays) // 2:]

@@ -30,6 +30,10 @@ class Trained:
     comm_theory: int | None = None  # payload bytes per step per rank from shared.theory
     state_bytes: dict[str, int] = field(default_factory=dict)  # per rank: params/grads/optimizer
     extra: dict[str, Any] = field(default_factory=dict)  # pattern-specific (bubble, timeline, …)
+    # Where it ran (RunResult's fields of the same names): {"platform": "cpu" | "cuda", "backend":
+    # torch's "gloo" | "nccl" (JAX: None), "devices": ["cuda:0", …] one per rank / mesh device,
+    # "fallback": the one line saying why --device auto did not take the GPUs, else None}.
+    where: dict[str, Any] = field(default_factory=dict)
 
 
 def comm_bytes(comm: dict[str, dict[str, int]]) -> int:
@@ -122,6 +126,13 @@ class RunResult:
     # over losses, step-0 grads and final params, and whether it is within tolerance.
     xfw_max_rel_err: float | None = None
     xfw_ok: bool | None = None
+    # Where it ran: "cpu" | "cuda"; torch's process-group backend "gloo" | "nccl" (JAX: None); the
+    # ranks' (torch) or the mesh's (JAX) devices, e.g. ["cuda:0", "cuda:1"]; and, when --device auto
+    # did not take the GPUs it could see, the one line saying why (else None).
+    platform: str | None = None
+    backend: str | None = None
+    devices: list[str] = field(default_factory=list)
+    fallback: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -170,8 +181,31 @@ def make_result(
         extra=extra,
         xfw_max_rel_err=max(xfw.values()) if xfw else None,
         xfw_ok=cross_framework_ok(xfw, cfg.dtype) and xfw_routing is None if xfw else None,
+        platform=run.where.get("platform"),
+        backend=run.where.get("backend"),
+        devices=list(run.where.get("devices", [])),
+        fallback=run.where.get("fallback"),
         **errors,
     )
+
+
+def where_line(rows: list[RunResult]) -> str:
+    """Where the rows ran, one clause per framework, for the table's title: e.g.
+    "torch: gloo on cpu · jax: cpu", "torch: nccl on cuda ×4 · jax: cuda ×4", plus " (auto fell back:
+    …)" once when a framework fell back. Rows that do not say (collectives) are skipped."""
+    parts, fallbacks = [], []
+    for fw in dict.fromkeys(r.framework for r in rows):
+        said = [r for r in rows if r.framework == fw and r.platform]
+        if not said:
+            continue
+        r = said[0]
+        places = sorted({x.platform for x in said})
+        n = len(r.devices)
+        on = "/".join(places) + (f" ×{n}" if n > 1 and places != ["cpu"] else "")
+        parts.append(f"{fw}: {r.backend} on {on}" if r.backend else f"{fw}: {on}")
+        fallbacks += [x.fallback for x in said if x.fallback and x.fallback not in fallbacks]
+    line = " · ".join(parts)
+    return line + (f" (auto fell back: {'; '.join(dict.fromkeys(fallbacks))})" if fallbacks else "")
 
 
 def _jsonable(x):

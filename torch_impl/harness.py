@@ -181,10 +181,12 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
     extra = dict(setup.extra, activation_bytes=meter.peak)
     if by_axis is not None:
         extra["comm_by_axis"] = by_axis  # {axis label: {op: {"count", "bytes"}}} of the last step
+    if ctx.ledger.audit_device is not None:
+        extra["audited_collectives"] = ctx.ledger.audited  # the device audit's checks, this launch so far
     if ctx.device.type == "cuda":
         extra["peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
     return Trained(losses=losses, grads0=grads0, params=setup.fixture(setup.params), step_times=step_times,
-                   comm=comm, comm_theory=setup.comm_theory, state_bytes=state, extra=extra)
+                   comm=comm, comm_theory=setup.comm_theory, state_bytes=state, extra=extra, where=ctx.where)
 
 
 def _reference(cfg: Config, device):
@@ -231,7 +233,7 @@ def run_collectives(ctx: RankContext) -> list[dict]:
     """Every collective checked on this rank (all ranks return their own list)."""
     from torch_impl import collectives
 
-    return collectives.check_all(ctx)
+    return [{**check, "where": ctx.where} for check in collectives.check_all(ctx)]  # platform, backend, devices
 
 
 def run_jobs(ctx: RankContext, jobs: list[tuple[str, list[Config]]]) -> dict[str, object]:

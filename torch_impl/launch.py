@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shared.env import die_with_parent
-from torch_impl.ledger import CommLedger
+from torch_impl.ledger import AUDIT_ENV, CommLedger
 
 DEFAULT_TIMEOUT_S = 300.0  # whole launch; collectives time out after the same
 
@@ -52,6 +52,14 @@ class RankContext:
     # Rank 0's progress events, ("start", what) / ("done", runs), to the launching process's
     # ``launch(progress=…)``; a no-op elsewhere and when nobody listens.
     progress: Callable[[tuple], None] = lambda event: None
+    devices: list[str] | None = None  # every rank's device, e.g. ["cuda:0", "cuda:1"] (all-gathered at start)
+    fallback: str | None = None  # why --device auto took gloo on CPU though GPUs were there, else None
+
+    @property
+    def where(self) -> dict:
+        """Where this launch runs, for Trained.where / RunResult's platform, backend, devices."""
+        return {"platform": self.device.type, "backend": self.backend,
+                "devices": list(self.devices or [str(self.device)]), "fallback": self.fallback}
 
     @property
     def group(self):
@@ -66,6 +74,29 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
+_SAID: set[str] = set()  # fallback lines already printed by this process (each is said once)
+
+
+def fallback_reason(device: str, world_size: int) -> str | None:
+    """The one line saying why --device auto runs gloo on CPU though this node has GPUs (fewer GPUs
+    than ranks: NCCL cannot place two ranks on one GPU); None when auto takes the GPUs, when there
+    are none, or when the device was named."""
+    if device != "auto" or not torch.cuda.is_available():
+        return None
+    n_gpu = torch.cuda.device_count()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
+    if 0 < n_gpu < local:
+        return f"torch: {n_gpu} GPU(s) for {local} ranks on this node, so gloo on CPU (NCCL needs a GPU per rank)"
+    return None
+
+
+def say_fallback(line: str | None) -> None:
+    """Print a fallback line to stderr, once per process."""
+    if line and line not in _SAID:
+        _SAID.add(line)
+        print(f"note: --device auto fell back: {line}", file=sys.stderr)
+
+
 def resolve_device(device: str, world_size: int) -> str:
     """'auto' | 'cpu' | 'gpu' -> 'cpu' | 'cuda'; raises ValueError if a GPU run cannot fit."""
     if device not in ("auto", "cpu", "gpu"):
@@ -75,6 +106,12 @@ def resolve_device(device: str, world_size: int) -> str:
         return "cpu"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
     if device == "gpu":
+        if not torch.cuda.is_available():
+            why = ("this torch is a CPU build: install the CUDA wheel (pip install torch) on a GPU node"
+                   if torch.version.cuda is None else
+                   f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no usable GPU")
+            raise ValueError(f"--device gpu needs {local} GPUs on this node for world_size={world_size}, "
+                             f"found 0 ({why})")
         if n_gpu < local:
             raise ValueError(
                 f"--device gpu needs {local} GPUs on this node for world_size={world_size}, found {n_gpu} "
@@ -95,8 +132,10 @@ def launch(
     """Run ``fn(ctx, *args)`` on ``world_size`` fresh ranks (or join torchrun's); returns every
     rank's answer. ``progress`` hears rank 0's ``ctx.progress`` events while they run."""
     kind = resolve_device(device, world_size)
+    fallback = fallback_reason(device, world_size) if kind == "cpu" else None
+    say_fallback(fallback)
     if under_torchrun():
-        return _join_torchrun(fn, world_size, args, kind, timeout_s, progress)
+        return _join_torchrun(fn, world_size, args, kind, timeout_s, progress, fallback)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
 
@@ -107,7 +146,8 @@ def launch(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, store.port, fn, args, kind, results_q, timeout_s, threads, progress is not None),
+            args=(rank, world_size, store.port, fn, args, kind, results_q, timeout_s, threads, progress is not None,
+                  fallback),
             daemon=True,
             name=f"rank{rank}",
         )
@@ -188,15 +228,23 @@ def _stop(procs, graceful: bool) -> None:
             p.join(timeout=2.0)
 
 
+def set_float32_ieee() -> None:
+    """float32 parity needs IEEE matmuls: no TF32 (JAX: jax_default_matmul_precision="highest").
+
+    Only the matmul flag, through the new API. Neither model has a convolution, and on torch 2.13
+    setting any cuDNN ``fp32_precision`` (conv, rnn or cudnn as a whole) makes every later read of
+    the legacy ``torch.backends.cudnn.allow_tf32`` (and ``cudnn.flags()``, which library code
+    enters) raise "a mix of the legacy and new APIs" (tests/test_gpu_readiness.py reproduces it)."""
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+
+
 def _init(rank: int, world_size: int, local_rank: int, kind: str, timeout_s: float, store=None) -> RankContext:
     timeout = timedelta(seconds=timeout_s)
     if kind == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         backend = "nccl"
-        # float32 parity needs IEEE matmuls: no TF32 (JAX: jax_default_matmul_precision="highest").
-        torch.backends.cuda.matmul.fp32_precision = "ieee"
-        torch.backends.cudnn.conv.fp32_precision = "ieee"
+        set_float32_ieee()
     else:
         device = torch.device("cpu")
         backend = "gloo"
@@ -206,15 +254,42 @@ def _init(rank: int, world_size: int, local_rank: int, kind: str, timeout_s: flo
     if kind == "cuda":
         kwargs["device_id"] = device
     dist.init_process_group(**kwargs)
-    return RankContext(rank, world_size, local_rank, device, backend, CommLedger(world_size))
+    ctx = RankContext(rank, world_size, local_rank, device, backend, CommLedger(world_size))
+    ctx.devices = _gather_devices(device, world_size)
+    if os.environ.get(AUDIT_ENV):
+        start_audit(ctx, meta=os.environ[AUDIT_ENV] == "meta")
+    return ctx
 
 
-def _rank_main(rank, world_size, port, fn, args, kind, results_q, timeout_s, threads, listened=False) -> None:
+def start_audit(ctx: RankContext, meta: bool = True) -> None:
+    """The device audit (tests/conftest.py: PARALLEL_TWINS_AUDIT): the ledger checks every collective
+    it records (device, contiguity, NCCL dtype: torch_impl.ledger.audit_tensors); with ``meta`` the
+    default device becomes meta, so a factory call without ``device=`` makes a meta tensor that fails
+    (or gives a wrong answer the parity check sees) on CPU, where on a GPU it would silently put a
+    tensor on the CPU."""
+    ctx.ledger.audit_device = ctx.device
+    if meta:
+        torch.set_default_device("meta")
+
+
+def _gather_devices(device: torch.device, world_size: int) -> list[str]:
+    """Every rank's device (one all_gather_object at start, outside every ledger), so the rows
+    say where each rank ran, on a multi-node torchrun launch too."""
+    if world_size == 1:
+        return [str(device)]
+    names: list[Any] = [None] * world_size
+    dist.all_gather_object(names, str(device))
+    return [str(n) for n in names]
+
+
+def _rank_main(rank, world_size, port, fn, args, kind, results_q, timeout_s, threads, listened=False,
+               fallback=None) -> None:
     die_with_parent()
     torch.set_num_threads(threads)
     try:
         store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=timeout_s))
         ctx = _init(rank, world_size, rank, kind, timeout_s, store=store)
+        ctx.fallback = fallback
         if listened and rank == 0:
             ctx.progress = lambda event: results_q.put((rank, "progress", event))
         result = fn(ctx, *args)
@@ -236,7 +311,7 @@ def _rank_main(rank, world_size, port, fn, args, kind, results_q, timeout_s, thr
     os._exit(status)
 
 
-def _join_torchrun(fn, world_size, args, kind, timeout_s, progress=None) -> list[Any]:
+def _join_torchrun(fn, world_size, args, kind, timeout_s, progress=None, fallback=None) -> list[Any]:
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world_size:
         raise ValueError(f"torchrun started {env_world} ranks but world_size={world_size} was asked for")
@@ -246,6 +321,8 @@ def _join_torchrun(fn, world_size, args, kind, timeout_s, progress=None) -> list
     else:
         device = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
         ctx = RankContext(rank, env_world, local_rank, device, dist.get_backend(), CommLedger(env_world))
+        ctx.devices = _gather_devices(device, env_world)
+    ctx.fallback = fallback
     if progress is not None and rank == 0:
         ctx.progress = progress
     try:

@@ -105,9 +105,37 @@ def _group_name(func, args) -> str | None:
     return None
 
 
+# The dtypes NCCL reduces and moves (ncclInt8 … ncclBfloat16; torch sends bool as uint8).
+NCCL_DTYPES = frozenset({torch.int8, torch.uint8, torch.int32, torch.int64, torch.float16, torch.float32,
+                         torch.float64, torch.bfloat16, torch.bool})
+# The ranks' device audit: "ledger" checks every recorded collective's tensors; "meta" also makes
+# meta the default device (a factory call without device= then fails on CPU). tests/conftest.py
+# sets "ledger" for the whole suite; tests/test_gpu_readiness.py runs "meta" (-m slow).
+AUDIT_ENV = "PARALLEL_TWINS_AUDIT"
+
+
+class AuditError(RuntimeError):
+    """A collective was handed a tensor NCCL would refuse or mis-place (the device audit)."""
+
+
+def audit_tensors(op: str, args, device: torch.device) -> None:
+    """The device audit of one collective's arguments: every tensor on ``device`` (the rank's),
+    contiguous, of a dtype NCCL takes; AuditError, one line, naming the first that is not."""
+    flat = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
+    for i, t in enumerate(flat):
+        why = (f"on {t.device}, the rank's device is {device}" if t.device != device else
+               "not contiguous" if not t.is_contiguous() else
+               f"dtype {t.dtype} (NCCL takes none)" if t.dtype not in NCCL_DTYPES else None)
+        if why:
+            raise AuditError(f"device audit: {op} tensor {i} {tuple(t.shape)} is {why}")
+
+
 class CommLedger:
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, audit_device: torch.device | None = None):
         self.world_size = world_size
+        # The strict mode: with a device, every collective recorded is audited (audit_tensors).
+        self.audit_device = audit_device
+        self.audited = 0  # collectives the audit has checked
         self._ops: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
         self._axes: dict[str, dict[str, dict[str, int]]] = defaultdict(
             lambda: defaultdict(lambda: {"count": 0, "bytes": 0}))
@@ -173,5 +201,8 @@ class _LedgerMode(TorchDispatchMode):
             entry = table.get(func._overloadpacket.__name__)
             if entry is not None:
                 label, size = entry
+                if self.ledger.audit_device is not None:
+                    audit_tensors(func._overloadpacket.__name__, args, self.ledger.audit_device)
+                    self.ledger.audited += 1
                 self.ledger.record(label, size(args, self.ledger.world_size), _group_name(func, args))
         return func(*args, **(kwargs or {}))

@@ -81,7 +81,7 @@ from torch_impl.model import (
     to_fixture,
     torch_dtype,
 )
-from torch_impl.pp_schedules import interleaved_step
+from torch_impl.pp_schedules import StepClock, interleaved_step
 
 VARIANTS = (("explicit", "gpipe"), ("explicit", "1f1b"), ("explicit", "interleaved"), ("explicit", "zb"),
             ("builtin", "gpipe"), ("builtin", "1f1b"), ("builtin", "interleaved"), ("builtin", "zb"))
@@ -191,10 +191,7 @@ def explicit_step(schedule: str, module: Stage, x: torch.Tensor, y: torch.Tensor
         elif op.kind == "W":  # a W always follows a B (or another W)
             weights_after.setdefault(b_mb, []).append(op.mb)
 
-    def clock():  # seconds since the step began; on GPU wait for the kernels first
-        if x.is_cuda:
-            torch.cuda.synchronize(x.device)
-        return time.perf_counter() - t0
+    clock = StepClock(x.device, t0)  # CPU: seconds since the step began; CUDA: events, resolved at the end
 
     def forward(mb, x_in):
         nonlocal peak, loss
@@ -255,7 +252,7 @@ def explicit_step(schedule: str, module: Stage, x: torch.Tensor, y: torch.Tensor
             exchange(pipe, send_bwd=backward(mb, dy))
             weights(mb)
     assert not stash, f"stage {s}: micro-batches {sorted(stash)} never went backward"
-    return loss, timeline, peak
+    return loss, clock.resolve(timeline), peak
 
 
 def make_builtin(variant: str, chunks: list[Stage], cfg: Config, ctx: RankContext, x: torch.Tensor):

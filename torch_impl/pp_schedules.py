@@ -73,6 +73,39 @@ def message(stages: int, virtual: int, rank: int, op: Op | None) -> tuple[int, t
     return None
 
 
+class StepClock:
+    """The F/B/W timeline's stamps for one step, in seconds since ``t0`` (the step's common start).
+
+    CPU: wall time at each call. CUDA: each call records an event on the current stream (no
+    ``torch.cuda.synchronize`` around every op, which would serialise the host with the GPU and
+    stretch the very bubbles being measured); ``resolve(timeline)`` waits once, at the end of the
+    step, and turns the events into seconds after the step's first event (recorded at creation,
+    placed at its wall offset from ``t0``). GPU stamps are the compute stream's: when the stream
+    reached the op, which is when the op ran there."""
+
+    def __init__(self, device: torch.device, t0: float):
+        self.t0, self.cuda = t0, device.type == "cuda"
+        if self.cuda:
+            self.offset = time.perf_counter() - t0
+            self.origin = torch.cuda.Event(enable_timing=True)
+            self.origin.record()
+
+    def __call__(self):
+        if not self.cuda:
+            return time.perf_counter() - self.t0
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def resolve(self, timeline: list[dict]) -> list[dict]:
+        """The timeline with every stamp in seconds (CUDA: after one synchronize)."""
+        if not self.cuda:
+            return timeline
+        torch.cuda.synchronize()  # once per step
+        at = lambda e: e if isinstance(e, float) else self.offset + self.origin.elapsed_time(e) / 1e3  # ms -> s
+        return [{**e, "start": at(e["start"]), "end": at(e["end"])} for e in timeline]
+
+
 def interleaved_step(chunks: list, x: torch.Tensor, y: torch.Tensor | None, cfg: Config, ctx: RankContext,
                      t0: float, shape: tuple[int, ...], loss_of=loss_fn):
     """One step's forward and backward of interleaved 1F1B over this rank's ``chunks`` (chunk c =
@@ -87,10 +120,7 @@ def interleaved_step(chunks: list, x: torch.Tensor, y: torch.Tensor | None, cfg:
     stash, timeline, peak = {}, [], 0  # (mb, chunk) -> (input, output)
     loss = torch.zeros((), dtype=dtype, device=x.device)
 
-    def clock():  # seconds since the step began; on GPU wait for the kernels first
-        if x.is_cuda:
-            torch.cuda.synchronize(x.device)
-        return time.perf_counter() - t0
+    clock = StepClock(x.device, t0)  # CPU: seconds since the step began; CUDA: events, resolved at the end
 
     def run(op: Op) -> torch.Tensor | None:
         """Run ``op``; returns what it sends (an activation or an input-gradient), if anything."""
@@ -146,4 +176,4 @@ def interleaved_step(chunks: list, x: torch.Tensor, y: torch.Tensor | None, cfg:
     for work in sending:
         work.wait()
     assert not stash and not inbox and not arriving, f"rank {r}: left over {sorted(stash)} {sorted(inbox)}"
-    return loss, timeline, peak
+    return loss, clock.resolve(timeline), peak
