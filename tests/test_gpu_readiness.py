@@ -312,14 +312,13 @@ def test_audit_in_a_launch(monkeypatch):
 @pytest.mark.slow
 def test_every_torch_pattern_under_the_meta_audit(tmp_path, monkeypatch):
     """Every torch pattern and model, and two mesh layouts, with the default device meta: a tensor
-    made without device= fails the run or its parity. tp (and layouts with tp) are left out until
-    torch_impl/tp.py's heads_perm takes a device (it indexes with a default-device arange)."""
+    made without device= fails the run or its parity (tp's heads_perm takes the weight's device)."""
     import compare
 
     monkeypatch.setenv("PARALLEL_TWINS_AUDIT", "meta")
     small = ["--frameworks", "torch", "--steps", "2", "--quiet", "--device", "cpu"]
-    for argv in (["--world-size", "2", "--patterns", "collectives,dp,fsdp,pp,cp,ep"],
-                 ["--model", "transformer", "--mesh", "dp=2,pp=2;fsdp=2,cp=2"]):
+    for argv in (["--world-size", "2", "--patterns", "collectives,dp,fsdp,tp,pp,cp,ep"],
+                 ["--model", "transformer", "--mesh", "dp=2,pp=2;fsdp=2,cp=2;dp=2,tp=2"]):
         path = tmp_path / "out.json"
         code = compare.main([*small, *argv, "--json", str(path)])
         data = json.loads(path.read_text())

@@ -341,8 +341,9 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
 
     def full(name: str, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
-        return tensor[torch.argsort(tp.heads_perm(tensor.shape[0], t))] if styles.get(name) == "colwise_heads" \
-            else tensor
+        if styles.get(name) != "colwise_heads":
+            return tensor
+        return tensor[torch.argsort(tp.heads_perm(tensor.shape[0], t, tensor.device))]
 
     return Setup(forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for p in params],
                  fixture=stage_fixture(cfg, lay, stage, named, full), params=params, optimizer=opt,

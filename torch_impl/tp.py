@@ -144,9 +144,9 @@ def plan_for(cfg: Config, variant: str) -> dict[str, str]:
     return SP_PLAN if variant in SP_VARIANTS else TRANSFORMER_PLAN
 
 
-def heads_perm(rows: int, n: int) -> torch.Tensor:
+def heads_perm(rows: int, n: int, device=None) -> torch.Tensor:
     """Row order of W_qkv (3D, D) making rank r's contiguous block [q_r; k_r; v_r] (its heads)."""
-    return torch.arange(rows).view(3, n, rows // 3 // n).transpose(0, 1).reshape(-1)
+    return torch.arange(rows, device=device).view(3, n, rows // 3 // n).transpose(0, 1).reshape(-1)
 
 
 # --- Megatron's f and g, the all-gather, as autograd Functions ----------------------------------
@@ -332,7 +332,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
 
         def full(t, name):  # DTensor -> all-gather; un-permute W_qkv's rows
             t = t.full_tensor() if hasattr(t, "full_tensor") else t
-            return t[torch.argsort(heads_perm(t.shape[0], n))] if styles.get(name) == "colwise_heads" else t
+            return t[torch.argsort(heads_perm(t.shape[0], n, t.device))] if styles.get(name) == "colwise_heads" else t
 
     split = {k: s for k, s in styles.items() if s not in SEQUENCE_STYLES}  # the rest: replicated
     names = [name for name, _ in model.named_parameters()]

@@ -223,7 +223,7 @@ def shard(w: torch.Tensor, style: str, rank: int, n: int) -> torch.Tensor:
     """This rank's block of ``w`` (a weight, or the bias of a column-parallel layer: dim 0)."""
     d = SHARD_DIM[style] if w.dim() > 1 else 0
     if style == "colwise_heads":
-        w = w[heads_perm(w.shape[0], n)]
+        w = w[heads_perm(w.shape[0], n, w.device)]
     if style in PADDED_STYLES and w.shape[d] % n:
         pad = padded_rows(w.shape[d], n) * n - w.shape[d]
         w = torch.cat([w, w.new_zeros((pad, *w.shape[1:]))])  # zero rows: never looked up / masked out
@@ -242,7 +242,7 @@ def unshard(local: torch.Tensor, style: str, group, size: int | None = None) -> 
     dist.all_gather_single(full, rows, group=group)
     full = full[:size].movedim(0, d)  # drop the padding rows
     if style == "colwise_heads":
-        full = full[torch.argsort(heads_perm(full.shape[0], n))]
+        full = full[torch.argsort(heads_perm(full.shape[0], n, full.device))]
     return full
 
 
@@ -372,7 +372,7 @@ def apply_dtensor_plan(model: nn.Module, plan: dict[str, str], mesh, sequence_pa
     with torch.no_grad():
         for name in (k for k, s in styles.items() if s == "colwise_heads"):
             w = model.get_parameter(name)  # (3D, D)
-            w.copy_(w[heads_perm(w.shape[0], mesh.size())])
+            w.copy_(w[heads_perm(w.shape[0], mesh.size(), w.device)])
     for name in (k for k, s in styles.items() if s == "positions"):
         model.get_submodule(name.removesuffix(".weight")).register_forward_pre_hook(
             local_positions(mesh.get_local_rank(), mesh.size()))
