@@ -30,7 +30,8 @@ def build_bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--ops", type=_csv(BENCH_OPS), default=list(BENCH_OPS), metavar="LIST",
                    help=f"comma list of {', '.join(BENCH_OPS)}")
     p.add_argument("--min-bytes", type=int, default=4 * 1024, help="smallest message (bytes)")
-    p.add_argument("--max-bytes", type=int, default=16 * 1024 * 1024, help="largest message (bytes; sizes step ×4)")
+    p.add_argument("--max-bytes", type=int, default=None,
+                   help="largest message, bytes; sizes step ×4 (default: 16 MiB on CPU, 256 MiB on GPUs)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per size (the median is reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations per size first")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
@@ -45,6 +46,11 @@ def bench_main(argv) -> int:
         args = build_bench_parser().parse_args(argv)
         if args.world_size < 2:
             raise ValueError(f"bench needs world_size >= 2, got {args.world_size}")
+        if args.max_bytes is None:  # GPUs: up to where the bus bandwidth is reached, as nccl-tests sweeps
+            from torch_impl.launch import resolve_device
+
+            gpu = "torch" in args.frameworks and resolve_device(args.device, args.world_size) == "cuda"
+            args.max_bytes = (256 if gpu else 16) * 1024 * 1024
         if not 0 < args.min_bytes <= args.max_bytes:
             raise ValueError(f"need 0 < --min-bytes <= --max-bytes, got {args.min_bytes}, {args.max_bytes}")
         if args.iters < 1 or args.warmup < 0:
@@ -112,23 +118,39 @@ def run_bench(frameworks, world_size, ops, sizes, iters, warmup, device, matmul=
     return results, rates
 
 
-def _torch_matmul(ctx, sizes=(32, 64, 128, 256), iters=20) -> dict:
-    """{dtype: {n: FLOP/s}} of an (n, n) @ (n, n) product on this rank (the median of ``iters``)."""
+def _torch_matmul(ctx, sizes=None, iters=20) -> dict:
+    """{dtype: {n: FLOP/s}} of an (n, n) @ (n, n) product on this rank. CPU: n = 32 … 256, the median of
+    ``iters`` timed products; CUDA: n = 256 … 4096 (a GPU's rate is reached only by large matmuls),
+    ``iters`` products back to back between two CUDA events (a host timer per call would measure the
+    launch: 5 µs caps a 256² product near 6.7 TFLOP/s)."""
     import torch
 
+    cuda = ctx.device.type == "cuda"
+    sizes = sizes or ((256, 1024, 4096) if cuda else (32, 64, 128, 256))
     out = {}
     for dtype in ("float64", "float32"):
         out[dtype] = {}
         for n in sizes:
             a = torch.randn(n, n, dtype=getattr(torch, dtype), device=ctx.device)
-            times = []
-            for _ in range(iters + 2):
-                t0 = time.perf_counter()
+            for _ in range(2):  # warm-up
                 a @ a
-                if a.is_cuda:
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            out[dtype][str(n)] = 2 * n ** 3 / sorted(times[2:])[iters // 2]
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(ctx.device)
+                start.record()
+                for _ in range(iters):
+                    a @ a
+                end.record()
+                end.synchronize()
+                seconds = start.elapsed_time(end) / 1e3 / iters
+            else:
+                times = []
+                for _ in range(iters):
+                    t0 = time.perf_counter()
+                    a @ a
+                    times.append(time.perf_counter() - t0)
+                seconds = sorted(times)[iters // 2]
+            out[dtype][str(n)] = 2 * n ** 3 / seconds
     return out
 
 

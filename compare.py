@@ -183,10 +183,10 @@ def default_world_size(device: str) -> int:
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
     if device != "cpu":
-        import torch
+        from shared.env import local_gpu_count  # the driver's count: loads neither framework's CUDA libraries
 
-        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-            return torch.cuda.device_count()
+        if local_gpu_count() > 0:
+            return local_gpu_count()
     return 4
 
 

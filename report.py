@@ -300,6 +300,8 @@ def recompute_lines(rows, cfgs, console) -> None:
             theory = activation_bytes(c, sequences=c.batch // n, id_sequences=c.batch)
         elif r.framework == "torch" and r.pattern == "cp" and r.variant.startswith("ring"):
             theory = activation_bytes(c.replace(seq=c.seq // n))
+        if r.platform == "cuda":  # the formula models torch's CPU kernels (flash with a log-sum-exp per head);
+            theory = None  # on CUDA float64 takes SDPA's math path and float32 the memory-efficient kernel
         measured = r.extra.get("activation_bytes", r.extra.get("temp_bytes"))
         kind = "saved" if "activation_bytes" in r.extra else "XLA temp"
         console.print(f"  {r.pattern} {r.framework} {r.style}/{r.variant}: {kind} {fmt_bytes(measured)}"

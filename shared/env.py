@@ -35,3 +35,17 @@ def die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except OSError:
             pass
+
+
+def local_gpu_count() -> int:
+    """CUDA devices this process may use (CUDA_VISIBLE_DEVICES respected), asked of the driver itself
+    (libcuda's cuDeviceGetCount): no framework is imported, so neither torch's CUDA runtime nor JAX's
+    plugin is loaded before the other (jax-ml/jax#18032). 0 without a driver."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value

@@ -373,3 +373,13 @@ def test_pipeline_clock_on_cuda_waits_once_per_step(monkeypatch):
     assert stamps == pytest.approx([0.001, 0.002, 0.003, 0.004])  # 1 ms per tick after the origin event (tick 0)
     cpu = StepClock(torch.device("cpu"), t0=0.0)
     assert isinstance(cpu(), float) and cpu.resolve(timeline) is timeline
+
+
+def test_the_driver_counts_the_gpus_torch_sees():
+    """compare.py's default world size asks the CUDA driver (no framework loaded before JAX starts its
+    GPU backend): the same count torch sees, 0 on a machine without a driver."""
+    import torch
+
+    from shared.env import local_gpu_count
+
+    assert local_gpu_count() == (torch.cuda.device_count() if torch.cuda.is_available() else 0)

@@ -216,11 +216,12 @@ def _call(op, x, out, group):
 
 
 def bench(ctx, ops=BENCH_OPS, sizes_bytes=BENCH_SIZES, iters=10, warmup=2, dtype=torch.float32) -> list[dict]:
-    """Per op and size S: the median over ``iters`` timed calls (after ``warmup``) of one call,
-    each timed alone and synchronised (gloo calls block; on CUDA torch.cuda.synchronize), then
-    the max of the ranks' medians (a collective ends when its slowest rank does).
+    """Per op and size S, after ``warmup`` calls: on CPU the median of ``iters`` calls, each timed alone
+    (gloo calls block); on CUDA, as nccl-tests, ``iters`` launches back to back between two CUDA events,
+    divided by ``iters`` (a per-call host timer would measure the launch and the synchronisation).
+    Then the max of the ranks' times (a collective ends when its slowest rank does).
     algbw = S / t, busbw = algbw · factor(N) as in nccl-tests. Same rows on every rank."""
-    group, n = ctx.group, ctx.world_size
+    group, n, cuda = ctx.group, ctx.world_size, ctx.device.type == "cuda"
     itemsize = torch.empty((), dtype=dtype).element_size()
     rows = []
     for op in ops:
@@ -229,16 +230,26 @@ def bench(ctx, ops=BENCH_OPS, sizes_bytes=BENCH_SIZES, iters=10, warmup=2, dtype
             x = torch.zeros(elems, dtype=dtype, device=ctx.device)  # zeros: repeated sums stay 0
             out_elems = {"all_gather": elems * n, "reduce_scatter": elems // n}.get(op, elems)
             out = torch.empty(out_elems, dtype=dtype, device=ctx.device)
-            times = []
-            for i in range(warmup + iters):
-                t0 = time.perf_counter()
+            for _ in range(warmup):
                 _call(op, x, out, group)
-                if ctx.device.type == "cuda":
-                    torch.cuda.synchronize(ctx.device)
-                if i >= warmup:
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(ctx.device)
+                start.record()
+                for _ in range(iters):
+                    _call(op, x, out, group)
+                end.record()
+                end.synchronize()
+                seconds = start.elapsed_time(end) / 1e3 / iters  # elapsed_time: milliseconds
+            else:
+                times = []
+                for _ in range(iters):
+                    t0 = time.perf_counter()
+                    _call(op, x, out, group)
                     times.append(time.perf_counter() - t0)
-            t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=ctx.device)
-            dist.all_reduce(t, group=group, op=dist.ReduceOp.MAX)  # the slowest rank's median
+                seconds = statistics.median(times)
+            t = torch.tensor([seconds], dtype=torch.float64, device=ctx.device)
+            dist.all_reduce(t, group=group, op=dist.ReduceOp.MAX)  # the slowest rank's time
             algbw, bus = busbw(op, s_bytes, float(t), n)
             rows.append({"op": op, "size_bytes": s_bytes, "time_s": float(t), "algbw": algbw, "busbw": bus})
     return rows

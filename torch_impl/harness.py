@@ -152,8 +152,11 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
     """Run ``cfg.steps`` steps of ``setup`` on this rank; the ledger records the last one (after
     warm-up: DDP rebuilds its buckets after the first iteration). Step 0 also measures the peak
     bytes saved for backward (``extra["activation_bytes"]``, this rank's: SavedTensorMeter)."""
-    if ctx.device.type == "cuda":
+    baseline = 0
+    if ctx.device.type == "cuda":  # this run's own peak: over what earlier runs left allocated (references, caches)
+        torch.cuda.synchronize(ctx.device)
         torch.cuda.reset_peak_memory_stats(ctx.device)
+        baseline = torch.cuda.memory_allocated(ctx.device)
     losses, step_times, grads0, comm, by_axis = [], [], None, {}, None
     meter = SavedTensorMeter(setup.params)
     for k in range(cfg.steps):
@@ -184,7 +187,8 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
     if ctx.ledger.audit_device is not None:
         extra["audited_collectives"] = ctx.ledger.audited  # the device audit's checks, this launch so far
     if ctx.device.type == "cuda":
-        extra["peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
+        extra["peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device) - baseline  # this run's own
+        extra["peak_bytes_baseline"] = baseline  # allocated when it began (not this run's)
     return Trained(losses=losses, grads0=grads0, params=setup.fixture(setup.params), step_times=step_times,
                    comm=comm, comm_theory=setup.comm_theory, state_bytes=state, extra=extra, where=ctx.where)
 
