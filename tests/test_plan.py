@@ -132,11 +132,16 @@ def test_activations_against_the_measured_formula_of_this_implementation():
     """shared.theory.block_saved_elements equals what torch saves here (tests/test_recompute.py measures it);
     the plan assumes fused kernels at scale. The difference is exactly torch's composite RMSNorm, which
     saves x·rsqrt (D) and rsqrt (1) besides its input in each of a block's two norms, and the log-sum-exp,
-    which the plan counts as fp32 (2 elements of 2 bytes per head) and torch stores in the run's dtype."""
+    which the plan counts as fp32 (2 elements of 2 bytes per head) and torch stores in the run's dtype; the
+    math kernel saves the softmax instead (no log-sum-exp), selective recomputation neither."""
     cfg = Config(model="transformer", layers=2, dim=16, heads=4, seq=8, vocab=32, batch=4)
     model = plan.Model.from_config(cfg)
-    fused = plan.activation_elements(model, plan.Layout(), "none")
-    assert fused + 2 * (cfg.dim + 1) - cfg.heads == theory.block_saved_elements(cfg, "none")
+    for policy in ("none", "selective"):
+        for attention in ("flash", "math"):
+            fused = plan.activation_elements(model, plan.Layout(), policy, attention)
+            lse = cfg.heads if (policy, attention) == ("none", "flash") else 0
+            assert fused + 2 * (cfg.dim + 1) - lse == theory.block_saved_elements(cfg, policy, attention), \
+                (policy, attention)
     assert plan.activation_elements(model, plan.Layout(), "full") == theory.block_saved_elements(cfg, "full")
 
 

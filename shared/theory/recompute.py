@@ -88,9 +88,10 @@ def activation_elements(model: Model, layout: Layout, policy: str, attention: st
     rep = d / t if layout.sp else d  # a replicated (B, T, D) activation
     if policy == "full":
         return rep
-    attn = 2 * rep + 4 * d / t + 2 * model.heads / t
-    if attention == "math" and policy == "none":
-        attn += model.heads * model.seq / t
+    # the core: flash keeps a log-sum-exp per head (fp32: 2 elements), math the (H/t)·T softmax instead;
+    # selective recomputes the core and keeps neither (as shared.theory.block_saved_elements measures)
+    core = 0 if policy == "selective" else 2 * model.heads / t if attention == "flash" else model.heads * model.seq / t
+    attn = 2 * rep + 4 * d / t + core
     mlp = 2 * rep + (model.experts + model.topk * (2 * d + 2 * f) if model.moe else 2 * f / t)
     return attn + mlp
 
