@@ -185,8 +185,9 @@ def default_world_size(device: str) -> int:
     if device != "cpu":
         from shared.env import local_gpu_count  # the driver's count: loads neither framework's CUDA libraries
 
-        if local_gpu_count() > 0:
-            return local_gpu_count()
+        gpus = local_gpu_count()
+        if gpus > 0:
+            return gpus
     return 4
 
 
@@ -365,7 +366,7 @@ def main(argv=None) -> int:
             rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, progress.event,
                                               args.timeout)
     elapsed = time.perf_counter() - t0
-    ok = not errors and all(report.row_ok(r) for r in rows) and all(x["ok"] for x in xfw)
+    ok = report.all_ok(rows, xfw, errors)
     if not rank0:
         return 0 if ok else 1
     try:  # the results first: nothing printed or drawn below can lose them

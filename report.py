@@ -62,6 +62,11 @@ def row_ok(r) -> bool:
     return bool(r.ok) and r.xfw_ok is not False
 
 
+def all_ok(rows, xfw, errors) -> bool:
+    """The verdict: no error, every run within tolerance of both references, every cross-framework check."""
+    return not errors and all(row_ok(r) for r in rows) and all(x["ok"] for x in xfw)
+
+
 # --- the parity table ---------------------------------------------------------------------------
 
 # --wide, --markdown (and --json, which has everything): one column per quantity.
@@ -325,7 +330,7 @@ def verdict_lines(rows, xfw, errors, frameworks, elapsed: float, console) -> boo
     for e in errors:
         console.print(f"[bold red]error[/] {e}", highlight=False)
     failed = [r for r in rows if not row_ok(r)]
-    ok = not errors and not failed and all(x["ok"] for x in xfw)
+    ok = all_ok(rows, xfw, errors)
     verdict = (f"verdict: all {len(rows)} runs agree with their reference"
                f"{' and across frameworks' if len(frameworks) > 1 else ''} ({elapsed:.0f} s)"
                if ok else f"verdict: {len(failed)} of {len(rows)} runs failed parity, {len(errors)} errors")
