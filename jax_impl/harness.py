@@ -72,6 +72,17 @@ def leaves_fixture(tree, names=None) -> list[np.ndarray]:
     return [to_numpy(tree[k]) for k in (names or tree)]
 
 
+def trainer_setup(trainer, batch: tuple) -> Setup:
+    """A ``jax_impl.fsdp_wrapper.Trainer`` (any model) as the loop's Setup; the fixtures read the
+    project model's parameters by name (model.named_params) from the trainer's full arrays."""
+    from jax_impl.model import named_params
+
+    fixture = lambda flat: [to_numpy(a) for a in named_params(trainer.module(flat)).values()]
+    return Setup(step=trainer.step, state=trainer.state, batch=batch,
+                 grads_fixture=lambda g: fixture(trainer.full_grads(g)),
+                 params_fixture=lambda state: fixture(state[0]), compiler_options=trainer.compiler_options)
+
+
 def train_loop(cfg: Config, setup: Setup) -> Trained:
     compiled = setup.step.lower(*setup.state, *setup.batch).compile(  # outside the timed loop
         compiler_options=setup.compiler_options)

@@ -47,6 +47,15 @@ def output_loss(out: jax.Array, y: jax.Array | None = None) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(out, y).mean()
 
 
+def model_loss(model: nnx.Module, x: jax.Array, y: jax.Array | None = None) -> jax.Array:
+    """The project's loss on its NNX model, in the form ``fsdp_wrapper.parallelize`` takes any model's:
+    ``loss(model, *batch)``. The MoE transformer returns (logits, Σ_l aux_l, load): CE + aux."""
+    out = model(x)
+    if isinstance(out, tuple):
+        return output_loss(out[0], y) + out[1]
+    return output_loss(out, y)
+
+
 def loss_fn(params, x: jax.Array, y: jax.Array | None = None, cfg: Config | None = None) -> jax.Array:
     """Either model's loss from its parameter pytree (the transformer needs ``cfg`` for dh)."""
     if y is None:

@@ -1,0 +1,405 @@
+"""The ZeRO stages 0-3 as a train step for ANY Flax NNX model: the twin of torch_impl/fsdp_wrapper.py
+(FSDP, Zero2) and torch_impl/dp.py (BucketedDDP, Zero1Optimizer). dp.py and fsdp.py have the
+pattern, the collectives and the bytes per step; the project's MLP and transformer train through
+``parallelize`` too.
+
+    trainer = parallelize(model, loss, optax.adamw(1e-3, weight_decay=0.01), mesh, "zero3", "shard_map")
+    for x, y in batches:
+        loss_value = trainer.train_step(x, y)       # rows split over the mesh axis "dp"
+    model = trainer.module()                        # the trained nnx.Module, full parameters
+
+``loss(model, *batch) -> scalar`` must be a MEAN over the batch's rows (dim 0 of every batch
+array): each device computes it on its B/N rows and the gradients are averaged. The model may hold
+``nnx.Param`` only (no BatchNorm statistics, no Dropout RNG state: refused), every Param trained.
+
+What is sharded over the axis, one rule for every model (``rule``): a parameter with >= 2 dims
+whose dim 0 N divides is split in N row blocks; the others ("vectors": norm gains, biases, an
+indivisible matrix) are replicated and their gradients averaged by ONE flat psum.
+
+    dp     params replicated; pmean of every gradient                      (jit: XLA's all-reduce)
+    zero1  params replicated; psum_scatter of the flat padded gradient, AdamW on 1/N of it,
+           all_gather of the updated flat vector                           (jit: moments split)
+    zero2  params replicated; psum_scatter per row-split gradient, AdamW on the rows, all_gather
+    zero3  params, grads, AdamW state as row blocks. Each UNIT (a submodule; default: every
+           topmost module that holds a Param directly, as torch's FSDP gathers per holder) is
+           all-gathered right before its call inside jax.checkpoint(checkpoint_dots): the gathered
+           weight is not saved, the backward gathers it again where it needs it; all_gather's
+           transpose is the unit's psum_scatter. Row-split params outside every unit are gathered
+           once at the start (FSDP2's root). ``units=["blocks.*"]`` gathers per block instead.
+
+Refused before anything is compiled (``WrapError``: what, where, how to fix): unknown variant or
+style, a mesh without the axis, non-Param state, a unit pattern that matches nothing or nests in
+another, a unit module reachable from two places (shared), a row-split Param held by modules in
+different units (tied). At the first trace (``ShardReadError``): a unit's attribute read by its
+parent instead of calling it (``self.wte.embedding``, ``self.wte.attend(h)``): under zero3 the
+parent would get the row block — make the reader the unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from fnmatch import fnmatch
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_impl import model_theory
+
+VARIANTS, STYLES = ("dp", "zero1", "zero2", "zero3"), ("shard_map", "jit")
+
+
+class WrapError(ValueError):
+    """A model, unit list or mesh ``parallelize`` cannot train exactly: raised before compiling."""
+
+
+class ShardReadError(RuntimeError):
+    """Under shard_map/zero3 a unit's parameter was read other than by calling the unit."""
+
+
+def key_of(path) -> str:
+    """A pytree / graph path as "blocks.0.attn.kernel" (the ``.value`` of a Variable dropped)."""
+    out = []
+    for k in path:
+        k = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
+        if k != "value":
+            out.append(str(k))
+    return ".".join(out)
+
+
+def rule(shape: tuple[int, ...], n: int, variant: str) -> bool:
+    """Is this array split along dim 0 over the axis? zero2/zero3: >= 2 dims; zero1's moments: any."""
+    return len(shape) >= (1 if variant == "zero1" else 2) and shape[0] % n == 0
+
+
+def _modules(model) -> dict[str, nnx.Module]:
+    """Every submodule by path, counting how many places hold it (a shared module: more than one)."""
+    found, refs = {}, {}
+
+    def walk(m, path):
+        refs[id(m)] = refs.get(id(m), 0) + 1
+        if refs[id(m)] > 1:
+            return
+        found[path] = m
+        for k, child in nnx.iter_children(m):
+            if isinstance(child, nnx.Module):
+                walk(child, f"{path}.{k}" if path else str(k))
+    walk(model, "")
+    return {p: m for p, m in found.items()}, refs
+
+
+def _holders(model) -> dict[int, list[str]]:
+    """id(Param) -> the paths of the modules holding it directly."""
+    held = {}
+    for path, m in _modules(model)[0].items():
+        for _, child in nnx.iter_children(m):
+            if isinstance(child, nnx.Variable):
+                held.setdefault(id(child), []).append(path)
+    return held
+
+
+def choose_units(model, units: Sequence[str] | None) -> list[str]:
+    """Unit module paths. Default: the topmost modules holding a Param directly. Patterns are
+    fnmatch globs over module paths ("blocks.*"); the root ("") is not a unit (it gathers the rest)."""
+    mods, refs = _modules(model)
+    if units is None:
+        holders = {p for p, m in mods.items() if p and any(isinstance(c, nnx.Param) for _, c in nnx.iter_children(m))}
+        chosen = sorted(p for p in holders if not any(p.startswith(q + ".") for q in holders))
+    else:
+        chosen = []
+        for pat in units:
+            hits = [p for p in mods if p and fnmatch(p, pat)]
+            if not hits:
+                raise WrapError(f"zero3: unit pattern {pat!r} matches no submodule of {type(model).__name__} "
+                                f"(modules: {', '.join(p for p in mods if p)[:300]}); fix the pattern")
+            chosen += [p for p in hits if p not in chosen]
+    for p in chosen:
+        inner = [q for q in chosen if q.startswith(p + ".")]
+        if inner:
+            raise WrapError(f"zero3: unit {inner[0]!r} is inside unit {p!r}; units must not nest: keep one")
+        if refs[id(mods[p])] > 1:
+            raise WrapError(f"zero3: the module at {p!r} is reachable from {refs[id(mods[p])]} places (shared); "
+                            "a unit is gathered where it is called: make their common parent the unit")
+    return chosen
+
+
+def _unit_of(key: str, units: list[str]) -> str | None:
+    return next((u for u in units if key.startswith(u + ".")), None)
+
+
+class _Gathering:
+    """Stands in for a zero3 unit in the merged model: calling it gathers the unit's row blocks
+    (inside jax.checkpoint, so the backward gathers again) and calls the unit on full weights."""
+
+    def __init__(self, unit: nnx.Module, path: str, sharded: set[str], axis: str, record: Callable):
+        self._unit, self._path, self._sharded, self._axis, self._record = unit, path, sharded, axis, record
+
+    def __call__(self, *args, **kwargs):
+        self._record(self._path, args)
+        gdef, state = nnx.split(self._unit)
+
+        def run(state, *args):
+            full = jax.tree_util.tree_map_with_path(
+                lambda p, a: lax.all_gather(a, self._axis, axis=0, tiled=True)
+                if f"{self._path}.{key_of(p)}" in self._sharded else a, state)  # (R, …) from (R/N, …)
+            return nnx.merge(gdef, full)(*args, **kwargs)
+        return jax.checkpoint(run, policy=jax.checkpoint_policies.checkpoint_dots)(state, *args)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise ShardReadError(
+            f"zero3: {name!r} of unit {self._path!r} ({type(self._unit).__name__}) was read by its parent instead "
+            f"of calling the unit; there it is a row block. Make the reader the unit: units=[<the parent's path>]")
+
+
+def _put(parent, key: str, value):
+    if isinstance(parent, nnx.List) or key.isdigit() and hasattr(parent, "__setitem__"):
+        parent[int(key)] = value
+    else:
+        setattr(parent, key, value)
+
+
+def cpu_options(mesh, style: str, variant: str) -> dict | None:
+    """XLA:CPU settings for zero2/zero3 (GPU / TPU need neither). 1) Its default scheduler starts
+    every all-gather at the top of the step (they depend on parameters only), so all gathered
+    weights are alive at once; the memory-optimized one frees each after use. 2) It drops
+    jax.checkpoint's optimization barriers BEFORE its last CSE pass, which would then merge every
+    backward re-gather into its forward gather, keeping W alive from forward to backward."""
+    if mesh.devices.flat[0].platform != "cpu" or variant not in ("zero2", "zero3"):
+        return None
+    options = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+    if (style, variant) == ("shard_map", "zero3"):
+        options["xla_disable_hlo_passes"] = "cse"
+    return options
+
+
+class Trainer:
+    """``parallelize``'s result. ``step(params, opt_state, *batch) -> (params, opt_state, loss,
+    grads)`` is the jitted pure step (shard_map: ``loss`` holds each device's local mean); ``state``
+    the placed (params, opt_state) — params a {path: array} dict —; ``train_step(*batch)`` runs one
+    step on ``state`` and returns the mean loss; ``module()`` the model with the trained parameters."""
+
+    def __init__(self, model, loss, tx, mesh, variant, style, axis, units):
+        self.variant, self.style, self.mesh, self.axis = variant, style, mesh, axis
+        self.n = mesh.shape[axis]
+        self.graphdef, state = nnx.split(model)
+        leaves, self._treedef = jax.tree_util.tree_flatten_with_path(state)
+        self.keys = [key_of(p) for p, _ in leaves]
+        params = {k: a for k, (_, a) in zip(self.keys, leaves)}
+        self.shapes = {k: a.shape for k, a in params.items()}
+        self.sharded = {k for k, a in params.items()
+                        if variant in ("zero2", "zero3") and rule(a.shape, self.n, variant)}
+        self.units = choose_units(model, units) if variant == "zero3" and style == "shard_map" else []
+        self._check_tied(model)
+        self.unit_calls: dict[str, tuple[int, int]] | None = None  # zero3 shard_map, traced: (calls, re-gathers)
+        self._loss, self._tx = loss, tx
+        self.infos = model_theory.describe(params, self.sharded, self.units)
+        place = lambda specs, tree: {k: jax.device_put(a, NamedSharding(mesh, specs[k])) for k, a in tree.items()}
+        self.param_specs = {k: P(axis) if variant == "zero3" and k in self.sharded else P() for k in params}
+        params = place(self.param_specs, params)
+        self._build(params)
+        self.compiler_options = cpu_options(mesh, style, variant)
+        self._compiled = None
+
+    def _row_spec(self, shape) -> P:
+        """Where gradients and moments live: zero1 any dim 0 N divides, zero2/3 the >= 2-D rows."""
+        if self.variant == "dp":
+            return P()
+        return P(self.axis) if rule(tuple(shape), self.n, self.variant) else P()
+
+    def _check_tied(self, model):
+        if not self.units:
+            return
+        for paths in _holders(model).values():
+            owners = {_unit_of(p + ".x", self.units) for p in paths}
+            if len(paths) > 1 and len(owners) > 1:
+                raise WrapError(f"zero3: one Param is held by {', '.join(repr(p) for p in paths)} in different units "
+                                "(tied); put its holders in one unit, e.g. their common parent")
+
+    # --- the merged model and the loss --------------------------------------------------------
+
+    def _merge(self, flat: dict):
+        return nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._treedef, [flat[k] for k in self.keys]))
+
+    def _batch_loss(self, flat: dict, batch: tuple):
+        return self._loss(self._merge(flat), *batch)
+
+    def _zero3_loss(self, mine: dict, batch: tuple):
+        """shard_map/zero3: the root's row blocks gathered now, each unit's at its call."""
+        mine = {k: lax.all_gather(a, self.axis, axis=0, tiled=True)
+                if k in self.sharded and _unit_of(k, self.units) is None else a for k, a in mine.items()}
+        model = self._merge(mine)
+        ids = {id(a) for a in jax.tree.leaves(batch)}
+        mods, calls = _modules(model)[0], {}
+
+        def record(path, args):  # (calls, re-gathers); a unit fed only by the data, or an Embed,
+            arrays = [a for a in jax.tree.leaves(args) if isinstance(a, jax.Array)]  # needs no weight in backward
+            again = not all(id(a) in ids for a in arrays) and not isinstance(mods[path], nnx.Embed)
+            c, r = calls.get(path, (0, 0))
+            calls[path] = (c + 1, r + again)
+        for u in self.units:
+            if any(_unit_of(k, [u]) for k in self.sharded):
+                parent, _, name = u.rpartition(".")
+                _put(mods[parent], name, _Gathering(mods[u], u, self.sharded, self.axis, record))
+        loss = self._loss(model, *batch)
+        self.unit_calls = calls
+        return loss
+
+    # --- the steps ----------------------------------------------------------------------------
+
+    def _build(self, params: dict):
+        tx, mesh, ax = self._tx, self.mesh, self.axis
+        if self.variant == "zero1" and self.style == "shard_map":
+            opt_state = tx.init(self._flatten(params))
+            o_specs = jax.tree.map(lambda a: P(ax) if a.ndim else P(), opt_state)
+        else:
+            shapes = jax.eval_shape(tx.init, params)
+            o_specs = jax.tree.map(lambda a: self._row_spec(a.shape) if a.ndim else P(), shapes)
+            opt_state = jax.jit(tx.init, out_shardings=jax.tree.map(partial(NamedSharding, mesh), o_specs))(params)
+        opt_state = jax.device_put(opt_state, jax.tree.map(partial(NamedSharding, mesh), o_specs))
+        self.state = (params, opt_state)
+        g_specs = {k: self._row_spec(a.shape) for k, a in params.items()}
+        if self.style == "jit":
+            self.grad_specs = g_specs
+            shard = lambda specs: jax.tree.map(partial(NamedSharding, mesh), specs)
+            self.step = jax.jit(self._jit_step, donate_argnums=(0, 1),
+                                out_shardings=(shard(self.param_specs), shard(o_specs), None, shard(g_specs)))
+            return
+        body = {"dp": self._dp_step, "zero1": self._zero1_step, "zero2": self._zero_step, "zero3": self._zero_step}
+        self.grad_specs = P(ax) if self.variant == "zero1" else (
+            g_specs if self.variant != "dp" else {k: P() for k in params})
+
+        def step(params, opt_state, *batch):
+            body_map = jax.shard_map(body[self.variant], mesh=mesh, check_vma=True,
+                                     in_specs=(self.param_specs, o_specs, *[P(ax)] * len(batch)),
+                                     out_specs=(self.param_specs, o_specs, P(ax), self.grad_specs))
+            return body_map(params, opt_state, *batch)
+        self.step = jax.jit(step, donate_argnums=(0, 1))
+
+    def _jit_step(self, params, opt_state, *batch):
+        """XLA inserts the collectives: the loss is the global mean; gradients and moments laid out
+        by the rules, the parameters by theirs (out_shardings)."""
+        loss, grads = jax.value_and_grad(self._batch_loss)(params, batch)
+        where = {k: NamedSharding(self.mesh, s) for k, s in self.grad_specs.items()}
+        grads = lax.with_sharding_constraint(grads, where)
+        updates, opt_state = self._tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, grads
+
+    def _local(self, params, batch, share: bool):
+        """This device's loss and the gradient of its share (loss / N: the psum gives the mean) or of
+        the local loss (dp's pmean), w.r.t. varying copies: check_vma would psum invariant ones."""
+        mine = {k: a if k in self.sharded and self.variant == "zero3" else lax.pcast(a, self.axis, to="varying")
+                for k, a in params.items()}
+        f = self._zero3_loss if self.variant == "zero3" else self._batch_loss
+        n = self.n if share else 1
+        (_, loss), grads = jax.value_and_grad(lambda p: ((l := f(p, batch)) / n, l), has_aux=True)(mine)
+        return loss, grads
+
+    def _dp_step(self, params, opt_state, *batch):
+        loss, grads = self._local(params, batch, share=False)
+        grads = lax.pmean(grads, self.axis)  # all-reduce Φ·b
+        updates, opt_state = self._tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss[None], grads
+
+    def _flatten(self, tree: dict):
+        flat = jnp.concatenate([tree[k].reshape(-1) for k in self.keys])  # (Φ,)
+        return jnp.pad(flat, (0, -flat.size % self.n))  # (Φ_pad,)
+
+    def _unflatten(self, flat) -> dict:
+        sizes = np.cumsum([0] + [int(np.prod(self.shapes[k])) for k in self.keys])
+        return {k: flat[a:b].reshape(self.shapes[k]) for k, a, b in zip(self.keys, sizes[:-1], sizes[1:])}
+
+    def _zero1_step(self, params, opt_state, *batch):
+        loss, grads = self._local(params, batch, share=True)
+        g = lax.psum_scatter(self._flatten(grads), self.axis, tiled=True)  # (Φ_pad/N,) of the mean
+        shard = g.shape[0]
+        w = lax.dynamic_slice_in_dim(self._flatten(params), lax.axis_index(self.axis) * shard, shard)
+        updates, opt_state = self._tx.update(g, opt_state, w)
+        flat = lax.all_gather(optax.apply_updates(w, updates), self.axis, tiled=True, to="invarying")  # (Φ_pad,)
+        return self._unflatten(flat), opt_state, loss[None], g
+
+    def _zero_step(self, params, opt_state, *batch):
+        """zero2 / zero3: row-split gradients psum_scatter-ed (zero3: by autodiff, the transpose of
+        the gathers), the vectors' in ONE flat psum; AdamW on the rows; zero2 gathers them back."""
+        loss, grads = self._local(params, batch, share=True)
+        rows, vec = [k for k in self.keys if k in self.sharded], [k for k in self.keys if k not in self.sharded]
+        if self.variant == "zero2":
+            grads |= {k: lax.psum_scatter(grads[k], self.axis, scatter_dimension=0, tiled=True) for k in rows}
+        if vec:
+            flat = lax.psum(jnp.concatenate([grads[k].reshape(-1) for k in vec]), self.axis)  # (Σ vectors,)
+            grads |= self._unflatten_some(flat, vec, grads)
+        r = lax.axis_index(self.axis)
+        mine = {k: lax.dynamic_slice_in_dim(a, r * (a.shape[0] // self.n), a.shape[0] // self.n)
+                if k in rows and self.variant == "zero2" else a for k, a in params.items()}
+        updates, opt_state = self._tx.update(grads, opt_state, mine)
+        mine = optax.apply_updates(mine, updates)
+        if self.variant == "zero2":
+            mine |= {k: lax.all_gather(mine[k], self.axis, axis=0, tiled=True, to="invarying") for k in rows}
+        return mine, opt_state, loss[None], grads
+
+    @staticmethod
+    def _unflatten_some(flat, keys: list[str], like: dict) -> dict:
+        sizes = np.cumsum([0] + [like[k].size for k in keys])
+        return {k: flat[a:b].reshape(like[k].shape) for k, a, b in zip(keys, sizes[:-1], sizes[1:])}
+
+    # --- for users ----------------------------------------------------------------------------
+
+    def shard_batch(self, *arrays) -> tuple:
+        """Each array's rows split over the axis (dim 0 must divide by N)."""
+        for a in arrays:
+            if a.shape[0] % self.n:
+                raise WrapError(f"batch dim 0 = {a.shape[0]} is not divisible by {self.axis}={self.n}: "
+                                "use a batch size N divides")
+        return tuple(jax.device_put(a, NamedSharding(self.mesh, P(self.axis))) for a in arrays)
+
+    def train_step(self, *batch) -> float:
+        """One step on ``self.state``; returns the mean loss over the whole batch."""
+        batch = self.shard_batch(*batch)
+        if self._compiled is None:
+            self._compiled = self.step.lower(*self.state, *batch).compile(compiler_options=self.compiler_options)
+        *state, loss, _ = self._compiled(*self.state, *batch)
+        self.state = tuple(state)
+        return float(np.mean(np.asarray(loss)))
+
+    def full_grads(self, grads) -> dict:
+        """The step's ``grads`` output as {path: full array} (zero1: the flat mean, unflattened)."""
+        if self.variant == "zero1" and self.style == "shard_map":
+            return self._unflatten(jnp.asarray(np.asarray(jax.device_get(grads))))
+        return dict(grads)
+
+    def module(self, params: dict | None = None):
+        """The model holding ``params`` (default: the trained ones), full arrays."""
+        return self._merge(params if params is not None else self.state[0])
+
+    def comm_theory(self) -> dict[str, tuple[int, int]]:
+        """op -> (count, payload bytes) per step per device, from the model wrapped (shard_map: what
+        the ledger records; jit: the same ZeRO traffic, XLA may choose otherwise)."""
+        return model_theory.comm(self.infos, self.variant, self.n, self.unit_calls)
+
+    def state_theory(self) -> dict[str, int]:
+        return model_theory.state(self.infos, self.variant, self.n, self.style)
+
+
+def parallelize(model: nnx.Module, loss: Callable, tx: optax.GradientTransformation, mesh, variant: str = "dp",
+                style: str = "shard_map", axis: str = "dp", units: Sequence[str] | None = None) -> Trainer:
+    """A ZeRO ``variant`` of ``model`` over ``mesh``'s ``axis`` in ``style``; see the module docstring."""
+    if variant not in VARIANTS or style not in STYLES:
+        raise WrapError(f"unknown variant/style {variant}/{style}: choose a variant from {VARIANTS}, "
+                        f"a style from {STYLES}")
+    if axis not in mesh.shape:
+        raise WrapError(f"the mesh has axes {tuple(mesh.shape)}, no {axis!r}: pass axis=<one of them>")
+    _, _, rest = nnx.split(model, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        bad = sorted({key_of(p) for p, _ in jax.tree_util.tree_flatten_with_path(rest)[0]})
+        raise WrapError(f"{type(model).__name__} holds state other than nnx.Param ({', '.join(bad[:4])}…): parallelize "
+                        "trains Params only; build it without BatchNorm / Dropout RNG state")
+    if units is not None and (variant != "zero3" or style != "shard_map"):
+        raise WrapError("units= is for shard_map/zero3 (the only step that gathers per unit)")
+    return Trainer(model, loss, tx, mesh, variant, style, axis, units)
