@@ -47,7 +47,7 @@ import numpy as np
 import optax
 from flax import nnx
 from jax import lax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl import model_theory
@@ -400,6 +400,9 @@ def parallelize(model: nnx.Module, loss: Callable, tx: optax.GradientTransformat
         bad = sorted({key_of(p) for p, _ in jax.tree_util.tree_flatten_with_path(rest)[0]})
         raise WrapError(f"{type(model).__name__} holds state other than nnx.Param ({', '.join(bad[:4])}…): parallelize "
                         "trains Params only; build it without BatchNorm / Dropout RNG state")
+    # jax.make_mesh's default axes are Explicit (sharding in types); these steps place arrays with
+    # Auto axes (shardings are hints XLA propagates): the same devices, re-typed.
+    mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
     if units is not None and (variant != "zero3" or style != "shard_map"):
         raise WrapError("units= is for shard_map/zero3 (the only step that gathers per unit)")
     return Trainer(model, loss, tx, mesh, variant, style, axis, units)

@@ -245,3 +245,16 @@ def test_model_theory_equals_shared_theory_on_the_project_models(model):
     trainer.step.lower(*trainer.state, *trainer.shard_batch(*[a for a in (x, y) if a is not None]))  # traced
     assert trainer.comm_theory() == fsdp_comm(cfg, "zero3")
     assert model_theory.comm(trainer.infos, "zero3", N, trainer.unit_calls) == trainer.comm_theory()
+
+
+@pytest.mark.parametrize("variant", ["dp", "zero3"])
+def test_a_mesh_from_jax_make_mesh(variant):
+    """jax.make_mesh's axes are Explicit (sharding in types); parallelize re-types them Auto (the
+    same devices), so the jit style trains exactly there too instead of failing in tracing."""
+    mesh = jax.make_mesh((N,), ("dp",), devices=jax.devices()[:N])
+    ref_losses, ref_params = reference(foreign)
+    trainer = parallelize(foreign(), ce, adamw(), mesh, variant, "jit")
+    losses = [trainer.train_step(*batch()) for _ in range(STEPS)]
+    params = flat(trainer.module())
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL
+    assert max(float(np.max(np.abs(params[k] - ref_params[k]))) for k in ref_params) <= TOL
