@@ -156,6 +156,18 @@ def _bwd_pairs(pairs, c: int):
 
 def ring_attention(variant: str, n: int):
     """attn(qkv, head_dim) for the transformer's seam: the ring written out, Python-unrolled."""
+    core = ring_core(variant, n)
+
+    def attn(qkv, head_dim: int):
+        b, t, _ = qkv.shape  # (B, T/N, 3D)
+        q, k, v = (a.reshape(b, t, -1, head_dim).transpose(0, 2, 1, 3) for a in jnp.split(qkv, 3, axis=-1))
+        return core(q, k, v).transpose(0, 2, 1, 3).reshape(b, t, -1)  # (B, T/N, D)
+    return attn
+
+
+def ring_core(variant: str, n: int):
+    """core(q, k, v) -> causal attention output, each (B, H, T/N, dh) on this device's positions:
+    the ring over AXIS (any model's seam: jax_impl/cp_seam.py)."""
     ring = [(j, (j + 1) % n) for j in range(n)]
     send = lambda x: lax.ppermute(x, AXIS, ring)  # to r+1: I receive the block of r−1
     m = len(cp_chunks(n, 0, variant))  # chunks per device
@@ -193,12 +205,7 @@ def ring_attention(variant: str, n: int):
         return jnp.concatenate(dq, axis=2), dkv[0], dkv[1]
 
     core.defvjp(core_fwd, core_bwd)
-
-    def attn(qkv, head_dim: int):
-        b, t, _ = qkv.shape  # (B, T/N, 3D)
-        q, k, v = (a.reshape(b, t, -1, head_dim).transpose(0, 2, 1, 3) for a in jnp.split(qkv, 3, axis=-1))
-        return core(q, k, v).transpose(0, 2, 1, 3).reshape(b, t, -1)  # (B, T/N, D)
-    return attn
+    return core
 
 
 def ulysses_attention(qkv, head_dim: int):
