@@ -1,0 +1,226 @@
+"""Pipeline parallelism (GPipe) for ANY Flax NNX model that offers a stage split: the twin of
+torch_impl/pp_seam.py. pp.py has the pattern (the circular SPMD pipeline, 1F1B, ZB-H1 by hand) for the
+project's stacked blocks; here the stages may differ in everything but the message between them.
+
+What a model must offer (the seam): a forward that IS a chain of submodules, given as module paths
+per stage — ``stages=[["embed", "blocks.0"], ["blocks.1", "norm", "head"]]`` — so that
+``model(x) == head(norm(blocks.1(blocks.0(embed(x)))))``; ``parallelize`` checks that equality on
+the first micro-batch and refuses a model whose forward is something else. Every Param must belong
+to one stage (a tie across stages is refused). Every stage boundary carries the same activation
+shape and dtype (the "message"); the loss is ``loss(output, *targets)`` on the last stage's output,
+a mean over the micro-batch's rows.
+
+    trainer = pipeline(model, stages, loss, optax.adamw(...), mesh, microbatches=4)   # axis "pp"
+    loss_value = trainer.train_step(x, y)
+
+Sharded: each stage's Params flattened into ONE vector, zero-padded to the longest stage's length,
+stacked (S, Φ_max) and split over "pp": device s holds stage s's parameters and AdamW moments (the
+padding is zero, gets zero gradients and stays zero under AdamW, which is elementwise). The batch is
+cut into M micro-batches, replicated. Schedule: the circular GPipe of pp.py — M + S − 1 iterations;
+in iteration t device s runs its stage (``lax.switch`` on the device index: the stages are different
+programs) on micro-batch t − s, and the message moves s → s+1 (``ppermute``); bubbles compute on
+stale inputs and are masked to zero (zero value, zero gradient). Backward: jax.grad of the unrolled
+schedule (GPipe order), every shift transposed. Per step per device: 2·(M + S − 2) collective-permutes
+of one message, plus the all-reduce of the (S,) per-stage losses' sum (one element per device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_impl.fsdp_wrapper import WrapError, _holders, _modules, key_of
+
+AXIS = "pp"
+
+
+class Stage:
+    """One stage: its modules (path, graphdef, treedef, shapes) packed into one flat vector."""
+
+    def __init__(self, model, paths: Sequence[str], mods: dict):
+        self.paths, self.parts = list(paths), []
+        for p in self.paths:
+            gdef, state = nnx.split(mods[p])
+            leaves, treedef = jax.tree_util.tree_flatten(state)
+            self.parts.append((gdef, treedef, [(a.shape, a.dtype) for a in leaves]))
+        self.values = [a for p in self.paths for a in jax.tree.leaves(nnx.split(mods[p])[1])]
+        self.size = sum(int(np.prod(s)) for part in self.parts for s, _ in part[2])
+
+    def pack(self, length: int, dtype) -> jax.Array:
+        flat = jnp.concatenate([jnp.ravel(a).astype(dtype) for a in self.values] + [jnp.zeros(0, dtype)])
+        return jnp.pad(flat, (0, length - self.size))  # (Φ_max,)
+
+    def modules(self, flat: jax.Array) -> list:
+        """The stage's modules holding the parameters read from ``flat`` (Φ_max,)."""
+        out, at = [], 0
+        for gdef, treedef, shapes in self.parts:
+            leaves = []
+            for shape, dtype in shapes:
+                n = int(np.prod(shape))
+                leaves.append(flat[at:at + n].reshape(shape).astype(dtype))
+                at += n
+            out.append(nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, leaves)))
+        return out
+
+    def __call__(self, flat, h):
+        for m in self.modules(flat):
+            h = m(h)
+        return h
+
+
+def _check(model, stages: Sequence[Sequence[str]]) -> dict:
+    mods = _modules(model)[0]
+    listed = [p for stage in stages for p in stage]
+    for p in listed:
+        if p not in mods or not p:
+            raise WrapError(f"pp: {p!r} is not a submodule path of {type(model).__name__} "
+                            f"(some: {', '.join(q for q in mods if q)[:200]}); fix the stage list")
+        if listed.count(p) > 1:
+            raise WrapError(f"pp: {p!r} is listed twice; each module runs in one stage")
+    covered = lambda key: any(key == q or key.startswith(q + ".") for q in listed)
+    state = nnx.state(model, nnx.Param)
+    missing = [key_of(k) for k, _ in jax.tree_util.tree_flatten_with_path(state)[0] if not covered(key_of(k))]
+    if missing:
+        raise WrapError(f"pp: Param {missing[0]!r} is in no stage (every Param must be in one: a bare Param on the "
+                        "root cannot be pipelined; move it into a submodule listed in a stage)")
+    stage_of = {q: i for i, stage in enumerate(stages) for q in stage}
+    owner = lambda path: next((stage_of[q] for q in listed if path == q or path.startswith(q + ".")), None)
+    for paths in _holders(model).values():
+        if len({owner(p) for p in paths}) > 1:
+            raise WrapError(f"pp: one Param is held by {', '.join(map(repr, paths))} in different stages (tied); "
+                            "put its users in one stage or untie it")
+    return mods
+
+
+class Trainer:
+    """``pipeline``'s result: ``step(params, opt_state, xs, *ys)``, ``state``, ``train_step(x, *y)``,
+    ``module()``, ``comm_theory()``."""
+
+    def __init__(self, model, stages, loss, tx, mesh, microbatches):
+        self.model, self.loss, self.tx, self.mesh, self.m = model, loss, tx, mesh, microbatches
+        self.n = mesh.shape[AXIS]
+        if len(stages) != self.n:
+            raise WrapError(f"pp: {len(stages)} stages for a mesh with pp={self.n}: give one module list per device")
+        mods = _check(model, stages)
+        self.stages = [Stage(model, paths, mods) for paths in stages]
+        dtype = jnp.result_type(*[a.dtype for s in self.stages for a in s.values])
+        self.length = max(s.size for s in self.stages)
+        packed = jnp.stack([s.pack(self.length, dtype) for s in self.stages])  # (S, Φ_max)
+        params = jax.device_put(packed, NamedSharding(mesh, P(AXIS)))
+        opt_state = tx.init(params)
+        where = jax.tree.map(lambda a: NamedSharding(mesh, P(AXIS) if a.ndim else P()), opt_state)
+        self.state = (params, jax.device_put(opt_state, where))
+        self.message = None  # ShapeDtypeStruct of the activation between stages, set by shard_batch
+        self.step = jax.jit(self._step, donate_argnums=(0, 1))
+        self._compiled = None
+
+    def _split(self, a):
+        if a.shape[0] % self.m:
+            raise WrapError(f"pp: batch dim 0 = {a.shape[0]} is not divisible by microbatches={self.m}")
+        return jnp.asarray(a).reshape(self.m, a.shape[0] // self.m, *a.shape[1:])  # (M, B/M, …)
+
+    def shard_batch(self, x, *ys) -> tuple:
+        """(B, …) arrays -> (M, B/M, …) micro-batches, replicated; checks the chain and the messages once."""
+        xs, yss = self._split(x), [self._split(y) for y in ys]
+        if self.message is None:
+            self._check_chain(xs[0], [y[0] for y in yss])
+        rep = NamedSharding(self.mesh, P())
+        return tuple(jax.device_put(a, rep) for a in (xs, *yss))
+
+    def _check_chain(self, x, ys):
+        h, shapes = x, []
+        flats = [s.pack(self.length, self.state[0].dtype) for s in self.stages]
+        for stage, flat in zip(self.stages, flats):
+            h = stage(flat, h)
+            shapes.append(jax.ShapeDtypeStruct(h.shape, h.dtype))
+        if len(set(shapes[:-1])) > 1:
+            raise WrapError(f"pp: the stage boundaries carry different activations {shapes[:-1]}: a pipeline sends one "
+                            "message shape; move the modules that change it into the first or the last stage")
+        whole = self.model(x)
+        if whole.shape != h.shape or not bool(jnp.all(whole == h)):
+            raise WrapError("pp: the chain of the stages' modules does not give model(x) (the model's forward does "
+                            "more than call them in this order): list every module its forward calls, in order")
+        self.message = shapes[0] if self.n > 1 else None
+
+    def _step(self, params, opt_state, xs, *ys):
+        def total(params):
+            return jnp.sum(self._losses(params, xs, *ys))  # the last stage's; the others' are 0
+        value, grads = jax.value_and_grad(total)(params)
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value, grads
+
+    def _losses(self, params, xs, *ys):
+        S, M, msg = self.n, self.m, self.message
+
+        def body(flat, xs, *ys):
+            flat, s = flat[0], lax.axis_index(AXIS)  # (Φ_max,): this device's stage
+            zero = lax.pcast(jnp.zeros(msg.shape, msg.dtype), AXIS, to="varying")
+            branches = [self._branch(i, S) for i in range(S)]
+            h, total = zero, jnp.zeros((), flat.dtype)
+            for t in range(M + S - 1):  # Python loop: the ledger sees every collective-permute
+                mb = t - s  # this device's micro-batch
+                x, y = xs[min(t, M - 1)], [a[max(0, min(t - S + 1, M - 1))] for a in ys]
+                out, loss = lax.switch(s, branches, flat, x, h, *y)
+                valid = (mb >= 0) & (mb < M)
+                total = total + jnp.where(valid, loss, 0) / M  # the mean over M equal micro-batches
+                if t < M + S - 2:
+                    h = lax.ppermute(jnp.where(valid, out, 0), AXIS, [(i, (i + 1) % S) for i in range(S)])
+            return total[None]
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(P(AXIS), P(), *[P()] * len(ys)), out_specs=P(AXIS),
+                             check_vma=True)(params, xs, *ys)
+
+    def _branch(self, i: int, S: int):
+        stage, msg = self.stages[i], self.message
+
+        def run(flat, x, h, *y):
+            out = stage(flat, x if i == 0 else h)
+            if i == S - 1:  # the loss on the last stage; it sends nothing meaningful
+                return lax.pcast(jnp.zeros(msg.shape, msg.dtype), AXIS, to="varying"), self.loss(out, *y)
+            return out, lax.pcast(jnp.zeros((), flat.dtype), AXIS, to="varying")
+        return run
+
+    def train_step(self, x, *ys) -> float:
+        batch = self.shard_batch(x, *ys)
+        if self._compiled is None:
+            self._compiled = self.step.lower(*self.state, *batch).compile()
+        *state, loss, _ = self._compiled(*self.state, *batch)
+        self.state = tuple(state)
+        return float(loss)
+
+    def module(self):
+        """The model holding the trained parameters (a new object; the one given is unchanged)."""
+        flat = np.asarray(jax.device_get(self.state[0]))
+        gdef, state = nnx.split(self.model)
+        model = nnx.merge(gdef, state)
+        mods = _modules(model)[0]
+        for stage, row in zip(self.stages, flat):
+            for path, trained in zip(stage.paths, stage.modules(jnp.asarray(row))):
+                nnx.update(mods[path], nnx.state(trained))
+        return model
+
+    def comm_theory(self) -> dict[str, tuple[int, int]]:
+        """2·(M + S − 2) permutes of one message per device (none at S = 1), the losses' all-reduce."""
+        if self.message is None:
+            return {}
+        k, b = 2 * (self.m + self.n - 2), int(np.prod(self.message.shape)) * self.message.dtype.itemsize
+        return {"collective_permute": (k, k * b), "all_reduce": (1, self.state[0].dtype.itemsize)}
+
+
+def pipeline(model: nnx.Module, stages: Sequence[Sequence[str]], loss: Callable, tx: optax.GradientTransformation,
+             mesh, microbatches: int = 4) -> Trainer:
+    """GPipe over ``mesh``'s "pp" axis for a model whose forward is the chain ``stages`` lists."""
+    if AXIS not in mesh.shape:
+        raise WrapError(f"the mesh has axes {tuple(mesh.shape)}, no {AXIS!r}: make one with axis name 'pp'")
+    _, _, rest = nnx.split(model, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        raise WrapError(f"{type(model).__name__} holds state other than nnx.Param: pipeline trains Params only")
+    mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    return Trainer(model, stages, loss, tx, mesh, microbatches)
