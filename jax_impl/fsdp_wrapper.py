@@ -387,6 +387,22 @@ class Trainer:
         return model_theory.state(self.infos, self.variant, self.n, self.style)
 
 
+class FromApply(nnx.Module):
+    """A parameter pytree and ``apply(params, *inputs)`` as an NNX model, for ``parallelize`` (and
+    cp_seam / pp_seam): ``parallelize(FromApply(params, apply), loss, …)``; ``.pytree()`` gives the
+    parameters back in the same structure. Under zero3 it is one unit: the root gathers it whole."""
+
+    def __init__(self, params, apply: Callable):
+        self.params = nnx.data(jax.tree.map(nnx.Param, params))
+        self.apply = apply
+
+    def pytree(self):
+        return jax.tree.map(lambda v: v[...], self.params, is_leaf=lambda v: isinstance(v, nnx.Param))
+
+    def __call__(self, *inputs):
+        return self.apply(self.pytree(), *inputs)
+
+
 def parallelize(model: nnx.Module, loss: Callable, tx: optax.GradientTransformation, mesh, variant: str = "dp",
                 style: str = "shard_map", axis: str = "dp", units: Sequence[str] | None = None) -> Trainer:
     """A ZeRO ``variant`` of ``model`` over ``mesh``'s ``axis`` in ``style``; see the module docstring."""

@@ -23,7 +23,7 @@ from flax import nnx
 
 from jax_impl import model_theory
 from jax_impl.devices import make_mesh
-from jax_impl.fsdp_wrapper import STYLES, VARIANTS, ShardReadError, WrapError, parallelize
+from jax_impl.fsdp_wrapper import STYLES, VARIANTS, FromApply, ShardReadError, WrapError, parallelize
 from jax_impl.ledger import comm_from_hlo
 
 TOL = 1e-12  # float64: see the module docstring
@@ -258,3 +258,27 @@ def test_a_mesh_from_jax_make_mesh(variant):
     params = flat(trainer.module())
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL
     assert max(float(np.max(np.abs(params[k] - ref_params[k]))) for k in ref_params) <= TOL
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_parameter_pytree_with_an_apply_function(variant):
+    """FromApply: a plain {name: array} pytree and apply(params, x) train like one device (shard_map)."""
+    rng = np.random.default_rng(3)
+    params = {"w1": rng.standard_normal((D, 2 * D)) / 3, "b1": np.zeros(2 * D),
+              "w2": rng.standard_normal((2 * D, V)) / 4}
+    apply = lambda p, x: jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
+    x = rng.standard_normal((B, D))
+    y = rng.integers(0, V, B).astype(np.int32)
+    ce_rows = lambda model, x, y: optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+    ref = {k: jnp.asarray(a) for k, a in params.items()}
+    tx = adamw()
+    opt = tx.init(ref)
+    for _ in range(STEPS):
+        grads = jax.grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(apply(p, x), y).mean())(ref)
+        updates, opt = tx.update(grads, opt, ref)
+        ref = optax.apply_updates(ref, updates)
+    trainer = parallelize(FromApply(params, apply), ce_rows, adamw(), make_mesh(N, "dp"), variant, "shard_map")
+    for _ in range(STEPS):
+        trainer.train_step(x, y)
+    got = trainer.module().pytree()
+    assert max(float(np.max(np.abs(np.asarray(got[k]) - np.asarray(ref[k])))) for k in ref) <= TOL
