@@ -1,0 +1,24 @@
+"""The README's "Bring your own model" examples run as a user runs them: a fresh interpreter, exit 0,
+their parity line printed (each script asserts its own parity against single-device training)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_example(name: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script asks for its own devices
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name)], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_own_model_jax_example(measured):
+    out = run_example("own_model_jax.py")
+    assert out.rstrip().splitlines()[-1].startswith("ok: worst parameter difference"), out
+    measured(out.rstrip().splitlines()[-1])
