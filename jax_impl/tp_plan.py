@@ -11,6 +11,8 @@ the pattern; this is its model-generic half), with fsdp_wrapper.parallelize's su
 Keys are module paths (``*`` = one path segment, fnmatch within it); styles (nnx.Linear kernel (in, out)):
 
     colwise        kernel P(None, "tp") (output features split), bias split with it; f before
+    colwise_heads  a fused [q|k|v] kernel (D, 3·H·dh), colwise by whole heads: its columns reordered
+                   at placement (heads_perm) so device r holds [q_r|k_r|v_r] (jit: output reordered back)
     rowwise        kernel P("tp", None) (input features split); g after; the bias added ONCE, after g
     vocab_embed    nnx.Embed rows split [r·V/tp, (r+1)·V/tp); other tokens give zero rows; g after
     colwise_vocab  the LM head: colwise, logits stay split (B, T, V/tp); the loss must use
@@ -55,9 +57,10 @@ from jax.sharding import PartitionSpec as P
 
 from jax_impl.fsdp_wrapper import _holders, _modules, _put, key_of
 
-STYLES = ("colwise", "rowwise", "vocab_embed", "colwise_vocab")
-KIND = {"colwise": nnx.Linear, "rowwise": nnx.Linear, "colwise_vocab": nnx.Linear, "vocab_embed": nnx.Embed}
-SPLIT_DIM = {"colwise": 1, "colwise_vocab": 1, "rowwise": 0, "vocab_embed": 0}  # of kernel / embedding
+STYLES = ("colwise", "colwise_heads", "rowwise", "vocab_embed", "colwise_vocab")
+KIND = {"colwise": nnx.Linear, "colwise_heads": nnx.Linear, "rowwise": nnx.Linear, "colwise_vocab": nnx.Linear,
+        "vocab_embed": nnx.Embed}
+SPLIT_DIM = {"colwise": 1, "colwise_heads": 1, "colwise_vocab": 1, "rowwise": 0, "vocab_embed": 0}  # kernel / table
 PADDED = ("vocab_embed", "colwise_vocab")
 
 
@@ -121,9 +124,16 @@ def check_plan(model, plan: dict[str, str], tp: int) -> dict[str, str]:
         if style == "vocab_embed":
             out[f"{path}.embedding"] = style
             continue
+        if m.kernel.ndim != 2:
+            _refuse(path, m, style, f"its kernel has shape {m.kernel.shape}, not (in, out) (stacked layers: "
+                    "nnx.scan / vmap)", "plan unstacked nnx.Linear layers, or leave it replicated")
         d_in, d_out = m.kernel.shape
-        split = d_in if style == "rowwise" else d_out
+        split = d_in if style == "rowwise" else d_out // 3 if style == "colwise_heads" else d_out
         hd = getattr(_modules(model)[0][path.rpartition(".")[0]], "head_dim", None)
+        if style == "colwise_heads" and (d_out % 3 or not isinstance(hd, int)):
+            _refuse(path, m, style, f"it needs a fused [q|k|v] kernel (D, 3·H·dh) and its parent's head_dim: "
+                    f"out_features={d_out}, head_dim={hd}", "give the attention module a head_dim attribute and "
+                    "equal q, k, v widths, or plan separate q, k, v with 'colwise'")
         if style != "colwise_vocab" and isinstance(hd, int) and (split % hd or (split // hd) % tp):
             _refuse(path, m, style, f"it would split {split / hd:g} heads of head_dim={hd} over tp={tp}: a device "
                     "would hold part of a head", "use a tp that divides every head count (GQA: the k/v heads too), "
@@ -144,10 +154,17 @@ def _spec(style: str, ndim: int, axis: str) -> P:
     return P(None, axis) if SPLIT_DIM[style] == 1 else P(axis, None)
 
 
+def heads_perm(cols: int, n: int) -> np.ndarray:
+    """Column order of a fused [q|k|v] kernel that hands device r the block [q_r|k_r|v_r]."""
+    c = cols // 3
+    return np.concatenate([np.arange(c // n) + j * c + r * (c // n) for r in range(n) for j in range(3)])
+
+
 def _matmul(m: nnx.Linear, x):
     """nnx.Linear's product without its bias."""
     x, k = m.promote_dtype((x, m.kernel[...]), dtype=m.dtype)
-    return m.dot_general(x, k, (((x.ndim - 1,), (0,)), ((), ())), precision=m.precision)
+    kw = {} if m.preferred_element_type is None else {"preferred_element_type": m.preferred_element_type}
+    return m.dot_general(x, k, (((x.ndim - 1,), (0,)), ((), ())), precision=m.precision, **kw)
 
 
 class _Trace:
@@ -163,7 +180,7 @@ class _Trace:
         """f: shard_map: pcast to varying (bwd psum), once per input array; jit: x replicated."""
         if not self.shard_map:
             return self.at(x)
-        if id(x) not in self.f_cache:
+        if id(x) not in self.f_cache or not self.t.shared_f:
             vma = getattr(jax.typeof(x), "vma", frozenset())
             self.f_cache[id(x)] = (x, x if self.t.axis in vma else lax.pcast(x, self.t.axis, to="varying"))
         return self.f_cache[id(x)][1]
@@ -194,6 +211,8 @@ class _Split:
             return y if m.bias is None else y + m.bias[...]  # the bias once, after g
         y = m(tr.enter(x), *args, **kwargs)  # (…, out/tp)
         y = y if tr.shard_map else tr.at(y, *[None] * (y.ndim - 1), ax)
+        if self._style == "colwise_heads" and not tr.shard_map:  # [q_0|k_0|v_0|q_1|…] -> [q|k|v]
+            y = y[..., np.argsort(heads_perm(y.shape[-1], tr.t.n))]
         if self._style == "colwise_vocab":
             tr.heads += 1
             vocab, cols = tr.t.vocab[self._path], y.shape[-1]
@@ -206,10 +225,10 @@ class _Split:
         if name.startswith("__"):
             raise AttributeError(name)
         value = getattr(self._m, name)
-        if isinstance(value, nnx.Variable):
-            raise PlanError(f"tp plan: {name!r} of {self._path!r} ({self._style}) was read by its parent; it is "
-                            "split over tp there. Fix: call the module, or leave it out of the plan")
-        return value
+        if isinstance(value, nnx.Variable) or callable(value):
+            raise PlanError(f"tp plan: {name!r} of {self._path!r} ({self._style}) was read by its parent; the "
+                            "module is split over tp there. Fix: call the module, or leave it out of the plan")
+        return value  # plain attributes (features, head counts) are the module's own
 
 
 def cross_entropy(logits, targets):
@@ -234,11 +253,13 @@ def cross_entropy(logits, targets):
 
 
 class Trainer:
-    """``apply_plan``'s result: ``state`` = (params {path: array, split ones padded}, opt_state),
-    ``step`` the jitted pure step, ``train_step(*batch)`` -> mean loss, ``module()`` the model."""
+    """``apply_plan``'s result: ``state`` = (params {path: array, split ones padded / reordered},
+    opt_state); ``step(params, opt_state, *batch) -> (params, opt_state, loss, grads)`` the jitted pure
+    step; ``train_step(*batch)`` -> the loss; ``full_params`` / ``module()`` the trained model."""
 
-    def __init__(self, model, plan, loss, tx, mesh, style, axis):
+    def __init__(self, model, plan, loss, tx, mesh, style, axis, shared_f=True):
         self.n, self.mesh, self.axis, self.style, self._loss, self._tx = mesh.shape[axis], mesh, axis, style, loss, tx
+        self.shared_f = shared_f
         self.styles = check_plan(model, plan, self.n)
         self.planned = [(p, s) for p, _, s in planned_modules(model, plan)]
         self.vocab = {p: m.kernel.shape[1] for p, m, s in planned_modules(model, plan) if s == "colwise_vocab"}
@@ -253,11 +274,13 @@ class Trainer:
             if s in PADDED and a.shape[d] % self.n:  # zero rows / columns up to ⌈V/tp⌉ per device
                 self.sizes[k] = (d, a.shape[d])
                 a = jnp.pad(a, [(0, -a.shape[d] % self.n if i == d else 0) for i in range(a.ndim)])
+            if s == "colwise_heads":
+                a = a[..., heads_perm(a.shape[-1], self.n)]  # device r: [q_r|k_r|v_r]
             params[k] = jax.device_put(a, NamedSharding(mesh, self.specs[k]))
         opt_state = jax.jit(tx.init)(params)
         self.state = (params, opt_state)
         shard = {k: NamedSharding(mesh, s) for k, s in self.specs.items()}
-        self.step = jax.jit(self._step, donate_argnums=(0, 1), out_shardings=(shard, None, None))
+        self.step = jax.jit(self._step, donate_argnums=(0, 1), out_shardings=(shard, None, None, shard))
         self._compiled = None
 
     def _traced_loss(self, params: dict, batch: tuple, shard_map: bool):
@@ -285,13 +308,17 @@ class Trainer:
                                               out_specs=P(), check_vma=True)(p, *batch)
         loss, grads = jax.value_and_grad(loss_of)(params)  # outside shard_map: replicated grads stay invariant
         updates, opt_state = self._tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, loss, grads
+
+    def replicate(self, *batch) -> tuple:
+        """The batch on every device of the mesh (TP: each device sees all of it)."""
+        return tuple(jax.device_put(jnp.asarray(a), NamedSharding(self.mesh, P())) for a in batch)
 
     def train_step(self, *batch) -> float:
-        batch = tuple(jax.device_put(jnp.asarray(a), NamedSharding(self.mesh, P())) for a in batch)
+        batch = self.replicate(*batch)
         if self._compiled is None:
             self._compiled = self.step.lower(*self.state, *batch).compile()
-        *state, loss = self._compiled(*self.state, *batch)
+        *state, loss, _ = self._compiled(*self.state, *batch)
         self.state = tuple(state)
         return float(loss)
 
@@ -300,9 +327,11 @@ class Trainer:
         return self._compiled.as_text()
 
     def full_params(self, params: dict | None = None) -> dict[str, np.ndarray]:
-        """{path: full array}, padding dropped."""
+        """{path: full array} of the parameters (or of the step's grads), padding dropped, columns in order."""
         params = self.state[0] if params is None else params
         out = {k: np.asarray(jax.device_get(a)) for k, a in params.items()}
+        out |= {k: a[..., np.argsort(heads_perm(a.shape[-1], self.n))] for k, a in out.items()
+                if self.styles.get(k) == "colwise_heads"}
         return {k: np.take(a, np.arange(self.sizes[k][1]), self.sizes[k][0]) if k in self.sizes else a
                 for k, a in out.items()}
 
@@ -312,12 +341,13 @@ class Trainer:
 
 
 def apply_plan(model, plan: dict[str, str], loss: Callable, tx: optax.GradientTransformation, mesh,
-               style: str = "shard_map", axis: str = "tp") -> Trainer:
+               style: str = "shard_map", axis: str = "tp", shared_f: bool = True) -> Trainer:
     """Tensor parallelism of ``model`` by ``plan`` over ``mesh``'s ``axis``; ``loss(model, *batch)``
-    a scalar. See the module docstring. ``check_plan`` first: nothing compiles on a refused plan."""
+    a scalar. See the module docstring. ``check_plan`` first: nothing compiles on a refused plan.
+    ``shared_f=False``: one f per column-parallel call (for comparison: more backward psums)."""
     if style not in ("shard_map", "jit"):
         raise PlanError(f"tp plan: unknown style {style!r}. Fix: 'shard_map' or 'jit'")
     if axis not in mesh.shape:
         raise PlanError(f"tp plan: the mesh has axes {tuple(mesh.shape)}, no {axis!r}. Fix: pass axis=<one of them>")
     mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-    return Trainer(model, plan, loss, tx, mesh, style, axis)
+    return Trainer(model, plan, loss, tx, mesh, style, axis, shared_f)
