@@ -108,7 +108,7 @@ def check_plan(model, plan: dict[str, str], tp: int) -> dict[str, str]:
         bad = sorted({key_of(p) for p, _ in jax.tree_util.tree_flatten_with_path(rest)[0]})
         raise PlanError(f"tp plan: {type(model).__name__} holds state other than nnx.Param ({', '.join(bad[:4])}): "
                         "apply_plan trains Params only. Fix: build it without BatchNorm statistics / Dropout RNG state")
-    refs, holders, out = _modules(model)[1], _holders(model), {}
+    (mods, refs), holders, out = _modules(model), _holders(model), {}
     for path, m, style in planned_modules(model, plan):
         if type(m) is not KIND[style]:
             _refuse(path, m, style, f"this style splits an nnx.{KIND[style].__name__} (exactly: a subclass may "
@@ -129,7 +129,7 @@ def check_plan(model, plan: dict[str, str], tp: int) -> dict[str, str]:
                     "nnx.scan / vmap)", "plan unstacked nnx.Linear layers, or leave it replicated")
         d_in, d_out = m.kernel.shape
         split = d_in if style == "rowwise" else d_out // 3 if style == "colwise_heads" else d_out
-        hd = getattr(_modules(model)[0][path.rpartition(".")[0]], "head_dim", None)
+        hd = getattr(mods[path.rpartition(".")[0]], "head_dim", None)  # an attention module's
         if style == "colwise_heads" and (d_out % 3 or not isinstance(hd, int)):
             _refuse(path, m, style, f"it needs a fused [q|k|v] kernel (D, 3·H·dh) and its parent's head_dim: "
                     f"out_features={d_out}, head_dim={hd}", "give the attention module a head_dim attribute and "
@@ -167,6 +167,13 @@ def _matmul(m: nnx.Linear, x):
     return m.dot_general(x, k, (((x.ndim - 1,), (0,)), ((), ())), precision=m.precision, **kw)
 
 
+def _varying(x) -> frozenset:
+    """The manual axes ``x`` varies over inside shard_map (check_vma): jax 0.10 keeps them in the
+    type's ``mat.varying``, earlier versions in ``vma``."""
+    t = jax.typeof(x)
+    return frozenset(getattr(getattr(t, "mat", None), "varying", None) or getattr(t, "vma", ()))
+
+
 class _Trace:
     """One trace of the step: the mode, the f cache (one f per input array), the loss checks."""
 
@@ -181,8 +188,8 @@ class _Trace:
         if not self.shard_map:
             return self.at(x)
         if id(x) not in self.f_cache or not self.t.shared_f:
-            vma = getattr(jax.typeof(x), "vma", frozenset())
-            self.f_cache[id(x)] = (x, x if self.t.axis in vma else lax.pcast(x, self.t.axis, to="varying"))
+            varying = self.t.axis in _varying(x)
+            self.f_cache[id(x)] = (x, x if varying else lax.pcast(x, self.t.axis, to="varying"))
         return self.f_cache[id(x)][1]
 
 
@@ -222,7 +229,7 @@ class _Split:
         return y
 
     def __getattr__(self, name):
-        if name.startswith("__"):
+        if name.startswith("_"):
             raise AttributeError(name)
         value = getattr(self._m, name)
         if isinstance(value, nnx.Variable) or callable(value):
@@ -233,13 +240,13 @@ class _Split:
 
 def cross_entropy(logits, targets):
     """Mean cross entropy over integer ``targets`` (…,). Full logits (…, V): log-sum-exp minus the
-    target logit. Inside a colwise_vocab plan's step under shard_map the head's logits are split
-    (…, ⌈V/tp⌉): pmax of the row max, ONE psum of (2, …) (target logit, Σexp); backward local.
-    (jit: the logits are global, XLA splits the same sums.)"""
+    target logit. Inside a shard_map step, logits varying over the axis are a colwise_vocab head's
+    split ones (…, ⌈V/tp⌉): pmax of the row max, ONE psum of (2, …) (target logit, Σexp); backward
+    local. (Invariant logits are full; jit: the logits are global, XLA splits the same sums.)"""
     tr = _ACTIVE[-1] if _ACTIVE else None
     if tr is not None:
         tr.ce += 1
-    if tr is None or not tr.shard_map or not tr.heads:
+    if tr is None or not tr.shard_map or tr.t.axis not in _varying(logits):
         picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
         return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
     ax, rows = tr.t.axis, logits.shape[-1]
@@ -321,6 +328,12 @@ class Trainer:
         *state, loss, _ = self._compiled(*self.state, *batch)
         self.state = tuple(state)
         return float(loss)
+
+    compiler_options = None  # harness.trainer_setup reads it (fsdp_wrapper's Trainer sets XLA:CPU options)
+
+    def full_grads(self, grads) -> dict:
+        """The step's ``grads`` output as {path: array} (``module(grads)``: full, padding dropped)."""
+        return dict(grads)
 
     def compiled_text(self) -> str:
         """The compiled step's HLO (after a train_step): jax_impl.ledger.comm_from_hlo reads it."""
