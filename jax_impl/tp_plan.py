@@ -43,6 +43,7 @@ module's Param (``self.head.kernel``), a colwise_vocab head whose logits never r
 from __future__ import annotations
 
 import difflib
+from collections import Counter
 from collections.abc import Callable
 from fnmatch import fnmatch
 
@@ -78,10 +79,19 @@ def _refuse(path, m, style, what, fix):
     raise PlanError(f"tp plan: {style!r} at {path!r} ({type(m).__name__}): {what}. Fix: {fix}")
 
 
+def _paths(model, path: str = "", inside: frozenset = frozenset()) -> list[tuple[str, nnx.Module]]:
+    """Every (path, submodule), a module held in two places under both paths."""
+    out = [(path, model)]
+    for k, child in nnx.iter_children(model) if id(model) not in inside else ():
+        if isinstance(child, nnx.Module):
+            out += _paths(child, f"{path}.{k}" if path else str(k), inside | {id(model)})
+    return out
+
+
 def planned_modules(model, plan: dict[str, str]) -> list[tuple[str, nnx.Module, str]]:
     """[(module path, module, style)] in model order; refuses unknown styles, keys matching nothing,
     a module given two styles."""
-    mods, chosen = _modules(model)[0], {}
+    mods, chosen = dict(_paths(model)), {}
     for pattern, style in plan.items():
         if style not in STYLES:
             raise PlanError(f"tp plan: key {pattern!r} has unknown style {style!r}. Fix: use one of {STYLES}")
@@ -108,7 +118,8 @@ def check_plan(model, plan: dict[str, str], tp: int) -> dict[str, str]:
         bad = sorted({key_of(p) for p, _ in jax.tree_util.tree_flatten_with_path(rest)[0]})
         raise PlanError(f"tp plan: {type(model).__name__} holds state other than nnx.Param ({', '.join(bad[:4])}): "
                         "apply_plan trains Params only. Fix: build it without BatchNorm statistics / Dropout RNG state")
-    (mods, refs), holders, out = _modules(model), _holders(model), {}
+    mods, holders, out = dict(_paths(model)), _holders(model), {}
+    refs = Counter(id(m) for m in mods.values())
     for path, m, style in planned_modules(model, plan):
         if type(m) is not KIND[style]:
             _refuse(path, m, style, f"this style splits an nnx.{KIND[style].__name__} (exactly: a subclass may "

@@ -293,6 +293,19 @@ def test_refuses_a_parent_reading_a_split_module():
         trainer.train_step(*data("llama"))
 
 
+def test_refuses_a_module_reachable_from_two_places():
+    model = BiasedMLP(nnx.Rngs(0))
+    model.again = model.up  # one module, two paths: only one place would get f
+    _refused(model, MLP_PLAN, r"'colwise' at 'up' \(Linear\): the module is reachable from 2 places")
+
+
+def test_refuses_a_mesh_without_the_axis_and_an_unknown_style():
+    with pytest.raises(PlanError, match=r"no 'tp'. Fix: pass axis="):
+        apply_plan(BiasedMLP(nnx.Rngs(0)), MLP_PLAN, mse, adamw(), make_mesh(N, "dp"))
+    with pytest.raises(PlanError, match="unknown style 'pjit'"):
+        apply_plan(BiasedMLP(nnx.Rngs(0)), MLP_PLAN, mse, adamw(), make_mesh(N, "tp"), style="pjit")
+
+
 def test_refuses_non_param_state():
     model = BiasedMLP(nnx.Rngs(0))
     model.stats = nnx.BatchStat(jnp.zeros(3))
