@@ -130,8 +130,9 @@ def check_plan(model, plan: dict[str, str], tp: int) -> dict[str, str]:
                     "hold it in one place, or leave it replicated")
         for name, v in nnx.iter_children(m):
             if isinstance(v, nnx.Variable) and len(holders.get(id(v), ())) > 1:
-                _refuse(path, m, style, f"its Param {name!r} is tied to {holders[id(v)]}", "untie it, or leave "
-                        "both holders replicated")
+                others = [p for p in holders[id(v)] if p != path]
+                _refuse(path, m, style, f"its Param {name!r} is also held by {others} (tied)", "untie it, or "
+                        "leave every holder replicated")
         if style == "vocab_embed":
             out[f"{path}.embedding"] = style
             continue
@@ -315,6 +316,10 @@ class Trainer:
         if tr.heads and not tr.ce:
             raise PlanError("tp plan: a 'colwise_vocab' head's logits are split over tp, and the loss never called "
                             "tp_plan.cross_entropy. Fix: compute the loss with jax_impl.tp_plan.cross_entropy")
+        if shard_map and self.axis in _varying(loss):
+            raise PlanError(f"tp plan: the loss differs across {self.axis!r}: a split output (colwise) reaches it "
+                            "without a rowwise module (g) after it. Fix: pair every colwise with a rowwise, or plan "
+                            "the LM head 'colwise_vocab' and use tp_plan.cross_entropy")
         return loss
 
     def _step(self, params, opt_state, *batch):

@@ -278,6 +278,13 @@ def test_refuses_a_stacked_kernel():
     _refused(model, MLP_PLAN, r"kernel has shape \(2, 8, 32\), not \(in, out\)")
 
 
+def test_refuses_a_split_output_reaching_the_loss():
+    loss = lambda m, x, y: jnp.mean(m.up(x) ** 2)  # (B, 4D/tp): no rowwise after it
+    trainer = apply_plan(BiasedMLP(nnx.Rngs(0)), {"up": "colwise"}, loss, adamw(), make_mesh(N, "tp"))
+    with pytest.raises(PlanError, match="a split output \\(colwise\\) reaches it without a rowwise"):
+        trainer.train_step(*data("mlp"))
+
+
 def test_refuses_a_parent_reading_a_split_module():
     """A tied head read as ``self.emb.attend(h)``: the table is split there (found at the first trace)."""
 
@@ -316,7 +323,7 @@ def test_refuses_a_tied_parameter():
     model = BiasedMLP(nnx.Rngs(0))
     model.twin = nnx.Linear(D, 4 * D, rngs=nnx.Rngs(0), **F64)
     model.twin.kernel = model.up.kernel
-    _refused(model, MLP_PLAN, r"'up'.*Param 'kernel' is tied to")
+    _refused(model, MLP_PLAN, r"'up'.*Param 'kernel' is also held by \['twin'\] \(tied\)")
 
 
 def test_refuses_split_logits_without_cross_entropy():
