@@ -19,25 +19,27 @@ Keys are module paths (``*`` = one path segment, fnmatch within it); styles (nnx
                    ``cross_entropy`` (vocab-parallel there: pmax + one psum of (2, B, T), bwd local)
 
 f = pcast(x, to="varying") (identity fwd, psum bwd), g = psum (identity bwd). Sibling projections
-that read the SAME array (q, k, v; gate, up) share ONE f, detected automatically (one f per input
-array per trace, as torch's SharedEnter): their partial dL/dx add up before the single psum. A
-Llama block pays Megatron's 2 all-reduces of B·T·D fwd (after o, down) + 2 bwd (before q|k|v,
-gate|up); plus the embedding's g (fwd), the head's f (bwd) and the loss's pmax + psum: per step per
-device (4L+2)·B·T·D·b + 3·B·T·b (shared.theory.tp_transformer_comm). Every other parameter (norms)
-is replicated, sees identical data on every device: no collective. Vocabularies tp does not divide
-are padded to ⌈V/tp⌉ rows per device (zero rows, their logits −inf: out of every softmax).
-Memory per device: split weights /tp (+ padding), the rest whole; AdamW moments alike.
+that read the SAME array (q, k, v; gate, up) share ONE f, found automatically (one f per input array
+per trace, as torch's SharedEnter): their partial dL/dx add up before the single psum. A Llama block
+pays Megatron's 2 all-reduces of B·T·D fwd (after o, down) + 2 bwd (before q|k|v, gate|up), plus
+the embedding's g (fwd), the head's f (bwd), the loss's pmax + psum of (2, B, T): per step per
+device (4L+2)·B·T·D·b + 3·B·T·b (shared.theory.tp_transformer_comm). Other parameters (norms) are
+replicated and see identical data on every device: no collective. Vocabularies tp does not divide
+are padded to ⌈V/tp⌉ rows per device (zero rows; their logits −inf, out of every softmax).
+Memory per device: split weights (and their AdamW moments) /tp plus padding, the rest whole.
 
-shard_map (check_vma=True): the planned modules are swapped, inside the traced step (the user's
-state paths stay the same), for stand-ins carrying f / g on the local shards. jit: the same plan as
-parameter shardings plus output constraints; XLA (GSPMD) inserts the collectives.
+shard_map (check_vma=True): inside the traced step the planned modules are swapped for stand-ins
+carrying f / g on the local shards (the user's state paths stay the same); ``cross_entropy`` takes
+logits varying over the axis as a colwise_vocab head's split ones. jit: the same plan as parameter
+shardings plus output constraints; XLA (GSPMD) inserts the collectives.
 
 Refused before anything is compiled (``check_plan``, one ``PlanError``: what, module path, fix): an
 unknown style, a key matching no module, two styles on one module, a style on a module kind it
-cannot split (exact nnx.Linear / nnx.Embed only), a planned module reachable from two places or a
-Param tied to another module, sizes tp does not divide, part of an attention head on a device (the
-parent module's ``head_dim``), state other than nnx.Param. At trace time: a parent reading a split
-module's Param (``self.head.kernel``), a colwise_vocab head whose logits never reach cross_entropy.
+cannot split (exactly nnx.Linear / nnx.Embed), a stacked kernel, a planned module held in two
+places or a Param tied to another module, sizes tp does not divide, part of an attention head on a
+device (the parent module's ``head_dim``), state other than nnx.Param. At the first trace: a parent
+reading a split module's Param or method (``self.emb.attend``), a colwise_vocab head whose logits
+never reach ``cross_entropy``, a loss that still varies over the axis (a colwise without g).
 """
 
 from __future__ import annotations
@@ -160,12 +162,6 @@ def check_plan(model, plan: dict[str, str], tp: int) -> dict[str, str]:
     return out
 
 
-def _spec(style: str, ndim: int, axis: str) -> P:
-    if ndim == 1:
-        return P(axis)  # a colwise bias
-    return P(None, axis) if SPLIT_DIM[style] == 1 else P(axis, None)
-
-
 def heads_perm(cols: int, n: int) -> np.ndarray:
     """Column order of a fused [q|k|v] kernel that hands device r the block [q_r|k_r|v_r]."""
     c = cols // 3
@@ -280,16 +276,17 @@ class Trainer:
         self.n, self.mesh, self.axis, self.style, self._loss, self._tx = mesh.shape[axis], mesh, axis, style, loss, tx
         self.shared_f = shared_f
         self.styles = check_plan(model, plan, self.n)
-        self.planned = [(p, s) for p, _, s in planned_modules(model, plan)]
-        self.vocab = {p: m.kernel.shape[1] for p, m, s in planned_modules(model, plan) if s == "colwise_vocab"}
+        planned = planned_modules(model, plan)
+        self.planned = [(p, s) for p, _, s in planned]
+        self.vocab = {p: m.kernel.shape[1] for p, m, s in planned if s == "colwise_vocab"}  # V unpadded
         self.graphdef, state = nnx.split(model)
         leaves, self._treedef = jax.tree_util.tree_flatten_with_path(state)
         self.keys = [key_of(p) for p, _ in leaves]
         params, self.sizes, self.specs = {}, {}, {}
         for k, (_, a) in zip(self.keys, leaves, strict=True):
             s = self.styles.get(k)
-            self.specs[k] = P() if s is None else _spec(s, a.ndim, axis)
-            d = 0 if a.ndim == 1 else SPLIT_DIM.get(s, 0)
+            d = 0 if a.ndim == 1 else SPLIT_DIM.get(s, 0)  # a colwise bias: dim 0
+            self.specs[k] = P() if s is None else P(*[axis if i == d else None for i in range(a.ndim)])
             if s in PADDED and a.shape[d] % self.n:  # zero rows / columns up to ⌈V/tp⌉ per device
                 self.sizes[k] = (d, a.shape[d])
                 a = jnp.pad(a, [(0, -a.shape[d] % self.n if i == d else 0) for i in range(a.ndim)])
