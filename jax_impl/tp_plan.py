@@ -363,7 +363,8 @@ class Trainer:
 
     def module(self, params: dict | None = None):
         full = self.full_params(params)
-        return nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._treedef, [full[k] for k in self.keys]))
+        return nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._treedef, [jnp.asarray(full[k])
+                                                                                       for k in self.keys]))
 
 
 def apply_plan(model, plan: dict[str, str], loss: Callable, tx: optax.GradientTransformation, mesh,
