@@ -25,6 +25,11 @@ layer fwd + 2 bwd, + embedding (fwd) + head (bwd), + 3·B·T·b: (4L+2)·B·T·D
 (shared.theory.tp_transformer_comm); norms and wpe stay invariant (check_vma): no collective.
 jit: the same ``transformer_forward`` with f / g as sharding constraints; XLA picks the
 collectives (ledger; docs/tp.md says what it issued).
+shard_map/megatron trains the project's NNX Transformer through the model-generic API
+(``train_plan``: TRANSFORMER_PLAN, jax_impl.tp_plan.apply_plan; the same shards, f / g, loss and
+ledger). jit/megatron keeps ``transformer_forward``: through apply_plan the fused qkv's output
+would have to be reordered back to [q|k|v] for the model's attention, which GSPMD does with
+all-to-alls and permutes (measured at tp=2: 8 all-to-all, 4 collective-permute, 2 all-gather).
 
 MLP (CS336 lecture 8): allgather — every layer P(None, "tp") + all_gather (bwd psum_scatter; the
 last is "invarying": a slice); megatron — P(None,"tp") / P("tp",None) pairs with f / g, odd L: last
@@ -56,14 +61,15 @@ from jax.sharding import PartitionSpec as P
 
 from jax_impl import transformer
 from jax_impl.devices import make_mesh
-from jax_impl.harness import Setup, leaves_fixture, train_loop
-from jax_impl.model import gelu, inputs, jax_dtype, make_optimizer, output_loss, targets
+from jax_impl.harness import Setup, leaves_fixture, train_loop, trainer_setup
+from jax_impl.model import build_model, gelu, inputs, jax_dtype, make_optimizer, output_loss, targets
 from jax_impl.transformer import rms_norm
 from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
 from shared.theory import tp_comm_bytes
 
+PLAN_STYLES = ("shard_map",)  # the transformer's megatron styles that train through tp_plan.apply_plan
 VARIANTS = (("shard_map", "allgather"), ("shard_map", "megatron"), ("jit", "allgather"), ("jit", "megatron"),
             ("shard_map", "megatron_sp"), ("jit", "megatron_sp"))
 KERNEL_AXES = {"col": (None, "tp"), "row": ("tp", None)}  # MLP: W_l's columns / rows split over "tp"
@@ -75,6 +81,12 @@ TRANSFORMER_RULES = {
     "blocks.*.mlp.down.weight": ("tp", None),
     "head.weight": (None, "tp"),
 }
+
+
+# TRANSFORMER_RULES as a plan over the project's NNX model (jax_impl.transformer.Transformer), for
+# jax_impl.tp_plan.apply_plan: shard_map/megatron trains through it (``train_plan``).
+TRANSFORMER_PLAN = {"wte": "vocab_embed", "blocks.*.qkv": "colwise_heads", "blocks.*.o": "rowwise",
+                    "blocks.*.up": "colwise", "blocks.*.down": "rowwise", "head": "colwise_vocab"}
 
 
 def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
@@ -305,10 +317,25 @@ def loss_for(cfg: Config, style: str, variant: str, mesh, specs: dict):
     return jax.shard_map(local, mesh=mesh, in_specs=(specs, P(), P()), out_specs=P(), check_vma=True)
 
 
+def train_plan(cfg: Config, problem: Problem, style: str, mesh) -> Trained:
+    """The transformer's Megatron TP through the model-generic API: the NNX model, TRANSFORMER_PLAN,
+    tp_plan.apply_plan (the same shards, f / g and vocab-parallel loss as transformer_forward)."""
+    from jax_impl.tp_plan import apply_plan, cross_entropy
+
+    loss = lambda model, tokens, y: cross_entropy(model(tokens), y)
+    trainer = apply_plan(build_model(cfg, problem), TRANSFORMER_PLAN, loss, make_optimizer(cfg), mesh, style)
+    setup = trainer_setup(trainer, trainer.replicate(inputs(cfg, problem), targets(cfg, problem)))
+    setup.comm_theory = tp_comm_bytes(cfg, "megatron")
+    setup.extra = {"rules": {k: str(s) for k, s in trainer.specs.items()}, "plan": TRANSFORMER_PLAN}
+    return train_loop(cfg, setup)
+
+
 def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:
     if (style, variant) not in variants(cfg):
         raise ValueError(f"tp: unknown variant {style}/{variant} for the {cfg.model}; choose from {variants(cfg)}")
     cfg.check("tp")
+    if cfg.model == "transformer" and variant == "megatron" and style in PLAN_STYLES and not cfg.moe:
+        return train_plan(cfg, problem, style, mesh)
     rules = tp_rules(cfg, variant)
     layout = to_layout(problem.params)  # name -> array, param_names order
     specs = {k: rules(k, w.shape) for k, w in layout.items()}
