@@ -78,8 +78,9 @@ def rule(shape: tuple[int, ...], n: int, variant: str) -> bool:
     return len(shape) >= (1 if variant == "zero1" else 2) and shape[0] % n == 0
 
 
-def _modules(model) -> dict[str, nnx.Module]:
-    """Every submodule by path, counting how many places hold it (a shared module: more than one)."""
+def submodules(model) -> tuple[dict[str, nnx.Module], dict[int, int]]:
+    """({path: module} for every submodule, the root at ""; {id(module): how many places hold it}):
+    a shared module is held by more than one (tp_plan and pp_seam use these too)."""
     found, refs = {}, {}
 
     def walk(m, path):
@@ -91,13 +92,13 @@ def _modules(model) -> dict[str, nnx.Module]:
             if isinstance(child, nnx.Module):
                 walk(child, f"{path}.{k}" if path else str(k))
     walk(model, "")
-    return {p: m for p, m in found.items()}, refs
+    return found, refs
 
 
-def _holders(model) -> dict[int, list[str]]:
+def param_holders(model) -> dict[int, list[str]]:
     """id(Param) -> the paths of the modules holding it directly."""
     held = {}
-    for path, m in _modules(model)[0].items():
+    for path, m in submodules(model)[0].items():
         for _, child in nnx.iter_children(m):
             if isinstance(child, nnx.Variable):
                 held.setdefault(id(child), []).append(path)
@@ -107,7 +108,7 @@ def _holders(model) -> dict[int, list[str]]:
 def choose_units(model, units: Sequence[str] | None) -> list[str]:
     """Unit module paths. Default: the topmost modules holding a Param directly. Patterns are
     fnmatch globs over module paths ("blocks.*"); the root ("") is not a unit (it gathers the rest)."""
-    mods, refs = _modules(model)
+    mods, refs = submodules(model)
     if units is None:
         holders = {p for p, m in mods.items() if p and any(isinstance(c, nnx.Param) for _, c in nnx.iter_children(m))}
         chosen = sorted(p for p in holders if not any(p.startswith(q + ".") for q in holders))
@@ -159,7 +160,7 @@ class _Gathering:
             f"of calling the unit; there it is a row block. Make the reader the unit: units=[<the parent's path>]")
 
 
-def _put(parent, key: str, value):
+def put_child(parent, key: str, value):
     if isinstance(parent, nnx.List) or key.isdigit() and hasattr(parent, "__setitem__"):
         parent[int(key)] = value
     else:
@@ -217,7 +218,7 @@ class Trainer:
     def _check_tied(self, model):
         if not self.units:
             return
-        for paths in _holders(model).values():
+        for paths in param_holders(model).values():
             owners = {_unit_of(p + ".x", self.units) for p in paths}
             if len(paths) > 1 and len(owners) > 1:
                 raise WrapError(f"zero3: one Param is held by {', '.join(repr(p) for p in paths)} in different units "
@@ -237,7 +238,7 @@ class Trainer:
                 if k in self.sharded and _unit_of(k, self.units) is None else a for k, a in mine.items()}
         model = self._merge(mine)
         ids = {id(a) for a in jax.tree.leaves(batch)}
-        mods, calls = _modules(model)[0], {}
+        mods, calls = submodules(model)[0], {}
 
         def record(path, args):  # (calls, re-gathers); a unit fed only by the data, or an Embed,
             arrays = [a for a in jax.tree.leaves(args) if isinstance(a, jax.Array)]  # needs no weight in backward
@@ -247,7 +248,7 @@ class Trainer:
         for u in self.units:
             if any(_unit_of(k, [u]) for k in self.sharded):
                 parent, _, name = u.rpartition(".")
-                _put(mods[parent], name, _Gathering(mods[u], u, self.sharded, self.axis, record))
+                put_child(mods[parent], name, _Gathering(mods[u], u, self.sharded, self.axis, record))
         loss = self._loss(model, *batch)
         self.unit_calls = calls
         return loss

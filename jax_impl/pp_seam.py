@@ -37,7 +37,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.fsdp_wrapper import WrapError, _holders, _modules, key_of
+from jax_impl.fsdp_wrapper import WrapError, key_of, param_holders, submodules
 
 AXIS = "pp"
 
@@ -77,7 +77,7 @@ class Stage:
 
 
 def _check(model, stages: Sequence[Sequence[str]]) -> dict:
-    mods = _modules(model)[0]
+    mods = submodules(model)[0]
     listed = [p for stage in stages for p in stage]
     for p in listed:
         if p not in mods or not p:
@@ -93,7 +93,7 @@ def _check(model, stages: Sequence[Sequence[str]]) -> dict:
                         "root cannot be pipelined; move it into a submodule listed in a stage)")
     stage_of = {q: i for i, stage in enumerate(stages) for q in stage}
     owner = lambda path: next((stage_of[q] for q in listed if path == q or path.startswith(q + ".")), None)
-    for paths in _holders(model).values():
+    for paths in param_holders(model).values():
         if len({owner(p) for p in paths}) > 1:
             raise WrapError(f"pp: one Param is held by {', '.join(map(repr, paths))} in different stages (tied); "
                             "put its users in one stage or untie it")
@@ -200,7 +200,7 @@ class Trainer:
         flat = np.asarray(jax.device_get(self.state[0]))
         gdef, state = nnx.split(self.model)
         model = nnx.merge(gdef, state)
-        mods = _modules(model)[0]
+        mods = submodules(model)[0]
         for stage, row in zip(self.stages, flat):
             for path, trained in zip(stage.paths, stage.modules(jnp.asarray(row))):
                 nnx.update(mods[path], nnx.state(trained))

@@ -58,7 +58,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.fsdp_wrapper import _holders, _modules, _put, key_of
+from jax_impl.fsdp_wrapper import key_of, param_holders, put_child, submodules
 
 STYLES = ("colwise", "colwise_heads", "rowwise", "vocab_embed", "colwise_vocab")
 KIND = {"colwise": nnx.Linear, "colwise_heads": nnx.Linear, "rowwise": nnx.Linear, "colwise_vocab": nnx.Linear,
@@ -120,7 +120,7 @@ def check_plan(model, plan: dict[str, str], tp: int) -> dict[str, str]:
         bad = sorted({key_of(p) for p, _ in jax.tree_util.tree_flatten_with_path(rest)[0]})
         raise PlanError(f"tp plan: {type(model).__name__} holds state other than nnx.Param ({', '.join(bad[:4])}): "
                         "apply_plan trains Params only. Fix: build it without BatchNorm statistics / Dropout RNG state")
-    mods, holders, out = dict(_paths(model)), _holders(model), {}
+    mods, holders, out = dict(_paths(model)), param_holders(model), {}
     refs = Counter(id(m) for m in mods.values())
     for path, m, style in planned_modules(model, plan):
         if type(m) is not KIND[style]:
@@ -301,10 +301,10 @@ class Trainer:
 
     def _traced_loss(self, params: dict, batch: tuple, shard_map: bool):
         model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._treedef, [params[k] for k in self.keys]))
-        tr, mods = _Trace(self, shard_map), _modules(model)[0]
+        tr, mods = _Trace(self, shard_map), submodules(model)[0]
         for path, style in self.planned:
             parent, _, name = path.rpartition(".")
-            _put(mods[parent], name, _Split(mods[path], path, style, tr))
+            put_child(mods[parent], name, _Split(mods[path], path, style, tr))
         _ACTIVE.append(tr)
         try:
             loss = self._loss(model, *batch)
