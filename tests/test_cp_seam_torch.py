@@ -137,6 +137,16 @@ def rank_checks(ctx):
             out["llama_vs_sdpa"] = float((m(x).logits - made(lambda: llama("sdpa"))(x).logits).abs().max())
         out["no_position_ids"] = refusal(lambda: cp_seam.context_parallel(
             made(llama), lambda m, x, y, pos: ce(m(input_ids=x).logits, y), adamw, ctx.group).train_step(*data()))
+        pad = lambda x: torch.ones_like(x).index_fill(1, torch.tensor([0]), 0)  # each rank's first token
+        padded = lambda m, x, y, pos: ce(m(input_ids=x, position_ids=pos[None], attention_mask=pad(x)).logits, y)
+        out["padding"] = refusal(lambda: cp_seam.context_parallel(made(llama), padded, adamw, ctx.group).train_step(
+            *data()))
+    three = torch.zeros(B, 3, T // N, 2, dtype=DT)  # 3 heads over cp = 2
+    out["ulysses_heads"] = refusal(lambda: cp_seam.context_parallel(
+        Decoder(), lambda *_: cp_seam.attention(three, three, three).sum(), adamw, ctx.group, "ulysses"
+    ).train_step(*data()))
+    out["dropout"] = refusal(lambda: cp_seam.context_parallel(
+        nn.Sequential(Decoder(), nn.Dropout(0.1)), LOSSES["decoder"], adamw, ctx.group))
     out["never_called"] = refusal(lambda: cp_seam.context_parallel(
         own_attention(), LOSSES["decoder"], adamw, ctx.group).train_step(*data()))
     out["not_divisible"] = refusal(lambda: cp_seam.context_parallel(
@@ -154,7 +164,8 @@ def _have_transformers() -> bool:
 
 @pytest.fixture(scope="module")
 def result():
-    return launch(rank_checks, N)[0]
+    every = launch(rank_checks, N)
+    return every[0] | {"no_position_ids": [r.get("no_position_ids") for r in every]}
 
 
 CASES = [(m, v) for m in MODELS for v in cp_seam.VARIANTS]
@@ -200,7 +211,23 @@ def test_refuses_a_sequence_not_divisible(result):
 
 def test_refuses_local_position_ids(result):
     pytest.importorskip("transformers")
-    assert "position_ids are not the ranks' global positions" in result["no_position_ids"], result["no_position_ids"]
+    """Rank 0's local arange IS its global positions: it learns of the refusal from the all-reduce."""
+    rank0, rank1 = result["no_position_ids"]
+    assert "another rank's seam call was refused" in rank0, rank0
+    assert "position_ids are not the ranks' global positions" in rank1, rank1
+
+
+def test_refuses_a_padding_mask(result):
+    pytest.importorskip("transformers")
+    assert "a padding attention_mask would be ignored" in result["padding"], result["padding"]
+
+
+def test_refuses_ulysses_over_heads_not_divisible(result):
+    assert "ulysses splits heads: 3 heads over cp=2" in result["ulysses_heads"], result["ulysses_heads"]
+
+
+def test_refuses_active_dropout(result):
+    assert "has active dropout" in result["dropout"], result["dropout"]
 
 
 def test_refuses_a_mask_dropout_or_scale_at_the_seam():

@@ -7,7 +7,8 @@ What a model must offer (the seam):
      -> (B, H, T, dh) — which is CAUSAL attention (no attn_mask, no dropout, no other scale:
      refused). Outside a cp step it attends over the whole sequence (your single-process runs);
      inside, over this rank's T/N positions with the ring (or Ulysses) over the group.
-     transformers models: ``cp_seam.register()`` adds it to ``transformers.AttentionInterface`` as
+     transformers models: ``cp_seam.register()`` adds it to ``transformers.AttentionInterface`` (and
+     a mask function that makes no mask and refuses padding to ``AttentionMaskInterface``) as
      "parallel_twins_cp"; build the model with ``attn_implementation="parallel_twins_cp"``.
   2. positions as an input: ``loss(model, *batch, positions)`` gets the GLOBAL position of every
      token it sees (rank r's are not 0…T/N−1) and must hand them to the model's position encoding
@@ -20,7 +21,7 @@ What a model must offer (the seam):
 
 Sharded: every batch array along dim 1 (the sequence; ring_zigzag takes chunks r and 2N−1−r of 2N),
 positions (T/N,); every parameter replicated. Each rank's loss is its local mean; after backward ONE
-flat all-reduce of the gradients with the loss and a refusal flag (see hf_attention) appended,
+flat all-reduce of the gradients with the loss and a refusal flag (see _refuse) appended,
 divided by N, makes every rank's gradients the global mean's: (Φ + 2)·b. Per seam call (a = one
 rank's K: B·H·T/N·dh·b): ring (3N−2) sends (and as many receives) of K|V, 2a
 (torch_impl.cp.RingAttention); ulysses 8 all-to-alls of a (torch_impl.cp.UlyssesCore).
@@ -84,24 +85,42 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=True, 
 def hf_attention(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None, **kwargs):
     """transformers' attention-function signature over ``attention``: (B, H, T, dh) in, (B, T, H, dh) out."""
     if attention_mask is not None:
-        raise SeamError(f"{NAME} takes no attention_mask (padding or packing): causal attention only")
+        _refuse(f"{NAME} takes no attention_mask (padding or packing): causal attention only")
     active = _ACTIVE.get()
     ids = kwargs.get("position_ids")
     if active is not None and ids is not None and not torch.equal(ids.expand(ids.shape[0], -1)[0], active.positions):
-        # rank 0's local arange IS its global positions: raising here alone would leave the others in the
-        # ring. The flag rides in the step's all-reduce; every rank refuses there, before the update.
-        active.wrong_positions = 1.0
+        _refuse(f"{NAME}: the model's position_ids are not the ranks' global positions (e.g. the local arange "
+                "transformers makes when given none): pass position_ids=positions[None]")
     groups = getattr(module, "num_key_value_groups", 1)  # grouped-query attention: K|V per query head
     key, value = (x.repeat_interleave(groups, dim=1) for x in (key, value))
     out = attention(query, key, value, dropout_p=dropout, scale=scaling)  # (B, H, T, dh)
     return out.transpose(1, 2).contiguous(), None
 
 
+def hf_mask(*_, attention_mask=None, **__):
+    """transformers' mask function for NAME: no mask (the seam is causal); refuses padding."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        _refuse(f"{NAME} is causal attention only: a padding attention_mask would be ignored; "
+                "give unpadded sequences (or pad and mask the loss's targets instead)")
+    return None
+
+
+def _refuse(message: str) -> None:
+    """Outside a cp step: raise. Inside: rank 0 may see nothing wrong (its local arange IS its global
+    positions), so a raise here alone would leave the others in the ring; the refusal rides in the
+    step's all-reduce instead and every rank raises there, before the update."""
+    active = _ACTIVE.get()
+    if active is None:
+        raise SeamError(message)
+    active.refused = active.refused or message
+
+
 def register(name: str = NAME) -> str:
-    """Add ``hf_attention`` to transformers' attention registry (and no mask: the seam is causal)."""
-    from transformers import AttentionInterface  # optional dependency: only for transformers models
+    """Add ``hf_attention`` (and ``hf_mask``) to transformers' attention (and mask) registries."""
+    from transformers import AttentionInterface, AttentionMaskInterface  # optional: transformers models only
 
     AttentionInterface.register(name, hf_attention)
+    AttentionMaskInterface.register(name, hf_mask)
     return name
 
 
@@ -145,7 +164,7 @@ class Trainer:
     def train_step(self, *batch) -> float:
         *local, pos = self.shard_batch(*batch)
         self.optimizer.zero_grad(set_to_none=True)
-        seen = SimpleNamespace(core=self._core(batch[0].shape[1]), positions=pos, calls=[], wrong_positions=0.0)
+        seen = SimpleNamespace(core=self._core(batch[0].shape[1]), positions=pos, calls=[], refused=None)
         with _active(seen):
             value = self.loss(self.model, *local, pos)  # mean over this rank's B·T/N tokens
         if not seen.calls:
@@ -156,12 +175,12 @@ class Trainer:
         self.calls = seen.calls
         grads = [p.grad for p in self.params]
         flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(self.params, grads)]
-                         + [torch.stack([value.detach(), value.new_tensor(seen.wrong_positions)])
+                         + [torch.stack([value.detach(), value.new_tensor(float(seen.refused is not None))])
                             .to(self.params[0].dtype)])  # (Φ + 2,): the gradients, the loss, the flag
         dist.all_reduce(flat, group=self.group)  # the one collective outside attention
         if flat[-1] > 0:
-            raise SeamError(f"{NAME}: the model's position_ids are not the ranks' global positions (e.g. the local "
-                            "arange transformers makes when given none): pass position_ids=positions[None]")
+            raise SeamError(seen.refused or "cp: another rank's seam call was refused (its error says why); "
+                            "nothing was updated")
         flat /= self.n  # equal token counts: the mean of local means is the global mean
         at = 0
         for p, g in zip(self.params, grads):
