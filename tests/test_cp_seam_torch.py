@@ -242,6 +242,10 @@ def test_refuses_a_mask_dropout_or_scale_at_the_seam():
         cp_seam.attention(q, q, q, scale=1.0)
     with pytest.raises(cp_seam.SeamError, match="takes no attention_mask"):
         cp_seam.hf_attention(None, q, q, q, torch.ones(B, 1, T, T))
+    with pytest.raises(cp_seam.SeamError, match="sliding_window=4 is not supported"):
+        cp_seam.hf_attention(None, q, q, q, None, sliding_window=4)
+    with pytest.raises(cp_seam.SeamError, match="takes no attn_mask"):
+        cp_seam.hf_attention(None, q, q, q, None, is_causal=False)
 
 
 def test_refuses_an_unknown_variant():

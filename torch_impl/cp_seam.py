@@ -47,7 +47,7 @@ from torch_impl.cp import RingCore, UlyssesCore
 
 VARIANTS = ("ring", "ring_zigzag", "ulysses")
 NAME = "parallel_twins_cp"  # the transformers attention implementation ``register`` adds
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("cp_seam", default=None)  # a step's Seen
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("cp_seam", default=None)  # (core, positions, calls, refused)
 
 
 class SeamError(ValueError):
@@ -87,13 +87,17 @@ def hf_attention(module, query, key, value, attention_mask=None, dropout=0.0, sc
     if attention_mask is not None:
         _refuse(f"{NAME} takes no attention_mask (padding or packing): causal attention only")
     active = _ACTIVE.get()
-    ids = kwargs.get("position_ids")
-    if active is not None and ids is not None and not torch.equal(ids.expand(ids.shape[0], -1)[0], active.positions):
+    for unsupported in ("sliding_window", "softcap"):
+        if kwargs.get(unsupported) is not None:
+            raise SeamError(f"{NAME} is full causal attention: {unsupported}={kwargs[unsupported]} is not supported")
+    ids = kwargs.get("position_ids")  # (1 or B, T/N)
+    if active is not None and ids is not None and bool((ids != active.positions).any()):
         _refuse(f"{NAME}: the model's position_ids are not the ranks' global positions (e.g. the local arange "
                 "transformers makes when given none): pass position_ids=positions[None]")
     groups = getattr(module, "num_key_value_groups", 1)  # grouped-query attention: K|V per query head
     key, value = (x.repeat_interleave(groups, dim=1) for x in (key, value))
-    out = attention(query, key, value, dropout_p=dropout, scale=scaling)  # (B, H, T, dh)
+    causal_ = kwargs.get("is_causal", getattr(module, "is_causal", True))  # an encoder's attention: refused
+    out = attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=causal_)  # (B, H, T, dh)
     return out.transpose(1, 2).contiguous(), None
 
 
