@@ -1,0 +1,186 @@
+"""Pipeline parallelism for a torch model the project does not own (issue 24, torch), through the
+stage-split seam: module paths per stage, torch.distributed.pipelining's GPipe / 1F1B over them
+(torch_impl/pp_seam.py). ONE launch at world size 2; the refusals need no process group.
+
+``Chain`` (defined here, float64, the twin of tests/test_pp_seam_jax.py's): an embedding, two
+different blocks (a biased GELU MLP with LayerNorm; a gated tanh block with a bare matrix Parameter),
+a final LayerNorm and an untied head — the two stages share no code. 3 AdamW steps at S = 2, M = 4
+micro-batches against single-process training from the same weights. Tolerance 1e-12 (float64): the
+gradient is the mean of per-micro-batch means' gradients (equal sizes: the full-batch mean
+re-associated), ~1e-16 relative per op; three orders of margin.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torch_impl import pp_seam
+from torch_impl.launch import launch
+
+TOL = 1e-12  # float64: see the module docstring
+DT = torch.float64
+V, D, T, B, M, STEPS, S = 11, 8, 4, 8, 4, 3, 2
+STAGES = [["embed", "mlp"], ["gated", "norm", "head"]]
+
+
+class MLPBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(D, dtype=DT), nn.Linear(D, 2 * D, dtype=DT), \
+            nn.Linear(2 * D, D, dtype=DT)
+
+    def forward(self, x):  # (B/M, T, D)
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D, dtype=DT) * 0.3)
+        self.gate = nn.Linear(D, D, dtype=DT)
+
+    def forward(self, x):
+        return x + torch.tanh(x @ self.w) * torch.sigmoid(self.gate(x))
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.mlp, self.gated = nn.Embedding(V, D, dtype=DT), MLPBlock(), Gated()
+        self.norm, self.head = nn.LayerNorm(D, dtype=DT), nn.Linear(D, V, dtype=DT)
+
+    def forward(self, tokens):  # (B, T) -> (B, T, V)
+        return self.head(self.norm(self.gated(self.mlp(self.embed(tokens)))))
+
+
+class Skips(Chain):
+    """Its forward is not the chain: a residual around the blocks, outside every module."""
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        return self.head(self.norm(h + self.gated(self.mlp(h))))
+
+
+class Tied(Chain):
+    def __init__(self):
+        super().__init__()
+        self.head.weight = self.embed.weight  # (V, D): the tied embedding, across the stages
+
+
+class Widening(Chain):
+    """A middle module changes the width: at S = 3 its two boundaries carry different messages."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide, self.head = nn.Linear(D, 2 * D, dtype=DT), nn.Linear(2 * D, V, dtype=DT)
+
+    def forward(self, tokens):
+        return self.head(self.wide(self.norm(self.gated(self.mlp(self.embed(tokens))))))
+
+
+def ce(logits, y):
+    return F.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def made(cls=Chain):
+    torch.manual_seed(0)
+    return cls()
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+
+
+def rank_checks(ctx):
+    ref, (x, y) = made(), data()
+    opt, ref_losses = adamw(ref.parameters()), []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        value = ce(ref(x), y)
+        value.backward()
+        opt.step()
+        ref_losses.append(value.item())
+    want, out = dict(ref.named_parameters()), {}
+    for schedule in pp_seam.SCHEDULES:
+        trainer = pp_seam.pipeline(made(), STAGES, ce, adamw, ctx.group, microbatches=M, schedule=schedule)
+        losses = [trainer.train_step(x, y) for _ in range(STEPS - 1)]
+        with ctx.ledger.recording():
+            losses.append(trainer.train_step(x, y))
+        got = trainer.named_parameters()
+        out[schedule] = {
+            "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "param_err": max(float((p - want[k]).detach().abs().max()) for k, p in got.items()),
+            "names": sorted(got), "ledger": ctx.ledger.summary(), "theory": trainer.comm_theory()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def result():
+    return launch(rank_checks, S)
+
+
+@pytest.mark.parametrize("schedule", list(pp_seam.SCHEDULES))
+def test_pipeline_trains_a_foreign_chain_like_one_process(result, schedule, measured):
+    loss_err = max(r[schedule]["loss_err"] for r in result)
+    param_err = max(r[schedule]["param_err"] for r in result)
+    measured(f"{schedule} S={S} M={M}: loss {loss_err:.1e}, params {param_err:.1e}")
+    assert loss_err <= TOL and param_err <= TOL, (loss_err, param_err)
+    assert sorted(result[0][schedule]["names"] + result[1][schedule]["names"]) == sorted(
+        k for k, _ in made().named_parameters())  # every parameter trained, on exactly one rank
+
+
+@pytest.mark.parametrize("schedule", list(pp_seam.SCHEDULES))
+def test_ledger_equals_the_theory(result, schedule):
+    """Per rank M sends and M receives of one (B/M, T, D) message, and the loss's broadcast."""
+    msg = (B // M) * T * D * 8
+    for r in result:
+        theory = r[schedule]["theory"]
+        assert theory["send"] == theory["recv"] == (M, M * msg)
+        assert r[schedule]["ledger"] == {op: {"count": c, "bytes": b} for op, (c, b) in theory.items()}, r
+
+
+REFUSALS = {
+    "not the chain": (lambda: (made(Skips), STAGES), "does not give model"),
+    "unknown path": (lambda: (made(), [["embed", "mlp"], ["gated", "norm", "lm_head"]]),
+                     "'lm_head' is not a submodule path"),
+    "listed twice": (lambda: (made(), [["embed", "mlp"], ["mlp", "gated", "norm", "head"]]), "listed twice"),
+    "param in no stage": (lambda: (made(), [["embed", "mlp"], ["gated", "head"]]),
+                          "parameter 'norm.weight' is in no stage"),
+    "tied across stages": (lambda: (made(Tied), STAGES), "different stages \\(tied\\)"),
+    "stage count": (lambda: (made(), [STAGES[0] + STAGES[1]]), "1 stages for a group of 2 ranks"),
+    "another boundary": (lambda: (made(), [["embed"], ["mlp", "gated", "norm", "head"]]), None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_refusals_before_training(case):
+    build, message = REFUSALS[case]
+    model, stages = build()
+    x = data()[0][: B // M]
+
+    def check():
+        return pp_seam.check_chain(model, pp_seam.check_stages(model, stages, S), x)
+    if message is None:  # a valid split at another boundary: accepted
+        assert check()[0] == (B // M, T, D)
+        return
+    with pytest.raises(pp_seam.StageError, match=message):
+        check()
+
+
+def test_stage_boundaries_must_carry_one_message_shape():
+    model, stages = made(Widening), [["embed", "mlp"], ["gated", "norm", "wide"], ["head"]]
+    with pytest.raises(pp_seam.StageError, match="boundaries carry different activations"):
+        pp_seam.check_chain(model, pp_seam.check_stages(model, stages, 3), data()[0][: B // M])
+
+
+def test_refuses_an_unknown_schedule():
+    with pytest.raises(pp_seam.StageError, match="unknown schedule"):
+        pp_seam.pipeline(made(), STAGES, ce, adamw, schedule="dualpipe")

@@ -1,0 +1,228 @@
+"""Context parallelism for ANY nn.Module that offers the attention seam: the twin of
+jax_impl/cp_seam.py. cp.py has the pattern (ring, ring_zigzag, ulysses), the collectives and the
+bytes; the project's transformer plugs the same cores into its own ``Attention.core`` hook.
+
+What a model must offer (the seam):
+  1. its attention through ``cp_seam.attention(q, k, v)`` — SDPA's signature, q, k, v (B, H, T, dh)
+     -> (B, H, T, dh) — which is CAUSAL attention (no attn_mask, no dropout, no other scale:
+     refused). Outside a cp step it attends over the whole sequence (your single-process runs);
+     inside, over this rank's T/N positions with the ring (or Ulysses) over the group.
+     transformers models: ``cp_seam.register()`` adds it to ``transformers.AttentionInterface`` (and
+     a mask function that makes no mask and refuses padding to ``AttentionMaskInterface``) as
+     "parallel_twins_cp"; build the model with ``attn_implementation="parallel_twins_cp"``.
+  2. positions as an input: ``loss(model, *batch, positions)`` gets the GLOBAL position of every
+     token it sees (rank r's are not 0…T/N−1) and must hand them to the model's position encoding
+     (transformers: ``position_ids=positions[None]`` — a step whose position_ids are not these, e.g.
+     the local arange transformers makes when none are passed, is refused before the update).
+  3. a loss that is a mean over the tokens it sees (each rank: B·T/N of them).
+
+    trainer = context_parallel(model, loss, lambda ps: torch.optim.AdamW(ps), group, "ring")
+    loss_value = trainer.train_step(tokens, targets)   # (B, T) each, the same on every rank
+
+Sharded: every batch array along dim 1 (the sequence; ring_zigzag takes chunks r and 2N−1−r of 2N),
+positions (T/N,); every parameter replicated. Each rank's loss is its local mean; after backward ONE
+flat all-reduce of the gradients with the loss and a refusal flag (see _refuse) appended,
+divided by N, makes every rank's gradients the global mean's: (Φ + 2)·b. Per seam call (a = one
+rank's K: B·H·T/N·dh·b): ring (3N−2) sends (and as many receives) of K|V, 2a
+(torch_impl.cp.RingAttention); ulysses 8 all-to-alls of a (torch_impl.cp.UlyssesCore).
+``comm_theory()`` counts them from the calls the last step saw.
+A model that never calls the seam is refused at the first step (it would attend within its own
+T/N tokens only — silently wrong); one that calls it for some attention layers and not others cannot
+be detected: route every attention through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shared.theory import cp_positions
+from torch_impl.cp import RingCore, UlyssesCore
+
+VARIANTS = ("ring", "ring_zigzag", "ulysses")
+NAME = "parallel_twins_cp"  # the transformers attention implementation ``register`` adds
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("cp_seam", default=None)  # (core, positions, calls, refused)
+
+
+class SeamError(ValueError):
+    """A call of the attention seam, or a model, that context parallelism cannot compute exactly."""
+
+
+def causal(q, k, v):
+    """Causal attention (B, H, T, dh) -> (B, H, T, dh), written out in the inputs' dtype (the same
+    math as the ring's blocks; CPU float64 SDPA agrees to ~1e-16 but its kernel is not ours to pin)."""
+    t = q.shape[2]
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5  # (B, H, T, T)
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=True, scale=None, **_):
+    """F.scaled_dot_product_attention's place: causal attention, over the group inside a cp step."""
+    if attn_mask is not None or not is_causal:
+        raise SeamError("cp_seam.attention is causal attention over the global positions; it takes no attn_mask "
+                        "(the ring masks by position): call it without attn_mask=, is_causal=True")
+    if dropout_p:
+        raise SeamError("cp_seam.attention has no attention dropout: call it with dropout_p=0")
+    if scale is not None and scale != query.shape[-1] ** -0.5:
+        raise SeamError(f"cp_seam.attention scales by dh**-0.5 = {query.shape[-1] ** -0.5}, not {scale}")
+    active = _ACTIVE.get()
+    if active is None:
+        return causal(query, key, value)
+    core, n = active.core, dist.get_world_size(active.core.group)
+    if isinstance(core, UlyssesCore) and query.shape[1] % n:
+        raise SeamError(f"ulysses splits heads: {query.shape[1]} heads over cp={n}; use ring or H % N == 0")
+    active.calls.append((key.numel(), key.element_size()))
+    return core(query, key, value)  # (B, H, T/N, dh)
+
+
+def hf_attention(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention-function signature over ``attention``: (B, H, T, dh) in, (B, T, H, dh) out."""
+    if attention_mask is not None:
+        _refuse(f"{NAME} takes no attention_mask (padding or packing): causal attention only")
+    active = _ACTIVE.get()
+    for unsupported in ("sliding_window", "softcap"):
+        if kwargs.get(unsupported) is not None:
+            raise SeamError(f"{NAME} is full causal attention: {unsupported}={kwargs[unsupported]} is not supported")
+    ids = kwargs.get("position_ids")  # (1 or B, T/N)
+    if active is not None and ids is not None and bool((ids != active.positions).any()):
+        _refuse(f"{NAME}: the model's position_ids are not the ranks' global positions (e.g. the local arange "
+                "transformers makes when given none): pass position_ids=positions[None]")
+    groups = getattr(module, "num_key_value_groups", 1)  # grouped-query attention: K|V per query head
+    key, value = (x.repeat_interleave(groups, dim=1) for x in (key, value))
+    causal_ = kwargs.get("is_causal", getattr(module, "is_causal", True))  # an encoder's attention: refused
+    out = attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=causal_)  # (B, H, T, dh)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def hf_mask(*_, attention_mask=None, **__):
+    """transformers' mask function for NAME: no mask (the seam is causal); refuses padding."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        _refuse(f"{NAME} is causal attention only: a padding attention_mask would be ignored; "
+                "give unpadded sequences (or pad and mask the loss's targets instead)")
+    return None
+
+
+def _refuse(message: str) -> None:
+    """Outside a cp step: raise. Inside: rank 0 may see nothing wrong (its local arange IS its global
+    positions), so a raise here alone would leave the others in the ring; the refusal rides in the
+    step's all-reduce instead and every rank raises there, before the update."""
+    active = _ACTIVE.get()
+    if active is None:
+        raise SeamError(message)
+    active.refused = active.refused or message
+
+
+def register(name: str = NAME) -> str:
+    """Add ``hf_attention`` (and ``hf_mask``) to transformers' attention (and mask) registries."""
+    from transformers import AttentionInterface, AttentionMaskInterface  # optional: transformers models only
+
+    AttentionInterface.register(name, hf_attention)
+    AttentionMaskInterface.register(name, hf_mask)
+    return name
+
+
+@contextlib.contextmanager
+def _active(seen: SimpleNamespace):
+    token = _ACTIVE.set(seen)
+    try:
+        yield seen
+    finally:
+        _ACTIVE.reset(token)
+
+
+class Trainer:
+    """``context_parallel``'s result: ``train_step(*batch)`` (B, T) tensors -> the global mean loss,
+    ``shard_batch``, ``positions``, ``comm_theory()``; ``model`` trains in place."""
+
+    def __init__(self, model: nn.Module, loss: Callable, optimizer: Callable, group, variant: str):
+        self.model, self.loss, self.group, self.variant = model, loss, group, variant
+        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.params = [p for p in model.parameters() if p.requires_grad]  # a tied one once
+        self.optimizer = optimizer(self.params)
+        self.calls: list[tuple[int, int]] | None = None  # per seam call of the last step: (K elements, itemsize)
+
+    def positions(self, t: int, device=None) -> torch.Tensor:
+        """This rank's global positions (T/N,), in its local order."""
+        chunks = 2 * self.n if self.variant == "ring_zigzag" else self.n
+        if t % chunks:
+            raise SeamError(f"cp {self.variant}: sequence length {t} is not divisible by {chunks} "
+                            f"({'2·' if self.variant == 'ring_zigzag' else ''}cp): pad the sequence or change cp")
+        return torch.tensor(cp_positions(t, self.n, self.rank, self.variant), device=device)
+
+    def shard_batch(self, *arrays) -> tuple:
+        """(B, T, …) tensors -> this rank's (B, T/N, …) in the variant's order, + positions (T/N,)."""
+        pos = self.positions(arrays[0].shape[1], arrays[0].device)
+        return (*(a[:, pos] for a in arrays), pos)
+
+    def _core(self, t: int):
+        seq = SimpleNamespace(seq=t)  # the cores read cfg.seq only
+        return UlyssesCore(seq, self.group) if self.variant == "ulysses" else RingCore(seq, self.variant, self.group)
+
+    def train_step(self, *batch) -> float:
+        *local, pos = self.shard_batch(*batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        seen = SimpleNamespace(core=self._core(batch[0].shape[1]), positions=pos, calls=[], refused=None)
+        with _active(seen):
+            value = self.loss(self.model, *local, pos)  # mean over this rank's B·T/N tokens
+        if not seen.calls:
+            raise SeamError("the model never called cp_seam.attention: each rank would attend within its own T/N "
+                            "tokens. Route its attention through cp_seam.attention (transformers: "
+                            f"attn_implementation={NAME!r} after cp_seam.register())")
+        value.backward()
+        self.calls = seen.calls
+        grads = [p.grad for p in self.params]
+        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(self.params, grads)]
+                         + [torch.stack([value.detach(), value.new_tensor(float(seen.refused is not None))])
+                            .to(self.params[0].dtype)])  # (Φ + 2,): the gradients, the loss, the flag
+        dist.all_reduce(flat, group=self.group)  # the one collective outside attention
+        if flat[-1] > 0:
+            raise SeamError(seen.refused or "cp: another rank's seam call was refused (its error says why); "
+                            "nothing was updated")
+        flat /= self.n  # equal token counts: the mean of local means is the global mean
+        at = 0
+        for p, g in zip(self.params, grads):
+            if g is not None:
+                g.copy_(flat[at:at + p.numel()].view_as(g))
+            at += p.numel()
+        self.optimizer.step()
+        return float(flat[-2])
+
+    def comm_theory(self) -> dict[str, tuple[int, int]]:
+        """op -> (count, bytes) per step per rank from the seam calls the last step saw, and (Φ + 2)·b."""
+        b = self.params[0].element_size()
+        out = {"all_reduce": (1, (sum(p.numel() for p in self.params) + 2) * b)}
+        if not self.calls or self.n == 1:
+            return out
+        a = sum(size * item for size, item in self.calls)  # Σ over calls of one rank's K bytes
+        if self.variant == "ulysses":
+            return out | {"all_to_all": (8 * len(self.calls), 8 * a)}
+        k = (3 * self.n - 2) * len(self.calls)
+        return out | {"send": (k, (3 * self.n - 2) * 2 * a), "recv": (k, (3 * self.n - 2) * 2 * a)}
+
+
+def context_parallel(model: nn.Module, loss: Callable, optimizer: Callable, group=None,
+                     variant: str = "ring") -> Trainer:
+    """Context parallelism over ``group`` (default: the world) for a model with the seam (module docstring).
+    ``optimizer(params)`` builds the optimizer over the trainable parameters."""
+    if variant not in VARIANTS:
+        raise SeamError(f"cp: unknown variant {variant!r}; choose from {VARIANTS}")
+    if not dist.is_initialized():
+        raise SeamError("cp: no process group: run under torch_impl.launch.launch or torchrun")
+    group = group or dist.group.WORLD
+    n = dist.get_world_size(group)
+    if any(isinstance(m, nn.Dropout) and m.p and m.training for m in model.modules()):
+        raise SeamError(f"{type(model).__name__} has active dropout: its masks would differ from one process's; "
+                        "call model.eval() or build it with p=0")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise SeamError(f"{type(model).__name__} has no trainable parameter")
+    with torch.no_grad():  # every rank starts from rank 0's weights
+        for p in model.parameters() if n > 1 else ():
+            dist.broadcast(p, dist.get_global_rank(group, 0), group=group)
+    return Trainer(model, loss, optimizer, group, variant)

@@ -1,0 +1,166 @@
+"""Pipeline parallelism (GPipe, 1F1B) for ANY nn.Module that offers a stage split: the twin of
+jax_impl/pp_seam.py. pp.py has the pattern (GPipe, 1F1B, interleaved, ZB-H1 by hand and builtin) for
+the project's blocks; here the stages may differ in everything but the message between them.
+
+What a model must offer (the seam): a forward that IS a chain of submodules, given as module paths
+per stage — ``stages=[["embed", "blocks.0"], ["blocks.1", "norm", "head"]]`` — so that
+``model(x) == head(norm(blocks.1(blocks.0(embed(x)))))``; the first ``train_step`` checks that
+equality on the first micro-batch and refuses a model whose forward is something else. Every
+parameter must belong to one stage (a tie across stages is refused). Every stage boundary carries
+the same activation shape and dtype (the "message"); the loss is ``loss(output, target)`` on the
+last stage's output, a mean over the micro-batch's rows.
+
+    trainer = pipeline(model, stages, loss, lambda ps: torch.optim.AdamW(ps), group, microbatches=4)
+    loss_value = trainer.train_step(x, y)   # the full batch on every rank; the loss on every rank
+
+Built on torch.distributed.pipelining, the path a user would take: this rank's modules in an
+``nn.Sequential`` (the model's own modules: they train in place), one ``PipelineStage`` given the
+message's shape (no shape-inference round trip), ``ScheduleGPipe`` or ``Schedule1F1B`` with
+``loss_fn=loss`` and ``scale_grads=True`` (the summed micro-batch gradients divided by M: the
+full-batch mean's). The project's hand-written schedules (pp.py) build their stages from the
+project's Config, so they are not used here. Sharded: stage s's parameters, gradients and optimizer
+state on rank s; the batch cut into M micro-batches along dim 0 (inputs read by stage 0, targets
+by stage S−1). Per step per rank: the message forward and its gradient back across each boundary
+the rank touches — stage s sends and receives M·((s < S−1) + (s > 0)) messages of
+(B/M, …)·b each (send/recv: the project ledger sees them) — and one broadcast of the loss from the
+last stage (b).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class StageError(ValueError):
+    """A model or stage split that the pipeline cannot compute exactly."""
+
+
+def _owner(name: str, stage_of: dict[str, int]) -> int | None:
+    return next((s for path, s in stage_of.items() if name == path or name.startswith(path + ".")), None)
+
+
+def check_stages(model: nn.Module, stages: Sequence[Sequence[str]], world_size: int) -> list[list[nn.Module]]:
+    """The stage split's static checks (no process group needed); returns each stage's modules."""
+    if len(stages) != world_size:
+        raise StageError(f"pp: {len(stages)} stages for a group of {world_size} ranks: give one module list per rank")
+    mods = dict(model.named_modules())
+    listed = [p for stage in stages for p in stage]
+    for p in listed:
+        if p not in mods or not p:
+            raise StageError(f"pp: {p!r} is not a submodule path of {type(model).__name__} "
+                             f"(some: {', '.join(q for q in mods if q)[:200]}); fix the stage list")
+        if listed.count(p) > 1:
+            raise StageError(f"pp: {p!r} is listed twice; each module runs in one stage")
+    stage_of = {p: s for s, stage in enumerate(stages) for p in stage}
+    holders: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if _owner(name, stage_of) is None:
+            raise StageError(f"pp: parameter {name!r} is in no stage (every parameter must be in one: a bare "
+                             "parameter on the root cannot be pipelined; move it into a submodule listed in a stage)")
+        holders.setdefault(id(p), []).append(name)
+    for names in holders.values():
+        if len({_owner(n, stage_of) for n in names}) > 1:
+            raise StageError(f"pp: one parameter is held by {', '.join(map(repr, names))} in different stages "
+                             "(tied); put its users in one stage or untie it")
+    return [[mods[p] for p in stage] for stage in stages]
+
+
+@torch.no_grad()
+def check_chain(model: nn.Module, stages: list[list[nn.Module]], x: torch.Tensor) -> list[torch.Size]:
+    """Run the chain on ``x`` (one micro-batch); refuse if it is not model(x) or the messages differ.
+    Returns every stage's output shape."""
+    h, shapes = x, []
+    for modules in stages:
+        for m in modules:
+            h = m(h)
+        shapes.append((h.shape, h.dtype))
+    if len(set(shapes[:-1])) > 1:
+        raise StageError(f"pp: the stage boundaries carry different activations {shapes[:-1]}: a pipeline sends one "
+                         "message shape; move the modules that change it into the first or the last stage")
+    whole = model(x)
+    if not isinstance(whole, torch.Tensor) or whole.shape != h.shape or not torch.equal(whole, h):
+        raise StageError("pp: the chain of the stages' modules does not give model(x) (the model's forward does "
+                         "more than call them in this order): list every module its forward calls, in order")
+    return [s for s, _ in shapes]
+
+
+class Trainer:
+    """``pipeline``'s result: ``train_step(x, y)`` -> the mean loss (every rank), ``named_parameters()``
+    (this rank's stage, the model's names), ``comm_theory()``."""
+
+    def __init__(self, model, stages, loss, optimizer, group, microbatches, schedule):
+        self.model, self.paths, self.loss, self.group, self.m = model, stages, loss, group, microbatches
+        self.n, self.rank, self.kind = dist.get_world_size(group), dist.get_rank(group), schedule
+        self.modules = check_stages(model, stages, self.n)
+        self.mine = nn.Sequential(*self.modules[self.rank])
+        self.optimizer = optimizer([p for p in self.mine.parameters() if p.requires_grad])
+        self.schedule, self.message = None, None  # built at the first step, from the checked chain
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        return {f"{path}.{k}": p for path in self.paths[self.rank]
+                for k, p in self.model.get_submodule(path).named_parameters()}
+
+    def _split(self, a: torch.Tensor) -> torch.Tensor:
+        if a.shape[0] % self.m:
+            raise StageError(f"pp: batch dim 0 = {a.shape[0]} is not divisible by microbatches={self.m}")
+        return a[: a.shape[0] // self.m]  # (B/M, …): the first micro-batch
+
+    def _build(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        first = self._split(x)
+        self._split(y)
+        shapes = check_chain(self.model, self.modules, first)
+        dt = next(self.mine.parameters()).dtype
+        meta = lambda shape: torch.empty(shape, dtype=dt, device=x.device, requires_grad=True)
+        s, last = self.rank, self.n - 1
+        stage = PipelineStage(self.mine, s, self.n, x.device, group=self.group,
+                              input_args=first if s == 0 else meta(shapes[s - 1]), output_args=meta(shapes[s]))
+        if self.kind == "1f1b" and self.m < self.n:
+            raise StageError(f"pp: 1f1b needs microbatches >= stages ({self.m} < {self.n}); use gpipe")
+        self.schedule = SCHEDULES[self.kind](stage, self.m, loss_fn=self.loss, scale_grads=True)
+        self.message = (shapes[0], dt) if self.n > 1 else None
+        self._last = dist.get_global_rank(self.group, last)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        if self.schedule is None:
+            self._build(x, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        s, last = self.rank, self.n - 1
+        args, losses = ((x,) if s == 0 else ()), []
+        if s == last:
+            self.schedule.step(*args, target=y, losses=losses)  # M micro-batch means
+            value = torch.stack(losses).mean().detach()
+        else:
+            self.schedule.step(*args)
+            value = torch.zeros((), dtype=self.message[1], device=x.device)
+        if self.n > 1:
+            dist.broadcast(value, self._last, group=self.group)
+        self.optimizer.step()
+        return float(value)
+
+    def comm_theory(self) -> dict[str, tuple[int, int]]:
+        """This rank's messages: M per boundary it touches, each way; the loss's broadcast."""
+        if self.message is None:
+            return {}
+        shape, dt = self.message
+        b = shape.numel() * dt.itemsize
+        k = self.m * ((self.rank < self.n - 1) + (self.rank > 0))
+        return {"send": (k, k * b), "recv": (k, k * b), "broadcast": (1, dt.itemsize)}
+
+
+def pipeline(model: nn.Module, stages: Sequence[Sequence[str]], loss: Callable, optimizer: Callable, group=None,
+             microbatches: int = 4, schedule: str = "gpipe") -> Trainer:
+    """GPipe (or 1F1B) over ``group``'s ranks for a model whose forward is the chain ``stages`` lists.
+    ``optimizer(params)`` builds the optimizer over this rank's stage's trainable parameters."""
+    if schedule not in SCHEDULES:
+        raise StageError(f"pp: unknown schedule {schedule!r}; choose from {tuple(SCHEDULES)}")
+    if not dist.is_initialized():
+        raise StageError("pp: no process group: run under torch_impl.launch.launch or torchrun")
+    return Trainer(model, [list(s) for s in stages], loss, optimizer, group or dist.group.WORLD, microbatches,
+                   schedule)
