@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -18,6 +20,7 @@ def run_example(name: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow  # ~30 s: every pattern, its own compile each
 def test_own_model_jax_example(measured):
     out = run_example("own_model_jax.py")
     assert out.rstrip().splitlines()[-1].startswith("ok: worst parameter difference"), out

@@ -120,8 +120,13 @@ def reference(make):
     return REFERENCE[make]
 
 
-@pytest.mark.parametrize("style", STYLES)
-@pytest.mark.parametrize("variant", VARIANTS)
+# The default tier trains one style per stage (and both for zero3); pytest -m slow the other three.
+DEFAULT = {("dp", "shard_map"), ("zero1", "jit"), ("zero2", "shard_map"), ("zero3", "shard_map"), ("zero3", "jit")}
+STAGE_STYLES = [pytest.param(v, s, marks=() if (v, s) in DEFAULT else pytest.mark.slow)
+                for v in VARIANTS for s in STYLES]
+
+
+@pytest.mark.parametrize("variant,style", STAGE_STYLES)
 def test_every_stage_trains_a_foreign_model_like_one_device(variant, style, measured):
     ref_losses, ref_params = reference(foreign)
     trainer, losses, params = parallel(foreign, variant, style)
@@ -260,7 +265,8 @@ def test_a_mesh_from_jax_make_mesh(variant):
     assert max(float(np.max(np.abs(params[k] - ref_params[k]))) for k in ref_params) <= TOL
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ["dp", pytest.param("zero1", marks=pytest.mark.slow),
+                                     pytest.param("zero2", marks=pytest.mark.slow), "zero3"])
 def test_a_parameter_pytree_with_an_apply_function(variant):
     """FromApply: a plain {name: array} pytree and apply(params, x) train like one device (shard_map)."""
     rng = np.random.default_rng(3)
