@@ -74,7 +74,7 @@ def stage_params(model: Model, layout: Layout, stage: int) -> dict[str, int]:
     d, t, per = model.dim, layout.tp, model.layers // layout.pp
     first, last = stage == 0, stage == layout.pp - 1
     n_block, block = model.block_units(t, layout.ep)
-    embed = first * (model.vocab * d // t + model.seq * d)
+    embed = first * (model.vocab * d // t + model.positions * d)
     units = per * block + embed + last * (d * model.vocab // t)
     return {"units": units, "n_units": per * n_block + 2 * first + last, "regathered": units - embed,
             "n_regathered": per * n_block + last, "vectors": per * 2 * d + last * d,
@@ -132,17 +132,17 @@ def comm(model: Model, layout: Layout, stage: int, batch: int, b: int,
     out: dict[str, dict[str, tuple[int, int]]] = {}
     if t > 1:
         loss_calls = 3 if style == "builtin" else 2
-        n_act = 4 * per + first + last
+        n_act = (4 + 2 * (layout.recompute == "full")) * per + first + last  # full: the forward's 2 again
         loss = (M * loss_calls * last, M * last * 3 * m * tc * b)
         if layout.sp:
-            gains = (2 * per + last) * d + first * model.seq * d
+            gains = (2 * per + last) * d + first * model.positions * d
             out["tp"] = {"all_gather": (M * n_act, M * n_act * act), "reduce_scatter": (M * n_act, M * n_act * act),
                          "all_reduce": (loss[0] + 1, loss[1] + gains * b)}
         else:
             out["tp"] = {"all_reduce": (M * n_act + loss[0], M * n_act * act + loss[1])}
     if c > 1:
         hops = M * per * (3 * c - 2)
-        msg = 2 * m * tc * (d // t) * b
+        msg = 2 * m * tc * max(model.kv // t, 1) * model.head_dim * b  # K|V (GQA: the kv heads, ≥ 1 per rank)
         out["cp"] = {"send": (hops, hops * msg), "recv": (hops, hops * msg)}
     if S > 1:  # interleaved: every chunk's output goes on, but the last virtual stage's (and back, but the first)
         n = (2 * layout.virtual - (stage == S - 1) - (stage == 0)) * M

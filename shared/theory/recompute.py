@@ -91,8 +91,9 @@ def activation_elements(model: Model, layout: Layout, policy: str, attention: st
     # the core: flash keeps a log-sum-exp per head (fp32: 2 elements), math the (H/t)·T softmax instead;
     # selective recomputes the core and keeps neither (as shared.theory.block_saved_elements measures)
     core = 0 if policy == "selective" else 2 * model.heads / t if attention == "flash" else model.heads * model.seq / t
-    attn = 2 * rep + 4 * d / t + core
-    mlp = 2 * rep + (model.experts + model.topk * (2 * d + 2 * f) if model.moe else 2 * f / t)
+    attn = 2 * rep + (2 * d + 2 * model.kv_dim) / t + core  # q, k, v (GQA: k, v of kv_dim), the output
+    g = model.mlp_matrices  # GELU: its input and W_down's; SwiGLU: the gate's and up's outputs and W_down's input
+    mlp = 2 * rep + (model.experts + model.topk * (2 * d + g * f) if model.moe else g * f / t)
     return attn + mlp
 
 
