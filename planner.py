@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only layouts with these axis sizes, e.g. fsdp=128,tp=8,pp=16 (default: every layout)")
     p.add_argument("--pin", metavar="K=V,...",
                    help="fix settings: zero=0..3, recompute=none|selective|full, sp=on|off, microbatches=M (or M=), "
-                        "v=chunks per rank (any that divides), overlap=on|off (data traffic under the backward)")
+                        "v=chunks per rank (any that divides), trim=K (K blocks fewer on the first and last stage), "
+                        "overlap=on|off (data traffic under the backward)")
     p.add_argument("--top", type=int, default=8, metavar="K", help="layouts shown")
     p.add_argument("--json", metavar="PATH", help="write the ranked layouts here as JSON (default: none)")
     p.add_argument("--calibrate", metavar="BENCH_JSON",
@@ -132,7 +133,7 @@ def parse_pins(text: str | None) -> dict:
         value = value.strip()
         if not eq or key not in (*plan.PINS, "overlap"):
             raise ValueError(f"--pin: {item!r}: write key=value with key one of zero, recompute, sp, microbatches, "
-                             f"v, overlap")
+                             f"v, trim, overlap")
         if key in ("sp", "overlap"):
             if value.lower() not in _ON:
                 raise ValueError(f"--pin {key}={value}: write on or off")
@@ -142,7 +143,8 @@ def parse_pins(text: str | None) -> dict:
                 raise ValueError(f"--pin recompute={value}: choose from {', '.join(plan.RECOMPUTE)}")
             pins[key] = value
         else:
-            if not value.isdigit() or (key != "zero" and int(value) < 1) or (key == "zero" and int(value) > 3):
+            if not value.isdigit() or (key not in ("zero", "trim") and int(value) < 1) or \
+                    (key == "zero" and int(value) > 3):
                 raise ValueError(f"--pin {key}={value}: " + ("a ZeRO stage 0-3" if key == "zero" else
                                                              "a positive integer"))
             pins[key] = int(value)
@@ -181,13 +183,15 @@ def make_inputs(args):
     if args.gpus % product:
         raise ValueError(f"--layout {args.layout}: its axes multiply to {product}, which does not divide --gpus "
                          f"{args.gpus}")
-    if "pp" in want and model.layers % want["pp"]:
-        raise ValueError(f"--layout pp={want['pp']}: {model.layers} layers do not split into {want['pp']} equal stages "
-                         f"(uneven stages are not modelled)")
+    trim = pins.get("trim", 0)
+    if "pp" in want and (model.layers + 2 * trim) % want["pp"]:
+        raise ValueError(f"--layout pp={want['pp']}: {model.layers} layers do not split into {want['pp']} equal stages"
+                         + (f" with {trim} fewer on the first and last" if trim else
+                            " (--pin trim=K: K fewer on the first and the last stage)"))
     v = pins.get("virtual", 1)
-    if v > 1 and "pp" in want and model.layers % (want["pp"] * v):
+    if v > 1 and "pp" in want and (model.layers + 2 * trim) % (want["pp"] * v):
         raise ValueError(f"--pin v={v}: {model.layers} layers do not split into pp={want['pp']} × v={v} equal chunks")
-    if v > 1 and model.layers % v:
+    if v > 1 and (model.layers + 2 * trim) % v:
         raise ValueError(f"--pin v={v}: {model.layers} layers do not split into {v} chunks per stage")
     if "sp" in pins and pins["sp"] and want.get("tp", 0) == 1:
         raise ValueError("--pin sp=on needs tp > 1, and --layout has tp=1")
@@ -202,7 +206,7 @@ def why_none(model, cluster, batch: int, want: dict, pins: dict) -> str:
     M = pins.get("microbatches", max(want.get("pp", 1), 1))
     lay = plan.Layout(dp=data or rest, tp=want.get("tp", 1), pp=want.get("pp", 1), cp=want.get("cp", 1),
                       ep=want.get("ep", 1), zero=zero, microbatches=M, sp=pins.get("sp", want.get("tp", 1) > 1),
-                      recompute=pins.get("recompute", "none"), virtual=pins.get("virtual", 1))
+                      recompute=pins.get("recompute", "none"), virtual=pins.get("virtual", 1), trim=pins.get("trim", 0))
     return plan.invalid(model, lay, batch) or "the search enumerates none with these sizes (tp and cp: powers of two)"
 
 

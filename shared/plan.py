@@ -237,7 +237,7 @@ class Prediction:
 
     def to_json(self) -> dict:
         return {"layout": self.layout.name, **{k: getattr(self.layout, k) for k in (
-            "dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "sp", "recompute", "virtual")},
+            "dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "sp", "recompute", "virtual", "trim")},
             "memory": self.memory, "comm": {a: {op: list(v) for op, v in ops.items()} for a, ops in self.comm.items()},
             "bubble": self.bubble, "time": self.time, "mfu": self.mfu, "fits": self.fits, "reason": self.reason}
 
@@ -292,7 +292,7 @@ def stage_seconds(model: Model, layout: Layout, stage: int, batch: int, view: di
     blocks' training FLOPs at efficiency × peak (the calibrated runs)."""
     m = batch // (layout.dp * layout.microbatches)
     n = m * model.seq // layout.cp  # tokens per micro-batch
-    per = model.layers // layout.pp
+    per = layout.stage_layers(model.layers, stage)
     if cluster.matmul == "flat":
         head = 6 * model.dim * model.vocab
         blocks = (model.flops_per_token(layout.recompute) - head) * per / model.layers
@@ -363,12 +363,15 @@ def invalid(model: Model, layout: Layout, batch: int, cluster: Cluster | None = 
     """Why ``layout`` cannot run this model (one line), or None."""
     checks = [(batch % (layout.dp * layout.microbatches), f"global batch {batch} % (dp·M = "
                f"{layout.dp}·{layout.microbatches})"),
-              (model.layers % layout.pp, f"layers {model.layers} % pp {layout.pp}"),
+              ((model.layers + 2 * layout.trim) % layout.pp, f"layers {model.layers} % pp {layout.pp}" + (
+                  f" (with {layout.trim} fewer on the first and last stage)" if layout.trim else "")),
+              (layout.trim and (layout.pp < 2 or layout.stage_layers(model.layers, 0) < 1),
+               f"trim={layout.trim}: needs pp > 1 and a block left on the first and last stage"),
               (model.heads % layout.tp or model.vocab % layout.tp, f"heads/vocab % tp {layout.tp}"),
               (model.seq % layout.cp, f"seq {model.seq} % cp {layout.cp}"),
               (layout.pp > 1 and layout.microbatches < layout.pp, f"M={layout.microbatches} < pp={layout.pp} (1F1B)"),
               (layout.virtual > 1 and (layout.pp == 1 or layout.microbatches % layout.pp or
-                                       model.layers % (layout.pp * layout.virtual)),
+                                       (model.layers + 2 * layout.trim) % (layout.pp * layout.virtual)),
                f"interleaved v={layout.virtual}: pp > 1, M % pp, layers % (pp·v)"),
               (model.moe and (model.experts % layout.ep or layout.dp % layout.ep), f"experts/dp % ep {layout.ep}"),
               (model.moe and (layout.tp > 1 or layout.cp > 1 or layout.zero > 1),
@@ -380,7 +383,7 @@ def invalid(model: Model, layout: Layout, batch: int, cluster: Cluster | None = 
     return next((why for bad, why in checks if bad), None)
 
 
-PINS = {"zero": int, "recompute": str, "sp": bool, "microbatches": int, "virtual": int}
+PINS = {"zero": int, "recompute": str, "sp": bool, "microbatches": int, "virtual": int, "trim": int}
 
 
 def layouts(model: Model, cluster: Cluster, batch: int, recompute=RECOMPUTE, zero=(0, 1, 2, 3), pins=None):
@@ -396,8 +399,9 @@ def layouts(model: Model, cluster: Cluster, batch: int, recompute=RECOMPUTE, zer
     tps = [t for t in (1, 2, 4, 8, 16, 32) if t <= 2 * cluster.gpus_per_node and n % t == 0]  # one node, or two
     for t in ([1] if model.moe else tps):
         for c in ([1] if model.moe else [c for c in (1, 2, 4, 8, 16, 32) if n % (t * c) == 0]):
-            for p in _divisors(model.layers, min(model.layers, n // (t * c))):
-                if n % (t * c * p):
+            trim = pins.get("trim", 0)
+            for p in _divisors(model.layers + 2 * trim, min(model.layers, n // (t * c))):
+                if n % (t * c * p) or (trim and p == 1):
                     continue
                 d = n // (t * c * p)
                 if "microbatches" in pins:
@@ -413,7 +417,7 @@ def layouts(model: Model, cluster: Cluster, batch: int, recompute=RECOMPUTE, zer
                                 for v in vs:
                                     sp = pins.get("sp", True) and t > 1
                                     lay = Layout(dp=d, tp=t, pp=p, cp=c, ep=e, zero=z, sp=sp, recompute=rc,
-                                                 microbatches=batch // (d * mbs), virtual=v)
+                                                 microbatches=batch // (d * mbs), virtual=v, trim=trim)
                                     if invalid(model, lay, batch) is None:
                                         yield lay
 

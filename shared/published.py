@@ -84,6 +84,25 @@ def best(model: Model, cluster, batch: int, axes: dict, pins: dict, attention: s
     return min(found, key=lambda p: p.time["step"]) if found else None
 
 
+def llama3_rows(matmul: str = "shapes", efficiency: float | None = None, vs=(1, 2, 4, 8)) -> list[dict]:
+    """Llama 3 Table 4's runs, each predicted at its fastest fitting layout over M and the v in ``vs``."""
+    from shared import plan
+
+    rows = []
+    for gpus, t, c, p, dp, seq, per_dp, tflops, mfu in LLAMA3_TABLE4:
+        # 126 layers over 16 stages: Meta drops one layer from the first and the last stage (§3.3.2): trim=1
+        model = replace(PRESETS["llama3-405b"], seq=seq)
+        batch = per_dp * dp
+        cluster = plan.Cluster.preset("h100", gpus, matmul=matmul, **({"efficiency": efficiency} if efficiency else {}))
+        pred = best(model, cluster, batch, {"tp": t, "pp": p, "cp": c}, {"zero": 3, "sp": True, "trim": 1}, "flash",
+                    list(vs))
+        flops = batch * seq * model.flops_per_token("none")
+        got = flops / (pred.time["step"] * gpus) / 1e12
+        rows.append({"name": f"Llama 3 405B tp={t} cp={c} pp={p} dp={dp} T={seq} {gpus} H100", "reported": tflops,
+                     "predicted": got, "error": got / tflops - 1, "layout": pred.layout, "prediction": pred})
+    return rows
+
+
 def published_rows(matmul: str = "shapes", efficiency: float | None = None) -> list[dict]:
     """Every published run predicted: {name, reported, predicted (TFLOP/s per GPU as the paper counts them),
     error (predicted/reported − 1), layout}. ``matmul="flat", efficiency=0.6``: the planner before shapes."""
@@ -101,20 +120,7 @@ def published_rows(matmul: str = "shapes", efficiency: float | None = None) -> l
         got = megatron_flops(model, batch) / (pred.time["step"] * gpus) / 1e12
         rows.append({"name": f"Megatron {params}B t={t} p={p} {gpus} A100", "reported": tflops, "predicted": got,
                      "error": got / tflops - 1, "layout": pred.layout, "prediction": pred})
-    for gpus, t, c, p, dp, seq, per_dp, tflops, mfu in LLAMA3_TABLE4:
-        # 126 layers over 16 stages: Meta drops one layer from the first and the last stage (§3.3.2), so the
-        # slowest stages hold 8 = 128/16 layers: predicted with 128 layers, counted with 126.
-        real = replace(PRESETS["llama3-405b"], seq=seq)
-        model = replace(real, layers=128)
-        batch = per_dp * dp
-        cluster = plan.Cluster.preset("h100", gpus, matmul=matmul, **({"efficiency": efficiency} if efficiency else {}))
-        pred = best(model, cluster, batch, {"tp": t, "pp": p, "cp": c}, {"zero": 3, "sp": True}, "flash",
-                    [1, 2, 4, 8])
-        flops = batch * seq * real.flops_per_token("none")
-        got = flops / (pred.time["step"] * gpus) / 1e12
-        rows.append({"name": f"Llama 3 405B tp={t} cp={c} pp={p} dp={dp} T={seq} {gpus} H100", "reported": tflops,
-                     "predicted": got, "error": got / tflops - 1, "layout": pred.layout, "prediction": pred})
-    return rows
+    return rows + llama3_rows(matmul, efficiency)
 
 
 def markdown(before: list[dict], after: list[dict]) -> str:
@@ -128,5 +134,17 @@ def markdown(before: list[dict], after: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def v_sensitivity() -> str:
+    """Llama 3's rows with v pinned to each of 1, 2, 4, 8 (Meta does not publish v): the error of each."""
+    per_v = {v: llama3_rows(vs=(v,)) for v in (1, 2, 4, 8)}
+    lines = ["| run | reported | v = 1 | v = 2 | v = 4 | v = 8 |", "|---|---|---|---|---|---|"]
+    for i, row in enumerate(per_v[1]):
+        lines.append(f"| {row['name']} | {row['reported']:.0f} | " + " | ".join(
+            f"{per_v[v][i]['predicted']:.0f} ({100 * per_v[v][i]['error']:+.0f} %)" for v in per_v) + " |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     print(markdown(published_rows("flat", 0.6), published_rows()))
+    print()
+    print(v_sensitivity())

@@ -344,8 +344,10 @@ def test_published_runs_predicted_within_their_error(measured):
     recompute, no sp, math attention, dropout, the data-parallel all-reduce after the backward; Llama:
     ZeRO-3 with sp, FlashAttention), the micro-batches and v the planner's best. The table is printed
     (docs/plan.md shows it); asserted: the shape model removes the error's trend with model size
-    (Megatron's 1.7B row +31 % → within 15 %) and every row stays within 35 %."""
-    from shared.published import markdown, published_rows
+    (Megatron's 1.7B row +31 % → within 15 %), every Megatron row is within 25 %, and each Llama row's
+    reported rate lies within 15 % of the prediction at one of v = 1, 2, 4, 8 (Meta does not publish v;
+    it moves the prediction by up to 55 points)."""
+    from shared.published import llama3_rows, markdown, published_rows
 
     before, after = published_rows("flat", 0.6), published_rows()
     for line in markdown(before, after).splitlines():
@@ -355,7 +357,10 @@ def test_published_runs_predicted_within_their_error(measured):
     assert max(meg_b) - min(meg_b) > 0.3  # before: from +31 % (1.7B) to −8 % (1T)
     assert max(meg_a) - min(meg_a) < max(meg_b) - min(meg_b) - 0.15
     assert abs(meg_a[0]) < 0.15
-    assert all(abs(r["error"]) < 0.35 for r in after)
+    assert all(abs(e) < 0.25 for e in meg_a)
+    per_v = [llama3_rows(vs=(v,)) for v in (1, 2, 4, 8)]
+    for i in range(3):
+        assert min(abs(rows[i]["error"]) for rows in per_v) < 0.15, per_v[0][i]["name"]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -390,3 +395,21 @@ def test_cli_plan_preset_gpu_and_pins(tmp_path):
     data = json.loads(out.read_text())
     assert data["n_fit"] > 0
     assert all((p["zero"], p["recompute"], p["sp"], p["virtual"]) == (1, "full", False, 2) for p in data["fit"])
+
+
+def test_uneven_stages_as_llama3_splits_126_layers_over_16():
+    """Llama 3 405B (arXiv:2407.21783 §3.3.2): 126 layers over 16 stages, one fewer on the first and the
+    last (7 + 14·8 + 7). trim=1: the stages hold exactly the model (Σ of every stage's parameters = Φ),
+    the middle stages' 8 blocks set the pace, and without trim 16 stages are refused with the reason."""
+    model = plan.Model(126, 1024, 16, 1000, 256, kv_heads=4, ffn_dim=3584, gated=True, rope=True)
+    lay = plan.Layout(dp=2, pp=16, microbatches=16, trim=1)
+    assert [lay.stage_layers(126, s) for s in range(16)] == [7] + [8] * 14 + [7]
+    held = sum(plan.stage_params(model, lay, s)["units"] + plan.stage_params(model, lay, s)["vectors"]
+               for s in range(16))
+    assert held == model.params
+    assert plan.invalid(model, lay, 64) is None
+    assert "126 % pp 16" in plan.invalid(model, replace(lay, trim=0), 64)
+    pp = [plan.comm(model, lay, s, 64, 2)["pp"]["send"] for s in (0, 1)]
+    assert pp[0][0] * 2 == pp[1][0]  # the first stage sends forward only; a middle one both ways
+    found = list(plan.layouts(model, plan.Cluster(32), 64, pins={"trim": 1, "microbatches": 16}))
+    assert found and all(l.trim == 1 and l.pp > 1 and (126 + 2) % l.pp == 0 for l in found)

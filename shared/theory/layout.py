@@ -142,6 +142,13 @@ class Layout:
     sp: bool = False  # Megatron sequence parallelism with tp
     recompute: str = "none"
     virtual: int = 1  # model chunks per pp rank (interleaved 1F1B, Narayanan et al. 2021 arXiv:2104.04473 §2.2)
+    trim: int = 0  # blocks fewer on the first and on the last stage (Llama 3 405B: 126 = 7 + 14·8 + 7, §3.3.2)
+
+    def stage_layers(self, layers: int, stage: int) -> int:
+        """Blocks on pipeline stage ``stage``: (L + 2·trim)/pp, less ``trim`` on the first and the last
+        (the embedding's and the head's stages; Megatron's --decoder-first/last-pipeline-num-layers)."""
+        per = (layers + 2 * self.trim) // self.pp
+        return per - self.trim * (stage in (0, self.pp - 1))
 
     @property
     def bubble(self) -> float:

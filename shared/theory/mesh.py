@@ -71,7 +71,7 @@ def stage_params(model: Model, layout: Layout, stage: int) -> dict[str, int]:
     T·D on stage 0, L/pp blocks, the head D·V/t on the last), "n_units", "regathered" (units but the
     embeddings: what ZeRO-3 gathers again for backward), "vectors" (norm gains), "experts" (inside units)
     and "block" (one block with its gains). theory.mesh_stage_units_torch / mesh_stage_param_count."""
-    d, t, per = model.dim, layout.tp, model.layers // layout.pp
+    d, t, per = model.dim, layout.tp, layout.stage_layers(model.layers, stage)
     first, last = stage == 0, stage == layout.pp - 1
     n_block, block = model.block_units(t, layout.ep)
     embed = first * (model.vocab * d // t + model.positions * d)

@@ -104,7 +104,10 @@ def activations(model: Model, layout: Layout, stage: int, batch: int, b: int, at
     the last stage adds the micro-batch's fp32 logits n·V/t (the loss)."""
     m = batch // (layout.dp * layout.microbatches)
     n = m * model.seq // layout.cp
-    blocks = in_flight(layout, stage) * (model.layers // (layout.pp * layout.virtual))
+    # a chunk: the stage's blocks over v (uneven stages: the trimmed stages' chunks a fraction shorter)
+    chunk = layout.stage_layers(model.layers, stage) / layout.virtual if layout.trim else \
+        model.layers // (layout.pp * layout.virtual)
+    blocks = in_flight(layout, stage) * chunk
     elems = blocks * activation_elements(model, layout, layout.recompute, attention)
     if layout.recompute == "full":
         elems += activation_elements(model, layout, "none", attention)
