@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin", metavar="K=V,...",
                    help="fix settings: zero=0..3, recompute=none|selective|full, sp=on|off, microbatches=M (or M=), "
                         "v=chunks per rank (any that divides), trim=K (K blocks fewer on the first and last stage), "
+                        "cp=ring|allgather (context parallelism's K|V exchange), "
                         "overlap=on|off (data traffic under the backward)")
     p.add_argument("--top", type=int, default=8, metavar="K", help="layouts shown")
     p.add_argument("--json", metavar="PATH", help="write the ranked layouts here as JSON (default: none)")
@@ -129,15 +130,19 @@ def parse_pins(text: str | None) -> dict:
     pins = {}
     for item in filter(None, (text or "").split(",")):
         key, eq, value = item.partition("=")
-        key = {"M": "microbatches", "v": "virtual", "m": "microbatches"}.get(key.strip(), key.strip())
+        key = {"M": "microbatches", "v": "virtual", "m": "microbatches", "cp": "cp_style"}.get(key.strip(), key.strip())
         value = value.strip()
         if not eq or key not in (*plan.PINS, "overlap"):
             raise ValueError(f"--pin: {item!r}: write key=value with key one of zero, recompute, sp, microbatches, "
-                             f"v, trim, overlap")
+                             f"v, trim, cp, overlap")
         if key in ("sp", "overlap"):
             if value.lower() not in _ON:
                 raise ValueError(f"--pin {key}={value}: write on or off")
             pins[key] = _ON[value.lower()]
+        elif key == "cp_style":
+            if value not in ("ring", "allgather"):
+                raise ValueError(f"--pin cp={value}: choose ring or allgather")
+            pins[key] = value
         elif key == "recompute":
             if value not in plan.RECOMPUTE:
                 raise ValueError(f"--pin recompute={value}: choose from {', '.join(plan.RECOMPUTE)}")

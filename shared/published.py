@@ -94,8 +94,9 @@ def llama3_rows(matmul: str = "shapes", efficiency: float | None = None, vs=(1, 
         model = replace(PRESETS["llama3-405b"], seq=seq)
         batch = per_dp * dp
         cluster = plan.Cluster.preset("h100", gpus, matmul=matmul, **({"efficiency": efficiency} if efficiency else {}))
-        pred = best(model, cluster, batch, {"tp": t, "pp": p, "cp": c}, {"zero": 3, "sp": True, "trim": 1}, "flash",
-                    list(vs))
+        # context parallelism: K|V all-gathered (Meta's, §3.3.2: "we all-gather the key (K) and value (V) tensors")
+        pins = {"zero": 3, "sp": True, "trim": 1} | ({"cp_style": "allgather"} if c > 1 else {})
+        pred = best(model, cluster, batch, {"tp": t, "pp": p, "cp": c}, pins, "flash", list(vs))
         flops = batch * seq * model.flops_per_token("none")
         got = flops / (pred.time["step"] * gpus) / 1e12
         rows.append({"name": f"Llama 3 405B tp={t} cp={c} pp={p} dp={dp} T={seq} {gpus} H100", "reported": tflops,

@@ -397,6 +397,22 @@ def test_cli_plan_preset_gpu_and_pins(tmp_path):
     assert all((p["zero"], p["recompute"], p["sp"], p["virtual"]) == (1, "full", False, 2) for p in data["fit"])
 
 
+def test_allgather_context_parallelism_moves_only_the_kv_heads():
+    """Llama 3's context parallelism (arXiv:2407.21783 §3.3.2): every block all-gathers K and V of the whole
+    sequence (forward, and again for backward) and reduce-scatters dK, dV: with GQA's 8 K/V heads and tp 8,
+    one head of 128 per rank, 2·T·128·b per sequence each time — 16× less than 128 heads' K|V would be."""
+    model = plan.Model(4, 16384, 128, 1000, 131072, kv_heads=8)
+    lay = plan.Layout(dp=2, tp=8, cp=16, sp=True, microbatches=2, cp_style="allgather")
+    cp = plan.comm(model, lay, 0, 4, 2)["cp"]
+    whole = 1 * 131072 * 2 * 128 * 2  # m = 1 sequence, K|V of one head, bf16
+    assert cp == {"all_gather": (2 * 2 * 4, 2 * 2 * 4 * whole), "reduce_scatter": (2 * 4, 2 * 4 * whole)}
+    mha = plan.comm(replace(model, kv_heads=0), lay, 0, 4, 2)["cp"]
+    assert mha["all_gather"][1] == 16 * cp["all_gather"][1]
+    from planner import parse_pins
+
+    assert parse_pins("cp=allgather") == {"cp_style": "allgather"}
+
+
 def test_uneven_stages_as_llama3_splits_126_layers_over_16():
     """Llama 3 405B (arXiv:2407.21783 §3.3.2): 126 layers over 16 stages, one fewer on the first and the
     last (7 + 14·8 + 7). trim=1: the stages hold exactly the model (Σ of every stage's parameters = Φ),

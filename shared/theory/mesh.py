@@ -140,9 +140,14 @@ def comm(model: Model, layout: Layout, stage: int, batch: int, b: int,
                          "all_reduce": (loss[0] + 1, loss[1] + gains * b)}
         else:
             out["tp"] = {"all_reduce": (M * n_act + loss[0], M * n_act * act + loss[1])}
-    if c > 1:
+    kv_row = 2 * max(model.kv // t, 1) * model.head_dim * b  # K|V of one token (GQA: the kv heads, ≥ 1 per rank)
+    if c > 1 and layout.cp_style == "allgather":  # every block: K|V of the whole sequence gathered forward and
+        gathers = 2 * M * per  # again for backward (not kept: T·kv memory), dK|dV reduce-scattered back
+        whole = m * model.seq * kv_row
+        out["cp"] = {"all_gather": (gathers, gathers * whole), "reduce_scatter": (M * per, M * per * whole)}
+    elif c > 1:
         hops = M * per * (3 * c - 2)
-        msg = 2 * m * tc * max(model.kv // t, 1) * model.head_dim * b  # K|V (GQA: the kv heads, ≥ 1 per rank)
+        msg = m * tc * kv_row
         out["cp"] = {"send": (hops, hops * msg), "recv": (hops, hops * msg)}
     if S > 1:  # interleaved: every chunk's output goes on, but the last virtual stage's (and back, but the first)
         n = (2 * layout.virtual - (stage == S - 1) - (stage == 0)) * M
