@@ -130,6 +130,19 @@ def test_activations_match_korthikanti_without_dropout():
     assert math - plan.activation_elements(model, plan.Layout(tp=8, sp=True), "selective", "math") == 16 * 512 / 8
 
 
+def test_activations_with_dropout_are_korthikanti_exactly():
+    """With dropout (GPT as Korthikanti et al. 2022 count it, arXiv:2205.05198 §4.1, eq. 1–2): per layer
+    s·b·h·(34 + 5·a·s/h) bytes with math attention and no parallelism; 10 + 24/t + 5as/(ht) with tp;
+    34/t + 5as/(ht) with tp and sp. 2-byte elements: bytes = 2 × elements."""
+    h, a, s = 2048, 16, 1024
+    model = plan.Model(4, h, a, 1000, s, dropout=True)
+    for t, sp, small in ((1, False, 34), (8, False, 10 + 24 / 8), (8, True, 34 / 8)):
+        got = 2 * plan.activation_elements(model, plan.Layout(tp=t, sp=sp), "none", attention="math")
+        assert got == pytest.approx(small * h + 5 * a * s / t), (t, sp)
+    flash = 2 * plan.activation_elements(model, plan.Layout(tp=8, sp=True), "none")
+    assert flash == pytest.approx(34 * h / 8 + 2 * 2 * a / 8)  # + the log-sum-exp; no a·s term
+
+
 def test_activations_against_the_measured_formula_of_this_implementation():
     """shared.theory.block_saved_elements equals what torch saves here (tests/test_recompute.py measures it);
     the plan assumes fused kernels at scale. The difference is exactly torch's composite RMSNorm, which
