@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin", metavar="K=V,...",
                    help="fix settings: zero=0..3, recompute=none|selective|full, sp=on|off, microbatches=M (or M=), "
                         "v=chunks per rank (any that divides), trim=K (K blocks fewer on the first and last stage), "
-                        "cp=ring|allgather (context parallelism's K|V exchange), "
+                        "cp=ring|allgather (context parallelism's K|V exchange), scatter=on|off (Megatron's "
+                        "scatter/gather pp sends), "
                         "overlap=on|off (data traffic under the backward)")
     p.add_argument("--top", type=int, default=8, metavar="K", help="layouts shown")
     p.add_argument("--json", metavar="PATH", help="write the ranked layouts here as JSON (default: none)")
@@ -130,12 +131,13 @@ def parse_pins(text: str | None) -> dict:
     pins = {}
     for item in filter(None, (text or "").split(",")):
         key, eq, value = item.partition("=")
-        key = {"M": "microbatches", "v": "virtual", "m": "microbatches", "cp": "cp_style"}.get(key.strip(), key.strip())
+        key = {"M": "microbatches", "v": "virtual", "m": "microbatches", "cp": "cp_style",
+               "scatter": "pp_scatter"}.get(key.strip(), key.strip())
         value = value.strip()
         if not eq or key not in (*plan.PINS, "overlap"):
             raise ValueError(f"--pin: {item!r}: write key=value with key one of zero, recompute, sp, microbatches, "
-                             f"v, trim, cp, overlap")
-        if key in ("sp", "overlap"):
+                             f"v, trim, cp, scatter, overlap")
+        if key in ("sp", "overlap", "pp_scatter"):
             if value.lower() not in _ON:
                 raise ValueError(f"--pin {key}={value}: write on or off")
             pins[key] = _ON[value.lower()]

@@ -237,7 +237,8 @@ class Prediction:
 
     def to_json(self) -> dict:
         return {"layout": self.layout.name, **{k: getattr(self.layout, k) for k in (
-            "dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "sp", "recompute", "virtual", "trim", "cp_style")},
+            "dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "sp", "recompute", "virtual", "trim", "cp_style",
+            "pp_scatter")},
             "memory": self.memory, "comm": {a: {op: list(v) for op, v in ops.items()} for a, ops in self.comm.items()},
             "bubble": self.bubble, "time": self.time, "mfu": self.mfu, "fits": self.fits, "reason": self.reason}
 
@@ -383,7 +384,8 @@ def invalid(model: Model, layout: Layout, batch: int, cluster: Cluster | None = 
     return next((why for bad, why in checks if bad), None)
 
 
-PINS = {"zero": int, "recompute": str, "sp": bool, "microbatches": int, "virtual": int, "trim": int, "cp_style": str}
+PINS = {"zero": int, "recompute": str, "sp": bool, "microbatches": int, "virtual": int, "trim": int, "cp_style": str,
+        "pp_scatter": bool}
 
 
 def layouts(model: Model, cluster: Cluster, batch: int, recompute=RECOMPUTE, zero=(0, 1, 2, 3), pins=None):
@@ -418,7 +420,8 @@ def layouts(model: Model, cluster: Cluster, batch: int, recompute=RECOMPUTE, zer
                                     sp = pins.get("sp", True) and t > 1
                                     lay = Layout(dp=d, tp=t, pp=p, cp=c, ep=e, zero=z, sp=sp, recompute=rc,
                                                  microbatches=batch // (d * mbs), virtual=v, trim=trim,
-                                                 cp_style=pins.get("cp_style", "ring"))
+                                                 cp_style=pins.get("cp_style", "ring"),
+                                                 pp_scatter=pins.get("pp_scatter", False))
                                     if invalid(model, lay, batch) is None:
                                         yield lay
 

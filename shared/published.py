@@ -117,7 +117,7 @@ def published_rows(matmul: str = "shapes", efficiency: float | None = None) -> l
         per = layers // p
         vs = [v for v in range(1, per + 1) if per % v == 0 and v <= 8] if p > 1 else [1]
         pred = best(model, cluster, batch, {"tp": t, "pp": p, "cp": 1},
-                    {"zero": 0, "recompute": "full", "sp": False}, "math", vs)
+                    {"zero": 0, "recompute": "full", "sp": False, "pp_scatter": True}, "math", vs)
         got = megatron_flops(model, batch) / (pred.time["step"] * gpus) / 1e12
         rows.append({"name": f"Megatron {params}B t={t} p={p} {gpus} A100", "reported": tflops, "predicted": got,
                      "error": got / tflops - 1, "layout": pred.layout, "prediction": pred})

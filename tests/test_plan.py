@@ -410,6 +410,19 @@ def test_cli_plan_preset_gpu_and_pins(tmp_path):
     assert all((p["zero"], p["recompute"], p["sp"], p["virtual"]) == (1, "full", False, 2) for p in data["fit"])
 
 
+def test_scatter_gather_pipeline_sends():
+    """Narayanan et al. 2021 §4.1: with tp (and no sp) each tp rank sends 1/t of the stage's output across
+    nodes and the receiving tp group all-gathers it over NVLink: pp bytes ÷ t, + one all-gather per message."""
+    model = plan.Model(8, 1024, 16, 32000, 1024)
+    lay = plan.Layout(dp=2, tp=8, pp=2, microbatches=4)
+    plain, sg = plan.comm(model, lay, 0, 8, 2), plan.comm(model, replace(lay, pp_scatter=True), 0, 8, 2)
+    assert sg["pp"]["send"] == (plain["pp"]["send"][0], plain["pp"]["send"][1] // 8)
+    assert sg["tp"]["all_gather"] == plain["pp"]["send"] and "all_gather" not in plain["tp"]
+    from planner import parse_pins
+
+    assert parse_pins("scatter=on") == {"pp_scatter": True}
+
+
 def test_allgather_context_parallelism_moves_only_the_kv_heads():
     """Llama 3's context parallelism (arXiv:2407.21783 §3.3.2): every block all-gathers K and V of the whole
     sequence (forward, and again for backward) and reduce-scatters dK, dV: with GQA's 8 K/V heads and tp 8,

@@ -143,6 +143,7 @@ class Layout:
     recompute: str = "none"
     virtual: int = 1  # model chunks per pp rank (interleaved 1F1B, Narayanan et al. 2021 arXiv:2104.04473 §2.2)
     trim: int = 0  # blocks fewer on the first and on the last stage (Llama 3 405B: 126 = 7 + 14·8 + 7, §3.3.2)
+    pp_scatter: bool = False  # Megatron's scatter/gather pp sends: A/t per tp rank, all-gathered over tp (§4.1)
     cp_style: str = "ring"  # "allgather": K|V all-gathered over cp, dK|dV reduce-scattered (Llama 3, §3.3.2)
 
     def stage_layers(self, layers: int, stage: int) -> int:

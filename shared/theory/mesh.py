@@ -151,8 +151,11 @@ def comm(model: Model, layout: Layout, stage: int, batch: int, b: int,
         out["cp"] = {"send": (hops, hops * msg), "recv": (hops, hops * msg)}
     if S > 1:  # interleaved: every chunk's output goes on, but the last virtual stage's (and back, but the first)
         n = (2 * layout.virtual - (stage == S - 1) - (stage == 0)) * M
-        msg = act // t if layout.sp else act
+        scatter = layout.pp_scatter and t > 1 and not layout.sp  # Narayanan et al. 2021 §4.1: each tp rank
+        msg = act // t if layout.sp or scatter else act  # sends its 1/t, the receivers all-gather over tp
         out["pp"] = {"send": (n, n * msg), "recv": (n, n * msg)}
+        if scatter:
+            out["tp"]["all_gather"] = (n, n * act)
     if model.moe and layout.ep > 1:
         k_n = model.topk * m * tc
         out["ep"] = {"all_gather": (M * per, M * per * layout.ep * model.experts * 8),
