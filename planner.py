@@ -65,7 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rope", action=argparse.BooleanOptionalAction, default=None,
                    help="rotary positions: no learned position table (default: learned)")
     p.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
-                   help="dropout after attention and MLP (memory-bound time; default: none)")
+                   help="dropout after attention and MLP (its masks, its memory-bound time; default: none)")
+    p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
+                   help="biases on the linear layers and LayerNorm (GPT-2/3; default: none, RMSNorm gains)")
+    p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
+                   help="the head shares the token embedding (default: untied)")
     p.add_argument("--experts", type=int, metavar="E", help="experts per MoE layer (default 0: dense)")
     p.add_argument("--topk", type=int, metavar="K", help="experts per token (MoE; default 1)")
     p.add_argument("--global-batch", type=int, default=1024, metavar="B", help="sequences per step")
@@ -113,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 MODEL_DEFAULTS = {"layers": 80, "dim": 8192, "heads": 64, "vocab": 128256, "seq": 8192, "mlp_ratio": 4, "experts": 0,
-                  "topk": 1, "kv_heads": 0, "ffn": 0, "swiglu": False, "rope": False, "dropout": False}
+                  "topk": 1, "kv_heads": 0, "ffn": 0, "swiglu": False, "rope": False, "dropout": False, "bias": False,
+                  "tied": False}
 _FIELDS = {"ffn": "ffn_dim", "swiglu": "gated"}
 _ON = {"on": True, "true": True, "1": True, "yes": True, "off": False, "false": False, "0": False, "no": False}
 

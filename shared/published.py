@@ -11,7 +11,8 @@ Model presets (``compare.py plan --preset NAME``):
       arXiv:2005.14165, Table 2.1: n_layers 32 / 32 / 96, d_model 2560 / 4096 / 12288, n_heads 32 / 32 / 96,
       context 2048 (GPT-3 XL and 13B are left out: their d_model is not n_heads × d_head in the table), FFN 4·d_model (§2.1: "the same model and architecture as
       GPT-2"); vocabulary 50 257 (GPT-2's BPE) padded to 51 200 as Megatron-LM pads it (Narayanan et al.
-      2021, §5.1: "a vocabulary size of 51,200"); learned positions, dropout.
+      2021, §5.1: "a vocabulary size of 51,200"); learned positions, dropout, biases, LayerNorm, the head
+      tied to the token embedding (GPT-2's, Radford et al. 2019).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ PRESETS = {
     "llama3-8b": Model(32, 4096, 32, 128256, 8192, kv_heads=8, ffn_dim=14336, gated=True, rope=True),
     "llama3-70b": Model(80, 8192, 64, 128256, 8192, kv_heads=8, ffn_dim=28672, gated=True, rope=True),
     "llama3-405b": Model(126, 16384, 128, 128256, 8192, kv_heads=8, ffn_dim=53248, gated=True, rope=True),
-    "gpt3-2.7b": Model(32, 2560, 32, 51200, 2048, dropout=True),
-    "gpt3-6.7b": Model(32, 4096, 32, 51200, 2048, dropout=True),
-    "gpt3-175b": Model(96, 12288, 96, 51200, 2048, dropout=True),
+    "gpt3-2.7b": Model(32, 2560, 32, 51200, 2048, dropout=True, bias=True, tied=True),
+    "gpt3-6.7b": Model(32, 4096, 32, 51200, 2048, dropout=True, bias=True, tied=True),
+    "gpt3-175b": Model(96, 12288, 96, 51200, 2048, dropout=True, bias=True, tied=True),
 }
 
 
@@ -111,7 +112,7 @@ def published_rows(matmul: str = "shapes", efficiency: float | None = None) -> l
 
     rows = []
     for params, heads, hidden, layers, t, p, gpus, batch, tflops in MEGATRON_TABLE1:
-        model = Model(layers, hidden, heads, 51200, 2048, dropout=True)
+        model = Model(layers, hidden, heads, 51200, 2048, dropout=True, bias=True, tied=True)
         cluster = plan.Cluster.preset("a100-80gb", gpus, matmul=matmul, overlap=False,
                                       **({"efficiency": efficiency} if efficiency else {}))
         per = layers // p

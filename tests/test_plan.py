@@ -320,15 +320,36 @@ def test_full_recompute_reruns_the_forward_tp_collectives():
 
 def test_llama3_and_gpt3_presets_have_the_published_parameter_counts():
     """Llama 3 paper (arXiv:2407.21783) Table 3 shapes give 8.0B, 70.6B and 405.9B parameters (untied
-    head; Meta's model cards: 8.03B, 70.6B, 405B); GPT-3 175B (Brown et al. 2020 Table 2.1) 175.0B in the
-    paper, tied; here untied with Megatron's 51 200-token padded vocabulary: +0.6B."""
+    head; Meta's model cards: 8.03B, 70.6B, 405B); GPT-3 175B (Brown et al. 2020 Table 2.1: 175.0B) gives
+    174.6B with biases, LayerNorm and the tied head."""
     from shared.published import PRESETS
 
     assert PRESETS["llama3-8b"].params / 1e9 == pytest.approx(8.03, abs=0.01)
     assert PRESETS["llama3-70b"].params / 1e9 == pytest.approx(70.55, abs=0.05)
     assert PRESETS["llama3-405b"].params / 1e9 == pytest.approx(405.9, abs=0.5)
     gpt = PRESETS["gpt3-175b"]
-    assert (gpt.params - gpt.dim * gpt.vocab) / 1e9 == pytest.approx(174.6, abs=0.1)  # 12·l·h² + V·h + s·h, tied
+    assert gpt.params / 1e9 == pytest.approx(174.6, abs=0.05)  # biases, tied head: "175.0B" in Table 2.1
+    assert replace(gpt, vocab=50257).params / 1e9 == pytest.approx(174.6, abs=0.05)  # GPT-2's vocabulary: the same
+
+
+def test_gpt_with_biases_and_tied_head_is_megatrons_parameter_count():
+    """Narayanan et al. 2021 eq. 2: P = 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h)) for GPT with biases,
+    LayerNorm and the head tied to the embedding; Table 1's parameter column, every row, to its 0.1 B
+    (the model here also counts the final LayerNorm, 2h, which eq. 2 leaves out). Tied with pp > 1: the
+    last stage keeps a copy, and the first and last stage all-reduce its gradient once per step."""
+    from shared.published import MEGATRON_TABLE1
+
+    for params, heads, h, l, *_ in MEGATRON_TABLE1:
+        model = plan.Model(l, h, heads, 51200, 2048, bias=True, tied=True)
+        assert model.params - 2 * h == pytest.approx(12 * l * h * h * (1 + 13 / (12 * h) + (51200 + 2048) / (12 * l * h)))
+        assert round(model.params / 1e9, 1) == params
+    model = plan.Model(4, 1024, 16, 32000, 512, bias=True, tied=True)
+    one = plan.stage_params(model, plan.Layout(), 0)
+    assert one["units"] + one["vectors"] == model.params  # one stage: one matrix
+    lay = plan.Layout(pp=2, microbatches=2)
+    both = sum(sum(plan.stage_params(model, lay, s)[k] for k in ("units", "vectors")) for s in (0, 1))
+    assert both == model.params + 1024 * 32000  # the last stage's copy
+    assert plan.comm(model, lay, 1, 4, 2)["pp"]["all_reduce"] == (1, 32000 * 1024 * 2)
 
 
 def test_gqa_and_swiglu_by_hand():

@@ -23,7 +23,9 @@ class Model:
     2023, arXiv:2305.13245: W_qkv is D × (D + 2·kv·D/H)); ``ffn`` any FFN width (default r·D);
     ``gated`` a SwiGLU MLP (Shazeer 2020, arXiv:2002.05202: W_gate, W_up D×F and W_down F×D);
     ``rope`` rotary positions (no wpe, Su et al. 2021, arXiv:2104.09864); ``dropout`` the dropout of
-    GPT-2/3 and Megatron's GPT (the step's memory-bound work only)."""
+    GPT-2/3 and Megatron's GPT (its masks, its memory-bound work); ``bias`` linear and LayerNorm biases;
+    ``tied`` the head shares the token embedding (Narayanan et al. 2021 eq. 2 counts
+    12·l·h² + 13·l·h + (V + s)·h for such a model)."""
 
     layers: int
     dim: int
@@ -38,6 +40,8 @@ class Model:
     gated: bool = False  # SwiGLU: three matrices
     rope: bool = False  # rotary positions: no learned position table
     dropout: bool = False
+    bias: bool = False  # GPT-2/3: biases on every linear layer and LayerNorm (gain + bias)
+    tied: bool = False  # the head is the token embedding (GPT-2/3, Megatron's GPT)
 
     def __post_init__(self) -> None:
         for name in ("layers", "dim", "heads", "vocab", "seq", "mlp_ratio", "topk"):
@@ -104,11 +108,21 @@ class Model:
         """Elements of one block's local experts (0 when dense)."""
         return self.mlp_matrices * (self.experts // ep) * self.dim * self.ffn if self.moe else 0
 
+    def vector_elements(self, t: int = 1) -> int:
+        """One block's 1-D parameters on one rank: the 2 norms' gains (D each; with ``bias`` their biases,
+        and the linear layers' biases: W_qkv's and W_up's split over tp, W_o's and W_down's whole)."""
+        d = self.dim
+        if not self.bias:
+            return 2 * d
+        return 4 * d + (d + 2 * self.kv_dim + (self.mlp_matrices - 1) * self.ffn) // t + 2 * d
+
     @property
     def params(self) -> int:
-        """Φ, every parameter: (V + T)·D + L·(block + 2D) + D + D·V (RoPE: no T·D)."""
-        return (self.vocab + self.positions) * self.dim + self.layers * (self.block_units()[1] + 2 * self.dim) + \
-            self.dim + self.dim * self.vocab
+        """Φ, every parameter: (V + T)·D + L·(block + vectors) + D + D·V (RoPE: no T·D; tied: no D·V;
+        bias: the final norm's bias too)."""
+        return (self.vocab + self.positions) * self.dim + self.layers * (self.block_units()[1] +
+                                                                         self.vector_elements()) + \
+            self.dim * (1 + self.bias) + (not self.tied) * self.dim * self.vocab
 
     @property
     def active_params(self) -> int:
@@ -120,7 +134,8 @@ class Model:
         lookups are not matmuls) + causal attention 6·L·T·D (QKᵀ and ·V over half the positions);
         full recompute runs the blocks' forward again (+2·blocks), selective the attention core (+2LTD)."""
         d, L = self.dim, self.layers
-        blocks = self.active_params - (self.vocab + self.positions) * d - L * 2 * d - d - d * self.vocab
+        blocks = L * self.block_units()[1] - \
+            self.layers * self.expert_elements() * (self.experts - self.topk) // max(self.experts, 1)
         attn = 2 * L * self.seq * d
         extra = {"none": 0, "selective": attn, "full": 2 * blocks + attn}[recompute]
         return 6 * (blocks + d * self.vocab) + 3 * attn + extra

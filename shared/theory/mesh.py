@@ -75,10 +75,13 @@ def stage_params(model: Model, layout: Layout, stage: int) -> dict[str, int]:
     first, last = stage == 0, stage == layout.pp - 1
     n_block, block = model.block_units(t, layout.ep)
     embed = first * (model.vocab * d // t + model.positions * d)
-    units = per * block + embed + last * (d * model.vocab // t)
-    return {"units": units, "n_units": per * n_block + 2 * first + last, "regathered": units - embed,
-            "n_regathered": per * n_block + last, "vectors": per * 2 * d + last * d,
-            "experts": per * model.expert_elements(layout.ep), "block": block + 2 * d, "per": per}
+    head = last and not (model.tied and first)  # tied: one matrix when the stage holds both (a copy if pp > 1)
+    units = per * block + embed + head * (d * model.vocab // t)
+    return {"units": units, "n_units": per * n_block + 2 * first + head, "regathered": units - embed,
+            "n_regathered": per * n_block + head,
+            "vectors": per * model.vector_elements(t) + last * d * (1 + model.bias),
+            "experts": per * model.expert_elements(layout.ep), "block": block + model.vector_elements(t),
+            "per": per}
 
 
 def state(model: Model, layout: Layout, stage: int, b: int, style: str = "builtin",
@@ -135,7 +138,7 @@ def comm(model: Model, layout: Layout, stage: int, batch: int, b: int,
         n_act = (4 + 2 * (layout.recompute == "full")) * per + first + last  # full: the forward's 2 again
         loss = (M * loss_calls * last, M * last * 3 * m * tc * b)
         if layout.sp:
-            gains = (2 * per + last) * d + first * model.positions * d
+            gains = (2 * per + last) * d * (1 + model.bias) + model.bias * per * 2 * d + first * model.positions * d
             out["tp"] = {"all_gather": (M * n_act, M * n_act * act), "reduce_scatter": (M * n_act, M * n_act * act),
                          "all_reduce": (loss[0] + 1, loss[1] + gains * b)}
         else:
@@ -154,6 +157,8 @@ def comm(model: Model, layout: Layout, stage: int, batch: int, b: int,
         scatter = layout.pp_scatter and t > 1 and not layout.sp  # Narayanan et al. 2021 §4.1: each tp rank
         msg = act // t if layout.sp or scatter else act  # sends its 1/t, the receivers all-gather over tp
         out["pp"] = {"send": (n, n * msg), "recv": (n, n * msg)}
+        if model.tied and (first or last):  # the embedding group: the two copies' gradients summed once
+            out["pp"]["all_reduce"] = (1, model.vocab * d // t * b)
         if scatter:
             out["tp"]["all_gather"] = (n, n * act)
     if model.moe and layout.ep > 1:
