@@ -90,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-flops", type=float, metavar="FLOPS", help="FLOP/s per GPU (default: the --gpu's dense BF16)")
     p.add_argument("--efficiency", type=float, metavar="F",
                    help="fraction of peak the largest matmuls reach (default 0.8; --matmul flat: 0.6, every FLOP)")
-    p.add_argument("--matmul", choices=("shapes", "flat"), default="shapes",
-                   help="shapes: each matmul timed from its sharded shape (roofline); flat: FLOPs at one efficiency")
+    p.add_argument("--matmul", choices=("shapes", "flat"),
+                   help="shapes: each matmul timed from its sharded shape (roofline; with --calibrate, the bench's "
+                        "measured size table); flat: FLOPs at one efficiency (default: shapes, flat with --calibrate)")
     p.add_argument("--hbm-bandwidth", type=float, metavar="B/S", help="HBM bytes/s (default: the --gpu's)")
     p.add_argument("--headroom", type=float, default=0.1, metavar="F", help="fraction of GPU memory kept free")
     for where in ("intra", "inter"):
@@ -170,7 +171,8 @@ def make_inputs(args):
         ("alpha", getattr(args, f"alpha_{where}")), ("beta", getattr(args, f"beta_{where}"))) if v is not None})
     if args.gpus < 1 or args.gpus_per_node < 1 or args.global_batch < 1:
         raise ValueError("--gpus, --gpus-per-node and --global-batch must be positive")
-    efficiency = args.efficiency if args.efficiency is not None else 0.8 if args.matmul == "shapes" else 0.6
+    shapes = args.matmul == "shapes" or (args.matmul is None and not args.calibrate)
+    efficiency = args.efficiency if args.efficiency is not None else 0.8 if shapes else 0.6
     if not 0 < efficiency <= 1:
         raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
     if not 0 <= args.headroom < 1:
@@ -178,11 +180,12 @@ def make_inputs(args):
     pins = parse_pins(args.pin)
     cluster = plan.Cluster(args.gpus, args.gpus_per_node, args.gpu_memory or gpu["memory"],
                            args.peak_flops or gpu["flops"], efficiency, link("intra"), link("inter"),
-                           args.headroom, args.hbm_bandwidth or gpu["hbm"], args.matmul, pins.pop("overlap", True))
+                           args.headroom, args.hbm_bandwidth or gpu["hbm"], "shapes" if shapes else "flat",
+                           overlap=pins.pop("overlap", True))
     if args.calibrate:
         with open(args.calibrate) as f:
             args.bench = json.load(f)
-        cluster = plan.calibrated(cluster, args.bench, args.dtype)
+        cluster = plan.calibrated(cluster, args.bench, args.dtype, shapes=args.matmul == "shapes")
     want = dict(parse_mesh(args.layout)) if args.layout else {}
     unknown = set(want) - {"dp", "fsdp", "tp", "pp", "cp", "ep"}
     if unknown:
@@ -380,7 +383,8 @@ def measured_main(args, cluster) -> int:
         same_state = all(plan.state(model, lay, stage(r), b, style, "pure") == {
             k: states[r][k] for k in ("params", "grads", "optimizer")} for r in range(len(states)))
         bad += not (same_comm and same_state)
-        here = plan.calibrated(cluster, args.bench, cfg.dtype) if args.calibrate else cluster
+        here = plan.calibrated(cluster, args.bench, cfg.dtype, shapes=args.matmul == "shapes") \
+            if args.calibrate else cluster
         pred = plan.predict(model, lay, here, cfg.batch, b, "pure", style)
         measured = run.get("step_time_s")
         err = f"{100 * (pred.time['step'] / measured - 1):+.0f}%" if measured else "-"

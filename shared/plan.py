@@ -100,6 +100,10 @@ def gpu(name: str) -> dict:
     return GPUS[key]
 
 
+# the matmul size table (smallest side, fraction of the largest GEMMs' rate): see "the matmul time model"
+SIZE_FACTOR = ((64, 0.5), (128, 0.7), (256, 0.8), (512, 0.9), (1024, 0.95), (2048, 1.0))
+
+
 @dataclass(frozen=True)
 class Cluster:
     gpus: int
@@ -113,6 +117,7 @@ class Cluster:
     headroom: float = 0.1  # kept free: the CUDA context, NCCL buffers, the allocator's fragmentation
     hbm: float = GPUS["h100"]["hbm"]  # HBM bytes/s (the roofline's memory bound, the elementwise ops)
     matmul: str = "shapes"  # "shapes": every matmul from its shape (roofline); "flat": FLOPs × efficiency
+    size_table: tuple = SIZE_FACTOR  # (smallest side, fraction of the largest GEMMs' rate), ascending
     overlap: bool = True  # the data axis' traffic runs under the backward pass (False: after it, as
     #                       Megatron-LM's 2021 DDP all-reduced the gradients once backward was done)
 
@@ -142,17 +147,19 @@ class Cluster:
 # at about 790 of 989 TFLOP/s). ``size_factor``: the same guide's tile and wave quantization — a GEMM whose
 # smallest side is under a few thread-block tiles (128–256) leaves SMs idle or tiles half empty — as a
 # step table on the smallest side (below 128 the roofline's memory bound takes over as well). The table's
-# values are an assumption, not a measurement: `compare.py bench` does not measure them yet.
-SIZE_FACTOR = ((64, 0.5), (128, 0.7), (256, 0.8), (512, 0.9), (1024, 0.95), (2048, 1.0))
+# values are an assumption, not a measurement; `compare.py bench --json` + `plan --calibrate --matmul shapes`
+# replaces them with the machine's own (its square matmuls' rate per size over the largest's: measured_table).
+# SIZE_FACTOR (defined above Cluster, its default): the step table on the smallest side.
 # FlashAttention's fused core: 50–73 % of peak forward + backward on A100 (Dao 2023, FlashAttention-2,
 # arXiv:2307.08691 §4.1, Figure 5: 225 TFLOP/s of 312 at best, head dim 128); 0.5: causal, backward-heavy.
 ATTENTION_EFFICIENCY = 0.5
 
 
-def size_factor(smallest: int) -> float:
-    """SIZE_FACTOR's step for a matmul whose smallest side is ``smallest`` (monotone, 1 from 2048 up)."""
-    out = SIZE_FACTOR[0][1] * min(1.0, smallest / SIZE_FACTOR[0][0])
-    for side, f in SIZE_FACTOR:
+def size_factor(smallest: int, table=SIZE_FACTOR) -> float:
+    """``table``'s step for a matmul whose smallest side is ``smallest`` (SIZE_FACTOR: monotone, 1 from
+    2048 up); below the table's first side, its first factor scaled down in proportion."""
+    out = table[0][1] * min(1.0, smallest / table[0][0])
+    for side, f in table:
         if smallest >= side:
             out = f
     return out
@@ -165,7 +172,7 @@ def matmul_seconds(m: int, n: int, k: int, cluster: "Cluster", b: int = 2, batch
     flops = 2 * m * n * k * batch
     if cluster.matmul == "flat":
         return flops / (cluster.flops * cluster.efficiency)
-    compute = flops / (cluster.flops * cluster.efficiency * size_factor(min(m, n, k)))
+    compute = flops / (cluster.flops * cluster.efficiency * size_factor(min(m, n, k), cluster.size_table))
     return max(compute, (m * k + k * n + m * n) * b * batch / cluster.hbm)
 
 
@@ -456,10 +463,20 @@ def rank_key(p: Prediction) -> tuple:
     return round(p.time["step"], 6), round(wire_bytes(p.comm)), p.memory["total"]
 
 
-def calibrated(cluster: Cluster, bench: dict, dtype: str = "float64", framework: str = "torch") -> Cluster:
+def measured_table(bench: dict, dtype: str) -> tuple:
+    """The size table of this machine from ``compare.py bench --json``'s ``compute`` (FLOP/s per rank of an
+    n×n×n matmul, every rank at once): ((n, rate(n) / the fastest rate), …) ascending in n; () if none."""
+    rates = {int(n): r for n, r in bench.get("compute", {}).get(dtype, {}).items()}
+    top = max(rates.values(), default=0)
+    return tuple((n, rates[n] / top) for n in sorted(rates)) if top else ()
+
+
+def calibrated(cluster: Cluster, bench: dict, dtype: str = "float64", framework: str = "torch",
+               shapes: bool = False) -> Cluster:
     """Both links from ``compare.py bench --json``'s α–β fits (one machine: intra = inter), per op; the
     compute rate from its ``compute`` measurement (every rank multiplying at once: the median over sizes
-    of the FLOP/s per rank in ``dtype``) when present."""
+    of the FLOP/s per rank in ``dtype``) when present. ``shapes``: instead, every matmul from its shape
+    with the machine's measured size table (measured_table) under its fastest measured rate."""
     n = bench["world_size"]
     per_op = {}
     for fit in bench["fits"]:
@@ -472,4 +489,8 @@ def calibrated(cluster: Cluster, bench: dict, dtype: str = "float64", framework:
     link = Link(alpha, beta, per_op | ({"send": per_op["sendrecv"]} if "sendrecv" in per_op else {}))
     rates = sorted(bench.get("compute", {}).get(dtype, {}).values())
     flops = rates[len(rates) // 2] if rates else cluster.flops * cluster.efficiency
+    table = measured_table(bench, dtype)
+    if shapes and table:
+        top = max(bench["compute"][dtype].values())
+        return replace(cluster, intra=link, inter=link, flops=top, efficiency=1.0, matmul="shapes", size_table=table)
     return replace(cluster, intra=link, inter=link, flops=flops, efficiency=1.0, matmul="flat")

@@ -212,6 +212,11 @@ def test_calibrate_reads_the_bench_fits_and_matmul_rate():
     assert cluster.intra.time("all_reduce", 2, 3e6, 4) == pytest.approx(2e-4 + 3e6 * 1.5 / 3e8)
     with pytest.raises(ValueError, match="no torch"):
         plan.calibrated(plan.Cluster(4), {"world_size": 4, "fits": []})
+    # --matmul shapes: the machine's own size table, each size's rate over the fastest, under that rate
+    shaped = plan.calibrated(plan.Cluster(4), bench, "float64", shapes=True)
+    assert shaped.matmul == "shapes" and shaped.flops == 4e9 and shaped.efficiency == 1.0
+    assert shaped.size_table == ((32, 0.25), (64, 0.75), (128, 1.0))
+    assert plan.matmul_seconds(64, 64, 64, replace(shaped, hbm=1e30)) == pytest.approx(2 * 64 ** 3 / 3e9)
 
 
 def test_cli_plan_prints_ranked_layouts_and_json(tmp_path):
