@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "axis, bubble, step time and MFU (docs/plan.md).")
     p.add_argument("--model", choices=("transformer",), default="transformer", help="the model family")
     p.add_argument("--preset", metavar="NAME",
-                   help=f"a published model shape ({', '.join(PRESETS)}); the size flags below override it")
+                   help=f"a published model shape ({', '.join(PRESETS)}); the size flags below override it "
+                        "(default: none)")
     p.add_argument("--layers", type=int, metavar="L", help="transformer blocks (default 80)")
     p.add_argument("--dim", type=int, metavar="D", help="model width (default 8192)")
     p.add_argument("--heads", type=int, metavar="H", help="attention heads (default 64)")
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "v=chunks per rank (any that divides), trim=K (K blocks fewer on the first and last stage), "
                         "cp=ring|allgather (context parallelism's K|V exchange), scatter=on|off (Megatron's "
                         "scatter/gather pp sends), "
-                        "overlap=on|off (data traffic under the backward)")
+                        "overlap=on|off (data traffic under the backward) (default: none: all searched)")
     p.add_argument("--top", type=int, default=8, metavar="K", help="layouts shown")
     p.add_argument("--json", metavar="PATH", help="write the ranked layouts here as JSON (default: none)")
     p.add_argument("--calibrate", metavar="BENCH_JSON",
