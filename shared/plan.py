@@ -20,9 +20,11 @@ Per GPU, per training step:
            Korthikanti et al. 2022 arXiv:2205.05198 §4 do for GPT: no dropout and no biases here, fused
            RMSNorm, FlashAttention unless ``attention="math"``); ZeRO-3's gathered-block buffers.
   bytes    per mesh axis and collective (``comm``, nccl-tests' payload S, as the ledgers count).
-  time     FLOPs at ``efficiency`` × peak per stage and micro-batch, plus tp/cp/ep/pp messages on the
-           critical path (α–β per link: t = α + S·busbw_factor/β); the step is (M + pp − 1) slowest
-           micro-batches (1F1B) plus the data axis' traffic not hidden behind the backward pass.
+  time     every matmul of a stage's micro-batch from its sharded shape (a roofline with a size table:
+           ``matmul_seconds``), the attention core, the memory-bound ops at HBM bandwidth (``block_seconds``;
+           ``matmul="flat"``: FLOPs at ``efficiency`` × peak), plus tp/cp/ep/pp messages on the critical
+           path (α–β per link: t = α + S·busbw_factor/β); the step is (M + (pp − 1)/v) slowest micro-batches
+           plus the data axis' traffic not hidden behind the backward pass and the optimizer step.
 """
 
 from __future__ import annotations
