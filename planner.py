@@ -313,7 +313,8 @@ def plan_main(argv) -> int:
             if len(shown) == 5:
                 break
     if not fit and not over:
-        console.print(f"[red]no layout has these axes and pins[/]: {why_none(model, cluster, args.global_batch, want, pins)}")
+        why = why_none(model, cluster, args.global_batch, want, pins)
+        console.print(f"[red]no layout has these axes and pins[/]: {why}")
     elif not fit:
         console.print("[red]no layout fits[/]: more GPUs, a smaller micro-batch or full recompute (all tried), or "
                       "more memory per GPU")

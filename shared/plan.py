@@ -124,7 +124,7 @@ class Cluster:
     #                       Megatron-LM's 2021 DDP all-reduced the gradients once backward was done)
 
     @classmethod
-    def preset(cls, name: str, gpus: int, **kw) -> "Cluster":
+    def preset(cls, name: str, gpus: int, **kw) -> Cluster:
         """A cluster of ``gpus`` of the preset ``name`` (GPUS)."""
         g = gpu(name)
         return cls(gpus, **{"memory": g["memory"], "flops": g["flops"], "intra": g["intra"], "inter": g["inter"],
@@ -167,7 +167,7 @@ def size_factor(smallest: int, table=SIZE_FACTOR) -> float:
     return out
 
 
-def matmul_seconds(m: int, n: int, k: int, cluster: "Cluster", b: int = 2, batch: int = 1) -> float:
+def matmul_seconds(m: int, n: int, k: int, cluster: Cluster, b: int = 2, batch: int = 1) -> float:
     """One (m×k)·(k×n) matmul (``batch`` of them): the roofline of its FLOPs at the size's efficiency and
     the bytes it reads and writes once at HBM bandwidth. ``cluster.matmul == "flat"``: FLOPs at
     efficiency × peak, as before (and after --calibrate, whose rate is measured)."""
@@ -178,7 +178,7 @@ def matmul_seconds(m: int, n: int, k: int, cluster: "Cluster", b: int = 2, batch
     return max(compute, (m * k + k * n + m * n) * b * batch / cluster.hbm)
 
 
-def train_matmul_seconds(m: int, n: int, k: int, cluster: "Cluster", b: int = 2, batch: int = 1,
+def train_matmul_seconds(m: int, n: int, k: int, cluster: Cluster, b: int = 2, batch: int = 1,
                          forwards: int = 1) -> float:
     """Forward Y = X·W (m, n, k), and backward's dX = dY·Wᵀ (m, k, n) and dW = Xᵀ·dY (k, n, m);
     ``forwards`` = 2 with full recomputation."""

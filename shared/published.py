@@ -9,17 +9,18 @@ Model presets (``compare.py plan --preset NAME``):
       has 128 256, used here), RoPE; sequence 8192 (§3.2, the pre-training context).
   gpt3-2.7b / 6.7b / 175b  Brown et al. 2020, "Language Models are Few-Shot Learners",
       arXiv:2005.14165, Table 2.1: n_layers 32 / 32 / 96, d_model 2560 / 4096 / 12288, n_heads 32 / 32 / 96,
-      context 2048 (GPT-3 XL and 13B are left out: their d_model is not n_heads × d_head in the table), FFN 4·d_model (§2.1: "the same model and architecture as
-      GPT-2"); vocabulary 50 257 (GPT-2's BPE) padded to 51 200 as Megatron-LM pads it (Narayanan et al.
-      2021, §5.1: "a vocabulary size of 51,200"); learned positions, dropout, biases, LayerNorm, the head
-      tied to the token embedding (GPT-2's, Radford et al. 2019).
+      context 2048 (GPT-3 XL and 13B are left out: their d_model is not n_heads × d_head in the table),
+      FFN 4·d_model (§2.1: "the same model and architecture as GPT-2"); vocabulary 50 257 (GPT-2's BPE)
+      padded to 51 200 as Megatron-LM pads it (Narayanan et al. 2021, §5.1: "a vocabulary size of
+      51,200"); learned positions, dropout, biases, LayerNorm, the head tied to the token embedding
+      (GPT-2's, Radford et al. 2019).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from shared.theory.layout import Layout, Model
+from shared.theory.layout import Model
 
 PRESETS = {
     "llama3-8b": Model(32, 4096, 32, 128256, 8192, kv_heads=8, ffn_dim=14336, gated=True, rope=True),
@@ -90,7 +91,7 @@ def llama3_rows(matmul: str = "shapes", efficiency: float | None = None, vs=(1, 
     from shared import plan
 
     rows = []
-    for gpus, t, c, p, dp, seq, per_dp, tflops, mfu in LLAMA3_TABLE4:
+    for gpus, t, c, p, dp, seq, per_dp, tflops, _mfu in LLAMA3_TABLE4:
         # 126 layers over 16 stages: Meta drops one layer from the first and the last stage (§3.3.2): trim=1
         model = replace(PRESETS["llama3-405b"], seq=seq)
         batch = per_dp * dp
@@ -126,8 +127,8 @@ def published_rows(matmul: str = "shapes", efficiency: float | None = None) -> l
 
 
 def markdown(before: list[dict], after: list[dict]) -> str:
-    lines = ["| run | reported TFLOP/s/GPU | before (flat 0.6) | error | after (shapes) | error | layout after (M, v, recompute) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| run | reported TFLOP/s/GPU | before (flat 0.6) | error | after (shapes) | error "
+             "| layout after (M, v, recompute) |", "|---|---|---|---|---|---|---|"]
     for a, b in zip(before, after):
         lay = b["layout"]
         lines.append(f"| {b['name']} | {b['reported']:.0f} | {a['predicted']:.0f} | {100 * a['error']:+.0f} % | "

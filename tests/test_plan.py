@@ -12,10 +12,9 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
-
-from dataclasses import replace
 
 from shared import plan, schedule, theory
 from shared.config import Config
@@ -255,7 +254,8 @@ def test_gpu_presets_carry_the_datasheet_figures():
               "h100": (989e12, 80e9, 3.35e12, 450e9, 50e9), "h200": (989e12, 141e9, 4.8e12, 450e9, 50e9)}
     for name, (flops, memory, hbm, nvlink, net) in expect.items():
         g = plan.gpu(name.upper())
-        assert (g["flops"], g["memory"], g["hbm"], g["intra"].beta, g["inter"].beta) == (flops, memory, hbm, nvlink, net)
+        got = (g["flops"], g["memory"], g["hbm"], g["intra"].beta, g["inter"].beta)
+        assert got == (flops, memory, hbm, nvlink, net)
         c = plan.Cluster.preset(name, 64)
         assert (c.flops, c.memory, c.hbm) == (flops, memory, hbm)
     assert plan.gpu("a100") is plan.GPUS["a100-80gb"]
@@ -346,7 +346,8 @@ def test_gpt_with_biases_and_tied_head_is_megatrons_parameter_count():
 
     for params, heads, h, l, *_ in MEGATRON_TABLE1:
         model = plan.Model(l, h, heads, 51200, 2048, bias=True, tied=True)
-        assert model.params - 2 * h == pytest.approx(12 * l * h * h * (1 + 13 / (12 * h) + (51200 + 2048) / (12 * l * h)))
+        eq2 = 12 * l * h * h * (1 + 13 / (12 * h) + (51200 + 2048) / (12 * l * h))
+        assert model.params - 2 * h == pytest.approx(eq2)
         assert round(model.params / 1e9, 1) == params
     model = plan.Model(4, 1024, 16, 32000, 512, bias=True, tied=True)
     one = plan.stage_params(model, plan.Layout(), 0)
