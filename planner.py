@@ -5,6 +5,8 @@ against runs.
         --global-batch 1024 --gpus 256 --gpus-per-node 8 --gpu-memory 80GiB --dtype bfloat16
     python compare.py plan --experts 64 --topk 8 ... --gpus 1024          # an MoE model: dp × ep × pp
     python compare.py plan ... --layout fsdp=128,tp=8,pp=16               # only layouts with these axes
+    python compare.py plan --preset llama3-405b --gpu h100 --gpus 16384 --global-batch 2048 \
+        --layout fsdp=128,tp=8,pp=16 --pin v=2,recompute=none         # a named model, settings pinned
     python compare.py bench --frameworks torch --json bench.json          # this machine's α–β and FLOP/s
     python compare.py --model transformer --mesh "dp=2,pp=2;fsdp=2,tp=2" --frameworks torch --json run.json
     python compare.py plan --calibrate bench.json --measured run.json     # predicted vs measured, per rank
@@ -23,6 +25,7 @@ from dataclasses import replace
 
 from shared import plan
 from shared.config import BYTES_PER_ELEMENT, Config, parse_mesh
+from shared.published import PRESETS, preset
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,21 +50,37 @@ def build_parser() -> argparse.ArgumentParser:
                 description="Rank the layouts of a transformer on a GPU cluster: memory per GPU, bytes per step per\n"
                             "axis, bubble, step time and MFU (docs/plan.md).")
     p.add_argument("--model", choices=("transformer",), default="transformer", help="the model family")
-    p.add_argument("--layers", type=int, default=80, metavar="L", help="transformer blocks")
-    p.add_argument("--dim", type=int, default=8192, metavar="D", help="model width")
-    p.add_argument("--heads", type=int, default=64, metavar="H", help="attention heads")
-    p.add_argument("--vocab", type=int, default=128256, metavar="V", help="vocabulary size")
-    p.add_argument("--seq", type=int, default=8192, metavar="T", help="sequence length")
-    p.add_argument("--mlp-ratio", type=int, default=4, metavar="R", help="MLP width as a multiple of D")
-    p.add_argument("--experts", type=int, default=0, metavar="E", help="experts per MoE layer (0: dense)")
-    p.add_argument("--topk", type=int, default=1, metavar="K", help="experts per token (MoE)")
+    p.add_argument("--preset", metavar="NAME",
+                   help=f"a published model shape ({', '.join(PRESETS)}); the size flags below override it "
+                        "(default: none)")
+    p.add_argument("--layers", type=int, metavar="L", help="transformer blocks (default 80)")
+    p.add_argument("--dim", type=int, metavar="D", help="model width (default 8192)")
+    p.add_argument("--heads", type=int, metavar="H", help="attention heads (default 64)")
+    p.add_argument("--kv-heads", type=int, metavar="G", help="key/value heads, grouped-query attention (default: H)")
+    p.add_argument("--vocab", type=int, metavar="V", help="vocabulary size (default 128256)")
+    p.add_argument("--seq", type=int, metavar="T", help="sequence length (default 8192)")
+    p.add_argument("--mlp-ratio", type=int, metavar="R", help="MLP width as a multiple of D (default 4)")
+    p.add_argument("--ffn", type=int, metavar="F", help="MLP width in elements (default R·D)")
+    p.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=None,
+                   help="SwiGLU MLP: three D×F matrices (default: GELU, two)")
+    p.add_argument("--rope", action=argparse.BooleanOptionalAction, default=None,
+                   help="rotary positions: no learned position table (default: learned)")
+    p.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
+                   help="dropout after attention and MLP (its masks, its memory-bound time; default: none)")
+    p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
+                   help="biases on the linear layers and LayerNorm (GPT-2/3; default: none, RMSNorm gains)")
+    p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
+                   help="the head shares the token embedding (default: untied)")
+    p.add_argument("--experts", type=int, metavar="E", help="experts per MoE layer (default 0: dense)")
+    p.add_argument("--topk", type=int, metavar="K", help="experts per token (MoE; default 1)")
     p.add_argument("--global-batch", type=int, default=1024, metavar="B", help="sequences per step")
     p.add_argument("--gpus", type=int, default=256, metavar="N", help="GPUs in the cluster")
     p.add_argument("--gpus-per-node", type=int, default=8, metavar="G", help="GPUs per node (tp stays inside one)")
-    p.add_argument("--gpu", choices=tuple(plan.GPUS), default="h100", help="defaults for memory, FLOP/s, links")
+    p.add_argument("--gpu", default="h100", metavar="NAME",
+                   help=f"preset for memory, FLOP/s, HBM bandwidth, links: {', '.join(plan.GPUS)}")
     p.add_argument("--gpu-memory", type=parse_bytes, metavar="BYTES",
                    help="bytes per GPU, e.g. 80GiB (default: the --gpu's)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32", "float64"), default="bfloat16",
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "float64"), default="bfloat16",
                    help="parameters and activations")
     p.add_argument("--precision", choices=plan.PRECISIONS, default="mixed",
                    help="mixed: bf16 params/grads + fp32 master, m, v (16 bytes/param); pure: one dtype (the runs)")
@@ -70,7 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=("flash", "math"), default="flash",
                    help="flash keeps no T×T scores; math does (selective recompute drops them)")
     p.add_argument("--peak-flops", type=float, metavar="FLOPS", help="FLOP/s per GPU (default: the --gpu's dense BF16)")
-    p.add_argument("--efficiency", type=float, default=0.6, metavar="F", help="fraction of peak the kernels reach")
+    p.add_argument("--efficiency", type=float, metavar="F",
+                   help="fraction of peak the largest matmuls reach (default 0.8; --matmul flat: 0.6, every FLOP)")
+    p.add_argument("--matmul", choices=("shapes", "flat"),
+                   help="shapes: each matmul timed from its sharded shape (roofline; with --calibrate, the bench's "
+                        "measured size table); flat: FLOPs at one efficiency (default: shapes, flat with --calibrate)")
+    p.add_argument("--hbm-bandwidth", type=float, metavar="B/S", help="HBM bytes/s (default: the --gpu's)")
     p.add_argument("--headroom", type=float, default=0.1, metavar="F", help="fraction of GPU memory kept free")
     for where in ("intra", "inter"):
         p.add_argument(f"--alpha-{where}", type=float, metavar="S",
@@ -79,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"{where}-node bus bandwidth, bytes/s (default: the --gpu's)")
     p.add_argument("--layout", metavar="LAYOUT",
                    help="only layouts with these axis sizes, e.g. fsdp=128,tp=8,pp=16 (default: every layout)")
+    p.add_argument("--pin", metavar="K=V,...",
+                   help="fix settings: zero=0..3, recompute=none|selective|full, sp=on|off, microbatches=M (or M=), "
+                        "v=chunks per rank (any that divides), trim=K (K blocks fewer on the first and last stage), "
+                        "cp=ring|allgather (context parallelism's K|V exchange), scatter=on|off (Megatron's "
+                        "scatter/gather pp sends), "
+                        "overlap=on|off (data traffic under the backward) (default: none: all searched)")
     p.add_argument("--top", type=int, default=8, metavar="K", help="layouts shown")
     p.add_argument("--json", metavar="PATH", help="write the ranked layouts here as JSON (default: none)")
     p.add_argument("--calibrate", metavar="BENCH_JSON",
@@ -88,30 +118,112 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+MODEL_DEFAULTS = {"layers": 80, "dim": 8192, "heads": 64, "vocab": 128256, "seq": 8192, "mlp_ratio": 4, "experts": 0,
+                  "topk": 1, "kv_heads": 0, "ffn": 0, "swiglu": False, "rope": False, "dropout": False, "bias": False,
+                  "tied": False}
+_FIELDS = {"ffn": "ffn_dim", "swiglu": "gated"}
+_ON = {"on": True, "true": True, "1": True, "yes": True, "off": False, "false": False, "0": False, "no": False}
+
+
+def make_model(args) -> plan.Model:
+    """--preset's model (or the defaults), with every size flag given on top."""
+    base = preset(args.preset) if args.preset else plan.Model(
+        **{_FIELDS.get(k, k): v for k, v in MODEL_DEFAULTS.items()})
+    given = {_FIELDS.get(k, k): getattr(args, k) for k in MODEL_DEFAULTS if getattr(args, k) is not None}
+    return replace(base, **given)
+
+
+def parse_pins(text: str | None) -> dict:
+    """"zero=0,recompute=full,sp=off,microbatches=8,v=3,overlap=off" -> {name: value}; one line if wrong."""
+    pins = {}
+    for item in filter(None, (text or "").split(",")):
+        key, eq, value = item.partition("=")
+        key = {"M": "microbatches", "v": "virtual", "m": "microbatches", "cp": "cp_style",
+               "scatter": "pp_scatter"}.get(key.strip(), key.strip())
+        value = value.strip()
+        if not eq or key not in (*plan.PINS, "overlap"):
+            raise ValueError(f"--pin: {item!r}: write key=value with key one of zero, recompute, sp, microbatches, "
+                             f"v, trim, cp, scatter, overlap")
+        if key in ("sp", "overlap", "pp_scatter"):
+            if value.lower() not in _ON:
+                raise ValueError(f"--pin {key}={value}: write on or off")
+            pins[key] = _ON[value.lower()]
+        elif key == "cp_style":
+            if value not in ("ring", "allgather"):
+                raise ValueError(f"--pin cp={value}: choose ring or allgather")
+            pins[key] = value
+        elif key == "recompute":
+            if value not in plan.RECOMPUTE:
+                raise ValueError(f"--pin recompute={value}: choose from {', '.join(plan.RECOMPUTE)}")
+            pins[key] = value
+        else:
+            if not value.isdigit() or (key not in ("zero", "trim") and int(value) < 1) or \
+                    (key == "zero" and int(value) > 3):
+                raise ValueError(f"--pin {key}={value}: " + ("a ZeRO stage 0-3" if key == "zero" else
+                                                             "a positive integer"))
+            pins[key] = int(value)
+    return pins
+
+
 def make_inputs(args):
-    model = plan.Model(args.layers, args.dim, args.heads, args.vocab, args.seq, args.mlp_ratio, args.experts,
-                       args.topk)
-    gpu = plan.GPUS[args.gpu]
+    model = make_model(args)
+    gpu = plan.gpu(args.gpu)
     link = lambda where: replace(gpu[where], **{k: v for k, v in (
         ("alpha", getattr(args, f"alpha_{where}")), ("beta", getattr(args, f"beta_{where}"))) if v is not None})
     if args.gpus < 1 or args.gpus_per_node < 1 or args.global_batch < 1:
         raise ValueError("--gpus, --gpus-per-node and --global-batch must be positive")
-    if not 0 < args.efficiency <= 1:
+    shapes = args.matmul == "shapes" or (args.matmul is None and not args.calibrate)
+    efficiency = args.efficiency if args.efficiency is not None else 0.8 if shapes else 0.6
+    if not 0 < efficiency <= 1:
         raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
     if not 0 <= args.headroom < 1:
         raise ValueError(f"--headroom must be in [0, 1), got {args.headroom}")
+    pins = parse_pins(args.pin)
     cluster = plan.Cluster(args.gpus, args.gpus_per_node, args.gpu_memory or gpu["memory"],
-                           args.peak_flops or gpu["flops"], args.efficiency, link("intra"), link("inter"),
-                           args.headroom)
+                           args.peak_flops or gpu["flops"], efficiency, link("intra"), link("inter"),
+                           args.headroom, args.hbm_bandwidth or gpu["hbm"], "shapes" if shapes else "flat",
+                           overlap=pins.pop("overlap", True))
     if args.calibrate:
         with open(args.calibrate) as f:
             args.bench = json.load(f)
-        cluster = plan.calibrated(cluster, args.bench, args.dtype)
+        cluster = plan.calibrated(cluster, args.bench, args.dtype, shapes=args.matmul == "shapes")
     want = dict(parse_mesh(args.layout)) if args.layout else {}
     unknown = set(want) - {"dp", "fsdp", "tp", "pp", "cp", "ep"}
     if unknown:
         raise ValueError(f"--layout: unknown axis {sorted(unknown)[0]!r}; choose from dp, fsdp, tp, pp, cp, ep")
-    return model, cluster, want
+    product = 1
+    for axis, size in want.items():
+        product *= size if axis != "ep" else 1  # ep lies inside the data axis
+    if {"dp", "fsdp"} & set(want) and product != args.gpus:
+        raise ValueError(f"--layout {args.layout}: its axes multiply to {product} GPUs, not --gpus {args.gpus}")
+    if args.gpus % product:
+        raise ValueError(f"--layout {args.layout}: its axes multiply to {product}, which does not divide --gpus "
+                         f"{args.gpus}")
+    trim = pins.get("trim", 0)
+    if "pp" in want and (model.layers + 2 * trim) % want["pp"]:
+        raise ValueError(f"--layout pp={want['pp']}: {model.layers} layers do not split into {want['pp']} equal stages"
+                         + (f" with {trim} fewer on the first and last" if trim else
+                            " (--pin trim=K: K fewer on the first and the last stage)"))
+    v = pins.get("virtual", 1)
+    if v > 1 and "pp" in want and (model.layers + 2 * trim) % (want["pp"] * v):
+        raise ValueError(f"--pin v={v}: {model.layers} layers do not split into pp={want['pp']} × v={v} equal chunks")
+    if v > 1 and (model.layers + 2 * trim) % v:
+        raise ValueError(f"--pin v={v}: {model.layers} layers do not split into {v} chunks per stage")
+    if "sp" in pins and pins["sp"] and want.get("tp", 0) == 1:
+        raise ValueError("--pin sp=on needs tp > 1, and --layout has tp=1")
+    return model, cluster, want, pins
+
+
+def why_none(model, cluster, batch: int, want: dict, pins: dict) -> str:
+    """Why nothing was enumerated: plan.invalid's line for the layout --layout and --pin describe."""
+    data = want.get("dp", want.get("fsdp"))
+    rest = cluster.gpus // max(1, want.get("tp", 1) * want.get("pp", 1) * want.get("cp", 1))
+    zero = pins.get("zero", 3 if "fsdp" in want else 0)
+    M = pins.get("microbatches", max(want.get("pp", 1), 1))
+    lay = plan.Layout(dp=data or rest, tp=want.get("tp", 1), pp=want.get("pp", 1), cp=want.get("cp", 1),
+                      ep=want.get("ep", 1), zero=zero, microbatches=M, sp=pins.get("sp", want.get("tp", 1) > 1),
+                      recompute=pins.get("recompute", "none"), virtual=pins.get("virtual", 1), trim=pins.get("trim", 0))
+    return plan.invalid(model, lay, batch) or "the search enumerates none with these sizes (tp and cp: powers of two)"
 
 
 def _matches(lay: plan.Layout, want: dict) -> bool:
@@ -129,7 +241,7 @@ def plan_main(argv) -> int:
         from compare import check_output_path
 
         check_output_path("--json", args.json)
-        model, cluster, want = make_inputs(args)
+        model, cluster, want, pins = make_inputs(args)
     except (ValueError, OSError, KeyError, argparse.ArgumentTypeError) as exc:
         print(f"compare.py plan: error: {exc}", file=sys.stderr)
         return 2
@@ -140,9 +252,10 @@ def plan_main(argv) -> int:
     from report import make_console
 
     t0 = time.perf_counter()
-    b = BYTES_PER_ELEMENT[args.dtype]
+    b = {**BYTES_PER_ELEMENT, "float16": 2}[args.dtype]  # fp16: bf16's bytes and (A100, H100) its peak
     fit, over = [], []
-    for lay in plan.layouts(model, cluster, args.global_batch, plan.policies(args.attention)):
+    policies = plan.policies(args.attention)
+    for lay in plan.layouts(model, cluster, args.global_batch, policies, pins=pins):
         if _matches(lay, want):
             pred = plan.predict(model, lay, cluster, args.global_batch, b, args.precision, args.style, args.attention,
                                 time_if_over=False)
@@ -152,10 +265,13 @@ def plan_main(argv) -> int:
     seconds = time.perf_counter() - t0
     console = make_console()
     moe = f", E={model.experts} k={model.topk} ({model.active_params / 1e9:.1f}B active)" if model.moe else ""
-    console.print(f"[bold]{model.params / 1e9:.1f}B parameters[/] (L={model.layers} D={model.dim} H={model.heads} "
-                  f"V={model.vocab} T={model.seq} MLP {model.mlp_ratio}·D{moe}), global batch {args.global_batch} × "
+    kv = f" KV={model.kv}" if model.kv != model.heads else ""
+    mlp = f"{'SwiGLU' if model.gated else 'MLP'} F={model.ffn}" + (" RoPE" if model.rope else "")
+    console.print(f"[bold]{model.params / 1e9:.1f}B parameters[/] (L={model.layers} D={model.dim} H={model.heads}{kv} "
+                  f"V={model.vocab} T={model.seq} {mlp}{moe}), global batch {args.global_batch} × "
                   f"{model.seq} tokens, {args.precision} {args.dtype}; {cluster.gpus} GPUs ({cluster.gpus_per_node} "
-                  f"per node, {_gib(cluster.memory)} GiB, {cluster.flops / 1e12:.0f} TFLOP/s × {cluster.efficiency}); "
+                  f"per node, {_gib(cluster.memory)} GiB, {cluster.flops / 1e12:.0f} TFLOP/s, matmuls: "
+                  f"{cluster.matmul} × {cluster.efficiency}); "
                   f"{len(fit) + len(over)} layouts in {seconds:.2f} s: {len(fit)} fit")
     table = Table(title="fastest layouts that fit (1F1B, or interleaved with v chunks per rank)")
     for col in ("#", "layout", "M×m", "v", "ZeRO", "sp", "recompute", "params/grads/opt/act GiB", "total / usable GiB",
@@ -181,7 +297,8 @@ def plan_main(argv) -> int:
                       f"{p.time['step']:.2f} ({p.time['compute']:.2f} + "
                       f"{p.time['critical'] + p.time['exposed_data']:.2f})",
                       f"{100 * p.mfu:.0f}%")
-    console.print(table)
+    if rows:
+        console.print(table)
     if over:
         console.print(f"{len(over)} layouts do not fit; the closest:")
         shown = set()
@@ -195,7 +312,10 @@ def plan_main(argv) -> int:
                           f"{p.reason}")
             if len(shown) == 5:
                 break
-    if not fit:
+    if not fit and not over:
+        why = why_none(model, cluster, args.global_batch, want, pins)
+        console.print(f"[red]no layout has these axes and pins[/]: {why}")
+    elif not fit:
         console.print("[red]no layout fits[/]: more GPUs, a smaller micro-batch or full recompute (all tried), or "
                       "more memory per GPU")
     if args.json:
@@ -265,7 +385,8 @@ def measured_main(args, cluster) -> int:
         same_state = all(plan.state(model, lay, stage(r), b, style, "pure") == {
             k: states[r][k] for k in ("params", "grads", "optimizer")} for r in range(len(states)))
         bad += not (same_comm and same_state)
-        here = plan.calibrated(cluster, args.bench, cfg.dtype) if args.calibrate else cluster
+        here = plan.calibrated(cluster, args.bench, cfg.dtype, shapes=args.matmul == "shapes") \
+            if args.calibrate else cluster
         pred = plan.predict(model, lay, here, cfg.batch, b, "pure", style)
         measured = run.get("step_time_s")
         err = f"{100 * (pred.time['step'] / measured - 1):+.0f}%" if measured else "-"

@@ -20,9 +20,11 @@ Per GPU, per training step:
            Korthikanti et al. 2022 arXiv:2205.05198 §4 do for GPT: no dropout and no biases here, fused
            RMSNorm, FlashAttention unless ``attention="math"``); ZeRO-3's gathered-block buffers.
   bytes    per mesh axis and collective (``comm``, nccl-tests' payload S, as the ledgers count).
-  time     FLOPs at ``efficiency`` × peak per stage and micro-batch, plus tp/cp/ep/pp messages on the
-           critical path (α–β per link: t = α + S·busbw_factor/β); the step is (M + pp − 1) slowest
-           micro-batches (1F1B) plus the data axis' traffic not hidden behind the backward pass.
+  time     every matmul of a stage's micro-batch from its sharded shape (a roofline with a size table:
+           ``matmul_seconds``), the attention core, the memory-bound ops at HBM bandwidth (``block_seconds``;
+           ``matmul="flat"``: FLOPs at ``efficiency`` × peak), plus tp/cp/ep/pp messages on the critical
+           path (α–β per link: t = α + S·busbw_factor/β); the step is (M + (pp − 1)/v) slowest micro-batches
+           plus the data axis' traffic not hidden behind the backward pass and the optimizer step.
 """
 
 from __future__ import annotations
@@ -62,19 +64,46 @@ class Link:
         return count * alpha + nbytes * factor / beta
 
 
-# Public figures (each a default; override on the command line or measure with --calibrate):
-#  H100 SXM5: 989 TFLOP/s dense BF16, 80 GB HBM3, NVLink 4 900 GB/s per GPU both directions = 450 GB/s
-#    each way (NVIDIA H100 Tensor Core GPU datasheet, 2023).
-#  H200 SXM: 989 TFLOP/s dense BF16, 141 GB HBM3e, NVLink 900 GB/s (NVIDIA H200 datasheet, 2024).
-#  Across nodes: one ConnectX-7 NDR InfiniBand port per GPU, 400 Gb/s = 50 GB/s (NVIDIA DGX H100 user
-#    guide: 8 × single-port ConnectX-7 for the compute fabric; the Llama 3 paper's 405B run: 400 Gbps per GPU).
+# GPU presets (``--gpu NAME``): peak dense (no 2:4 sparsity) BF16 = FP16 tensor-core FLOP/s, HBM bytes and
+# bandwidth, NVLink (the datasheets give both directions summed: each way is half) and the inter-node
+# network per GPU. SXM parts, as the published runs used.
+#  A100 40 GB / 80 GB SXM: 312 TFLOP/s BF16 and FP16 dense (624 with sparsity); HBM2 1 555 GB/s (40 GB),
+#    HBM2e 2 039 GB/s (80 GB); NVLink 3 600 GB/s = 300 GB/s each way (NVIDIA A100 Tensor Core GPU datasheet,
+#    2021, the specifications table). Across nodes: DGX A100 has 8 single-port ConnectX-6 HDR 200 Gb/s
+#    InfiniBand HCAs, one per GPU = 25 GB/s (NVIDIA DGX A100 datasheet; Narayanan et al. 2021, arXiv:2104.04473
+#    §5: Selene's nodes, "eight NVIDIA 80-GB A100 GPUs … eight NVIDIA Mellanox 200Gbps HDR Infiniband HCAs").
+#  H100 SXM5: 989 TFLOP/s dense BF16 and FP16 (1 979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 4
+#    900 GB/s = 450 GB/s each way (NVIDIA H100 Tensor Core GPU datasheet, 2023, the H100 SXM column).
+#  H200 SXM: 989 TFLOP/s dense BF16/FP16, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (NVIDIA H200 Tensor Core
+#    GPU datasheet, 2024, the H200 SXM column).
+#  H100/H200 across nodes: one ConnectX-7 NDR InfiniBand port per GPU, 400 Gb/s = 50 GB/s (NVIDIA DGX H100
+#    user guide: 8 × single-port ConnectX-7 for the compute fabric; the Llama 3 paper's 405B run, Grattafiori
+#    et al. 2024 arXiv:2407.21783 §3.3.1: "400 Gbps interconnects between GPUs").
 #  α (per-call latency): no vendor figure; 5 µs inside a node, 10 µs across, the order of nccl-tests'
-#    small-message times on NVSwitch / InfiniBand systems — an assumption, as is the matmul efficiency
-#    (the fraction of peak the kernels reach: 0.6; Llama 3 405B reports 38–43 % MFU end to end, Table 4).
+#    small-message times on NVSwitch / InfiniBand systems — an assumption.
+#  fp32 (--dtype float32) runs on the same tensor cores as TF32 here: not modelled separately.
 GPUS = {
-    "h100": {"memory": 80 * 10 ** 9, "flops": 989e12, "intra": Link(5e-6, 450e9), "inter": Link(10e-6, 50e9)},
-    "h200": {"memory": 141 * 10 ** 9, "flops": 989e12, "intra": Link(5e-6, 450e9), "inter": Link(10e-6, 50e9)},
+    "a100-40gb": {"memory": 40 * 10 ** 9, "flops": 312e12, "hbm": 1555e9, "intra": Link(5e-6, 300e9),
+                  "inter": Link(10e-6, 25e9)},
+    "a100-80gb": {"memory": 80 * 10 ** 9, "flops": 312e12, "hbm": 2039e9, "intra": Link(5e-6, 300e9),
+                  "inter": Link(10e-6, 25e9)},
+    "h100": {"memory": 80 * 10 ** 9, "flops": 989e12, "hbm": 3.35e12, "intra": Link(5e-6, 450e9),
+             "inter": Link(10e-6, 50e9)},
+    "h200": {"memory": 141 * 10 ** 9, "flops": 989e12, "hbm": 4.8e12, "intra": Link(5e-6, 450e9),
+             "inter": Link(10e-6, 50e9)},
 }
+
+
+def gpu(name: str) -> dict:
+    """The preset ``name`` (case-insensitive; "a100" = the 80 GB part), or ValueError naming the known ones."""
+    key = {"a100": "a100-80gb", "h100-sxm": "h100", "h200-sxm": "h200"}.get(name.lower(), name.lower())
+    if key not in GPUS:
+        raise ValueError(f"unknown GPU preset {name!r}; known: {', '.join(GPUS)}")
+    return GPUS[key]
+
+
+# the matmul size table (smallest side, fraction of the largest GEMMs' rate): see "the matmul time model"
+SIZE_FACTOR = ((64, 0.5), (128, 0.7), (256, 0.8), (512, 0.9), (1024, 0.95), (2048, 1.0))
 
 
 @dataclass(frozen=True)
@@ -83,11 +112,23 @@ class Cluster:
     gpus_per_node: int = 8
     memory: float = GPUS["h100"]["memory"]  # bytes per GPU
     flops: float = GPUS["h100"]["flops"]  # peak FLOP/s per GPU in the compute dtype
-    efficiency: float = 0.6
+    efficiency: float = 0.8  # the fraction of peak the largest matmuls reach ("flat": every FLOP)
     intra: Link = GPUS["h100"]["intra"]
     inter: Link = GPUS["h100"]["inter"]
 
     headroom: float = 0.1  # kept free: the CUDA context, NCCL buffers, the allocator's fragmentation
+    hbm: float = GPUS["h100"]["hbm"]  # HBM bytes/s (the roofline's memory bound, the elementwise ops)
+    matmul: str = "shapes"  # "shapes": every matmul from its shape (roofline); "flat": FLOPs × efficiency
+    size_table: tuple = SIZE_FACTOR  # (smallest side, fraction of the largest GEMMs' rate), ascending
+    overlap: bool = True  # the data axis' traffic runs under the backward pass (False: after it, as
+    #                       Megatron-LM's 2021 DDP all-reduced the gradients once backward was done)
+
+    @classmethod
+    def preset(cls, name: str, gpus: int, **kw) -> Cluster:
+        """A cluster of ``gpus`` of the preset ``name`` (GPUS)."""
+        g = gpu(name)
+        return cls(gpus, **{"memory": g["memory"], "flops": g["flops"], "intra": g["intra"], "inter": g["inter"],
+                            "hbm": g["hbm"], **kw})
 
     @property
     def usable(self) -> float:
@@ -96,6 +137,53 @@ class Cluster:
     def link(self, stride: int, size: int) -> Link:
         """The slowest link of a group of ``size`` ranks ``stride`` apart (nodes hold consecutive ranks)."""
         return self.intra if stride * size <= self.gpus_per_node else self.inter
+
+
+# --- the matmul time model --------------------------------------------------------------------------
+# Every matmul of the step is timed from its sharded shape (M × K) · (K × N), with a roofline
+# (Williams et al. 2009, "Roofline: an insightful visual performance model", CACM 52(4)):
+#     t = max(2·M·N·K / (peak · efficiency · size_factor(min(M, N, K))), (M·K + K·N + M·N)·b / HBM bandwidth)
+# ``efficiency`` (Cluster) is the fraction of peak the largest GEMMs reach. 0.8 by default: cuBLAS's
+# large bf16 GEMMs on A100 and H100 reach 75–85 % of the dense peak (NVIDIA Deep Learning Performance
+# Guide, "Matrix Multiplication Background", the GEMM-size figures; this workplace's H200 runs bf16 matmuls
+# at about 790 of 989 TFLOP/s). ``size_factor``: the same guide's tile and wave quantization — a GEMM whose
+# smallest side is under a few thread-block tiles (128–256) leaves SMs idle or tiles half empty — as a
+# step table on the smallest side (below 128 the roofline's memory bound takes over as well). The table's
+# values are an assumption, not a measurement; `compare.py bench --json` + `plan --calibrate --matmul shapes`
+# replaces them with the machine's own (its square matmuls' rate per size over the largest's: measured_table).
+# SIZE_FACTOR (defined above Cluster, its default): the step table on the smallest side.
+# FlashAttention's fused core: 50–73 % of peak forward + backward on A100 (Dao 2023, FlashAttention-2,
+# arXiv:2307.08691 §4.1, Figure 5: 225 TFLOP/s of 312 at best, head dim 128); 0.5: causal, backward-heavy.
+ATTENTION_EFFICIENCY = 0.5
+
+
+def size_factor(smallest: int, table=SIZE_FACTOR) -> float:
+    """``table``'s step for a matmul whose smallest side is ``smallest`` (SIZE_FACTOR: monotone, 1 from
+    2048 up); below the table's first side, its first factor scaled down in proportion."""
+    out = table[0][1] * min(1.0, smallest / table[0][0])
+    for side, f in table:
+        if smallest >= side:
+            out = f
+    return out
+
+
+def matmul_seconds(m: int, n: int, k: int, cluster: Cluster, b: int = 2, batch: int = 1) -> float:
+    """One (m×k)·(k×n) matmul (``batch`` of them): the roofline of its FLOPs at the size's efficiency and
+    the bytes it reads and writes once at HBM bandwidth. ``cluster.matmul == "flat"``: FLOPs at
+    efficiency × peak, as before (and after --calibrate, whose rate is measured)."""
+    flops = 2 * m * n * k * batch
+    if cluster.matmul == "flat":
+        return flops / (cluster.flops * cluster.efficiency)
+    compute = flops / (cluster.flops * cluster.efficiency * size_factor(min(m, n, k), cluster.size_table))
+    return max(compute, (m * k + k * n + m * n) * b * batch / cluster.hbm)
+
+
+def train_matmul_seconds(m: int, n: int, k: int, cluster: Cluster, b: int = 2, batch: int = 1,
+                         forwards: int = 1) -> float:
+    """Forward Y = X·W (m, n, k), and backward's dX = dY·Wᵀ (m, k, n) and dW = Xᵀ·dY (k, n, m);
+    ``forwards`` = 2 with full recomputation."""
+    fwd = matmul_seconds(m, n, k, cluster, b, batch)
+    return forwards * fwd + matmul_seconds(m, k, n, cluster, b, batch) + matmul_seconds(k, n, m, cluster, b, batch)
 
 
 # --- what one rank holds -----------------------------------------------------------------------
@@ -158,22 +246,78 @@ class Prediction:
 
     def to_json(self) -> dict:
         return {"layout": self.layout.name, **{k: getattr(self.layout, k) for k in (
-            "dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "sp", "recompute", "virtual")},
+            "dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "sp", "recompute", "virtual", "trim", "cp_style",
+            "pp_scatter")},
             "memory": self.memory, "comm": {a: {op: list(v) for op, v in ops.items()} for a, ops in self.comm.items()},
             "bubble": self.bubble, "time": self.time, "mfu": self.mfu, "fits": self.fits, "reason": self.reason}
 
 
-def stage_seconds(model: Model, layout: Layout, stage: int, batch: int, view: dict, cluster: Cluster) -> dict:
-    """One micro-batch on one rank of ``stage``: compute (its L/pp blocks' training FLOPs, 1/t of each,
-    the head's on the last stage, at efficiency × peak) and the critical-path traffic (tp, cp, ep, pp: a
-    share 1/M of the step's); and the step's data-axis traffic; seconds per axis label."""
-    n = batch // (layout.dp * layout.microbatches) * model.seq // layout.cp  # tokens per micro-batch
-    head = 6 * model.dim * model.vocab
-    blocks = (model.flops_per_token(layout.recompute) - head) * (model.layers // layout.pp) / model.layers
-    flops = n * (blocks + (stage == layout.pp - 1) * head) / layout.tp
+def block_seconds(model: Model, layout: Layout, m: int, cluster: Cluster, b: int = 2,
+                  attention: str = "flash") -> dict[str, float]:
+    """One block's training (forward, backward, a full recomputation's second forward) for one micro-batch
+    of m sequences × T/cp tokens on one rank, by part: "matmul" (W_qkv, W_o, the MLP's, each from its
+    sharded shape: train_matmul_seconds), "attention" (FlashAttention: its causal FLOPs at
+    ATTENTION_EFFICIENCY × peak; math: QKᵀ and ·V as batched matmuls over the whole T×T, as Megatron's
+    unfused kernels compute them, and the softmax's scores through HBM) and "elementwise" (the
+    memory-bound ops: each reads and writes its tensors once forward, twice backward: 2 norms, 2 residual
+    adds, GELU | SwiGLU, RoPE on q and k, dropout's masked copies)."""
+    d, t, f = model.dim, layout.tp, model.ffn
+    n = m * model.seq // layout.cp
+    fw = 2 if layout.recompute == "full" else 1
+    out = {}
+    if model.moe:  # the router, then E/ep local experts with k·n·ep/E tokens each (balanced routing)
+        local = model.experts // layout.ep
+        tok = max(1, model.topk * n * layout.ep // model.experts)
+        mlp = train_matmul_seconds(n, model.experts, d, cluster, b, 1, fw) + \
+            train_matmul_seconds(tok, (model.mlp_matrices - 1) * f, d, cluster, b, local, fw) + \
+            train_matmul_seconds(tok, d, f, cluster, b, local, fw)
+    else:
+        mlp = train_matmul_seconds(n, (model.mlp_matrices - 1) * f // t, d, cluster, b, 1, fw) + \
+            train_matmul_seconds(n, d, f // t, cluster, b, 1, fw)
+    out["matmul"] = train_matmul_seconds(n, (d + 2 * model.kv_dim) // t, d, cluster, b, 1, fw) + \
+        train_matmul_seconds(n, d, d // t, cluster, b, 1, fw) + mlp
+    heads, hd, T = model.heads // t, model.head_dim, model.seq
+    again = 2 if layout.recompute in ("full", "selective") else 1
+    if attention == "flash":  # causal: each query meets T/2 keys on average (the ring included)
+        flops = (2 + again) * 2 * n * T * heads * hd
+        out["attention"] = flops / (cluster.flops * ATTENTION_EFFICIENCY)
+        scores = 0
+    else:
+        tq = model.seq // layout.cp
+        out["attention"] = train_matmul_seconds(tq, T, hd, cluster, b, m * heads, again) + \
+            train_matmul_seconds(tq, hd, T, cluster, b, m * heads, again)
+        scores = 2 * heads * T * (1 + model.dropout)  # scale-mask-softmax (and dropout) in and out, per token
+    rep = d / t if layout.sp else d
+    per_token = 4 * rep + 6 * rep + model.mlp_matrices * f / t + \
+        model.rope * 2 * (d + model.kv_dim) / t + model.dropout * 5 * rep + scores
+    out["elementwise"] = (2 + fw) * per_token * n * b / cluster.hbm
+    return out
+
+
+def stage_seconds(model: Model, layout: Layout, stage: int, batch: int, view: dict, cluster: Cluster,
+                  b: int = 2, attention: str = "flash") -> dict:
+    """One micro-batch on one rank of ``stage``: compute (its L/pp blocks, block_seconds; the head's matmul
+    and the fp32 loss on the last stage) and the critical-path traffic (tp, cp, ep, pp: a share 1/M of the
+    step's); and the step's data-axis traffic; seconds per axis label. ``cluster.matmul == "flat"``: the
+    blocks' training FLOPs at efficiency × peak (the calibrated runs)."""
+    m = batch // (layout.dp * layout.microbatches)
+    n = m * model.seq // layout.cp  # tokens per micro-batch
+    per = layout.stage_layers(model.layers, stage)
+    if cluster.matmul == "flat":
+        head = 6 * model.dim * model.vocab
+        blocks = (model.flops_per_token(layout.recompute) - head) * per / model.layers
+        compute = n * (blocks + (stage == layout.pp - 1) * head) / layout.tp / (cluster.flops * cluster.efficiency)
+        parts = {"flat": compute}
+    else:
+        blk = block_seconds(model, layout, m, cluster, b, attention)
+        parts = {k: per * v for k, v in blk.items()}
+        if stage == layout.pp - 1:  # the head (n × V/t logits) and the fp32 loss (write, read, write, read)
+            parts["head"] = train_matmul_seconds(n, model.vocab // layout.tp, model.dim, cluster, b) + \
+                4 * n * model.vocab // layout.tp * 4 / cluster.hbm
+        compute = sum(parts.values())
     seconds = comm_time(view, layout, cluster)
     critical = sum(v for k, v in seconds.items() if k in ("tp", "cp", "ep", "pp")) / layout.microbatches
-    return {"compute_mb": flops / (cluster.flops * cluster.efficiency), "critical_mb": critical,
+    return {"compute_mb": compute, "critical_mb": critical, "parts_mb": parts,
             "data": sum(v for k, v in seconds.items() if k not in ("tp", "cp", "ep", "pp")), "axes": seconds}
 
 
@@ -200,15 +344,21 @@ def predict(model: Model, layout: Layout, cluster: Cluster, batch: int, b: int =
     if not (fits or time_if_over):
         return Prediction(layout, memory, {}, layout.bubble, {}, 0.0, fits, reason)
     views = [comm(model, layout, s, batch, b, style) for s in stages]
-    times = [stage_seconds(model, layout, s, batch, v, cluster) for s, v in zip(stages, views)]
+    times = [stage_seconds(model, layout, s, batch, v, cluster, b, attention) for s, v in zip(stages, views)]
     slow = max(times, key=lambda x: x["compute_mb"] + x["critical_mb"])
     ticks = M + (S - 1) / layout.virtual  # the slowest stage's micro-batches, plus the fill and drain
-    exposed = max(0.0, max(x["data"] for x in times) - 2 / 3 * M * slow["compute_mb"])
-    step = ticks * (slow["compute_mb"] + slow["critical_mb"]) + exposed
+    hidden = 2 / 3 * M * slow["compute_mb"] if cluster.overlap else 0.0
+    exposed = max(0.0, max(x["data"] for x in times) - hidden)
+    # the optimizer step: memory-bound, every state byte read and written once (Adam: no matmul)
+    optimizer = 0.0 if cluster.matmul == "flat" else 2 * sum(
+        memory[k] for k in ("params", "grads", "optimizer")) / cluster.hbm
+    step = ticks * (slow["compute_mb"] + slow["critical_mb"]) + exposed + optimizer
     mfu = batch * model.seq * model.flops_per_token("none") / (step * layout.gpus * cluster.flops)
     return Prediction(layout, memory, max(views, key=lambda v: sum(comm_bytes(v).values())), layout.bubble,
                       {"compute": ticks * slow["compute_mb"], "critical": ticks * slow["critical_mb"],
-                       "exposed_data": exposed, "step": step, **{f"comm_{k}": v for k, v in slow["axes"].items()}},
+                       "exposed_data": exposed, "optimizer": optimizer, "step": step,
+                       **{f"compute_{k}": ticks * v for k, v in slow["parts_mb"].items()},
+                       **{f"comm_{k}": v for k, v in slow["axes"].items()}},
                       mfu, fits, reason)
 
 
@@ -223,12 +373,15 @@ def invalid(model: Model, layout: Layout, batch: int, cluster: Cluster | None = 
     """Why ``layout`` cannot run this model (one line), or None."""
     checks = [(batch % (layout.dp * layout.microbatches), f"global batch {batch} % (dp·M = "
                f"{layout.dp}·{layout.microbatches})"),
-              (model.layers % layout.pp, f"layers {model.layers} % pp {layout.pp}"),
+              ((model.layers + 2 * layout.trim) % layout.pp, f"layers {model.layers} % pp {layout.pp}" + (
+                  f" (with {layout.trim} fewer on the first and last stage)" if layout.trim else "")),
+              (layout.trim and (layout.pp < 2 or layout.stage_layers(model.layers, 0) < 1),
+               f"trim={layout.trim}: needs pp > 1 and a block left on the first and last stage"),
               (model.heads % layout.tp or model.vocab % layout.tp, f"heads/vocab % tp {layout.tp}"),
               (model.seq % layout.cp, f"seq {model.seq} % cp {layout.cp}"),
               (layout.pp > 1 and layout.microbatches < layout.pp, f"M={layout.microbatches} < pp={layout.pp} (1F1B)"),
               (layout.virtual > 1 and (layout.pp == 1 or layout.microbatches % layout.pp or
-                                       model.layers % (layout.pp * layout.virtual)),
+                                       (model.layers + 2 * layout.trim) % (layout.pp * layout.virtual)),
                f"interleaved v={layout.virtual}: pp > 1, M % pp, layers % (pp·v)"),
               (model.moe and (model.experts % layout.ep or layout.dp % layout.ep), f"experts/dp % ep {layout.ep}"),
               (model.moe and (layout.tp > 1 or layout.cp > 1 or layout.zero > 1),
@@ -240,27 +393,44 @@ def invalid(model: Model, layout: Layout, batch: int, cluster: Cluster | None = 
     return next((why for bad, why in checks if bad), None)
 
 
-def layouts(model: Model, cluster: Cluster, batch: int, recompute=RECOMPUTE, zero=(0, 1, 2, 3)):
+PINS = {"zero": int, "recompute": str, "sp": bool, "microbatches": int, "virtual": int, "trim": int, "cp_style": str,
+        "pp_scatter": bool}
+
+
+def layouts(model: Model, cluster: Cluster, batch: int, recompute=RECOMPUTE, zero=(0, 1, 2, 3), pins=None):
     """Every valid layout on exactly cluster.gpus GPUs: tp up to two nodes (powers of two), cp powers of two,
     pp dividing the layers, ep dividing the experts, the rest data; micro-batches of 1, 2, 4, … sequences;
-    1F1B or interleaved with v = 2, 4 model chunks per rank."""
+    1F1B or interleaved with v = 2, 4 model chunks per rank. ``pins`` ({name: value}, names of PINS) fix
+    the ZeRO stage, the recompute policy, sequence parallelism, the micro-batch count M or v (any v whose
+    chunks divide the layers: v = 3 included)."""
+    pins = pins or {}
     n = cluster.gpus
+    zero = (pins["zero"],) if "zero" in pins else zero
+    recompute = (pins["recompute"],) if "recompute" in pins else recompute
     tps = [t for t in (1, 2, 4, 8, 16, 32) if t <= 2 * cluster.gpus_per_node and n % t == 0]  # one node, or two
     for t in ([1] if model.moe else tps):
         for c in ([1] if model.moe else [c for c in (1, 2, 4, 8, 16, 32) if n % (t * c) == 0]):
-            for p in _divisors(model.layers, min(model.layers, n // (t * c))):
-                if n % (t * c * p):
+            trim = pins.get("trim", 0)
+            for p in _divisors(model.layers + 2 * trim, min(model.layers, n // (t * c))):
+                if n % (t * c * p) or (trim and p == 1):
                     continue
                 d = n // (t * c * p)
+                if "microbatches" in pins:
+                    M = pins["microbatches"]
+                    sizes = (batch // (d * M),) if batch % (d * M) == 0 else ()
+                else:
+                    sizes = tuple(s for s in (1, 2, 4, 8, 16, 32) if batch % (d * s) == 0)
+                vs = (pins["virtual"],) if "virtual" in pins else (1, 2, 4) if p > 1 else (1,)
                 for e in (_divisors(model.experts) if model.moe else [1]):
                     for z in zero:
-                        for mbs in (1, 2, 4, 8, 16, 32):
-                            if batch % (d * mbs):
-                                continue
+                        for mbs in sizes:
                             for rc in recompute:
-                                for v in ((1, 2, 4) if p > 1 else (1,)):
-                                    lay = Layout(dp=d, tp=t, pp=p, cp=c, ep=e, zero=z, sp=t > 1, recompute=rc,
-                                                 microbatches=batch // (d * mbs), virtual=v)
+                                for v in vs:
+                                    sp = pins.get("sp", True) and t > 1
+                                    lay = Layout(dp=d, tp=t, pp=p, cp=c, ep=e, zero=z, sp=sp, recompute=rc,
+                                                 microbatches=batch // (d * mbs), virtual=v, trim=trim,
+                                                 cp_style=pins.get("cp_style", "ring"),
+                                                 pp_scatter=pins.get("pp_scatter", False))
                                     if invalid(model, lay, batch) is None:
                                         yield lay
 
@@ -272,10 +442,10 @@ def policies(attention: str) -> tuple[str, ...]:
 
 
 def plan(model: Model, cluster: Cluster, batch: int, b: int = 2, precision: str = "mixed", style: str = "builtin",
-         attention: str = "flash") -> tuple[list[Prediction], list[Prediction]]:
+         attention: str = "flash", pins=None) -> tuple[list[Prediction], list[Prediction]]:
     """(fitting layouts fastest first, the rest closest to fitting first)."""
     fit, over = [], []
-    for lay in layouts(model, cluster, batch, policies(attention)):
+    for lay in layouts(model, cluster, batch, policies(attention), pins=pins):
         pred = predict(model, lay, cluster, batch, b, precision, style, attention, time_if_over=False)
         (fit if pred.fits else over).append(pred)
     fit.sort(key=rank_key)
@@ -295,10 +465,20 @@ def rank_key(p: Prediction) -> tuple:
     return round(p.time["step"], 6), round(wire_bytes(p.comm)), p.memory["total"]
 
 
-def calibrated(cluster: Cluster, bench: dict, dtype: str = "float64", framework: str = "torch") -> Cluster:
+def measured_table(bench: dict, dtype: str) -> tuple:
+    """The size table of this machine from ``compare.py bench --json``'s ``compute`` (FLOP/s per rank of an
+    n×n×n matmul, every rank at once): ((n, rate(n) / the fastest rate), …) ascending in n; () if none."""
+    rates = {int(n): r for n, r in bench.get("compute", {}).get(dtype, {}).items()}
+    top = max(rates.values(), default=0)
+    return tuple((n, rates[n] / top) for n in sorted(rates)) if top else ()
+
+
+def calibrated(cluster: Cluster, bench: dict, dtype: str = "float64", framework: str = "torch",
+               shapes: bool = False) -> Cluster:
     """Both links from ``compare.py bench --json``'s α–β fits (one machine: intra = inter), per op; the
     compute rate from its ``compute`` measurement (every rank multiplying at once: the median over sizes
-    of the FLOP/s per rank in ``dtype``) when present."""
+    of the FLOP/s per rank in ``dtype``) when present. ``shapes``: instead, every matmul from its shape
+    with the machine's measured size table (measured_table) under its fastest measured rate."""
     n = bench["world_size"]
     per_op = {}
     for fit in bench["fits"]:
@@ -311,4 +491,8 @@ def calibrated(cluster: Cluster, bench: dict, dtype: str = "float64", framework:
     link = Link(alpha, beta, per_op | ({"send": per_op["sendrecv"]} if "sendrecv" in per_op else {}))
     rates = sorted(bench.get("compute", {}).get(dtype, {}).values())
     flops = rates[len(rates) // 2] if rates else cluster.flops * cluster.efficiency
-    return replace(cluster, intra=link, inter=link, flops=flops, efficiency=1.0)
+    table = measured_table(bench, dtype)
+    if shapes and table:
+        top = max(bench["compute"][dtype].values())
+        return replace(cluster, intra=link, inter=link, flops=top, efficiency=1.0, matmul="shapes", size_table=table)
+    return replace(cluster, intra=link, inter=link, flops=flops, efficiency=1.0, matmul="flat")

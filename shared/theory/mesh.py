@@ -71,14 +71,17 @@ def stage_params(model: Model, layout: Layout, stage: int) -> dict[str, int]:
     T·D on stage 0, L/pp blocks, the head D·V/t on the last), "n_units", "regathered" (units but the
     embeddings: what ZeRO-3 gathers again for backward), "vectors" (norm gains), "experts" (inside units)
     and "block" (one block with its gains). theory.mesh_stage_units_torch / mesh_stage_param_count."""
-    d, t, per = model.dim, layout.tp, model.layers // layout.pp
+    d, t, per = model.dim, layout.tp, layout.stage_layers(model.layers, stage)
     first, last = stage == 0, stage == layout.pp - 1
     n_block, block = model.block_units(t, layout.ep)
-    embed = first * (model.vocab * d // t + model.seq * d)
-    units = per * block + embed + last * (d * model.vocab // t)
-    return {"units": units, "n_units": per * n_block + 2 * first + last, "regathered": units - embed,
-            "n_regathered": per * n_block + last, "vectors": per * 2 * d + last * d,
-            "experts": per * model.expert_elements(layout.ep), "block": block + 2 * d, "per": per}
+    embed = first * (model.vocab * d // t + model.positions * d)
+    head = last and not (model.tied and first)  # tied: one matrix when the stage holds both (a copy if pp > 1)
+    units = per * block + embed + head * (d * model.vocab // t)
+    return {"units": units, "n_units": per * n_block + 2 * first + head, "regathered": units - embed,
+            "n_regathered": per * n_block + head,
+            "vectors": per * model.vector_elements(t) + last * d * (1 + model.bias),
+            "experts": per * model.expert_elements(layout.ep), "block": block + model.vector_elements(t),
+            "per": per}
 
 
 def state(model: Model, layout: Layout, stage: int, b: int, style: str = "builtin",
@@ -132,22 +135,32 @@ def comm(model: Model, layout: Layout, stage: int, batch: int, b: int,
     out: dict[str, dict[str, tuple[int, int]]] = {}
     if t > 1:
         loss_calls = 3 if style == "builtin" else 2
-        n_act = 4 * per + first + last
+        n_act = (4 + 2 * (layout.recompute == "full")) * per + first + last  # full: the forward's 2 again
         loss = (M * loss_calls * last, M * last * 3 * m * tc * b)
         if layout.sp:
-            gains = (2 * per + last) * d + first * model.seq * d
+            gains = (2 * per + last) * d * (1 + model.bias) + model.bias * per * 2 * d + first * model.positions * d
             out["tp"] = {"all_gather": (M * n_act, M * n_act * act), "reduce_scatter": (M * n_act, M * n_act * act),
                          "all_reduce": (loss[0] + 1, loss[1] + gains * b)}
         else:
             out["tp"] = {"all_reduce": (M * n_act + loss[0], M * n_act * act + loss[1])}
-    if c > 1:
+    kv_row = 2 * max(model.kv // t, 1) * model.head_dim * b  # K|V of one token (GQA: the kv heads, ≥ 1 per rank)
+    if c > 1 and layout.cp_style == "allgather":  # every block: K|V of the whole sequence gathered forward and
+        gathers = 2 * M * per  # again for backward (not kept: T·kv memory), dK|dV reduce-scattered back
+        whole = m * model.seq * kv_row
+        out["cp"] = {"all_gather": (gathers, gathers * whole), "reduce_scatter": (M * per, M * per * whole)}
+    elif c > 1:
         hops = M * per * (3 * c - 2)
-        msg = 2 * m * tc * (d // t) * b
+        msg = m * tc * kv_row
         out["cp"] = {"send": (hops, hops * msg), "recv": (hops, hops * msg)}
     if S > 1:  # interleaved: every chunk's output goes on, but the last virtual stage's (and back, but the first)
         n = (2 * layout.virtual - (stage == S - 1) - (stage == 0)) * M
-        msg = act // t if layout.sp else act
+        scatter = layout.pp_scatter and t > 1 and not layout.sp  # Narayanan et al. 2021 §4.1: each tp rank
+        msg = act // t if layout.sp or scatter else act  # sends its 1/t, the receivers all-gather over tp
         out["pp"] = {"send": (n, n * msg), "recv": (n, n * msg)}
+        if model.tied and (first or last):  # the embedding group: the two copies' gradients summed once
+            out["pp"]["all_reduce"] = (1, model.vocab * d // t * b)
+        if scatter:
+            out["tp"]["all_gather"] = (n, n * act)
     if model.moe and layout.ep > 1:
         k_n = model.topk * m * tc
         out["ep"] = {"all_gather": (M * per, M * per * layout.ep * model.experts * 8),

@@ -83,7 +83,11 @@ def activation_elements(model: Model, layout: Layout, policy: str, attention: st
     MoE (tp = 1): the router's probabilities E, then per routed copy (k) its input D, GELU's input and
     W_down's input 2F, and the expert output D the gate multiplies.
     selective: the attention core (QKᵀ, softmax, ·V) is recomputed: no scores (= none under flash);
-    full: only the block's input, D (D/t with sp), is kept."""
+    full: only the block's input, D (D/t with sp), is kept.
+    ``model.dropout`` (GPT-2/3, Megatron's GPT): the two residual dropouts' 1-byte masks (½ element each
+    of a 2-byte dtype: rep in all), and with math attention the softmax dropout's mask and output
+    (1.5·(H/t)·T): Korthikanti et al.'s s·b·h·(34 + 5·a·s/h) bytes exactly (FlashAttention regenerates
+    its mask from the RNG state: nothing more)."""
     d, f, t = model.dim, model.ffn, layout.tp
     rep = d / t if layout.sp else d  # a replicated (B, T, D) activation
     if policy == "full":
@@ -91,8 +95,12 @@ def activation_elements(model: Model, layout: Layout, policy: str, attention: st
     # the core: flash keeps a log-sum-exp per head (fp32: 2 elements), math the (H/t)·T softmax instead;
     # selective recomputes the core and keeps neither (as shared.theory.block_saved_elements measures)
     core = 0 if policy == "selective" else 2 * model.heads / t if attention == "flash" else model.heads * model.seq / t
-    attn = 2 * rep + 4 * d / t + core
-    mlp = 2 * rep + (model.experts + model.topk * (2 * d + 2 * f) if model.moe else 2 * f / t)
+    if model.dropout and policy == "none" and attention == "math":
+        core *= 2.5  # the softmax, its dropout's mask (1 byte) and its dropout's output
+    attn = 2 * rep + (2 * d + 2 * model.kv_dim) / t + core  # q, k, v (GQA: k, v of kv_dim), the output
+    attn += model.dropout * rep  # the two residual dropouts' 1-byte masks
+    g = model.mlp_matrices  # GELU: its input and W_down's; SwiGLU: the gate's and up's outputs and W_down's input
+    mlp = 2 * rep + (model.experts + model.topk * (2 * d + g * f) if model.moe else g * f / t)
     return attn + mlp
 
 
@@ -103,7 +111,10 @@ def activations(model: Model, layout: Layout, stage: int, batch: int, b: int, at
     the last stage adds the micro-batch's fp32 logits n·V/t (the loss)."""
     m = batch // (layout.dp * layout.microbatches)
     n = m * model.seq // layout.cp
-    blocks = in_flight(layout, stage) * (model.layers // (layout.pp * layout.virtual))
+    # a chunk: the stage's blocks over v (uneven stages: the trimmed stages' chunks a fraction shorter)
+    chunk = layout.stage_layers(model.layers, stage) / layout.virtual if layout.trim else \
+        model.layers // (layout.pp * layout.virtual)
+    blocks = in_flight(layout, stage) * chunk
     elems = blocks * activation_elements(model, layout, layout.recompute, attention)
     if layout.recompute == "full":
         elems += activation_elements(model, layout, "none", attention)
