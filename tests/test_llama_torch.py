@@ -1,0 +1,310 @@
+"""Bring your own model (issue 24, torch), a model the project does not own: transformers'
+``LlamaForCausalLM`` under BucketedDDP, Zero1Optimizer, Zero2, FSDP and both tensor-parallel plans
+(``tp_plan.apply_plan``, ``tp_plan.apply_dtensor_plan``), each against single-process training of
+the same model from the same weights, in ONE launch at world size 2 (gloo).
+
+Model: ``LlamaConfig`` small and random (torch seed 0; nothing loaded, the hub never asked:
+HF_HUB_OFFLINE=1), float64: V = 97 (not divisible by 2: the vocabulary styles pad to 49 rows per
+rank), hidden 32, intermediate 64, 2 layers, 4 query heads / 2 key-value heads (GQA, head_dim 8),
+an untied head, SDPA attention (the eager path takes its softmax in float32; SDPA on CPU stays in
+float64). The loss is our cross-entropy on ``.logits`` (transformers' own loss upcasts the logits
+to float32; under TP the vocabulary-parallel one). Batch (4, 8); data parallel: each rank trains on
+its 2 rows, and the mean of the ranks' losses is compared with the full batch's loss, the
+parameters after 3 AdamW steps with the single process's (the same comparison as
+test_own_model_torch.py: equal splits of a mean loss give the same gradient up to rounding; no
+bitwise comparison between different batch splits).
+
+Tolerance: 1e-12. Float64 throughout except where transformers computes in float32 on purpose
+(RMSNorm's variance and normalisation, RoPE's angles): there both runs round the same float64
+values to float32, so a ~1e-16 difference changes the float32 result only if it straddles a
+rounding boundary (~1e-9 per element; measured below: none here). The parallel runs add the same
+products in another order (~1e-16 relative per op); 3 AdamW steps carry that to ~1e-15.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never the hub: the model is built from a config
+
+import pytest
+import torch
+import torch.nn.functional as F
+from own_models import made
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import loss_parallel
+
+from torch_impl import model_theory as mt
+from torch_impl import tp, tp_plan
+from torch_impl.dp import BucketedDDP, Zero1Optimizer
+from torch_impl.fsdp import FSDP, Zero2
+from torch_impl.launch import launch
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+DT, STEPS, LR, WD = torch.float64, 3, 1e-2, 0.1
+TOL = 1e-12  # float64 (float32 only inside RMSNorm / RoPE, identically in both runs): see the module docstring
+V, B, T, LAYERS = 97, 4, 8, 2
+
+# transformers' LlamaConfig.base_model_tp_plan (under "model.") plus the vocabulary: embedding and head split
+# Megatron's way, V padded to ⌈97/2⌉ = 49 rows per rank.
+LLAMA_PLAN = {
+    "model.embed_tokens": "vocab_embed",
+    "model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "colwise_vocab",
+}
+
+
+def config() -> LlamaConfig:
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, use_cache=False,
+                      max_position_embeddings=T)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def llama() -> LlamaForCausalLM:
+    return made(lambda: LlamaForCausalLM(config()).to(DT))  # the same random weights in every process
+
+
+# --- rank code -------------------------------------------------------------------------------------
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def train(step, params, sync=None, ledger=None, grads0=None, around=_null):
+    """STEPS of AdamW; ``step()`` -> loss (forward), run with its backward inside ``around()``; the
+    ledger (if given) records the last step; ``grads0()`` is captured after the first backward."""
+    opt, losses, first = torch.optim.AdamW(params, lr=LR, weight_decay=WD), [], None
+    for k in range(STEPS):
+        with ledger.recording() if ledger is not None and k == STEPS - 1 else _null():
+            opt.zero_grad(set_to_none=True)
+            with around():
+                loss = step()
+                loss.backward()
+            if sync is not None:
+                sync()
+            if k == 0 and grads0 is not None:
+                first = grads0()
+            opt.step()
+        losses.append(loss.item())
+    return losses, first
+
+
+def full(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def max_err(a, b):
+    if isinstance(a, dict):
+        assert list(a) == list(b), (list(a), list(b))
+        return max(max_err(a[k], b[k]) for k in a)
+    return max(abs(x - y) for x, y in zip(a, b, strict=True)) if isinstance(a, list) \
+        else float((a - b).detach().abs().max())
+
+
+def ce(logits, y):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def batch():
+    return made(torch.randint, 0, V, (B, T), seed=2), made(torch.randint, 0, V, (B, T), seed=3)
+
+
+def _mean(losses, ctx):
+    t = torch.tensor(losses, dtype=DT)
+    torch.distributed.all_reduce(t, group=ctx.group)
+    return (t / ctx.world_size).tolist()
+
+
+def reference():
+    tokens, y = batch()
+    ref = llama()
+    losses, grads0 = train(lambda: ce(ref(input_ids=tokens).logits, y), ref.parameters(),
+                           grads0=lambda: {n: p.grad.clone() for n, p in ref.named_parameters()})
+    return {"losses": losses, "grads0": grads0, "params": full(ref)}
+
+
+def data_parallel(ctx, ref):
+    """BucketedDDP, Zero1Optimizer, Zero2, FSDP on rank's half of the batch vs the single process."""
+    tokens, y = batch()
+    mine, my_y = tokens.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]
+    n, out = ctx.world_size, {}
+    loss_of = lambda m: (lambda: ce(m(input_ids=mine).logits, my_y))
+    errs = lambda losses, params: {"loss_err": max_err(_mean(losses, ctx), ref["losses"]),
+                                   "param_err": max_err(params, ref["params"])}
+
+    model = llama()
+    ddp = BucketedDDP(model)
+    losses, _ = train(loss_of(ddp), model.parameters(), ddp.finish_gradient_synchronization, ctx.ledger)
+    out["bucketed"] = errs(losses, full(model)) | {"ledger": ctx.ledger.summary(), "theory": ddp.comm_theory(),
+                                                   "state": ddp.state_theory(), "model_state": mt.dp_state(llama())}
+
+    model = llama()
+    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WD)
+    losses = []
+    for k in range(STEPS):
+        with ctx.ledger.recording() if k == STEPS - 1 else _null():
+            opt.zero_grad()
+            loss = loss_of(model)()
+            loss.backward()
+            opt.step()
+        losses.append(loss.item())
+    out["zero1"] = errs(losses, full(model)) | {
+        "ledger": ctx.ledger.summary(), "theory": opt.comm_theory(), "model": mt.zero1_comm(llama(), n),
+        "state": opt.state_theory(), "measured": {"optimizer": sum(t.numel() * 8 for s in opt.local.state.values()
+                                                                   for t in s.values() if t.dim() > 0)}}
+
+    model = llama()
+    zero2 = Zero2(model)
+    opt2 = torch.optim.AdamW(zero2.params, lr=LR, weight_decay=WD)
+    losses = []
+    for k in range(STEPS):
+        with ctx.ledger.recording() if k == STEPS - 1 else _null():
+            opt2.zero_grad(set_to_none=True)
+            loss = loss_of(model)()
+            loss.backward()
+            zero2.finish_gradient_synchronization()
+            opt2.step()
+            zero2.all_gather_params()
+        losses.append(loss.item())
+    out["zero2"] = errs(losses, full(model)) | {
+        "ledger": ctx.ledger.summary(), "theory": zero2.comm_theory(), "model": mt.zero2_comm(llama(), n),
+        "state": zero2.state_theory(),
+        "measured": {"params": sum(p.numel() * 8 for p in model.parameters()),
+                     "grads": sum(p.grad.numel() * 8 for p in zero2.params if p.grad is not None),
+                     "optimizer": sum(t.numel() * 8 for s in opt2.state.values() for t in s.values() if t.dim() > 0)}}
+
+    model = llama()
+    fsdp = FSDP(model)
+    losses, _ = train(loss_of(fsdp), fsdp.parameters(), fsdp.finish_gradient_synchronization, ctx.ledger)
+    out["fsdp"] = errs(losses, fsdp.full_state_dict()) | {
+        "ledger": ctx.ledger.summary(), "theory": fsdp.comm_theory(), "state": fsdp.state_theory(),
+        "measured": {"params": sum(p.numel() * 8 for p in fsdp.parameters())}}
+    return out
+
+
+def tensor_parallel(ctx, ref, shared_f=True):
+    """apply_plan(LLAMA_PLAN): the vocabulary-parallel loss on (B, T, 49) logits; the ledger of step 3."""
+    tokens, y = batch()
+    model = llama()
+    styles = tp_plan.apply_plan(model, LLAMA_PLAN, ctx.group, shared_f=shared_f)
+    step = lambda: tp.VocabParallelCrossEntropy.apply(model(input_ids=tokens).logits, y, ctx.group)
+    losses, grads0 = train(step, model.parameters(), ledger=ctx.ledger,
+                           grads0=lambda: tp_plan.full_tensors(model, styles, ctx.group, grads=True))
+    comm = ctx.ledger.summary()
+    return {"loss_err": max_err(losses, ref["losses"]), "grad0_err": max_err(grads0, ref["grads0"]),
+            "param_err": max_err(tp_plan.full_tensors(model, styles, ctx.group), ref["params"]),
+            "ledger": {op: v["count"] for op, v in comm.items()},
+            "local": (tuple(model.model.embed_tokens.weight.shape), tuple(model.lm_head.weight.shape),
+                      tuple(model.model.layers[0].self_attn.k_proj.weight.shape))}
+
+
+def dtensor_parallel(ctx, ref):
+    """apply_dtensor_plan(LLAMA_PLAN): parallelize_module; the loss under loss_parallel()."""
+    tokens, y = batch()
+    model = llama()
+    tp_plan.apply_dtensor_plan(model, LLAMA_PLAN, init_device_mesh("cpu", (ctx.world_size,)))
+    losses, _ = train(lambda: ce(model(input_ids=tokens).logits, y), model.parameters(), ledger=ctx.ledger,
+                      around=loss_parallel)
+    comm = ctx.ledger.summary()
+    got = {k: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for k, p in model.named_parameters()}
+    return {"loss_err": max_err(losses, ref["losses"]), "param_err": max_err(got, ref["params"]),
+            "ledger": {op: v["count"] for op, v in comm.items()}}
+
+
+def rank_checks(ctx):
+    ref = reference()
+    out = {"dp": data_parallel(ctx, ref), "tp": tensor_parallel(ctx, ref),
+           "tp_unshared": tensor_parallel(ctx, ref, shared_f=False), "dtensor": dtensor_parallel(ctx, ref)}
+    return out if ctx.rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def result():
+    return launch(rank_checks, 2)[0]
+
+
+def ledger_of(comm):
+    return {op: (v["count"], v["bytes"]) for op, v in comm.items()}
+
+
+# --- data parallel, ZeRO, FSDP -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wrapper", ["bucketed", "zero1", "zero2", "fsdp"])
+def test_wrappers_train_transformers_llama_like_one_process(result, wrapper, measured):
+    r = result["dp"][wrapper]
+    measured(f"{wrapper}: loss {r['loss_err']:.1e}, params {r['param_err']:.1e}")
+    assert r["loss_err"] <= TOL and r["param_err"] <= TOL, (wrapper, r)
+
+
+@pytest.mark.parametrize("wrapper", ["bucketed", "zero1", "zero2", "fsdp"])
+def test_theory_from_the_wrapped_llama_equals_the_ledger(result, wrapper):
+    """comm_theory() == the ledger of step 3, op by op (and model_theory's function of the bare module)."""
+    r = result["dp"][wrapper]
+    assert ledger_of(r["ledger"]) == r["theory"], (wrapper, r)
+    if "model" in r:
+        assert r["model"] == r["theory"], (wrapper, r)
+
+
+def test_state_from_the_wrapped_llama(result):
+    dp = result["dp"]
+    assert dp["bucketed"]["state"] == dp["bucketed"]["model_state"], dp["bucketed"]
+    assert dp["zero1"]["state"]["optimizer"] == dp["zero1"]["measured"]["optimizer"], dp["zero1"]
+    assert dp["zero2"]["state"] == dp["zero2"]["measured"], dp["zero2"]
+    assert dp["fsdp"]["state"]["params"] == dp["fsdp"]["measured"]["params"], dp["fsdp"]
+
+
+# --- tensor parallelism ------------------------------------------------------------------------------
+
+
+def test_plan_is_transformers_own_plus_the_vocabulary():
+    """The block entries are transformers' LlamaConfig.base_model_tp_plan, names and styles (no launch)."""
+    ours = {k.removeprefix("model."): s for k, s in LLAMA_PLAN.items() if ".layers." in k}
+    assert ours == LlamaConfig.base_model_tp_plan
+    assert tp_plan.check_plan(made(lambda: LlamaForCausalLM(config()).to("meta")), LLAMA_PLAN, 2)
+
+
+@pytest.mark.parametrize("plan", ["tp", "tp_unshared", "dtensor"])
+def test_tp_plans_train_transformers_llama_like_one_process(result, plan, measured):
+    """V = 97 over 2 ranks (49 rows each, one padding row), GQA k/v (2 heads: 1 per rank)."""
+    r = result[plan]
+    measured(f"{plan}: loss {r['loss_err']:.1e}, params {r['param_err']:.1e}"
+             + (f", step-0 grads {r['grad0_err']:.1e}" if "grad0_err" in r else ""))
+    assert r["loss_err"] <= TOL and r["param_err"] <= TOL, (plan, r)
+    if "grad0_err" in r:
+        assert r["grad0_err"] <= TOL, r
+        assert r["local"] == ((49, 32), (49, 32), (8, 32)), r
+
+
+def test_llama_tp_pays_megatrons_all_reduces(result, measured):
+    """One training step, from the ledger. Megatron: per block 2 forward g (after o_proj, down_proj)
+    and 2 backward f (one for q, k, v; one for gate, up): 4·L = 8; plus the embedding's g, the
+    head's f and the vocabulary-parallel loss's 2 (MAX of the row max, one SUM of (2, B, T)): 12.
+    One f per projection (shared_f=False) pays 7 per block: 18. DTensor's ColwiseParallel is one f
+    per projection too (7 per block) and loss_parallel all-reduces 3 (B, T) tensors: 7·L + 5 = 19."""
+    tp_, unshared, dt = result["tp"]["ledger"], result["tp_unshared"]["ledger"], result["dtensor"]["ledger"]
+    measured(f"all-reduces per step: apply_plan {tp_}, one f per projection {unshared}, DTensor {dt}")
+    assert tp_ == {"all_reduce": 4 * LAYERS + 4} and tp_["all_reduce"] == 12, tp_
+    assert unshared == {"all_reduce": 7 * LAYERS + 4}, unshared
+    assert dt == {"all_reduce": 7 * LAYERS + 5}, dt
+
+
+def test_plan_refuses_splitting_the_kv_heads():
+    """tp = 4 would split 2 key-value heads (GQA) over 4 ranks: check_plan refuses before anything
+    changes, naming the module (no launch)."""
+    model = made(lambda: LlamaForCausalLM(config()).to("meta"))
+    with pytest.raises(tp_plan.PlanError, match=r"'model\.layers\.0\.self_attn\.k_proj'.*2 heads of head_dim=8 "
+                                                r"over tp=4"):
+        tp_plan.check_plan(model, LLAMA_PLAN, 4)
