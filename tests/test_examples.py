@@ -25,3 +25,12 @@ def test_own_model_jax_example(measured):
     out = run_example("own_model_jax.py")
     assert out.rstrip().splitlines()[-1].startswith("ok: worst parameter difference"), out
     measured(out.rstrip().splitlines()[-1])
+
+
+def test_own_model_torch_example(measured):
+    """2 gloo ranks started by the script itself; ~5 s on 2 cores."""
+    out = run_example("own_model_torch.py")
+    last = out.rstrip().splitlines()[-1]
+    assert last.startswith("ok: worst parameter difference"), out
+    assert {line.split()[0] for line in out.splitlines()[1:-1]} == {"ddp", "zero1", "zero2", "fsdp", "tp"}, out
+    measured(last)
