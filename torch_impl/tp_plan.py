@@ -367,8 +367,20 @@ def apply_dtensor_plan(model: nn.Module, plan: dict[str, str], mesh, sequence_pa
     """The same plan through ``parallelize_module``. W_qkv's rows are permuted first (heads_perm),
     so DTensor's contiguous Shard(0) hands rank r [q_r; k_r; v_r]. Sequence parallel: wpe's
     positions are cut to this rank's first (local_positions, registered before SequenceParallel's
-    input hook, which takes a plain tensor for the local shard). Returns {parameter name: style}."""
+    input hook, which takes a plain tensor for the local shard). A tied Parameter (an embedding and
+    its head) stays one Parameter: parallelize_module distributes each holder's copy apart, so the
+    copies are tied again after it (a plan splitting them differently: PlanError, before anything changes).
+    Returns {parameter name: style}."""
     styles, table = styles_of(model, plan), DTENSOR_SP_STYLES if sequence_parallel else DTENSOR_STYLES
+    ties = _tied_holders(model)
+    for holders in ties:  # refused before anything changes
+        dims = {SHARD_DIM.get(styles.get(f"{path}.{attr}")) for path, attr in holders}  # None: replicated
+        if len(dims) > 1:
+            where = ", ".join(f"'{path}.{attr}' ({styles.get(f'{path}.{attr}', 'replicated')})"
+                              for path, attr in holders)
+            raise PlanError(f"tp plan (DTensor): one Parameter (tied) is used as {where}: a plan must split a tied "
+                            "parameter the same way in every module that holds it. Fix: plan every holder alike "
+                            "(e.g. 'vocab_embed' embedding + 'colwise_vocab' head), or untie it")
     with torch.no_grad():
         for name in (k for k, s in styles.items() if s == "colwise_heads"):
             w = model.get_parameter(name)  # (3D, D)
@@ -377,5 +389,26 @@ def apply_dtensor_plan(model: nn.Module, plan: dict[str, str], mesh, sequence_pa
         model.get_submodule(name.removesuffix(".weight")).register_forward_pre_hook(
             local_positions(mesh.get_local_rank(), mesh.size()))
     parallelize_module(model, mesh, {k: table[s]() for k, s in plan.items()})
+    _retie(model, ties)
     return styles
 
+
+def _tied_holders(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """[(module path, attribute)] of every Parameter held under two or more names (a tied embedding/head)."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for path, m in model.named_modules():  # a module under two paths: one holder (styles_of's rule)
+        for attr, p in m._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((path, attr))
+    return [h for h in holders.values() if len(h) > 1]
+
+
+def _retie(model: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
+    """``parallelize_module`` distributes each module's parameters on their own: a tied Parameter comes
+    out as one DTensor per holder, trained apart (silently not the model). Hold the first one everywhere."""
+    for holders in ties:
+        got = [model.get_submodule(path)._parameters[attr] for path, attr in holders]
+        layout = lambda p: (getattr(p, "device_mesh", None), tuple(getattr(p, "placements", ())), tuple(p.shape))
+        assert all(layout(p) == layout(got[0]) for p in got), [(h, layout(p)) for h, p in zip(holders, got)]
+        for path, attr in holders[1:]:
+            setattr(model.get_submodule(path), attr, got[0])
