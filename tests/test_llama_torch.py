@@ -59,16 +59,16 @@ LLAMA_PLAN = {
 }
 
 
-def config() -> LlamaConfig:
+def config(tied: bool = False) -> LlamaConfig:
     cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, use_cache=False,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied, use_cache=False,
                       max_position_embeddings=T)
     cfg._attn_implementation = "sdpa"
     return cfg
 
 
-def llama() -> LlamaForCausalLM:
-    return made(lambda: LlamaForCausalLM(config()).to(DT))  # the same random weights in every process
+def llama(tied: bool = False) -> LlamaForCausalLM:
+    return made(lambda: LlamaForCausalLM(config(tied)).to(DT))  # the same random weights in every process
 
 
 # --- rank code -------------------------------------------------------------------------------------
@@ -127,15 +127,15 @@ def _mean(losses, ctx):
     return (t / ctx.world_size).tolist()
 
 
-def reference():
+def reference(tied=False):
     tokens, y = batch()
-    ref = llama()
+    ref = llama(tied)
     losses, grads0 = train(lambda: ce(ref(input_ids=tokens).logits, y), ref.parameters(),
                            grads0=lambda: {n: p.grad.clone() for n, p in ref.named_parameters()})
     return {"losses": losses, "grads0": grads0, "params": full(ref)}
 
 
-def data_parallel(ctx, ref):
+def data_parallel(ctx, ref, tied=False):
     """BucketedDDP, Zero1Optimizer, Zero2, FSDP on rank's half of the batch vs the single process."""
     tokens, y = batch()
     mine, my_y = tokens.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]
@@ -144,13 +144,13 @@ def data_parallel(ctx, ref):
     errs = lambda losses, params: {"loss_err": max_err(_mean(losses, ctx), ref["losses"]),
                                    "param_err": max_err(params, ref["params"])}
 
-    model = llama()
+    model = llama(tied)
     ddp = BucketedDDP(model)
     losses, _ = train(loss_of(ddp), model.parameters(), ddp.finish_gradient_synchronization, ctx.ledger)
     out["bucketed"] = errs(losses, full(model)) | {"ledger": ctx.ledger.summary(), "theory": ddp.comm_theory(),
-                                                   "state": ddp.state_theory(), "model_state": mt.dp_state(llama())}
+                                                   "state": ddp.state_theory(), "model_state": mt.dp_state(llama(tied))}
 
-    model = llama()
+    model = llama(tied)
     opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WD)
     losses = []
     for k in range(STEPS):
@@ -161,11 +161,11 @@ def data_parallel(ctx, ref):
             opt.step()
         losses.append(loss.item())
     out["zero1"] = errs(losses, full(model)) | {
-        "ledger": ctx.ledger.summary(), "theory": opt.comm_theory(), "model": mt.zero1_comm(llama(), n),
+        "ledger": ctx.ledger.summary(), "theory": opt.comm_theory(), "model": mt.zero1_comm(llama(tied), n),
         "state": opt.state_theory(), "measured": {"optimizer": sum(t.numel() * 8 for s in opt.local.state.values()
                                                                    for t in s.values() if t.dim() > 0)}}
 
-    model = llama()
+    model = llama(tied)
     zero2 = Zero2(model)
     opt2 = torch.optim.AdamW(zero2.params, lr=LR, weight_decay=WD)
     losses = []
@@ -179,13 +179,13 @@ def data_parallel(ctx, ref):
             zero2.all_gather_params()
         losses.append(loss.item())
     out["zero2"] = errs(losses, full(model)) | {
-        "ledger": ctx.ledger.summary(), "theory": zero2.comm_theory(), "model": mt.zero2_comm(llama(), n),
+        "ledger": ctx.ledger.summary(), "theory": zero2.comm_theory(), "model": mt.zero2_comm(llama(tied), n),
         "state": zero2.state_theory(),
         "measured": {"params": sum(p.numel() * 8 for p in model.parameters()),
                      "grads": sum(p.grad.numel() * 8 for p in zero2.params if p.grad is not None),
                      "optimizer": sum(t.numel() * 8 for s in opt2.state.values() for t in s.values() if t.dim() > 0)}}
 
-    model = llama()
+    model = llama(tied)
     fsdp = FSDP(model)
     losses, _ = train(loss_of(fsdp), fsdp.parameters(), fsdp.finish_gradient_synchronization, ctx.ledger)
     out["fsdp"] = errs(losses, fsdp.full_state_dict()) | {
@@ -194,10 +194,10 @@ def data_parallel(ctx, ref):
     return out
 
 
-def tensor_parallel(ctx, ref, shared_f=True):
+def tensor_parallel(ctx, ref, shared_f=True, tied=False):
     """apply_plan(LLAMA_PLAN): the vocabulary-parallel loss on (B, T, 49) logits; the ledger of step 3."""
     tokens, y = batch()
-    model = llama()
+    model = llama(tied)
     styles = tp_plan.apply_plan(model, LLAMA_PLAN, ctx.group, shared_f=shared_f)
     step = lambda: tp.VocabParallelCrossEntropy.apply(model(input_ids=tokens).logits, y, ctx.group)
     losses, grads0 = train(step, model.parameters(), ledger=ctx.ledger,
@@ -206,27 +206,32 @@ def tensor_parallel(ctx, ref, shared_f=True):
     return {"loss_err": max_err(losses, ref["losses"]), "grad0_err": max_err(grads0, ref["grads0"]),
             "param_err": max_err(tp_plan.full_tensors(model, styles, ctx.group), ref["params"]),
             "ledger": {op: v["count"] for op, v in comm.items()},
+            "one_parameter": model.lm_head.weight is model.model.embed_tokens.weight,
             "local": (tuple(model.model.embed_tokens.weight.shape), tuple(model.lm_head.weight.shape),
                       tuple(model.model.layers[0].self_attn.k_proj.weight.shape))}
 
 
-def dtensor_parallel(ctx, ref):
+def dtensor_parallel(ctx, ref, tied=False):
     """apply_dtensor_plan(LLAMA_PLAN): parallelize_module; the loss under loss_parallel()."""
     tokens, y = batch()
-    model = llama()
+    model = llama(tied)
     tp_plan.apply_dtensor_plan(model, LLAMA_PLAN, init_device_mesh("cpu", (ctx.world_size,)))
     losses, _ = train(lambda: ce(model(input_ids=tokens).logits, y), model.parameters(), ledger=ctx.ledger,
                       around=loss_parallel)
     comm = ctx.ledger.summary()
     got = {k: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for k, p in model.named_parameters()}
     return {"loss_err": max_err(losses, ref["losses"]), "param_err": max_err(got, ref["params"]),
-            "ledger": {op: v["count"] for op, v in comm.items()}}
+            "ledger": {op: v["count"] for op, v in comm.items()},
+            "one_parameter": model.lm_head.weight is model.model.embed_tokens.weight}
 
 
 def rank_checks(ctx):
     ref = reference()
     out = {"dp": data_parallel(ctx, ref), "tp": tensor_parallel(ctx, ref),
            "tp_unshared": tensor_parallel(ctx, ref, shared_f=False), "dtensor": dtensor_parallel(ctx, ref)}
+    tied = reference(tied=True)  # lm_head.weight is embed_tokens.weight: one Parameter, two holders
+    out["tied"] = {"dp": data_parallel(ctx, tied, tied=True), "tp": tensor_parallel(ctx, tied, tied=True),
+                   "dtensor": dtensor_parallel(ctx, tied, tied=True)}
     return out if ctx.rank == 0 else None
 
 
@@ -241,25 +246,47 @@ def ledger_of(comm):
 
 # --- data parallel, ZeRO, FSDP -----------------------------------------------------------------------
 
+WRAPPERS = ["bucketed", "zero1", "zero2", "fsdp"]
+TIES = [pytest.param(False, id="untied"), pytest.param(True, id="tied")]
 
-@pytest.mark.parametrize("wrapper", ["bucketed", "zero1", "zero2", "fsdp"])
-def test_wrappers_train_transformers_llama_like_one_process(result, wrapper, measured):
-    r = result["dp"][wrapper]
-    measured(f"{wrapper}: loss {r['loss_err']:.1e}, params {r['param_err']:.1e}")
+
+def of(result, tied):
+    return result["tied"] if tied else result
+
+
+@pytest.mark.parametrize("tied", TIES)
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_wrappers_train_transformers_llama_like_one_process(result, wrapper, tied, measured):
+    """Tied: lm_head.weight is embed_tokens.weight (tie_word_embeddings=True), one Parameter, two holders."""
+    r = of(result, tied)["dp"][wrapper]
+    measured(f"{wrapper}{' tied' if tied else ''}: loss {r['loss_err']:.1e}, params {r['param_err']:.1e}")
     assert r["loss_err"] <= TOL and r["param_err"] <= TOL, (wrapper, r)
 
 
-@pytest.mark.parametrize("wrapper", ["bucketed", "zero1", "zero2", "fsdp"])
-def test_theory_from_the_wrapped_llama_equals_the_ledger(result, wrapper):
+@pytest.mark.parametrize("tied", TIES)
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_theory_from_the_wrapped_llama_equals_the_ledger(result, wrapper, tied):
     """comm_theory() == the ledger of step 3, op by op (and model_theory's function of the bare module)."""
-    r = result["dp"][wrapper]
+    r = of(result, tied)["dp"][wrapper]
     assert ledger_of(r["ledger"]) == r["theory"], (wrapper, r)
     if "model" in r:
         assert r["model"] == r["theory"], (wrapper, r)
 
 
-def test_state_from_the_wrapped_llama(result):
-    dp = result["dp"]
+def test_fsdp_reduce_scatters_a_tied_unit_once_per_holder(result):
+    """Untied: 16 units (7 per block, embedding, head). Tied: Zero2 has 15 (one Parameter), FSDP
+    gathers the shared unit in each holder and reduce-scatters each holder's gradient (summed into
+    the one shard): 16 reduce-scatters, the tied (98, 32) unit twice (measured; its theory says so)."""
+    untied, tied = result["dp"], result["tied"]["dp"]
+    assert untied["zero2"]["theory"]["reduce_scatter"][0] == untied["fsdp"]["theory"]["reduce_scatter"][0] == 16
+    assert tied["zero2"]["theory"]["reduce_scatter"][0] == 15, tied["zero2"]
+    rs = tied["fsdp"]["theory"]["reduce_scatter"]
+    assert rs == (16, tied["zero2"]["theory"]["reduce_scatter"][1] + 98 * 32 * 8), rs
+
+
+@pytest.mark.parametrize("tied", TIES)
+def test_state_from_the_wrapped_llama(result, tied):
+    dp = of(result, tied)["dp"]
     assert dp["bucketed"]["state"] == dp["bucketed"]["model_state"], dp["bucketed"]
     assert dp["zero1"]["state"]["optimizer"] == dp["zero1"]["measured"]["optimizer"], dp["zero1"]
     assert dp["zero2"]["state"] == dp["zero2"]["measured"], dp["zero2"]
@@ -276,13 +303,16 @@ def test_plan_is_transformers_own_plus_the_vocabulary():
     assert tp_plan.check_plan(made(lambda: LlamaForCausalLM(config()).to("meta")), LLAMA_PLAN, 2)
 
 
-@pytest.mark.parametrize("plan", ["tp", "tp_unshared", "dtensor"])
+@pytest.mark.parametrize("plan", ["tp", "tp_unshared", "dtensor", "tp tied", "dtensor tied"])
 def test_tp_plans_train_transformers_llama_like_one_process(result, plan, measured):
-    """V = 97 over 2 ranks (49 rows each, one padding row), GQA k/v (2 heads: 1 per rank)."""
-    r = result[plan]
+    """V = 97 over 2 ranks (49 rows each, one padding row), GQA k/v (2 heads: 1 per rank). Tied:
+    the embedding and the head hold one (49, 32) shard (the DTensor path used to train two copies)."""
+    name, tied = plan.split()[0], plan.endswith("tied")
+    r = of(result, tied)[name]
     measured(f"{plan}: loss {r['loss_err']:.1e}, params {r['param_err']:.1e}"
              + (f", step-0 grads {r['grad0_err']:.1e}" if "grad0_err" in r else ""))
     assert r["loss_err"] <= TOL and r["param_err"] <= TOL, (plan, r)
+    assert r["one_parameter"] == tied, r
     if "grad0_err" in r:
         assert r["grad0_err"] <= TOL, r
         assert r["local"] == ((49, 32), (49, 32), (8, 32)), r
@@ -293,12 +323,14 @@ def test_llama_tp_pays_megatrons_all_reduces(result, measured):
     and 2 backward f (one for q, k, v; one for gate, up): 4·L = 8; plus the embedding's g, the
     head's f and the vocabulary-parallel loss's 2 (MAX of the row max, one SUM of (2, B, T)): 12.
     One f per projection (shared_f=False) pays 7 per block: 18. DTensor's ColwiseParallel is one f
-    per projection too (7 per block) and loss_parallel all-reduces 3 (B, T) tensors: 7·L + 5 = 19."""
+    per projection too (7 per block) and loss_parallel all-reduces 3 (B, T) tensors: 7·L + 5 = 19.
+    Tying the head to the embedding changes none of these."""
     tp_, unshared, dt = result["tp"]["ledger"], result["tp_unshared"]["ledger"], result["dtensor"]["ledger"]
     measured(f"all-reduces per step: apply_plan {tp_}, one f per projection {unshared}, DTensor {dt}")
     assert tp_ == {"all_reduce": 4 * LAYERS + 4} and tp_["all_reduce"] == 12, tp_
     assert unshared == {"all_reduce": 7 * LAYERS + 4}, unshared
     assert dt == {"all_reduce": 7 * LAYERS + 5}, dt
+    assert result["tied"]["tp"]["ledger"] == tp_ and result["tied"]["dtensor"]["ledger"] == dt, result["tied"]
 
 
 def test_plan_refuses_splitting_the_kv_heads():
@@ -308,3 +340,14 @@ def test_plan_refuses_splitting_the_kv_heads():
     with pytest.raises(tp_plan.PlanError, match=r"'model\.layers\.0\.self_attn\.k_proj'.*2 heads of head_dim=8 "
                                                 r"over tp=4"):
         tp_plan.check_plan(model, LLAMA_PLAN, 4)
+
+
+def test_dtensor_plan_refuses_a_tied_weight_split_unlike():
+    """The tied embedding split ('vocab_embed') and its head left whole: refused before anything
+    changes or communicates (no mesh needed, no launch)."""
+    model = llama(tied=True)  # (not .to("meta"): Module.to makes one Parameter per holder, untying them)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(tp_plan.PlanError, match=r"'model\.embed_tokens\.weight' \(vocab_embed\), "
+                                                r"'lm_head\.weight' \(replicated\)"):
+        tp_plan.apply_dtensor_plan(model, {"model.embed_tokens": "vocab_embed"}, mesh=None)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and not model.model.embed_tokens._forward_hooks
