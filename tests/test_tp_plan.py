@@ -47,6 +47,16 @@ def _tied():
     return model
 
 
+def test_apply_dtensor_plan_refuses_a_tie_split_unlike_before_anything_changes():
+    """parallelize_module would split the embedding's copy and leave the head's whole: refused first
+    (no mesh needed), the tie intact."""
+    model = _tied()
+    with pytest.raises(tp_plan.PlanError, match=r"\(DTensor\): one Parameter \(tied\) is used as 'emb\.weight' "
+                                                r"\(vocab_embed\), 'head\.weight' \(replicated\)"):
+        tp_plan.apply_dtensor_plan(model, {"emb": "vocab_embed"}, mesh=None)
+    assert model.head.weight is model.emb.weight and not model.emb._forward_hooks
+
+
 def _transformer_heads_2():
     return empty_model(Config(world_size=4, model="transformer", layers=1, dim=16, heads=2, vocab=32), "meta")
 
