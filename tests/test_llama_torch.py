@@ -352,3 +352,24 @@ def test_dtensor_plan_refuses_a_tied_weight_split_unlike():
                                                 r"'lm_head\.weight' \(replicated\)"):
         tp_plan.apply_dtensor_plan(model, {"model.embed_tokens": "vocab_embed"}, mesh=None)
     assert model.lm_head.weight is model.model.embed_tokens.weight and not model.model.embed_tokens._forward_hooks
+
+
+# --- heavier: the data-parallel wrappers at world size 4 (slow tier) ----------------------------------
+
+
+def rank_dp_only(ctx):
+    out = {tied: data_parallel(ctx, reference(tied), tied) for tied in (False, True)}
+    return out if ctx.rank == 0 else None
+
+
+@pytest.mark.slow
+def test_wrappers_at_world_size_4(measured):
+    """One row per rank; the (97, 32) embedding and head padded to 100 rows (25 per rank) in ZeRO-2 / FSDP."""
+    result = launch(rank_dp_only, 4)[0]
+    for tied, dp in result.items():
+        for wrapper, r in dp.items():
+            measured(f"N=4 {wrapper}{' tied' if tied else ''}: loss {r['loss_err']:.1e}, params {r['param_err']:.1e}")
+            assert r["loss_err"] <= TOL and r["param_err"] <= TOL, (wrapper, tied, r)
+            assert ledger_of(r["ledger"]) == r["theory"], (wrapper, tied, r)
+            if "model" in r:
+                assert r["model"] == r["theory"], (wrapper, tied, r)
