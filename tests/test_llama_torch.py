@@ -301,6 +301,7 @@ def test_plan_is_transformers_own_plus_the_vocabulary():
     """The block entries are transformers' LlamaConfig.base_model_tp_plan, names and styles (no launch)."""
     ours = {k.removeprefix("model."): s for k, s in LLAMA_PLAN.items() if ".layers." in k}
     assert ours == LlamaConfig.base_model_tp_plan
+    assert llama().config._attn_implementation == "sdpa"  # not eager's float32 softmax
     assert tp_plan.check_plan(made(lambda: LlamaForCausalLM(config()).to("meta")), LLAMA_PLAN, 2)
 
 
