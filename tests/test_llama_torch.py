@@ -6,8 +6,9 @@ the same model from the same weights, in ONE launch at world size 2 (gloo).
 Model: ``LlamaConfig`` small and random (torch seed 0; nothing loaded, the hub never asked:
 HF_HUB_OFFLINE=1), float64: V = 97 (not divisible by 2: the vocabulary styles pad to 49 rows per
 rank), hidden 32, intermediate 64, 2 layers, 4 query heads / 2 key-value heads (GQA, head_dim 8),
-an untied head, SDPA attention (the eager path takes its softmax in float32; SDPA on CPU stays in
-float64). The loss is our cross-entropy on ``.logits`` (transformers' own loss upcasts the logits
+an untied head — and the same model tied (tie_word_embeddings=True: lm_head.weight IS
+embed_tokens.weight) under every wrapper and plan —, SDPA attention (the eager path takes its
+softmax in float32; SDPA on CPU stays in float64). The loss is our cross-entropy on ``.logits`` (transformers' own loss upcasts the logits
 to float32; under TP the vocabulary-parallel one). Batch (4, 8); data parallel: each rank trains on
 its 2 rows, and the mean of the ranks' losses is compared with the full batch's loss, the
 parameters after 3 AdamW steps with the single process's (the same comparison as
@@ -19,6 +20,9 @@ Tolerance: 1e-12. Float64 throughout except where transformers computes in float
 values to float32, so a ~1e-16 difference changes the float32 result only if it straddles a
 rounding boundary (~1e-9 per element; measured below: none here). The parallel runs add the same
 products in another order (~1e-16 relative per op); 3 AdamW steps carry that to ~1e-15.
+
+Default tier: the launch above (~12 s on 2 cores, most of it importing transformers in 3 processes)
+and two refusals without one. Slow tier: the data-parallel wrappers at world size 4 (1 row per rank).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ does not own, against single-process training from the same weights, in ONE laun
 Models (defined here, float64): ``BiasedMLP`` (biases, LayerNorm, a frozen matrix and a frozen gain,
 a buffer, 7 and 5 rows: padding at N = 2); ``TPMLP`` (LayerNorm, biased colwise/rowwise pair; the
 DTensor path is its second reference); ``TinyLlama`` (separate q, k, v, o; SwiGLU gate, up, down;
-RMSNorm; an untied head; V = 25, not divisible by 2; padding_idx on rank 1's half).
+RMSNorm; an untied head — and a tied one through the DTensor plan; V = 25, not divisible by 2;
+padding_idx on rank 1's half).
 
 Tolerance: float64 throughout, 1e-12. The parallel runs compute the same sums split over ranks (and
 the all-reduces add partial products in another order), ~1e-16 relative per op; 3 AdamW steps
