@@ -6,14 +6,14 @@ the same model from the same weights, in ONE launch at world size 2 (gloo).
 Model: ``LlamaConfig`` small and random (torch seed 0; nothing loaded, the hub never asked:
 HF_HUB_OFFLINE=1), float64: V = 97 (not divisible by 2: the vocabulary styles pad to 49 rows per
 rank), hidden 32, intermediate 64, 2 layers, 4 query heads / 2 key-value heads (GQA, head_dim 8),
-an untied head — and the same model tied (tie_word_embeddings=True: lm_head.weight IS
-embed_tokens.weight) under every wrapper and plan —, SDPA attention (the eager path takes its
-softmax in float32; SDPA on CPU stays in float64). The loss is our cross-entropy on ``.logits`` (transformers' own loss upcasts the logits
-to float32; under TP the vocabulary-parallel one). Batch (4, 8); data parallel: each rank trains on
-its 2 rows, and the mean of the ranks' losses is compared with the full batch's loss, the
-parameters after 3 AdamW steps with the single process's (the same comparison as
-test_own_model_torch.py: equal splits of a mean loss give the same gradient up to rounding; no
-bitwise comparison between different batch splits).
+an untied head, and the same model tied (tie_word_embeddings=True: lm_head.weight IS
+embed_tokens.weight) under every wrapper and plan. SDPA attention: the eager path takes its
+softmax in float32; SDPA on CPU stays in float64. The loss is our cross-entropy on ``.logits``
+(transformers' own loss upcasts the logits to float32; under TP the vocabulary-parallel one).
+Batch (4, 8); data parallel: each rank trains on its 2 rows, and the mean of the ranks' losses is
+compared with the full batch's loss, the parameters after 3 AdamW steps with the single process's
+(the same comparison as test_own_model_torch.py: equal splits of a mean loss give the same
+gradient up to rounding; no bitwise comparison between different batch splits).
 
 Tolerance: 1e-12. Float64 throughout except where transformers computes in float32 on purpose
 (RMSNorm's variance and normalisation, RoPE's angles): there both runs round the same float64
