@@ -1,5 +1,6 @@
-"""Your own torch model under the torch patterns that take one: DDP (BucketedDDP), ZeRO-1, ZeRO-2, FSDP
-and a tensor-parallel plan (``tp_plan.apply_dtensor_plan`` runs the same plan through DTensor).
+"""Your own torch model under the torch patterns that take one: DDP (BucketedDDP), ZeRO-1, ZeRO-2, FSDP,
+a tensor-parallel plan (``tp_plan.apply_dtensor_plan`` runs the same plan through DTensor), a pipeline
+from a stage split and context parallelism through the attention seam.
 
     python examples/own_model_torch.py
 
@@ -12,6 +13,8 @@ above 1e-12). The lines marked ``# glue`` are all that each pattern changes in a
     zero2 = Zero2(model)                             ... zero2.finish_gradient_synchronization() ... all_gather_params()
     model = FSDP(model)                              ... model.finish_gradient_synchronization()
     styles = tp_plan.apply_plan(model, PLAN, group)  ... VocabParallelCrossEntropy.apply(logits, y, group)
+    trainer = pp_seam.pipeline(model, [["embed", "blocks.0"], ["blocks.1", "norm", "head"]], ce, opt, group)
+    trainer = cp_seam.context_parallel(model, loss, opt, group, "ring")   # attention: cp_seam.attention
 
 The key projection has no bias, as in most LLMs: softmax ignores a shift, so a key bias's true gradient is
 0, and AdamW would turn the ~1e-17 rounding noise it gets into steps of lr·g/eps ~ 1e-11, different in
@@ -31,7 +34,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from torch_impl import tp, tp_plan  # noqa: E402
+from torch_impl import cp_seam, pp_seam, tp, tp_plan  # noqa: E402
 from torch_impl.dp import BucketedDDP, Zero1Optimizer  # noqa: E402
 from torch_impl.fsdp import FSDP, Zero2  # noqa: E402
 from torch_impl.launch import launch  # noqa: E402
@@ -52,7 +55,7 @@ class Block(nn.Module):
     def forward(self, h):  # (B, T, D); under TP q, k, v hold H/tp heads: the -1 below
         (b, t, _), a = h.shape, self.norm1(h)
         q, k, v = (m(a).view(b, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
-        h = h + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1))
+        h = h + self.o(cp_seam.attention(q, k, v).transpose(1, 2).reshape(b, t, -1))  # causal SDPA; cp's seam
         return h + self.down(F.gelu(self.up(self.norm2(h))))
 
 
@@ -149,8 +152,26 @@ def train_tp(x, y, rank):
     return tp_plan.full_tensors(model, styles, group)  # glue: the full weights (a checkpoint) from the shards
 
 
+def train_pp(x, y, rank):
+    stages = [["embed", "blocks.0"], ["blocks.1", "norm", "head"]]  # forward = this chain of modules
+    trainer = pp_seam.pipeline(TinyLM(), stages, ce, lambda ps: torch.optim.AdamW(ps, lr=LR),  # glue
+                               dist.group.WORLD, microbatches=2)
+    for _ in range(STEPS):
+        trainer.train_step(x, y)  # glue
+    return trainer.named_parameters()  # this rank's stage
+
+
+def train_cp(x, y, rank):
+    loss = lambda model, x, y, positions: ce(model(x), y)  # no position encoding here: positions unused
+    trainer = cp_seam.context_parallel(TinyLM(), loss, lambda ps: torch.optim.AdamW(ps, lr=LR),  # glue
+                                       dist.group.WORLD, "ring")
+    for _ in range(STEPS):
+        trainer.train_step(x, y)  # glue: (B, T) on every rank, T split over the ranks
+    return dict(trainer.model.named_parameters())
+
+
 PATTERNS = {"ddp": train_ddp, "zero1": train_zero1, "zero2": train_zero2, "fsdp": train_fsdp,
-            "tp plan": train_tp}
+            "tp plan": train_tp, "pp": train_pp, "cp": train_cp}
 
 
 def worker(ctx):  # runs on each rank: every pattern, each against the single process
@@ -158,8 +179,10 @@ def worker(ctx):  # runs on each rank: every pattern, each against the single pr
     want = train_single(x, y)
     errors = {}
     for name, run in PATTERNS.items():
-        got = run(x, y, ctx.rank)
-        errors[name] = max(float((got[k] - want[k]).detach().abs().max()) for k in want)
+        got = run(x, y, ctx.rank)  # pp: only this rank's stage
+        err = torch.tensor(max(float((got[k] - want[k]).detach().abs().max()) for k in got))
+        dist.all_reduce(err, dist.ReduceOp.MAX)  # the worst over the ranks
+        errors[name] = float(err)
     return errors
 
 
