@@ -5,10 +5,13 @@ test_tp_plan.py): float64, small, each with what real models bring.
 N = 2). ``TPMLP``: LayerNorm, a biased colwise/rowwise pair. ``TinyLlama``: separate q, k, v, o; SwiGLU
 gate, up, down; RMSNorm; an untied head; V = 25, not divisible by 2; padding_idx on rank 1's half
 (``LLAMA_PLAN`` splits it Megatron's way). ``TiedReader``: a parent reading a child's weight
-(F.linear(h, self.emb.weight)), the tying idiom FSDP must refuse.
+(F.linear(h, self.emb.weight)), the tying idiom FSDP must refuse. And the rank code both launches
+(test_own_model_torch.py, test_llama_torch.py) train with: ``train``, ``full``, ``max_err``, ``ce``.
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 
 DT = torch.float64
 V, D, HEADS, B, T = 25, 8, 2, 2, 6
+STEPS, LR, WD = 3, 1e-2, 0.1
 
 
 class BiasedMLP(nn.Module):
@@ -121,3 +125,42 @@ def made(fn, *args, seed=0, **kw):
     """``fn(*args, **kw)`` under ``torch.manual_seed(seed)``: a model's (or a batch's) same values anywhere."""
     torch.manual_seed(seed)
     return fn(*args, **kw)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WD)
+
+
+def train(step, params, sync=None, ledger=None, grads0=None, around=nullcontext):
+    """STEPS of AdamW; ``step()`` -> loss (forward), run with its backward inside ``around()``; the
+    ledger (if given) records the last step; ``grads0()`` is captured after the first backward."""
+    opt, losses, first = adamw(params), [], None
+    for k in range(STEPS):
+        with ledger.recording() if ledger is not None and k == STEPS - 1 else nullcontext():
+            opt.zero_grad(set_to_none=True)
+            with around():
+                loss = step()
+                loss.backward()
+            if sync is not None:
+                sync()
+            if k == 0 and grads0 is not None:
+                first = grads0()
+            opt.step()
+        losses.append(loss.item())
+    return losses, first
+
+
+def full(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def max_err(a, b):
+    if isinstance(a, dict):
+        assert list(a) == list(b), (list(a), list(b))
+        return max(max_err(a[k], b[k]) for k in a)
+    return max(abs(x - y) for x, y in zip(a, b, strict=True)) if isinstance(a, list) \
+        else float((a - b).detach().abs().max())
+
+
+def ce(logits, y):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))

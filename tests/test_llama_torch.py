@@ -31,10 +31,11 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never the hub: the model is built from a config
 
+from contextlib import nullcontext
+
 import pytest
 import torch
-import torch.nn.functional as F
-from own_models import made
+from own_models import LR, STEPS, WD, ce, full, made, max_err, train
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -47,7 +48,7 @@ from torch_impl.launch import launch
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-DT, STEPS, LR, WD = torch.float64, 3, 1e-2, 0.1
+DT = torch.float64
 TOL = 1e-12  # float64 (float32 only inside RMSNorm / RoPE, identically in both runs): see the module docstring
 V, B, T, LAYERS = 97, 4, 8, 2
 
@@ -78,47 +79,14 @@ def llama(tied: bool = False) -> LlamaForCausalLM:
 # --- rank code -------------------------------------------------------------------------------------
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
-def train(step, params, sync=None, ledger=None, grads0=None, around=_null):
-    """STEPS of AdamW; ``step()`` -> loss (forward), run with its backward inside ``around()``; the
-    ledger (if given) records the last step; ``grads0()`` is captured after the first backward."""
-    opt, losses, first = torch.optim.AdamW(params, lr=LR, weight_decay=WD), [], None
-    for k in range(STEPS):
-        with ledger.recording() if ledger is not None and k == STEPS - 1 else _null():
-            opt.zero_grad(set_to_none=True)
-            with around():
-                loss = step()
-                loss.backward()
-            if sync is not None:
-                sync()
-            if k == 0 and grads0 is not None:
-                first = grads0()
-            opt.step()
-        losses.append(loss.item())
-    return losses, first
 
 
-def full(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def max_err(a, b):
-    if isinstance(a, dict):
-        assert list(a) == list(b), (list(a), list(b))
-        return max(max_err(a[k], b[k]) for k in a)
-    return max(abs(x - y) for x, y in zip(a, b, strict=True)) if isinstance(a, list) \
-        else float((a - b).detach().abs().max())
 
 
-def ce(logits, y):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def batch():
@@ -158,7 +126,7 @@ def data_parallel(ctx, ref, tied=False):
     opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WD)
     losses = []
     for k in range(STEPS):
-        with ctx.ledger.recording() if k == STEPS - 1 else _null():
+        with ctx.ledger.recording() if k == STEPS - 1 else nullcontext():
             opt.zero_grad()
             loss = loss_of(model)()
             loss.backward()
@@ -174,7 +142,7 @@ def data_parallel(ctx, ref, tied=False):
     opt2 = torch.optim.AdamW(zero2.params, lr=LR, weight_decay=WD)
     losses = []
     for k in range(STEPS):
-        with ctx.ledger.recording() if k == STEPS - 1 else _null():
+        with ctx.ledger.recording() if k == STEPS - 1 else nullcontext():
             opt2.zero_grad(set_to_none=True)
             loss = loss_of(model)()
             loss.backward()

@@ -17,11 +17,31 @@ Refusals (``tp_plan.check_plan``, the preconditions ``apply_plan`` checks first)
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from own_models import LLAMA_PLAN, TPMLP, B, BiasedMLP, D, T, TiedReader, TinyLlama, V, made
+from own_models import (
+    LLAMA_PLAN,
+    LR,
+    STEPS,
+    TPMLP,
+    WD,
+    B,
+    BiasedMLP,
+    D,
+    T,
+    TiedReader,
+    TinyLlama,
+    V,
+    adamw,
+    ce,
+    full,
+    made,
+    max_err,
+    train,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -41,57 +61,23 @@ from torch_impl.fsdp import FSDP, ShardReadError, Zero2
 from torch_impl.launch import launch
 from torch_impl.model import empty_model
 
-DT, STEPS, LR, WD = torch.float64, 3, 1e-2, 0.1
+DT = torch.float64
 TOL = 1e-12  # float64: see the module docstring
 
 
 # --- rank code -------------------------------------------------------------------------------------
 
 
-def adamw(params):
-    return torch.optim.AdamW(params, lr=LR, weight_decay=WD)
 
 
-def train(step, params, sync=None, ledger=None, grads0=None):
-    """STEPS of AdamW; ``step()`` -> loss (forward); returns the losses. The ledger (if given)
-    records the last step; ``grads0()`` is captured after the first backward."""
-    opt, losses, first = adamw(params), [], None
-    for k in range(STEPS):
-        with ledger.recording() if ledger is not None and k == STEPS - 1 else _null():
-            opt.zero_grad(set_to_none=True)
-            loss = step()
-            loss.backward()
-            if sync is not None:
-                sync()
-            if k == 0 and grads0 is not None:
-                first = grads0()
-            opt.step()
-        losses.append(loss.item())
-    return losses, first
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
-def full(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def max_err(a, b):
-    if isinstance(a, dict):
-        assert list(a) == list(b), (list(a), list(b))
-        return max(max_err(a[k], b[k]) for k in a)
-    return max(abs(x - y) for x, y in zip(a, b, strict=True)) if isinstance(a, list) \
-        else float((a - b).detach().abs().max())
 
 
-def ce(logits, y):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def vocab_smallest(ctx):
@@ -231,7 +217,7 @@ def data_parallel(ctx):
     opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WD)
     losses = []
     for k in range(STEPS):
-        with ctx.ledger.recording() if k == STEPS - 1 else _null():
+        with ctx.ledger.recording() if k == STEPS - 1 else nullcontext():
             opt.zero_grad()
             loss = loss_of(model)()
             loss.backward()
@@ -248,7 +234,7 @@ def data_parallel(ctx):
     opt2 = adamw(zero2.params)
     losses = []
     for k in range(STEPS):
-        with ctx.ledger.recording() if k == STEPS - 1 else _null():
+        with ctx.ledger.recording() if k == STEPS - 1 else nullcontext():
             opt2.zero_grad(set_to_none=True)
             loss = loss_of(model)()
             loss.backward()
