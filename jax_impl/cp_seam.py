@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_impl.cp import AXIS, ring_core
 from jax_impl.fsdp_wrapper import WrapError, key_of
+from jax_impl.model import fetch
 from shared.theory import cp_positions
 
 VARIANTS = (("shard_map", "ring"), ("shard_map", "ring_zigzag"), ("shard_map", "ulysses"), ("jit", "seq_sharded"))
@@ -160,7 +161,7 @@ class Trainer:
             self._compiled = self.step.lower(*self.state, *batch).compile(compiler_options=options)
         *state, loss, _ = self._compiled(*self.state, *batch)
         self.state = tuple(state)
-        return float(np.mean(np.asarray(loss)))
+        return float(np.mean(fetch(loss)))
 
     def module(self):
         return self._merge(self.state[0])

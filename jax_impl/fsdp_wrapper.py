@@ -51,6 +51,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl import model_theory
+from jax_impl.model import fetch
 
 VARIANTS, STYLES = ("dp", "zero1", "zero2", "zero3"), ("shard_map", "jit")
 
@@ -367,12 +368,12 @@ class Trainer:
             self._compiled = self.step.lower(*self.state, *batch).compile(compiler_options=self.compiler_options)
         *state, loss, _ = self._compiled(*self.state, *batch)
         self.state = tuple(state)
-        return float(np.mean(np.asarray(loss)))
+        return float(np.mean(fetch(loss)))
 
     def full_grads(self, grads) -> dict:
         """The step's ``grads`` output as {path: full array} (zero1: the flat mean, unflattened)."""
         if self.variant == "zero1" and self.style == "shard_map":
-            return self._unflatten(jnp.asarray(np.asarray(jax.device_get(grads))))
+            return self._unflatten(jnp.asarray(fetch(grads)))  # fetch: from any process (jax.distributed)
         return dict(grads)
 
     def module(self, params: dict | None = None):

@@ -38,6 +38,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl.fsdp_wrapper import WrapError, key_of, param_holders, submodules
+from jax_impl.model import fetch
 
 AXIS = "pp"
 
@@ -193,11 +194,11 @@ class Trainer:
             self._compiled = self.step.lower(*self.state, *batch).compile()
         *state, loss, _ = self._compiled(*self.state, *batch)
         self.state = tuple(state)
-        return float(loss)
+        return float(fetch(loss))
 
     def module(self):
         """The model holding the trained parameters (a new object; the one given is unchanged)."""
-        flat = np.asarray(jax.device_get(self.state[0]))
+        flat = fetch(self.state[0])  # from any process (jax.distributed)
         gdef, state = nnx.split(self.model)
         model = nnx.merge(gdef, state)
         mods = submodules(model)[0]

@@ -59,6 +59,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl.fsdp_wrapper import key_of, param_holders, put_child, submodules
+from jax_impl.model import fetch
 
 STYLES = ("colwise", "colwise_heads", "rowwise", "vocab_embed", "colwise_vocab")
 KIND = {"colwise": nnx.Linear, "colwise_heads": nnx.Linear, "rowwise": nnx.Linear, "colwise_vocab": nnx.Linear,
@@ -340,7 +341,7 @@ class Trainer:
             self._compiled = self.step.lower(*self.state, *batch).compile()
         *state, loss, _ = self._compiled(*self.state, *batch)
         self.state = tuple(state)
-        return float(loss)
+        return float(fetch(loss))
 
     compiler_options = None  # harness.trainer_setup reads it (fsdp_wrapper's Trainer sets XLA:CPU options)
 
@@ -355,7 +356,7 @@ class Trainer:
     def full_params(self, params: dict | None = None) -> dict[str, np.ndarray]:
         """{path: full array} of the parameters (or of the step's grads), padding dropped, columns in order."""
         params = self.state[0] if params is None else params
-        out = {k: np.asarray(jax.device_get(a)) for k, a in params.items()}
+        out = {k: fetch(a) for k, a in params.items()}  # fetch: from any process (jax.distributed)
         out |= {k: a[..., np.argsort(heads_perm(a.shape[-1], self.n))] for k, a in out.items()
                 if self.styles.get(k) == "colwise_heads"}
         return {k: np.take(a, np.arange(self.sizes[k][1]), self.sizes[k][0]) if k in self.sizes else a
