@@ -131,10 +131,12 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=WD)
 
 
-def train(step, params, sync=None, ledger=None, grads0=None, around=nullcontext):
-    """STEPS of AdamW; ``step()`` -> loss (forward), run with its backward inside ``around()``; the
-    ledger (if given) records the last step; ``grads0()`` is captured after the first backward."""
-    opt, losses, first = adamw(params), [], None
+def train(step, params, sync=None, ledger=None, grads0=None, around=nullcontext, opt=None, after_step=None):
+    """STEPS of AdamW (or ``opt``, e.g. a Zero1Optimizer) over ``params``; ``step()`` -> loss (forward),
+    run with its backward inside ``around()``; the ledger (if given) records the last step;
+    ``grads0()`` is captured after the first backward; ``after_step()`` runs after each optimizer step
+    (Zero2's all-gather of the updated rows)."""
+    opt, losses, first = opt or adamw(params), [], None
     for k in range(STEPS):
         with ledger.recording() if ledger is not None and k == STEPS - 1 else nullcontext():
             opt.zero_grad(set_to_none=True)
@@ -146,6 +148,8 @@ def train(step, params, sync=None, ledger=None, grads0=None, around=nullcontext)
             if k == 0 and grads0 is not None:
                 first = grads0()
             opt.step()
+            if after_step is not None:
+                after_step()
         losses.append(loss.item())
     return losses, first
 

@@ -16,14 +16,15 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from own_models_jax import STEPS, adamw, flat, train_single
 
 from jax_impl import cp_seam
 from jax_impl.devices import make_mesh
-from jax_impl.fsdp_wrapper import WrapError, key_of
+from jax_impl.fsdp_wrapper import WrapError
 from jax_impl.ledger import comm_from_hlo
 
 TOL = 1e-12  # float64: see the module docstring
-V, D, H, T, B, L, STEPS, N = 11, 8, 4, 8, 2, 2, 3, 2
+V, D, H, T, B, L, N = 11, 8, 4, 8, 2, 2, 2
 
 
 class Block(nnx.Module):
@@ -59,8 +60,6 @@ def loss(model, tokens, targets, positions):
     return optax.softmax_cross_entropy_with_integer_labels(model(tokens, positions), targets).mean()
 
 
-def adamw():
-    return optax.adamw(1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
 
 
 def data():
@@ -68,8 +67,6 @@ def data():
     return rng.integers(0, V, (B, T)).astype(np.int32), rng.integers(0, V, (B, T)).astype(np.int32)
 
 
-def flat(model):
-    return {key_of(p): np.asarray(a) for p, a in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]}
 
 
 _REF = {}
@@ -77,16 +74,8 @@ _REF = {}
 
 def reference():
     if not _REF:
-        model, (x, y) = Decoder(nnx.Rngs(0)), data()
-        gdef, params = nnx.split(model)
-        tx, losses = adamw(), []
-        opt = tx.init(params)
-        for _ in range(STEPS):
-            value, grads = jax.value_and_grad(lambda p: loss(nnx.merge(gdef, p), x, y, jnp.arange(T)))(params)
-            updates, opt = tx.update(grads, opt, params)
-            params = optax.apply_updates(params, updates)
-            losses.append(float(value))
-        _REF.update(losses=losses, params=flat(nnx.merge(gdef, params)))
+        losses, params = train_single(Decoder(nnx.Rngs(0)), loss, *data(), jnp.arange(T))
+        _REF.update(losses=losses, params=params)
     return _REF
 
 

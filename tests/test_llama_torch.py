@@ -31,11 +31,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never the hub: the model is built from a config
 
-from contextlib import nullcontext
 
 import pytest
 import torch
-from own_models import LR, STEPS, WD, ce, full, made, max_err, train
+from own_models import LR, WD, ce, full, made, max_err, train
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -124,14 +123,7 @@ def data_parallel(ctx, ref, tied=False):
 
     model = llama(tied)
     opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WD)
-    losses = []
-    for k in range(STEPS):
-        with ctx.ledger.recording() if k == STEPS - 1 else nullcontext():
-            opt.zero_grad()
-            loss = loss_of(model)()
-            loss.backward()
-            opt.step()
-        losses.append(loss.item())
+    losses, _ = train(loss_of(model), None, ledger=ctx.ledger, opt=opt)
     out["zero1"] = errs(losses, full(model)) | {
         "ledger": ctx.ledger.summary(), "theory": opt.comm_theory(), "model": mt.zero1_comm(llama(tied), n),
         "state": opt.state_theory(), "measured": {"optimizer": sum(t.numel() * 8 for s in opt.local.state.values()
@@ -140,16 +132,8 @@ def data_parallel(ctx, ref, tied=False):
     model = llama(tied)
     zero2 = Zero2(model)
     opt2 = torch.optim.AdamW(zero2.params, lr=LR, weight_decay=WD)
-    losses = []
-    for k in range(STEPS):
-        with ctx.ledger.recording() if k == STEPS - 1 else nullcontext():
-            opt2.zero_grad(set_to_none=True)
-            loss = loss_of(model)()
-            loss.backward()
-            zero2.finish_gradient_synchronization()
-            opt2.step()
-            zero2.all_gather_params()
-        losses.append(loss.item())
+    losses, _ = train(loss_of(model), None, zero2.finish_gradient_synchronization, ctx.ledger, opt=opt2,
+                      after_step=zero2.all_gather_params)
     out["zero2"] = errs(losses, full(model)) | {
         "ledger": ctx.ledger.summary(), "theory": zero2.comm_theory(), "model": mt.zero2_comm(llama(tied), n),
         "state": zero2.state_theory(),

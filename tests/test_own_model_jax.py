@@ -20,6 +20,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from own_models_jax import STEPS, adamw, flat, train_single
 
 from jax_impl import model_theory
 from jax_impl.devices import make_mesh
@@ -27,7 +28,7 @@ from jax_impl.fsdp_wrapper import STYLES, VARIANTS, FromApply, ShardReadError, W
 from jax_impl.ledger import comm_from_hlo
 
 TOL = 1e-12  # float64: see the module docstring
-V, D, T, B, STEPS, N = 13, 8, 6, 4, 3, 2
+V, D, T, B, N = 13, 8, 6, 4, 2
 
 
 class Foreign(nnx.Module):
@@ -69,8 +70,6 @@ def ce(model, tokens, targets):
     return optax.softmax_cross_entropy_with_integer_labels(model(tokens), targets).mean()
 
 
-def adamw():
-    return optax.adamw(1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
 
 
 def batch(seed=0):
@@ -78,25 +77,11 @@ def batch(seed=0):
     return rng.integers(0, V, (B, T)).astype(np.int32), rng.integers(0, V, (B, T)).astype(np.int32)
 
 
-def flat(model) -> dict[str, np.ndarray]:
-    leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
-    from jax_impl.fsdp_wrapper import key_of
-    return {key_of(p): np.asarray(a, np.float64) for p, a in leaves}
 
 
 def single_device(make, loss=ce):
     """The reference: plain NNX on one device, the same AdamW."""
-    model, (x, y) = make(), batch()
-    gdef, params = nnx.split(model)
-    tx = adamw()
-    opt = tx.init(params)
-    losses = []
-    for _ in range(STEPS):
-        value, grads = jax.value_and_grad(lambda p: loss(nnx.merge(gdef, p), x, y))(params)
-        updates, opt = tx.update(grads, opt, params)
-        params = optax.apply_updates(params, updates)
-        losses.append(float(value))
-    return losses, flat(nnx.merge(gdef, params))
+    return train_single(make(), loss, *batch())
 
 
 def parallel(make, variant, style, loss=ce, **kw):

@@ -17,8 +17,6 @@ Refusals (``tp_plan.check_plan``, the preconditions ``apply_plan`` checks first)
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import pytest
 import torch
 import torch.nn as nn
@@ -215,14 +213,7 @@ def data_parallel(ctx):
 
     model = made(BiasedMLP)
     opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WD)
-    losses = []
-    for k in range(STEPS):
-        with ctx.ledger.recording() if k == STEPS - 1 else nullcontext():
-            opt.zero_grad()
-            loss = loss_of(model)()
-            loss.backward()
-            opt.step()
-        losses.append(loss.item())
+    losses, _ = train(loss_of(model), None, ledger=ctx.ledger, opt=opt)
     out["zero1"] = {"loss_err": max_err(mean(losses), ref_losses), "param_err": max_err(full(model), want),
                     "ledger": ctx.ledger.summary(), "theory": opt.comm_theory(),
                     "model": mt.zero1_comm(made(BiasedMLP), n), "state": opt.state_theory(),
@@ -232,16 +223,8 @@ def data_parallel(ctx):
     model = made(BiasedMLP)
     zero2 = Zero2(model)  # crashed here before: a frozen parameter got a gradient hook
     opt2 = adamw(zero2.params)
-    losses = []
-    for k in range(STEPS):
-        with ctx.ledger.recording() if k == STEPS - 1 else nullcontext():
-            opt2.zero_grad(set_to_none=True)
-            loss = loss_of(model)()
-            loss.backward()
-            zero2.finish_gradient_synchronization()
-            opt2.step()
-            zero2.all_gather_params()
-        losses.append(loss.item())
+    losses, _ = train(loss_of(model), None, zero2.finish_gradient_synchronization, ctx.ledger, opt=opt2,
+                      after_step=zero2.all_gather_params)
     out["zero2"] = {"loss_err": max_err(mean(losses), ref_losses), "param_err": max_err(full(model), want),
                     "ledger": ctx.ledger.summary(), "theory": zero2.comm_theory(),
                     "model": mt.zero2_comm(made(BiasedMLP), n), "state": zero2.state_theory(),

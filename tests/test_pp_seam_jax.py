@@ -16,14 +16,15 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from own_models_jax import STEPS, adamw, flat, train_single
 
 from jax_impl.devices import make_mesh
-from jax_impl.fsdp_wrapper import WrapError, key_of
+from jax_impl.fsdp_wrapper import WrapError
 from jax_impl.ledger import comm_from_hlo
 from jax_impl.pp_seam import pipeline
 
 TOL = 1e-12  # float64: see the module docstring
-V, D, T, B, M, STEPS, S = 11, 8, 4, 8, 4, 3, 2
+V, D, T, B, M, S = 11, 8, 4, 8, 4, 2
 STAGES = [["embed", "mlp"], ["gated", "norm", "head"]]
 
 
@@ -86,8 +87,6 @@ def ce(logits, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def adamw():
-    return optax.adamw(1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
 
 
 def data():
@@ -95,21 +94,11 @@ def data():
     return rng.integers(0, V, (B, T)).astype(np.int32), rng.integers(0, V, (B, T)).astype(np.int32)
 
 
-def flat(model):
-    return {key_of(p): np.asarray(a) for p, a in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]}
 
 
 def test_gpipe_trains_a_foreign_chain_like_one_device(measured):
     model, (x, y) = Chain(nnx.Rngs(0)), data()
-    gdef, params = nnx.split(model)
-    tx, ref_losses = adamw(), []
-    opt = tx.init(params)
-    for _ in range(STEPS):
-        value, grads = jax.value_and_grad(lambda p: ce(nnx.merge(gdef, p)(x), y))(params)
-        updates, opt = tx.update(grads, opt, params)
-        params = optax.apply_updates(params, updates)
-        ref_losses.append(float(value))
-    ref = flat(nnx.merge(gdef, params))
+    ref_losses, ref = train_single(model, lambda m, x, y: ce(m(x), y), x, y)
 
     trainer = pipeline(Chain(nnx.Rngs(0)), STAGES, ce, adamw(), make_mesh(S, "pp"), microbatches=M)
     losses = [trainer.train_step(x, y) for _ in range(STEPS)]

@@ -23,14 +23,14 @@ import optax
 import pytest
 from flax import nnx
 from jax.extend.core import jaxprs_in_params
+from own_models_jax import STEPS, adamw, flat, train_single
 
 from jax_impl.devices import make_mesh
-from jax_impl.fsdp_wrapper import key_of
 from jax_impl.ledger import comm_from_hlo
 from jax_impl.tp_plan import PlanError, apply_plan, check_plan, cross_entropy
 
 TOL = 1e-12  # float64: see the module docstring
-V, D, T, B, STEPS, N, HD, LAYERS = 13, 8, 6, 4, 3, 2, 2, 2
+V, D, T, B, N, HD, LAYERS = 13, 8, 6, 4, 2, 2, 2
 F64 = {"param_dtype": jnp.float64, "dtype": jnp.float64}
 
 
@@ -119,8 +119,6 @@ def mse(model, x, y):
     return jnp.mean((model(x) - y) ** 2)
 
 
-def adamw():
-    return optax.adamw(1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
 
 
 def data(kind, seed=0):
@@ -137,23 +135,12 @@ MODELS = {"llama": (lambda: Llama(nnx.Rngs(0)), LLAMA_PLAN, llama_loss),
           "fused": (lambda: Llama(nnx.Rngs(2), layers=1, heads=2, fused=True), FUSED_PLAN, llama_loss)}
 
 
-def flat(model) -> dict[str, np.ndarray]:
-    return {key_of(p): np.asarray(a) for p, a in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]}
 
 
 def single_device(kind):
     """The reference: plain NNX on one device, the same AdamW and loss."""
     make, _, loss = MODELS[kind]
-    gdef, params = nnx.split(make())
-    x, y = data(kind)
-    tx = adamw()
-    opt, losses = tx.init(params), []
-    for _ in range(STEPS):
-        value, grads = jax.value_and_grad(lambda p: loss(nnx.merge(gdef, p), x, y))(params)
-        updates, opt = tx.update(grads, opt, params)
-        params = optax.apply_updates(params, updates)
-        losses.append(float(value))
-    return losses, flat(nnx.merge(gdef, params))
+    return train_single(make(), loss, *data(kind))
 
 
 CACHE: dict = {}

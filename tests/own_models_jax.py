@@ -1,0 +1,36 @@
+"""What the JAX own-model tests share (test_own_model_jax, test_tp_plan_jax, test_cp_seam_jax,
+test_pp_seam_jax): the AdamW they all train with, a model's Params by path, and the single-device
+reference — plain NNX on one device, the same optimizer and loss."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from jax_impl.fsdp_wrapper import key_of
+
+STEPS = 3
+
+
+def adamw():
+    return optax.adamw(1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
+
+
+def flat(model) -> dict[str, np.ndarray]:
+    """{"blocks.0.up.kernel": array} for every Param of ``model``."""
+    return {key_of(p): np.asarray(a) for p, a in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]}
+
+
+def train_single(model, loss, *batch) -> tuple[list[float], dict[str, np.ndarray]]:
+    """STEPS of AdamW on ``loss(model, *batch)``, one device: (losses, final Params by path)."""
+    gdef, params = nnx.split(model)
+    tx = adamw()
+    opt, losses = tx.init(params), []
+    for _ in range(STEPS):
+        value, grads = jax.value_and_grad(lambda p: loss(nnx.merge(gdef, p), *batch))(params)
+        updates, opt = tx.update(grads, opt, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(value))
+    return losses, flat(nnx.merge(gdef, params))
