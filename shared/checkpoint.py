@@ -46,6 +46,62 @@ class CheckpointError(ValueError):
 
 
 @dataclass(frozen=True)
+class Plan:
+    """What a run does with checkpoints (compare.py's --checkpoint-dir / --checkpoint-every / --resume,
+    and the matrix's save-at-half / load-this). Both harnesses take it (run_pattern(..., checkpoint=)).
+
+    dir: each run saves under ``dir/run_name(...)``; every: save after every K steps (0: not on a
+    schedule); save_at: and after these step counts; resume: start each run from the newest complete
+    checkpoint in its folder (none there: from step 0); load: or from this checkpoint (any framework
+    or layout that saved it) — the matrix's loads."""
+
+    dir: str
+    every: int = 0
+    save_at: tuple[int, ...] = ()
+    resume: bool = False
+    load: str | None = None
+
+    def __post_init__(self):
+        if not self.dir:
+            raise ValueError("checkpoint: a folder is needed (--checkpoint-dir DIR)")
+        if self.every < 0 or any(s < 1 for s in self.save_at):
+            raise ValueError(f"checkpoint: --checkpoint-every {self.every} / save at {self.save_at}: "
+                             "steps are counted from 1")
+        if self.resume and self.load:
+            raise ValueError("checkpoint: resume (newest in the run's folder) or load (one path), not both")
+
+    def due(self, done: int) -> bool:
+        """Save after ``done`` optimizer steps?"""
+        return (self.every > 0 and done % self.every == 0) or done in self.save_at
+
+    def run_dir(self, framework: str, pattern: str, style: str, variant: str, model: str) -> str:
+        return os.path.join(self.dir, run_name(framework, pattern, style, variant, model))
+
+    def source(self, run_dir: str) -> str | None:
+        """The checkpoint this run starts from: ``load``, else (with ``resume``) the newest complete
+        one in ``run_dir``, else None (from step 0)."""
+        return self.load or (latest(run_dir) if self.resume else None)
+
+
+FAULT_ENV = "PARALLEL_TWINS_FAULT"
+
+
+def fault(phase: str, step: int, rank: int = 0) -> None:
+    """Fault injection for the kill tests: with PARALLEL_TWINS_FAULT="step=K,phase=step|save[,rank=R]"
+    the process (rank R, default 0) kills itself with SIGKILL — phase "step": once K optimizer steps
+    are done, before any save of step K; phase "save": in the middle of saving step K (its files
+    written, its manifest not) — as a crash or a lost node would."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    want = dict(kv.split("=", 1) for kv in spec.split(","))
+    if want.get("phase", "step") == phase and int(want["step"]) == step and int(want.get("rank", 0)) == rank:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True)
 class State:
     """The training state after ``step`` optimizer steps, in fixture names and orientation (float64
     or the run's dtype). ``params``/``adam_m``/``adam_v``: {name: whole array}."""
@@ -246,3 +302,48 @@ def read_safetensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         dt = np.dtype(_ST_DTYPES[h["dtype"]]).newbyteorder("<")
         out[name] = np.frombuffer(data[begin:end], dtype=dt).reshape(h["shape"]).astype(dt.newbyteorder("="))
     return out, meta
+
+
+def read_dcp(folder: str) -> dict[str, np.ndarray]:
+    """The whole arrays of a DCP checkpoint written with HuggingFaceStorageWriter(save_distributed=True):
+    one safetensors file per rank, each holding that rank's chunk of every array and, in its header's
+    __metadata__["DCP_SHARDING_INFO"], each chunk's offset in the whole array. NumPy only (no torch)."""
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")) if os.path.isdir(folder) else []
+    if not files:
+        raise CheckpointError(f"{folder}: no .safetensors files (not a DCP checkpoint of this project)")
+    chunks: dict[str, list] = {}
+    for name in files:
+        path = os.path.join(folder, name)
+        arrays, meta = read_safetensors(path)
+        try:
+            info = json.loads(meta.get("DCP_SHARDING_INFO", "{}"))
+        except ValueError:
+            raise CheckpointError(f"{path}: unreadable DCP_SHARDING_INFO") from None
+        for key, a in arrays.items():
+            offset = info.get(key, {}).get("saved_offsets", [0] * a.ndim)
+            chunks.setdefault(key, []).append((tuple(offset), a))
+    out = {}
+    for key, parts in chunks.items():
+        shape = tuple(max(o[d] + a.shape[d] for o, a in parts) for d in range(parts[0][1].ndim))
+        whole, seen = np.zeros(shape, parts[0][1].dtype), np.zeros(shape, bool)
+        for o, a in parts:
+            where = tuple(slice(o[d], o[d] + a.shape[d]) for d in range(a.ndim))
+            whole[where], seen[where] = a, True
+        if not seen.all():
+            raise CheckpointError(f"{folder}: {key}: chunks cover {int(seen.sum())} of {seen.size} elements")
+        out[key] = whole
+    return out
+
+
+def read_state(path: str, info: dict) -> State:
+    """The canonical State of a verified checkpoint (``info`` = verify(path, cfg)), whichever framework
+    wrote it: torch's DCP safetensors (``dcp/``) or JAX's Orbax arrays (``orbax/``), read with NumPy."""
+    if info["writer"] == "dcp":
+        arrays = read_dcp(os.path.join(path, "dcp"))
+    elif info["writer"] == "orbax":
+        from shared.orbax_files import read_orbax
+
+        arrays = read_orbax(os.path.join(path, "orbax"))
+    else:
+        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: writer {info['writer']!r}: not dcp nor orbax")
+    return State.from_arrays(int(info["step"]), arrays)

@@ -34,6 +34,9 @@ class Trained:
     # torch's "gloo" | "nccl" (JAX: None), "devices": ["cuda:0", …] one per rank / mesh device,
     # "fallback": the one line saying why --device auto did not take the GPUs, else None}.
     where: dict[str, Any] = field(default_factory=dict)
+    # The first step this run trained (a run resumed from a checkpoint of step K starts at K): its
+    # ``losses`` are those of steps K.., and ``grads0`` is empty unless it ran step 0.
+    start_step: int = 0
 
 
 def comm_bytes(comm: dict[str, dict[str, int]]) -> int:
@@ -60,10 +63,13 @@ def rel_err(a, b) -> float:
 
 
 def parity(run: Trained, ref: Trained) -> dict[str, float]:
-    """Relative errors of a run against a reference: losses, step-0 grads, final params."""
+    """Relative errors of a run against a reference: losses, step-0 grads, final params. A resumed
+    run (``start_step`` K > 0) is compared on the steps it ran (the reference's losses from K on);
+    it did not run step 0, so it has no step-0 gradients to compare (0.0: nothing differs)."""
+    k = run.start_step
     return {
-        "max_rel_err_loss": rel_err(run.losses, ref.losses),
-        "max_rel_err_grad": rel_err(run.grads0, ref.grads0),
+        "max_rel_err_loss": rel_err(run.losses, ref.losses[k:]),
+        "max_rel_err_grad": rel_err(run.grads0, ref.grads0) if k == 0 else 0.0,
         "max_rel_err_param": rel_err(run.params, ref.params),
     }
 
@@ -77,6 +83,8 @@ def routing_mismatch(run: Trained, ref: Trained) -> str | None:
     other) can send a token elsewhere, after which losses and gradients legitimately differ.
     Such a run is reported as failed with this line, not hidden under a looser tolerance."""
     a, b = run.extra.get("expert_load"), ref.extra.get("expert_load")
+    if a is not None and b is not None:
+        b = b[run.start_step:]  # a resumed run routed the steps from its start on
     if a is None or b is None:
         return None
     a, b = np.asarray(a), np.asarray(b)
@@ -133,6 +141,7 @@ class RunResult:
     backend: str | None = None
     devices: list[str] = field(default_factory=list)
     fallback: str | None = None
+    start_step: int = 0  # resumed from a checkpoint of this step: ``losses`` are those of the steps it ran
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -185,6 +194,7 @@ def make_result(
         backend=run.where.get("backend"),
         devices=list(run.where.get("devices", [])),
         fallback=run.where.get("fallback"),
+        start_step=run.start_step,
         **errors,
     )
 
