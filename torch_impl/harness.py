@@ -28,9 +28,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shared.checkpoint import Plan
 from shared.config import Config
 from shared.problem import make_problem
 from shared.results import Trained
+from torch_impl import checkpoint as ckpt
 from torch_impl import reference
 from torch_impl.launch import RankContext
 from torch_impl.model import optimizer_state_bytes, tensor_bytes
@@ -157,15 +159,22 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
         torch.cuda.synchronize(ctx.device)
         torch.cuda.reset_peak_memory_stats(ctx.device)
         baseline = torch.cuda.memory_allocated(ctx.device)
-    losses, step_times, grads0, comm, by_axis = [], [], None, {}, None
+    losses, step_times, grads0, comm, by_axis = [], [], [], {}, None
     meter = SavedTensorMeter(setup.params)
-    for k in range(cfg.steps):
+    session = ckpt.current()  # checkpoints (torch_impl/checkpoint.py): None unless a run asked
+    if session and session.probe:  # the pattern built from a checkpoint's moments: their layout, no step
+        raise ckpt.Probed([p.detach().clone() for p in ckpt.opt_params(setup.optimizer)])
+    start = session.start if session else 0
+    if session and (session.moments or session.plan):
+        where = f"torch {session.layout['pattern']} {session.layout['style']}/{session.layout['variant']}"
+        ckpt.restore(setup, session, where) if session.moments else ckpt.moments_fixture(setup, where)
+    for k in range(start, cfg.steps):
         last = k == cfg.steps - 1
         if setup.before_step:
             setup.before_step()
         with ctx.ledger.recording() if last else contextlib.nullcontext():
             t0 = time.perf_counter()
-            with meter.recording() if k == 0 else contextlib.nullcontext():
+            with meter.recording() if k == start else contextlib.nullcontext():
                 loss = setup.forward_backward()
             if k == 0:
                 grads0 = [g.detach().clone() for g in setup.grads()]  # local; gathered below
@@ -178,6 +187,10 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
         if k == 0:
             grads0 = (setup.grads_fixture or setup.fixture)(grads0)  # the check's gathers: outside every ledger
         losses.append(reported_loss(loss, setup.loss_reduction, setup.group))
+        if session:
+            ckpt.fault("step", k + 1, ctx.rank)  # the kill test: a rank dies after this step
+            if session.plan and session.plan.due(k + 1):
+                ckpt.save(cfg, ctx, setup, k + 1, session)
     state = setup.state() if setup.state else {
         "params": tensor_bytes(setup.params), "grads": tensor_bytes(g for g in setup.grads() if g is not None),
         "optimizer": optimizer_state_bytes(setup.optimizer)}
@@ -190,7 +203,8 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
         extra["peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device) - baseline  # this run's own
         extra["peak_bytes_baseline"] = baseline  # allocated when it began (not this run's)
     return Trained(losses=losses, grads0=grads0, params=setup.fixture(setup.params), step_times=step_times,
-                   comm=comm, comm_theory=setup.comm_theory, state_bytes=state, extra=extra, where=ctx.where)
+                   comm=comm, comm_theory=setup.comm_theory, state_bytes=state, extra=extra, where=ctx.where,
+                   start_step=start)
 
 
 def _reference(cfg: Config, device):
@@ -209,10 +223,12 @@ def _cached_reference(cfg: Config, device: str):
 def run_pattern(
     ctx: RankContext, pattern: str, cfgs: list[Config],
     variants: list[tuple[str, str]] | dict[Config, list[tuple[str, str]]] | None = None,
+    checkpoint: Plan | None = None,
 ) -> list[dict] | None:
     """Returns, on rank 0, one entry per config:
     ``{"cfg": cfg, "reference": Trained, "runs": [(style, variant, Trained), …]}``; None elsewhere.
-    ``variants``: the (style, variant)s to run (a dict: per config), default every one the pattern has."""
+    ``variants``: the (style, variant)s to run (a dict: per config), default every one the pattern has.
+    ``checkpoint``: saves and resumes (shared.checkpoint.Plan; torch_impl/checkpoint.py)."""
     module = importlib.import_module(f"torch_impl.{pattern}")
     out = []
     for cfg in cfgs:
@@ -226,7 +242,8 @@ def run_pattern(
         chosen = variants.get(cfg) if isinstance(variants, dict) else variants
         for style, variant in chosen or getattr(module, "variants", lambda c: module.VARIANTS)(cfg):
             ctx.progress(("start", f"{pattern} {cfg.model} {style}/{variant}"))
-            trained = module.train(cfg, problem, style, variant, ctx)
+            trained = ckpt.run(module, pattern, cfg, problem, style, variant, ctx, checkpoint) if checkpoint \
+                else module.train(cfg, problem, style, variant, ctx)
             ctx.progress(("done", 1))
             runs.append((style, variant, trained))
         out.append({"cfg": cfg, "reference": ref, "runs": runs})
