@@ -8,6 +8,8 @@
     python compare.py --mesh "dp=2,tp=2;fsdp=2,tp=2;tp=2,pp=2"   # several layouts, one launch each side
     python compare.py --model transformer --patterns ep --experts 8 --topk 2 --show-collectives ep  # MoE
     python compare.py bench --frameworks torch,jax      # nccl-tests-style bandwidth sweep
+    python compare.py --patterns fsdp --checkpoint-dir ckpt --checkpoint-every 2   # save; later add --resume
+    python compare.py checkpoint --json matrix.json     # save under each layout × framework, load under each
     python compare.py plan --layers 80 --dim 8192 --heads 64 --gpus 256   # rank layouts (docs/plan.md)
     torchrun --nproc_per_node=8 compare.py --frameworks torch --world-size 8   # join a torchrun launch
 
@@ -82,6 +84,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 SUBCOMMANDS = """subcommands (each has its own --help):
   compare.py bench   nccl-tests-style sweep of the collectives in both frameworks (algbw, busbw, α–β fit)
   compare.py plan    rank the layouts of a model on a GPU cluster: memory, bytes per axis, step time
+  compare.py checkpoint  save under each layout of both frameworks, load under each, continue (docs/checkpoint.md)
   compare.py doctor  on a GPU node: versions, CUDA majors, devices, NCCL, then small NCCL and JAX-on-GPU runs
 
 exit status: 0 every run agrees with its reference (and across frameworks); 1 a parity check or a run
@@ -145,8 +148,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-collectives", metavar="PATTERN", choices=PATTERNS[1:],
                    help=f"print, side by side, the collectives one step issues in each style of PATTERN "
                         f"({', '.join(PATTERNS[1:])}) instead of the parity table (default: the parity table)")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="save each run's model and AdamW state here (torch: DCP, JAX: Orbax; one folder per run, "
+                        "a checkpoint complete or absent; docs/checkpoint.md) (default: none)")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
+                   help="with --checkpoint-dir: save after every K optimizer steps (default: 1)")
+    p.add_argument("--resume", action="store_true",
+                   help="with --checkpoint-dir: continue each run from its newest complete checkpoint there "
+                        "(a run with none starts at step 0); JSON rows say start_step")
     p.add_argument("--quiet", action="store_true", help="no progress line (it is shown on a terminal only)")
     return p
+
+
+def checkpoint_plan(args, cfgs):
+    """The runs' shared.checkpoint.Plan (None without --checkpoint-dir). With --resume, the newest
+    complete checkpoint of every run folder in DIR is verified here, before any process starts:
+    files, checksums, model shapes (CheckpointError, a ValueError: one line, exit 2)."""
+    if args.checkpoint_dir is None:
+        if args.resume or args.checkpoint_every is not None:
+            raise ValueError("--resume and --checkpoint-every need --checkpoint-dir DIR")
+        return None
+    check_output_path("--checkpoint-dir", args.checkpoint_dir, directory=True)
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise ValueError(f"--checkpoint-every {args.checkpoint_every}: a number of steps >= 1")
+    from shared.checkpoint import Plan, latest, verify
+
+    if args.resume and os.path.isdir(args.checkpoint_dir):
+        for name in sorted(os.listdir(args.checkpoint_dir)):
+            path = latest(os.path.join(args.checkpoint_dir, name))
+            if path is None:
+                continue
+            saved = verify(path)["config"]
+            mine = [c for c in cfgs if c.model == saved.get("model") and c.experts == saved.get("experts")]
+            verify(path, mine[0] if mine else cfgs[0])  # a model of other shapes: its one line
+    return Plan(dir=args.checkpoint_dir, every=args.checkpoint_every or 1, resume=args.resume)
 
 
 def check_output_path(flag: str, path: str | None, directory: bool = False) -> None:
@@ -328,6 +363,10 @@ def main(argv=None) -> int:
         from planner import plan_main
 
         return plan_main(argv[1:])
+    if argv and argv[0] == "checkpoint":
+        from checkpoint_matrix import matrix_main
+
+        return matrix_main(argv[1:])
     if argv and argv[0] == "doctor":
         from doctor import doctor_main
 
@@ -347,6 +386,7 @@ def main(argv=None) -> int:
             simulate_host_devices(cfg.world_size)  # before JAX starts
         # --- end multi-process JAX ---
         check_devices(args.frameworks, cfg.world_size, args.device)
+        plan = checkpoint_plan(args, cfgs)
     except (ArgumentError, ValueError) as exc:
         print(f"compare.py: error: {exc}", file=sys.stderr)
         return 2
@@ -357,14 +397,15 @@ def main(argv=None) -> int:
     console = report.make_console(quiet=not rank0)
     t0 = time.perf_counter()
     if args.quiet or not rank0 or not console.is_terminal:  # progress on a terminal only
-        rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, None, args.timeout)
+        rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, None, args.timeout,
+                                          checkpoint=plan)
     else:
         from rich.live import Live
 
         progress = report.Progress(planned_runs(cfgs, args.patterns, args.frameworks))
         with Live(progress, console=console, refresh_per_second=4, transient=True):
             rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, progress.event,
-                                              args.timeout)
+                                              args.timeout, checkpoint=plan)
     elapsed = time.perf_counter() - t0
     ok = report.all_ok(rows, xfw, errors)
     if not rank0:

@@ -35,17 +35,18 @@ def planned_runs(cfgs, patterns, frameworks) -> dict[str, int]:
     return out
 
 
-def run_torch(cfgs, patterns, device, timeout_s, progress=None):
+def run_torch(cfgs, patterns, device, timeout_s, progress=None, checkpoint=None):
     """One launch for every pattern and model: per rank, {pattern: checks (collectives) | entries}.
     ``progress(event)``: rank 0's ("start", what) / ("done", runs) as they happen."""
     from torch_impl.harness import run_jobs
     from torch_impl.launch import launch
 
     jobs = [(p, cfgs_for(cfgs, p)) for p in patterns]
-    return launch(run_jobs, cfgs[0].world_size, jobs, device=device, timeout_s=timeout_s, progress=progress)
+    return launch(run_jobs, cfgs[0].world_size, jobs, checkpoint, device=device, timeout_s=timeout_s,
+                  progress=progress)
 
 
-def run_jax(cfgs, patterns, device, progress=None):
+def run_jax(cfgs, patterns, device, progress=None, checkpoint=None):
     from jax_impl import harness
     from jax_impl.devices import make_mesh
     from shared.collectives import NAMES
@@ -60,7 +61,8 @@ def run_jax(cfgs, patterns, device, progress=None):
             out[pattern] = collectives.check_all(make_mesh(cfgs[0].world_size, "x", device))
             progress(("done", len(NAMES)))
         else:
-            out[pattern] = harness.run_pattern(pattern, cfgs_for(cfgs, pattern), device=device, progress=progress)
+            out[pattern] = harness.run_pattern(pattern, cfgs_for(cfgs, pattern), device=device, progress=progress,
+                                               checkpoint=checkpoint)
     return out
 
 
@@ -94,7 +96,7 @@ def pattern_rows(pattern, framework, entry, other_ref):
             for style, variant, trained in entry["runs"]]
 
 
-def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0):
+def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, checkpoint=None):
     """Run everything; returns (rows, cross-framework reference comparisons, errors,
     {(pattern, model, framework): reference losses}). ``progress(framework, event)`` hears each
     framework start and each run start and finish."""
@@ -109,11 +111,11 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0):
             report(("start", "starting the ranks" if fw == "torch" else "starting JAX"))
         try:  # raw[fw][pattern]: the collectives' checks, or {model: the harness's entry}
             if fw == "torch":
-                per_rank = run_torch(cfgs, patterns, device, timeout_s, report)
+                per_rank = run_torch(cfgs, patterns, device, timeout_s, report, checkpoint)
                 raw[fw] = {p: ([r[p] for r in per_rank] if p == "collectives"
                                else dict(zip(models_of[p], per_rank[0][p], strict=True))) for p in patterns}
             else:
-                res = run_jax(cfgs, patterns, device, report)
+                res = run_jax(cfgs, patterns, device, report, checkpoint)
                 raw[fw] = {p: (res[p] if p == "collectives" else dict(zip(models_of[p], res[p], strict=True)))
                            for p in patterns}
         except Exception as exc:  # noqa: BLE001 - reported as a failed framework, exit 1

@@ -74,7 +74,11 @@ class Plan:
         """Save after ``done`` optimizer steps?"""
         return (self.every > 0 and done % self.every == 0) or done in self.save_at
 
-    def run_dir(self, framework: str, pattern: str, style: str, variant: str, model: str) -> str:
+    def run_dir(self, framework: str, pattern: str, style: str, variant: str, model) -> str:
+        """``model``: a Config (its model, and its layout for the mesh pattern: two layouts of one run
+        must not share a folder) or a name."""
+        if not isinstance(model, str):
+            model = f"{model.model} {model.mesh_name}" if model.mesh else model.model
         return os.path.join(self.dir, run_name(framework, pattern, style, variant, model))
 
     def source(self, run_dir: str) -> str | None:

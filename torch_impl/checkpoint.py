@@ -173,7 +173,7 @@ def run(module, pattern: str, cfg, problem, style: str, variant: str, ctx, plan:
     plan.source() names (the pattern rebuilt from its arrays, its moments probed, then trained on)."""
     layout = {"pattern": pattern, "style": style, "variant": variant, "world_size": ctx.world_size,
               "mesh": list(cfg.mesh)}
-    run_dir = plan.run_dir("torch", pattern, style, variant, cfg.model)
+    run_dir = plan.run_dir("torch", pattern, style, variant, cfg)
     path = plan.source(run_dir)
     if path is None:
         with session(Session(plan, run_dir, layout)) as s:

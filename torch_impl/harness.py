@@ -257,7 +257,8 @@ def run_collectives(ctx: RankContext) -> list[dict]:
     return [{**check, "where": ctx.where} for check in collectives.check_all(ctx)]  # platform, backend, devices
 
 
-def run_jobs(ctx: RankContext, jobs: list[tuple[str, list[Config]]]) -> dict[str, object]:
+def run_jobs(ctx: RankContext, jobs: list[tuple[str, list[Config]]], checkpoint: Plan | None = None
+             ) -> dict[str, object]:
     """Several patterns in one launch (compare.py): {pattern: run_pattern's or
     run_collectives' answer}. Collectives answer on every rank, patterns on rank 0."""
     out: dict[str, object] = {}
@@ -267,5 +268,5 @@ def run_jobs(ctx: RankContext, jobs: list[tuple[str, list[Config]]]) -> dict[str
             out[pattern] = run_collectives(ctx)
             ctx.progress(("done", len(out[pattern])))
         else:
-            out[pattern] = run_pattern(ctx, pattern, cfgs)
+            out[pattern] = run_pattern(ctx, pattern, cfgs, checkpoint=checkpoint)
     return out
