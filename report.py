@@ -17,6 +17,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from rich.markup import escape
+
 from shared.config import RECOMPUTE
 
 
@@ -328,7 +330,7 @@ def verdict_lines(rows, xfw, errors, frameworks, elapsed: float, console) -> boo
         if x.get("routing_mismatch"):
             console.print(f"[bold red]cross-framework {x['pattern']} ({x['model']})[/]: {x['routing_mismatch']}")
     for e in errors:
-        console.print(f"[bold red]error[/] {e}", highlight=False)
+        console.print(f"[bold red]error[/] {escape(e)}", highlight=False)  # a rank's traceback may hold "[/…]"
     failed = [r for r in rows if not row_ok(r)]
     ok = all_ok(rows, xfw, errors)
     verdict = (f"verdict: all {len(rows)} runs agree with their reference"
