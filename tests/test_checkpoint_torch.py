@@ -1,0 +1,167 @@
+"""Checkpoints, torch side (torch_impl/checkpoint.py): save with DCP under every pattern, resume bit for
+bit on the same layout, load under other layouts and world sizes, refuse what cannot load.
+
+One launch per world size runs every pattern's variants: each trains ``steps`` steps saving at half (the
+uninterrupted run), then resumes from that checkpoint (the same layout, the same arithmetic from the
+same state: the same bits, on any machine — no batch is split differently).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from shared.checkpoint import CheckpointError, Plan, read_dcp, read_state, verify
+from shared.config import Config
+from shared.problem import param_names
+from shared.results import parity, within
+from torch_impl.launch import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MLP = Config(world_size=2, layers=4, dim=16, batch=16, steps=4, dtype="float64")
+GPT = Config(world_size=2, model="transformer", layers=2, dim=16, heads=4, seq=8, vocab=32, batch=8, steps=4,
+             dtype="float64")
+DEFAULT = [("dp", MLP), ("fsdp", MLP), ("tp", MLP), ("pp", MLP)]
+SLOW = [("dp", GPT), ("fsdp", GPT), ("tp", GPT), ("pp", GPT), ("cp", GPT), ("ep", GPT.replace(experts=4))]
+
+
+def _save_and_resume(ctx, folder, jobs):
+    """Every (pattern, cfg): every variant saved at half, then resumed from it; rank 0's pairs."""
+    from torch_impl.harness import run_pattern
+
+    out = []
+    for pattern, cfg in jobs:
+        plan = Plan(dir=os.path.join(folder, pattern), save_at=(cfg.steps // 2,))
+        full = run_pattern(ctx, pattern, [cfg], checkpoint=plan)
+        resumed = run_pattern(ctx, pattern, [cfg], checkpoint=Plan(dir=plan.dir, resume=True))
+        if ctx.rank == 0:
+            out += [(pattern, cfg, s, v, a, b, full[0]["reference"])
+                    for (s, v, a), (_, _, b) in zip(full[0]["runs"], resumed[0]["runs"], strict=True)]
+    return out if ctx.rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("ckpt"))
+    return launch(_save_and_resume, 2, folder, DEFAULT)[0]
+
+
+def _check_pairs(pairs):
+    assert pairs
+    for pattern, cfg, style, variant, full, resumed, ref in pairs:
+        what = f"{pattern} {cfg.model} {style}/{variant}"
+        half = cfg.steps // 2
+        assert resumed.start_step == half and full.start_step == 0, what
+        assert resumed.losses == full.losses[half:], what  # bit for bit: same state, same arithmetic
+        assert all(np.array_equal(a, b) for a, b in zip(resumed.params, full.params, strict=True)), what
+        assert within(parity(resumed, ref), cfg.dtype), what  # and the resumed run against the reference
+        assert full.extra["checkpoints"][0]["step"] == half and resumed.extra["resumed_from"].endswith("step_000002")
+
+
+def test_resume_is_bitwise_under_every_pattern(pairs):
+    _check_pairs(pairs)
+    assert {(p, v) for p, _, _, v, *_ in pairs} >= {("dp", "zero1"), ("fsdp", "fsdp2"), ("tp", "dtensor")}
+
+
+@pytest.mark.slow
+def test_resume_is_bitwise_on_the_transformer_and_moe(tmp_path):
+    _check_pairs(launch(_save_and_resume, 2, str(tmp_path), SLOW)[0])
+
+
+def test_dcp_files_hold_the_canonical_state(pairs, tmp_path):
+    """One safetensors file per rank, each its Shard(0) chunk; NumPy reassembles the whole arrays, equal
+    to the run's parameters at the step saved, in fixture orientation."""
+    *_, full, _, _ = next(p for p in pairs if p[0] == "fsdp" and p[3] == "zero3")
+    path = full.extra["checkpoints"][0]["path"]
+    files = sorted(os.listdir(os.path.join(path, "dcp")))
+    assert files == ["shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]
+    info = verify(path, MLP)
+    assert info["step"] == 2 and info["writer"] == "dcp" and info["layout"]["variant"] == "zero3"
+    state = read_state(path, info)
+    state.check(MLP)
+    assert list(state.params) == param_names(MLP) or set(state.params) == set(param_names(MLP))
+    assert all(np.all(state.adam_v[n] >= 0) for n in state.adam_v)  # second moments
+    whole = read_dcp(os.path.join(path, "dcp"))
+    assert set(whole) == {f"{g}/{n}" for g in ("params", "adam_m", "adam_v") for n in param_names(MLP)}
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_refusals_name_the_file_and_the_mismatch(pairs, tmp_path):
+    *_, full, _, _ = next(p for p in pairs if p[0] == "dp" and p[3] == "naive")
+    src = full.extra["checkpoints"][0]["path"]
+    shard = "dcp/shard-00001-model-00001-of-00001.safetensors"
+    bad = _copy(src, tmp_path / "flipped" / "step_000002")
+    blob = bytearray((bad / shard).read_bytes())
+    blob[-3] ^= 0xFF
+    (bad / shard).write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match=r"shard-00001.*SHA-256 differs.*corrupted"):
+        verify(str(bad), MLP)
+    cut = _copy(src, tmp_path / "cut" / "step_000002")
+    (cut / shard).write_bytes((cut / shard).read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"shard-00001.*100 bytes, the manifest says .*truncated"):
+        verify(str(cut), MLP)
+    with pytest.raises(CheckpointError, match=r"manifest.json: saved with dim=16, this run has dim=32"):
+        verify(src, MLP.replace(dim=32))
+    with pytest.raises(CheckpointError, match=r"saved with model='mlp', this run has model='transformer'"):
+        verify(src, GPT)
+    gone = _copy(src, tmp_path / "noopt" / "step_000002")
+    info = json.loads((gone / "manifest.json").read_text())
+    info["optimizer"] = None
+    (gone / "manifest.json").write_text(json.dumps(info))
+    with pytest.raises(CheckpointError, match=r"no optimizer state"):
+        verify(str(gone), MLP)
+    state = read_state(src, verify(src, MLP))
+    with pytest.raises(CheckpointError, match=r"adam_m: no optimizer state"):
+        type(state)(step=2, params=state.params, adam_m={}, adam_v=state.adam_v).check(MLP, where=src)
+
+
+def _compare(*args, env=None):
+    return subprocess.run([sys.executable, "compare.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=600)
+
+
+def test_kill_in_a_save_then_resume_is_bitwise(tmp_path):
+    """compare.py --checkpoint-dir: rank 0 dies in the middle of saving step 2 (its files written, no
+    manifest); --resume skips that save, continues from step 1, and ends on the very bits of a run that
+    was never interrupted (its last checkpoint's arrays, every one)."""
+    args = ["--frameworks", "torch", "--patterns", "fsdp", "--model", "mlp", "--world-size", "2", "--steps", "4",
+            "--layers", "4", "--dim", "16", "--batch", "16", "--quiet"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    r = _compare(*args, "--checkpoint-dir", str(whole), "--json", str(tmp_path / "whole.json"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = _compare(*args, "--checkpoint-dir", str(cut), env={"PARALLEL_TWINS_FAULT": "step=2,phase=save,rank=0"})
+    assert r.returncode == 1, r.stdout + r.stderr
+    run = cut / "torch-fsdp-explicit-zero3-mlp"
+    assert sorted(os.listdir(run)) == [".tmp-step_000002", "step_000001"]  # the killed save: never complete
+    r = _compare(*args, "--checkpoint-dir", str(cut), "--resume", "--json", str(tmp_path / "cut.json"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text())["runs"] for n in ("whole", "cut"))
+    by = lambda rows: {(x["style"], x["variant"]): x for x in rows}
+    assert by(b)["explicit", "zero3"]["start_step"] == 1 and by(b)["builtin", "fsdp2"]["start_step"] == 0
+    for key, row in by(b).items():
+        assert row["losses"] == by(a)[key]["losses"][row["start_step"]:], key
+    for name in os.listdir(whole):
+        x, y = (read_dcp(os.path.join(d, name, "step_000004", "dcp")) for d in (whole, cut))
+        assert all(np.array_equal(x[k], y[k]) for k in x), name
+
+
+def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
+    args = ["--frameworks", "torch", "--patterns", "dp", "--model", "mlp", "--world-size", "2", "--steps", "2",
+            "--layers", "2", "--dim", "16", "--batch", "8", "--quiet", "--checkpoint-dir", str(tmp_path)]
+    assert _compare(*args).returncode == 0
+    r = _compare(*[a if a != "16" else "24" for a in args], "--resume")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "manifest.json: saved with dim=16, this run has dim=24" in r.stderr
+    r = _compare("--frameworks", "torch", "--resume")
+    assert r.returncode == 2 and "need --checkpoint-dir" in r.stderr
