@@ -58,15 +58,18 @@ def _run(framework, world, cfg, runs, device):
              ["runs"][0][2], e["reference"]) for key, pattern, style, variant, plan in runs]
 
 
-def matrix(cfg, frameworks, folder, device="cpu", say=print) -> list[dict]:
-    """The rows of the matrix (see the module docstring)."""
+def matrix(cfg, frameworks, folder, device="cpu", say=print) -> tuple[list[dict], dict]:
+    """The rows of the matrix (see the module docstring) and, per framework, what its saves cost:
+    {"bytes", "files" (per checkpoint), "save_s", "load_s" (medians)}."""
+    import numpy as np
+
     from shared.checkpoint import Plan
     from shared.results import parity, within
     from shared.tolerances import CROSS_FRAMEWORK_FACTOR
 
     half = cfg.steps // 2
     worlds = lambda fw: sorted({w or cfg.world_size for *_, w in LAYOUTS[fw].values()})
-    saved = {}  # (fw, name) -> checkpoint path
+    saved, cost = {}, {fw: {"bytes": [], "files": [], "save_s": [], "load_s": []} for fw in frameworks}
     for fw in frameworks:
         for world in worlds(fw):
             runs = [((fw, name), p, s, v, Plan(dir=os.path.join(folder, "save", f"{fw}-{name}"), save_at=(half,)))
@@ -74,7 +77,11 @@ def matrix(cfg, frameworks, folder, device="cpu", say=print) -> list[dict]:
             say(f"{fw}: training {half} steps and saving under {', '.join(k[1] for k, *_ in runs)} ({world} "
                 f"{'ranks' if fw == 'torch' else 'devices'})")
             for key, trained, _ in _run(fw, world, cfg.replace(world_size=world, steps=half), runs, device):
-                saved[key] = trained.extra["checkpoints"][-1]["path"]
+                done = trained.extra["checkpoints"][-1]
+                saved[key] = done["path"]
+                cost[fw]["bytes"].append(done["bytes"])
+                cost[fw]["save_s"].append(done["save_s"])
+                cost[fw]["files"].append(sum(len(f) for _, _, f in os.walk(done["path"])))
     rows = []
     for fw in frameworks:
         for world in worlds(fw):
@@ -85,6 +92,7 @@ def matrix(cfg, frameworks, folder, device="cpu", say=print) -> list[dict]:
                 f"and training to step {cfg.steps} ({world} {'ranks' if fw == 'torch' else 'devices'})")
             for ((sfw, sname), (lfw, lname)), trained, ref in _run(fw, world, cfg.replace(world_size=world), runs,
                                                                   device):
+                cost[fw]["load_s"].append(trained.extra["load_s"])
                 errs = parity(trained, ref)
                 err = max(errs["max_rel_err_loss"], errs["max_rel_err_param"])
                 factor = 1.0 if sfw == lfw else CROSS_FRAMEWORK_FACTOR
@@ -94,7 +102,7 @@ def matrix(cfg, frameworks, folder, device="cpu", say=print) -> list[dict]:
                              "losses": [float(x) for x in trained.losses], "max_rel_err": err,
                              "ok": trained.start_step == half and len(trained.losses) == cfg.steps - half
                              and within({"e": err}, cfg.dtype, factor)})
-    return rows
+    return rows, {fw: {k: float(np.median(v)) for k, v in c.items() if v} for fw, c in cost.items()}
 
 
 def print_matrix(rows, console) -> None:
@@ -120,7 +128,8 @@ def matrix_main(argv) -> int:
     p = argparse.ArgumentParser(prog="compare.py checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=MODELS, default="mlp")
     p.add_argument("--frameworks", default="torch,jax", help="comma list of torch, jax (default: both)")
-    p.add_argument("--world-size", type=int, default=2, metavar="N", help="ranks of every layout but single (default: 2)")
+    p.add_argument("--world-size", type=int, default=2, metavar="N",
+                   help="ranks of every layout but single (default: 2)")
     p.add_argument("--steps", type=int, default=4, metavar="S", help="save after S//2, continue to S (default: 4)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=32)
@@ -160,12 +169,18 @@ def matrix_main(argv) -> int:
     say = (lambda text: None) if args.quiet else (lambda text: console.print(text, highlight=False))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pt-ckpt-") as tmp:
-        rows = matrix(cfg, frameworks, args.dir or tmp, "cpu", say)
+        rows, cost = matrix(cfg, frameworks, args.dir or tmp, "cpu", say)
     print_matrix(rows, console)
+    for fw, c in cost.items():
+        from report import fmt_bytes
+
+        console.print(f"{fw} ({'DCP' if fw == 'torch' else 'Orbax'}): {fmt_bytes(int(c['bytes']))} in {c['files']:.0f} "
+                      f"files per checkpoint; save {c['save_s'] * 1e3:.0f} ms, load {c['load_s'] * 1e3:.0f} ms "
+                      "(medians; load: read, check, probe the moments' layout)", highlight=False)
     ok = all(r["ok"] for r in rows)
     bad = sum(not r["ok"] for r in rows)
     console.print(f"verdict: {'all' if ok else f'{bad} of'} {len(rows)} save → load pairs "
                   f"{'agree' if ok else 'failed'} ({time.perf_counter() - t0:.0f} s)", highlight=False)
     if args.json:
-        write_json(args.json, {"config": vars(cfg), "rows": rows, "ok": ok})
+        write_json(args.json, {"config": vars(cfg), "rows": rows, "cost": cost, "ok": ok})
     return 0 if ok else 1

@@ -35,6 +35,7 @@ BLOCKS = {  # name: the compare.py arguments it shows
     "mesh": ["--model", "transformer", "--mesh", "dp=2,tp=2,pp=2", "--show-collectives", "mesh"],
     "ep": ["--model", "transformer", "--show-collectives", "ep", "--experts", "8", "--topk", "2"],
     "plan": PLAN,
+    "checkpoint": ["checkpoint", "--model", "transformer"],
 }
 # The default run's rows the README shows (pattern, model, framework, style, variant); the rest: --json.
 EXCERPT = [

@@ -165,3 +165,34 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
     assert "manifest.json: saved with dim=16, this run has dim=24" in r.stderr
     r = _compare("--frameworks", "torch", "--resume")
     assert r.returncode == 2 and "need --checkpoint-dir" in r.stderr
+
+
+def _mesh_jobs(ctx, folder, cfgs):
+    """Every layout saved at half and resumed; then the first layout's checkpoint loaded under the others."""
+    from torch_impl.harness import run_pattern
+
+    plan = Plan(dir=folder, save_at=(cfgs[0].steps // 2,))
+    full = run_pattern(ctx, "mesh", cfgs, checkpoint=plan)
+    resumed = run_pattern(ctx, "mesh", cfgs, checkpoint=Plan(dir=folder, resume=True))
+    path = full[0]["runs"][0][2].extra["checkpoints"][0]["path"] if ctx.rank == 0 else None
+    obj = [path]
+    import torch.distributed as dist
+
+    dist.broadcast_object_list(obj, src=0)
+    moved = run_pattern(ctx, "mesh", cfgs[1:], checkpoint=Plan(dir=folder + "-moved", load=obj[0]))
+    if ctx.rank != 0:
+        return None
+    pairs = [("mesh", e["cfg"], s, v, a, b, e["reference"])
+             for e, r in zip(full, resumed) for (s, v, a), (_, _, b) in zip(e["runs"], r["runs"], strict=True)]
+    return pairs, [(e["cfg"], t, e["reference"]) for e in moved for *_, t in e["runs"]]
+
+
+@pytest.mark.slow
+def test_mesh_layouts_resume_bitwise_and_reshard(tmp_path):
+    base = GPT.replace(world_size=4, microbatches=2)
+    cfgs = [base.replace(mesh=m) for m in ((("dp", 2), ("tp", 2)), (("fsdp", 2), ("tp", 2)), (("pp", 2), ("tp", 2)))]
+    pairs, moved = launch(_mesh_jobs, 4, str(tmp_path / "mesh"), cfgs)[0]
+    _check_pairs(pairs)
+    assert len(moved) == 4
+    for cfg, trained, ref in moved:  # dp=2,tp=2's checkpoint continued under fsdp=2,tp=2 and pp=2,tp=2
+        assert trained.start_step == 2 and within(parity(trained, ref), cfg.dtype), cfg.mesh
