@@ -124,24 +124,26 @@ def check_layout(setup, what: str) -> None:
         raise _unlike(what)
 
 
-def restore(setup, start: int, mu, nu, what: str = "jax") -> tuple:
-    """setup.state with optax's mu / nu replaced by the probed moments (the pattern's layout: moved to
-    the shardings the optimizer state has) and count = start. Raises before any training."""
-    params, opt = setup.state[0], setup.state[1]
+def restore(setup, start: int, mu, nu, what: str = "jax", shardings=None) -> tuple:
+    """setup.state with optax's mu / nu replaced by the probed moments (the pattern's layout) and
+    count = start, placed as ``shardings`` (the compiled step's input shardings of its state: what the
+    uninterrupted run's step K received; default: where the state's own arrays are)."""
+    opt = setup.state[1]
     old = adam_state(opt, what)
+    where = adam_state(shardings[1], what) if shardings is not None else jax.tree.map(lambda a: a.sharding, old)
     to_local = setup.moments[0] if setup.moments else (lambda t: t)
 
-    def place(probe, have):
+    def place(probe, have, at):
         probe = to_local(probe)
         if not _like(probe, have):
             raise _unlike(what)
-        return jax.tree.map(lambda p, h: jax.device_put(jnp.asarray(p, h.dtype), h.sharding), probe, have)
+        return jax.tree.map(lambda p, h, w: jax.device_put(jnp.asarray(p, h.dtype), w), probe, have, at)
 
-    count = jax.device_put(jnp.asarray(start, old.count.dtype), old.count.sharding)
-    new = optax.ScaleByAdamState(count=count, mu=place(mu, old.mu), nu=place(nu, old.nu))
+    count = jax.device_put(np.asarray(start, old.count.dtype), where.count)
+    new = optax.ScaleByAdamState(count=count, mu=place(mu, old.mu, where.mu), nu=place(nu, old.nu, where.nu))
     opt = jax.tree.map(lambda x: new if isinstance(x, optax.ScaleByAdamState) else x, opt,
                        is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
-    return (params, opt, *setup.state[2:])
+    return (setup.state[0], opt, *setup.state[2:])
 
 
 # --- save ----------------------------------------------------------------------------------------

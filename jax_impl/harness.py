@@ -97,12 +97,13 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
     s, start = checkpoints.current(), 0  # no session (no --checkpoint-dir): nothing below changes
     if s is not None and s.probe:  # the pattern's layout of a moment (jax_impl/checkpoint.py), nothing run
         raise checkpoints.Probed(setup.state[0])
-    if s is not None and s.mu is not None:
-        setup.state, start = checkpoints.restore(setup, s.start, s.mu, s.nu, s.what), s.start
-    elif s is not None and (s.plan.every or s.plan.save_at):
+    if s is not None and (s.mu is not None or s.plan.every or s.plan.save_at):
         checkpoints.check_layout(setup, s.what)  # refused before training, not at the first save
     compiled = setup.step.lower(*setup.state, *setup.batch).compile(  # outside the timed loop
         compiler_options=setup.compiler_options)
+    if s is not None and s.mu is not None:  # resumed: the same program as from step 0, its state placed as
+        placed = compiled.input_shardings[0][:len(setup.state)]  # that program takes it (as at step K)
+        setup.state, start = checkpoints.restore(setup, s.start, s.mu, s.nu, s.what, placed), s.start
     comm = comm_from_hlo(compiled.as_text())  # the collectives XLA put in the step
     state, losses, step_times, grads0 = tuple(setup.state), [], [], None if start == 0 else []
     recorded = {name: [] for name in setup.per_step}

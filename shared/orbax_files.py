@@ -34,7 +34,8 @@ def orbax_keys(folder: str) -> list[tuple[str, ...]]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path}: unreadable Orbax metadata ({type(exc).__name__}: {exc})") from None
     if meta.get("use_ocdbt"):
-        raise CheckpointError(f"{path}: an OCDBT checkpoint; this reader takes use_ocdbt=False (one zarr folder per array)")
+        raise CheckpointError(f"{path}: an OCDBT checkpoint; this reader takes use_ocdbt=False "
+                              "(one zarr folder per array)")
     return keys
 
 
