@@ -155,6 +155,21 @@ def _writer():
     return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=False)), ocp.args.PyTreeSave
 
 
+def orbax_restore(folder: str, devices) -> dict:
+    """Orbax's own restore of ``folder`` (a checkpoint's ``orbax/``) onto ``devices``, each array
+    split on dim 0 where it divides: Orbax reads every device's box from whichever chunks cover it,
+    so the saver's sharding and this one are independent. {group: {name: jax.Array}}."""
+    import orbax.checkpoint as ocp
+
+    checkpointer, _ = _writer()
+    mesh = Mesh(np.asarray(devices), ("d",))
+    meta = checkpointer.metadata(folder).item_metadata.tree
+    spec = lambda m: P("d") if len(m.shape) and m.shape[0] % mesh.devices.size == 0 else P()
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=NamedSharding(mesh, spec(m))), meta)
+    return checkpointer.restore(folder, args=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+
+
 def _placed(a: np.ndarray, mesh: Mesh) -> jax.Array:
     n = mesh.devices.size
     spec = P("d") if a.ndim and a.shape[0] % n == 0 else P()  # row blocks, one per device, where they divide
