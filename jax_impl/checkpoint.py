@@ -41,7 +41,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shared.checkpoint import CheckpointError, Plan, aside, commit, fault, manifest, read_state, verify
+from shared.checkpoint import CheckpointError, Plan, aside, commit, fault, manifest, read_state, step_name, verify
 from shared.problem import param_names
 
 
@@ -173,7 +173,15 @@ def orbax_restore(folder: str, devices) -> dict:
 def _placed(a: np.ndarray, mesh: Mesh) -> jax.Array:
     n = mesh.devices.size
     spec = P("d") if a.ndim and a.shape[0] % n == 0 else P()  # row blocks, one per device, where they divide
-    return jax.device_put(a, NamedSharding(mesh, spec))
+    # every process holds the whole array: each device takes its block (its own process's devices only)
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda index: a[index])
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:  # several JAX processes (jax_impl/launch.py): one writes the folders
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def save(cfg, setup, state: tuple, done: int, s: Session) -> str:
@@ -193,11 +201,15 @@ def save(cfg, setup, state: tuple, done: int, s: Session) -> str:
     names = param_names(cfg)
     tree = {g: {n: _placed(np.asarray(a, dtype), mesh) for n, a in zip(names, arrays, strict=True)}
             for g, arrays in canon.items()}
-    tmp = aside(s.run_dir, done)
+    lead = jax.process_index() == 0
+    tmp = aside(s.run_dir, done) if lead else os.path.join(s.run_dir, ".tmp-" + step_name(done))
+    _sync(f"aside {tmp}")
     checkpointer, args = _writer()
     checkpointer.save(os.path.join(tmp, "orbax"), args=args(tree))  # synchronous: written when it returns
-    fault("save", done)
-    final = commit(tmp, manifest(cfg, done, "jax", "orbax", s.layout))
+    fault("save", done, jax.process_index())
+    final = commit(tmp, manifest(cfg, done, "jax", "orbax", s.layout)) if lead else \
+        os.path.join(s.run_dir, step_name(done))
+    _sync(f"commit {final}")
     size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(final) for f in fs)
     s.saved.append({"step": done, "path": final, "bytes": size, "save_s": time.perf_counter() - t0})
     return final

@@ -119,7 +119,7 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
         if k == 0:
             grads0 = setup.grads_fixture(grads)
         if s is not None:
-            checkpoints.fault("step", k + 1)
+            checkpoints.fault("step", k + 1, jax.process_index())
             if s.plan.due(k + 1):
                 checkpoints.save(cfg, setup, tuple(state), k + 1, s)
     state = tuple(state)

@@ -72,11 +72,11 @@ def test_dp_resume_is_bitwise(dp_saved):
 
 
 @pytest.mark.parametrize("pattern, cfg, variants", [
-    ("dp", MLP.replace(world_size=1), [("shard_map", "dp"), ("jit", "zero1")]),  # the single device
-    ("dp", MLP.replace(world_size=2), [("shard_map", "zero1")]),
-    ("fsdp", MLP, [("shard_map", "zero3"), ("jit", "zero2")]),
-    ("tp", MLP, [("shard_map", "megatron"), ("jit", "allgather")]),
-    ("pp", MLP, [("shard_map", "1f1b"), ("jit", "circular")]),
+    pytest.param("dp", MLP.replace(world_size=1), [("shard_map", "dp"), ("jit", "zero1")], id="one-device"),
+    pytest.param("dp", MLP.replace(world_size=2), [("shard_map", "zero1")], id="dp2"),
+    pytest.param("fsdp", MLP, [("shard_map", "zero3"), ("jit", "zero2")], id="fsdp4"),
+    pytest.param("tp", MLP, [("shard_map", "megatron"), ("jit", "allgather")], id="tp4"),
+    pytest.param("pp", MLP, [("shard_map", "1f1b"), ("jit", "circular")], id="pp4"),
 ])
 def test_load_under_another_layout(dp_saved, tmp_path, pattern, cfg, variants):
     """(b) The canonical state is layout-free: each pattern places it its own way."""
@@ -232,13 +232,14 @@ def test_moments_unlike_params_refused():
 # --- the heavier tier ------------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pattern, cfg", [
+@pytest.mark.parametrize("pattern, cfg", [pytest.param(p, c, id=f"{p}-{c.model}{'-' + c.mesh_name if c.mesh else ''}")
+                                          for p, c in [
     ("fsdp", MLP), ("tp", MLP), ("pp", MLP), ("dp", TRANSFORMER), ("fsdp", TRANSFORMER), ("tp", TRANSFORMER),
     ("pp", TRANSFORMER), ("cp", TRANSFORMER),
     ("ep", TRANSFORMER.replace(world_size=2, layers=2, seq=8, experts=4, topk=2)),
     ("mesh", TRANSFORMER.replace(mesh=parse_mesh("fsdp=2,tp=2"))),
     ("mesh", TRANSFORMER.replace(mesh=parse_mesh("pp=2,tp=2"))),
-])
+]])
 def test_every_pattern_resumes_bitwise(tmp_path, pattern, cfg):
     resumed_bitwise(tmp_path, pattern, cfg)
 
