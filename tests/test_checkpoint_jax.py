@@ -10,7 +10,8 @@
 (d) refusals before any training: a flipped byte (verify names the file), a truncated file, another
     model size, no optimizer state; an incomplete save is never chosen by resume (a .tmp- folder; a
     process SIGKILLed in the middle of a save, then resumed: bitwise equal to the uninterrupted run);
-(e) moments laid out unlike the parameters: refused with one line.
+(e) moments laid out unlike the parameters: refused with one line;
+-m slow also: 2 JAX processes (jax_impl.launch) save and resume bitwise, one process resumes ≤ 1e-12.
 """
 
 from __future__ import annotations
@@ -258,3 +259,27 @@ def test_transformer_loads_under_every_layout(tmp_path):
             # float64, other summation orders: 1e-12 (shared/tolerances.py)
             assert rel_err(r.losses, ref.losses[HALF:]) <= FLOAT64, (pattern, style, variant)
             assert rel_err(r.params, ref.params) <= FLOAT64, (pattern, style, variant)
+
+
+def _job(pattern, cfg, variants, plan):
+    """Run by every process of a jax_impl.launch job (picklable: module level)."""
+    from jax_impl import harness
+
+    return harness.run_pattern(pattern, [cfg], variants, checkpoint=plan)[0]["runs"]
+
+
+@pytest.mark.slow
+def test_several_processes_save_and_resume(tmp_path):
+    """2 JAX processes × 2 devices (jax.distributed): process 0 writes the folders, Orbax each
+    process's shards; resumed by 2 processes: bitwise; by one process with 4 devices: ≤ 1e-12."""
+    from jax_impl.launch import launch
+
+    variants = [("shard_map", "zero1")]
+    a = launch(_job, 2, 2, "dp", MLP, variants, Plan(str(tmp_path), save_at=(HALF,)), timeout_s=300)[0][2]
+    b = launch(_job, 2, 2, "dp", MLP, variants, Plan(str(tmp_path), resume=True), timeout_s=300)[0][2]
+    assert b.start_step == HALF and b.losses == a.losses[HALF:]
+    assert all(np.array_equal(x, y) for x, y in zip(a.params, b.params, strict=True))
+    c = _job("dp", MLP, variants, Plan(str(tmp_path), resume=True))[0][2]
+    # float64; gloo's cross-process reductions sum in another order than one process's: 1e-12
+    assert c.start_step == HALF and rel_err(c.losses, a.losses[HALF:]) <= FLOAT64
+    assert rel_err(c.params, a.params) <= FLOAT64
