@@ -16,8 +16,13 @@ How it reshards on load: the canonical state is layout-free, so loading under an
 pattern's own placement of fixture arrays. The parameters go in as ``problem.params``; each moment
 goes through a PROBE of the same pattern (its ``train`` with the moment as its "parameters", stopped
 by harness.train_loop before compiling with ``Probed``) which hands back the moment in the pattern's
-local layout and shardings; ``restore`` puts those into optax's state, with ``count`` = step. So the
-sharding of the saver (Orbax's chunks) and of the loader are independent: dp → tp, pp, one device.
+local layout; ``restore`` puts those into optax's state (``count`` = step) with the shardings the
+compiled step takes (``compiled.input_shardings``: the program is the one compiled from step 0, so a
+resumed run on the same layout is bitwise the uninterrupted one). The saver's sharding (Orbax's
+chunks) and the loader's are independent: dp → fsdp, tp, pp, cp, mesh, one device. Moments laid
+out unlike the parameters need ``Setup.moments`` (ZeRO-1 shard_map's flat vector has it); without it
+a run is refused before training. Several JAX processes: process 0 writes the folders, barriers
+around Orbax's (collective) save.
 
 Cross-framework mapping: the names are torch's ``named_parameters()``; every matrix in fixture
 orientation ``x @ W`` (torch's nn.Linear weight is Wᵀ; the torch side transposes); ``adam_m`` = optax

@@ -10,6 +10,11 @@ mesh the pattern trains on (its axis names are the pattern's: "dp", "tp", "pp").
 ``train`` builds a ``Setup`` and hands it to ``train_loop``, the one training loop every pattern
 and model goes through (compile once, the HLO ledger, timing, losses, step-0 gradients, final
 parameters, state bytes), as torch_impl.harness.train_loop does on the torch side.
+
+Checkpoints (``run_pattern(..., checkpoint=Plan)``, jax_impl/checkpoint.py): each run goes through
+``checkpoint.run``, and ``train_loop`` reads its session — a probe stops before compiling (the
+pattern's layout of a moment), a resumed run starts at step K with optax's state restored, and a
+save follows every step the plan names. Without a plan there is no session: nothing changes.
 """
 
 from __future__ import annotations
