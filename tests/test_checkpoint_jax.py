@@ -235,7 +235,8 @@ def test_moments_unlike_params_refused():
 @pytest.mark.slow
 @pytest.mark.parametrize("pattern, cfg", [pytest.param(p, c, id=f"{p}-{c.model}-{c.dtype}"
                                                       f"{'-' + c.mesh_name if c.mesh else ''}") for p, c in [
-    ("dp", MLP.replace(dtype="float32")), ("dp", MLP.replace(dtype="bfloat16")), ("fsdp", MLP), ("tp", MLP), ("pp", MLP), ("dp", TRANSFORMER), ("fsdp", TRANSFORMER), ("tp", TRANSFORMER),
+    ("dp", MLP.replace(dtype="float32")), ("dp", MLP.replace(dtype="bfloat16")),
+    ("fsdp", MLP), ("tp", MLP), ("pp", MLP), ("dp", TRANSFORMER), ("fsdp", TRANSFORMER), ("tp", TRANSFORMER),
     ("pp", TRANSFORMER), ("cp", TRANSFORMER),
     ("ep", TRANSFORMER.replace(world_size=2, layers=2, seq=8, experts=4, topk=2)),
     ("mesh", TRANSFORMER.replace(mesh=parse_mesh("fsdp=2,tp=2"))),
