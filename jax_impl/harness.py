@@ -10,6 +10,11 @@ mesh the pattern trains on (its axis names are the pattern's: "dp", "tp", "pp").
 ``train`` builds a ``Setup`` and hands it to ``train_loop``, the one training loop every pattern
 and model goes through (compile once, the HLO ledger, timing, losses, step-0 gradients, final
 parameters, state bytes), as torch_impl.harness.train_loop does on the torch side.
+
+Checkpoints (``run_pattern(..., checkpoint=Plan)``, jax_impl/checkpoint.py): each run goes through
+``checkpoint.run``, and ``train_loop`` reads its session — a probe stops before compiling (the
+pattern's layout of a moment), a resumed run starts at step K with optax's state restored, and a
+save follows every step the plan names. Without a plan there is no session: nothing changes.
 """
 
 from __future__ import annotations
@@ -22,13 +27,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jax_impl import checkpoint as checkpoints  # (run_pattern's argument is named checkpoint)
 from jax_impl import reference, transformer
 from jax_impl.devices import devices
 from jax_impl.devices import where as devices_where
 from jax_impl.ledger import comm_by_axis, comm_from_hlo
 from jax_impl.model import fetch, to_numpy, tree_bytes
+from shared.checkpoint import Plan
 from shared.config import Config
 from shared.problem import make_problem
 from shared.results import Trained
@@ -61,6 +69,9 @@ class Setup:
     # Names of extra step outputs after ``grads`` (e.g. ep's ("expert_load",)): the step returns
     # (*state, loss, grads, *outputs) and extra[name] = that output of every step, stacked (NumPy).
     per_step: tuple[str, ...] = ()
+    # Checkpoints (jax_impl/checkpoint.py), where the AdamW moments are NOT laid out like ``state[0]``:
+    # (to_local(params-like tree) -> the moments' layout, to_params(moments) -> a params-like tree).
+    moments: tuple[Callable, Callable] | None = None
 
 
 def leaves_fixture(tree, names=None) -> list[np.ndarray]:
@@ -78,18 +89,30 @@ def trainer_setup(trainer, batch: tuple) -> Setup:
     from jax_impl.model import named_params
 
     fixture = lambda flat: [to_numpy(a) for a in named_params(trainer.module(flat)).values()]
+    moments = None
+    if getattr(trainer, "variant", None) == "zero1" and trainer.style == "shard_map":  # one flat (Φ_pad,) vector
+        moments = (trainer._flatten, lambda flat: trainer._unflatten(jnp.asarray(fetch(flat))))
     return Setup(step=trainer.step, state=trainer.state, batch=batch,
                  grads_fixture=lambda g: fixture(trainer.full_grads(g)),
-                 params_fixture=lambda state: fixture(state[0]), compiler_options=trainer.compiler_options)
+                 params_fixture=lambda state: fixture(state[0]), compiler_options=trainer.compiler_options,
+                 moments=moments)
 
 
 def train_loop(cfg: Config, setup: Setup) -> Trained:
+    s, start = checkpoints.current(), 0  # no session (no --checkpoint-dir): nothing below changes
+    if s is not None and s.probe:  # the pattern's layout of a moment (jax_impl/checkpoint.py), nothing run
+        raise checkpoints.Probed(setup.state[0])
+    if s is not None and (s.mu is not None or s.plan.every or s.plan.save_at):
+        checkpoints.check_layout(setup, s.what)  # refused before training, not at the first save
     compiled = setup.step.lower(*setup.state, *setup.batch).compile(  # outside the timed loop
         compiler_options=setup.compiler_options)
+    if s is not None and s.mu is not None:  # resumed: the same program as from step 0, its state placed as
+        placed = compiled.input_shardings[0][:len(setup.state)]  # that program takes it (as at step K)
+        setup.state, start = checkpoints.restore(setup, s.start, s.mu, s.nu, s.what, placed), s.start
     comm = comm_from_hlo(compiled.as_text())  # the collectives XLA put in the step
-    state, losses, step_times, grads0 = tuple(setup.state), [], [], None
+    state, losses, step_times, grads0 = tuple(setup.state), [], [], None if start == 0 else []
     recorded = {name: [] for name in setup.per_step}
-    for k in range(cfg.steps):
+    for k in range(start, cfg.steps):
         t0 = time.perf_counter()
         out = compiled(*state, *setup.batch)
         *state, loss, grads = out[:len(out) - len(setup.per_step)]
@@ -100,6 +123,10 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
         losses.append(float(np.mean(to_numpy(loss))))  # a vector: the mean of N local losses
         if k == 0:
             grads0 = setup.grads_fixture(grads)
+        if s is not None:
+            checkpoints.fault("step", k + 1, jax.process_index())
+            if s.plan.due(k + 1):
+                checkpoints.save(cfg, setup, tuple(state), k + 1, s)
     state = tuple(state)
     state_bytes = setup.state_bytes(state) if setup.state_bytes else {
         "params": tree_bytes(state[0], per_device=True), "grads": tree_bytes(state[0], per_device=True),
@@ -113,7 +140,7 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
     placed = sorted({d for leaf in jax.tree.leaves(state) for d in leaf.sharding.device_set}, key=lambda d: d.id)
     return Trained(losses=losses, grads0=grads0, params=setup.params_fixture(state), step_times=step_times,
                    comm=comm, comm_theory=setup.comm_theory, state_bytes=state_bytes, extra=extra,
-                   where=devices_where(placed))
+                   where=devices_where(placed), start_step=start)
 
 
 def _reference(cfg: Config, device: str):
@@ -131,10 +158,12 @@ def _cached_reference(cfg: Config, device: str):
 
 def run_pattern(
     pattern: str, cfgs: list[Config], variants: list[tuple[str, str]] | None = None, device: str = "auto",
-    progress=None,
+    progress=None, checkpoint: Plan | None = None,
 ) -> list[dict]:
     """One entry per config: ``{"cfg", "reference": Trained, "runs": [(style, variant, Trained)]}``.
-    ``progress(event)`` hears ("start", what) before each run and ("done", 1) after it."""
+    ``progress(event)`` hears ("start", what) before each run and ("done", 1) after it. ``checkpoint``
+    (a shared.checkpoint.Plan): every run saves / resumes through jax_impl.checkpoint.run."""
+    plan = checkpoint
     module = importlib.import_module(f"jax_impl.{pattern}")
     progress = progress or (lambda event: None)
     out = []
@@ -148,7 +177,8 @@ def run_pattern(
         with transformer.recomputing(cfg.recompute):  # every block traced in the steps below (not the reference)
             for style, variant in variants or getattr(module, "variants", lambda c: module.VARIANTS)(cfg):
                 progress(("start", f"{pattern} {cfg.model} {style}/{variant}"))
-                runs.append((style, variant, module.train(cfg, problem, style, variant, mesh)))
+                runs.append((style, variant, module.train(cfg, problem, style, variant, mesh) if plan is None else
+                             checkpoints.run(module, pattern, cfg, problem, style, variant, mesh, plan)))
                 progress(("done", 1))
         out.append({"cfg": cfg, "reference": ref, "runs": runs})
     return out
