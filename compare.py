@@ -171,17 +171,18 @@ def checkpoint_plan(args, cfgs):
     check_output_path("--checkpoint-dir", args.checkpoint_dir, directory=True)
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise ValueError(f"--checkpoint-every {args.checkpoint_every}: a number of steps >= 1")
-    from shared.checkpoint import Plan, latest, verify
+    from shared.checkpoint import Plan, verify
 
+    plan = Plan(dir=args.checkpoint_dir, every=args.checkpoint_every or 1, resume=args.resume)
     if args.resume and os.path.isdir(args.checkpoint_dir):
         for name in sorted(os.listdir(args.checkpoint_dir)):
-            path = latest(os.path.join(args.checkpoint_dir, name))
+            path = plan.source(os.path.join(args.checkpoint_dir, name), cfgs[0].steps)  # the one it would load
             if path is None:
                 continue
             saved = verify(path)["config"]
             mine = [c for c in cfgs if c.model == saved.get("model") and c.experts == saved.get("experts")]
             verify(path, mine[0] if mine else cfgs[0])  # a model of other shapes: its one line
-    return Plan(dir=args.checkpoint_dir, every=args.checkpoint_every or 1, resume=args.resume)
+    return plan
 
 
 def check_output_path(flag: str, path: str | None, directory: bool = False) -> None:

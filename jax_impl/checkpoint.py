@@ -154,7 +154,12 @@ def restore(setup, start: int, mu, nu, what: str = "jax", shardings=None) -> tup
 # --- save ----------------------------------------------------------------------------------------
 
 def _writer():
+    import logging
+
     import orbax.checkpoint as ocp
+
+    # Orbax warns on every save without OCDBT that it has no OCDBT subfolders to merge: expected here
+    logging.getLogger("absl").setLevel(logging.ERROR)
 
     # zarr v2, one folder per array, no OCDBT: the simplest layout on disk (shared.orbax_files reads it)
     return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=False)), ocp.args.PyTreeSave
@@ -239,17 +244,17 @@ def _probe(module, cfg, problem, moment: dict, style, variant, mesh, fields: dic
 def run(module, pattern: str, cfg, problem, style: str, variant: str, mesh, plan: Plan):
     """One (style, variant) run of ``module`` under ``plan``: from ``plan.source`` (verified, checked,
     resharded by probes) or from step 0; saving when ``plan.due``. Returns its Trained."""
-    run_dir = plan.run_dir("jax", pattern, style, variant, cfg.model)
+    run_dir = plan.run_dir("jax", pattern, style, variant, cfg)
     layout = {"pattern": pattern, "style": style, "variant": variant, "world_size": cfg.world_size,
               "mesh": {k: int(v) for k, v in dict(mesh.shape).items()}}
     fields = {"plan": plan, "run_dir": run_dir, "layout": layout, "devices": tuple(mesh.devices.flat)}
-    path, start, mu, nu, load_s = plan.source(run_dir), 0, None, None, None
+    path, start, mu, nu, load_s = plan.source(run_dir, cfg.steps), 0, None, None, None
     if path:
         t0 = time.perf_counter()
         info = verify(path, cfg)
         state = read_state(path, info)
         state.check(cfg, where=path)
-        if state.step > cfg.steps:
+        if state.step >= cfg.steps:
             raise CheckpointError(f"{path}: saved after step {state.step}, this run has --steps {cfg.steps}")
         mu = _probe(module, cfg, problem, state.adam_m, style, variant, mesh, fields)
         nu = _probe(module, cfg, problem, state.adam_v, style, variant, mesh, fields)

@@ -81,10 +81,14 @@ class Plan:
             model = f"{model.model} {model.mesh_name}" if model.mesh else model.model
         return os.path.join(self.dir, run_name(framework, pattern, style, variant, model))
 
-    def source(self, run_dir: str) -> str | None:
+    def source(self, run_dir: str, steps: int | None = None) -> str | None:
         """The checkpoint this run starts from: ``load``, else (with ``resume``) the newest complete
-        one in ``run_dir``, else None (from step 0)."""
-        return self.load or (latest(run_dir) if self.resume else None)
+        one in ``run_dir`` that leaves steps to run (before ``steps``: a run that had finished runs its
+        last stretch again, from its last checkpoint before the end), else None (from step 0)."""
+        if self.load or not self.resume:
+            return self.load
+        found = [path for step, path in complete(run_dir) if steps is None or step < steps]
+        return found[-1] if found else None
 
 
 FAULT_ENV = "PARALLEL_TWINS_FAULT"

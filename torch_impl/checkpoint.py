@@ -174,7 +174,7 @@ def run(module, pattern: str, cfg, problem, style: str, variant: str, ctx, plan:
     layout = {"pattern": pattern, "style": style, "variant": variant, "world_size": ctx.world_size,
               "mesh": list(cfg.mesh)}
     run_dir = plan.run_dir("torch", pattern, style, variant, cfg)
-    path = plan.source(run_dir)
+    path = plan.source(run_dir, cfg.steps)
     if path is None:
         with session(Session(plan, run_dir, layout)) as s:
             trained = module.train(cfg, problem, style, variant, ctx)
@@ -182,6 +182,9 @@ def run(module, pattern: str, cfg, problem, style: str, variant: str, ctx, plan:
         return trained
     t0 = time.perf_counter()
     state = load(path, cfg, ctx)
+    if state.step >= cfg.steps:
+        raise CheckpointError(f"{path}: saved after step {state.step}, this run has --steps {cfg.steps}: "
+                              "nothing left to run")
     ordered = lambda group: {n: group[n] for n in param_shapes(cfg)}  # Problem.params: named_parameters() order
     moments = []
     for group in (state.adam_m, state.adam_v):
