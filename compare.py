@@ -440,6 +440,12 @@ def main(argv=None) -> int:
         report.recompute_lines(rows, cfgs, console)
     if "pp" in args.patterns and not args.show_collectives:
         report.pp_bubble_lines(rows, console)
+    resumed = [r for r in rows if r.start_step]
+    if resumed:  # --resume: say which rows ran only part of the steps
+        starts = ", ".join(f"{s} ({n})" for s, n in sorted(
+            {s: sum(r.start_step == s for r in resumed) for s in {r.start_step for r in resumed}}.items()))
+        console.print(f"resumed: {len(resumed)} of {len(rows)} runs continued from a checkpoint, at step {starts}; "
+                      "their losses and errors cover the steps they ran", highlight=False)
     report.verdict_lines(rows, xfw, errors, args.frameworks, elapsed, console)
     if args.plots:
         from bench import run_bench
