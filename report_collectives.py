@@ -12,10 +12,99 @@ from shared.config import parse_mesh
 
 
 def collectives_table(rows, pattern, console) -> None:
-    """The SPMD-vs-explicit contrast: what one training step communicates in each style, per model."""
+    """The SPMD-vs-explicit contrast: what one training step communicates in each style, per model:
+    the five styles side by side (``five_styles``), then every row with theory."""
     rows = [r for r in rows if r.pattern == pattern]
     for model in dict.fromkeys(r.model for r in rows):
-        _collectives_table([r for r in rows if r.model == model], pattern, model, console)
+        mine = [r for r in rows if r.model == model]
+        five_styles(mine, pattern, model, console)
+        _collectives_table(mine, pattern, model, console)
+
+
+# The five ways of writing one layout, as columns: (framework, style) -> heading.
+STYLE_COLUMNS = {("torch", "explicit"): "torch dist.*", ("torch", "builtin"): "DTensor/builtin",
+                 ("jax", "shard_map"): "shard_map", ("jax", "typed"): "typed", ("jax", "jit"): "jit"}
+# Variants that are one idea under another name: torch's builtin twins and the bucketed DDP.
+IDEA = {"ddp": "dp", "bucketed": "dp", "fsdp2": "zero3", "dtensor": "megatron", "dtensor_sp": "megatron_sp",
+        "circular": "gpipe"}
+# What a layout change stated in types needs (typed.moves) and the collective that does it.
+MOVE_OP = {"gather": "all_gather", "reduce": "all_reduce", "reduce-scatter": "reduce_scatter",
+           "all-to-all": "all_to_all"}
+
+
+def five_styles(rows, pattern, model, console) -> None:
+    """One table per model: a row per (idea, collective), a column per way of writing it — torch's
+    hand-written dist.* calls, DTensor (torch's builtin), shard_map, sharding in types, jit — and
+    under it, for the typed style, the layout changes the program stated next to what XLA issued."""
+    from rich.table import Table
+
+    cell = {}
+    for r in rows:
+        col = STYLE_COLUMNS.get((r.framework, r.style))
+        if col:
+            cell.setdefault((IDEA.get(r.variant, r.variant), col), r)
+    ideas = list(dict.fromkeys(idea for idea, _ in cell))
+    cols = [c for c in STYLE_COLUMNS.values() if any(k[1] == c for k in cell)]
+    if not ideas:
+        return
+    table = Table(title=f"one {pattern} step on the {model}, five ways of writing it (per rank: count × payload)")
+    table.add_column("idea", no_wrap=True)
+    table.add_column("collective", no_wrap=True)
+    for c in cols:
+        table.add_column(c, justify="right", no_wrap=True)
+    for idea in ideas:
+        here = {c: cell.get((idea, c)) for c in cols}
+        ops = sorted({op for r in here.values() if r for op in r.comm})
+        for i, op in enumerate([*ops, "total"]):
+            cells = []
+            for c in cols:
+                r = here[c]
+                if r is None:
+                    cells.append("")
+                elif op == "total":
+                    cells.append(fmt_bytes(r.comm_bytes))
+                else:
+                    v = r.comm.get(op)
+                    cells.append(f"{v['count']}× {fmt_bytes(v['bytes'])}" if v else "·")
+            table.add_row(idea if i == 0 else "", op, *cells, end_section=op == "total")
+    console.print(table)
+    for r in rows:
+        if r.style == "typed" and r.framework == "jax":
+            for line in stated_lines(r):
+                console.print(line, highlight=False)
+
+
+def stated_lines(r) -> list[str]:
+    """What the typed program stated (Trained.extra["stated"], read from the types at trace time), per
+    kind of move, against the collectives XLA issued for it."""
+    stated = r.extra.get("stated") or []
+    kinds: dict[str, list] = {}
+    for e in stated:
+        kinds.setdefault(e["moves"], []).append(e)
+    head = f"typed/{r.variant}: "
+    if not stated:
+        return [head + f"states no layout change; XLA issued {_describe(r.comm)} (the types imply them: "
+                       "a contraction over a split dim, autodiff's transposes)"]
+    out = []
+    for kind, entries in kinds.items():
+        op = MOVE_OP.get(kind)
+        n, issued = len(entries), (r.comm.get(op, {}).get("count", 0) if op else 0)
+        sample = entries[0]["what"]
+        size = fmt_bytes(sum(e["bytes"] for e in entries))
+        said = f"{head}{n} stated {kind}{'s' if n > 1 else ''} ({size}; e.g. {sample})"
+        if op is None:
+            out.append(f"{said}: no communication needed")
+        elif issued == n:
+            out.append(f"{said}: each became one {op}")
+        elif issued == 0:
+            out.append(f"{said}: XLA issued no {op}; it chose {_describe(r.comm)}")
+        else:
+            out.append(f"{said}: XLA issued {issued}× {op} (it merged, split or moved some)")
+    unstated = {op: v["count"] for op, v in r.comm.items() if op not in {MOVE_OP.get(k) for k in kinds}}
+    if unstated:
+        out.append(f"{head}XLA also issued {', '.join(f'{n}× {op}' for op, n in unstated.items())}, which the "
+                   "program did not state (implied by the types: gradient sums over split batch dims)")
+    return out
 
 
 def _collectives_table(rows, pattern, model, console) -> None:

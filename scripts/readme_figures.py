@@ -4,10 +4,11 @@
     python scripts/readme_figures.py --only fsdp,plan
     python scripts/readme_figures.py --check         # every block in README.md has a recipe here (no run)
 
-Each block sits between ``<!-- figures:NAME -->`` and ``<!-- /figures:NAME -->`` in README.md and is
-replaced whole: the command's output as printed when piped (plain text), under a line naming the
-command, the date, the machine and the versions it came from. The ``run`` block re-renders an excerpt
-of the default run's table from its ``--json`` with report.py, and keeps its closing lines.
+Each block sits between ``<!-- figures:NAME -->`` and ``<!-- /figures:NAME -->`` in README.md (or in
+the docs/ page IN_FILE names) and is replaced whole: the command's output as printed when piped (plain
+text), under a line naming the command, the date, the machine and the versions it came from. The
+``run`` block re-renders an excerpt of the default run's table from its ``--json`` with report.py, and
+keeps its closing lines.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ BLOCKS = {  # name: the compare.py arguments it shows
     "ep": ["--model", "transformer", "--show-collectives", "ep", "--experts", "8", "--topk", "2"],
     "plan": PLAN,
     "checkpoint": ["checkpoint", "--model", "transformer"],
+    "modes": ["--model", "transformer", "--mesh", "fsdp=2,tp=2", "--show-collectives", "mesh"],
 }
+# Blocks that live in a page of docs/ instead of README.md.
+IN_FILE = {"modes": "docs/sharding_modes.md"}
 # The default run's rows the README shows (pattern, model, framework, style, variant); the rest: --json.
 EXCERPT = [
     ("dp", "mlp", "torch", "explicit", "bucketed"), ("dp", "transformer", "torch", "builtin", "ddp"),
@@ -102,7 +106,7 @@ def run_block(stdout: str, path: str, seconds: float) -> str:
 def replace_block(text: str, name: str, body: str, command: str, stamp: str) -> str:
     pattern = re.compile(rf"(<!-- figures:{name} -->\n).*?(<!-- /figures:{name} -->)", re.S)
     if not pattern.search(text):
-        sys.exit(f"README.md has no block {name}")
+        sys.exit(f"no block {name} in its file (IN_FILE)")
     new = f"`{command}` ({stamp}):\n\n```\n{body}\n```\n"
     return pattern.sub(lambda m: m.group(1) + new + m.group(2), text)
 
@@ -116,11 +120,13 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=",".join(BLOCKS), help="comma list of " + ", ".join(BLOCKS))
     p.add_argument("--check", action="store_true", help="only check that README's blocks and these recipes match")
     args = p.parse_args(argv)
-    text = open(README).read()
-    found = blocks_in(text)
-    if sorted(found) != sorted(BLOCKS) or any(text.count(f"<!-- /figures:{n} -->") != 1 for n in found):
-        print(f"README.md blocks {found} vs recipes {list(BLOCKS)}", file=sys.stderr)
-        return 1
+    texts = {path: open(path).read() for path in {README, *[os.path.join(ROOT, f) for f in IN_FILE.values()]}}
+    where = {name: os.path.join(ROOT, IN_FILE[name]) if name in IN_FILE else README for name in BLOCKS}
+    for path, text in texts.items():
+        found, want = blocks_in(text), [n for n in BLOCKS if where[n] == path]
+        if sorted(found) != sorted(want) or any(text.count(f"<!-- /figures:{n} -->") != 1 for n in found):
+            print(f"{os.path.relpath(path, ROOT)} blocks {found} vs recipes {want}", file=sys.stderr)
+            return 1
     if args.check:
         return 0
     stamp_base = f"measured {datetime.date.today().isoformat()} on {machine()}"
@@ -132,10 +138,11 @@ def main(argv=None) -> int:
             shown = [a for a in argv_ if "{tmp}" not in a and tmp not in a]
             shown = [a for i, a in enumerate(shown) if not (a == "--json" and i == len(shown) - 1)]
             body = run_block(out, f"{tmp}/run.json", seconds) if name == "run" else out
-            text = replace_block(text, name, body, " ".join(["python compare.py", *shown]),
-                                 f"{stamp_base}; {seconds:.0f} s")
-    with open(README, "w") as f:
-        f.write(text)
+            texts[where[name]] = replace_block(texts[where[name]], name, body, " ".join(["python compare.py", *shown]),
+                                               f"{stamp_base}; {seconds:.0f} s")
+    for path, text in texts.items():
+        with open(path, "w") as f:
+            f.write(text)
     return 0
 
 
