@@ -48,7 +48,7 @@ from shared.problem import Problem
 from shared.results import Trained
 from shared.theory import dp_comm_bytes, zero1_comm_bytes
 
-VARIANTS = (("shard_map", "dp"), ("jit", "dp"), ("shard_map", "zero1"), ("jit", "zero1"))
+VARIANTS = (("shard_map", "dp"), ("jit", "dp"), ("typed", "dp"), ("shard_map", "zero1"), ("jit", "zero1"), ("typed", "zero1"))
 
 
 def mesh_for(cfg: Config, device: str = "auto"):
@@ -62,11 +62,13 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
         raise ValueError(f"dp: unknown style/variant {style}/{variant}; choose from {VARIANTS}")
     if mesh.shape["dp"] != cfg.world_size:
         raise ValueError(f"mesh has dp={mesh.shape['dp']} devices, cfg.world_size={cfg.world_size}")
-    rows = NamedSharding(mesh, P("dp"))  # dim 0 split: N × (B/dp, …)
     y = targets(cfg, problem)  # None | (B, T)
-    batch = tuple(jax.device_put(a, rows) for a in (inputs(cfg, problem), y) if a is not None)
+    raw = tuple(a for a in (inputs(cfg, problem), y) if a is not None)
     trainer = parallelize(build_model(cfg, problem), model_loss, make_optimizer(cfg), mesh, variant, style)
+    batch = trainer.shard_batch(*raw)  # rows split over 'dp' on the trainer's mesh (typed: Explicit axes)
     setup = trainer_setup(trainer, batch)
     setup.comm_theory = zero1_comm_bytes(cfg) if variant == "zero1" else dp_comm_bytes(cfg)
     setup.extra = {"local_batch": cfg.batch // cfg.world_size}
+    if style == "typed":  # the layout changes the program states, read from the types at trace time
+        setup.extra["stated"] = trainer.stated.entries
     return train_loop(cfg, setup)

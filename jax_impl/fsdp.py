@@ -50,7 +50,8 @@ from shared.problem import Problem
 from shared.results import Trained
 from shared.theory import fsdp_comm_bytes
 
-VARIANTS = (("shard_map", "zero3"), ("shard_map", "zero2"), ("jit", "zero3"), ("jit", "zero2"))
+VARIANTS = (("shard_map", "zero3"), ("shard_map", "zero2"), ("jit", "zero3"), ("jit", "zero2"), ("typed", "zero3"),
+            ("typed", "zero2"))
 
 
 def mesh_for(cfg: Config, device: str = "auto"):
@@ -87,12 +88,14 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     if (style, variant) not in VARIANTS:
         raise ValueError(f"fsdp: unknown jax variant {style}/{variant}; choose from {VARIANTS}")
     cfg.check("fsdp")
-    rows = NamedSharding(mesh, P("dp"))  # dim 0 split: N × (B/N, …)
     y = targets(cfg, problem)  # None | (B, T)
-    batch = tuple(jax.device_put(a, rows) for a in (inputs(cfg, problem), y) if a is not None)
+    raw = tuple(a for a in (inputs(cfg, problem), y) if a is not None)
     trainer = parallelize(build_model(cfg, problem), model_loss, make_optimizer(cfg), mesh, variant, style)
+    batch = trainer.shard_batch(*raw)  # rows split over 'dp' on the trainer's mesh (typed: Explicit axes)
     setup = trainer_setup(trainer, batch)
     setup.comm_theory = fsdp_comm_bytes(cfg, variant)
     setup.state_bytes = lambda state: state_bytes(cfg, problem, variant, *state)
     setup.extra = {"shard": "dim 0 of each ≥2-D parameter (rows of W)"}
+    if style == "typed":  # the layout changes the program states, read from the types at trace time
+        setup.extra["stated"] = trainer.stated.entries
     return train_loop(cfg, setup)

@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 from jax_impl import model_theory
 from jax_impl.model import fetch
 
-VARIANTS, STYLES = ("dp", "zero1", "zero2", "zero3"), ("shard_map", "jit")
+VARIANTS, STYLES = ("dp", "zero1", "zero2", "zero3"), ("shard_map", "jit", "typed")
 
 
 class WrapError(ValueError):
@@ -418,9 +418,13 @@ def parallelize(model: nnx.Module, loss: Callable, tx: optax.GradientTransformat
         bad = sorted({key_of(p) for p, _ in jax.tree_util.tree_flatten_with_path(rest)[0]})
         raise WrapError(f"{type(model).__name__} holds state other than nnx.Param ({', '.join(bad[:4])}…): parallelize "
                         "trains Params only; build it without BatchNorm / Dropout RNG state")
+    if units is not None and (variant != "zero3" or style != "shard_map"):
+        raise WrapError("units= is for shard_map/zero3 (the only step that gathers per unit)")
+    if style == "typed":  # sharding in types: an Explicit-axes copy of the mesh (jax_impl/typed.py)
+        from jax_impl.typed import TypedTrainer
+
+        return TypedTrainer(model, loss, tx, mesh, variant, axis)
     # jax.make_mesh's default axes are Explicit (sharding in types); these steps place arrays with
     # Auto axes (shardings are hints XLA propagates): the same devices, re-typed.
     mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-    if units is not None and (variant != "zero3" or style != "shard_map"):
-        raise WrapError("units= is for shard_map/zero3 (the only step that gathers per unit)")
     return Trainer(model, loss, tx, mesh, variant, style, axis, units)
