@@ -79,22 +79,22 @@ class Stated:
     records a change stated another way (an ``out_sharding=``, an unreduced sum)."""
 
     def __init__(self, mesh: Mesh):
-        self.mesh, self.entries, self._on = mesh, [], True
+        self.mesh, self.entries = mesh, []
 
     def reshard(self, x: jax.Array, spec: P, what: str) -> jax.Array:
         before = jax.typeof(x)
         out = reshard(x, NamedSharding(self.mesh, spec))
-        if self._on and str(before) != str(jax.typeof(out)):
+        if str(before) != str(jax.typeof(out)):
             self.entries.append({"what": f"reshard {what} {spec_text(before.sharding.spec)} -> {spec_text(spec)}",
-                                 "from": str(before), "to": str(jax.typeof(out)), "moves": moves(before.sharding.spec, spec),
+                                 "from": str(before), "to": str(jax.typeof(out)),
+                                 "moves": moves(before.sharding.spec, spec),
                                  "bytes": int(np.prod(x.shape)) * x.dtype.itemsize})
         return out
 
     def note(self, what: str, x: jax.Array, before: str, moves: str) -> None:
         """A change stated otherwise (an out_sharding=, a transpose autodiff writes): ``x`` after it."""
-        if self._on:
-            self.entries.append({"what": what, "from": before, "to": str(jax.typeof(x)), "moves": moves,
-                                 "bytes": int(np.prod(x.shape)) * x.dtype.itemsize})
+        self.entries.append({"what": what, "from": before, "to": str(jax.typeof(x)), "moves": moves,
+                             "bytes": int(np.prod(x.shape)) * x.dtype.itemsize})
 
     def traced(self, fn: Callable) -> Callable:
         """``fn`` that clears the record each time it is traced (the last trace is the compiled one)."""
@@ -164,7 +164,7 @@ class TypedTrainer:
             if s != P():
                 full = f"{grads[k].dtype}[{','.join(map(str, grads[k].shape))}]"
                 self.stated.note(f"grad {k} P() -> {spec_text(s)} (the transpose of its reshard, in backward)",
-                                 grads[k], full, "reduce (sum over dp, keep the block)")
+                                 grads[k], full, "slice")  # the sum over dp is the contraction's
         g = {k: self.stated.reshard(a, self.row_specs[k], f"grad {k}") for k, a in grads.items()}
         w = {k: self.stated.reshard(a, self.row_specs[k], k) for k, a in params.items()}
         updates, opt_state = self._tx.update(g, opt_state, w)
