@@ -1,6 +1,6 @@
 """ZeRO-2 / ZeRO-3 (FSDP) in JAX for any model (MLP, transformer): jax.shard_map with explicit
-collectives, jax.jit with shardings, and sharding in types ("typed"). ZeRO: Rajbhandari et al. 2020, arXiv:1910.02054;
-FSDP: Zhao et al. 2023, arXiv:2304.11277.
+collectives, jax.jit with shardings, and sharding in types ("typed"). ZeRO: Rajbhandari et al.
+2020, arXiv:1910.02054; FSDP: Zhao et al. 2023, arXiv:2304.11277.
 
 The steps are written once, for any Flax NNX model and loss:
 ``jax_impl.fsdp_wrapper.parallelize(model, loss, tx, mesh, "zero2" | "zero3", style, units=…)``;
