@@ -42,21 +42,26 @@ def explicit_mesh(mesh) -> Mesh:
 
 
 def spec_text(spec: P) -> str:
-    """P('dp', None) as written; a replicated spec as P() (typeof prints P(None, None))."""
-    parts = list(spec)
+    """P('dp', None) as written; a replicated spec as P() (typeof prints P(None, None)); an
+    unreduced one as P(unreduced={'tp'})."""
+    parts = list(spec.partitions)
     while parts and parts[-1] is None:
         parts.pop()
-    return "P(" + ", ".join(repr(s) for s in parts) + ")"
+    words = [repr(s) for s in parts] + ([f"unreduced={set(sorted(spec.unreduced))}"] if spec.unreduced else [])
+    return "P(" + ", ".join(words) + ")"
 
 
 def moves(before: P, after: P) -> str:
-    """What a change of layout needs, read from the specs: "gather" when a split axis is dropped
+    """What a change of layout needs, read from the specs: "reduce" (or "reduce-scatter", when the
+    result is split) when an unreduced partial sum is reduced, "gather" when a split axis is dropped
     (devices need blocks they lack), "slice" when axes are only added (each keeps a part of what it
     holds: no communication), "none" otherwise."""
-    dims = max(len(before), len(after))
+    if before.unreduced - after.unreduced:
+        return "reduce" if not any(after.partitions) else "reduce-scatter"
+    dims = max(len(before.partitions), len(after.partitions))
     pad = lambda s: [((a,) if isinstance(a, str) else tuple(a or ())) for a in (*s, *[None] * (dims - len(s)))]
-    b, a = pad(before), pad(after)
-    if any(set(x) - set(y) for x, y in zip(b, a)):
+    b, a = pad(before.partitions), pad(after.partitions)
+    if any(set(x) - set(y) for x, y in zip(b, a, strict=True)):
         return "gather"
     return "slice" if b != a else "none"
 
