@@ -41,3 +41,27 @@ def stated_kinds(run) -> dict[str, int]:
     for e in run.extra["stated"]:
         out[e["moves"]] = out.get(e["moves"], 0) + 1
     return out
+
+
+def tp_ledger(cfg: Config, variant: str, platform: str = "cpu") -> dict | None:
+    """XLA:CPU, tensor parallelism in types. megatron (MLP and transformer): the theory op for op
+    (shared.theory.tp_comm: the stated unreduced -> reduced steps and their transposes as
+    all-reduces, the vocab-parallel loss's (B, T) sums). allgather: theory's backward reduce-scatters
+    as all-reduces (+ a local slice). megatron_sp: each stated reduce-scatter (unreduced -> P(None,
+    'tp', None)) an all-reduce of A = B·T·D·b; the (4L+2) all-gathers of A as theory's; wpe's
+    gradient (its rows resharded to P('tp', None) in forward) comes back by an all-gather of (T, D),
+    not an all-reduce; the loss's three (B, T) sums and the (2L+1) norm gains' gradients."""
+    from shared.theory import tp_comm
+
+    if platform != "cpu":
+        return None
+    if variant != "megatron_sp":
+        out: dict = {}
+        for op, (c, b) in tp_comm(cfg, variant).items():
+            e = out.setdefault("all_reduce" if op == "reduce_scatter" else op, {"count": 0, "bytes": 0})
+            e["count"], e["bytes"] = e["count"] + c, e["bytes"] + b
+        return dict(sorted(out.items()))
+    b, l = cfg.bytes_per_element, cfg.layers
+    act, rows = cfg.batch * cfg.seq * cfg.dim * b, cfg.batch * cfg.seq * b
+    return {"all_gather": {"count": 4 * l + 3, "bytes": (4 * l + 2) * act + cfg.seq * cfg.dim * b},
+            "all_reduce": {"count": 4 * l + 5, "bytes": (4 * l + 2) * act + 3 * rows + (2 * l + 1) * cfg.dim * b}}
