@@ -31,6 +31,13 @@ ledger). jit/megatron keeps ``transformer_forward``: through apply_plan the fuse
 would have to be reordered back to [q|k|v] for the model's attention, which GSPMD does with
 all-to-alls and permutes (measured at tp=2: 8 all-to-all, 4 collective-permute, 2 all-gather).
 
+typed (sharding in types, jax_impl/tp_typed.py): the same rules on an Explicit-axes mesh; column
+layers state out_sharding=P(…, 'tp'), row layers einsum(…, out_sharding=P(unreduced={'tp'})) then
+reshard to P() (SP: P(None, 'tp', None)) — Megatron's g as the unreduced -> reduced step; the
+embedding and the loss are vocab-parallel in types (one-hot products). XLA:CPU issues theory's
+all-reduces for megatron op for op; SP's stated reduce-scatters become all-reduces
+(tests/typed_expect.py). Trained.extra["stated"]: every statement with its types.
+
 MLP (CS336 lecture 8): allgather — every layer P(None, "tp") + all_gather (bwd psum_scatter; the
 last is "invarying": a slice); megatron — P(None,"tp") / P("tp",None) pairs with f / g, odd L: last
 column + all-gather. allgather is MLP-only (torch_impl/tp.py says why).
