@@ -53,7 +53,8 @@ def spec_text(spec: P) -> str:
 
 def moves(before: P, after: P) -> str:
     """What a change of layout needs, read from the specs: "reduce" (or "reduce-scatter", when the
-    result is split) when an unreduced partial sum is reduced, "gather" when a split axis is dropped
+    result is split) when an unreduced partial sum is reduced, "all-to-all" when an axis moves from
+    one dim to another, "gather" when a split axis is dropped
     (devices need blocks they lack), "slice" when axes are only added (each keeps a part of what it
     holds: no communication), "none" otherwise."""
     if before.unreduced - after.unreduced:
@@ -61,9 +62,11 @@ def moves(before: P, after: P) -> str:
     dims = max(len(before.partitions), len(after.partitions))
     pad = lambda s: [((a,) if isinstance(a, str) else tuple(a or ())) for a in (*s, *[None] * (dims - len(s)))]
     b, a = pad(before.partitions), pad(after.partitions)
-    if any(set(x) - set(y) for x, y in zip(b, a, strict=True)):
-        return "gather"
-    return "slice" if b != a else "none"
+    dropped = {ax for x, y in zip(b, a, strict=True) for ax in set(x) - set(y)}
+    added = {ax for x, y in zip(b, a, strict=True) for ax in set(y) - set(x)}
+    if dropped & added:
+        return "all-to-all"  # an axis moves from one dim to another
+    return "gather" if dropped else "slice" if added else "none"
 
 
 def rows_like(x: jax.Array, new_dims: int = 1) -> P | None:
