@@ -43,31 +43,38 @@ from jax_impl.typed import Stated
 class TypedOps:
     """The column, row, gather and embedding steps, each a statement the recorder keeps."""
 
-    def __init__(self, stated: Stated, sequence_parallel: bool = False):
-        self.st, self.sp = stated, sequence_parallel
+    def __init__(self, stated: Stated, sequence_parallel: bool = False, rows=None):
+        """``rows``: the mesh axis (or axes) the batch dim is split over (jax_impl/mesh_typed.py: the
+        data axis); every stated layout keeps it on dim 0."""
+        self.st, self.sp, self.rows = stated, sequence_parallel, rows
+
+    def spec(self, ndim: int, *last, **kw) -> P:
+        """(rows, None, …, *last) over ndim dims."""
+        return P(self.rows, *[None] * (ndim - 1 - len(last)), *last, **kw)
 
     def column(self, eq: str, x, w, what: str):
         """x (…, D) P() @ W (D, …@tp): the output split on its last dim, stated with out_sharding (no
         layout of an existing array changes: not recorded)."""
-        return jnp.einsum(eq, x, w, out_sharding=P(*[None] * (x.ndim - 1 + w.ndim - 2), "tp"))
+        return jnp.einsum(eq, x, w, out_sharding=self.spec(x.ndim - 1 + w.ndim - 1, "tp"))
 
     def row(self, eq: str, h, w, what: str):
         """h (…, F@tp) @ W (F@tp, D): an unreduced partial sum, then reduced (SP: scattered over T)."""
-        z = jnp.einsum(eq, h, w, out_sharding=P(*[None] * (h.ndim - 1 + w.ndim - 1), unreduced={"tp"}))
+        z = jnp.einsum(eq, h, w, out_sharding=self.spec(h.ndim - 1 + w.ndim - 1, unreduced={"tp"}))
         self.st.note(f"{what}: einsum out_sharding=P(unreduced={{'tp'}})", z, f"{jax.typeof(h)} · {jax.typeof(w)}",
                      "none (each device keeps its partial sum)")
         return self.reduce(z, what)
 
     def reduce(self, z, what: str):
-        return self.st.reshard(z, P(None, "tp", None) if self.sp else P(), f"{what} (unreduced -> reduced)")
+        return self.st.reshard(z, P(self.rows, "tp", None) if self.sp else self.spec(z.ndim),
+                               f"{what} (unreduced -> reduced)")
 
     def full(self, x, what: str):
         """SP: the stream (B, T@tp, D) gathered before a column-parallel matmul; otherwise it is P()."""
-        return self.st.reshard(x, P(), what) if self.sp else x
+        return self.st.reshard(x, self.spec(x.ndim), what) if self.sp else x
 
     def embed(self, wte, tokens):
         """Vocab-parallel lookup: one-hot ids (a slice to this device's V/tp columns) · wte rows."""
-        onehot = self.st.reshard(jax.nn.one_hot(tokens, wte.shape[0], dtype=wte.dtype), P(None, None, "tp"),
+        onehot = self.st.reshard(jax.nn.one_hot(tokens, wte.shape[0], dtype=wte.dtype), self.spec(3, "tp"),
                                  "one-hot ids")
         return self.row("btv,vd->btd", onehot, wte, "wte (vocab-parallel embedding)")
 
@@ -105,14 +112,16 @@ def vocab_parallel_ce(logits, y, ops: TypedOps):
     """Mean cross-entropy of logits (B, T, V@tp): the reductions over the split vocab are typed P()."""
     m = jax.lax.stop_gradient(logits.max(axis=-1))  # (B, T): XLA's all-reduce (max)
     shifted = logits - m[..., None]
-    onehot = ops.st.reshard(jax.nn.one_hot(y, logits.shape[-1], dtype=logits.dtype), P(None, None, "tp"),
+    onehot = ops.st.reshard(jax.nn.one_hot(y, logits.shape[-1], dtype=logits.dtype), ops.spec(3, "tp"),
                             "one-hot targets")
     picked = jnp.sum(shifted * onehot, axis=-1)  # the target logit, (B, T)
     return jnp.mean(jnp.log(jnp.exp(shifted).sum(axis=-1)) - picked)
 
 
-def transformer_loss(head_dim: int, ops: TypedOps):
+def transformer_loss(head_dim: int, ops: TypedOps, gather=lambda p: p):
+    """``gather(p) -> p``: the weights as the tp layout wants them (mesh_typed: fsdp's reshards)."""
     def loss(p, tokens, y):
+        p = gather(p)
         x = ops.embed(p["wte.weight"], tokens) + ops.positions(p["wpe.weight"], tokens.shape[1])
         layers = sum(1 for k in p if k.endswith("attn.qkv.weight"))
         for l in range(layers):

@@ -57,8 +57,9 @@ def moves(before: P, after: P) -> str:
     one dim to another, "gather" when a split axis is dropped
     (devices need blocks they lack), "slice" when axes are only added (each keeps a part of what it
     holds: no communication), "none" otherwise."""
-    if before.unreduced - after.unreduced:
-        return "reduce" if not any(after.partitions) else "reduce-scatter"
+    if reduced := before.unreduced - after.unreduced:  # scattered when the summed axis splits the result
+        split = {ax for a in after.partitions if a for ax in ((a,) if isinstance(a, str) else a)}
+        return "reduce-scatter" if reduced & split else "reduce"
     dims = max(len(before.partitions), len(after.partitions))
     pad = lambda s: [((a,) if isinstance(a, str) else tuple(a or ())) for a in (*s, *[None] * (dims - len(s)))]
     b, a = pad(before.partitions), pad(after.partitions)

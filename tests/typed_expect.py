@@ -65,3 +65,23 @@ def tp_ledger(cfg: Config, variant: str, platform: str = "cpu") -> dict | None:
     act, rows = cfg.batch * cfg.seq * cfg.dim * b, cfg.batch * cfg.seq * b
     return {"all_gather": {"count": 4 * l + 3, "bytes": (4 * l + 2) * act + cfg.seq * cfg.dim * b},
             "all_reduce": {"count": 4 * l + 5, "bytes": (4 * l + 2) * act + 3 * rows + (2 * l + 1) * cfg.dim * b}}
+
+
+def mesh_ledger(cfg: Config, platform: str = "cpu") -> dict | None:
+    """XLA:CPU, data (dp | fsdp) × tp in types, per mesh axis (jax_impl/mesh_typed.py): on "tp"
+    shard_map's all-reduces exactly (shared.theory.mesh_comm_jax); on the data axis ONE all-reduce
+    of every tp-local gradient and the loss — under fsdp after one all-gather per unit (each
+    stated reshard(w, <spec without fsdp>)), no reduce-scatter and no re-gather in backward."""
+    from shared.theory import mesh_comm_jax
+
+    if platform != "cpu":
+        return None
+    theory = mesh_comm_jax(cfg, "shard_map")
+    to_dict = lambda ops: {op: {"count": c, "bytes": nbytes} for op, (c, nbytes) in ops.items()}
+    out = {"tp": to_dict(theory["tp"])} if "tp" in theory else {}
+    data = theory.get(cfg.data_axis, {})
+    summed = sum(nbytes for op, (_, nbytes) in data.items() if op in ("all_reduce", "reduce_scatter"))
+    out[cfg.data_axis] = {"all_reduce": {"count": 1, "bytes": summed + cfg.bytes_per_element}}
+    if "reduce_scatter" in data:
+        out[cfg.data_axis]["all_gather"] = to_dict({"x": data["reduce_scatter"]})["x"]
+    return {a: dict(sorted(ops.items())) for a, ops in out.items()}
