@@ -35,6 +35,8 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
+from jax_impl import model_theory
+
 
 def explicit_mesh(mesh) -> Mesh:
     """The same devices and axis names, every axis Explicit (sharding in types)."""
@@ -121,8 +123,19 @@ class InMesh:
         self.jitted, self.mesh = jitted, mesh
 
     def lower(self, *args):
+        """A model op whose layout JAX cannot infer in types is refused here, at the first trace, in one
+        line (fsdp_wrapper.WrapError) naming JAX's reason and how to state the layout."""
         with jax.set_mesh(self.mesh):
-            return self.jitted.lower(*args)
+            try:
+                return self.jitted.lower(*args)
+            except Exception as e:
+                if type(e).__name__ != "ShardingTypeError":
+                    raise
+                from jax_impl.fsdp_wrapper import WrapError
+
+                reason = str(e).split("\n")[0]
+                raise WrapError(f"typed: the forward cannot be typed on this mesh ({reason}); state that op's "
+                                "layout, e.g. nnx.Embed(...)(ids, out_sharding=jax_impl.typed.rows_like(ids))") from e
 
     def __call__(self, *args):
         with jax.set_mesh(self.mesh):
@@ -146,6 +159,8 @@ class TypedTrainer:
         params = {k: a for k, (_, a) in zip(self.keys, leaves)}
         row = lambda a: P(axis, *[None] * (a.ndim - 1))
         split = lambda a, v: v != "dp" and rule(a.shape, self.n, v)
+        self.sharded = {k for k, a in params.items() if variant in ("zero2", "zero3") and split(a, variant)}
+        self.infos = model_theory.describe(params, self.sharded, [])
         self.param_specs = {k: row(a) if variant == "zero3" and split(a, "zero3") else P() for k, a in params.items()}
         self.row_specs = {k: row(a) if split(a, variant) else P() for k, a in params.items()}
         self._loss, self._tx, self.stated = loss, tx, Stated(self.mesh)
@@ -205,4 +220,11 @@ class TypedTrainer:
 
     def module(self, params: dict | None = None):
         return self._merge(params if params is not None else self.state[0])
+
+    def comm_theory(self) -> dict[str, tuple[int, int]]:
+        """The ZeRO traffic of the model wrapped (model_theory.comm); XLA chooses what it issues."""
+        return model_theory.comm(self.infos, self.variant, self.n, None)
+
+    def state_theory(self) -> dict[str, int]:
+        return model_theory.state(self.infos, self.variant, self.n, "jit")  # zero1: moments split per array
 
