@@ -27,6 +27,13 @@ indivisible matrix) are replicated and their gradients averaged by ONE flat psum
            transpose is the unit's psum_scatter. Row-split params outside every unit are gathered
            once at the start (FSDP2's root). ``units=["blocks.*"]`` gathers per block instead.
 
+style="typed" (sharding in types: JAX's Explicit axes; jax_impl/typed.py): the same four stages as
+ONE step on an Explicit-axes copy of the mesh; the layouts are types (params P() or, zero3, P('dp',
+None…), batch P('dp')) and every change is stated with ``reshard`` (zero3's gathers; the moments'
+rows; the updated rows back) and recorded (``trainer.stated.entries``). The model's forward must be
+typeable: an op whose output layout JAX cannot infer (an embedding lookup on split ids) is refused at
+the first trace in one line; state it (``out_sharding=jax_impl.typed.rows_like(ids)``).
+
 Refused before anything is compiled (``WrapError``: what, where, how to fix): unknown variant or
 style, a mesh without the axis, non-Param state, a unit pattern that matches nothing or nests in
 another, a unit module reachable from two places (shared), a row-split Param held by modules in
