@@ -1,5 +1,6 @@
 """N-D layouts in types ("typed": JAX's Explicit axes, jax_impl/typed.py): data (dp | fsdp) × tp on
-one Explicit-axes mesh, mesh.py's ``rules`` for the parameters, every layout change stated.
+one Explicit-axes mesh (either alone too), mesh.py's ``rules`` for the parameters, every layout
+change stated.
 
     data   tokens and targets (B@data, T); every stated layout keeps the batch dim on the data axis
            (tp_typed.TypedOps(rows=data)).
@@ -50,7 +51,7 @@ def without(spec: P, axis: str) -> P:
 def loss_for(cfg, stated: Stated):
     """loss(tree, tokens, y, pos) -> (1,) the global mean CE, on pp.split's tree with S = 1."""
     data = cfg.data_axis if cfg.data_axis in [a for a, _ in cfg.mesh] else None
-    ops = TypedOps(stated, rows=data)
+    ops = TypedOps(stated, rows=data, tp="tp" in [a for a, _ in cfg.mesh])
 
     def flat(tree):  # pp.split's (1, …) slots and (1, L, …) blocks -> {fixture name: array}
         p = {k: a[0] for g in ("first", "last") for k, a in tree[g].items()}

@@ -43,10 +43,11 @@ from jax_impl.typed import Stated
 class TypedOps:
     """The column, row, gather and embedding steps, each a statement the recorder keeps."""
 
-    def __init__(self, stated: Stated, sequence_parallel: bool = False, rows=None):
+    def __init__(self, stated: Stated, sequence_parallel: bool = False, rows=None, tp: bool = True):
         """``rows``: the mesh axis (or axes) the batch dim is split over (jax_impl/mesh_typed.py: the
-        data axis); every stated layout keeps it on dim 0."""
-        self.st, self.sp, self.rows = stated, sequence_parallel, rows
+        data axis); every stated layout keeps it on dim 0. ``tp=False`` (a mesh without 'tp'): plain
+        matmuls, a lookup and the plain cross-entropy, only the batch dim split."""
+        self.st, self.sp, self.rows, self.tp = stated, sequence_parallel, rows, tp
 
     def spec(self, ndim: int, *last, **kw) -> P:
         """(rows, None, …, *last) over ndim dims."""
@@ -55,10 +56,12 @@ class TypedOps:
     def column(self, eq: str, x, w, what: str):
         """x (…, D) P() @ W (D, …@tp): the output split on its last dim, stated with out_sharding (no
         layout of an existing array changes: not recorded)."""
-        return jnp.einsum(eq, x, w, out_sharding=self.spec(x.ndim - 1 + w.ndim - 1, "tp"))
+        return jnp.einsum(eq, x, w, out_sharding=self.spec(x.ndim - 1 + w.ndim - 1, *["tp"] * self.tp))
 
     def row(self, eq: str, h, w, what: str):
         """h (…, F@tp) @ W (F@tp, D): an unreduced partial sum, then reduced (SP: scattered over T)."""
+        if not self.tp:
+            return jnp.einsum(eq, h, w, out_sharding=self.spec(h.ndim - 1 + w.ndim - 1))
         z = jnp.einsum(eq, h, w, out_sharding=self.spec(h.ndim - 1 + w.ndim - 1, unreduced={"tp"}))
         self.st.note(f"{what}: einsum out_sharding=P(unreduced={{'tp'}})", z, f"{jax.typeof(h)} · {jax.typeof(w)}",
                      "none (each device keeps its partial sum)")
@@ -74,6 +77,8 @@ class TypedOps:
 
     def embed(self, wte, tokens):
         """Vocab-parallel lookup: one-hot ids (a slice to this device's V/tp columns) · wte rows."""
+        if not self.tp:
+            return wte.at[tokens].get(out_sharding=self.spec(3))
         onehot = self.st.reshard(jax.nn.one_hot(tokens, wte.shape[0], dtype=wte.dtype), self.spec(3, "tp"),
                                  "one-hot ids")
         return self.row("btv,vd->btd", onehot, wte, "wte (vocab-parallel embedding)")
@@ -110,6 +115,8 @@ def block(w, l: int, x, head_dim: int, ops: TypedOps):
 
 def vocab_parallel_ce(logits, y, ops: TypedOps):
     """Mean cross-entropy of logits (B, T, V@tp): the reductions over the split vocab are typed P()."""
+    if not ops.tp:
+        return output_loss(logits, y)
     m = jax.lax.stop_gradient(logits.max(axis=-1))  # (B, T): XLA's all-reduce (max)
     shifted = logits - m[..., None]
     onehot = ops.st.reshard(jax.nn.one_hot(y, logits.shape[-1], dtype=logits.dtype), ops.spec(3, "tp"),
