@@ -51,12 +51,14 @@ from jax_impl.devices import make_mesh, xla_platform
 from jax_impl.harness import Setup, leaves_fixture, train_loop
 from jax_impl.model import inputs, jax_dtype, make_optimizer, output_loss, targets
 from jax_impl.transformer import apply, attention, block, embed, head
+from jax_impl.typed import InMesh, Stated, explicit_mesh
 from shared.config import Config
 from shared.problem import Problem, param_names
 from shared.results import Trained
 from shared.theory import cp_attention_scores, cp_chunks, cp_comm_bytes, cp_positions
 
-VARIANTS = (("shard_map", "ring"), ("shard_map", "ring_zigzag"), ("shard_map", "ulysses"), ("jit", "seq_sharded"))
+VARIANTS = (("shard_map", "ring"), ("shard_map", "ring_zigzag"), ("shard_map", "ulysses"), ("jit", "seq_sharded"),
+            ("typed", "seq_sharded"))
 AXIS = "cp"
 
 
@@ -275,11 +277,16 @@ def seq_sharded_loss(cfg: Config, mesh):
 
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:
+    from jax_impl import cp_typed
+
     if (style, variant) not in VARIANTS:
         raise ValueError(f"cp: unknown style/variant {style}/{variant}; choose from {VARIANTS}")
     cfg.check("cp")
     if mesh.shape[AXIS] != cfg.world_size:
         raise ValueError(f"mesh has cp={mesh.shape[AXIS]} devices, cfg.world_size={cfg.world_size}")
+    typed = style == "typed"  # sharding in types: an Explicit-axes copy of the mesh (jax_impl/cp_typed.py)
+    if typed:
+        mesh, stated = explicit_mesh(mesh), Stated(explicit_mesh(mesh))
     names, order = param_names(cfg), np.concatenate(positions(cfg, variant))  # (T,): shard r = device r's tokens
     params = {k: jax.device_put(jnp.asarray(w, jax_dtype(cfg)), NamedSharding(mesh, P()))
               for k, w in problem.params.items()}
@@ -289,7 +296,8 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     tx = make_optimizer(cfg)
     # (differentiated, reported): shard_map differentiates the mean of the local losses and reports
     # the (N,) vector (the mean itself is never computed: no all-reduce); jit its global mean
-    to_loss = seq_sharded_loss(cfg, mesh) if style == "jit" else shard_map_loss(cfg, variant, mesh)
+    to_loss = cp_typed.loss_for(cfg, stated) if typed else seq_sharded_loss(cfg, mesh) if style == "jit" else \
+        shard_map_loss(cfg, variant, mesh)
     loss_of = lambda p, *b: (lambda v: (jnp.mean(v), v))(to_loss(p, *b))
 
     def step(params, opt_state, *batch):
@@ -298,12 +306,13 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
         return optax.apply_updates(params, updates), opt_state, loss, grads
 
     fixture = partial(leaves_fixture, names=names)
-    extra = {"positions": positions(cfg, variant)}
+    extra = {"positions": positions(cfg, variant)} | ({"stated": stated.entries} if typed else {})
     if style == "shard_map":
         extra["attention_scores"] = attention_scores(cfg, variant)
         assert extra["attention_scores"] == cp_attention_scores(cfg, variant), extra["attention_scores"]
     return train_loop(cfg, Setup(
-        step=jax.jit(step, donate_argnums=(0, 1)), state=(params, tx.init(params)), batch=batch,
+        step=InMesh(jax.jit(stated.traced(step), donate_argnums=(0, 1)), mesh) if typed else
+        jax.jit(step, donate_argnums=(0, 1)), state=(params, tx.init(params)), batch=batch,
         grads_fixture=fixture, params_fixture=lambda state: fixture(state[0]),
         comm_theory=cp_comm_bytes(cfg, variant) if style == "shard_map" else
         sum(nbytes for _, nbytes in seq_sharded_comm(cfg, xla_platform(mesh)).values()), extra=extra,

@@ -23,6 +23,14 @@ LOCAL gradient (as torch's backward) and the averaging is the explicit collectiv
                      optax on this device's 1/N slice, all_gather the updated parameters.
     jit/zero1        AdamW moments split on dim 0, P('dp', None, …) where N divides it, params P():
                      XLA picks the collectives (the ledger shows which).
+    typed/dp         sharding in types (JAX's Explicit axes, jax_impl/typed.py): params typed P(),
+                     batch P('dp'); nothing is stated — the gradient of a P() weight from a
+                     dp-split batch is typed P(), XLA:CPU issues ONE all-reduce (Φ·b + the loss).
+    typed/zero1      the moments typed P('dp', …); the program states reshard(g, rows),
+                     reshard(w, rows) (slices: no communication) and reshard(w_new, P()) per array;
+                     XLA:CPU: one all-reduce of every gradient (not a reduce-scatter) and one
+                     all-gather per array, Φ·b each (tests/typed_expect.py; the stated changes in
+                     Trained.extra["stated"]).
 
 Communication per step and device (payload S as nccl-tests counts it, shared.theory; Φ of either
 model, the embedding gradients dense (V, D) / (T, D) scatter-adds, sent whole):
@@ -35,10 +43,6 @@ jit steps compute the global mean loss inside the program (one scalar all-reduce
 
 from __future__ import annotations
 
-import jax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-
 from jax_impl.devices import make_mesh
 from jax_impl.fsdp_wrapper import parallelize
 from jax_impl.harness import train_loop, trainer_setup
@@ -48,7 +52,8 @@ from shared.problem import Problem
 from shared.results import Trained
 from shared.theory import dp_comm_bytes, zero1_comm_bytes
 
-VARIANTS = (("shard_map", "dp"), ("jit", "dp"), ("shard_map", "zero1"), ("jit", "zero1"))
+VARIANTS = (("shard_map", "dp"), ("jit", "dp"), ("typed", "dp"), ("shard_map", "zero1"), ("jit", "zero1"),
+            ("typed", "zero1"))
 
 
 def mesh_for(cfg: Config, device: str = "auto"):
@@ -62,11 +67,13 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
         raise ValueError(f"dp: unknown style/variant {style}/{variant}; choose from {VARIANTS}")
     if mesh.shape["dp"] != cfg.world_size:
         raise ValueError(f"mesh has dp={mesh.shape['dp']} devices, cfg.world_size={cfg.world_size}")
-    rows = NamedSharding(mesh, P("dp"))  # dim 0 split: N × (B/dp, …)
     y = targets(cfg, problem)  # None | (B, T)
-    batch = tuple(jax.device_put(a, rows) for a in (inputs(cfg, problem), y) if a is not None)
+    raw = tuple(a for a in (inputs(cfg, problem), y) if a is not None)
     trainer = parallelize(build_model(cfg, problem), model_loss, make_optimizer(cfg), mesh, variant, style)
+    batch = trainer.shard_batch(*raw)  # rows split over 'dp' on the trainer's mesh (typed: Explicit axes)
     setup = trainer_setup(trainer, batch)
     setup.comm_theory = zero1_comm_bytes(cfg) if variant == "zero1" else dp_comm_bytes(cfg)
     setup.extra = {"local_batch": cfg.batch // cfg.world_size}
+    if style == "typed":  # the layout changes the program states, read from the types at trace time
+        setup.extra["stated"] = trainer.stated.entries
     return train_loop(cfg, setup)

@@ -1,6 +1,6 @@
 """ZeRO-2 / ZeRO-3 (FSDP) in JAX for any model (MLP, transformer): jax.shard_map with explicit
-collectives, and jax.jit with shardings. ZeRO: Rajbhandari et al. 2020, arXiv:1910.02054;
-FSDP: Zhao et al. 2023, arXiv:2304.11277.
+collectives, jax.jit with shardings, and sharding in types ("typed"). ZeRO: Rajbhandari et al.
+2020, arXiv:1910.02054; FSDP: Zhao et al. 2023, arXiv:2304.11277.
 
 The steps are written once, for any Flax NNX model and loss:
 ``jax_impl.fsdp_wrapper.parallelize(model, loss, tx, mesh, "zero2" | "zero3", style, units=…)``;
@@ -28,6 +28,16 @@ shard_map/zero2  replicated params; unit gradients psum_scatter-ed to their row 
 jit/zero3        NNX params created by build_model(rules=rules(cfg)), batch P('dp'), nnx.Optimizer
     (moments inherit the sharding); XLA picks the collectives (docs/fsdp.md says what it chose).
 jit/zero2        replicated params; moments and gradients constrained to the rules' row blocks.
+typed/zero3      sharding in types (JAX's Explicit axes, jax_impl/typed.py): the row-split params
+    typed P('dp', None), the batch P('dp'). The forward STATES each gather, reshard(w, P()), at the
+    start of the loss; autodiff transposes it, so each gradient comes back typed P('dp', None) like
+    its param. XLA:CPU: one all-gather per row-split param (no re-gather in backward: XLA keeps the
+    gathered weights), ONE all-reduce of every gradient and the loss, no reduce-scatter (the slice
+    to the rows is local); tests/typed_expect.py has the table. jit/zero3 issues one all-gather
+    fewer and a second all-reduce (tests/test_fsdp.py).
+typed/zero2      params P(); the program states reshard(g, rows), reshard(w, rows) and reshard(w_new,
+    P()) per row-split param: the same collectives as typed/zero3 on CPU. Trained.extra["stated"]
+    lists every stated change with its types (jax.typeof), read at trace time.
 The shard_map steps differentiate each device's SHARE of the loss (local mean / N) and return the
 local mean per device (the loop averages them, outside the step): the ledger holds ZeRO traffic
 only. The jit steps' loss is the global mean, so XLA adds it to its gradient reduction.
@@ -35,10 +45,7 @@ only. The jit steps' loss is the global mean, so XLA adds it to its gradient red
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jax_impl.devices import make_mesh
 from jax_impl.fsdp_wrapper import cpu_options, parallelize  # noqa: F401  (cpu_options: cp, mesh cite it)
@@ -50,7 +57,8 @@ from shared.problem import Problem
 from shared.results import Trained
 from shared.theory import fsdp_comm_bytes
 
-VARIANTS = (("shard_map", "zero3"), ("shard_map", "zero2"), ("jit", "zero3"), ("jit", "zero2"))
+VARIANTS = (("shard_map", "zero3"), ("shard_map", "zero2"), ("jit", "zero3"), ("jit", "zero2"), ("typed", "zero3"),
+            ("typed", "zero2"))
 
 
 def mesh_for(cfg: Config, device: str = "auto"):
@@ -87,12 +95,14 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     if (style, variant) not in VARIANTS:
         raise ValueError(f"fsdp: unknown jax variant {style}/{variant}; choose from {VARIANTS}")
     cfg.check("fsdp")
-    rows = NamedSharding(mesh, P("dp"))  # dim 0 split: N × (B/N, …)
     y = targets(cfg, problem)  # None | (B, T)
-    batch = tuple(jax.device_put(a, rows) for a in (inputs(cfg, problem), y) if a is not None)
+    raw = tuple(a for a in (inputs(cfg, problem), y) if a is not None)
     trainer = parallelize(build_model(cfg, problem), model_loss, make_optimizer(cfg), mesh, variant, style)
+    batch = trainer.shard_batch(*raw)  # rows split over 'dp' on the trainer's mesh (typed: Explicit axes)
     setup = trainer_setup(trainer, batch)
     setup.comm_theory = fsdp_comm_bytes(cfg, variant)
     setup.state_bytes = lambda state: state_bytes(cfg, problem, variant, *state)
     setup.extra = {"shard": "dim 0 of each ≥2-D parameter (rows of W)"}
+    if style == "typed":  # the layout changes the program states, read from the types at trace time
+        setup.extra["stated"] = trainer.stated.entries
     return train_loop(cfg, setup)

@@ -27,6 +27,13 @@ indivisible matrix) are replicated and their gradients averaged by ONE flat psum
            transpose is the unit's psum_scatter. Row-split params outside every unit are gathered
            once at the start (FSDP2's root). ``units=["blocks.*"]`` gathers per block instead.
 
+style="typed" (sharding in types: JAX's Explicit axes; jax_impl/typed.py): the same four stages as
+ONE step on an Explicit-axes copy of the mesh; the layouts are types (params P() or, zero3, P('dp',
+None…), batch P('dp')) and every change is stated with ``reshard`` (zero3's gathers; the moments'
+rows; the updated rows back) and recorded (``trainer.stated.entries``). The model's forward must be
+typeable: an op whose output layout JAX cannot infer (an embedding lookup on split ids) is refused at
+the first trace in one line; state it (``out_sharding=jax_impl.typed.rows_like(ids)``).
+
 Refused before anything is compiled (``WrapError``: what, where, how to fix): unknown variant or
 style, a mesh without the axis, non-Param state, a unit pattern that matches nothing or nests in
 another, a unit module reachable from two places (shared), a row-split Param held by modules in
@@ -53,7 +60,7 @@ from jax.sharding import PartitionSpec as P
 from jax_impl import model_theory
 from jax_impl.model import fetch
 
-VARIANTS, STYLES = ("dp", "zero1", "zero2", "zero3"), ("shard_map", "jit")
+VARIANTS, STYLES = ("dp", "zero1", "zero2", "zero3"), ("shard_map", "jit", "typed")
 
 
 class WrapError(ValueError):
@@ -418,9 +425,13 @@ def parallelize(model: nnx.Module, loss: Callable, tx: optax.GradientTransformat
         bad = sorted({key_of(p) for p, _ in jax.tree_util.tree_flatten_with_path(rest)[0]})
         raise WrapError(f"{type(model).__name__} holds state other than nnx.Param ({', '.join(bad[:4])}…): parallelize "
                         "trains Params only; build it without BatchNorm / Dropout RNG state")
+    if units is not None and (variant != "zero3" or style != "shard_map"):
+        raise WrapError("units= is for shard_map/zero3 (the only step that gathers per unit)")
+    if style == "typed":  # sharding in types: an Explicit-axes copy of the mesh (jax_impl/typed.py)
+        from jax_impl.typed import TypedTrainer
+
+        return TypedTrainer(model, loss, tx, mesh, variant, axis)
     # jax.make_mesh's default axes are Explicit (sharding in types); these steps place arrays with
     # Auto axes (shardings are hints XLA propagates): the same devices, re-typed.
     mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-    if units is not None and (variant != "zero3" or style != "shard_map"):
-        raise WrapError("units= is for shard_map/zero3 (the only step that gathers per unit)")
     return Trainer(model, loss, tx, mesh, variant, style, axis, units)

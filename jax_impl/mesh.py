@@ -61,6 +61,7 @@ from jax_impl import cp, pp, tp
 from jax_impl.devices import make_mesh
 from jax_impl.harness import Setup, train_loop
 from jax_impl.model import inputs, jax_dtype, make_optimizer, output_loss, targets
+from jax_impl.typed import InMesh, Stated, explicit_mesh
 from shared.config import Config
 from shared.problem import Problem, param_names, param_shapes
 from shared.results import Trained
@@ -73,7 +74,11 @@ PLAIN_OPS = SimpleNamespace(f=lambda a: a, g=lambda a: a, split=lambda a: a, emb
 
 
 def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
-    return tuple((style, cfg.mesh_name) for style in ("shard_map", "jit"))
+    """shard_map and jit on every layout; typed (sharding in types) where mesh_typed.refusal is None."""
+    from jax_impl.mesh_typed import refusal
+
+    styles = ("shard_map", "jit") + (("typed",) if refusal(cfg) is None else ())
+    return tuple((style, cfg.mesh_name) for style in styles)
 
 
 def mesh_for(cfg: Config, device: str = "auto"):
@@ -267,8 +272,16 @@ def cpu_options(cfg: Config, mesh) -> dict | None:
 
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:
+    from jax_impl import mesh_typed
+
+    if style == "typed" and mesh_typed.refusal(cfg):
+        raise ValueError(mesh_typed.refusal(cfg))
     if (style, variant) not in variants(cfg):
         raise ValueError(f"mesh: unknown style/variant {style}/{variant}; choose from {variants(cfg)}")
+    typed = style == "typed"  # an Explicit-axes copy of the mesh (jax_impl/mesh_typed.py)
+    if typed:
+        mesh = explicit_mesh(mesh)
+        stated = Stated(mesh)
     cfg.check("mesh")
     assert dict(mesh.shape) == dict(cfg.mesh), (mesh.shape, cfg.mesh)
     order, shapes = param_names(cfg), param_shapes(cfg)
@@ -281,7 +294,8 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     batch = (jax.device_put(inputs(cfg, problem), rows), jax.device_put(targets(cfg, problem), rows),
              jax.device_put(jnp.arange(cfg.seq, dtype=jnp.int32), NamedSharding(mesh, P(seq))))
     tx = make_optimizer(cfg)
-    to_loss = shard_map_loss(cfg, mesh, specs) if style == "shard_map" else jit_loss(cfg, mesh)
+    to_loss = shard_map_loss(cfg, mesh, specs) if style == "shard_map" else mesh_typed.loss_for(cfg, stated) \
+        if typed else jit_loss(cfg, mesh)
     # (differentiated, reported): the mean of the local losses is differentiated and never computed
     loss_of = lambda p, *b: (lambda v: (jnp.mean(v), v))(to_loss(p, *b))
 
@@ -300,12 +314,14 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     def fixture(tree):  # stacked, TP layout -> fixture arrays in param_names order (device_get gathers)
         return [a.reshape(shapes[k]) for k, a in zip(order, pp.unsplit(tree, order), strict=True)]
 
-    theory = mesh_comm_jax(cfg, style)  # jit with cp or fsdp: None, XLA's choice (docstring there)
+    theory = None if typed else mesh_comm_jax(cfg, style)  # jit with cp or fsdp: None, XLA's choice (docstring there)
+    jitted = jax.jit(stated.traced(step) if typed else step, donate_argnums=(0, 1))
     return train_loop(cfg, Setup(
-        step=jax.jit(step, donate_argnums=(0, 1)), state=state, batch=batch,
+        step=InMesh(jitted, mesh) if typed else jitted, state=state, batch=batch,
         grads_fixture=fixture, params_fixture=lambda state: fixture(state[0]),
         comm_theory=None if theory is None else sum(b for ops in theory.values() for _, b in ops.values()),
         extra={"comm_by_axis_theory": theory,
                "state_bytes_theory": mesh_state_bytes_jax(cfg, style),
-               "rules": {g: {k: str(s) for k, s in v.items()} for g, v in specs.items()}},
+               "rules": {g: {k: str(s) for k, s in v.items()} for g, v in specs.items()}}
+        | ({"stated": stated.entries} if typed else {}),
         compiler_options=cpu_options(cfg, mesh) if style == "shard_map" else None, mesh=mesh))

@@ -81,6 +81,15 @@ from shared.theory import (
 VARIANTS = (("shard_map", "circular"), ("jit", "circular"), ("shard_map", "1f1b"), ("shard_map", "zb"),
             ("shard_map", "interleaved"))
 BY_HAND = ("1f1b", "zb", "interleaved")  # jax_impl/pp_schedules.py
+# Sharding in types ("typed", JAX's Explicit axes; jax_impl/typed.py) cannot say the pipeline's shift:
+# jit's schedule with reshard(·, P('pp')) for the constraints fails at jnp.roll over the (S,) stage
+# axis (jax 0.10.2). The shift that can be typed, reshard(a, P()) -> roll -> reshard(·, P('pp')), is
+# an all-gather of every stage's activation per tick (S× the message: 24 KiB instead of 6 KiB on the
+# MLP at S = M = 4), not a point-to-point pipeline: refused rather than passed off as one.
+TYPED_REFUSAL = ("the stage-to-stage shift cannot be written in types: jnp.roll over the pp-split stage axis "
+                 "is refused at trace time (ShardingTypeError: slicing on sharded dims where out dim (1) is not "
+                 "divisible by mesh axes (4) with spec (pp) is not implemented. Got input type=f64[4@pp,4,16] and "
+                 "output shape=(1, 4, 16)); use shard_map (ppermute) or jit")
 BLOCK = re.compile(r"^(?:layers|blocks)\.(\d+)\.(.+)$")  # "blocks.3.attn.qkv.weight" -> 3, "attn.qkv.weight"
 
 
@@ -318,6 +327,8 @@ def make_step(cfg: Config, style: str, mesh, tx, variant: str = "circular", info
 
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:
+    if style == "typed":
+        raise ValueError(f"pp: the typed style (sharding in types) is refused: {TYPED_REFUSAL}")
     cfg.check("pp")
     by_hand = variant in BY_HAND
     S, M, v = cfg.world_size, cfg.microbatches, cfg.virtual_stages if variant == "interleaved" else 1

@@ -31,6 +31,13 @@ ledger). jit/megatron keeps ``transformer_forward``: through apply_plan the fuse
 would have to be reordered back to [q|k|v] for the model's attention, which GSPMD does with
 all-to-alls and permutes (measured at tp=2: 8 all-to-all, 4 collective-permute, 2 all-gather).
 
+typed (sharding in types, jax_impl/tp_typed.py): the same rules on an Explicit-axes mesh; column
+layers state out_sharding=P(…, 'tp'), row layers einsum(…, out_sharding=P(unreduced={'tp'})) then
+reshard to P() (SP: P(None, 'tp', None)) — Megatron's g as the unreduced -> reduced step; the
+embedding and the loss are vocab-parallel in types (one-hot products). XLA:CPU issues theory's
+all-reduces for megatron op for op; SP's stated reduce-scatters become all-reduces
+(tests/typed_expect.py). Trained.extra["stated"]: every statement with its types.
+
 MLP (CS336 lecture 8): allgather — every layer P(None, "tp") + all_gather (bwd psum_scatter; the
 last is "invarying": a slice); megatron — P(None,"tp") / P("tp",None) pairs with f / g, odd L: last
 column + all-gather. allgather is MLP-only (torch_impl/tp.py says why).
@@ -62,8 +69,9 @@ from jax.sharding import PartitionSpec as P
 from jax_impl import transformer
 from jax_impl.devices import make_mesh
 from jax_impl.harness import Setup, leaves_fixture, train_loop, trainer_setup
-from jax_impl.model import build_model, gelu, inputs, jax_dtype, make_optimizer, output_loss, targets
+from jax_impl.model import build_model, fetch, gelu, inputs, jax_dtype, make_optimizer, output_loss, targets
 from jax_impl.transformer import rms_norm
+from jax_impl.typed import InMesh, Stated, explicit_mesh
 from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
@@ -71,7 +79,8 @@ from shared.theory import tp_comm_bytes
 
 PLAN_STYLES = ("shard_map",)  # the transformer's megatron styles that train through tp_plan.apply_plan
 VARIANTS = (("shard_map", "allgather"), ("shard_map", "megatron"), ("jit", "allgather"), ("jit", "megatron"),
-            ("shard_map", "megatron_sp"), ("jit", "megatron_sp"))
+            ("typed", "allgather"), ("typed", "megatron"), ("shard_map", "megatron_sp"), ("jit", "megatron_sp"),
+            ("typed", "megatron_sp"))
 KERNEL_AXES = {"col": (None, "tp"), "row": ("tp", None)}  # MLP: W_l's columns / rows split over "tp"
 TRANSFORMER_RULES = {
     "wte.weight": ("tp", None),
@@ -331,11 +340,17 @@ def train_plan(cfg: Config, problem: Problem, style: str, mesh) -> Trained:
 
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:
+    from jax_impl import tp_typed
+
     if (style, variant) not in variants(cfg):
         raise ValueError(f"tp: unknown variant {style}/{variant} for the {cfg.model}; choose from {variants(cfg)}")
     cfg.check("tp")
     if cfg.model == "transformer" and variant == "megatron" and style in PLAN_STYLES and not cfg.moe:
         return train_plan(cfg, problem, style, mesh)
+    typed = style == "typed"  # sharding in types: an Explicit-axes copy of the mesh (jax_impl/tp_typed.py)
+    if typed:
+        mesh = explicit_mesh(mesh)
+        stated = Stated(mesh)
     rules = tp_rules(cfg, variant)
     layout = to_layout(problem.params)  # name -> array, param_names order
     specs = {k: rules(k, w.shape) for k, w in layout.items()}
@@ -343,7 +358,8 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
               for k, w in layout.items()}
     batch = tuple(jax.device_put(a, NamedSharding(mesh, P()))  # the full batch on every device
                   for a in (inputs(cfg, problem), targets(cfg, problem)) if a is not None)
-    loss_of, tx = loss_for(cfg, style, variant, mesh, specs), make_optimizer(cfg)
+    loss_of = tp_typed.loss_for(cfg, variant, stated) if typed else loss_for(cfg, style, variant, mesh, specs)
+    tx = make_optimizer(cfg)
 
     state = (params, tx.init(params))
     placed = jax.tree.map(lambda a: a.sharding if isinstance(a.sharding, NamedSharding) else None, state)
@@ -358,9 +374,10 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
         return *new, loss, grads
 
     # jax sorts dict keys (layers.10 < layers.2): back to param_names order; device_get gathers
-    fixture = lambda tree: leaves_fixture(from_layout({k: tree[k] for k in layout}))
+    read = fetch if typed else (lambda a: a)  # typed: (D, 3, D@tp) -> (D, 3D) is refused in types; on the host
+    fixture = lambda tree: leaves_fixture(from_layout({k: read(tree[k]) for k in layout}))
+    extra = {"rules": {k: str(s) for k, s in specs.items()}} | ({"stated": stated.entries} if typed else {})
     return train_loop(cfg, Setup(
-        step=jax.jit(step), state=state, batch=batch,
+        step=InMesh(jax.jit(stated.traced(step)), mesh) if typed else jax.jit(step), state=state, batch=batch,
         grads_fixture=fixture, params_fixture=lambda state: fixture(state[0]),
-        comm_theory=tp_comm_bytes(cfg, variant),
-        extra={"rules": {k: str(s) for k, s in specs.items()}}))
+        comm_theory=tp_comm_bytes(cfg, variant), extra=extra))

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from typed_expect import stated_kinds
 
 from jax_impl import cp as jax_cp
 from jax_impl.harness import _reference as jax_reference
@@ -212,7 +213,8 @@ def test_bad_sizes_are_rejected_before_any_process(changes, message):
 
 
 def test_jax_layout_and_xla_choice(runs):
-    """JAX: every device trained on theory's positions; jit/seq_sharded's collectives are what XLA
+    """JAX: every device trained on theory's positions; jit/seq_sharded's (and typed/seq_sharded's,
+    whose program states reshard(k, P()), reshard(v, P())) collectives are what XLA
     was seen to choose (jax_impl.cp.seq_sharded_comm: forward all-gathers of K and V per layer,
     backward all-reduces of the whole-sequence dK, dV with the gradients), exact op for op
     except the all-reduce count (XLA's combiner)."""
@@ -221,7 +223,9 @@ def test_jax_layout_and_xla_choice(runs):
             continue
         n, kind = cfg.world_size, "ring_zigzag" if variant == "ring_zigzag" else "ring"
         assert trained.extra["positions"] == [cp_positions(cfg.seq, n, r, kind) for r in range(n)], variant
-        if style == "jit":
+        if style == "typed":  # sharding in types: XLA chose as for jit (CPU); K and V gathers stated per layer
+            assert stated_kinds(trained) == {"gather": 2 * cfg.layers, "slice": cfg.layers}, trained.extra["stated"]
+        if style in ("jit", "typed"):
             (n_ag, ag), (_, ar) = jax_cp.seq_sharded_comm(cfg)["all_gather"], jax_cp.seq_sharded_comm(cfg)["all_reduce"]
             assert set(trained.comm) == {"all_gather", "all_reduce"}, trained.comm
             assert trained.comm["all_gather"] == {"count": n_ag, "bytes": ag}, trained.comm

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from typed_expect import split_params, stated_kinds, zero_ledger
 
 from shared.config import Config
 from shared.problem import param_names
@@ -209,7 +210,7 @@ def check_parity(t, j, j_ref, ws):
     for name, entry, other_ref in (("torch", t, j_ref), ("jax", j, t["reference"])):
         if entry is None:
             continue
-        assert len(entry["runs"]) == 4
+        assert len(entry["runs"]) == (4 if name == "torch" else 6)  # jax: shard_map, jit, typed × dp, zero1
         for style, variant, run in entry["runs"]:
             own, cross = parity(run, entry["reference"]), parity(run, other_ref)
             print(f"{name} {model} {style}/{variant} ws={ws} {dtype}: own {own} cross {cross}")
@@ -249,6 +250,14 @@ def check_ledger(t, j):
         b = cfg.bytes_per_element
         assert comm_bytes(runs["jit", "dp"].comm) == phi_b + b, runs["jit", "dp"].comm
         assert comm_bytes(runs["jit", "zero1"].comm) == 2 * phi_b + b, runs["jit", "zero1"].comm
+        # typed (sharding in types): XLA's choice per platform (tests/typed_expect.py); what was stated
+        for variant in ("dp", "zero1"):
+            run = runs["typed", variant]
+            want = zero_ledger(cfg, variant, run.where["platform"])
+            assert want is None or run.comm == want, (variant, run.comm, want)
+        assert runs["typed", "dp"].extra["stated"] == []  # nothing to state: P() weights, P('dp') batch
+        n = len(split_params(cfg, "zero1"))  # grads and weights sliced to the rows, updated rows gathered
+        assert stated_kinds(runs["typed", "zero1"]) == {"slice": 2 * n, "gather": n}
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)

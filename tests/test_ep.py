@@ -298,7 +298,7 @@ def test_the_rest_of_the_grid():
     for check in (test_routing_equals_the_reference, test_parity_with_own_reference, test_parity_with_other_framework,
                   test_torch_ledger_equals_the_routing_formula_on_every_rank, test_torch_state_bytes):
         check(rest)
-    assert sum(1 for _ in _all_runs(rest)) == len(torch_ep.VARIANTS) + 3 * 2
+    assert sum(1 for _ in _all_runs(rest)) == len(torch_ep.VARIANTS) + 3 * 3  # jax: capacity, jit, typed
 
 
 @pytest.mark.parametrize(("changes", "message"), [
@@ -324,10 +324,12 @@ def _jax_runs(runs):
 
 def test_jax_ledger_equals_theory(runs):
     from jax_impl.ep import gshard_comm
+    from jax_impl.ep_typed import typed_comm
     from shared.theory import ep_comm_jax
 
     for _, cfg, style, variant, trained, _ in _jax_runs(runs):
-        theory = ep_comm_jax(cfg, style) if style == "shard_map" else gshard_comm(cfg)
+        theory = ep_comm_jax(cfg, style) if style == "shard_map" else typed_comm(cfg) if style == "typed" else \
+            gshard_comm(cfg)
         comm = dict(trained.comm)
         assert comm.pop("all_reduce")["bytes"] == theory["all_reduce"][1], (variant, cfg.world_size, trained.comm)
         assert comm == {op: {"count": c, "bytes": b} for op, (c, b) in theory.items() if op != "all_reduce"}, \
@@ -335,6 +337,8 @@ def test_jax_ledger_equals_theory(runs):
         assert comm_bytes(trained.comm) == trained.comm_theory
         if style == "jit":  # GSPMD turned the einsums' E <-> G resharding into all-to-alls
             assert trained.comm["all_to_all"]["count"] == 5 * cfg.layers, trained.comm
+        if style == "typed":  # the two moves per layer stated as reshards, each an all-to-all
+            assert [e["moves"] for e in trained.extra["stated"]] == ["all-to-all"] * 2 * cfg.layers
 
 
 def test_jax_padding_and_state(runs):

@@ -18,8 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import init_device_mesh
+from typed_expect import mesh_ledger, stated_kinds
 
 from jax_impl.harness import _reference as jax_reference
+from jax_impl.mesh_typed import refusal as typed_refusal
 from shared import plan, schedule
 from shared.config import Config, parse_mesh
 from shared.results import comm_bytes, cross_framework_ok, parity, within
@@ -204,7 +206,7 @@ def test_torch_mesh_3d(torch_runs_8):
 # headline dp=2,tp=2,pp=2 in both styles and fsdp=2,tp=2 (the ZeRO-3 gathers next to tp; compared with
 # torch's run of the same layout) in shard_map; every other layout × style: test_jax_mesh_every_layout (slow).
 
-JAX_LAYOUTS = {8: (("dp=2,tp=2,pp=2", ("shard_map", "jit")),), 4: (("fsdp=2,tp=2", ("shard_map",)),)}
+JAX_LAYOUTS = {8: (("dp=2,tp=2,pp=2", ("shard_map", "jit")),), 4: (("fsdp=2,tp=2", ("shard_map", "typed")),)}
 JAX_SLOW_LAYOUTS = {4: TORCH_LAYOUTS[4] + ("fsdp=2,cp=2",), 8: TORCH_LAYOUTS[8]}
 
 
@@ -252,7 +254,17 @@ def _check_jax(entries):
         assert total == trained.comm, (style, variant, by_axis, trained.comm)
         assert "none" not in by_axis, by_axis  # every op runs along some mesh axis
         theory = trained.extra["comm_by_axis_theory"]
-        if style == "shard_map":  # count and bytes per axis and op (counts of the gradient group: XLA's combiner)
+        if style == "typed":  # sharding in types: XLA's choice per platform (typed_expect.mesh_ledger)
+            want = mesh_ledger(cfg, trained.where["platform"])
+            assert want is None or by_axis == want, (variant, by_axis, want)
+            # stated: per row-parallel matmul (2L + the embedding) an unreduced sum and its reduction, the
+            # one-hot ids and targets sliced to tp, and under fsdp one gather per fsdp-split parameter
+            units = sum(("fsdp" in spec) * (cfg.layers if g == "blocks" else 1)  # blocks: one spec for L layers
+                        for g, group in trained.extra["rules"].items() for spec in group.values())
+            assert stated_kinds(trained) == {"none (each device keeps its partial sum)": 2 * cfg.layers + 1,
+                                             "reduce": 2 * cfg.layers + 1, "slice": 2} | (
+                {"gather": units} if units else {}), trained.extra["stated"]
+        elif style == "shard_map":  # count and bytes per axis and op (counts of the gradient group: XLA's combiner)
             assert by_axis == {a: {op: {"count": c, "bytes": b} for op, (c, b) in ops.items()}
                                for a, ops in theory.items()}, (variant, by_axis, theory)
             assert comm_bytes(trained.comm) == trained.comm_theory
@@ -329,5 +341,6 @@ def test_jax_mesh_matches_torch_per_layout(jax_runs, torch_runs_4):
 
 @pytest.mark.slow
 def test_jax_mesh_every_layout():
-    _check_jax(_jax_run({ws: tuple((layout, ("shard_map", "jit")) for layout in layouts)
+    _check_jax(_jax_run({ws: tuple((layout, ("shard_map", "jit") + (("typed",) if typed_refusal(mesh_cfg(ws, layout))
+                                                                     is None else ())) for layout in layouts)
                          for ws, layouts in JAX_SLOW_LAYOUTS.items()}))

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from typed_expect import stated_kinds, tp_ledger
 
 from jax_impl import tp as jax_tp
 from jax_impl.harness import _reference as jax_reference
@@ -33,10 +34,10 @@ from torch_impl.reference import train as torch_train
 
 WORLD_SIZES = (2, 4)
 DTYPES = ("float64", "float32")
-JAX_MEGATRON = [("shard_map", "megatron"), ("jit", "megatron")]
+JAX_MEGATRON = [("shard_map", "megatron"), ("jit", "megatron"), ("typed", "megatron")]
 # JAX transformer: megatron_sp at tp=2 only (each compile costs ~3 s; torch runs it at tp=2 and 4;
 # JAX's tp=4: test_jax_sequence_parallel_tp4, slow)
-JAX_SP = [("shard_map", "megatron_sp"), ("jit", "megatron_sp")]
+JAX_SP = [("shard_map", "megatron_sp"), ("jit", "megatron_sp"), ("typed", "megatron_sp")]
 JAX_TRANSFORMER = {2: JAX_MEGATRON + JAX_SP, 4: JAX_MEGATRON}
 
 
@@ -120,8 +121,8 @@ def test_ledger_matches_theory(runs):
     also jit/megatron (XLA issued the same all-reduces, merging the target-logit sum into a backward
     one). jit/megatron_sp: test_jit_sequence_parallel_ledger."""
     for fw, cfg, style, variant, trained, _, _ in _all_runs(runs):
-        if style == "jit" and (cfg.model == "mlp" or variant == "megatron_sp"):
-            continue
+        if style == "jit" and (cfg.model == "mlp" or variant == "megatron_sp") or style == "typed":
+            continue  # typed: test_typed_ledger
         expected = {op: {"count": c, "bytes": b} for op, (c, b) in tp_comm(cfg, variant).items()}
         assert trained.comm == expected, (fw, style, variant, cfg.model, cfg.layers, trained.comm)
         assert comm_bytes(trained.comm) == trained.comm_theory == tp_comm_bytes(cfg, variant)
@@ -163,6 +164,21 @@ def test_jit_sequence_parallel_ledger(runs):
             assert trained.comm == _xla_cpu_sp_ledger(cfg), (cfg.world_size, trained.comm)
 
 
+def test_typed_ledger(runs):
+    """Sharding in types (jax_impl/tp_typed.py): what XLA issued per platform (typed_expect.tp_ledger:
+    megatron == theory op for op; every stated reduce-scatter an all-reduce on CPU), and what the
+    program stated: one unreduced product and its reduction per row-parallel matmul."""
+    for _, cfg, style, variant, trained, _, _ in _all_runs(runs):
+        if style != "typed":
+            continue
+        want = tp_ledger(cfg, variant, trained.where["platform"])
+        assert want is None or trained.comm == want, (cfg.model, cfg.layers, variant, trained.comm, want)
+        kinds = stated_kinds(trained)
+        rows = (cfg.layers // 2 if variant != "allgather" else 0) if cfg.model == "mlp" else 2 * cfg.layers + 1
+        assert kinds.get("none (each device keeps its partial sum)", 0) == rows, kinds
+        assert kinds.get("reduce-scatter" if variant == "megatron_sp" else "reduce", 0) == rows, kinds
+
+
 @pytest.mark.slow
 def test_jax_sequence_parallel_tp4():
     """JAX megatron_sp at tp=4 (the default suite compiles it at tp=2 only): parity with both
@@ -172,7 +188,7 @@ def test_jax_sequence_parallel_tp4():
     for style, variant, trained in out["runs"]:
         assert within(parity(trained, out["reference"]), cfg.dtype), style
         assert cross_framework_ok(parity(trained, torch_reference(cfg)), cfg.dtype), style
-        expected = _xla_cpu_sp_ledger(cfg) if style == "jit" else {
+        expected = _xla_cpu_sp_ledger(cfg) if style == "jit" else tp_ledger(cfg, variant) if style == "typed" else {
             op: {"count": c, "bytes": b} for op, (c, b) in tp_comm(cfg, variant).items()}
         assert trained.comm == expected, (style, trained.comm)
 

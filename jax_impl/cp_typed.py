@@ -1,0 +1,47 @@
+"""Context parallelism in types ("typed": JAX's Explicit axes, jax_impl/typed.py): cp.py's
+seq_sharded layout with every layout change stated by the program.
+
+Typed: tokens, targets (B, T@cp) and their positions (T@cp); every weight P(). The lookups state
+their output (``.at[ids].get(out_sharding=…)``: (B, T@cp, D)); the residual stream stays (B, T@cp, D)
+by the type rules; attention states the one thing it needs: ``reshard(k, P())`` and ``reshard(v,
+P())`` — every query sees every key (XLA: an all-gather of K and of V per layer; the transpose in
+backward sums the whole-sequence dK, dV partials). The causal mask is resharded to the queries'
+rows (a slice). The loss is the global mean over the split tokens (typed P(): XLA's all-reduce),
+and the P() weights' gradients from the split tokens come back P() (XLA's all-reduce).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jax_impl.model import output_loss
+from jax_impl.transformer import block, head
+from jax_impl.typed import Stated
+
+AXIS = "cp"
+
+
+def attention(stated: Stated, l: int):
+    """transformer.attention with K and V resharded to the whole sequence (stated)."""
+    def attn(qkv: jax.Array, head_dim: int) -> jax.Array:
+        b, t, _ = qkv.shape
+        q, k, v = (a.reshape(b, t, -1, head_dim) for a in jnp.split(qkv, 3, axis=-1))  # (B, T@cp, h, dh)
+        k, v = (stated.reshard(a, P(), f"blocks.{l}.attn {name}") for a, name in ((k, "K"), (v, "V")))
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(head_dim, q.dtype))  # (B, h, T@cp, T)
+        causal = stated.reshard(jnp.tril(jnp.ones((t, t), dtype=bool)), P(AXIS, None), "causal mask rows")
+        probs = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, -1)  # (B, T@cp, h·dh)
+    return attn
+
+
+def loss_for(cfg, stated: Stated):
+    """loss(params, tokens, y, pos) -> (1,) the global mean (cp.train takes its mean)."""
+    def loss(params, tokens, y, pos):
+        x = (params["wte.weight"].at[tokens].get(out_sharding=P(None, AXIS, None))
+             + params["wpe.weight"].at[pos].get(out_sharding=P(AXIS, None)))  # (B, T@cp, D)
+        for l in range(cfg.layers):
+            x = block(params, l, x, cfg.head_dim, attn=attention(stated, l))
+        return output_loss(head(params, x), y)[None]
+    return loss

@@ -1,0 +1,78 @@
+"""Expert parallelism in types ("typed": JAX's Explicit axes, jax_impl/typed.py): ep.py's GShard
+einsums with the two token moves stated by the program.
+
+Typed: the batch (B@ep, T), the stacked experts w_up / w_down (E@ep, …), everything else P().
+Per MoE layer the groups G = N (one per device) hold their tokens (G@ep, S, D); the dispatch einsum
+"gsec,gsd->egcd" keeps G split (E, G@ep, C, D); ``reshard(x, P('ep'))`` moves every (expert, group)
+block to the expert's owner (E@ep, G, C, D) — XLA: an all-to-all; the experts run on their rows;
+``reshard(y, P(None, 'ep'))`` brings the outputs back to their groups (the second all-to-all), and
+the combine einsum contracts E and C locally. The embedding lookup states its output (B@ep, T, D).
+Routing: lax.top_k — XLA all-gathers its operand, the (B·T, E) probs, once per layer (jit avoids
+that with ep.sorted_top_k, a stable sort; in types the sort is refused under autodiff: its JVP
+adds an unsharded index operand, "Arguments to sort must have equal shardings", jax 0.10.2). Both moves are recorded
+(Trained.extra["stated"]).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jax_impl.ep import AXIS, slots
+from jax_impl.model import output_loss
+from jax_impl.transformer import experts, head, moe_block
+from jax_impl.typed import Stated
+from shared.theory import ep_capacity
+
+
+def dispatch_in_types(cfg, stated: Stated, l: int):
+    """transformer.moe's ``dispatch`` seam for layer l, GShard's einsums in types."""
+    g, c = cfg.world_size, ep_capacity(cfg)
+
+    def dispatch(h, top, gates, w_up, w_down):  # h (B·T@ep, D); top, gates (B·T@ep, k); w_* (E@ep, …)
+        (bt, d), k, e = h.shape, top.shape[1], w_up.shape[0]
+        h, top, gates = h.reshape(g, c, d), top.reshape(g, c, k), gates.reshape(g, c, k)  # (G@ep, S, …)
+        expert, pos = slots(top, e)  # (G@ep, S·k) each
+        mask = (jax.nn.one_hot(expert, e, dtype=h.dtype)[..., None]
+                * jax.nn.one_hot(pos, c, dtype=h.dtype)[..., None, :]).reshape(g, c, k, e, c)  # (G, S, k, E, C)
+        combine_w = jnp.einsum("gskec,gsk->gsec", mask, gates)  # (G@ep, S, E, C)
+        x = jnp.einsum("gsec,gsd->egcd", jnp.sum(mask, axis=2), h)  # (E, G@ep, C, D)
+        x = stated.reshard(x, P(AXIS), f"blocks.{l} tokens to their experts (E, G, C, D)")  # (E@ep, G, C, D)
+        y = experts(w_up, w_down, x.reshape(e, g * c, d)).reshape(e, g, c, d)  # (E@ep, G, C, D)
+        y = stated.reshard(y, P(None, AXIS), f"blocks.{l} expert outputs to their groups")  # (E, G@ep, C, D)
+        return jnp.einsum("gsec,egcd->gsd", combine_w, y).reshape(bt, d)  # (B·T@ep, D)
+    return dispatch
+
+
+def loss_for(cfg, stated: Stated):
+    """loss(params, tokens, y) -> (global loss, load (L, B, E)): transformer.apply_moe in types."""
+    def loss(params, tokens, y):
+        t = tokens.shape[1]
+        x = (params["wte.weight"].at[tokens].get(out_sharding=P(AXIS, None, None))
+             + params["wpe.weight"][jnp.arange(t)])  # (B@ep, T, D)
+        aux, loads = 0.0, []
+        for l in range(cfg.layers):
+            dispatch = dispatch_in_types(cfg, stated, l)
+            x, a, load = moe_block(params, l, x, cfg.head_dim, cfg.topk, dispatch, select=lax.top_k)
+            aux, loads = aux + a, loads + [load]
+        logits = head(params, x)
+        return output_loss(logits, y) + aux, jnp.stack(loads)
+    return loss
+
+
+def typed_comm(cfg, platform: str = "cpu") -> dict[str, tuple[int | None, int]]:
+    """What XLA:CPU issued for typed/gshard, measured at ep = 2 and 4, k = 1 and 2 (not a design),
+    a = E·C·D·b as in ep.gshard_comm: per layer the two stated all-to-alls and their two transposes
+    (4a), the top_k operand's all-gather ((B·T, E) probs); one all-reduce payload as jit's. Against
+    jit/gshard: no fifth all-to-all and no all-gather of the (B·T, D) output gradient — the combine
+    einsum runs on the group side (y resharded back first), so its weights' gradient is local.
+    Other platforms: one entry, "any": (None, the same total bytes), as ep.gshard_comm."""
+    from jax_impl.ep import gshard_comm
+
+    b, L, e, c = cfg.bytes_per_element, cfg.layers, cfg.experts, ep_capacity(cfg)
+    cpu = {"all_to_all": (4 * L, 4 * L * e * c * cfg.dim * b),
+           "all_gather": (L, L * cfg.batch * cfg.seq * e * b),
+           "all_reduce": gshard_comm(cfg)["all_reduce"]}
+    return cpu if platform == "cpu" else {"any": (None, sum(nbytes for _, nbytes in cpu.values()))}
