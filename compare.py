@@ -39,6 +39,7 @@ from shared.config import DTYPES, MODELS, PATTERNS, RECOMPUTE, format_mesh, pars
 from shared.env import simulate_host_devices
 
 FRAMEWORKS = ("torch", "jax")
+STYLES = ("explicit", "builtin", "shard_map", "typed", "jit")  # torch's two, JAX's three
 
 
 class ArgumentError(Exception):
@@ -148,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-collectives", metavar="PATTERN", choices=PATTERNS[1:],
                    help=f"print, side by side, the collectives one step issues in each style of PATTERN "
                         f"({', '.join(PATTERNS[1:])}) instead of the parity table (default: the parity table)")
+    p.add_argument("--styles", type=_csv(STYLES), default=None, metavar="LIST",
+                   help=f"comma list of {', '.join(STYLES)}: run only these ways of writing each pattern (torch: "
+                        "explicit = hand-written dist.*, builtin = DTensor/FSDP2/DDP/pipelining; JAX: shard_map, "
+                        "typed = sharding in types, jit) (default: every one)")
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save each run's model and AdamW state here (torch: DCP, JAX: Orbax; one folder per run, "
                         "a checkpoint complete or absent; docs/checkpoint.md) (default: none)")
@@ -158,6 +163,28 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a run with none starts at step 0); JSON rows say start_step")
     p.add_argument("--quiet", action="store_true", help="no progress line (it is shown on a terminal only)")
     return p
+
+
+def check_styles(args, cfgs) -> None:
+    """--styles: refuse (ValueError, one line) a pattern that none of the styles asked for can run —
+    for the typed style, JAX's reason (a layout that cannot be written in types)."""
+    if not args.styles:
+        return
+    from runs import chosen_variants, typed_refusal
+
+    for pattern in (p for p in args.patterns if p != "collectives"):
+        for cfg in cfgs_for(cfgs, pattern):
+            if any(chosen_variants(fw, pattern, cfg, args.styles) for fw in args.frameworks):
+                continue
+            reason = typed_refusal(pattern, cfg) if "typed" in args.styles and "jax" in args.frameworks else None
+            if reason:
+                raise ValueError(f"--styles typed: {pattern} ({run_key(cfg)}) cannot be written in types: {reason}")
+            have = sorted({s for fw in args.frameworks for s, _ in chosen_variants(fw, pattern, cfg)})
+            raise ValueError(f"--styles {','.join(args.styles)}: {pattern} ({run_key(cfg)}) has none of them "
+                             f"under {','.join(args.frameworks)} (it has {', '.join(have)})")
+    runs_any = lambda fw: any(chosen_variants(fw, p, c, args.styles) for p in args.patterns if p != "collectives"
+                              for c in cfgs_for(cfgs, p))
+    args.frameworks = [fw for fw in args.frameworks if runs_any(fw)]  # --styles typed: JAX alone
 
 
 def checkpoint_plan(args, cfgs):
@@ -388,6 +415,7 @@ def main(argv=None) -> int:
         # --- end multi-process JAX ---
         check_devices(args.frameworks, cfg.world_size, args.device)
         plan = checkpoint_plan(args, cfgs)
+        check_styles(args, cfgs)
     except (ArgumentError, ValueError) as exc:
         print(f"compare.py: error: {exc}", file=sys.stderr)
         return 2
@@ -399,14 +427,14 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     if args.quiet or not rank0 or not console.is_terminal:  # progress on a terminal only
         rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, None, args.timeout,
-                                          checkpoint=plan)
+                                          checkpoint=plan, styles=args.styles)
     else:
         from rich.live import Live
 
-        progress = report.Progress(planned_runs(cfgs, args.patterns, args.frameworks))
+        progress = report.Progress(planned_runs(cfgs, args.patterns, args.frameworks, args.styles))
         with Live(progress, console=console, refresh_per_second=4, transient=True):
             rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, progress.event,
-                                              args.timeout, checkpoint=plan)
+                                              args.timeout, checkpoint=plan, styles=args.styles)
     elapsed = time.perf_counter() - t0
     ok = report.all_ok(rows, xfw, errors)
     if not rank0:

@@ -16,10 +16,31 @@ import traceback
 from compare import FRAMEWORKS, cfgs_for, run_key
 
 
-def planned_runs(cfgs, patterns, frameworks) -> dict[str, int]:
-    """{framework: the number of table rows it will produce}: what the progress line counts towards."""
+def chosen_variants(framework, pattern, cfg, styles=None) -> list[tuple[str, str]]:
+    """The (style, variant)s ``framework`` runs of ``pattern`` on ``cfg``, as its harness chooses them
+    (the module's variants(cfg), else VARIANTS), only those of ``styles`` when given (--styles)."""
     import importlib
 
+    module = importlib.import_module(f"{'torch_impl' if framework == 'torch' else 'jax_impl'}.{pattern}")
+    every = list(getattr(module, "variants", lambda c: module.VARIANTS)(cfg))
+    return [sv for sv in every if styles is None or sv[0] in styles]
+
+
+def typed_refusal(pattern, cfg) -> str | None:
+    """Why JAX's typed style (sharding in types) cannot write ``pattern`` on ``cfg``, or None."""
+    if pattern == "pp":
+        from jax_impl.pp import TYPED_REFUSAL
+
+        return TYPED_REFUSAL
+    if pattern == "mesh":
+        from jax_impl.mesh_typed import refusal
+
+        return refusal(cfg)
+    return None
+
+
+def planned_runs(cfgs, patterns, frameworks, styles=None) -> dict[str, int]:
+    """{framework: the number of table rows it will produce}: what the progress line counts towards."""
     from shared.collectives import NAMES
 
     out = {}
@@ -29,24 +50,24 @@ def planned_runs(cfgs, patterns, frameworks) -> dict[str, int]:
             if pattern == "collectives":
                 out[fw] += len(NAMES)
                 continue
-            module = importlib.import_module(f"{'torch_impl' if fw == 'torch' else 'jax_impl'}.{pattern}")
-            variants = getattr(module, "variants", lambda c, m=module: m.VARIANTS)  # as the harnesses choose
-            out[fw] += sum(len(variants(cfg)) for cfg in cfgs_for(cfgs, pattern))
+            out[fw] += sum(len(chosen_variants(fw, pattern, cfg, styles)) for cfg in cfgs_for(cfgs, pattern))
     return out
 
 
-def run_torch(cfgs, patterns, device, timeout_s, progress=None, checkpoint=None):
+def run_torch(cfgs, patterns, device, timeout_s, progress=None, checkpoint=None, styles=None):
     """One launch for every pattern and model: per rank, {pattern: checks (collectives) | entries}.
     ``progress(event)``: rank 0's ("start", what) / ("done", runs) as they happen."""
     from torch_impl.harness import run_jobs
     from torch_impl.launch import launch
 
-    jobs = [(p, cfgs_for(cfgs, p)) for p in patterns]
+    jobs = [(p, cfgs_for(cfgs, p)) + (() if styles is None or p == "collectives" else
+                                      ({c: chosen_variants("torch", p, c, styles) for c in cfgs_for(cfgs, p)},))
+            for p in patterns]
     return launch(run_jobs, cfgs[0].world_size, jobs, checkpoint, device=device, timeout_s=timeout_s,
                   progress=progress)
 
 
-def run_jax(cfgs, patterns, device, progress=None, checkpoint=None):
+def run_jax(cfgs, patterns, device, progress=None, checkpoint=None, styles=None):
     from jax_impl import harness
     from jax_impl.devices import make_mesh
     from shared.collectives import NAMES
@@ -61,8 +82,9 @@ def run_jax(cfgs, patterns, device, progress=None, checkpoint=None):
             out[pattern] = collectives.check_all(make_mesh(cfgs[0].world_size, "x", device))
             progress(("done", len(NAMES)))
         else:
-            out[pattern] = harness.run_pattern(pattern, cfgs_for(cfgs, pattern), device=device, progress=progress,
-                                               checkpoint=checkpoint)
+            out[pattern] = [entry for cfg in cfgs_for(cfgs, pattern) for entry in harness.run_pattern(
+                pattern, [cfg], chosen_variants("jax", pattern, cfg, styles), device=device, progress=progress,
+                checkpoint=checkpoint)]
     return out
 
 
@@ -96,7 +118,7 @@ def pattern_rows(pattern, framework, entry, other_ref):
             for style, variant, trained in entry["runs"]]
 
 
-def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, checkpoint=None):
+def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, checkpoint=None, styles=None):
     """Run everything; returns (rows, cross-framework reference comparisons, errors,
     {(pattern, model, framework): reference losses}). ``progress(framework, event)`` hears each
     framework start and each run start and finish."""
@@ -111,11 +133,11 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
             report(("start", "starting the ranks" if fw == "torch" else "starting JAX"))
         try:  # raw[fw][pattern]: the collectives' checks, or {model: the harness's entry}
             if fw == "torch":
-                per_rank = run_torch(cfgs, patterns, device, timeout_s, report, checkpoint)
+                per_rank = run_torch(cfgs, patterns, device, timeout_s, report, checkpoint, styles)
                 raw[fw] = {p: ([r[p] for r in per_rank] if p == "collectives"
                                else dict(zip(models_of[p], per_rank[0][p], strict=True))) for p in patterns}
             else:
-                res = run_jax(cfgs, patterns, device, report, checkpoint)
+                res = run_jax(cfgs, patterns, device, report, checkpoint, styles)
                 raw[fw] = {p: (res[p] if p == "collectives" else dict(zip(models_of[p], res[p], strict=True)))
                            for p in patterns}
         except Exception as exc:  # noqa: BLE001 - reported as a failed framework, exit 1

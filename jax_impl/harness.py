@@ -175,7 +175,8 @@ def run_pattern(
         mesh = module.mesh_for(cfg, device)
         runs = []
         with transformer.recomputing(cfg.recompute):  # every block traced in the steps below (not the reference)
-            for style, variant in variants or getattr(module, "variants", lambda c: module.VARIANTS)(cfg):
+            every = getattr(module, "variants", lambda c: module.VARIANTS)(cfg)
+            for style, variant in every if variants is None else variants:  # [] (--styles): none of them
                 progress(("start", f"{pattern} {cfg.model} {style}/{variant}"))
                 runs.append((style, variant, module.train(cfg, problem, style, variant, mesh) if plan is None else
                              checkpoints.run(module, pattern, cfg, problem, style, variant, mesh, plan)))

@@ -240,7 +240,8 @@ def run_pattern(
         runs = []
         # a pattern may offer some variants for one model only: its variants(cfg), else VARIANTS
         chosen = variants.get(cfg) if isinstance(variants, dict) else variants
-        for style, variant in chosen or getattr(module, "variants", lambda c: module.VARIANTS)(cfg):
+        every = getattr(module, "variants", lambda c: module.VARIANTS)(cfg)
+        for style, variant in every if chosen is None else chosen:  # [] (--styles): none of them
             ctx.progress(("start", f"{pattern} {cfg.model} {style}/{variant}"))
             trained = ckpt.run(module, pattern, cfg, problem, style, variant, ctx, checkpoint) if checkpoint \
                 else module.train(cfg, problem, style, variant, ctx)
@@ -257,16 +258,16 @@ def run_collectives(ctx: RankContext) -> list[dict]:
     return [{**check, "where": ctx.where} for check in collectives.check_all(ctx)]  # platform, backend, devices
 
 
-def run_jobs(ctx: RankContext, jobs: list[tuple[str, list[Config]]], checkpoint: Plan | None = None
-             ) -> dict[str, object]:
-    """Several patterns in one launch (compare.py): {pattern: run_pattern's or
-    run_collectives' answer}. Collectives answer on every rank, patterns on rank 0."""
+def run_jobs(ctx: RankContext, jobs: list[tuple], checkpoint: Plan | None = None) -> dict[str, object]:
+    """Several patterns in one launch (compare.py): jobs of (pattern, cfgs[, {cfg: (style, variant)s}]);
+    returns {pattern: run_pattern's or run_collectives' answer}. Collectives answer on every rank,
+    patterns on rank 0."""
     out: dict[str, object] = {}
-    for pattern, cfgs in jobs:
+    for pattern, cfgs, *chosen in jobs:
         if pattern == "collectives":
             ctx.progress(("start", "collectives"))
             out[pattern] = run_collectives(ctx)
             ctx.progress(("done", len(out[pattern])))
         else:
-            out[pattern] = run_pattern(ctx, pattern, cfgs, checkpoint=checkpoint)
+            out[pattern] = run_pattern(ctx, pattern, cfgs, chosen[0] if chosen else None, checkpoint=checkpoint)
     return out
