@@ -89,21 +89,23 @@ def stated_lines(r) -> list[str]:
     for kind, entries in kinds.items():
         op = MOVE_OP.get(kind)
         n, issued = len(entries), (r.comm.get(op, {}).get("count", 0) if op else 0)
-        sample = entries[0]["what"]
         size = fmt_bytes(sum(e["bytes"] for e in entries))
-        said = f"{head}{n} stated {kind}{'s' if n > 1 else ''} ({size}; e.g. {sample})"
+        said = f"{head}{kind}: {n} stated ({size}; e.g. {entries[0]['what']})"
         if op is None:
             out.append(f"{said}: no communication needed")
         elif issued == n:
             out.append(f"{said}: each became one {op}")
         elif issued == 0:
             out.append(f"{said}: XLA issued no {op}; it chose {_describe(r.comm)}")
+        elif issued > n:
+            out.append(f"{said}: XLA issued {issued}× {op}, {issued - n} more than stated (the backward's "
+                       "transposes of stated changes, sums the types imply)")
         else:
-            out.append(f"{said}: XLA issued {issued}× {op} (it merged, split or moved some)")
+            out.append(f"{said}: XLA issued {issued}× {op}, fewer than stated (it merged or moved some)")
     unstated = {op: v["count"] for op, v in r.comm.items() if op not in {MOVE_OP.get(k) for k in kinds}}
     if unstated:
         out.append(f"{head}XLA also issued {', '.join(f'{n}× {op}' for op, n in unstated.items())}, which the "
-                   "program did not state (implied by the types: gradient sums over split batch dims)")
+                   "program did not state (implied by the types: autodiff's transposes, sums over split dims)")
     return out
 
 
