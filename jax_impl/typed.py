@@ -38,6 +38,22 @@ from jax.sharding import PartitionSpec as P
 from jax_impl import model_theory
 
 
+def refusal(pattern: str, cfg) -> str | None:
+    """One line naming the pattern and why the typed style cannot run it for ``cfg`` (compare.py: exit
+    2 before any process starts), or None. pp: pp.TYPED_REFUSAL; mesh: mesh_typed.refusal (pp, cp)."""
+    if pattern == "pp":
+        from jax_impl.pp import TYPED_REFUSAL
+
+        return f"pp: the typed style (sharding in types) is refused: {TYPED_REFUSAL}"
+    if pattern == "mesh":
+        from jax_impl.mesh_typed import refusal as mesh_refusal
+
+        return mesh_refusal(cfg)
+    if pattern == "collectives":
+        return "collectives: the typed style has no collectives to call: XLA issues them from the types"
+    return None
+
+
 def explicit_mesh(mesh) -> Mesh:
     """The same devices and axis names, every axis Explicit (sharding in types)."""
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit,) * len(mesh.axis_names))

@@ -89,3 +89,15 @@ def test_parallelize_typed_refusals():
         parallelize(model, lambda m, x: m(x).mean(), None, make_mesh(2, "dp"), "zero3", "typed", units=["layers.*"])
     with pytest.raises(WrapError, match="unknown variant/style zero4/typed"):
         parallelize(model, lambda m, x: m(x).mean(), None, make_mesh(2, "dp"), "zero4", "typed")
+
+
+def test_refusal_names_the_pattern_and_the_reason():
+    from jax_impl.typed import refusal
+    from shared.config import Config, parse_mesh
+
+    assert refusal("pp", Config()).startswith("pp: the typed style (sharding in types) is refused: the stage-to-stage")
+    mesh = lambda m: Config(world_size=4, model="transformer", heads=4, mesh=parse_mesh(m))
+    assert refusal("mesh", mesh("dp=2,pp=2")).startswith("mesh dp=2,pp=2: the typed style has no pp")
+    assert refusal("mesh", mesh("cp=2,tp=2")).startswith("mesh cp=2,tp=2: the typed style is written for")
+    assert refusal("mesh", mesh("fsdp=2,tp=2")) is None and refusal("dp", Config()) is None
+    assert "\n" not in refusal("pp", Config())
