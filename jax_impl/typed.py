@@ -131,6 +131,17 @@ class Stated:
         return run
 
 
+def summarize(entries: list[dict]) -> dict[str, dict[str, int]]:
+    """A run's extra["stated"] by kind of move: {moves: {"count", "bytes"}} (the full arrays' bytes),
+    the typed column next to the ledger's {op: {"count", "bytes"}}: each "gather" an all-gather's
+    output, each "reduce" an all-reduce's buffer, each "all-to-all" its buffer, if XLA keeps them."""
+    out: dict[str, dict[str, int]] = {}
+    for e in entries:
+        row = out.setdefault(e["moves"], {"count": 0, "bytes": 0})
+        row["count"], row["bytes"] = row["count"] + 1, row["bytes"] + e["bytes"]
+    return dict(sorted(out.items()))
+
+
 class InMesh:
     """A jitted step traced and lowered under ``jax.set_mesh(mesh)`` (a bare P in reshard and
     out_sharding needs the mesh in context); ``.lower`` and calls as the jitted function's."""

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_impl.devices import make_mesh
 from jax_impl.ledger import comm_of
-from jax_impl.typed import Stated, explicit_mesh, moves, rows_like
+from jax_impl.typed import Stated, explicit_mesh, moves, rows_like, summarize
 
 
 def test_the_issue_check_gather_and_all_reduce():
@@ -74,6 +74,7 @@ def test_stated_records_each_change_with_its_types():
         jax.jit(stated.traced(lambda w: stated.reshard(stated.reshard(w, P(), "w"), P(), "again"))).lower(w)
     assert stated.entries == [{"what": "reshard w P('dp') -> P()", "from": "float64[4@dp,2]", "to": "float64[4,2]",
                                "moves": "gather", "bytes": 4 * 2 * 8}]  # the no-op second one is not a change
+    assert summarize(stated.entries) == {"gather": {"count": 1, "bytes": 64}}
     assert moves(P(), P("dp")) == "slice" and moves(P("dp"), P("dp", None)) == "none"
     assert moves(P(None, unreduced={"tp"}), P()) == "reduce"
     assert moves(P(None, unreduced={"tp"}), P("tp")) == "reduce-scatter"
