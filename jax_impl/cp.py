@@ -23,6 +23,9 @@ residual stream, of Q, of K and of V):
                            (B, T/N, H, dh) -> 3 all-to-alls -> (B, T, H/N, dh), causal attention over
                            the whole sequence for H/N heads, 1 all-to-all back; autodiff transposes
                            them: 8·L all-to-alls of a per step.
+    typed/seq_sharded,     Sharding in types (jax_impl/cp_typed.py): the program states reshard(k|v,
+    typed/ulysses          P()) per layer (XLA: jit's collectives exactly), or Ulysses' four token <->
+                           head reshards per layer (XLA: 8L all-to-alls, theory's op for op).
     jit/seq_sharded        The plain single-device loss with tokens P(None, "cp") and the residual
                            stream constrained to P(None, "cp", None): XLA (GSPMD) picks attention's
                            collectives. Seen at cp = 2 and 4 (``seq_sharded_comm``): forward all-
@@ -58,7 +61,7 @@ from shared.results import Trained
 from shared.theory import cp_attention_scores, cp_chunks, cp_comm_bytes, cp_positions
 
 VARIANTS = (("shard_map", "ring"), ("shard_map", "ring_zigzag"), ("shard_map", "ulysses"), ("jit", "seq_sharded"),
-            ("typed", "seq_sharded"))
+            ("typed", "seq_sharded"), ("typed", "ulysses"))
 AXIS = "cp"
 
 
@@ -296,7 +299,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     tx = make_optimizer(cfg)
     # (differentiated, reported): shard_map differentiates the mean of the local losses and reports
     # the (N,) vector (the mean itself is never computed: no all-reduce); jit its global mean
-    to_loss = cp_typed.loss_for(cfg, stated) if typed else seq_sharded_loss(cfg, mesh) if style == "jit" else \
+    to_loss = cp_typed.loss_for(cfg, stated, variant) if typed else seq_sharded_loss(cfg, mesh) if style == "jit" else \
         shard_map_loss(cfg, variant, mesh)
     loss_of = lambda p, *b: (lambda v: (jnp.mean(v), v))(to_loss(p, *b))
 
@@ -314,6 +317,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
         step=InMesh(jax.jit(stated.traced(step), donate_argnums=(0, 1)), mesh) if typed else
         jax.jit(step, donate_argnums=(0, 1)), state=(params, tx.init(params)), batch=batch,
         grads_fixture=fixture, params_fixture=lambda state: fixture(state[0]),
-        comm_theory=cp_comm_bytes(cfg, variant) if style == "shard_map" else
+        comm_theory=cp_comm_bytes(cfg, variant) + typed * cfg.bytes_per_element  # typed: + the loss's all-reduce
+        if style == "shard_map" or variant == "ulysses" else
         sum(nbytes for _, nbytes in seq_sharded_comm(cfg, xla_platform(mesh)).values()), extra=extra,
         compiler_options=cpu_options(mesh, variant)))

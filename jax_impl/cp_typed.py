@@ -6,8 +6,11 @@ their output (``.at[ids].get(out_sharding=…)``: (B, T@cp, D)); the residual st
 by the type rules; attention states the one thing it needs: ``reshard(k, P())`` and ``reshard(v,
 P())`` — every query sees every key (XLA: an all-gather of K and of V per layer; the transpose in
 backward sums the whole-sequence dK, dV partials). The causal mask is resharded to the queries'
-rows (a slice). The loss is the global mean over the split tokens (typed P(): XLA's all-reduce),
-and the P() weights' gradients from the split tokens come back P() (XLA's all-reduce).
+rows (a slice). ulysses: q, k, v resharded from the tokens to the heads and the output back,
+four stated all-to-alls per layer (``ulysses``). The loss is the global mean over the split tokens
+(typed P(): XLA's all-reduce), and the P() weights' gradients from the split tokens come back P()
+(XLA's all-reduce). ring / ring_zigzag have no typed form: a K|V hop is a point-to-point shift
+along the split sequence, what pp.TYPED_REFUSAL quotes JAX refusing (jnp.roll over a split axis).
 """
 
 from __future__ import annotations
@@ -36,12 +39,31 @@ def attention(stated: Stated, l: int):
     return attn
 
 
-def loss_for(cfg, stated: Stated):
+def ulysses(stated: Stated, l: int):
+    """DeepSpeed-Ulysses in types: q, k, v (B, T@cp, h, dh) resharded to (B, T, h@cp, dh) — each
+    device gets every token of H/N heads (XLA: an all-to-all each) — causal attention there, the
+    output resharded back to the tokens (B, T@cp, h, dh)."""
+    heads = P(None, None, AXIS, None)
+
+    def attn(qkv: jax.Array, head_dim: int) -> jax.Array:
+        b, t, _ = qkv.shape
+        q, k, v = (stated.reshard(a.reshape(b, t, -1, head_dim), heads, f"blocks.{l}.attn {name}")
+                   for a, name in zip(jnp.split(qkv, 3, axis=-1), "QKV", strict=True))  # (B, T, h@cp, dh)
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(head_dim, q.dtype))  # (B, h@cp, T, T)
+        probs = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((t, t), dtype=bool)), logits, -jnp.inf), axis=-1)
+        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)  # (B, T, h@cp, dh)
+        return stated.reshard(out, P(None, AXIS, None, None), f"blocks.{l}.attn output").reshape(b, t, -1)
+    return attn
+
+
+def loss_for(cfg, stated: Stated, variant: str = "seq_sharded"):
     """loss(params, tokens, y, pos) -> (1,) the global mean (cp.train takes its mean)."""
+    core = ulysses if variant == "ulysses" else attention
+
     def loss(params, tokens, y, pos):
         x = (params["wte.weight"].at[tokens].get(out_sharding=P(None, AXIS, None))
              + params["wpe.weight"].at[pos].get(out_sharding=P(AXIS, None)))  # (B, T@cp, D)
         for l in range(cfg.layers):
-            x = block(params, l, x, cfg.head_dim, attn=attention(stated, l))
+            x = block(params, l, x, cfg.head_dim, attn=core(stated, l))
         return output_loss(head(params, x), y)[None]
     return loss

@@ -38,6 +38,22 @@ from jax.sharding import PartitionSpec as P
 from jax_impl import model_theory
 
 
+def refusal(pattern: str, cfg) -> str | None:
+    """One line naming the pattern and why the typed style cannot run it for ``cfg`` (compare.py: exit
+    2 before any process starts), or None. pp: pp.TYPED_REFUSAL; mesh: mesh_typed.refusal (pp, cp)."""
+    if pattern == "pp":
+        from jax_impl.pp import TYPED_REFUSAL
+
+        return f"pp: the typed style (sharding in types) is refused: {TYPED_REFUSAL}"
+    if pattern == "mesh":
+        from jax_impl.mesh_typed import refusal as mesh_refusal
+
+        return mesh_refusal(cfg)
+    if pattern == "collectives":
+        return "collectives: the typed style has no collectives to call: XLA issues them from the types"
+    return None
+
+
 def explicit_mesh(mesh) -> Mesh:
     """The same devices and axis names, every axis Explicit (sharding in types)."""
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit,) * len(mesh.axis_names))
@@ -113,6 +129,17 @@ class Stated:
             self.entries.clear()  # in place: a run's extra["stated"] holds this list
             return fn(*args)
         return run
+
+
+def summarize(entries: list[dict]) -> dict[str, dict[str, int]]:
+    """A run's extra["stated"] by kind of move: {moves: {"count", "bytes"}} (the full arrays' bytes),
+    the typed column next to the ledger's {op: {"count", "bytes"}}: each "gather" an all-gather's
+    output, each "reduce" an all-reduce's buffer, each "all-to-all" its buffer, if XLA keeps them."""
+    out: dict[str, dict[str, int]] = {}
+    for e in entries:
+        row = out.setdefault(e["moves"], {"count": 0, "bytes": 0})
+        row["count"], row["bytes"] = row["count"] + 1, row["bytes"] + e["bytes"]
+    return dict(sorted(out.items()))
 
 
 class InMesh:

@@ -23,6 +23,7 @@ from typed_expect import stated_kinds
 from jax_impl import cp as jax_cp
 from jax_impl.harness import _reference as jax_reference
 from jax_impl.harness import run_pattern as jax_run_pattern
+from jax_impl.typed import summarize
 from shared.config import Config
 from shared.problem import make_problem
 from shared.results import comm_bytes, cross_framework_ok, parity, within
@@ -223,8 +224,16 @@ def test_jax_layout_and_xla_choice(runs):
             continue
         n, kind = cfg.world_size, "ring_zigzag" if variant == "ring_zigzag" else "ring"
         assert trained.extra["positions"] == [cp_positions(cfg.seq, n, r, kind) for r in range(n)], variant
+        if (style, variant) == ("typed", "ulysses"):  # four stated token <-> head reshards per layer: theory's
+            theory = {op: {"count": c, "bytes": b} for op, (c, b) in cp_comm(cfg, variant).items()}  # all-to-alls
+            assert stated_kinds(trained) == {"all-to-all": 4 * cfg.layers}, trained.extra["stated"]
+            assert trained.comm["all_to_all"] == theory["all_to_all"], trained.comm
+            assert trained.comm["all_reduce"]["bytes"] == theory["all_reduce"]["bytes"] + cfg.bytes_per_element
+            assert comm_bytes(trained.comm) == trained.comm_theory, trained.comm
+            continue
         if style == "typed":  # sharding in types: XLA chose as for jit (CPU); K and V gathers stated per layer
             assert stated_kinds(trained) == {"gather": 2 * cfg.layers, "slice": cfg.layers}, trained.extra["stated"]
+            assert summarize(trained.extra["stated"])["gather"] == trained.comm["all_gather"]  # one each, same bytes
         if style in ("jit", "typed"):
             (n_ag, ag), (_, ar) = jax_cp.seq_sharded_comm(cfg)["all_gather"], jax_cp.seq_sharded_comm(cfg)["all_reduce"]
             assert set(trained.comm) == {"all_gather", "all_reduce"}, trained.comm

@@ -10,6 +10,7 @@ import pytest
 from typed_expect import split_params, stated_kinds, zero_ledger
 
 from jax_impl.harness import run_pattern as jax_run_pattern
+from jax_impl.typed import summarize
 from shared.config import Config
 from shared.results import comm_bytes, cross_framework_ok, parity, within
 from shared.theory import adam_state_bytes, fsdp_comm, fsdp_state_bytes, zero2_comm, zero3_comm
@@ -87,6 +88,8 @@ def test_ledger_matches_theory(results):
         if style == "typed":  # XLA's choice per platform (tests/typed_expect.py), and what was stated
             want = zero_ledger(cfg, variant, run.where["platform"])
             assert want is None or run.comm == want, (cfg.model, cfg.world_size, variant, run.comm, want)
+            if want is not None:  # each stated gather became one all-gather of the same bytes
+                assert summarize(run.extra["stated"])["gather"] == run.comm["all_gather"], run.extra["stated"]
             n = len(split_params(cfg, variant))
             assert stated_kinds(run) == ({"gather": n, "slice": n} if variant == "zero3"  # reshard(w, P()), its
                                          else {"slice": 2 * n, "gather": n}), run.extra["stated"]  # transpose

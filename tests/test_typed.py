@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_impl.devices import make_mesh
 from jax_impl.ledger import comm_of
-from jax_impl.typed import Stated, explicit_mesh, moves, rows_like
+from jax_impl.typed import Stated, explicit_mesh, moves, rows_like, summarize
 
 
 def test_the_issue_check_gather_and_all_reduce():
@@ -74,6 +74,7 @@ def test_stated_records_each_change_with_its_types():
         jax.jit(stated.traced(lambda w: stated.reshard(stated.reshard(w, P(), "w"), P(), "again"))).lower(w)
     assert stated.entries == [{"what": "reshard w P('dp') -> P()", "from": "float64[4@dp,2]", "to": "float64[4,2]",
                                "moves": "gather", "bytes": 4 * 2 * 8}]  # the no-op second one is not a change
+    assert summarize(stated.entries) == {"gather": {"count": 1, "bytes": 64}}
     assert moves(P(), P("dp")) == "slice" and moves(P("dp"), P("dp", None)) == "none"
     assert moves(P(None, unreduced={"tp"}), P()) == "reduce"
     assert moves(P(None, unreduced={"tp"}), P("tp")) == "reduce-scatter"
@@ -89,3 +90,15 @@ def test_parallelize_typed_refusals():
         parallelize(model, lambda m, x: m(x).mean(), None, make_mesh(2, "dp"), "zero3", "typed", units=["layers.*"])
     with pytest.raises(WrapError, match="unknown variant/style zero4/typed"):
         parallelize(model, lambda m, x: m(x).mean(), None, make_mesh(2, "dp"), "zero4", "typed")
+
+
+def test_refusal_names_the_pattern_and_the_reason():
+    from jax_impl.typed import refusal
+    from shared.config import Config, parse_mesh
+
+    assert refusal("pp", Config()).startswith("pp: the typed style (sharding in types) is refused: the stage-to-stage")
+    mesh = lambda m: Config(world_size=4, model="transformer", heads=4, mesh=parse_mesh(m))
+    assert refusal("mesh", mesh("dp=2,pp=2")).startswith("mesh dp=2,pp=2: the typed style has no pp")
+    assert refusal("mesh", mesh("cp=2,tp=2")).startswith("mesh cp=2,tp=2: the typed style is written for")
+    assert refusal("mesh", mesh("fsdp=2,tp=2")) is None and refusal("dp", Config()) is None
+    assert "\n" not in refusal("pp", Config())
