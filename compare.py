@@ -178,7 +178,7 @@ def check_styles(args, cfgs) -> None:
                 continue
             reason = typed_refusal(pattern, cfg) if "typed" in args.styles and "jax" in args.frameworks else None
             if reason:
-                raise ValueError(f"--styles typed: {pattern} ({run_key(cfg)}) cannot be written in types: {reason}")
+                raise ValueError(f"--styles typed: {reason}")
             have = sorted({s for fw in args.frameworks for s, _ in chosen_variants(fw, pattern, cfg)})
             raise ValueError(f"--styles {','.join(args.styles)}: {pattern} ({run_key(cfg)}) has none of them "
                              f"under {','.join(args.frameworks)} (it has {', '.join(have)})")

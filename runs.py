@@ -27,16 +27,11 @@ def chosen_variants(framework, pattern, cfg, styles=None) -> list[tuple[str, str
 
 
 def typed_refusal(pattern, cfg) -> str | None:
-    """Why JAX's typed style (sharding in types) cannot write ``pattern`` on ``cfg``, or None."""
-    if pattern == "pp":
-        from jax_impl.pp import TYPED_REFUSAL
+    """Why JAX's typed style (sharding in types) cannot write ``pattern`` on ``cfg`` (one line naming
+    the pattern), or None: jax_impl.typed.refusal."""
+    from jax_impl.typed import refusal
 
-        return TYPED_REFUSAL
-    if pattern == "mesh":
-        from jax_impl.mesh_typed import refusal
-
-        return refusal(cfg)
-    return None
+    return refusal(pattern, cfg)
 
 
 def planned_runs(cfgs, patterns, frameworks, styles=None) -> dict[str, int]:

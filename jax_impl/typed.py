@@ -226,13 +226,9 @@ class TypedTrainer:
     # --- for users, as fsdp_wrapper.Trainer --------------------------------------------------------
 
     def shard_batch(self, *arrays) -> tuple:
-        from jax_impl.fsdp_wrapper import WrapError
+        from jax_impl.fsdp_wrapper import Trainer
 
-        for a in arrays:
-            if a.shape[0] % self.n:
-                raise WrapError(f"batch dim 0 = {a.shape[0]} is not divisible by {self.axis}={self.n}: "
-                                "use a batch size N divides")
-        return tuple(jax.device_put(a, NamedSharding(self.mesh, P(self.axis))) for a in arrays)
+        return Trainer.shard_batch(self, *arrays)  # the same rows-over-the-axis placement (and refusal)
 
     def train_step(self, *batch) -> float:
         batch = self.shard_batch(*batch)
