@@ -168,6 +168,22 @@ class InMesh:
         with jax.set_mesh(self.mesh):
             return self.jitted(*args)
 
+    def trace(self, *args):
+        """The jitted function's ``trace`` under the mesh; its ``lower(...)`` (e.g. for another
+        platform: tests/test_gpu_readiness.py) under the mesh too."""
+        with jax.set_mesh(self.mesh):
+            traced = self.jitted.trace(*args)
+        return _InMeshTraced(traced, self.mesh)
+
+
+class _InMeshTraced:
+    def __init__(self, traced, mesh: Mesh):
+        self.traced, self.mesh = traced, mesh
+
+    def lower(self, **kwargs):
+        with jax.set_mesh(self.mesh):
+            return self.traced.lower(**kwargs)
+
 
 class TypedTrainer:
     """``fsdp_wrapper.Trainer``'s interface (step, state, train_step, full_grads, module,

@@ -26,8 +26,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MLP = Config(world_size=2, layers=4, dim=16, batch=16, steps=4, dtype="float64")
 GPT = Config(world_size=2, model="transformer", layers=2, dim=16, heads=4, seq=8, vocab=32, batch=8, steps=4,
              dtype="float64")
-DEFAULT = [("dp", MLP), ("fsdp", MLP), ("tp", MLP), ("pp", MLP)]
-SLOW = [("dp", GPT), ("fsdp", GPT), ("tp", GPT), ("pp", GPT), ("cp", GPT), ("ep", GPT.replace(experts=4))]
+# Default tier: every dp, fsdp and tp variant, and pp by hand and through torch.distributed.pipelining;
+# the slow tier: every pp schedule, the transformer, cp, ep (and the mesh layouts below).
+PP_DEFAULT = [("explicit", "1f1b"), ("builtin", "gpipe")]
+DEFAULT = [("dp", MLP), ("fsdp", MLP), ("tp", MLP), ("pp", MLP, PP_DEFAULT)]
+SLOW = [("pp", MLP), ("dp", GPT), ("fsdp", GPT), ("tp", GPT), ("pp", GPT), ("cp", GPT),
+        ("ep", GPT.replace(experts=4))]
 
 
 def _save_and_resume(ctx, folder, jobs):
@@ -35,10 +39,11 @@ def _save_and_resume(ctx, folder, jobs):
     from torch_impl.harness import run_pattern
 
     out = []
-    for pattern, cfg in jobs:
-        plan = Plan(dir=os.path.join(folder, pattern), save_at=(cfg.steps // 2,))
-        full = run_pattern(ctx, pattern, [cfg], checkpoint=plan)
-        resumed = run_pattern(ctx, pattern, [cfg], checkpoint=Plan(dir=plan.dir, resume=True))
+    for pattern, cfg, *variants in jobs:
+        plan = Plan(dir=os.path.join(folder, f"{pattern}-{cfg.model}"), save_at=(cfg.steps // 2,))
+        chosen = variants[0] if variants else None
+        full = run_pattern(ctx, pattern, [cfg], chosen, checkpoint=plan)
+        resumed = run_pattern(ctx, pattern, [cfg], chosen, checkpoint=Plan(dir=plan.dir, resume=True))
         if ctx.rank == 0:
             out += [(pattern, cfg, s, v, a, b, full[0]["reference"])
                     for (s, v, a), (_, _, b) in zip(full[0]["runs"], resumed[0]["runs"], strict=True)]

@@ -73,7 +73,8 @@ def test_torch_fsdp_then_jax_tp(tmp_path, cfg, measured):
     _check(*_torch_then_jax(tmp_path, cfg), cfg, measured, f"torch fsdp 3 → jax tp 3 ({cfg.model})")
 
 
-@pytest.mark.parametrize("cfg", [MLP, pytest.param(GPT, marks=pytest.mark.slow)], ids=["mlp", "transformer"])
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [MLP, GPT], ids=["mlp", "transformer"])
 def test_jax_dp_then_torch_pp(tmp_path, cfg, measured):
     _check(*_jax_then_torch(tmp_path, cfg), cfg, measured, f"jax dp 3 → torch pp 3 ({cfg.model})")
 
