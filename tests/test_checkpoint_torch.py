@@ -136,6 +136,33 @@ def _compare(*args, env=None):
                           env={**os.environ, **(env or {})}, timeout=600)
 
 
+def _fsdp_zero3(ctx, cfg, plan):
+    from torch_impl.harness import run_pattern
+
+    out = run_pattern(ctx, "fsdp", [cfg], [("explicit", "zero3")], checkpoint=plan)
+    return out[0]["runs"][0][2] if ctx.rank == 0 else None
+
+
+def test_a_rank_killed_in_a_save_then_resumed_is_bitwise(tmp_path, monkeypatch):
+    """Rank 1 dies (SIGKILL) in the middle of saving step 2 — its files written, no manifest: the launch
+    fails, the save stays a .tmp- folder, resume continues from step 1 and ends on the uninterrupted
+    run's bits (losses of the steps it ran, final parameters)."""
+    from torch_impl.launch import LaunchError
+
+    folder = str(tmp_path / "ckpt")
+    monkeypatch.setenv("PARALLEL_TWINS_FAULT", "step=2,phase=save,rank=1")  # the spawned ranks inherit it
+    with pytest.raises(LaunchError, match="rank 1"):
+        launch(_fsdp_zero3, 2, MLP, Plan(dir=folder, every=1))
+    monkeypatch.delenv("PARALLEL_TWINS_FAULT")
+    run = os.path.join(folder, "torch-fsdp-explicit-zero3-mlp")
+    assert sorted(os.listdir(run)) == [".tmp-step_000002", "step_000001"]
+    resumed = launch(_fsdp_zero3, 2, MLP, Plan(dir=folder, resume=True))[0]
+    whole = launch(_fsdp_zero3, 2, MLP, None)[0]
+    assert resumed.start_step == 1 and resumed.losses == whole.losses[1:]
+    assert all(np.array_equal(a, b) for a, b in zip(resumed.params, whole.params, strict=True))
+
+
+@pytest.mark.slow
 def test_kill_in_a_save_then_resume_is_bitwise(tmp_path):
     """compare.py --checkpoint-dir: rank 0 dies in the middle of saving step 2 (its files written, no
     manifest); --resume skips that save, continues from step 1, and ends on the very bits of a run that
@@ -161,11 +188,13 @@ def test_kill_in_a_save_then_resume_is_bitwise(tmp_path):
         assert all(np.array_equal(x[k], y[k]) for k in x), name
 
 
-def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
-    args = ["--frameworks", "torch", "--patterns", "dp", "--model", "mlp", "--world-size", "2", "--steps", "2",
-            "--layers", "2", "--dim", "16", "--batch", "8", "--quiet", "--checkpoint-dir", str(tmp_path)]
-    assert _compare(*args).returncode == 0
-    r = _compare(*[a if a != "16" else "24" for a in args], "--resume")
+def test_resume_refuses_a_checkpoint_of_another_model(pairs, tmp_path):
+    """compare.py --resume checks the checkpoint each run would load before any process starts: one of
+    another width is refused in one line, exit 2."""
+    *_, full, _, _ = next(p for p in pairs if p[0] == "dp" and p[3] == "naive")
+    folder = os.path.dirname(os.path.dirname(full.extra["checkpoints"][0]["path"]))  # --checkpoint-dir
+    r = _compare("--frameworks", "torch", "--patterns", "dp", "--model", "mlp", "--world-size", "2", "--steps",
+                 "4", "--layers", "4", "--dim", "24", "--batch", "16", "--checkpoint-dir", folder, "--resume")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "manifest.json: saved with dim=16, this run has dim=24" in r.stderr
     r = _compare("--frameworks", "torch", "--resume")

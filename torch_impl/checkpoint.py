@@ -142,8 +142,8 @@ def save(cfg, ctx, setup, done: int, s: Session) -> None:
     obj = [tmp]
     dist.broadcast_object_list(obj, src=0)
     dcp.save(state_dict, storage_writer=HuggingFaceStorageWriter(os.path.join(obj[0], "dcp"), save_distributed=True))
-    dist.barrier()
     fault("save", done, ctx.rank)  # the kill test's "in the middle of a save": files written, no manifest
+    dist.barrier()  # every rank's files are written: only then is the checkpoint committed
     if ctx.rank == 0:
         info = manifest(cfg, done, "torch", "dcp", s.layout)
         path = commit(obj[0], info)
