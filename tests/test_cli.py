@@ -224,16 +224,29 @@ def test_json_markdown_and_plots_contract(tmp_path):
     assert all((plot_dir / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
 
-def test_show_collectives_contrasts_the_four_styles(capsys):
+def test_show_collectives_contrasts_the_five_styles(capsys):
     code = compare.main(["--show-collectives", "tp", "--world-size", "2", "--dim", "8", "--batch", "4",
                          "--model", "mlp", "--steps", "2", "--quiet"])
     assert code == 0
     out = capsys.readouterr().out
     assert "collectives of one tp step on the mlp" in out
-    for style in ("explicit", "builtin", "shard_map", "jit"):
+    head = next(line for line in out.splitlines() if "torch dist.*" in line)  # the five ways, side by side
+    assert all(h in head for h in ("torch dist.*", "DTensor/builtin", "shard_map", "typed", "jit")), head
+    for style in ("explicit", "builtin", "shard_map", "typed", "jit"):
         assert style in out
     # XLA:CPU forms the all-gather TP backward as all-reduce, where shard_map writes reduce-scatter
     assert "allgather: XLA (jit) issued" in out
+    # the typed programs' stated changes against what XLA issued (the row-parallel unreduced -> reduced)
+    assert "typed/allgather: gather: 4 stated" in out and "each became one all_gather" in out
+    assert "typed/megatron: reduce: 2 stated" in out and "XLA issued 3× all_reduce, 1 more than stated" in out
+
+
+def test_styles_typed_refuses_pp_in_one_line(capsys):
+    """--styles typed on a pattern types cannot write: exit 2, one line naming it and JAX's reason."""
+    assert compare.main(["--patterns", "pp", "--model", "mlp", "--styles", "typed"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("compare.py: error: --styles typed: pp: ") and \
+        "ShardingTypeError" in err, err
 
 
 def test_show_collectives_cp_ring_zigzag_ulysses_and_xla(capsys):

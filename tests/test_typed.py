@@ -103,31 +103,3 @@ def test_refusal_names_the_pattern_and_the_reason():
     assert refusal("mesh", mesh("fsdp=2,tp=2")) is None and refusal("dp", Config()) is None
     assert "\n" not in refusal("pp", Config())
 
-
-def _compare(*args):
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, "compare.py", *args], cwd=root, capture_output=True, text=True,
-                          timeout=600)
-
-
-def test_styles_typed_refuses_pp_in_one_line():
-    """compare.py --styles typed on a pattern types cannot write: exit 2, one line naming it and JAX's reason,
-    before any process starts."""
-    r = _compare("--patterns", "pp", "--model", "mlp", "--styles", "typed")
-    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert r.stderr.startswith("compare.py: error: --styles typed: pp: ") and "ShardingTypeError" in r.stderr
-
-
-def test_show_collectives_five_styles_and_the_stated_changes():
-    """--show-collectives: the five ways of writing ZeRO-3 side by side, and the typed program's stated
-    gathers against the all-gathers XLA issued (on CPU: one each, asserted in test_fsdp's ledgers too)."""
-    r = _compare("--patterns", "fsdp", "--model", "mlp", "--world-size", "2", "--layers", "2", "--dim", "8",
-                 "--batch", "8", "--steps", "2", "--show-collectives", "fsdp")
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    head = next(line for line in r.stdout.splitlines() if "torch dist.*" in line)
-    assert [h in head for h in ("torch dist.*", "DTensor/builtin", "shard_map", "typed", "jit")] == [True] * 5
-    assert "typed/zero3: gather: 2 stated" in r.stdout and "each became one all_gather" in r.stdout
