@@ -26,12 +26,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MLP = Config(world_size=2, layers=4, dim=16, batch=16, steps=4, dtype="float64")
 GPT = Config(world_size=2, model="transformer", layers=2, dim=16, heads=4, seq=8, vocab=32, batch=8, steps=4,
              dtype="float64")
-# Default tier: every dp, fsdp and tp variant, and pp by hand and through torch.distributed.pipelining;
-# the slow tier: every pp schedule, the transformer, cp, ep (and the mesh layouts below).
-PP_DEFAULT = [("explicit", "1f1b"), ("builtin", "gpipe")]
-DEFAULT = [("dp", MLP), ("fsdp", MLP), ("tp", MLP), ("pp", MLP, PP_DEFAULT)]
-SLOW = [("pp", MLP), ("dp", GPT), ("fsdp", GPT), ("tp", GPT), ("pp", GPT), ("cp", GPT),
-        ("ep", GPT.replace(experts=4))]
+# Default tier: each pattern by hand and through torch's own API (ZeRO-1 too); the slow tier: every
+# variant and pp schedule, the transformer, cp, ep (and the mesh layouts below).
+DEFAULT = [("dp", MLP, [("explicit", "naive"), ("explicit", "zero1"), ("builtin", "ddp")]),
+           ("fsdp", MLP, [("explicit", "zero3"), ("builtin", "fsdp2")]),
+           ("tp", MLP, [("explicit", "megatron"), ("builtin", "dtensor")]),
+           ("pp", MLP, [("explicit", "1f1b"), ("builtin", "gpipe")])]
+SLOW = [("dp", MLP), ("fsdp", MLP), ("tp", MLP), ("pp", MLP), ("dp", GPT), ("fsdp", GPT), ("tp", GPT), ("pp", GPT),
+        ("cp", GPT), ("ep", GPT.replace(experts=4))]
 
 
 def _save_and_resume(ctx, folder, jobs):

@@ -215,7 +215,8 @@ def _steps(every: bool = True):
             chosen = cfgs_for(cfgs, p)
             for cfg in chosen if every else [c for c in chosen if c.model == "mlp"] or chosen[:1]:
                 for style, variant in getattr(module, "variants", lambda c, m=module: m.VARIANTS)(cfg):
-                    runs.append((p, cfg, style, variant, module))
+                    if every or style != "typed" or p not in ("dp", "fsdp"):  # typed dp/fsdp: jit's ops (slow)
+                        runs.append((p, cfg, style, variant, module))
     return runs
 
 
