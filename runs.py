@@ -28,10 +28,10 @@ def chosen_variants(framework, pattern, cfg, styles=None) -> list[tuple[str, str
 
 def typed_refusal(pattern, cfg) -> str | None:
     """Why JAX's typed style (sharding in types) cannot write ``pattern`` on ``cfg`` (one line naming
-    the pattern), or None: jax_impl.typed.refusal."""
-    from jax_impl.typed import refusal
+    the pattern), or None: jax_impl.mesh_typed.typed_refusal."""
+    from jax_impl.mesh_typed import typed_refusal
 
-    return refusal(pattern, cfg)
+    return typed_refusal(pattern, cfg)
 
 
 def planned_runs(cfgs, patterns, frameworks, styles=None) -> dict[str, int]:

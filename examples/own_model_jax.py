@@ -33,10 +33,10 @@ from flax import nnx  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)  # float64 parity
 
-from jax_impl import cp_seam  # noqa: E402
-from jax_impl.fsdp_wrapper import parallelize  # noqa: E402
-from jax_impl.pp_seam import pipeline  # noqa: E402
-from jax_impl.tp_plan import apply_plan, cross_entropy  # noqa: E402
+from jax_impl.parallel import cp as cp_seam  # noqa: E402
+from jax_impl.parallel.fsdp import parallelize  # noqa: E402
+from jax_impl.parallel.pp import pipeline  # noqa: E402
+from jax_impl.parallel.tp import apply_plan, cross_entropy  # noqa: E402
 
 VOCAB, DIM, SEQ, BATCH, STEPS = 16, 8, 8, 4, 3
 F64 = dict(param_dtype=jnp.float64)

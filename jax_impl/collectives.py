@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_impl.devices import where
 from jax_impl.ledger import comm_of
-from jax_impl.model import fetch
+from jax_impl.parallel.tree import fetch
 from shared.collectives import (
     BENCH_OPS,
     BENCH_SIZES,

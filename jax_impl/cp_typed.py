@@ -1,4 +1,4 @@
-"""Context parallelism in types ("typed": JAX's Explicit axes, jax_impl/typed.py): cp.py's
+"""Context parallelism in types ("typed": JAX's Explicit axes, jax_impl/parallel/typed.py): cp.py's
 seq_sharded layout with every layout change stated by the program.
 
 Typed: tokens, targets (B, T@cp) and their positions (T@cp); every weight P(). The lookups state
@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_impl.model import output_loss
+from jax_impl.parallel.typed import Stated
 from jax_impl.transformer import block, head
-from jax_impl.typed import Stated
 
 AXIS = "cp"
 

@@ -4,7 +4,7 @@ global batch, and the gradients are averaged across the ``dp`` mesh axis before 
 Sharded: the batch, P('dp'): device r sees rows r·B/N … (r+1)·B/N, the MLP's (B/dp, D) inputs
 or the transformer's (B/dp, T) tokens and targets. Weights are replicated, P(); the AdamW state
 too, except in ZeRO-1, which splits it over 'dp'. The steps are written once, for any Flax NNX
-model and loss: ``jax_impl.fsdp_wrapper.parallelize(model, loss, tx, mesh, "dp" | "zero1",
+model and loss: ``jax_impl.parallel.fsdp.parallelize(model, loss, tx, mesh, "dp" | "zero1",
 style)``; ``train`` below puts the project's MLP and transformer through it.
 
 A model must offer: a call on a batch whose rows split over 'dp', nnx.Param state only, a loss
@@ -23,7 +23,7 @@ LOCAL gradient (as torch's backward) and the averaging is the explicit collectiv
                      optax on this device's 1/N slice, all_gather the updated parameters.
     jit/zero1        AdamW moments split on dim 0, P('dp', None, …) where N divides it, params P():
                      XLA picks the collectives (the ledger shows which).
-    typed/dp         sharding in types (JAX's Explicit axes, jax_impl/typed.py): params typed P(),
+    typed/dp         sharding in types (JAX's Explicit axes, jax_impl/parallel/typed.py): params typed P(),
                      batch P('dp'); nothing is stated — the gradient of a P() weight from a
                      dp-split batch is typed P(), XLA:CPU issues ONE all-reduce (Φ·b + the loss).
     typed/zero1      the moments typed P('dp', …); the program states reshard(g, rows),
@@ -44,9 +44,9 @@ jit steps compute the global mean loss inside the program (one scalar all-reduce
 from __future__ import annotations
 
 from jax_impl.devices import make_mesh
-from jax_impl.fsdp_wrapper import parallelize
 from jax_impl.harness import train_loop, trainer_setup
 from jax_impl.model import build_model, inputs, make_optimizer, model_loss, targets
+from jax_impl.parallel.fsdp import parallelize
 from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
@@ -61,7 +61,7 @@ def mesh_for(cfg: Config, device: str = "auto"):
 
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:
-    """The project's model through the public API (fsdp_wrapper.parallelize), run by the one loop."""
+    """The project's model through the public API (parallel.fsdp.parallelize), run by the one loop."""
     cfg.check("dp")
     if (style, variant) not in VARIANTS:
         raise ValueError(f"dp: unknown style/variant {style}/{variant}; choose from {VARIANTS}")

@@ -38,7 +38,7 @@ Per MoE layer (shared/problem.py's recipe; the math is jax_impl.transformer.moe 
     typed/gshard        The same einsums in types (jax_impl/ep_typed.py): the program states the two
                         token moves per layer, reshard(x, P('ep')) and reshard(y, P(None, 'ep'));
                         XLA:CPU: 4 all-to-alls per layer (not jit's 5) and no (B·T, D) all-gather,
-                        but lax.top_k's (B·T, E) operand gathered (ep_typed.typed_comm).
+                        but lax.top_k's (B·T, E) operand gathered (typed_comm).
 
 Loss: each shard_map device returns its local loss, mean CE over its n tokens + Σ_l aux_l with the
 GLOBAL f and its LOCAL P_e (out_specs P("ep")); the step differentiates their mean OUTSIDE the
@@ -71,8 +71,9 @@ from jax.sharding import PartitionSpec as P
 from jax_impl.devices import make_mesh, xla_platform
 from jax_impl.harness import Setup, leaves_fixture, train_loop
 from jax_impl.model import inputs, jax_dtype, make_optimizer, output_loss, targets
+from jax_impl.parallel.ep import AXIS, slots
+from jax_impl.parallel.typed import InMesh, Stated, explicit_mesh
 from jax_impl.transformer import Rules, apply_moe, combine, experts
-from jax_impl.typed import InMesh, Stated, explicit_mesh
 from shared.config import Config
 from shared.problem import Problem, is_expert_param, param_names
 from shared.results import Trained
@@ -81,7 +82,6 @@ from shared.theory import ep_capacity, ep_comm_jax, ep_padding, ep_replicated_pa
 VARIANTS = (("shard_map", "capacity"), ("jit", "gshard"), ("typed", "gshard"))
 RAGGED_REFUSAL = ("shard_map/ragged: XLA:CPU cannot run lax.ragged_all_to_all (jax 0.10.2: "
                   "UNIMPLEMENTED: HLO opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter)")
-AXIS = "ep"
 
 
 def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
@@ -99,14 +99,6 @@ def rules(cfg: Config) -> Rules:
 
 
 # --- shard_map/capacity: the dispatch written out ----------------------------------------------------
-
-
-def slots(top: jax.Array, experts_total: int) -> tuple[jax.Array, jax.Array]:
-    """top (..., S, k) -> (expert, position) of every assignment, (..., S·k) each: assignment
-    a = token·k + slot; position = how many earlier assignments (same group) chose that expert."""
-    expert = top.reshape(top.shape[:-2] + (-1,))  # (…, S·k)
-    hits = jax.nn.one_hot(expert, experts_total, dtype=jnp.int32)  # (…, S·k, E)
-    return expert, jnp.sum((jnp.cumsum(hits, axis=-2) - 1) * hits, axis=-1)  # (…, S·k)
 
 
 def capacity_dispatch(cfg: Config):
@@ -203,6 +195,20 @@ def gshard_comm(cfg: Config, platform: str = "cpu") -> dict[str, tuple[int | Non
     return cpu if platform == "cpu" else {"any": (None, sum(nbytes for _, nbytes in cpu.values()))}
 
 
+def typed_comm(cfg, platform: str = "cpu") -> dict[str, tuple[int | None, int]]:
+    """What XLA:CPU issued for typed/gshard, measured at ep = 2 and 4, k = 1 and 2 (not a design),
+    a = E·C·D·b as in gshard_comm: per layer the two stated all-to-alls and their two transposes
+    (4a), the top_k operand's all-gather ((B·T, E) probs); one all-reduce payload as jit's. Against
+    jit/gshard: no fifth all-to-all and no all-gather of the (B·T, D) output gradient — the combine
+    einsum runs on the group side (y resharded back first), so its weights' gradient is local.
+    Other platforms: one entry, "any": (None, the same total bytes), as gshard_comm."""
+    b, L, e, c = cfg.bytes_per_element, cfg.layers, cfg.experts, ep_capacity(cfg)
+    cpu = {"all_to_all": (4 * L, 4 * L * e * c * cfg.dim * b),
+           "all_gather": (L, L * cfg.batch * cfg.seq * e * b),
+           "all_reduce": gshard_comm(cfg)["all_reduce"]}
+    return cpu if platform == "cpu" else {"any": (None, sum(nbytes for _, nbytes in cpu.values()))}
+
+
 # --- the step -----------------------------------------------------------------------------------------
 
 
@@ -239,7 +245,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
         return optax.apply_updates(params, updates), opt_state, loss, grads, load  # load (L, B, E)
 
     fixture = partial(leaves_fixture, names=names)
-    theory = ep_comm_jax(cfg, style) if style == "shard_map" else ep_typed.typed_comm(cfg, xla_platform(mesh)) \
+    theory = ep_comm_jax(cfg, style) if style == "shard_map" else typed_comm(cfg, xla_platform(mesh)) \
         if typed else gshard_comm(cfg, xla_platform(mesh))
     jitted = jax.jit(stated.traced(step) if typed else step, donate_argnums=(0, 1))
     trained = train_loop(cfg, Setup(

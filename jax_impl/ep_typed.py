@@ -1,4 +1,4 @@
-"""Expert parallelism in types ("typed": JAX's Explicit axes, jax_impl/typed.py): ep.py's GShard
+"""Expert parallelism in types ("typed": JAX's Explicit axes, jax_impl/parallel/typed.py): ep.py's GShard
 einsums with the two token moves stated by the program.
 
 Typed: the batch (B@ep, T), the stacked experts w_up / w_down (E@ep, …), everything else P().
@@ -20,10 +20,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.ep import AXIS, slots
 from jax_impl.model import output_loss
+from jax_impl.parallel.ep import AXIS, slots
+from jax_impl.parallel.typed import Stated
 from jax_impl.transformer import experts, head, moe_block
-from jax_impl.typed import Stated
 from shared.theory import ep_capacity
 
 
@@ -60,19 +60,3 @@ def loss_for(cfg, stated: Stated):
         logits = head(params, x)
         return output_loss(logits, y) + aux, jnp.stack(loads)
     return loss
-
-
-def typed_comm(cfg, platform: str = "cpu") -> dict[str, tuple[int | None, int]]:
-    """What XLA:CPU issued for typed/gshard, measured at ep = 2 and 4, k = 1 and 2 (not a design),
-    a = E·C·D·b as in ep.gshard_comm: per layer the two stated all-to-alls and their two transposes
-    (4a), the top_k operand's all-gather ((B·T, E) probs); one all-reduce payload as jit's. Against
-    jit/gshard: no fifth all-to-all and no all-gather of the (B·T, D) output gradient — the combine
-    einsum runs on the group side (y resharded back first), so its weights' gradient is local.
-    Other platforms: one entry, "any": (None, the same total bytes), as ep.gshard_comm."""
-    from jax_impl.ep import gshard_comm
-
-    b, L, e, c = cfg.bytes_per_element, cfg.layers, cfg.experts, ep_capacity(cfg)
-    cpu = {"all_to_all": (4 * L, 4 * L * e * c * cfg.dim * b),
-           "all_gather": (L, L * cfg.batch * cfg.seq * e * b),
-           "all_reduce": gshard_comm(cfg)["all_reduce"]}
-    return cpu if platform == "cpu" else {"any": (None, sum(nbytes for _, nbytes in cpu.values()))}

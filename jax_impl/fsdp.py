@@ -3,13 +3,13 @@ collectives, jax.jit with shardings, and sharding in types ("typed"). ZeRO: Rajb
 2020, arXiv:1910.02054; FSDP: Zhao et al. 2023, arXiv:2304.11277.
 
 The steps are written once, for any Flax NNX model and loss:
-``jax_impl.fsdp_wrapper.parallelize(model, loss, tx, mesh, "zero2" | "zero3", style, units=…)``;
+``jax_impl.parallel.fsdp.parallelize(model, loss, tx, mesh, "zero2" | "zero3", style, units=…)``;
 ``train`` below puts the project's MLP and transformer through it. A model must offer: nnx.Param
 state only, a loss that is a mean over the rows, and (shard_map/zero3) parameters read only by
 calling the module that holds them (a parent reading a child's weight is refused; make it the unit).
 
 Batch as in DP: device r trains on rows r·B/N:(r+1)·B/N, P('dp'). What is sharded comes from ONE
-rule for every model (fsdp_wrapper.rule; ``rules`` here for the project's names): every parameter with >= 2 dims (W_l;
+rule for every model (parallel.tree.rule; ``rules`` here for the project's names): every parameter with >= 2 dims (W_l;
 wte, wpe, W_qkv, W_o, W_up, W_down, W_head) puts dim 0 on 'dp' (its row block r on device r:
 P('dp', None)); vectors (RMSNorm gains) stay replicated, P(). torch_impl/fsdp.py shards the same
 parameters along torch's dim 0 (nn.Linear stores Wᵀ: W's columns there) — the same bytes.
@@ -28,7 +28,7 @@ shard_map/zero2  replicated params; unit gradients psum_scatter-ed to their row 
 jit/zero3        NNX params created by build_model(rules=rules(cfg)), batch P('dp'), nnx.Optimizer
     (moments inherit the sharding); XLA picks the collectives (docs/fsdp.md says what it chose).
 jit/zero2        replicated params; moments and gradients constrained to the rules' row blocks.
-typed/zero3      sharding in types (JAX's Explicit axes, jax_impl/typed.py): the row-split params
+typed/zero3      sharding in types (JAX's Explicit axes, jax_impl/parallel/typed.py): the row-split params
     typed P('dp', None), the batch P('dp'). The forward STATES each gather, reshard(w, P()), at the
     start of the loss; autodiff transposes it, so each gradient comes back typed P('dp', None) like
     its param. XLA:CPU: one all-gather per row-split param (no re-gather in backward: XLA keeps the
@@ -48,9 +48,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_impl.devices import make_mesh
-from jax_impl.fsdp_wrapper import cpu_options, parallelize  # noqa: F401  (cpu_options: cp, mesh cite it)
 from jax_impl.harness import train_loop, trainer_setup
 from jax_impl.model import build_model, inputs, jax_dtype, make_optimizer, model_loss, targets, tree_bytes
+from jax_impl.parallel.fsdp import cpu_options, parallelize  # noqa: F401  (cpu_options: cp, mesh cite it)
 from jax_impl.transformer import Rules
 from shared.config import Config
 from shared.problem import Problem
@@ -68,7 +68,7 @@ def mesh_for(cfg: Config, device: str = "auto"):
 def rules(cfg: Config) -> Rules:
     """ZeRO's sharding by the project's parameter names: dim 0 of every >= 2-D parameter on 'dp'
     (when N divides it: GSPMD and shard_map need even blocks; Config.check('fsdp') makes it so),
-    vectors replicated — fsdp_wrapper.rule, which needs no names."""
+    vectors replicated — parallel.tree.rule, which needs no names."""
     n = cfg.world_size
 
     def rule(name: str, shape: tuple[int, ...]) -> tuple:
@@ -91,7 +91,7 @@ def state_bytes(cfg: Config, problem: Problem, variant: str, params, opt_state) 
 
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:
-    """The project's model through the public API (fsdp_wrapper.parallelize), run by the one loop."""
+    """The project's model through the public API (parallel.fsdp.parallelize), run by the one loop."""
     if (style, variant) not in VARIANTS:
         raise ValueError(f"fsdp: unknown jax variant {style}/{variant}; choose from {VARIANTS}")
     cfg.check("fsdp")

@@ -35,7 +35,8 @@ from jax_impl import reference, transformer
 from jax_impl.devices import devices
 from jax_impl.devices import where as devices_where
 from jax_impl.ledger import comm_by_axis, comm_from_hlo
-from jax_impl.model import fetch, to_numpy, tree_bytes
+from jax_impl.model import to_numpy, tree_bytes
+from jax_impl.parallel.tree import fetch
 from shared.checkpoint import Plan
 from shared.config import Config
 from shared.problem import make_problem
@@ -84,7 +85,7 @@ def leaves_fixture(tree, names=None) -> list[np.ndarray]:
 
 
 def trainer_setup(trainer, batch: tuple) -> Setup:
-    """A ``jax_impl.fsdp_wrapper.Trainer`` (any model) as the loop's Setup; the fixtures read the
+    """A ``jax_impl.parallel.fsdp.Trainer`` (any model) as the loop's Setup; the fixtures read the
     project model's parameters by name (model.named_params) from the trainer's full arrays."""
     from jax_impl.model import named_params
 

@@ -61,7 +61,7 @@ from jax_impl import cp, pp, tp
 from jax_impl.devices import make_mesh
 from jax_impl.harness import Setup, train_loop
 from jax_impl.model import inputs, jax_dtype, make_optimizer, output_loss, targets
-from jax_impl.typed import InMesh, Stated, explicit_mesh
+from jax_impl.parallel.typed import InMesh, Stated, explicit_mesh
 from shared.config import Config
 from shared.problem import Problem, param_names, param_shapes
 from shared.results import Trained

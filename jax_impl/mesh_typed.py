@@ -1,4 +1,4 @@
-"""N-D layouts in types ("typed": JAX's Explicit axes, jax_impl/typed.py): data (dp | fsdp) × tp on
+"""N-D layouts in types ("typed": JAX's Explicit axes, jax_impl/parallel/typed.py): data (dp | fsdp) × tp on
 one Explicit-axes mesh (either alone too), mesh.py's ``rules`` for the parameters, every layout
 change stated.
 
@@ -21,9 +21,9 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jax_impl.parallel.typed import Stated
 from jax_impl.pp import TYPED_REFUSAL
 from jax_impl.tp_typed import TypedOps, transformer_loss
-from jax_impl.typed import Stated
 
 
 def refusal(cfg) -> str | None:
@@ -33,6 +33,18 @@ def refusal(cfg) -> str | None:
         return f"mesh {cfg.mesh_name}: the typed style has no pp: {TYPED_REFUSAL}"
     if "cp" in axes:
         return f"mesh {cfg.mesh_name}: the typed style is written for data (dp | fsdp) x tp; cp is typed alone (cp)"
+    return None
+
+
+def typed_refusal(pattern: str, cfg) -> str | None:
+    """One line naming the pattern and why the typed style cannot run it for ``cfg`` (compare.py: exit
+    2 before any process starts), or None. pp: pp.TYPED_REFUSAL; mesh: ``refusal`` (pp, cp)."""
+    if pattern == "pp":
+        return f"pp: the typed style (sharding in types) is refused: {TYPED_REFUSAL}"
+    if pattern == "mesh":
+        return refusal(cfg)
+    if pattern == "collectives":
+        return "collectives: the typed style has no collectives to call: XLA issues them from the types"
     return None
 
 

@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 from jax_impl import transformer
+from jax_impl.parallel.tree import fetch
 from jax_impl.transformer import Rules, gelu
 from shared.config import Config
 from shared.problem import Problem
@@ -48,7 +48,7 @@ def output_loss(out: jax.Array, y: jax.Array | None = None) -> jax.Array:
 
 
 def model_loss(model: nnx.Module, x: jax.Array, y: jax.Array | None = None) -> jax.Array:
-    """The project's loss on its NNX model, in the form ``fsdp_wrapper.parallelize`` takes any model's:
+    """The project's loss on its NNX model, in the form ``parallel.fsdp.parallelize`` takes any model's:
     ``loss(model, *batch)``. The MoE transformer returns (logits, Σ_l aux_l, load): CE + aux."""
     out = model(x)
     if isinstance(out, tuple):
@@ -137,18 +137,6 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     """AdamW with torch semantics. optax's weight_decay default (1e-4) differs from torch's
     (0.01), so every hyper-parameter is passed explicitly."""
     return optax.adamw(cfg.lr, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay)
-
-
-def fetch(x) -> np.ndarray:
-    """A (global) array as NumPy in its own dtype. Under several JAX processes an array with shards
-    on other processes' devices cannot be ``device_get``: a replicated one is read from this
-    process's own copy, any other gathered with ``multihost_utils.process_allgather`` — a
-    collective, so every process must fetch the same arrays in the same order."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        if x.is_fully_replicated:
-            return np.asarray(x.addressable_data(0))
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
 
 
 def to_numpy(x) -> np.ndarray:

@@ -81,7 +81,7 @@ from shared.theory import (
 VARIANTS = (("shard_map", "circular"), ("jit", "circular"), ("shard_map", "1f1b"), ("shard_map", "zb"),
             ("shard_map", "interleaved"))
 BY_HAND = ("1f1b", "zb", "interleaved")  # jax_impl/pp_schedules.py
-# Sharding in types ("typed", JAX's Explicit axes; jax_impl/typed.py) cannot say the pipeline's shift:
+# Sharding in types ("typed", JAX's Explicit axes; jax_impl/parallel/typed.py) cannot say the pipeline's shift:
 # jit's schedule with reshard(·, P('pp')) for the constraints fails at jnp.roll over the (S,) stage
 # axis (jax 0.10.2). The shift that can be typed, reshard(a, P()) -> roll -> reshard(·, P('pp')), is
 # an all-gather of every stage's activation per tick (S× the message: 24 KiB instead of 6 KiB on the

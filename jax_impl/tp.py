@@ -26,7 +26,7 @@ layer fwd + 2 bwd, + embedding (fwd) + head (bwd), + 3·B·T·b: (4L+2)·B·T·D
 jit: the same ``transformer_forward`` with f / g as sharding constraints; XLA picks the
 collectives (ledger; docs/tp.md says what it issued).
 shard_map/megatron trains the project's NNX Transformer through the model-generic API
-(``train_plan``: TRANSFORMER_PLAN, jax_impl.tp_plan.apply_plan; the same shards, f / g, loss and
+(``train_plan``: TRANSFORMER_PLAN, jax_impl.parallel.tp.apply_plan; the same shards, f / g, loss and
 ledger). jit/megatron keeps ``transformer_forward``: through apply_plan the fused qkv's output
 would have to be reordered back to [q|k|v] for the model's attention, which GSPMD does with
 all-to-alls and permutes (measured at tp=2: 8 all-to-all, 4 collective-permute, 2 all-gather).
@@ -69,15 +69,17 @@ from jax.sharding import PartitionSpec as P
 from jax_impl import transformer
 from jax_impl.devices import make_mesh
 from jax_impl.harness import Setup, leaves_fixture, train_loop, trainer_setup
-from jax_impl.model import build_model, fetch, gelu, inputs, jax_dtype, make_optimizer, output_loss, targets
+from jax_impl.model import build_model, gelu, inputs, jax_dtype, make_optimizer, output_loss, targets
+from jax_impl.parallel.tree import fetch
+from jax_impl.parallel.typed import InMesh, Stated, explicit_mesh
+from jax_impl.tp_typed import layer_kinds
 from jax_impl.transformer import rms_norm
-from jax_impl.typed import InMesh, Stated, explicit_mesh
 from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
 from shared.theory import tp_comm_bytes
 
-PLAN_STYLES = ("shard_map",)  # the transformer's megatron styles that train through tp_plan.apply_plan
+PLAN_STYLES = ("shard_map",)  # the transformer's megatron styles that train through parallel.tp.apply_plan
 VARIANTS = (("shard_map", "allgather"), ("shard_map", "megatron"), ("jit", "allgather"), ("jit", "megatron"),
             ("typed", "allgather"), ("typed", "megatron"), ("shard_map", "megatron_sp"), ("jit", "megatron_sp"),
             ("typed", "megatron_sp"))
@@ -93,7 +95,7 @@ TRANSFORMER_RULES = {
 
 
 # TRANSFORMER_RULES as a plan over the project's NNX model (jax_impl.transformer.Transformer), for
-# jax_impl.tp_plan.apply_plan: shard_map/megatron trains through it (``train_plan``).
+# jax_impl.parallel.tp.apply_plan: shard_map/megatron trains through it (``train_plan``).
 TRANSFORMER_PLAN = {"wte": "vocab_embed", "blocks.*.qkv": "colwise_heads", "blocks.*.o": "rowwise",
                     "blocks.*.up": "colwise", "blocks.*.down": "rowwise", "head": "colwise_vocab"}
 
@@ -106,13 +108,6 @@ def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
 
 def mesh_for(cfg: Config, device: str = "auto"):
     return make_mesh(cfg.world_size, "tp", device)
-
-
-def layer_kinds(layers: int, variant: str) -> list[str]:
-    """MLP, per layer: "col" (W_l[:, shard], (D, D/tp)) or "row" (W_l[shard, :], (D/tp, D))."""
-    if variant == "allgather":
-        return ["col"] * layers
-    return ["col", "row"] * (layers // 2) + ["col"] * (layers % 2)  # odd L: last col + all-gather
 
 
 def tp_rules(cfg: Config, variant: str):
@@ -328,8 +323,8 @@ def loss_for(cfg: Config, style: str, variant: str, mesh, specs: dict):
 
 def train_plan(cfg: Config, problem: Problem, style: str, mesh) -> Trained:
     """The transformer's Megatron TP through the model-generic API: the NNX model, TRANSFORMER_PLAN,
-    tp_plan.apply_plan (the same shards, f / g and vocab-parallel loss as transformer_forward)."""
-    from jax_impl.tp_plan import apply_plan, cross_entropy
+    parallel.tp.apply_plan (the same shards, f / g and vocab-parallel loss as transformer_forward)."""
+    from jax_impl.parallel.tp import apply_plan, cross_entropy
 
     loss = lambda model, tokens, y: cross_entropy(model(tokens), y)
     trainer = apply_plan(build_model(cfg, problem), TRANSFORMER_PLAN, loss, make_optimizer(cfg), mesh, style)

@@ -1,4 +1,4 @@
-"""Tensor parallelism in types ("typed": JAX's Explicit axes, jax_impl/typed.py) — tp.py's layouts
+"""Tensor parallelism in types ("typed": JAX's Explicit axes, jax_impl/parallel/typed.py) — tp.py's layouts
 (tp_rules, to_layout) with every layout change stated by the program; XLA picks the collectives.
 
 The weights are typed by the same rules as the other styles (W_up ``float64[16,64@tp]``, W_down
@@ -35,9 +35,8 @@ from jax.sharding import PartitionSpec as P
 
 from jax_impl import transformer
 from jax_impl.model import gelu, output_loss
-from jax_impl.tp import layer_kinds
+from jax_impl.parallel.typed import Stated
 from jax_impl.transformer import rms_norm
-from jax_impl.typed import Stated
 
 
 class TypedOps:
@@ -86,6 +85,13 @@ class TypedOps:
     def positions(self, wpe, t: int):
         pos = wpe[:t]  # (T, D)
         return self.st.reshard(pos, P("tp", None), "wpe rows (this device's positions)") if self.sp else pos
+
+
+def layer_kinds(layers: int, variant: str) -> list[str]:
+    """MLP, per layer: "col" (W_l[:, shard], (D, D/tp)) or "row" (W_l[shard, :], (D/tp, D))."""
+    if variant == "allgather":
+        return ["col"] * layers
+    return ["col", "row"] * (layers // 2) + ["col"] * (layers % 2)  # odd L: last col + all-gather
 
 
 def attend(qkv: jax.Array, head_dim: int) -> jax.Array:

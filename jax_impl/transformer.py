@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_impl.typed import rows_like
+from jax_impl.parallel.typed import rows_like
 from shared.problem import MOE_BALANCE_COEF, RMS_EPS
 
 Rules = Callable[[str, tuple[int, ...]], tuple | None]  # param name, shape -> mesh axes per dim (None: replicated)
@@ -205,7 +205,7 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array):
         """-> logits (B, T, V); the MoE transformer: (logits, Σ_l aux_l, load (L, B, E))."""
-        # sharding in types (jax_impl/typed.py): a lookup with split ids states its output's layout
+        # sharding in types (jax_impl/parallel/typed.py): a lookup with split ids states its output's layout
         x = self.wte(tokens, out_sharding=rows_like(tokens)) + self.wpe(jnp.arange(tokens.shape[1]))  # (B, T, D)
         aux, loads = [], []
         for block in self.blocks:

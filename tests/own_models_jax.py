@@ -9,7 +9,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jax_impl.fsdp_wrapper import key_of
+from jax_impl.parallel.tree import key_of
 
 STEPS = 3
 

@@ -23,7 +23,7 @@ from typed_expect import stated_kinds
 from jax_impl import cp as jax_cp
 from jax_impl.harness import _reference as jax_reference
 from jax_impl.harness import run_pattern as jax_run_pattern
-from jax_impl.typed import summarize
+from jax_impl.parallel.typed import summarize
 from shared.config import Config
 from shared.problem import make_problem
 from shared.results import comm_bytes, cross_framework_ok, parity, within

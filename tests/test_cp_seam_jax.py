@@ -18,10 +18,10 @@ import pytest
 from flax import nnx
 from own_models_jax import STEPS, adamw, flat, train_single
 
-from jax_impl import cp_seam
 from jax_impl.devices import make_mesh
-from jax_impl.fsdp_wrapper import WrapError
 from jax_impl.ledger import comm_from_hlo
+from jax_impl.parallel import cp as cp_seam
+from jax_impl.parallel.tree import WrapError
 
 TOL = 1e-12  # float64: see the module docstring
 V, D, H, T, B, L, N = 11, 8, 4, 8, 2, 2, 2
@@ -117,7 +117,7 @@ class OwnAttention(Decoder):
 
 def test_refusals():
     mesh = make_mesh(N, "cp")
-    with pytest.raises(cp_seam.SeamError, match="never called cp_seam.attention"):
+    with pytest.raises(cp_seam.SeamError, match="never called parallel.cp.attention"):
         cp_seam.context_parallel(OwnAttention(nnx.Rngs(0)), loss, adamw(), mesh).train_step(*data())
     with pytest.raises(WrapError, match="not divisible by 4"):
         cp_seam.context_parallel(Decoder(nnx.Rngs(0)), loss, adamw(), mesh, "ring_zigzag").shard_batch(

@@ -175,7 +175,7 @@ def jax_out():
 
     def get(ws):
         if ws not in cache:  # typed on the MLP only (suite budget): its steps are model-generic
-            # (fsdp_wrapper.parallelize); the typed transformer trains in test_mesh, test_tp, test_cp
+            # (parallel.fsdp.parallelize); the typed transformer trains in test_mesh, test_tp, test_cp
             from jax_impl.dp import VARIANTS as JAX_VARIANTS
 
             untyped = [sv for sv in JAX_VARIANTS if sv[0] != "typed"]

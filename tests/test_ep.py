@@ -323,8 +323,7 @@ def _jax_runs(runs):
 
 
 def test_jax_ledger_equals_theory(runs):
-    from jax_impl.ep import gshard_comm
-    from jax_impl.ep_typed import typed_comm
+    from jax_impl.ep import gshard_comm, typed_comm
     from shared.theory import ep_comm_jax
 
     for _, cfg, style, variant, trained, _ in _jax_runs(runs):

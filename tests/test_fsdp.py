@@ -11,7 +11,7 @@ from typed_expect import split_params, stated_kinds, zero_ledger
 
 from jax_impl.fsdp import VARIANTS as JAX_VARIANTS
 from jax_impl.harness import run_pattern as jax_run_pattern
-from jax_impl.typed import summarize
+from jax_impl.parallel.typed import summarize
 from shared.config import Config
 from shared.results import comm_bytes, cross_framework_ok, parity, within
 from shared.theory import adam_state_bytes, fsdp_comm, fsdp_state_bytes, zero2_comm, zero3_comm

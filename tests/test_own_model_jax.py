@@ -1,4 +1,4 @@
-"""Bring your own model (issue 24, JAX): ``fsdp_wrapper.parallelize`` on Flax NNX models the project
+"""Bring your own model (issue 24, JAX): ``parallel.fsdp.parallelize`` on Flax NNX models the project
 does not own, every ZeRO stage in every style, against single-device training from the same weights
 (typed, sharding in types: ``TypedForeign`` states its embedding lookup's layout; Foreign is refused).
 
@@ -23,11 +23,12 @@ import pytest
 from flax import nnx
 from own_models_jax import STEPS, adamw, flat, train_single
 
-from jax_impl import model_theory
 from jax_impl.devices import make_mesh
-from jax_impl.fsdp_wrapper import STYLES, VARIANTS, FromApply, ShardReadError, WrapError, parallelize
 from jax_impl.ledger import comm_from_hlo
-from jax_impl.typed import rows_like
+from jax_impl.parallel import theory as model_theory
+from jax_impl.parallel.fsdp import STYLES, VARIANTS, FromApply, parallelize
+from jax_impl.parallel.tree import ShardReadError, WrapError
+from jax_impl.parallel.typed import rows_like
 
 TOL = 1e-12  # float64: see the module docstring
 V, D, T, B, N = 13, 8, 6, 4, 2
@@ -54,7 +55,7 @@ class Foreign(nnx.Module):
 
 class TypedForeign(Foreign):
     """Foreign for the typed style (sharding in types): the one op whose layout JAX cannot infer from
-    dp-split ids, the embedding lookup, states its output (jax_impl.typed.rows_like); same math."""
+    dp-split ids, the embedding lookup, states its output (jax_impl.parallel.typed.rows_like); same math."""
 
     def __call__(self, tokens):
         h = self.emb(tokens, out_sharding=rows_like(tokens))  # (B@dp, T, D)

@@ -1,5 +1,5 @@
 """Pipeline parallelism for a Flax NNX model the project does not own (issue 24, JAX), through the
-stage-split seam: module paths per stage, GPipe over "pp" (jax_impl/pp_seam.py).
+stage-split seam: module paths per stage, GPipe over "pp" (jax_impl/parallel/pp.py).
 
 ``Chain`` (defined here, float64): an embedding, two different blocks (a biased GELU MLP with
 LayerNorm; a gated tanh block with a bare matrix Param), a final LayerNorm and an untied head — the
@@ -19,9 +19,9 @@ from flax import nnx
 from own_models_jax import STEPS, adamw, flat, train_single
 
 from jax_impl.devices import make_mesh
-from jax_impl.fsdp_wrapper import WrapError
 from jax_impl.ledger import comm_from_hlo
-from jax_impl.pp_seam import pipeline
+from jax_impl.parallel.pp import pipeline
+from jax_impl.parallel.tree import WrapError
 
 TOL = 1e-12  # float64: see the module docstring
 V, D, T, B, M, S = 11, 8, 4, 8, 4, 2

@@ -1,5 +1,5 @@
 """Tensor parallelism by a PLAN on Flax NNX models the project does not own (issue 24, JAX):
-``tp_plan.apply_plan`` in both styles against single-device training of the same model from the
+``parallel.tp.apply_plan`` in both styles against single-device training of the same model from the
 same weights, 3 AdamW steps at tp = 2; the psum count of a Llama-like model against Megatron's;
 every refusal of ``check_plan``.
 
@@ -27,7 +27,7 @@ from own_models_jax import STEPS, adamw, flat, train_single
 
 from jax_impl.devices import make_mesh
 from jax_impl.ledger import comm_from_hlo
-from jax_impl.tp_plan import PlanError, apply_plan, check_plan, cross_entropy
+from jax_impl.parallel.tp import PlanError, apply_plan, check_plan, cross_entropy
 
 TOL = 1e-12  # float64: see the module docstring
 V, D, T, B, N, HD, LAYERS = 13, 8, 6, 4, 2, 2, 2
@@ -317,5 +317,5 @@ def test_refuses_split_logits_without_cross_entropy():
     make, plan, _ = MODELS["llama"]
     wrong = lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
     trainer = apply_plan(Llama(nnx.Rngs(0), layers=1), plan, wrong, adamw(), make_mesh(N, "tp"))
-    with pytest.raises(PlanError, match="never called tp_plan.cross_entropy"):
+    with pytest.raises(PlanError, match="never called parallel.tp.cross_entropy"):
         trainer.train_step(*data("llama"))

@@ -1,4 +1,4 @@
-"""Sharding in types ("typed": JAX's Explicit axes, jax_impl/typed.py): the facts the typed style
+"""Sharding in types ("typed": JAX's Explicit axes, jax_impl/parallel/typed.py): the facts the typed style
 rests on, checked on this jax (the issue's check, the row-parallel matmul that must state its
 output, the pipeline shift that cannot be typed), the stated-change recorder, and the refusals.
 The typed runs' parity and ledgers: tests/test_dp.py, test_fsdp.py, test_tp.py (typed_expect.py)."""
@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_impl.devices import make_mesh
 from jax_impl.ledger import comm_of
-from jax_impl.typed import Stated, explicit_mesh, moves, rows_like, summarize
+from jax_impl.parallel.typed import Stated, explicit_mesh, moves, rows_like, summarize
 
 
 def test_the_issue_check_gather_and_all_reduce():
@@ -82,8 +82,9 @@ def test_stated_records_each_change_with_its_types():
 
 
 def test_parallelize_typed_refusals():
-    from jax_impl.fsdp_wrapper import WrapError, parallelize
     from jax_impl.model import MLP
+    from jax_impl.parallel.fsdp import parallelize
+    from jax_impl.parallel.tree import WrapError
 
     model = MLP({"layers.0.linear.weight": np.ones((4, 4))}, jnp.float64)
     with pytest.raises(WrapError, match="units= is for shard_map/zero3"):
@@ -93,7 +94,7 @@ def test_parallelize_typed_refusals():
 
 
 def test_refusal_names_the_pattern_and_the_reason():
-    from jax_impl.typed import refusal
+    from jax_impl.mesh_typed import typed_refusal as refusal
     from shared.config import Config, parse_mesh
 
     assert refusal("pp", Config()).startswith("pp: the typed style (sharding in types) is refused: the stage-to-stage")

@@ -1,4 +1,4 @@
-"""What XLA issued for the typed style (sharding in types, jax_impl/typed.py) — its choice, not a
+"""What XLA issued for the typed style (sharding in types, jax_impl/parallel/typed.py) — its choice, not a
 theory: recorded per platform and asserted, as the jit style's is (tests/test_dp.py, test_fsdp.py,
 test_tp.py). Kept free of JAX imports (spawned torch ranks import the test modules)."""
 
@@ -12,7 +12,7 @@ from shared.problem import make_problem
 
 def split_params(cfg: Config, variant: str) -> list[np.ndarray]:
     """The arrays the typed ZeRO step holds as row blocks for its moments (zero1: every array whose
-    dim 0 N divides; zero2/zero3: the >= 2-D ones; dp: none) — fsdp_wrapper.rule."""
+    dim 0 N divides; zero2/zero3: the >= 2-D ones; dp: none) — parallel.tree.rule."""
     if variant == "dp":
         return []
     least = 1 if variant == "zero1" else 2

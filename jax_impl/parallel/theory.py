@@ -1,5 +1,5 @@
-"""Communication and state per device from the parameters ``fsdp_wrapper.parallelize`` actually
-wraps, for any NNX model: the twin of torch_impl/model_theory.py.
+"""Communication and state per device from the parameters ``parallel.fsdp.parallelize`` actually
+wraps, for any NNX model: the twin of torch_impl/parallel/theory.py.
 
 shared/theory/ derives these from a ``Config`` (right for the project's MLP and transformer only).
 Here they come from ``describe``: each Param once (a tied one under its first path) with its shape,

@@ -1,5 +1,5 @@
 """JAX's third mode, sharding in types ("typed"; JAX's own name: Explicit axes), for the ZeRO
-stages of ``fsdp_wrapper.parallelize(..., style="typed")``, and the helpers tp.py uses too.
+stages of ``jax_impl.parallel.fsdp.parallelize(..., style="typed")``, and the helpers tp.py uses too.
 
 The mesh's axes are ``AxisType.Explicit``: every array's sharding is part of its type
 (``jax.typeof(w)`` prints ``float64[32@dp,16]``: dim 0 split over 'dp'), ops propagate it by
@@ -35,23 +35,8 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
-from jax_impl import model_theory
-
-
-def refusal(pattern: str, cfg) -> str | None:
-    """One line naming the pattern and why the typed style cannot run it for ``cfg`` (compare.py: exit
-    2 before any process starts), or None. pp: pp.TYPED_REFUSAL; mesh: mesh_typed.refusal (pp, cp)."""
-    if pattern == "pp":
-        from jax_impl.pp import TYPED_REFUSAL
-
-        return f"pp: the typed style (sharding in types) is refused: {TYPED_REFUSAL}"
-    if pattern == "mesh":
-        from jax_impl.mesh_typed import refusal as mesh_refusal
-
-        return mesh_refusal(cfg)
-    if pattern == "collectives":
-        return "collectives: the typed style has no collectives to call: XLA issues them from the types"
-    return None
+from jax_impl.parallel import theory
+from jax_impl.parallel.tree import WrapError, key_of, rule, shard_rows
 
 
 def explicit_mesh(mesh) -> Mesh:
@@ -151,18 +136,16 @@ class InMesh:
 
     def lower(self, *args):
         """A model op whose layout JAX cannot infer in types is refused here, at the first trace, in one
-        line (fsdp_wrapper.WrapError) naming JAX's reason and how to state the layout."""
+        line (parallel.tree.WrapError) naming JAX's reason and how to state the layout."""
         with jax.set_mesh(self.mesh):
             try:
                 return self.jitted.lower(*args)
             except Exception as e:
                 if type(e).__name__ != "ShardingTypeError":
                     raise
-                from jax_impl.fsdp_wrapper import WrapError
-
                 reason = str(e).split("\n")[0]
-                raise WrapError(f"typed: the forward cannot be typed on this mesh ({reason}); state that op's "
-                                "layout, e.g. nnx.Embed(...)(ids, out_sharding=jax_impl.typed.rows_like(ids))") from e
+                raise WrapError(f"typed: the forward cannot be typed on this mesh ({reason}); state that op's layout, "
+                                "e.g. nnx.Embed(...)(ids, out_sharding=jax_impl.parallel.typed.rows_like(ids))") from e
 
     def __call__(self, *args):
         with jax.set_mesh(self.mesh):
@@ -186,14 +169,12 @@ class _InMeshTraced:
 
 
 class TypedTrainer:
-    """``fsdp_wrapper.Trainer``'s interface (step, state, train_step, full_grads, module,
+    """``parallel.fsdp.Trainer``'s interface (step, state, train_step, full_grads, module,
     compiler_options, shard_batch) for style "typed": see the module docstring."""
 
     style = "typed"
 
     def __init__(self, model, loss, tx, mesh, variant: str, axis: str):
-        from jax_impl.fsdp_wrapper import key_of, rule
-
         self.variant, self.axis, self.mesh = variant, axis, explicit_mesh(mesh)
         self.n = mesh.shape[axis]
         self.graphdef, state = nnx.split(model)
@@ -203,7 +184,7 @@ class TypedTrainer:
         row = lambda a: P(axis, *[None] * (a.ndim - 1))
         split = lambda a, v: v != "dp" and rule(a.shape, self.n, v)
         self.sharded = {k for k, a in params.items() if variant in ("zero2", "zero3") and split(a, variant)}
-        self.infos = model_theory.describe(params, self.sharded, [])
+        self.infos = theory.describe(params, self.sharded, [])
         self.param_specs = {k: row(a) if variant == "zero3" and split(a, "zero3") else P() for k, a in params.items()}
         self.row_specs = {k: row(a) if split(a, variant) else P() for k, a in params.items()}
         self._loss, self._tx, self.stated = loss, tx, Stated(self.mesh)
@@ -239,12 +220,10 @@ class TypedTrainer:
         new = {k: self.stated.reshard(a, self.param_specs[k], f"updated {k}") for k, a in new.items()}
         return new, opt_state, loss, g
 
-    # --- for users, as fsdp_wrapper.Trainer --------------------------------------------------------
+    # --- for users, as parallel.fsdp.Trainer --------------------------------------------------------
 
     def shard_batch(self, *arrays) -> tuple:
-        from jax_impl.fsdp_wrapper import Trainer
-
-        return Trainer.shard_batch(self, *arrays)  # the same rows-over-the-axis placement (and refusal)
+        return shard_rows(self.mesh, self.axis, arrays)  # the same rows-over-the-axis placement (and refusal)
 
     def train_step(self, *batch) -> float:
         batch = self.shard_batch(*batch)
@@ -261,9 +240,9 @@ class TypedTrainer:
         return self._merge(params if params is not None else self.state[0])
 
     def comm_theory(self) -> dict[str, tuple[int, int]]:
-        """The ZeRO traffic of the model wrapped (model_theory.comm); XLA chooses what it issues."""
-        return model_theory.comm(self.infos, self.variant, self.n, None)
+        """The ZeRO traffic of the model wrapped (theory.comm); XLA chooses what it issues."""
+        return theory.comm(self.infos, self.variant, self.n, None)
 
     def state_theory(self) -> dict[str, int]:
-        return model_theory.state(self.infos, self.variant, self.n, "jit")  # zero1: moments split per array
+        return theory.state(self.infos, self.variant, self.n, "jit")  # zero1: moments split per array
 

@@ -1,5 +1,5 @@
-"""A tensor-parallel PLAN applied to ANY Flax NNX model: the twin of torch_impl/tp_plan.py (tp.py has
-the pattern; this is its model-generic half), with fsdp_wrapper.parallelize's surface.
+"""A tensor-parallel PLAN applied to ANY Flax NNX model: the twin of torch_impl/parallel/tp.py (tp.py has
+the pattern; this is its model-generic half), with parallel.fsdp.parallelize's surface.
 
     plan = {"emb": "vocab_embed", "blocks.*.attn.[qkv]": "colwise", "blocks.*.attn.o": "rowwise",
             "blocks.*.mlp.gate": "colwise", "blocks.*.mlp.up": "colwise", "blocks.*.mlp.down": "rowwise",
@@ -58,8 +58,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.fsdp_wrapper import key_of, param_holders, put_child, submodules
-from jax_impl.model import fetch
+from jax_impl.parallel.tree import fetch, key_of, param_holders, put_child, submodules
 
 STYLES = ("colwise", "colwise_heads", "rowwise", "vocab_embed", "colwise_vocab")
 KIND = {"colwise": nnx.Linear, "colwise_heads": nnx.Linear, "rowwise": nnx.Linear, "colwise_vocab": nnx.Linear,
@@ -313,11 +312,11 @@ class Trainer:
             _ACTIVE.pop()
         if tr.heads and not tr.ce:
             raise PlanError("tp plan: a 'colwise_vocab' head's logits are split over tp, and the loss never called "
-                            "tp_plan.cross_entropy. Fix: compute the loss with jax_impl.tp_plan.cross_entropy")
+                            "parallel.tp.cross_entropy. Fix: compute the loss with jax_impl.parallel.tp.cross_entropy")
         if shard_map and self.axis in _varying(loss):
             raise PlanError(f"tp plan: the loss differs across {self.axis!r}: a split output (colwise) reaches it "
                             "without a rowwise module (g) after it. Fix: pair every colwise with a rowwise, or plan "
-                            "the LM head 'colwise_vocab' and use tp_plan.cross_entropy")
+                            "the LM head 'colwise_vocab' and use parallel.tp.cross_entropy")
         return loss
 
     def _step(self, params, opt_state, *batch):
@@ -343,7 +342,7 @@ class Trainer:
         self.state = tuple(state)
         return float(fetch(loss))
 
-    compiler_options = None  # harness.trainer_setup reads it (fsdp_wrapper's Trainer sets XLA:CPU options)
+    compiler_options = None  # harness.trainer_setup reads it (parallel.fsdp's Trainer sets XLA:CPU options)
 
     def full_grads(self, grads) -> dict:
         """The step's ``grads`` output as {path: array} (``module(grads)``: full, padding dropped)."""

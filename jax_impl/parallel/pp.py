@@ -1,5 +1,5 @@
 """Pipeline parallelism (GPipe) for ANY Flax NNX model that offers a stage split: the twin of
-torch_impl/pp_seam.py. pp.py has the pattern (the circular SPMD pipeline, 1F1B, ZB-H1 by hand) for the
+torch_impl/parallel/pp.py. pp.py has the pattern (the circular SPMD pipeline, 1F1B, ZB-H1 by hand) for the
 project's stacked blocks; here the stages may differ in everything but the message between them.
 
 What a model must offer (the seam): a forward that IS a chain of submodules, given as module paths
@@ -37,8 +37,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.fsdp_wrapper import WrapError, key_of, param_holders, submodules
-from jax_impl.model import fetch
+from jax_impl.parallel.tree import WrapError, fetch, key_of, param_holders, submodules
 
 AXIS = "pp"
 

@@ -1,4 +1,4 @@
-"""The ZeRO stages 0-3 as a train step for ANY Flax NNX model: the twin of torch_impl/fsdp_wrapper.py
+"""The ZeRO stages 0-3 as a train step for ANY Flax NNX model: the twin of torch_impl/parallel/fsdp.py
 (FSDP, Zero2) and torch_impl/dp.py (BucketedDDP, Zero1Optimizer). dp.py and fsdp.py have the
 pattern, the collectives and the bytes per step; the project's MLP and transformer train through
 ``parallelize`` too.
@@ -27,12 +27,12 @@ indivisible matrix) are replicated and their gradients averaged by ONE flat psum
            transpose is the unit's psum_scatter. Row-split params outside every unit are gathered
            once at the start (FSDP2's root). ``units=["blocks.*"]`` gathers per block instead.
 
-style="typed" (sharding in types: JAX's Explicit axes; jax_impl/typed.py): the same four stages as
+style="typed" (sharding in types: JAX's Explicit axes; jax_impl/parallel/typed.py): the same four stages as
 ONE step on an Explicit-axes copy of the mesh; the layouts are types (params P() or, zero3, P('dp',
 None…), batch P('dp')) and every change is stated with ``reshard`` (zero3's gathers; the moments'
 rows; the updated rows back) and recorded (``trainer.stated.entries``). The model's forward must be
 typeable: an op whose output layout JAX cannot infer (an embedding lookup on split ids) is refused at
-the first trace in one line; state it (``out_sharding=jax_impl.typed.rows_like(ids)``).
+the first trace in one line; state it (``out_sharding=jax_impl.parallel.typed.rows_like(ids)``).
 
 Refused before anything is compiled (``WrapError``: what, where, how to fix): unknown variant or
 style, a mesh without the axis, non-Param state, a unit pattern that matches nothing or nests in
@@ -45,7 +45,6 @@ parent would get the row block — make the reader the unit.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from fnmatch import fnmatch
 from functools import partial
 
 import jax
@@ -57,89 +56,22 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl import model_theory
-from jax_impl.model import fetch
+from jax_impl.parallel import theory
+from jax_impl.parallel.tree import (
+    ShardReadError,
+    WrapError,
+    choose_units,
+    fetch,
+    key_of,
+    param_holders,
+    put_child,
+    rule,
+    shard_rows,
+    submodules,
+    unit_of,
+)
 
 VARIANTS, STYLES = ("dp", "zero1", "zero2", "zero3"), ("shard_map", "jit", "typed")
-
-
-class WrapError(ValueError):
-    """A model, unit list or mesh ``parallelize`` cannot train exactly: raised before compiling."""
-
-
-class ShardReadError(RuntimeError):
-    """Under shard_map/zero3 a unit's parameter was read other than by calling the unit."""
-
-
-def key_of(path) -> str:
-    """A pytree / graph path as "blocks.0.attn.kernel" (the ``.value`` of a Variable dropped)."""
-    out = []
-    for k in path:
-        k = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
-        if k != "value":
-            out.append(str(k))
-    return ".".join(out)
-
-
-def rule(shape: tuple[int, ...], n: int, variant: str) -> bool:
-    """Is this array split along dim 0 over the axis? zero2/zero3: >= 2 dims; zero1's moments: any."""
-    return len(shape) >= (1 if variant == "zero1" else 2) and shape[0] % n == 0
-
-
-def submodules(model) -> tuple[dict[str, nnx.Module], dict[int, int]]:
-    """({path: module} for every submodule, the root at ""; {id(module): how many places hold it}):
-    a shared module is held by more than one (tp_plan and pp_seam use these too)."""
-    found, refs = {}, {}
-
-    def walk(m, path):
-        refs[id(m)] = refs.get(id(m), 0) + 1
-        if refs[id(m)] > 1:
-            return
-        found[path] = m
-        for k, child in nnx.iter_children(m):
-            if isinstance(child, nnx.Module):
-                walk(child, f"{path}.{k}" if path else str(k))
-    walk(model, "")
-    return found, refs
-
-
-def param_holders(model) -> dict[int, list[str]]:
-    """id(Param) -> the paths of the modules holding it directly."""
-    held = {}
-    for path, m in submodules(model)[0].items():
-        for _, child in nnx.iter_children(m):
-            if isinstance(child, nnx.Variable):
-                held.setdefault(id(child), []).append(path)
-    return held
-
-
-def choose_units(model, units: Sequence[str] | None) -> list[str]:
-    """Unit module paths. Default: the topmost modules holding a Param directly. Patterns are
-    fnmatch globs over module paths ("blocks.*"); the root ("") is not a unit (it gathers the rest)."""
-    mods, refs = submodules(model)
-    if units is None:
-        holders = {p for p, m in mods.items() if p and any(isinstance(c, nnx.Param) for _, c in nnx.iter_children(m))}
-        chosen = sorted(p for p in holders if not any(p.startswith(q + ".") for q in holders))
-    else:
-        chosen = []
-        for pat in units:
-            hits = [p for p in mods if p and fnmatch(p, pat)]
-            if not hits:
-                raise WrapError(f"zero3: unit pattern {pat!r} matches no submodule of {type(model).__name__} "
-                                f"(modules: {', '.join(p for p in mods if p)[:300]}); fix the pattern")
-            chosen += [p for p in hits if p not in chosen]
-    for p in chosen:
-        inner = [q for q in chosen if q.startswith(p + ".")]
-        if inner:
-            raise WrapError(f"zero3: unit {inner[0]!r} is inside unit {p!r}; units must not nest: keep one")
-        if refs[id(mods[p])] > 1:
-            raise WrapError(f"zero3: the module at {p!r} is reachable from {refs[id(mods[p])]} places (shared); "
-                            "a unit is gathered where it is called: make their common parent the unit")
-    return chosen
-
-
-def _unit_of(key: str, units: list[str]) -> str | None:
-    return next((u for u in units if key.startswith(u + ".")), None)
 
 
 class _Gathering:
@@ -166,13 +98,6 @@ class _Gathering:
         raise ShardReadError(
             f"zero3: {name!r} of unit {self._path!r} ({type(self._unit).__name__}) was read by its parent instead "
             f"of calling the unit; there it is a row block. Make the reader the unit: units=[<the parent's path>]")
-
-
-def put_child(parent, key: str, value):
-    if isinstance(parent, nnx.List) or key.isdigit() and hasattr(parent, "__setitem__"):
-        parent[int(key)] = value
-    else:
-        setattr(parent, key, value)
 
 
 def cpu_options(mesh, style: str, variant: str) -> dict | None:
@@ -209,7 +134,7 @@ class Trainer:
         self._check_tied(model)
         self.unit_calls: dict[str, tuple[int, int]] | None = None  # zero3 shard_map, traced: (calls, re-gathers)
         self._loss, self._tx = loss, tx
-        self.infos = model_theory.describe(params, self.sharded, self.units)
+        self.infos = theory.describe(params, self.sharded, self.units)
         place = lambda specs, tree: {k: jax.device_put(a, NamedSharding(mesh, specs[k])) for k, a in tree.items()}
         self.param_specs = {k: P(axis) if variant == "zero3" and k in self.sharded else P() for k in params}
         params = place(self.param_specs, params)
@@ -227,7 +152,7 @@ class Trainer:
         if not self.units:
             return
         for paths in param_holders(model).values():
-            owners = {_unit_of(p + ".x", self.units) for p in paths}
+            owners = {unit_of(p + ".x", self.units) for p in paths}
             if len(paths) > 1 and len(owners) > 1:
                 raise WrapError(f"zero3: one Param is held by {', '.join(repr(p) for p in paths)} in different units "
                                 "(tied); put its holders in one unit, e.g. their common parent")
@@ -243,7 +168,7 @@ class Trainer:
     def _zero3_loss(self, mine: dict, batch: tuple):
         """shard_map/zero3: the root's row blocks gathered now, each unit's at its call."""
         mine = {k: lax.all_gather(a, self.axis, axis=0, tiled=True)
-                if k in self.sharded and _unit_of(k, self.units) is None else a for k, a in mine.items()}
+                if k in self.sharded and unit_of(k, self.units) is None else a for k, a in mine.items()}
         model = self._merge(mine)
         ids = {id(a) for a in jax.tree.leaves(batch)}
         mods, calls = submodules(model)[0], {}
@@ -254,7 +179,7 @@ class Trainer:
             c, r = calls.get(path, (0, 0))
             calls[path] = (c + 1, r + again)
         for u in self.units:
-            if any(_unit_of(k, [u]) for k in self.sharded):
+            if any(unit_of(k, [u]) for k in self.sharded):
                 parent, _, name = u.rpartition(".")
                 put_child(mods[parent], name, _Gathering(mods[u], u, self.sharded, self.axis, record))
         loss = self._loss(model, *batch)
@@ -362,11 +287,7 @@ class Trainer:
 
     def shard_batch(self, *arrays) -> tuple:
         """Each array's rows split over the axis (dim 0 must divide by N)."""
-        for a in arrays:
-            if a.shape[0] % self.n:
-                raise WrapError(f"batch dim 0 = {a.shape[0]} is not divisible by {self.axis}={self.n}: "
-                                "use a batch size N divides")
-        return tuple(jax.device_put(a, NamedSharding(self.mesh, P(self.axis))) for a in arrays)
+        return shard_rows(self.mesh, self.axis, arrays)
 
     def train_step(self, *batch) -> float:
         """One step on ``self.state``; returns the mean loss over the whole batch."""
@@ -390,15 +311,15 @@ class Trainer:
     def comm_theory(self) -> dict[str, tuple[int, int]]:
         """op -> (count, payload bytes) per step per device, from the model wrapped (shard_map: what
         the ledger records; jit: the same ZeRO traffic, XLA may choose otherwise)."""
-        return model_theory.comm(self.infos, self.variant, self.n, self.unit_calls)
+        return theory.comm(self.infos, self.variant, self.n, self.unit_calls)
 
     def state_theory(self) -> dict[str, int]:
-        return model_theory.state(self.infos, self.variant, self.n, self.style)
+        return theory.state(self.infos, self.variant, self.n, self.style)
 
 
 class FromApply(nnx.Module):
     """A parameter pytree and ``apply(params, *inputs)`` as an NNX model, for ``parallelize`` (and
-    cp_seam / pp_seam): ``parallelize(FromApply(params, apply), loss, …)``; ``.pytree()`` gives the
+    parallel.cp / parallel.pp): ``parallelize(FromApply(params, apply), loss, …)``; ``.pytree()`` gives the
     parameters back in the same structure. Under zero3 it is one unit: the root gathers it whole."""
 
     def __init__(self, params, apply: Callable):
@@ -427,8 +348,8 @@ def parallelize(model: nnx.Module, loss: Callable, tx: optax.GradientTransformat
                         "trains Params only; build it without BatchNorm / Dropout RNG state")
     if units is not None and (variant != "zero3" or style != "shard_map"):
         raise WrapError("units= is for shard_map/zero3 (the only step that gathers per unit)")
-    if style == "typed":  # sharding in types: an Explicit-axes copy of the mesh (jax_impl/typed.py)
-        from jax_impl.typed import TypedTrainer
+    if style == "typed":  # sharding in types: an Explicit-axes copy of the mesh (jax_impl/parallel/typed.py)
+        from jax_impl.parallel.typed import TypedTrainer
 
         return TypedTrainer(model, loss, tx, mesh, variant, axis)
     # jax.make_mesh's default axes are Explicit (sharding in types); these steps place arrays with

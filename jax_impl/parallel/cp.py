@@ -1,10 +1,10 @@
 """Context parallelism for ANY Flax NNX model that offers the attention seam: the twin of
-torch_impl/cp_seam.py. cp.py has the pattern (ring, ring_zigzag, ulysses), the collectives and the
+torch_impl/parallel/cp.py. cp.py has the pattern (ring, ring_zigzag, ulysses), the collectives and the
 bytes; the project's transformer plugs the same ring into its own ``attn`` hook.
 
 What a model must offer (the seam):
-  1. its attention through ``cp_seam.attention`` — ``nnx.MultiHeadAttention(..., attention_fn=
-     cp_seam.attention)`` — which is CAUSAL attention over (B, T, H, dh) (no mask, no bias, no
+  1. its attention through ``parallel.cp.attention`` — ``nnx.MultiHeadAttention(..., attention_fn=
+     parallel.cp.attention)`` — which is CAUSAL attention over (B, T, H, dh) (no mask, no bias, no
      dropout: refused). Outside a cp step it attends over the whole sequence (your single-device
      runs); inside, over this device's T/N positions with the ring (or Ulysses) over "cp".
   2. positions as an input: ``loss(model, *batch, positions)`` gets the GLOBAL position of every
@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -41,12 +42,11 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.cp import AXIS, ring_core
-from jax_impl.fsdp_wrapper import WrapError, key_of
-from jax_impl.model import fetch
-from shared.theory import cp_positions
+from jax_impl.parallel.tree import WrapError, fetch, key_of
+from shared.theory import cp_chunks, cp_positions
 
 VARIANTS = (("shard_map", "ring"), ("shard_map", "ring_zigzag"), ("shard_map", "ulysses"), ("jit", "seq_sharded"))
+AXIS = "cp"
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("cp_seam", default=None)  # (variant, n, record)
 
 
@@ -63,13 +63,132 @@ def causal(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
+# --- which chunk pairs each (device, hop) computes: ONE function for the body and the report ----------
+
+
+def chunk_pairs(n: int, rank: int, hop: int, variant: str) -> tuple[tuple[int, int, bool], ...]:
+    """(q's local chunk, kv's local chunk, diagonal) for every pair device ``rank`` computes at ring
+    hop ``hop``, holding the K|V block of device (rank − hop) mod n. A pair is computed iff its key
+    chunk is not later than its query chunk (kc <= qc), with the causal mask inside iff kc == qc."""
+    qs, ks = cp_chunks(n, rank, variant), cp_chunks(n, (rank - hop) % n, variant)
+    return tuple((a, b, kc == qc) for a, qc in enumerate(qs) for b, kc in enumerate(ks) if kc <= qc)
+
+
+def on_schedule(n: int, hop: int, variant: str, branch, *operands):
+    """``branch(pairs)(*operands)`` with this device's pairs at ``hop``: one ``lax.switch`` over the
+    distinct pair lists, so a skipped pair is never computed (shapes stay static)."""
+    per_device = [chunk_pairs(n, r, hop, variant) for r in range(n)]
+    kinds = sorted(set(per_device))
+    if len(kinds) == 1:
+        return branch(kinds[0])(*operands)
+    index = jnp.asarray([kinds.index(p) for p in per_device], jnp.int32)[lax.axis_index(AXIS)]
+    return lax.switch(index, [branch(k) for k in kinds], *operands)
+
+
+# --- ring attention: online-softmax forward, flash-attention backward, per query chunk ---------------
+
+
+def _groups(pairs, c: int) -> list[tuple[int, slice, np.ndarray | None]]:
+    """A pair list as (query chunk a, the held block's key range it sees, mask or None): every
+    schedule gives each query chunk a contiguous run of key chunks, computed as one block."""
+    runs: dict[int, list[tuple[int, bool]]] = {}
+    for a, b, diag in pairs:
+        runs.setdefault(a, []).append((b, diag))
+    out = []
+    for a, bd in runs.items():
+        bs = [b for b, _ in bd]
+        assert bs == list(range(bs[0], bs[-1] + 1)), pairs
+        mask = np.concatenate([np.tril(np.ones((c, c), bool)) if d else np.ones((c, c), bool) for _, d in bd], 1)
+        out.append((a, slice(bs[0] * c, (bs[-1] + 1) * c), None if mask.all() else mask))
+    return out
+
+
+def _scores(q, k, mask):
+    """q (B, H, c, dh) · k (B, H, m·c, dh) / √dh -> (B, H, c, m·c), the future masked out."""
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
+    return s if mask is None else jnp.where(mask, s, -jnp.inf)
+
+
+def _fwd_pairs(pairs, c: int):
+    def run(out, lse, q, kv):  # per local chunk a: out[a] (B, H, c, dh), lse[a] (B, H, c); kv (2, B, H, T/N, dh)
+        out, lse = list(out), list(lse)
+        for a, keys, mask in _groups(pairs, c):
+            s = _scores(q[a], kv[0][..., keys, :], mask)  # (B, H, c, m·c)
+            lse_b = jax.nn.logsumexp(s, axis=-1)  # (B, H, c)
+            o_b = jnp.einsum("bhqk,bhkd->bhqd", jnp.exp(s - lse_b[..., None]), kv[1][..., keys, :])
+            new = jnp.logaddexp(lse[a], lse_b)  # online softmax: rescale both to the merged lse
+            out[a] = out[a] * jnp.exp(lse[a] - new)[..., None] + o_b * jnp.exp(lse_b - new)[..., None]
+            lse[a] = new
+        return out, lse
+    return run
+
+
+def _bwd_pairs(pairs, c: int):
+    def run(dq, dkv, q, kv, dout, lse, delta):  # dkv (2, B, H, T/N, dh): dK|dV of the block held
+        dq = list(dq)
+        for a, keys, mask in _groups(pairs, c):
+            k, v = kv[0][..., keys, :], kv[1][..., keys, :]
+            p = jnp.exp(_scores(q[a], k, mask) - lse[a][..., None])  # (B, H, c, m·c): final probabilities
+            ds = p * (jnp.einsum("bhqd,bhkd->bhqk", dout[a], v) - delta[a][..., None])  # P ∘ (dP − rowsum(dO∘O))
+            scale = 1 / jnp.sqrt(jnp.asarray(q[a].shape[-1], k.dtype))
+            dq[a] = dq[a] + jnp.einsum("bhqk,bhkd->bhqd", ds, k) * scale
+            dkv = dkv.at[:, ..., keys, :].add(jnp.stack([jnp.einsum("bhqk,bhqd->bhkd", ds, q[a]) * scale,
+                                                         jnp.einsum("bhqk,bhqd->bhkd", p, dout[a])]))
+        return dq, dkv
+    return run
+
+
+def ring_core(variant: str, n: int):
+    """core(q, k, v) -> causal attention output, each (B, H, T/N, dh) on this device's positions:
+    the ring over AXIS (any model's seam: ``attention``; the project's transformer: jax_impl/cp.py)."""
+    ring = [(j, (j + 1) % n) for j in range(n)]
+    send = lambda x: lax.ppermute(x, AXIS, ring)  # to r+1: I receive the block of r−1
+    m = len(cp_chunks(n, 0, variant))  # chunks per device
+    chunks = lambda x: jnp.split(x, m, axis=2)  # (B, H, T/N, …) -> m × (B, H, c, …)
+
+    @jax.custom_vjp
+    def core(q, k, v):
+        return core_fwd(q, k, v)[0]
+
+    def core_fwd(q, k, v):  # (B, H, T/N, dh) each
+        c = q.shape[2] // m
+        kv = jnp.stack([k, v])  # (2, B, H, T/N, dh): K|V travel as one message
+        out, lse = [jnp.zeros_like(x) for x in chunks(q)], [jnp.full(q.shape[:2] + (c,), -jnp.inf, q.dtype)] * m
+        for hop in range(n):
+            incoming = send(kv) if hop < n - 1 else None  # next block's transfer first, then compute
+            out, lse = on_schedule(n, hop, variant, partial(_fwd_pairs, c=c), out, lse, chunks(q), kv)
+            kv = incoming
+        out, lse = jnp.concatenate(out, axis=2), jnp.concatenate(lse, axis=2)  # (B, H, T/N, dh), (B, H, T/N)
+        return out, (q, k, v, out, lse)
+
+    def core_bwd(res, dout):
+        q, k, v, out, lse = res
+        c, delta = q.shape[2] // m, jnp.sum(dout * out, axis=-1)  # (B, H, T/N)
+        # The barrier keeps XLA from CSE-ing this rotation with the forward one (same op on the same
+        # K|V): merged, the step sends N−1 fewer messages per layer but keeps every received block
+        # alive from forward to backward, the memory ring attention's backward exists to avoid
+        # (XLA:CPU drops barriers before CSE: cpu_options).
+        kv, dq = jnp.stack(lax.optimization_barrier((k, v))), [jnp.zeros_like(x) for x in chunks(q)]
+        dkv = jnp.zeros_like(kv)  # (2, B, H, T/N, dh): dK|dV of the block held, travels with it
+        for hop in range(n):
+            incoming = send(kv) if hop < n - 1 else None
+            dq, dkv = on_schedule(n, hop, variant, partial(_bwd_pairs, c=c), dq, dkv, chunks(q), kv,
+                                  chunks(dout), chunks(lse), chunks(delta))
+            dkv, kv = send(dkv) if n > 1 else dkv, incoming  # hop n−1: dK|dV arrive at their owner
+        return jnp.concatenate(dq, axis=2), dkv[0], dkv[1]
+
+    core.defvjp(core_fwd, core_bwd)
+    return core
+
+
+
 def attention(query, key, value, bias=None, mask=None, dropout_rate=0.0, deterministic=True, **_):
     """``attention_fn`` for ``nnx.MultiHeadAttention``: causal attention, over "cp" inside a cp step."""
     if bias is not None or mask is not None:
-        raise SeamError("cp_seam.attention is causal attention over the global positions; it takes no mask or "
+        raise SeamError("parallel.cp.attention is causal attention over the global positions; it takes no mask or "
                         "bias (the ring masks by position): call the attention without mask=")
     if dropout_rate and not deterministic:
-        raise SeamError("cp_seam.attention has no attention dropout: build the attention with dropout_rate=0")
+        raise SeamError("parallel.cp.attention has no attention dropout: build the attention with dropout_rate=0")
     active = _ACTIVE.get()
     if active is None:
         return causal(query, key, value)
@@ -123,8 +242,8 @@ class Trainer:
             with _active(self.variant, self.n, lambda k: calls.append((k.size, k.dtype.itemsize))):
                 value = self._loss(self._merge(params), *batch)
             if not calls:
-                raise SeamError("the model never called cp_seam.attention: each device would attend within its own "
-                                "T/N tokens. Build its attention with attention_fn=cp_seam.attention")
+                raise SeamError("the model never called parallel.cp.attention: each device would attend within its own "
+                                "T/N tokens. Build its attention with attention_fn=parallel.cp.attention")
             return value[None]
         seq = [P(None, AXIS)] * (len(batch) - 1)
         local_means = jax.shard_map(local, mesh=self.mesh, in_specs=(P(), *seq, P(AXIS)), out_specs=P(AXIS),
