@@ -33,7 +33,7 @@ from flax import nnx  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)  # float64 parity
 
-from jax_impl.parallel import cp as cp_seam  # noqa: E402
+from jax_impl.parallel.cp import attention, context_parallel  # noqa: E402
 from jax_impl.parallel.fsdp import parallelize  # noqa: E402
 from jax_impl.parallel.pp import pipeline  # noqa: E402
 from jax_impl.parallel.tp import apply_plan, cross_entropy  # noqa: E402
@@ -63,11 +63,11 @@ class TinyLM(nnx.Module):
 
 
 class TinyDecoder(nnx.Module):
-    """The cp seam: attention through cp_seam.attention (causal), positions as an input."""
+    """The cp seam: attention through jax_impl.parallel.cp.attention (causal), positions as an input."""
 
     def __init__(self, rngs: nnx.Rngs):
         self.tok, self.pos = nnx.Embed(VOCAB, DIM, rngs=rngs, **F64), nnx.Embed(SEQ, DIM, rngs=rngs, **F64)
-        self.attn = nnx.MultiHeadAttention(2, DIM, attention_fn=cp_seam.attention, decode=False, use_bias=False,
+        self.attn = nnx.MultiHeadAttention(2, DIM, attention_fn=attention, decode=False, use_bias=False,
                                            rngs=rngs, **F64)
         self.block, self.head = Block(rngs), nnx.Linear(DIM, VOCAB, rngs=rngs, **F64)
 
@@ -122,7 +122,7 @@ def main() -> int:
                  lambda: pipeline(TinyLM(nnx.Rngs(0)), [["embed", "block"], ["head"]], cross_entropy, adamw(),
                                   mesh["pp"], microbatches=2), want))
     runs += [(f"cp {v}", f"context_parallel(decoder, cp_loss, tx, mesh, {v!r})",
-              lambda v=v: cp_seam.context_parallel(TinyDecoder(nnx.Rngs(0)), cp_loss, adamw(), mesh["cp"], v),
+              lambda v=v: context_parallel(TinyDecoder(nnx.Rngs(0)), cp_loss, adamw(), mesh["cp"], v),
               want_cp) for v in ("ring", "ring_zigzag", "ulysses", "seq_sharded")]
     print(f"{'pattern':<16} {'loss step 3':>12} {'max |Δparam|':>13}  glue")
     worst = 0.0

@@ -1,5 +1,5 @@
 """Context parallelism for ANY Flax NNX model that offers the attention seam: the twin of
-torch_impl/parallel/cp.py. cp.py has the pattern (ring, ring_zigzag, ulysses), the collectives and the
+torch_impl/parallel/cp.py. jax_impl/cp.py has the pattern (ring, ring_zigzag, ulysses), the collectives and the
 bytes; the project's transformer plugs the same ring into its own ``attn`` hook.
 
 What a model must offer (the seam):

@@ -1,5 +1,5 @@
 """The ZeRO stages 0-3 as a train step for ANY Flax NNX model: the twin of torch_impl/parallel/fsdp.py
-(FSDP, Zero2) and torch_impl/dp.py (BucketedDDP, Zero1Optimizer). dp.py and fsdp.py have the
+(FSDP, Zero2) and torch_impl/parallel/dp.py (BucketedDDP, Zero1Optimizer). jax_impl/dp.py, fsdp.py have the
 pattern, the collectives and the bytes per step; the project's MLP and transformer train through
 ``parallelize`` too.
 

@@ -1,5 +1,5 @@
 """Pipeline parallelism (GPipe) for ANY Flax NNX model that offers a stage split: the twin of
-torch_impl/parallel/pp.py. pp.py has the pattern (the circular SPMD pipeline, 1F1B, ZB-H1 by hand) for the
+torch_impl/parallel/pp.py. jax_impl/pp.py has the pattern (the circular SPMD pipeline, 1F1B, ZB-H1 by hand) for the
 project's stacked blocks; here the stages may differ in everything but the message between them.
 
 What a model must offer (the seam): a forward that IS a chain of submodules, given as module paths
@@ -16,7 +16,7 @@ a mean over the micro-batch's rows.
 Sharded: each stage's Params flattened into ONE vector, zero-padded to the longest stage's length,
 stacked (S, Φ_max) and split over "pp": device s holds stage s's parameters and AdamW moments (the
 padding is zero, gets zero gradients and stays zero under AdamW, which is elementwise). The batch is
-cut into M micro-batches, replicated. Schedule: the circular GPipe of pp.py — M + S − 1 iterations;
+cut into M micro-batches, replicated. Schedule: the circular GPipe of jax_impl/pp.py — M + S − 1 iterations;
 in iteration t device s runs its stage (``lax.switch`` on the device index: the stages are different
 programs) on micro-batch t − s, and the message moves s → s+1 (``ppermute``); bubbles compute on
 stale inputs and are masked to zero (zero value, zero gradient). Backward: jax.grad of the unrolled

@@ -1,4 +1,4 @@
-"""A tensor-parallel PLAN applied to ANY Flax NNX model: the twin of torch_impl/parallel/tp.py (tp.py has
+"""A tensor-parallel PLAN applied to ANY Flax NNX model: the twin of torch_impl/parallel/tp.py (jax_impl/tp.py has
 the pattern; this is its model-generic half), with parallel.fsdp.parallelize's surface.
 
     plan = {"emb": "vocab_embed", "blocks.*.attn.[qkv]": "colwise", "blocks.*.attn.o": "rowwise",

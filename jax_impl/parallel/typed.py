@@ -1,5 +1,6 @@
 """JAX's third mode, sharding in types ("typed"; JAX's own name: Explicit axes), for the ZeRO
-stages of ``jax_impl.parallel.fsdp.parallelize(..., style="typed")``, and the helpers tp.py uses too.
+stages of ``jax_impl.parallel.fsdp.parallelize(..., style="typed")``, and the helpers the runners
+(jax_impl/tp.py, cp.py, ep.py, mesh.py) use too.
 
 The mesh's axes are ``AxisType.Explicit``: every array's sharding is part of its type
 (``jax.typeof(w)`` prints ``float64[32@dp,16]``: dim 0 split over 'dp'), ops propagate it by
