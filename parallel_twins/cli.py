@@ -18,13 +18,15 @@ arguments, a bad config or an output path that cannot be written (one line on st
 process starts), 3 when the runs agreed and were printed (and --json written) but a later output
 (--plots) failed.
 
-The flow: the command line (this file: arguments → checked configs) → the runs (runs.py: one launch
-per framework into torch_impl/ and jax_impl/, then the rows) → the report (report.py: tables,
-Markdown, JSON, progress; plots.py: PNGs). ``bench`` is bench.py, ``plan`` planner.py.
+The flow: the command line (this file: arguments → checked configs; args.py: the shared options and
+output paths) → the runs (runs.py: one launch per framework into torch_impl/ and jax_impl/, then the
+rows) → the report (report.py: tables, Markdown, JSON, progress; plots.py: PNGs). ``bench`` is
+bench.py, ``plan`` planner.py, ``checkpoint`` checkpoint_matrix.py, ``doctor`` doctor.py.
 
 JAX is imported only after the simulated-device flag is set (and only if asked for), and torch
-ranks never import JAX: they are spawned fresh and re-import this file as ``__mp_main__``, whose
-top level imports only the standard library and two NumPy-only modules of ``shared``.
+ranks never import JAX: they are spawned fresh and re-import the entry point (compare.py) as
+``__mp_main__``, whose imports reach only this module, args.py, the standard library and NumPy-only
+modules of ``shared``.
 """
 
 from __future__ import annotations
@@ -34,32 +36,30 @@ import os
 import sys
 import time
 
+from parallel_twins.args import (
+    ArgumentError,
+    HelpFormatter,
+    Parser,
+    _belongs,
+    add_device,
+    add_frameworks,
+    add_json,
+    add_quiet,
+    add_sizes,
+    add_training,
+    add_world_size,
+    cfgs_for,
+    check_devices,
+    check_output_path,
+    csv_list,
+    run_key,
+    write_output,
+)
 from shared.collectives import BENCH_OPS, BENCH_SIZES  # NumPy only: safe before JAX starts
-from shared.config import DTYPES, MODELS, PATTERNS, RECOMPUTE, format_mesh, parse_mesh
+from shared.config import MODELS, PATTERNS, RECOMPUTE, format_mesh, parse_mesh
 from shared.env import simulate_host_devices
 
-FRAMEWORKS = ("torch", "jax")
 STYLES = ("explicit", "builtin", "shard_map", "typed", "jit")  # torch's two, JAX's three
-
-
-class ArgumentError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one clear line, exit 2 (argparse prints usage + error otherwise)
-        raise ArgumentError(message)
-
-
-def _csv(choices):
-    def parse(text: str) -> list[str]:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [t for t in items if t not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices)}")
-        return items
-
-    return parse
 
 
 def _layouts(text: str) -> list[tuple[tuple[str, int], ...]]:
@@ -67,19 +67,6 @@ def _layouts(text: str) -> list[tuple[tuple[str, int], ...]]:
         return [parse_mesh(part) for part in text.split(";") if part.strip()] or [parse_mesh(text)]
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Every option's help line ends with its default (lists as comma lists); options whose default is
-    worked out at run time (None) say so in their own words."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        default = action.default
-        if default is None or default is False or default == argparse.SUPPRESS or not action.option_strings:
-            return text
-        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
-        return f"{text} (default: {shown.replace('%', '%%')})"
 
 
 SUBCOMMANDS = """subcommands (each has its own --help):
@@ -94,10 +81,10 @@ finished (table printed, --json written) but a later output could not be written
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="compare.py", formatter_class=HelpFormatter, epilog=SUBCOMMANDS,
-                description="Run every parallelism pattern in torch and JAX, check each against a single-device\n"
-                            "run and against the other framework, and print one table.")
-    p.add_argument("--patterns", type=_csv(PATTERNS), default=None, metavar="LIST",
+    p = Parser(prog="compare.py", formatter_class=HelpFormatter, epilog=SUBCOMMANDS,
+               description="Run every parallelism pattern in torch and JAX, check each against a single-device\n"
+                           "run and against the other framework, and print one table.")
+    p.add_argument("--patterns", type=csv_list(PATTERNS), default=None, metavar="LIST",
                    help=f"comma list of {', '.join(PATTERNS)} (default: every 1-D pattern the models have; "
                         "mesh when --mesh is given)")
     p.add_argument("--mesh", type=_layouts, default=None, metavar="LAYOUT[;LAYOUT…]",
@@ -107,40 +94,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ep: experts per MoE layer, E %% world size == 0 (default: the smallest multiple of "
                         "the world size >= 4)")
     p.add_argument("--topk", type=int, default=2, metavar="K", help="ep: experts per token")
-    p.add_argument("--frameworks", type=_csv(FRAMEWORKS), default=list(FRAMEWORKS), metavar="LIST",
-                   help=f"comma list of {', '.join(FRAMEWORKS)}")
-    p.add_argument("--model", type=_csv(MODELS), default=list(MODELS), metavar="LIST",
+    add_frameworks(p)
+    p.add_argument("--model", type=csv_list(MODELS), default=list(MODELS), metavar="LIST",
                    help="comma list of workloads: mlp (the CS336 MLP), transformer (a GPT-style decoder)")
-    p.add_argument("--world-size", type=int, default=None, metavar="N",
-                   help="ranks / devices (default: torchrun's WORLD_SIZE, else the layout's size with --mesh, "
-                        "else the local GPU count, else 4)")
-    p.add_argument("--layers", type=int, default=4, metavar="L", help="layers (MLP) / blocks (transformer)")
-    p.add_argument("--dim", type=int, default=32, metavar="D", help="model width")
-    p.add_argument("--batch", type=int, default=32, metavar="B",
-                   help="sequences (transformer) or rows (MLP) per step, over all ranks")
-    p.add_argument("--heads", type=int, default=4, metavar="H", help="transformer: attention heads (D %% H == 0)")
-    p.add_argument("--seq", type=int, default=16, metavar="T", help="transformer: sequence length")
-    p.add_argument("--vocab", type=int, default=64, metavar="V", help="transformer: vocabulary size")
+    add_world_size(p, None, "ranks / devices (default: torchrun's WORLD_SIZE, else the layout's size with --mesh, "
+                            "else the local GPU count, else 4)")
+    add_sizes(p)
     p.add_argument("--microbatches", type=int, default=4, metavar="M", help="pp (and mesh with pp): micro-batches")
     p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                    help="pp: model chunks per rank of the interleaved schedule (layers %% (world·V) == 0, "
                         "microbatches %% world == 0)")
-    p.add_argument("--steps", type=int, default=5, metavar="S", help="optimizer steps per run")
     p.add_argument("--recompute", choices=RECOMPUTE, default="none",
                    help="transformer: activation recomputation, full (each block) or selective (the attention "
                         "core)")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the shared weights and data")
-    p.add_argument("--dtype", choices=DTYPES, default="float64", help="parameters, activations and optimizer state")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (torch's default)")
+    add_training(p)
     p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB",
                    help="bucket size of the bucketed DP variant")
-    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
-                   help="gpu: NCCL and JAX on GPUs, or refuse; cpu: gloo and simulated devices; auto: GPUs when "
-                        "there are enough")
+    add_device(p)
     p.add_argument("--timeout", type=float, default=900.0, metavar="S", help="seconds before a torch launch is ended")
-    p.add_argument("--json", metavar="PATH", help="write every run (all columns and more) here as JSON (default: none)")
-    p.add_argument("--markdown", metavar="PATH", help="write the table, every column, here as Markdown (default: none)")
+    add_json(p, "every run (all columns and more)")
+    p.add_argument("--markdown", metavar="PATH",
+                   help="write the table, every column, here as Markdown ('-': standard output) (default: none)")
     p.add_argument("--plots", metavar="DIR",
                    help="write PNGs here: loss curves, memory, pipeline timelines, bus bandwidth (with collectives) "
                         "(default: none)")
@@ -149,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-collectives", metavar="PATTERN", choices=PATTERNS[1:],
                    help=f"print, side by side, the collectives one step issues in each style of PATTERN "
                         f"({', '.join(PATTERNS[1:])}) instead of the parity table (default: the parity table)")
-    p.add_argument("--styles", type=_csv(STYLES), default=None, metavar="LIST",
+    p.add_argument("--styles", type=csv_list(STYLES), default=None, metavar="LIST",
                    help=f"comma list of {', '.join(STYLES)}: run only these ways of writing each pattern (torch: "
                         "explicit = hand-written dist.*, builtin = DTensor/FSDP2/DDP/pipelining; JAX: shard_map, "
                         "typed = sharding in types, jit) (default: every one)")
@@ -161,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="with --checkpoint-dir: continue each run from its newest complete checkpoint there "
                         "(a run with none starts at step 0); JSON rows say start_step")
-    p.add_argument("--quiet", action="store_true", help="no progress line (it is shown on a terminal only)")
+    add_quiet(p)
     return p
 
 
@@ -170,7 +144,7 @@ def check_styles(args, cfgs) -> None:
     for the typed style, JAX's reason (a layout that cannot be written in types)."""
     if not args.styles:
         return
-    from runs import chosen_variants, typed_refusal
+    from parallel_twins.runs import chosen_variants, typed_refusal
 
     for pattern in (p for p in args.patterns if p != "collectives"):
         for cfg in cfgs_for(cfgs, pattern):
@@ -212,35 +186,6 @@ def checkpoint_plan(args, cfgs):
     return plan
 
 
-def check_output_path(flag: str, path: str | None, directory: bool = False) -> None:
-    """Refuse (ValueError, one line) an output path that could not be written, before anything runs:
-    a file needs an existing, writable folder (and must not be a folder); a folder (``--plots``) may
-    not exist yet, but the nearest existing parent must be a writable folder."""
-    if not path:
-        return
-    path = os.path.abspath(path)
-    if directory:
-        if os.path.exists(path):
-            if not os.path.isdir(path):
-                raise ValueError(f"{flag} {path}: exists and is not a folder")
-            if not os.access(path, os.W_OK):
-                raise ValueError(f"{flag} {path}: the folder is not writable")
-            return
-        parent = path
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-            raise ValueError(f"{flag} {path}: cannot create it: {parent} is not a writable folder")
-        return
-    if os.path.isdir(path):
-        raise ValueError(f"{flag} {path}: is a folder; give a file name")
-    folder = os.path.dirname(path)
-    if not os.path.isdir(folder):
-        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ValueError(f"{flag} {path}: not writable")
-
-
 def default_world_size(device: str) -> int:
     """torchrun's WORLD_SIZE; else one rank per local GPU (NCCL); else 4 simulated CPU ranks."""
     if "WORLD_SIZE" in os.environ:
@@ -252,19 +197,6 @@ def default_world_size(device: str) -> int:
         if gpus > 0:
             return gpus
     return 4
-
-
-def check_devices(frameworks, world_size: int, device: str) -> None:
-    """Refuse (ValueError) a device request that cannot be met, before any rank starts. JAX first:
-    its GPU backend starts before this process loads torch's CUDA libraries (jax-ml/jax#18032)."""
-    if "jax" in frameworks and "RANK" not in os.environ:
-        from jax_impl.devices import devices
-
-        devices(world_size, device)
-    if "torch" in frameworks:
-        from torch_impl.launch import resolve_device
-
-        resolve_device(device, world_size)
 
 
 def join_jax_processes(args, cfgs):
@@ -356,12 +288,6 @@ def default_experts(world: int) -> int:
     return world * -(-4 // world)
 
 
-def _belongs(cfg, pattern) -> bool:
-    """Which of the run's configs a pattern takes: mesh those with a layout, ep the MoE transformer,
-    the 1-D patterns the plain models."""
-    return bool(cfg.mesh) == (pattern == "mesh") and cfg.moe == (pattern == "ep")
-
-
 def _product(layout) -> int:
     out = 1
     for _, n in layout:
@@ -369,34 +295,22 @@ def _product(layout) -> int:
     return out
 
 
-def cfgs_for(cfgs, pattern):
-    """The configs ``pattern`` runs (``_belongs``), only the models it applies to (cp, mesh and ep:
-    the transformer)."""
-    return [c for c in cfgs if _belongs(c, pattern) and c.applies(pattern)]
-
-
-def run_key(cfg) -> str:
-    """What one entry of a pattern is reported under: the model, and the layout (mesh) or the
-    experts (ep), e.g. "transformer dp=2,tp=2" or "transformer E=4,k=2"."""
-    return f"{cfg.model} {cfg.mesh_name}" if cfg.mesh else f"{cfg.model} {cfg.moe_name}" if cfg.moe else cfg.model
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
-        from bench import bench_main
+        from parallel_twins.bench import bench_main
 
         return bench_main(argv[1:])
     if argv and argv[0] == "plan":
-        from planner import plan_main
+        from parallel_twins.planner import plan_main
 
         return plan_main(argv[1:])
     if argv and argv[0] == "checkpoint":
-        from checkpoint_matrix import matrix_main
+        from parallel_twins.checkpoint_matrix import matrix_main
 
         return matrix_main(argv[1:])
     if argv and argv[0] == "doctor":
-        from doctor import doctor_main
+        from parallel_twins.doctor import doctor_main
 
         return doctor_main(argv[1:])
     try:
@@ -419,8 +333,8 @@ def main(argv=None) -> int:
     except (ArgumentError, ValueError) as exc:
         print(f"compare.py: error: {exc}", file=sys.stderr)
         return 2
-    import report
-    from runs import collect, planned_runs
+    from parallel_twins import report
+    from parallel_twins.runs import collect, planned_runs
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
     console = report.make_console(quiet=not rank0)
@@ -445,8 +359,7 @@ def main(argv=None) -> int:
                                           "runs": [r.to_json() for r in rows], "cross_framework": xfw,
                                           "errors": errors, "ok": ok, "seconds": elapsed})
         if args.markdown:
-            with open(args.markdown, "w") as f:
-                f.write(report.markdown_table(rows))
+            write_output(args.markdown, report.markdown_table(rows))
     except OSError as exc:
         console.print(f"[bold red]error[/] could not write the results: {exc}")
         late_failure = True
@@ -454,7 +367,7 @@ def main(argv=None) -> int:
         late_failure = False
 
     if args.show_collectives:
-        import report_collectives as shown
+        from parallel_twins import report_collectives as shown
     if args.show_collectives == "mesh":
         shown.mesh_tables(rows, console)
     elif args.show_collectives == "ep":
@@ -476,8 +389,8 @@ def main(argv=None) -> int:
                       "their losses and errors cover the steps they ran", highlight=False)
     report.verdict_lines(rows, xfw, errors, args.frameworks, elapsed, console)
     if args.plots:
-        from bench import run_bench
-        from plots import write_plots
+        from parallel_twins.bench import run_bench
+        from parallel_twins.plots import write_plots
 
         bench = lambda: run_bench(args.frameworks, cfg.world_size, BENCH_OPS, BENCH_SIZES[:6], iters=5,
                                   warmup=2, device=args.device)[0]  # a short sweep: 4 KiB … 4 MiB

@@ -81,7 +81,7 @@ def run(args: list[str]) -> tuple[str, float]:
 
 def run_block(stdout: str, path: str, seconds: float) -> str:
     """The default run: its size, an excerpt of its table, its closing lines."""
-    import report
+    from parallel_twins import report
     from shared.results import RunResult
 
     data = json.load(open(path))

@@ -7,8 +7,7 @@ import os
 import matplotlib.pyplot as plt
 import pytest
 
-import plots
-import plots_layouts
+from parallel_twins import plots, plots_layouts
 from shared.config import Config
 from shared.schedule import simulate
 
