@@ -49,7 +49,7 @@ def _impl_styles(labels_styles: list[tuple[str, str]]) -> dict[str, dict]:
 
 
 def _run_key(r: dict, references=None) -> tuple[str, str]:
-    """(pattern, run key) of a run dict, as compare.run_key names its references: mesh runs by their
+    """(pattern, run key) of a run dict, as args.run_key names its references: mesh runs by their
     layout ("transformer dp=2,tp=2"), ep by its experts ("transformer E=4,k=2")."""
     model = r.get("model") or ""
     if r["pattern"] == "mesh":
