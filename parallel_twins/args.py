@@ -87,8 +87,9 @@ def add_training(p, steps=5, steps_help="optimizer steps per run") -> None:
     p.add_argument("--steps", type=int, default=steps, metavar="S", help=steps_help)
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the shared weights and data")
     p.add_argument("--dtype", choices=DTYPES, default="float64", help="parameters, activations and optimizer state")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (torch's default)")
+    p.add_argument("--lr", type=float, default=1e-3, metavar="LR", help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.01, metavar="WD",
+                   help="AdamW weight decay (torch's default)")
 
 
 def add_device(p) -> None:
