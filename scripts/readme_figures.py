@@ -7,7 +7,7 @@
 Each block sits between ``<!-- figures:NAME -->`` and ``<!-- /figures:NAME -->`` in README.md (or in
 the docs/ page IN_FILE names) and is replaced whole: the command's output as printed when piped (plain
 text), under a line naming the command, the date, the machine and the versions it came from. The
-``run`` block re-renders an excerpt of the default run's table from its ``--json`` with report.py, and
+``run`` block re-renders an excerpt of the default run's table from its ``--json`` with parallel_twins/report.py, and
 keeps its closing lines.
 """
 
@@ -81,7 +81,7 @@ def run(args: list[str]) -> tuple[str, float]:
 
 def run_block(stdout: str, path: str, seconds: float) -> str:
     """The default run: its size, an excerpt of its table, its closing lines."""
-    import report
+    from parallel_twins import report
     from shared.results import RunResult
 
     data = json.load(open(path))

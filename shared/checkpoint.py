@@ -32,17 +32,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shared.checkpoint_base import GROUPS, CheckpointError
+
 FORMAT = "parallel-twins-checkpoint/1"
 MANIFEST = "manifest.json"
-GROUPS = ("params", "adam_m", "adam_v")  # the canonical state's three dicts, as named in the files
 # What must be equal for a checkpoint to load (the model's shapes and numerics). The layout (world size,
 # pattern, mesh) may differ: loading reshards.
 MODEL_FIELDS = ("model", "layers", "dim", "heads", "seq", "vocab", "experts", "dtype")
 _STEP = re.compile(r"^step_(\d{6,})$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: one line naming the file and the mismatch."""
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import compare
-import report_collectives
+from parallel_twins import cli as compare
+from parallel_twins import report_collectives
 
 ROOT = Path(__file__).resolve().parents[1]
 

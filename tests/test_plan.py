@@ -237,7 +237,7 @@ def test_cli_plan_prints_ranked_layouts_and_json(tmp_path):
     (["--efficiency", "2"], "--efficiency"),
 ])
 def test_cli_plan_refuses_bad_input(args, message, capsys):
-    from planner import plan_main  # in process: compare.py dispatches "plan" to it before anything else
+    from parallel_twins.planner import plan_main  # in process: compare.py dispatches "plan" to it before anything else
 
     assert plan_main(args) == 2
     err = capsys.readouterr().err
@@ -307,7 +307,7 @@ def test_pins_fix_the_settings_and_v_may_be_any_divisor():
                          for l in found)
     assert {l.pp for l in found} <= {2, 4, 8} and all(24 % (l.pp * 3) == 0 for l in found)
     assert any(l.tp > 1 for l in found)  # sp=off with tp: Megatron before sequence parallelism
-    from planner import parse_pins
+    from parallel_twins.planner import parse_pins
 
     assert parse_pins("zero=1,recompute=none,sp=on,M=4,v=3,overlap=off") == {
         "zero": 1, "recompute": "none", "sp": True, "microbatches": 4, "virtual": 3, "overlap": False}
@@ -416,7 +416,7 @@ def test_published_runs_predicted_within_their_error(measured):
     (["--kv-heads", "5"], "kv_heads must divide"),
 ])
 def test_cli_plan_refuses_what_it_cannot_plan(args, message, capsys):
-    from planner import plan_main
+    from parallel_twins.planner import plan_main
 
     assert plan_main(args) == 2
     err = capsys.readouterr().err
@@ -445,7 +445,7 @@ def test_scatter_gather_pipeline_sends():
     plain, sg = plan.comm(model, lay, 0, 8, 2), plan.comm(model, replace(lay, pp_scatter=True), 0, 8, 2)
     assert sg["pp"]["send"] == (plain["pp"]["send"][0], plain["pp"]["send"][1] // 8)
     assert sg["tp"]["all_gather"] == plain["pp"]["send"] and "all_gather" not in plain["tp"]
-    from planner import parse_pins
+    from parallel_twins.planner import parse_pins
 
     assert parse_pins("scatter=on") == {"pp_scatter": True}
 
@@ -461,7 +461,7 @@ def test_allgather_context_parallelism_moves_only_the_kv_heads():
     assert cp == {"all_gather": (2 * 2 * 4, 2 * 2 * 4 * whole), "reduce_scatter": (2 * 4, 2 * 4 * whole)}
     mha = plan.comm(replace(model, kv_heads=0), lay, 0, 4, 2)["cp"]
     assert mha["all_gather"][1] == 16 * cp["all_gather"][1]
-    from planner import parse_pins
+    from parallel_twins.planner import parse_pins
 
     assert parse_pins("cp=allgather") == {"cp_style": "allgather"}
 

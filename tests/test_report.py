@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-import compare
-import report
+from parallel_twins import cli as compare
+from parallel_twins import report
 from shared.results import RunResult
 
 
@@ -99,7 +99,7 @@ def test_help_lists_subcommands_and_every_default(argv, capsys):
     text = capsys.readouterr().out
     subcommands = all(f"compare.py {sub}" in text for sub in ("bench", "plan", "doctor"))
     assert bool(argv) or (subcommands and "exit status" in text)
-    parser = compare.build_parser() if not argv else __import__("bench").build_bench_parser()
+    parser = compare.build_parser() if not argv else __import__("parallel_twins.bench").bench.build_bench_parser()
     for action in parser._actions:
         if action.dest == "help":
             continue

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from importlib import metadata
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding parallel_twins, jax_impl
 
 _TORCH_PROBE = r"""
 import json, torch
@@ -90,7 +90,7 @@ def _majors(pkgs: dict[str, str]) -> list[str]:
 
 def _run(title: str, argv: list[str], timeout: float = 900) -> bool:
     print(f"\n== {title}: python compare.py {' '.join(argv)}", flush=True)
-    out = subprocess.run([sys.executable, "compare.py", *argv], cwd=HERE, text=True, timeout=timeout,
+    out = subprocess.run([sys.executable, "-m", "parallel_twins.cli", *argv], cwd=HERE, text=True, timeout=timeout,
                          capture_output=True)
     tail = (out.stdout + out.stderr).strip().splitlines()[-6:]
     print("\n".join("   " + line for line in tail))

@@ -23,14 +23,10 @@ import sys
 import time
 from dataclasses import replace
 
+from parallel_twins.args import ArgumentError, HelpFormatter, Parser, add_json, check_output_path, write_output
 from shared import plan
 from shared.config import BYTES_PER_ELEMENT, Config, parse_mesh
 from shared.published import PRESETS, preset
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one clear line, exit 2
-        raise ValueError(message)
 
 
 def parse_bytes(text: str) -> float:
@@ -44,9 +40,7 @@ def parse_bytes(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from compare import HelpFormatter
-
-    p = _Parser(prog="compare.py plan", formatter_class=HelpFormatter,
+    p = Parser(prog="compare.py plan", formatter_class=HelpFormatter,
                 description="Rank the layouts of a transformer on a GPU cluster: memory per GPU, bytes per step per\n"
                             "axis, bubble, step time and MFU (docs/plan.md).")
     p.add_argument("--model", choices=("transformer",), default="transformer", help="the model family")
@@ -110,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "scatter/gather pp sends), "
                         "overlap=on|off (data traffic under the backward) (default: none: all searched)")
     p.add_argument("--top", type=int, default=8, metavar="K", help="layouts shown")
-    p.add_argument("--json", metavar="PATH", help="write the ranked layouts here as JSON (default: none)")
+    add_json(p, "the ranked layouts")
     p.add_argument("--calibrate", metavar="BENCH_JSON",
                    help="α–β per op and FLOP/s from compare.py bench --json (default: the --gpu's figures)")
     p.add_argument("--measured", metavar="RUN_JSON",
@@ -238,18 +232,16 @@ def _gib(n) -> str:
 def plan_main(argv) -> int:
     try:
         args = build_parser().parse_args(argv)
-        from compare import check_output_path
-
         check_output_path("--json", args.json)
         model, cluster, want, pins = make_inputs(args)
-    except (ValueError, OSError, KeyError, argparse.ArgumentTypeError) as exc:
+    except (ArgumentError, ValueError, OSError, KeyError, argparse.ArgumentTypeError) as exc:
         print(f"compare.py plan: error: {exc}", file=sys.stderr)
         return 2
     if args.measured:
         return measured_main(args, cluster)
     from rich.table import Table
 
-    from report import make_console
+    from parallel_twins.report import make_console
 
     t0 = time.perf_counter()
     b = {**BYTES_PER_ELEMENT, "float16": 2}[args.dtype]  # fp16: bf16's bytes and (A100, H100) its peak
@@ -319,11 +311,11 @@ def plan_main(argv) -> int:
         console.print("[red]no layout fits[/]: more GPUs, a smaller micro-batch or full recompute (all tried), or "
                       "more memory per GPU")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": vars(model), "cluster": {"gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
-                                                         "memory": cluster.memory, "flops": cluster.flops},
-                       "global_batch": args.global_batch, "seconds": seconds, "fit": [p.to_json() for p in fit[:100]],
-                       "over": [p.to_json() for p in over[:100]], "n_fit": len(fit), "n_over": len(over)}, f, indent=1)
+        write_output(args.json, json.dumps(
+            {"model": vars(model), "cluster": {"gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
+                                               "memory": cluster.memory, "flops": cluster.flops},
+             "global_batch": args.global_batch, "seconds": seconds, "fit": [p.to_json() for p in fit[:100]],
+             "over": [p.to_json() for p in over[:100]], "n_fit": len(fit), "n_over": len(over)}, indent=1))
     return 0
 
 
@@ -349,7 +341,7 @@ def measured_main(args, cluster) -> int:
     ledger's (equal, or what differs), and the predicted step time against the measured median."""
     from rich.table import Table
 
-    from report import make_console
+    from parallel_twins.report import make_console
     from shared.theory import mesh_coords
 
     with open(args.measured) as f:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import traceback
 
-from compare import FRAMEWORKS, cfgs_for, run_key
+from parallel_twins.args import FRAMEWORKS, cfgs_for, run_key
 
 
 def chosen_variants(framework, pattern, cfg, styles=None) -> list[tuple[str, str]]:

@@ -2,11 +2,12 @@
 
     python compare.py bench --frameworks torch,jax --world-size 4 --json bench.json
 
-For each op (all-reduce, all-gather, reduce-scatter, all-to-all) and size: warm-up, repeated timed
-iterations, the median; ``algbw`` = size / time and ``busbw`` = algbw × nccl-tests' bus factor
-(shared.plan.bus_factor); then a latency/bandwidth fit ``t = α + n/β`` per op. With torch it also
-measures the matmul FLOP/s each rank gets while every rank multiplies (what ``plan --calibrate``
-reads). Torch ranks import this module (``_torch_bench``): its top level imports no JAX.
+For each op (all-reduce, all-gather, reduce-scatter, all-to-all) and size: warm-up, then the timed
+iterations (torch on CPU: the median of calls timed alone, gloo's calls block; torch on CUDA and JAX:
+back to back between two blocks, divided by their number); ``algbw`` = size / time and ``busbw`` =
+algbw × nccl-tests' bus factor (shared.plan.bus_factor); then a latency/bandwidth fit ``t = α + n/β``
+per op. With torch it also measures the matmul FLOP/s each rank gets while every rank multiplies
+(what ``plan --calibrate`` reads). Torch ranks import this module (``_torch_bench``): its top level imports no JAX.
 """
 
 from __future__ import annotations
@@ -15,29 +16,40 @@ import argparse
 import sys
 import time
 
-from compare import FRAMEWORKS, ArgumentError, HelpFormatter, _csv, _Parser, check_devices, check_output_path
+from parallel_twins.args import (
+    ArgumentError,
+    HelpFormatter,
+    Parser,
+    add_device,
+    add_frameworks,
+    add_json,
+    add_quiet,
+    add_world_size,
+    check_devices,
+    check_output_path,
+    csv_list,
+)
 from shared.collectives import BENCH_OPS  # NumPy only: safe before JAX starts
 from shared.env import simulate_host_devices
 
 
 def build_bench_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="compare.py bench", formatter_class=HelpFormatter,
-                description="nccl-tests-style bandwidth sweep of the collectives (median time, algbw, busbw, "
-                            "an α–β fit per op) and each torch rank's matmul FLOP/s.")
-    p.add_argument("--frameworks", type=_csv(FRAMEWORKS), default=list(FRAMEWORKS), metavar="LIST",
-                   help=f"comma list of {', '.join(FRAMEWORKS)}")
-    p.add_argument("--world-size", type=int, default=4, help="ranks / devices (>= 2)")
-    p.add_argument("--ops", type=_csv(BENCH_OPS), default=list(BENCH_OPS), metavar="LIST",
+    p = Parser(prog="compare.py bench", formatter_class=HelpFormatter,
+               description="nccl-tests-style bandwidth sweep of the collectives (time per call, algbw, busbw, "
+                           "an α–β fit per op) and each torch rank's matmul FLOP/s.")
+    add_frameworks(p)
+    add_world_size(p, 4, "ranks / devices (>= 2)")
+    p.add_argument("--ops", type=csv_list(BENCH_OPS), default=list(BENCH_OPS), metavar="LIST",
                    help=f"comma list of {', '.join(BENCH_OPS)}")
     p.add_argument("--min-bytes", type=int, default=4 * 1024, help="smallest message (bytes)")
     p.add_argument("--max-bytes", type=int, default=None,
                    help="largest message, bytes; sizes step ×4 (default: 16 MiB on CPU, 256 MiB on GPUs)")
-    p.add_argument("--iters", type=int, default=10, help="timed iterations per size (the median is reported)")
+    p.add_argument("--iters", type=int, default=10,
+                   help="timed iterations per size (gloo: their median; CUDA and JAX: back to back, their mean)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations per size first")
-    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
-                   help="gpu: NCCL / JAX on GPUs, or refuse; cpu: gloo / simulated devices; auto: GPUs if enough")
-    p.add_argument("--json", metavar="PATH", default=None,
-                   help="write {world_size, results, fits, compute} here as JSON (default: none)")
+    add_device(p)
+    add_json(p, "{world_size, results, fits, compute}")
+    add_quiet(p, "print nothing (with --json: the measurements go there only)")
     return p
 
 
@@ -63,7 +75,7 @@ def bench_main(argv) -> int:
         return 2
     from rich.table import Table
 
-    from report import fmt_bytes, make_console, write_json
+    from parallel_twins.report import fmt_bytes, make_console, write_json
     from shared.collectives import fit_per_op
 
     sizes, s = [], args.min_bytes
@@ -79,8 +91,8 @@ def bench_main(argv) -> int:
         compute[dtype] = {n: sorted(r[dtype][n] for r in matmul)[len(matmul) // 2] for n in matmul[0][dtype]}
     if args.json:  # first: nothing printed below can lose the measurements
         write_json(args.json, {"world_size": args.world_size, "results": results, "fits": fits, "compute": compute})
-    console = make_console()
-    table = Table(title=f"collective bandwidth, world size {args.world_size} (median of {args.iters})")
+    console = make_console(quiet=args.quiet)
+    table = Table(title=f"collective bandwidth, world size {args.world_size} ({args.iters} timed calls per size)")
     for col in ("framework", "op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):
         table.add_column(col, justify="left" if col in ("framework", "op") else "right", overflow="fold")
     for r in results:
