@@ -1,7 +1,9 @@
-"""How close two runs must be, per dtype. One place, one reason per number.
+"""How close two runs must be, per dtype and run length. One place, one reason per number.
 
 Errors are *relative*: ``max|a - b| / max(max|b|, tiny)`` per array, then the max over arrays
-(see ``shared.results.rel_err``).
+(see ``shared.results.rel_err``). ``tolerance(dtype)`` is for a short run (up to ``STEPS_MEASURED``
+steps) and for the step-0 gradients; ``tolerance(dtype, steps)`` for the losses and parameters of a
+run of ``steps`` steps (``STEP_GROWTH``).
 """
 
 # float64: the sharded runs sum the same products in a different order (per-rank partial sums,
@@ -32,5 +34,29 @@ TOLERANCE = {"float64": FLOAT64, "float32": FLOAT32, "bfloat16": BFLOAT16}
 CROSS_FRAMEWORK_FACTOR = 2.0
 
 
-def tolerance(dtype: str) -> float:
-    return TOLERANCE[dtype]
+# Run length. The numbers above were set on runs of up to 5 steps (compare.py's default --steps).
+# Reordering error grows with the steps: each step adds a few ulps to the parameters, the error
+# stays in them (one integration: ~S), and the perturbed parameters and AdamW moments bias every
+# later update (a second integration: ~S^2). Measured, torch fsdp on the MLP in float64 (compare.py's
+# default sizes, 2 ranks): ~1e-15 after 5 steps, 1.5e-11 after 600 — a factor 1.5e4 for 120x the
+# steps, i.e. S^2 (1.44e4). So the losses' and parameters' tolerance is the short-run one times
+# (S / STEPS_MEASURED)^2: the same three orders of headroom over the measured drift at every length
+# (600 steps: 1.4e-8 against 1.5e-11). A bug is not hidden: a wrong reduction is caught by the step-0
+# gradients, whose tolerance never grows (one step: no accumulation), and in the parameters (a wrong
+# averaging factor under AdamW moves them by >= 1e-4 in a few steps, tests/test_tolerances.py) — so
+# the growth stops at STEP_CEILING, an order of magnitude or more below the smallest bug effect seen.
+STEPS_MEASURED = 5
+STEP_GROWTH = 2  # the exponent of S / STEPS_MEASURED
+# float64: 1e-6, two orders below the 1e-4 of a wrong averaging factor (reached at ~5000 steps).
+# float32: 2e-4, five times below the ">= 1e-3" of a real bug (so it grows only to ~10 steps: longer
+# float32 runs may need a measured floor). bfloat16: 5e-2 already sits at the bug scale: no growth.
+STEP_CEILING = {"float64": 1e-6, "float32": 2e-4, "bfloat16": BFLOAT16}
+
+
+def tolerance(dtype: str, steps: int | None = None) -> float:
+    """The tolerance for ``dtype``; with ``steps``, for the losses and final parameters of a run of
+    that many optimizer steps (never below the short-run one, never above STEP_CEILING)."""
+    base = TOLERANCE[dtype]
+    if not steps or steps <= STEPS_MEASURED:
+        return base
+    return max(base, min(base * (steps / STEPS_MEASURED) ** STEP_GROWTH, STEP_CEILING[dtype]))

@@ -207,7 +207,7 @@ def test_killed_in_a_save_then_resumed(dp_saved, tmp_path, measured):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stderr[-2000:]
     run_dir = tmp_path / "jax-dp-shard_map-zero1-mlp"
-    assert sorted(os.listdir(run_dir)) == [".tmp-step_000003", "step_000001", "step_000002"]
+    assert sorted(os.listdir(run_dir)) == [".lock", ".tmp-step_000003", "step_000001", "step_000002"]
     again = train("dp", MLP, [("shard_map", "zero1")], Plan(str(tmp_path), resume=True))["runs"][0][2]
     full = next(r for s, v, r in dp_saved["out"]["runs"] if (s, v) == ("shard_map", "zero1"))
     assert again.start_step == 2 and again.losses == full.losses[2:]

@@ -157,7 +157,7 @@ def test_a_rank_killed_in_a_save_then_resumed_is_bitwise(pairs, tmp_path, monkey
         launch(_fsdp_zero3, 2, MLP, Plan(dir=folder, every=1))
     monkeypatch.delenv("PARALLEL_TWINS_FAULT")
     run = os.path.join(folder, "torch-fsdp-explicit-zero3-mlp")
-    assert sorted(os.listdir(run)) == [".tmp-step_000002", "step_000001"]
+    assert sorted(os.listdir(run)) == [".lock", ".tmp-step_000002", "step_000001"]
     resumed = launch(_fsdp_zero3, 2, MLP, Plan(dir=folder, resume=True))[0]
     *_, whole, _, _ = next(p for p in pairs if p[0] == "fsdp" and p[3] == "zero3")  # never interrupted
     assert resumed.start_step == 1 and resumed.losses == whole.losses[1:]
@@ -177,7 +177,7 @@ def test_kill_in_a_save_then_resume_is_bitwise(tmp_path):
     r = _compare(*args, "--checkpoint-dir", str(cut), env={"PARALLEL_TWINS_FAULT": "step=2,phase=save,rank=0"})
     assert r.returncode == 1, r.stdout + r.stderr
     run = cut / "torch-fsdp-explicit-zero3-mlp"
-    assert sorted(os.listdir(run)) == [".tmp-step_000002", "step_000001"]  # the killed save: never complete
+    assert sorted(os.listdir(run)) == [".lock", ".tmp-step_000002", "step_000001"]  # the killed save: never complete
     r = _compare(*args, "--checkpoint-dir", str(cut), "--resume", "--json", str(tmp_path / "cut.json"))
     assert r.returncode == 0, r.stdout + r.stderr
     a, b = (json.loads((tmp_path / f"{n}.json").read_text())["runs"] for n in ("whole", "cut"))
