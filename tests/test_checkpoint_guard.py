@@ -208,10 +208,12 @@ def test_check_runs_looks_only_at_the_runs_it_makes(tmp_path):
     with pytest.raises(CheckpointError, match=r"saved with seed=7, this run has seed=0"):
         check_runs(plan, [mine])
     check_runs(plan, [("torch", "dp", "explicit", "naive", CFG)])  # nothing saved for it: from step 0
-    other = ("torch", "fsdp", "explicit", "zero3", CFG.replace(dim=16, seed=7))
-    bad = _save(plan.run_dir(*other), 2, CFG.replace(dim=16))
+    other = ("torch", "tp", "explicit", "megatron", CFG.replace(dim=16))  # an earlier --patterns tp --dim 16
+    bad = _save(plan.run_dir(*other), 2, other[-1])
     os.remove(os.path.join(bad, SHARD))  # broken, and another width: not this invocation's business
     check_runs(plan, [("torch", "fsdp", "builtin", "fsdp2", CFG)])
+    with pytest.raises(CheckpointError, match="missing"):
+        check_runs(plan, [other])  # (it is looked at when it is one of the runs)
     _save(plan.run_dir(*mine), 3)  # seed 0's own checkpoint, newer: the one resumed, accepted
     check_runs(plan, [mine])
 
