@@ -7,6 +7,8 @@ load, the manifest, the atomic commit, and the checks that refuse a checkpoint b
     path = latest(run_dir)                   # the newest COMPLETE checkpoint (an interrupted save has
     info = verify(path, cfg)                 # no manifest.json and is never chosen); CheckpointError
                                              # (one line: the file and the mismatch) when it cannot load
+    check_runs(plan, runs)                   # compare.py, before any process: no folder held by another
+                                             # writer, each run's resume checkpoint verified (its own cfg)
 
 The canonical state (``State``) is what makes a checkpoint loadable under any layout and by the other
 framework: every array under its fixture name and orientation (shared.problem.param_names /
@@ -308,7 +310,7 @@ def latest(run_dir: str) -> str | None:
 
 def _read_manifest(path: str) -> tuple[str, dict]:
     mpath = os.path.join(path, MANIFEST)
-    if os.path.islink(path):
+    if os.path.islink(os.path.normpath(path)):
         raise CheckpointError(f"{path}: a symlink: a checkpoint is a folder of its run, not a link to one")
     if not os.path.lexists(mpath):
         raise CheckpointError(f"{path}: no {MANIFEST}: not a checkpoint, or a save that did not finish")
