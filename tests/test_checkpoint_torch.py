@@ -52,10 +52,47 @@ def _save_and_resume(ctx, folder, jobs):
     return out if ctx.rank == 0 else None
 
 
+def _save_resume_and_lock(ctx, folder, jobs):
+    """The pairs above; then, in the same launch, a run whose folder rank 0 already holds (as a second
+    run writing it would): every rank's one-line refusal, before training, and no folder written."""
+    import torch.distributed as dist
+
+    from shared.checkpoint import RunLock
+    from torch_impl.harness import run_pattern
+
+    pairs = _save_and_resume(ctx, folder, jobs)
+    plan = Plan(dir=os.path.join(folder, "held"), every=1)
+    held = RunLock(plan.run_dir("torch", "dp", "explicit", "naive", MLP))
+    if ctx.rank == 0:
+        held.__enter__()
+    try:
+        run_pattern(ctx, "dp", [MLP], [("explicit", "naive")], checkpoint=plan)
+        line = None
+    except CheckpointError as exc:
+        line = str(exc)
+    finally:
+        held.__exit__()
+    lines = [None] * ctx.world_size
+    dist.all_gather_object(lines, line)
+    return pairs, lines
+
+
 @pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
+def launched(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("ckpt"))
-    return launch(_save_and_resume, 2, folder, DEFAULT)[0]
+    return launch(_save_resume_and_lock, 2, folder, DEFAULT)[0]
+
+
+@pytest.fixture(scope="module")
+def pairs(launched):
+    return launched[0]
+
+
+def test_a_held_run_folder_is_refused_on_every_rank(launched):
+    lines = launched[1]
+    assert len(set(lines)) == 1 and lines[0] is not None, lines
+    assert "torch-dp-explicit-naive-mlp: another run is writing this checkpoint folder (pid " in lines[0]
+    assert "\n" not in lines[0]
 
 
 def _check_pairs(pairs):
