@@ -269,3 +269,19 @@ def test_mesh_layouts_resume_bitwise_and_reshard(tmp_path):
     assert len(moved) == 4
     for cfg, trained, ref in moved:  # dp=2,tp=2's checkpoint continued under fsdp=2,tp=2 and pp=2,tp=2
         assert trained.start_step == 2 and within(parity(trained, ref), cfg.dtype), cfg.mesh
+
+
+def test_a_failed_dcp_write_is_one_line():
+    """DCP raises CheckpointException (a BaseException whose text is every rank's traceback) on every
+    rank when one rank's write fails: the save's line names the folder, the step and that rank's reason."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from shared.checkpoint import save_error
+    from torch_impl.checkpoint import dcp_failure
+
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/ckpt/run/.tmp-step_000002/dcp/shard-00002")
+    exc = CheckpointException("save", {1: (full, None)})
+    line = str(save_error("/ckpt/run", 2, dcp_failure(exc)))
+    assert line == "/ckpt/run: cannot save step 2: no space left on the device (the earlier checkpoints are kept)"

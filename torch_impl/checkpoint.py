@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -151,10 +152,10 @@ def save(cfg, ctx, setup, done: int, s: Session) -> None:
     try:  # a rank's failed write (full disk, read-only) reaches every rank through DCP's own gather
         dcp.save(state_dict, storage_writer=HuggingFaceStorageWriter(os.path.join(obj[0], "dcp"),
                                                                       save_distributed=True))
-    except Exception as exc:  # noqa: BLE001 — DCP wraps the OSError in CheckpointException: one line
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 — one line, whatever DCP raised
         if ctx.rank == 0:
             abandon(obj[0])
-        raise save_error(s.run_dir, done, exc.__cause__ or exc) from None
+        raise save_error(s.run_dir, done, dcp_failure(exc)) from None
     fault("save", done, ctx.rank)  # the kill test's "in the middle of a save": files written, no manifest
     dist.barrier()  # every rank's files are written: only then is the checkpoint committed
     failed = [None]
@@ -168,6 +169,14 @@ def save(cfg, ctx, setup, done: int, s: Session) -> None:
     dist.broadcast_object_list(failed, src=0)  # (a barrier too) every rank stops with rank 0's line
     if failed[0]:
         raise CheckpointError(failed[0])
+
+
+def dcp_failure(exc: BaseException) -> BaseException:
+    """The exception behind DCP's CheckpointException (a BaseException holding {rank: (exception,
+    traceback)}; its str is every rank's traceback): the lowest failing rank's, e.g. the OSError of a
+    full disk. Any other exception: itself."""
+    failures = exc.failures if isinstance(exc, CheckpointException) else None
+    return failures[min(failures)][0] if failures else exc
 
 
 def load(path: str, cfg, ctx) -> State:
