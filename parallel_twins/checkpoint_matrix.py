@@ -112,7 +112,7 @@ def matrix(cfg, frameworks, folder, device="cpu", say=print) -> tuple[list[dict]
                 rows.append({"save": side(sfw, sname), "load": side(lfw, lname), "start_step": trained.start_step,
                              "losses": [float(x) for x in trained.losses], "max_rel_err": err,
                              "ok": trained.start_step == half and len(trained.losses) == cfg.steps - half
-                             and within({"e": err}, cfg.dtype, factor)})
+                             and within({"e": err}, cfg.dtype, factor, steps=cfg.steps)})
     return rows, {fw: {k: float(np.median(v)) for k, v in c.items() if v} for fw, c in cost.items()}
 
 

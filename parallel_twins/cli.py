@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="with --checkpoint-dir: continue each run from its newest complete checkpoint there "
                         "(a run with none starts at step 0); JSON rows say start_step")
+    p.add_argument("--keep", type=int, default=None, metavar="N",
+                   help="with --checkpoint-dir: keep only each run's newest N complete checkpoints "
+                        "(default: every one)")
     add_quiet(p)
     return p
 
@@ -162,27 +165,27 @@ def check_styles(args, cfgs) -> None:
 
 
 def checkpoint_plan(args, cfgs):
-    """The runs' shared.checkpoint.Plan (None without --checkpoint-dir). With --resume, the newest
-    complete checkpoint of every run folder in DIR is verified here, before any process starts:
-    files, checksums, model shapes (CheckpointError, a ValueError: one line, exit 2)."""
+    """The runs' shared.checkpoint.Plan (None without --checkpoint-dir). Before any process starts,
+    for the runs this invocation makes (and no other folder in DIR): a run folder another process is
+    writing is refused (its holder named); with --resume, the checkpoint each run would start from is
+    verified against that run's config: files, checksums, shapes, seed / batch / AdamW (CheckpointError,
+    a ValueError: one line, exit 2)."""
     if args.checkpoint_dir is None:
-        if args.resume or args.checkpoint_every is not None:
-            raise ValueError("--resume and --checkpoint-every need --checkpoint-dir DIR")
+        if args.resume or args.checkpoint_every is not None or args.keep is not None:
+            raise ValueError("--resume, --checkpoint-every and --keep need --checkpoint-dir DIR")
         return None
     check_output_path("--checkpoint-dir", args.checkpoint_dir, directory=True)
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise ValueError(f"--checkpoint-every {args.checkpoint_every}: a number of steps >= 1")
-    from shared.checkpoint import Plan, verify
+    if args.keep is not None and args.keep < 1:
+        raise ValueError(f"--keep {args.keep}: a number of checkpoints >= 1")
+    from parallel_twins.runs import chosen_variants
+    from shared.checkpoint import Plan, check_runs
 
-    plan = Plan(dir=args.checkpoint_dir, every=args.checkpoint_every or 1, resume=args.resume)
-    if args.resume and os.path.isdir(args.checkpoint_dir):
-        for name in sorted(os.listdir(args.checkpoint_dir)):
-            path = plan.source(os.path.join(args.checkpoint_dir, name), cfgs[0].steps)  # the one it would load
-            if path is None:
-                continue
-            saved = verify(path)["config"]
-            mine = [c for c in cfgs if c.model == saved.get("model") and c.experts == saved.get("experts")]
-            verify(path, mine[0] if mine else cfgs[0])  # a model of other shapes: its one line
+    plan = Plan(dir=args.checkpoint_dir, every=args.checkpoint_every or 1, resume=args.resume, keep=args.keep or 0)
+    check_runs(plan, [(fw, pattern, style, variant, cfg) for fw in args.frameworks
+                      for pattern in args.patterns if pattern != "collectives" for cfg in cfgs_for(cfgs, pattern)
+                      for style, variant in chosen_variants(fw, pattern, cfg, args.styles)])
     return plan
 
 
