@@ -141,3 +141,27 @@ def load(path: str) -> dict:
     if not data["matmul"] or any(not 0 < f <= 1 for _, f in data["matmul"]):
         raise ValueError(f"profile {path}: matmul fractions must lie in (0, 1]")
     return data
+
+
+def from_bench(bench: dict, memcpy: float | None = None, dtype: str = "float32") -> dict:
+    """A profile from ``compare.py bench``'s measurements on this machine: peaks = the fastest matmul rate
+    per dtype (every rank multiplying at once), the matmul table = each size's rate over the fastest
+    (``dtype``'s; square n×n×n: the smallest side is n), HBM copy = ``memcpy`` bytes/s (read + write),
+    intra = inter = the α–β fit per op (β as busbw: the algbw fit × nccl-tests' bus factor; one machine)."""
+    from shared.theory import BUSBW_FACTOR
+
+    n = bench["world_size"]
+    rates = {dt: {int(s): r for s, r in sizes.items()} for dt, sizes in bench.get("compute", {}).items() if sizes}
+    if dtype not in rates:
+        raise ValueError(f"bench: no {dtype} matmul rates measured (torch measures them)")
+    top = max(rates[dtype].values())
+    links = {f["op"]: (f["alpha_s"], f["beta_bytes_per_s"] * BUSBW_FACTOR[f["op"]](n)) for f in bench["fits"]
+             if f["framework"] == "torch" and f["beta_bytes_per_s"] not in (None, float("inf"))}
+    if not links:
+        raise ValueError("bench: no torch α–β fits with a finite bandwidth")
+    if "sendrecv" in links:
+        links["send"] = links["sendrecv"]
+    return {"peaks": {DTYPE_PEAK[dt]: max(r.values()) for dt, r in rates.items()},
+            "matmul": tuple((s, rates[dtype][s] / top) for s in sorted(rates[dtype])),
+            "hbm_copy": memcpy or bench.get("memcpy", 0.0), "intra": links, "inter": links,
+            "cite": {"all": f"measured on this machine by compare.py bench ({n} ranks)"}}

@@ -130,11 +130,12 @@ class Cluster:
         the device reports it, the GEMM table by shape, HBM copy and nccl-tests busbw per op, each cited), or
         with a measured ``profile`` (efficiency.load) in their place."""
         gpu(name)  # the known names, or ValueError
-        t = profile or efficiency.TABLES[{"a100": "a100-80gb", "h100-sxm": "h100",
-                                          "h200-sxm": "h200"}.get(name.lower(), name.lower())]
+        table = efficiency.TABLES[{"a100": "a100-80gb", "h100-sxm": "h100", "h200-sxm": "h200"}.get(
+            name.lower(), name.lower())]
+        t = {"memory": table["memory"], **(profile or table)}  # a profile without memory: the preset's
         top = max(f for _, f in t["matmul"])
         link = lambda ops: Link(*ops.get("all_gather", next(iter(ops.values()))), per_op=dict(ops))
-        return cls(gpus, **{"memory": t.get("memory", GPUS["h100"]["memory"]), "flops": efficiency.peak(t, dtype),
+        return cls(gpus, **{"memory": t["memory"], "flops": efficiency.peak(t, dtype),
                             "efficiency": top, "size_table": tuple((s, round(f / top, 6)) for s, f in t["matmul"]),
                             "intra": link(t["intra"]), "inter": link(t["inter"]), "hbm": t["hbm_copy"], **kw})
 
