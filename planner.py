@@ -99,20 +99,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch style whose calls are counted")
     p.add_argument("--attention", choices=("flash", "math"), default="flash",
                    help="flash keeps no T×T scores; math does (selective recompute drops them)")
-    p.add_argument("--peak-flops", type=float, metavar="FLOPS", help="FLOP/s per GPU (default: the --gpu's dense tensor-core peak in --dtype; float32: TF32)")
+    p.add_argument("--peak-flops", type=float, metavar="FLOPS",
+                   help="FLOP/s per GPU (default: the --gpu's dense tensor-core peak in --dtype; float32: TF32)")
     p.add_argument("--efficiency", type=float, metavar="F",
                    help="fraction of peak the largest matmuls reach (default: the --gpu's cited table, "
                         "shared/efficiency.py: 0.8 A100, 0.79 H100/H200; --matmul flat: 0.6, every FLOP)")
     p.add_argument("--matmul", choices=("shapes", "flat"),
                    help="shapes: each matmul timed from its sharded shape (roofline; with --calibrate, the bench's "
                         "measured size table); flat: FLOPs at one efficiency (default: shapes, flat with --calibrate)")
-    p.add_argument("--hbm-bandwidth", type=float, metavar="B/S", help="HBM bytes/s (default: the --gpu's)")
+    p.add_argument("--hbm-bandwidth", type=float, metavar="B/S",
+                   help="HBM bytes/s of large copies (default: the --gpu's achieved, 0.9 of its datasheet)")
     p.add_argument("--headroom", type=float, default=0.1, metavar="F", help="fraction of GPU memory kept free")
     for where in ("intra", "inter"):
         p.add_argument(f"--alpha-{where}", type=float, metavar="S",
                        help=f"{where}-node latency per call, seconds (default: the --gpu's)")
         p.add_argument(f"--beta-{where}", type=float, metavar="B/S",
-                       help=f"{where}-node bus bandwidth, bytes/s, every op (default: the --gpu's nccl-tests busbw per op)")
+                       help=f"{where}-node bus bandwidth, bytes/s, every op (default: the --gpu's nccl-tests "
+                            "busbw per op)")
     p.add_argument("--layout", metavar="LAYOUT",
                    help="only layouts with these axis sizes, e.g. fsdp=128,tp=8,pp=16 (default: every layout)")
     p.add_argument("--pin", metavar="K=V,...",

@@ -45,7 +45,7 @@ def render(text: str) -> str:
         pattern = re.compile(rf"(<!-- {name}:begin[^>]*-->\n)(?:.*?\n)?(<!-- {name}:end -->)", re.S)
         if not pattern.search(text):
             raise SystemExit(f"docs/plan.md: no <!-- {name}:begin --> … <!-- {name}:end --> block")
-        text = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
+        text = pattern.sub(lambda m, body=body: m.group(1) + body + "\n" + m.group(2), text)
     return text
 
 

@@ -9,7 +9,8 @@ A table (one per GPU preset, or a measured profile) holds:
   peaks       dense tensor-core FLOP/s by dtype (bf16 = fp16, fp8, tf32, fp64), the datasheets'
   memory      bytes per GPU as the device reports them (nvidia-smi's memory.total in MiB)
   matmul      ((smallest side, fraction of peak), ...) ascending: the GEMM efficiency by shape
-  hbm_copy    achieved device-to-device copy bandwidth, bytes/s
+  hbm_copy    achieved device-to-device copy bandwidth, bytes/s (of large transfers)
+  hbm_table   ((bytes per transfer, fraction of hbm_copy), ...) ascending: smaller tensors stream slower
   intra       {op: (α s, busbw bytes/s)} inside a node (NVLink/NVSwitch), nccl-tests' busbw
   inter       {op: (α s, busbw bytes/s)} across nodes, per GPU (one NIC per GPU)
 """
@@ -49,14 +50,16 @@ SOURCES = {
                  "780 TFLOP/s (0.79 of 989) at best (max-autotune)",
     "size-assumed": "no public GEMM sweep by shape found in time: the step table on the smallest side (tile and "
                     "wave quantization, NVIDIA 'Matrix Multiplication Background' guide §3) is an assumption",
-    "hbm-assumed": "no public device-to-device copy benchmark found in time: 0.9 of the datasheet (issue 35's "
-                   "observation on an H100) is assumed for every preset",
+    "calculon-mem": "Calculon's system files (Isaev et al. 2023, SC'23; github.com/calculon-ai/calculon "
+                    "systems/a100_80g.json and h100_80g_nvl8.json, mem1.MB_efficiency): HBM at 0.90 of the "
+                    "datasheet for transfers of 100 MB and more, 0.75 from 10 MB, 0.6 from 1 MB, 0.3 below",
     "alpha-assumed": "α (per-call latency) has no vendor figure: 5 µs inside a node, 10 µs across, an assumption "
                      "of the order of nccl-tests' small-message times",
 }
 
 SIZE_TABLE = ((64, 0.5), (128, 0.7), (256, 0.8), (512, 0.9), (1024, 0.95), (2048, 1.0))  # "size-assumed"
-HBM_COPY = 0.9  # "hbm-assumed"
+HBM_COPY = 0.9  # "calculon-mem": of the datasheet, transfers >= 100 MB
+HBM_TABLE = ((0, 0.3 / 0.9), (10 ** 6, 0.6 / 0.9), (10 ** 7, 0.75 / 0.9), (10 ** 8, 1.0))  # "calculon-mem"
 ALPHA_INTRA, ALPHA_INTER = 5e-6, 10e-6  # "alpha-assumed"
 
 
@@ -76,28 +79,32 @@ _H100_LINKS = _links(370e9, 480e9, 47e9)  # nccl-212 (ring 370, NVLS all-reduce 
 TABLES = {
     "a100-40gb": {"peaks": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp64": 19.5e12},
                   "memory": 40960 * MiB, "matmul": _scaled(SIZE_TABLE, 0.8), "hbm_copy": HBM_COPY * 1555e9,
+                  "hbm_table": HBM_TABLE,
                   "intra": _A100_LINKS[0], "inter": _A100_LINKS[1],
                   "cite": {"peaks": "a100-datasheet", "memory": "smi-a100-40", "matmul": "fa2 size-assumed",
-                           "hbm_copy": "a100-datasheet hbm-assumed", "intra": "nccl-149 alpha-assumed",
+                           "hbm_copy": "a100-datasheet calculon-mem", "intra": "nccl-149 alpha-assumed",
                            "inter": "nccl-119 alpha-assumed"}},
     "a100-80gb": {"peaks": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp64": 19.5e12},
                   "memory": 81920 * MiB, "matmul": _scaled(SIZE_TABLE, 0.8), "hbm_copy": HBM_COPY * 2039e9,
+                  "hbm_table": HBM_TABLE,
                   "intra": _A100_LINKS[0], "inter": _A100_LINKS[1],
                   "cite": {"peaks": "a100-datasheet", "memory": "smi-a100-80", "matmul": "fa2 size-assumed",
-                           "hbm_copy": "a100-datasheet hbm-assumed", "intra": "nccl-149 alpha-assumed",
+                           "hbm_copy": "a100-datasheet calculon-mem", "intra": "nccl-149 alpha-assumed",
                            "inter": "nccl-119 alpha-assumed"}},
     "h100": {"peaks": {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp64": 67e12},
              "memory": 81559 * MiB, "matmul": _scaled(SIZE_TABLE, 0.79), "hbm_copy": HBM_COPY * 3.35e12,
+             "hbm_table": HBM_TABLE,
              "intra": _H100_LINKS[0], "inter": _H100_LINKS[1],
              "cite": {"peaks": "h100-datasheet", "memory": "smi-h100", "matmul": "h100-gemm size-assumed",
-                      "hbm_copy": "h100-datasheet hbm-assumed", "intra": "nccl-212 alpha-assumed",
+                      "hbm_copy": "h100-datasheet calculon-mem", "intra": "nccl-212 alpha-assumed",
                       "inter": "nccl-290 alpha-assumed"}},
     "h200": {"peaks": {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp64": 67e12},
              "memory": 143771 * MiB, "matmul": _scaled(SIZE_TABLE, 0.79), "hbm_copy": HBM_COPY * 4.8e12,
+             "hbm_table": HBM_TABLE,
              "intra": _H100_LINKS[0], "inter": _H100_LINKS[1],
              # the H200's NVLink and NIC are the H100's (h200-datasheet): the H100's measured figures reused
              "cite": {"peaks": "h200-datasheet", "memory": "smi-h200", "matmul": "h100-gemm size-assumed",
-                      "hbm_copy": "h200-datasheet hbm-assumed", "intra": "nccl-212 alpha-assumed",
+                      "hbm_copy": "h200-datasheet calculon-mem", "intra": "nccl-212 alpha-assumed",
                       "inter": "nccl-290 alpha-assumed"}},
 }
 
@@ -134,6 +141,7 @@ def load(path: str) -> dict:
     if missing:
         raise ValueError(f"profile {path}: missing {', '.join(missing)} (write it with compare.py bench --profile)")
     data["matmul"] = tuple((int(s), float(f)) for s, f in data["matmul"])
+    data["hbm_table"] = tuple((float(s), float(f)) for s, f in data.get("hbm_table", ()))
     for where in ("intra", "inter"):
         data[where] = {op: (float(a), float(b)) for op, (a, b) in data[where].items()}
         if any(b <= 0 for _, b in data[where].values()):

@@ -119,6 +119,7 @@ class Cluster:
     hbm: float = GPUS["h100"]["hbm"]  # HBM bytes/s (the roofline's memory bound, the elementwise ops)
     matmul: str = "shapes"  # "shapes": every matmul from its shape (roofline); "flat": FLOPs × efficiency
     size_table: tuple = SIZE_FACTOR  # (smallest side, fraction of the largest GEMMs' rate), ascending
+    hbm_table: tuple = ()  # (bytes per transfer, fraction of ``hbm``), ascending; () = every size at ``hbm``
     overlap: bool | str = True  # the data axis' traffic: OVERLAPS ("backward" = True, "none" = False: after the
     #                             backward, as Megatron-LM's 2021 DDP all-reduced the gradients once it was done)
     tp_overlap: bool = False  # tensor-parallel traffic hidden behind the matmuls (torchtitan's async TP);
@@ -137,7 +138,16 @@ class Cluster:
         link = lambda ops: Link(*ops.get("all_gather", next(iter(ops.values()))), per_op=dict(ops))
         return cls(gpus, **{"memory": t["memory"], "flops": efficiency.peak(t, dtype),
                             "efficiency": top, "size_table": tuple((s, round(f / top, 6)) for s, f in t["matmul"]),
-                            "intra": link(t["intra"]), "inter": link(t["inter"]), "hbm": t["hbm_copy"], **kw})
+                            "intra": link(t["intra"]), "inter": link(t["inter"]), "hbm": t["hbm_copy"],
+                            "hbm_table": tuple(t.get("hbm_table", ())), **kw})
+
+    def hbm_at(self, nbytes: float) -> float:
+        """The HBM bandwidth a transfer of ``nbytes`` streams at (hbm_table's step at its size)."""
+        out = 1.0 if not self.hbm_table else self.hbm_table[0][1]
+        for size, f in self.hbm_table:
+            if nbytes >= size:
+                out = f
+        return self.hbm * out
 
     @property
     def overlap_mode(self) -> str:
@@ -330,7 +340,8 @@ def block_seconds(model: Model, layout: Layout, m: int, cluster: Cluster, b: int
     rep = d / t if layout.sp else d
     per_token = 4 * rep + 6 * rep + model.mlp_matrices * f / t + \
         model.rope * 2 * (d + model.kv_dim) / t + model.dropout * 5 * rep + scores
-    out["elementwise"] = (2 + fw) * per_token * n * b / cluster.hbm
+    # each memory-bound op streams tensors of about n × (D or D/t) elements: their size sets the bandwidth
+    out["elementwise"] = (2 + fw) * per_token * n * b / cluster.hbm_at(n * rep * b)
     return out
 
 

@@ -141,8 +141,8 @@ def published_rows(matmul: str = "shapes", efficiency: float | None = None, data
 
 
 def markdown(before: list[dict], after: list[dict]) -> str:
-    lines = ["| run | reported TFLOP/s/GPU | before (datasheet links and HBM) | error | after (cited efficiencies) | error "
-             "| layout after (M, v, recompute) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| run | reported TFLOP/s/GPU | before (datasheet links and HBM) | error | after (cited efficiencies) "
+             "| error | layout after (M, v, recompute) |", "|---|---|---|---|---|---|---|"]
     for a, b in zip(before, after):
         lay = b["layout"]
         lines.append(f"| {b['name']} | {b['reported']:.0f} | {a['predicted']:.0f} | {100 * a['error']:+.0f} % | "

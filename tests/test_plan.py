@@ -397,7 +397,8 @@ def test_published_runs_predicted_within_their_error(measured):
     v the planner's best, on the cited efficiencies (shared/efficiency.py, none fitted to these runs). The
     table is printed (docs/plan.md shows it). Asserted, at what the model reaches today (issue 35 asks
     ≤ 10 % median, ≤ 25 % worst): every published layout fits; the cited figures lower the Megatron rows'
-    median error against the datasheet figures; Megatron median ≤ 15 %, worst ≤ 20 %; each Llama row's
+    median error against the datasheet figures; Megatron median ≤ 12.5 %, worst ≤ 17.5 % (today 10.9 %
+    and 14.2 %; a regression guard, not a target); each Llama row's
     reported rate lies within 15 % of the prediction at one of v = 1, 2, 4, 8 (Meta does not publish v)."""
     from shared.published import llama3_rows, markdown, published_rows, summary
 
@@ -409,7 +410,7 @@ def test_published_runs_predicted_within_their_error(measured):
     meg_b = [r["error"] for r in before if r["name"].startswith("Megatron")]
     meg_a = [r["error"] for r in after if r["name"].startswith("Megatron")]
     assert median(meg_a) < median(meg_b) - 0.03
-    assert median(meg_a) <= 0.15 and all(abs(e) <= 0.20 for e in meg_a)
+    assert median(meg_a) <= 0.125 and all(abs(e) <= 0.175 for e in meg_a)
     per_v = [llama3_rows(vs=(v,)) for v in (1, 2, 4, 8)]
     for i in range(3):
         assert min(abs(rows[i]["error"]) for rows in per_v) < 0.15, per_v[0][i]["name"]
@@ -463,6 +464,9 @@ def test_profile_load_refuses_what_it_cannot_use(tmp_path):
     c = plan.Cluster.preset("h100", 2, "float64", efficiency.load(str(path)))
     assert (c.flops, c.efficiency, c.size_table, c.hbm) == (1e9, 1.0, ((32, 0.5), (64, 1.0)), 1e9)
     assert c.memory == efficiency.TABLES["h100"]["memory"]  # no memory in the profile: the preset's
+    assert c.hbm_at(1) == c.hbm_at(1e12) == 1e9  # no hbm_table: one bandwidth at every size
+    h = plan.Cluster.preset("h100", 8)  # Calculon's steps: 0.3, 0.6, 0.75, 0.9 of the datasheet's 3.35 TB/s
+    assert [h.hbm_at(n) / 3.35e12 for n in (1e3, 1e6, 5e7, 1e9)] == pytest.approx([0.3, 0.6, 0.75, 0.9])
 
 
 @pytest.mark.parametrize("args,message", [
