@@ -197,6 +197,8 @@ def make_inputs(args):
     pins = parse_pins(args.pin)
     profile = efficiency.load(args.profile) if args.profile else None
     dtype = "float8" if args.fp8 else args.dtype
+    if args.measured and profile:  # each run's own dtype is looked up per run (measured_main)
+        dtype = next(dt for dt, key in efficiency.DTYPE_PEAK.items() if key in profile["peaks"])
     cluster = plan.Cluster.preset(args.gpu, args.gpus, dtype, profile, gpus_per_node=args.gpus_per_node,
                                   headroom=args.headroom, matmul="shapes" if shapes else "flat",
                                   overlap=pins.pop("overlap", True), tp_overlap=args.tp_overlap)
@@ -386,8 +388,8 @@ def measured_main(args, cluster) -> int:
     with open(args.measured) as f:
         data = json.load(f)
     console = make_console()
-    table = Table(title=f"plan vs measured ({args.measured}; α–β and FLOP/s "
-                        f"{'from ' + args.calibrate if args.calibrate else 'of the --gpu defaults'})")
+    source = f"from {args.calibrate or args.profile}" if args.calibrate or args.profile else "of the --gpu defaults"
+    table = Table(title=f"plan vs measured ({args.measured}; α–β and FLOP/s {source})")
     for col in ("run", "style", "ranks", "bytes per axis = ledger", "state = ledger", "step ms plan", "measured",
                 "error"):
         table.add_column(col)
@@ -416,8 +418,13 @@ def measured_main(args, cluster) -> int:
         same_state = all(plan.state(model, lay, stage(r), b, style, "pure") == {
             k: states[r][k] for k in ("params", "grads", "optimizer")} for r in range(len(states)))
         bad += not (same_comm and same_state)
-        here = plan.calibrated(cluster, args.bench, cfg.dtype, shapes=args.matmul == "shapes") \
-            if args.calibrate else cluster
+        if args.calibrate:
+            here = plan.calibrated(cluster, args.bench, cfg.dtype, shapes=args.matmul == "shapes")
+        elif args.profile:  # the profile's rate in the run's dtype, every link one machine's
+            here = replace(cluster, flops=efficiency.peak(efficiency.load(args.profile), cfg.dtype),
+                           gpus_per_node=max(cluster.gpus_per_node, cfg.world_size))
+        else:
+            here = cluster
         pred = plan.predict(model, lay, here, cfg.batch, b, "pure", style)
         measured = run.get("step_time_s")
         err = f"{100 * (pred.time['step'] / measured - 1):+.0f}%" if measured else "-"
@@ -428,6 +435,6 @@ def measured_main(args, cluster) -> int:
     if any(r["pattern"] == "ep" for r in data["runs"]):
         console.print("ep: the all-to-alls' bytes follow the routing; compared are their calls, the counts' "
                       "all-gathers and the gradients' all-reduce (tests/test_ep.py checks the routing formula)")
-    if not args.calibrate:
-        console.print("step times: the --gpu defaults' FLOP/s and links (--calibrate bench.json: this machine's)")
+    if not (args.calibrate or args.profile):
+        console.print("step times: the --gpu defaults' FLOP/s and links (--profile profile.json: this machine's)")
     return 1 if bad else 0
