@@ -81,7 +81,7 @@ def bench_main(argv) -> int:
     fits = [{"framework": fw, "op": op, **fit} for fw in args.frameworks
             for op, fit in fit_per_op([r for r in results if r["framework"] == fw]).items()]
     compute = {}  # every torch rank multiplying at once: the FLOP/s a rank of a run gets (plan --calibrate)
-    for dtype in [k for k in matmul[0] if k != "memcpy"] if matmul else ():
+    for dtype in [k for k in matmul[0] if k not in ("memcpy", "memory")] if matmul else ():
         compute[dtype] = {n: sorted(r[dtype][n] for r in matmul)[len(matmul) // 2] for n in matmul[0][dtype]}
     memcpy = sorted(r["memcpy"] for r in matmul)[len(matmul) // 2] if matmul else 0.0
     if args.json:  # first: nothing printed below can lose the measurements
@@ -91,7 +91,8 @@ def bench_main(argv) -> int:
         from shared import efficiency
 
         efficiency.save(args.profile, efficiency.from_bench(
-            {"world_size": args.world_size, "fits": fits, "compute": compute}, memcpy))
+            {"world_size": args.world_size, "fits": fits, "compute": compute, "results": results}, memcpy,
+            matmul[0].get("memory")))
     console = make_console()
     table = Table(title=f"collective bandwidth, world size {args.world_size} (median of {args.iters})")
     for col in ("framework", "op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):
@@ -121,7 +122,7 @@ def run_bench(frameworks, world_size, ops, sizes, iters, warmup, device, matmul=
 
             per_rank = launch(_torch_bench, world_size, tuple(ops), tuple(sizes), iters, warmup, matmul, device=device)
             results += per_rank[0]["rows"]
-            rates = [r["matmul"] for r in per_rank] if matmul else []  # {dtype: {n: FLOP/s}, "memcpy": B/s}
+            rates = [r["matmul"] for r in per_rank] if matmul else []  # {dtype: {n: FLOP/s}, "memcpy", "memory"}
         else:
             from jax_impl.collectives import bench
             from jax_impl.devices import make_mesh
@@ -141,7 +142,7 @@ def _torch_matmul(ctx, sizes=None, iters=20) -> dict:
     cuda = ctx.device.type == "cuda"
     sizes = sizes or ((256, 1024, 4096) if cuda else (32, 64, 128, 256))
     out = {}
-    for dtype in ("float64", "float32"):
+    for dtype in ("float64", "float32") + (("bfloat16",) if cuda else ()):  # a GPU's tensor-core dtype too
         out[dtype] = {}
         for n in sizes:
             a = torch.randn(n, n, dtype=getattr(torch, dtype), device=ctx.device)
@@ -176,6 +177,8 @@ def _torch_matmul(ctx, sizes=None, iters=20) -> dict:
             torch.cuda.synchronize(ctx.device)
         times.append(time.perf_counter() - t0)
     out["memcpy"] = 2 * src.numel() / sorted(times)[2]
+    if cuda:  # the capacity as the device reports it (the planner's memory)
+        out["memory"] = torch.cuda.get_device_properties(ctx.device).total_memory
     return out
 
 

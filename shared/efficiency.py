@@ -151,25 +151,37 @@ def load(path: str) -> dict:
     return data
 
 
-def from_bench(bench: dict, memcpy: float | None = None, dtype: str = "float32") -> dict:
+def from_bench(bench: dict, memcpy: float | None = None, memory: int | None = None, dtype: str = "") -> dict:
     """A profile from ``compare.py bench``'s measurements on this machine: peaks = the fastest matmul rate
     per dtype (every rank multiplying at once), the matmul table = each size's rate over the fastest
-    (``dtype``'s; square n×n×n: the smallest side is n), HBM copy = ``memcpy`` bytes/s (read + write),
-    intra = inter = the α–β fit per op (β as busbw: the algbw fit × nccl-tests' bus factor; one machine)."""
+    (``dtype``'s, default bfloat16 where measured (GPUs), else float32; square n×n×n: the smallest side
+    is n), HBM copy = ``memcpy`` bytes/s (read + write), ``memory`` the device's capacity (GPUs),
+    intra = inter = the α–β fit per op (β as busbw: the algbw fit × nccl-tests' bus factor; one machine;
+    where the fit found no size dependence, the busbw of the op's largest message in ``results``)."""
     from shared.theory import BUSBW_FACTOR
 
     n = bench["world_size"]
     rates = {dt: {int(s): r for s, r in sizes.items()} for dt, sizes in bench.get("compute", {}).items() if sizes}
+    dtype = dtype or ("bfloat16" if "bfloat16" in rates else "float32")
     if dtype not in rates:
         raise ValueError(f"bench: no {dtype} matmul rates measured (torch measures them)")
     top = max(rates[dtype].values())
-    links = {f["op"]: (f["alpha_s"], f["beta_bytes_per_s"] * BUSBW_FACTOR[f["op"]](n)) for f in bench["fits"]
-             if f["framework"] == "torch" and f["beta_bytes_per_s"] not in (None, float("inf"))}
+    links = {}
+    for f in bench["fits"]:
+        if f["framework"] != "torch":
+            continue
+        if f["beta_bytes_per_s"] not in (None, float("inf")):
+            links[f["op"]] = (f["alpha_s"], f["beta_bytes_per_s"] * BUSBW_FACTOR[f["op"]](n))
+        else:  # no size dependence resolved (a short sweep): the busbw seen at its largest message, which
+            rows = [r for r in bench.get("results", ()) if r["framework"] == "torch" and r["op"] == f["op"]]
+            if rows:  # with α on top errs slow (at most 2× at that size), never fast
+                links[f["op"]] = (f["alpha_s"], max(rows, key=lambda r: r["size_bytes"])["busbw"])
     if not links:
-        raise ValueError("bench: no torch α–β fits with a finite bandwidth")
+        raise ValueError("bench: no torch α–β fits with a finite bandwidth, and no torch rows")
     if "sendrecv" in links:
         links["send"] = links["sendrecv"]
     return {"peaks": {DTYPE_PEAK[dt]: max(r.values()) for dt, r in rates.items()},
             "matmul": tuple((s, rates[dtype][s] / top) for s in sorted(rates[dtype])),
             "hbm_copy": memcpy or bench.get("memcpy", 0.0), "intra": links, "inter": links,
+            **({"memory": int(memory)} if memory else {}),
             "cite": {"all": f"measured on this machine by compare.py bench ({n} ranks)"}}

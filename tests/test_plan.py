@@ -465,6 +465,16 @@ def test_profile_load_refuses_what_it_cannot_use(tmp_path):
     assert (c.flops, c.efficiency, c.size_table, c.hbm) == (1e9, 1.0, ((32, 0.5), (64, 1.0)), 1e9)
     assert c.memory == efficiency.TABLES["h100"]["memory"]  # no memory in the profile: the preset's
     assert c.hbm_at(1) == c.hbm_at(1e12) == 1e9  # no hbm_table: one bandwidth at every size
+    # from bench's measurements: peaks per dtype, the size table over the fastest, busbw = algbw fit × bus
+    # factor (all-reduce on 4 ranks: 1.5); a fit with no size dependence takes its largest message's busbw
+    bench = {"world_size": 4, "compute": {"float32": {"32": 1e9, "64": 4e9}},
+             "fits": [{"framework": "torch", "op": "all_reduce", "alpha_s": 1e-4, "beta_bytes_per_s": 2e8},
+                      {"framework": "torch", "op": "all_gather", "alpha_s": 2e-4, "beta_bytes_per_s": float("inf")}],
+             "results": [{"framework": "torch", "op": "all_gather", "size_bytes": s, "busbw": s / 1e4}
+                         for s in (4096, 16384)]}
+    prof = efficiency.from_bench(bench, memcpy=5e9)
+    assert prof["peaks"] == {"tf32": 4e9} and prof["matmul"] == ((32, 0.25), (64, 1.0)) and prof["hbm_copy"] == 5e9
+    assert prof["intra"] == {"all_reduce": (1e-4, 3e8), "all_gather": (2e-4, 16384 / 1e4)} == prof["inter"]
     h = plan.Cluster.preset("h100", 8)  # Calculon's steps: 0.3, 0.6, 0.75, 0.9 of the datasheet's 3.35 TB/s
     assert [h.hbm_at(n) / 3.35e12 for n in (1e3, 1e6, 5e7, 1e9)] == pytest.approx([0.3, 0.6, 0.75, 0.9])
 
