@@ -13,6 +13,7 @@ A table (one per GPU preset, or a measured profile) holds:
   hbm_table   ((bytes per transfer, fraction of hbm_copy), ...) ascending: smaller tensors stream slower
   intra       {op: (α s, busbw bytes/s)} inside a node (NVLink/NVSwitch), nccl-tests' busbw
   inter       {op: (α s, busbw bytes/s)} across nodes, per GPU (one NIC per GPU)
+  overlap_cost  (intra, inter): the compute rate an overlapped collective takes while it runs
 """
 
 from __future__ import annotations
@@ -53,12 +54,16 @@ SOURCES = {
     "calculon-mem": "Calculon's system files (Isaev et al. 2023, SC'23; github.com/calculon-ai/calculon "
                     "systems/a100_80g.json and h100_80g_nvl8.json, mem1.MB_efficiency): HBM at 0.90 of the "
                     "datasheet for transfers of 100 MB and more, 0.75 from 10 MB, 0.6 from 1 MB, 0.3 below",
+    "calculon-net": "Calculon's system files (a100_80g.json, h100_80g_nvl8.json, networks[].processor_usage): "
+                    "a collective overlapped with compute takes 0.15 of the compute's rate over NVLink, 0.02 over "
+                    "the NIC, while it runs",
     "alpha-assumed": "α (per-call latency) has no vendor figure: 5 µs inside a node, 10 µs across, an assumption "
                      "of the order of nccl-tests' small-message times",
 }
 
 SIZE_TABLE = ((64, 0.5), (128, 0.7), (256, 0.8), (512, 0.9), (1024, 0.95), (2048, 1.0))  # "size-assumed"
 HBM_COPY = 0.9  # "calculon-mem": of the datasheet, transfers >= 100 MB
+OVERLAP_COST = (0.15, 0.02)  # "calculon-net": (intra, inter)
 HBM_TABLE = ((0, 0.3 / 0.9), (10 ** 6, 0.6 / 0.9), (10 ** 7, 0.75 / 0.9), (10 ** 8, 1.0))  # "calculon-mem"
 ALPHA_INTRA, ALPHA_INTER = 5e-6, 10e-6  # "alpha-assumed"
 
@@ -80,32 +85,34 @@ TABLES = {
     "a100-40gb": {"peaks": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp64": 19.5e12},
                   "memory": 40960 * MiB, "matmul": _scaled(SIZE_TABLE, 0.8), "hbm_copy": HBM_COPY * 1555e9,
                   "hbm_table": HBM_TABLE,
-                  "intra": _A100_LINKS[0], "inter": _A100_LINKS[1],
+                  "intra": _A100_LINKS[0], "inter": _A100_LINKS[1], "overlap_cost": OVERLAP_COST,
                   "cite": {"peaks": "a100-datasheet", "memory": "smi-a100-40", "matmul": "fa2 size-assumed",
                            "hbm_copy": "a100-datasheet calculon-mem", "intra": "nccl-149 alpha-assumed",
-                           "inter": "nccl-119 alpha-assumed"}},
+                           "inter": "nccl-119 alpha-assumed",
+                           "overlap_cost": "calculon-net"}},
     "a100-80gb": {"peaks": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp64": 19.5e12},
                   "memory": 81920 * MiB, "matmul": _scaled(SIZE_TABLE, 0.8), "hbm_copy": HBM_COPY * 2039e9,
                   "hbm_table": HBM_TABLE,
-                  "intra": _A100_LINKS[0], "inter": _A100_LINKS[1],
+                  "intra": _A100_LINKS[0], "inter": _A100_LINKS[1], "overlap_cost": OVERLAP_COST,
                   "cite": {"peaks": "a100-datasheet", "memory": "smi-a100-80", "matmul": "fa2 size-assumed",
                            "hbm_copy": "a100-datasheet calculon-mem", "intra": "nccl-149 alpha-assumed",
-                           "inter": "nccl-119 alpha-assumed"}},
+                           "inter": "nccl-119 alpha-assumed",
+                           "overlap_cost": "calculon-net"}},
     "h100": {"peaks": {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp64": 67e12},
              "memory": 81559 * MiB, "matmul": _scaled(SIZE_TABLE, 0.79), "hbm_copy": HBM_COPY * 3.35e12,
              "hbm_table": HBM_TABLE,
-             "intra": _H100_LINKS[0], "inter": _H100_LINKS[1],
+             "intra": _H100_LINKS[0], "inter": _H100_LINKS[1], "overlap_cost": OVERLAP_COST,
              "cite": {"peaks": "h100-datasheet", "memory": "smi-h100", "matmul": "h100-gemm size-assumed",
                       "hbm_copy": "h100-datasheet calculon-mem", "intra": "nccl-212 alpha-assumed",
-                      "inter": "nccl-290 alpha-assumed"}},
+                      "inter": "nccl-290 alpha-assumed", "overlap_cost": "calculon-net"}},
     "h200": {"peaks": {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp64": 67e12},
              "memory": 143771 * MiB, "matmul": _scaled(SIZE_TABLE, 0.79), "hbm_copy": HBM_COPY * 4.8e12,
              "hbm_table": HBM_TABLE,
-             "intra": _H100_LINKS[0], "inter": _H100_LINKS[1],
+             "intra": _H100_LINKS[0], "inter": _H100_LINKS[1], "overlap_cost": OVERLAP_COST,
              # the H200's NVLink and NIC are the H100's (h200-datasheet): the H100's measured figures reused
              "cite": {"peaks": "h200-datasheet", "memory": "smi-h200", "matmul": "h100-gemm size-assumed",
                       "hbm_copy": "h200-datasheet calculon-mem", "intra": "nccl-212 alpha-assumed",
-                      "inter": "nccl-290 alpha-assumed"}},
+                      "inter": "nccl-290 alpha-assumed", "overlap_cost": "calculon-net"}},
 }
 
 DTYPE_PEAK = {"bfloat16": "bf16", "float16": "fp16", "float8": "fp8", "float32": "tf32", "float64": "fp64"}

@@ -124,6 +124,8 @@ class Cluster:
     #                             backward, as Megatron-LM's 2021 DDP all-reduced the gradients once it was done)
     tp_overlap: bool = False  # tensor-parallel traffic hidden behind the matmuls (torchtitan's async TP);
     #                           off by default: Megatron and plain DTensor TP run it on the critical path
+    overlap_cost: tuple = (0.0, 0.0)  # (intra, inter): the fraction of an overlapped transfer's time the
+    #                                   compute beside it loses (its kernels' SMs; efficiency.OVERLAP_COST)
 
     @classmethod
     def preset(cls, name: str, gpus: int, dtype: str = "bfloat16", profile: dict | None = None, **kw) -> Cluster:
@@ -139,7 +141,12 @@ class Cluster:
         return cls(gpus, **{"memory": t["memory"], "flops": efficiency.peak(t, dtype),
                             "efficiency": top, "size_table": tuple((s, round(f / top, 6)) for s, f in t["matmul"]),
                             "intra": link(t["intra"]), "inter": link(t["inter"]), "hbm": t["hbm_copy"],
-                            "hbm_table": tuple(t.get("hbm_table", ())), **kw})
+                            "hbm_table": tuple(t.get("hbm_table", ())),
+                            "overlap_cost": tuple(t.get("overlap_cost", (0.0, 0.0))), **kw})
+
+    def link_cost(self, link: Link) -> float:
+        """overlap_cost of ``link`` (intra or inter)."""
+        return self.overlap_cost[link is self.inter and link is not self.intra]
 
     def hbm_at(self, nbytes: float) -> float:
         """The HBM bandwidth a transfer of ``nbytes`` streams at (hbm_table's step at its size)."""
@@ -368,8 +375,9 @@ def stage_seconds(model: Model, layout: Layout, stage: int, batch: int, view: di
         compute = sum(parts.values())
     seconds = comm_time(view, layout, cluster)
     critical = sum(v for k, v in seconds.items() if k in ("tp", "cp", "ep", "pp")) / layout.microbatches
-    if cluster.tp_overlap and "tp" in seconds:  # async TP: hidden behind the block matmuls it feeds
-        critical -= min(seconds["tp"] / layout.microbatches, parts.get("matmul", 0.0))
+    if cluster.tp_overlap and "tp" in seconds:  # async TP: hidden behind the block matmuls it feeds, the
+        hid = min(seconds["tp"] / layout.microbatches, parts.get("matmul", 0.0))  # SMs its kernels take
+        critical -= hid * (1 - cluster.link_cost(cluster.link(*_strides(layout)["tp"])))  # slowing them
     return {"compute_mb": compute, "critical_mb": critical, "parts_mb": parts,
             "data": sum(v for k, v in seconds.items() if k not in ("tp", "cp", "ep", "pp")), "axes": seconds}
 
@@ -403,7 +411,11 @@ def predict(model: Model, layout: Layout, cluster: Cluster, batch: int, b: int =
     # the data axis' traffic hides behind the backward (2/3 of a micro-batch's compute): every micro-batch's
     # (DDP buckets, FSDP2 prefetch), the last one's (Megatron's --overlap-grad-reduce), or none
     hidden = 2 / 3 * slow["compute_mb"] * {"backward": M, "last": 1, "none": 0}[cluster.overlap_mode]
-    exposed = max(0.0, max(x["data"] for x in times) - hidden)
+    data = max(x["data"] for x in times)
+    exposed = max(0.0, data - hidden)
+    if data > exposed:  # what hides still takes SMs from the compute it runs beside (Calculon's processor_usage)
+        label = layout.grad_label or layout.data_axis
+        exposed += (data - exposed) * cluster.link_cost(cluster.link(*_strides(layout).get(label, (1, 1))))
     # the optimizer step: memory-bound, every state byte read and written once (Adam: no matmul)
     optimizer = 0.0 if cluster.matmul == "flat" else 2 * sum(
         memory[k] for k in ("params", "grads", "optimizer")) / cluster.hbm
