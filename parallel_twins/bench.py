@@ -48,7 +48,10 @@ def build_bench_parser() -> argparse.ArgumentParser:
                    help="timed iterations per size (gloo: their median; CUDA and JAX: back to back, their mean)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations per size first")
     add_device(p)
-    add_json(p, "{world_size, results, fits, compute}")
+    add_json(p, "{world_size, results, fits, compute, memcpy}")
+    p.add_argument("--profile", metavar="PATH", default=None,
+                   help="write what this machine achieves (matmul rates by size, busbw per op, memcpy) as the "
+                        "table compare.py plan --profile reads (shared/efficiency.py; default: none)")
     add_quiet(p, "print nothing (with --json: the measurements go there only)")
     return p
 
@@ -68,6 +71,9 @@ def bench_main(argv) -> int:
         if args.iters < 1 or args.warmup < 0:
             raise ValueError("--iters must be >= 1 and --warmup >= 0")
         check_output_path("--json", args.json)
+        check_output_path("--profile", args.profile)
+        if args.profile and "torch" not in args.frameworks:
+            raise ValueError("--profile needs the torch framework (it measures the matmuls and the copies)")
         simulate_host_devices(args.world_size)  # before JAX starts
         check_devices(args.frameworks, args.world_size, args.device)
     except (ArgumentError, ValueError) as exc:
@@ -87,10 +93,18 @@ def bench_main(argv) -> int:
     fits = [{"framework": fw, "op": op, **fit} for fw in args.frameworks
             for op, fit in fit_per_op([r for r in results if r["framework"] == fw]).items()]
     compute = {}  # every torch rank multiplying at once: the FLOP/s a rank of a run gets (plan --calibrate)
-    for dtype in matmul[0] if matmul else ():
+    for dtype in [k for k in matmul[0] if k not in ("memcpy", "memory")] if matmul else ():
         compute[dtype] = {n: sorted(r[dtype][n] for r in matmul)[len(matmul) // 2] for n in matmul[0][dtype]}
+    memcpy = sorted(r["memcpy"] for r in matmul)[len(matmul) // 2] if matmul else 0.0
     if args.json:  # first: nothing printed below can lose the measurements
-        write_json(args.json, {"world_size": args.world_size, "results": results, "fits": fits, "compute": compute})
+        write_json(args.json, {"world_size": args.world_size, "results": results, "fits": fits, "compute": compute,
+                               "memcpy": memcpy})
+    if args.profile:
+        from shared import efficiency
+
+        efficiency.save(args.profile, efficiency.from_bench(
+            {"world_size": args.world_size, "fits": fits, "compute": compute, "results": results}, memcpy,
+            matmul[0].get("memory")))
     console = make_console(quiet=args.quiet)
     table = Table(title=f"collective bandwidth, world size {args.world_size} ({args.iters} timed calls per size)")
     for col in ("framework", "op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):
@@ -120,7 +134,7 @@ def run_bench(frameworks, world_size, ops, sizes, iters, warmup, device, matmul=
 
             per_rank = launch(_torch_bench, world_size, tuple(ops), tuple(sizes), iters, warmup, matmul, device=device)
             results += per_rank[0]["rows"]
-            rates = [r["matmul"] for r in per_rank] if matmul else []
+            rates = [r["matmul"] for r in per_rank] if matmul else []  # {dtype: {n: FLOP/s}, "memcpy", "memory"}
         else:
             from jax_impl.collectives import bench
             from jax_impl.devices import make_mesh
@@ -140,7 +154,7 @@ def _torch_matmul(ctx, sizes=None, iters=20) -> dict:
     cuda = ctx.device.type == "cuda"
     sizes = sizes or ((256, 1024, 4096) if cuda else (32, 64, 128, 256))
     out = {}
-    for dtype in ("float64", "float32"):
+    for dtype in ("float64", "float32") + (("bfloat16",) if cuda else ()):  # a GPU's tensor-core dtype too
         out[dtype] = {}
         for n in sizes:
             a = torch.randn(n, n, dtype=getattr(torch, dtype), device=ctx.device)
@@ -163,6 +177,20 @@ def _torch_matmul(ctx, sizes=None, iters=20) -> dict:
                     times.append(time.perf_counter() - t0)
                 seconds = sorted(times)[iters // 2]
             out[dtype][str(n)] = 2 * n ** 3 / seconds
+    src = torch.empty(2 ** 22 if not cuda else 2 ** 28, dtype=torch.uint8, device=ctx.device)  # 4 MiB / 256 MiB
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):  # a device copy reads and writes every byte: 2·size per copy
+        if cuda:
+            torch.cuda.synchronize(ctx.device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if cuda:
+            torch.cuda.synchronize(ctx.device)
+        times.append(time.perf_counter() - t0)
+    out["memcpy"] = 2 * src.numel() / sorted(times)[2]
+    if cuda:  # the capacity as the device reports it (the planner's memory)
+        out["memory"] = torch.cuda.get_device_properties(ctx.device).total_memory
     return out
 
 

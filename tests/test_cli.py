@@ -267,10 +267,10 @@ def _refuse(name):
     raise ValueError(f"{name} is not valid JSON")
 
 
-def test_bench_subcommand_writes_valid_json(tmp_path):
-    path = tmp_path / "bench.json"
+def test_bench_subcommand_writes_valid_json(tmp_path, capsys):
+    path, profile = tmp_path / "bench.json", tmp_path / "profile.json"
     code = compare.main(["bench", "--world-size", "2", "--min-bytes", "4096", "--max-bytes", "16384",
-                         "--iters", "2", "--warmup", "1", "--json", str(path)])
+                         "--iters", "2", "--warmup", "1", "--json", str(path), "--profile", str(profile)])
     assert code == 0
     data = json.loads(path.read_text(), parse_constant=_refuse)  # strict JSON: no Infinity / NaN
     assert {r["framework"] for r in data["results"]} == {"torch", "jax"}
@@ -278,6 +278,21 @@ def test_bench_subcommand_writes_valid_json(tmp_path):
     assert {f["op"] for f in data["fits"]} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
     assert set(data["compute"]) == {"float64", "float32"}  # the matmul rate plan --calibrate reads
     assert all(rate > 0 for rates in data["compute"].values() for rate in rates.values())
+    # the round trip: bench --profile writes this machine's table, plan --profile plans with it
+    from planner import plan_main
+    from shared import efficiency
+
+    table = efficiency.load(str(profile))
+    assert table["hbm_copy"] > 0 and max(f for _, f in table["matmul"]) == 1.0 and table["intra"]
+    assert table["peaks"]["fp64"] == max(data["compute"]["float64"].values())
+    capsys.readouterr()
+    assert plan_main(["--profile", str(profile), "--dtype", "float64", "--layers", "2", "--dim", "64", "--heads", "4",
+                      "--vocab", "128", "--seq", "32", "--global-batch", "8", "--gpus", "2", "--gpus-per-node", "2",
+                      "--gpu-memory", "1GiB", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"{table['peaks']['fp64'] / 1e12:.0f} TFLOP/s" in out and "fastest layouts that fit" in out
+    assert plan_main(["--profile", str(profile)]) == 2  # bfloat16: no such peak measured on this CPU
+    assert "no bfloat16 peak" in capsys.readouterr().err
 
 
 def test_show_collectives_mesh_table_per_axis_and_memory():
