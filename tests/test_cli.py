@@ -279,7 +279,8 @@ def test_bench_subcommand_writes_valid_json(tmp_path, capsys):
     assert set(data["compute"]) == {"float64", "float32"}  # the matmul rate plan --calibrate reads
     assert all(rate > 0 for rates in data["compute"].values() for rate in rates.values())
     # the round trip: bench --profile writes this machine's table, plan --profile plans with it
-    from planner import plan_main
+    from parallel_twins.planner import plan_main
+
     from shared import efficiency
 
     table = efficiency.load(str(profile))

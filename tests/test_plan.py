@@ -452,7 +452,7 @@ def test_overlap_modes_tp_overlap_and_fp32_main_grads():
     one = plan.Layout()
     st = plan.state(model, one, 0, 2, precision="mixed-fp32-grads")
     assert sum(st.values()) == 18 * sum(plan.stage_params(model, one, 0)[k] for k in ("units", "vectors"))
-    from planner import parse_pins
+    from parallel_twins.planner import parse_pins
 
     assert parse_pins("overlap=last") == {"overlap": "last"}
 
