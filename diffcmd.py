@@ -125,8 +125,9 @@ def _write(path: str, text: str) -> None:
 
 
 def report(result: dict, old_name: str, new_name: str, json_path=None, markdown_path=None, every=False,
-           out=sys.stdout) -> None:
+           out=None) -> None:
     """Print the text report (the terminal's width; piped: no limit) and write the requested files."""
+    out = out or sys.stdout
     width = shutil.get_terminal_size().columns if out.isatty() else None
     print("\n".join(text_lines(result, old_name, new_name, width, every)), file=out)
     if json_path:
