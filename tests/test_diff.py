@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -55,6 +58,19 @@ def test_real_output_validates_against_the_schema(real):
     broken["runs"][1]["ok"] = "yes"
     del broken["provenance"]["git"]
     assert check(broken) == ["provenance: missing 'git'", "runs[1].ok: expected boolean, got 'yes'"]
+
+
+def test_provenance_reads_no_framework_and_stamps_any_file():
+    """The block is read from metadata (torch and JAX are never imported: a torch rank must not load
+    JAX); bench / plan / checkpoint files carry it as $defs/stamped."""
+    code = ("import sys, json; from shared.provenance import provenance; b = provenance(world_size=2); "
+            "print(json.dumps([b, sorted(m for m in ('torch', 'jax', 'jaxlib') if m in sys.modules)]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    block, imported = json.loads(out.stdout)
+    assert imported == [] and check(block, "provenance") == []
+    assert block["world_size"] == 2 and block["packages"]["numpy"] and "commit" in block["git"]
+    assert check(stamp({"world_size": 2, "results": []}, block), "stamped") == []
 
 
 def test_identical_runs_have_no_findings_and_exit_0(real, tmp_path, capsys):
