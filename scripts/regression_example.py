@@ -49,7 +49,7 @@ def main() -> int:
     for p in result["provenance"]:  # the temporary folder is not worth showing
         p.update({k: p[k].replace(folder + os.sep, "") for k in ("old", "new") if isinstance(p[k], str)})
     commands = [[a.replace(folder + os.sep, "") for a in c] for c in commands]
-    text = "\n".join(text_lines(result, "baseline.json", "candidate.json", width=110))
+    text = "\n".join(text_lines(result, "baseline.json", "candidate.json", width=120))
     block = "\n".join([BEGIN, "```console", *(f"$ python {' '.join(c)}" for c in commands),
                        "$ python compare.py diff baseline.json candidate.json --time-factor 0", text, "```", END])
     with open(DOC) as f:

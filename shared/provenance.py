@@ -128,6 +128,22 @@ def provenance(argv: list[str] | None = None, world_size: int | None = None, lay
     }
 
 
+def process_layout(frameworks, world_size: int, device: str, meshes=()) -> dict:
+    """How the run's processes were laid out, from the launch environment: torch's ranks (spawned here,
+    or torchrun's: RANK / LOCAL_WORLD_SIZE), JAX's processes (JAX_NUM_PROCESSES; 1: one controller
+    driving every device), the --device asked for and the N-D layouts (e.g. ["dp=2,tp=2"])."""
+    env = os.environ
+    torchrun = "RANK" in env
+    layout = {"frameworks": list(frameworks), "device": device, "meshes": list(meshes)}
+    if "torch" in frameworks:
+        layout["torch"] = {"processes": world_size, "launch": "torchrun" if torchrun else "spawn",
+                           "per_node": int(env.get("LOCAL_WORLD_SIZE", world_size))}
+    if "jax" in frameworks:
+        procs = int(env.get("JAX_NUM_PROCESSES", "1"))
+        layout["jax"] = {"processes": procs, "devices_per_process": world_size // max(procs, 1)}
+    return layout
+
+
 def stamp(data: dict, block: dict) -> dict:
     """A result file's dict with the schema version and the provenance block first."""
     return {"schema_version": SCHEMA_VERSION, "provenance": block, **data}
