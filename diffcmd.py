@@ -101,9 +101,11 @@ def markdown(result: dict, old_name: str, new_name: str, every: bool = False) ->
     esc = lambda s: _cell(s).replace("|", "\\|")
     out = [f"# diff `{old_name}` → `{new_name}`", "",
            f"{result['rows']['matched']} rows matched ({result['rows']['old']} in OLD, {result['rows']['new']} "
-           f"in NEW); thresholds: {json.dumps(result['thresholds'])}", "",
-           "| provenance | OLD | NEW |", "|---|---|---|"]
-    for p in _shown(result, every):
+           f"in NEW); thresholds: {json.dumps(result['thresholds'])}", ""]
+    prov = _shown(result, every)
+    out += ["| provenance | OLD | NEW |", "|---|---|---|"] if prov else \
+        ["provenance: neither file has one (written before results schema 1)"]
+    for p in prov:
         mark = "**" if p["differs"] else ""
         out.append(f"| {mark}{p['field']}{mark} | {esc(p['old'])} | {esc(p['new'])} |")
     for sev in SEVERITIES:

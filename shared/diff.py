@@ -226,7 +226,8 @@ def _configs(old: dict, new: dict) -> list[Finding]:
         for field in sorted(set(a[run]) | set(b[run])):
             if a[run].get(field) != b[run].get(field):
                 changes.setdefault((field, json.dumps(a[run].get(field)), json.dumps(b[run].get(field))), []).append(run)
-    out = [Finding("changed", "config", "", f"{f}: {x} -> {y} ({', '.join(r for r in runs if r) or 'config'})", x, y)
+    out = [Finding("changed", "config", "", f"{f}: {x} -> {y} ({', '.join(r for r in runs if r) or 'config'})",
+                   json.loads(x), json.loads(y))
            for (f, x, y), runs in changes.items()]
     out += [Finding("changed", "config", run, "config only in OLD" if run in a else "config only in NEW")
             for run in sorted(set(a) ^ set(b))]
