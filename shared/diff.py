@@ -191,7 +191,8 @@ def time_ratios(runs: list[dict]) -> dict[tuple, tuple[float, str]]:
     for r in runs:
         if r.get("step_time_s"):
             group = (r["pattern"], r.get("model"), r["framework"])
-            if group not in anchors or (r["style"] in ANCHOR_STYLES and anchors[group]["style"] not in ANCHOR_STYLES):
+            if group not in anchors or (r["style"] in ANCHOR_STYLES
+                                        and anchors[group]["style"] not in ANCHOR_STYLES):
                 anchors[group] = r
     out = {}
     for key, r in _index(runs).items():
@@ -211,8 +212,7 @@ def _times(old_runs, new_runs, factor: float) -> list[Finding]:
     for key in [k for k in a if k in b]:
         (ra, anchor), (rb, _) = a[key], b[key]
         if max(ra, rb) > factor * min(ra, rb):
-            name = key_name(key) if len(key) == len(KEY_FIELDS) or key[0] != "jax vs torch" else \
-                f"{key[1]} {key[2]} jax anchor"
+            name = f"{key[1]} {key[2]} jax anchor" if key[0] == "jax vs torch" else key_name(key[:len(KEY_FIELDS)])
             out.append(Finding("regression" if rb > ra else "improved", "time", name,
                                f"step time / {anchor}'s {ra:.2f} -> {rb:.2f} (×{rb / ra:.2f}; noise factor "
                                f"{factor:g})", ra, rb))
@@ -225,7 +225,8 @@ def _configs(old: dict, new: dict) -> list[Finding]:
     for run in sorted(set(a) & set(b)):
         for field in sorted(set(a[run]) | set(b[run])):
             if a[run].get(field) != b[run].get(field):
-                changes.setdefault((field, json.dumps(a[run].get(field)), json.dumps(b[run].get(field))), []).append(run)
+                seen = (field, json.dumps(a[run].get(field)), json.dumps(b[run].get(field)))
+                changes.setdefault(seen, []).append(run)
     out = [Finding("changed", "config", "", f"{f}: {x} -> {y} ({', '.join(r for r in runs if r) or 'config'})",
                    json.loads(x), json.loads(y))
            for (f, x, y), runs in changes.items()]
@@ -242,8 +243,10 @@ def diff(old: dict, new: dict, time_factor: float | None = 2.0) -> dict:
         if key in b:
             findings += _row(key, a[key], b[key])
         else:
-            findings.append(Finding("regression", "rows", key_name(key[:len(KEY_FIELDS)]), "only in OLD: no longer runs"))
-    findings += [Finding("changed", "rows", key_name(k[:len(KEY_FIELDS)]), "only in NEW: a new row") for k in b if k not in a]
+            findings.append(Finding("regression", "rows", key_name(key[:len(KEY_FIELDS)]),
+                                    "only in OLD: no longer runs"))
+    findings += [Finding("changed", "rows", key_name(k[:len(KEY_FIELDS)]), "only in NEW: a new row")
+                 for k in b if k not in a]
     xa = {(x.get("pattern"), x.get("model")): x for x in old.get("cross_framework", [])}
     for x in new.get("cross_framework", []):
         k = (x.get("pattern"), x.get("model"))
@@ -254,7 +257,8 @@ def diff(old: dict, new: dict, time_factor: float | None = 2.0) -> dict:
                                         f"{'ok' if xa[k].get('ok') else 'FAIL'} -> {'ok' if x.get('ok') else 'FAIL'}"))
             findings += _parity(name, xa[k], x, (new.get("config") or {}).get("dtype"),
                                 {f: PARITY_FIELDS[f] for f in list(PARITY_FIELDS)[:3]})
-    findings += [Finding("regression", "errors", "", e) for e in new.get("errors", []) if e not in old.get("errors", [])]
+    findings += [Finding("regression", "errors", "", e) for e in new.get("errors", [])
+                 if e not in old.get("errors", [])]
     findings += [Finding("improved", "errors", "", f"gone: {e}") for e in old.get("errors", [])
                  if e not in new.get("errors", [])]
     if time_factor:

@@ -113,7 +113,7 @@ def provenance(argv: list[str] | None = None, world_size: int | None = None, lay
     argv = list(sys.argv if argv is None else argv)
     return {
         "schema_version": SCHEMA_VERSION,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": argv,
         "python": platform.python_version(),
         "packages": {name: _version(name) for name in PACKAGES},
