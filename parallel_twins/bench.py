@@ -97,8 +97,12 @@ def bench_main(argv) -> int:
         compute[dtype] = {n: sorted(r[dtype][n] for r in matmul)[len(matmul) // 2] for n in matmul[0][dtype]}
     memcpy = sorted(r["memcpy"] for r in matmul)[len(matmul) // 2] if matmul else 0.0
     if args.json:  # first: nothing printed below can lose the measurements
-        write_json(args.json, {"world_size": args.world_size, "results": results, "fits": fits, "compute": compute,
-                               "memcpy": memcpy})
+        from shared.provenance import process_layout, provenance, stamp
+
+        block = provenance(["compare.py", "bench", *argv], world_size=args.world_size,
+                           layout=process_layout(args.frameworks, args.world_size, args.device))
+        write_json(args.json, stamp({"world_size": args.world_size, "results": results, "fits": fits,
+                                     "compute": compute, "memcpy": memcpy}, block))
     if args.profile:
         from shared import efficiency
 

@@ -183,5 +183,9 @@ def matrix_main(argv) -> int:
     console.print(f"verdict: {'all' if ok else f'{bad} of'} {len(rows)} save → load pairs "
                   f"{'agree' if ok else 'failed'} ({time.perf_counter() - t0:.0f} s)", highlight=False)
     if args.json:
-        write_json(args.json, {"config": vars(cfg), "rows": rows, "cost": cost, "ok": ok})
+        from shared.provenance import process_layout, provenance, stamp
+
+        block = provenance(["compare.py", "checkpoint", *argv], world_size=cfg.world_size,
+                           layout=process_layout(args.frameworks, cfg.world_size, "cpu"))
+        write_json(args.json, stamp({"config": vars(cfg), "rows": rows, "cost": cost, "ok": ok}, block))
     return 0 if ok else 1

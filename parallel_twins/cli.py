@@ -74,6 +74,8 @@ SUBCOMMANDS = """subcommands (each has its own --help):
   compare.py plan    rank the layouts of a model on a GPU cluster: memory, bytes per axis, step time
   compare.py checkpoint  save under each layout of both frameworks, load under each, continue (docs/checkpoint.md)
   compare.py doctor  on a GPU node: versions, CUDA majors, devices, NCCL, then small NCCL and JAX-on-GPU runs
+  compare.py diff OLD.json NEW.json  what changed between two --json files: parity, collectives, bytes,
+                     memory, step-time ratios (docs/regression.md)
 
 exit status: 0 every run agrees with its reference (and across frameworks); 1 a parity check or a run
 failed; 2 bad arguments, config or output path (one line, before any process starts); 3 the runs
@@ -135,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="with --checkpoint-dir: continue each run from its newest complete checkpoint there "
                         "(a run with none starts at step 0); JSON rows say start_step")
+    p.add_argument("--baseline", metavar="OLD.json", default=None,
+                   help="after the runs, report what changed against this --json file of an earlier run "
+                        "(compare.py diff's report); exit 1 when something regressed (default: none)")
     p.add_argument("--keep", type=int, default=None, metavar="N",
                    help="with --checkpoint-dir: keep only each run's newest N complete checkpoints "
                         "(default: every one)")
@@ -316,11 +321,18 @@ def main(argv=None) -> int:
         from parallel_twins.doctor import doctor_main
 
         return doctor_main(argv[1:])
+    if argv and argv[0] == "diff":
+        from parallel_twins.diff import diff_main
+
+        return diff_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
         check_output_path("--json", args.json)
         check_output_path("--markdown", args.markdown)
         check_output_path("--plots", args.plots, directory=True)
+        from shared.diff import load as load_results
+
+        baseline = load_results(args.baseline) if args.baseline else None  # a bad file: one line, exit 2
         cfgs = make_configs(args)
         cfg = cfgs[0]
         # --- multi-process JAX (one process per node, or jax_impl/launch.py): join before JAX starts ---
@@ -356,13 +368,18 @@ def main(argv=None) -> int:
     ok = report.all_ok(rows, xfw, errors)
     if not rank0:
         return 0 if ok else 1
+    from shared.provenance import process_layout, provenance, provenance_markdown, stamp
+
+    block = provenance(["compare.py", *argv], world_size=cfg.world_size, layout=process_layout(
+        args.frameworks, cfg.world_size, args.device, [c.mesh_name for c in cfgs if c.mesh]))
+    data = stamp({"config": vars(cfg), "configs": {run_key(c): vars(c) for c in cfgs},
+                  "runs": [r.to_json() for r in rows], "cross_framework": xfw,
+                  "errors": errors, "ok": ok, "seconds": elapsed}, block)
     try:  # the results first: nothing printed or drawn below can lose them
         if args.json:
-            report.write_json(args.json, {"config": vars(cfg), "configs": {run_key(c): vars(c) for c in cfgs},
-                                          "runs": [r.to_json() for r in rows], "cross_framework": xfw,
-                                          "errors": errors, "ok": ok, "seconds": elapsed})
+            report.write_json(args.json, data)
         if args.markdown:
-            write_output(args.markdown, report.markdown_table(rows))
+            write_output(args.markdown, provenance_markdown(block) + "\n" + report.markdown_table(rows))
     except OSError as exc:
         console.print(f"[bold red]error[/] could not write the results: {exc}")
         late_failure = True
@@ -403,7 +420,13 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001 - the results are printed and saved: say so, exit 3
             console.print(f"[bold red]error[/] --plots {args.plots}: {type(exc).__name__}: {exc}")
             late_failure = True
-    if not ok:
+    regressed = False
+    if baseline is not None:  # --baseline: what changed against the stored run (docs/regression.md)
+        from parallel_twins.diff import report_baseline
+        from shared.results import _jsonable
+
+        regressed = report_baseline(baseline, _jsonable(data), args.baseline, args.json or "this run") == 1
+    if not ok or regressed:
         return 1
     return 3 if late_failure else 0
 

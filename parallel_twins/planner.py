@@ -344,11 +344,15 @@ def plan_main(argv) -> int:
         console.print("[red]no layout fits[/]: more GPUs, a smaller micro-batch or full recompute (all tried), or "
                       "more memory per GPU")
     if args.json:
-        write_output(args.json, json.dumps(
+        from shared.provenance import provenance, stamp
+
+        block = provenance(["compare.py", "plan", *argv], world_size=None,
+                           layout={"gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node})
+        write_output(args.json, json.dumps(stamp(
             {"model": vars(model), "cluster": {"gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
                                                "memory": cluster.memory, "flops": cluster.flops},
              "global_batch": args.global_batch, "seconds": seconds, "fit": [p.to_json() for p in fit[:100]],
-             "over": [p.to_json() for p in over[:100]], "n_fit": len(fit), "n_over": len(over)}, indent=1))
+             "over": [p.to_json() for p in over[:100]], "n_fit": len(fit), "n_over": len(over)}, block), indent=1))
     return 0
 
 

@@ -9,7 +9,6 @@ docs/regression.md (and the two JSON files and the Markdown diff to a temporary 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -18,9 +17,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from diffcmd import text_lines  # noqa: E402
+from parallel_twins.diff import text_lines  # noqa: E402
 from shared.diff import diff, load  # noqa: E402
-from shared.provenance import provenance, stamp  # noqa: E402
 
 RUN = ["compare.py", "--model", "transformer", "--patterns", "dp", "--world-size", "2", "--layers", "2", "--dim", "16",
        "--heads", "2", "--seq", "8", "--vocab", "32", "--batch", "4", "--steps", "3",
@@ -33,11 +31,6 @@ def run(policy: str, path: str) -> list[str]:
     argv = [*RUN, "--recompute", policy, "--json", path]
     subprocess.run([sys.executable, *argv], cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
                    env={**os.environ, "PYTHONPATH": ROOT})
-    with open(path) as f:
-        data = json.load(f)
-    if "provenance" not in data:  # until compare.py stamps its --json itself
-        with open(path, "w") as f:
-            json.dump(stamp(data, provenance(["compare.py", *argv[1:]], world_size=2)), f, indent=1)
     return argv
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from parallel_twins import cli as compare
 from parallel_twins import report_collectives
+from shared.schema import check as check_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,6 +76,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--plots", "/dev/null/plots"], "--plots /dev/null/plots: cannot create it: /dev/null is not a writable "
                                           "folder"),
         (["bench", "--json", "/nonexistent/b.json"], "--json /nonexistent/b.json: the folder /nonexistent does not"),
+        (["--baseline", "/nonexistent.json"], "/nonexistent.json: no such file"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
@@ -205,6 +207,8 @@ def test_json_markdown_and_plots_contract(tmp_path):
                          "--json", str(out_json), "--markdown", str(out_md), "--plots", str(plot_dir), "--quiet"])
     assert code == 0
     data = json.loads(out_json.read_text(), parse_constant=_refuse)
+    assert check_schema(data) == []  # docs/results-schema.json, provenance block included
+    assert out_md.read_text().startswith("**provenance**")
     data["runs"] = [r for r in data["runs"] if r["pattern"] == "pp"]
     data["cross_framework"] = [x for x in data["cross_framework"] if x["pattern"] == "pp"]
     required = {"pattern", "model", "framework", "style", "variant", "world_size", "dtype", "ok", "losses",
@@ -273,6 +277,7 @@ def test_bench_subcommand_writes_valid_json(tmp_path, capsys):
                          "--iters", "2", "--warmup", "1", "--json", str(path), "--profile", str(profile)])
     assert code == 0
     data = json.loads(path.read_text(), parse_constant=_refuse)  # strict JSON: no Infinity / NaN
+    assert check_schema(data, "stamped") == []  # the provenance block
     assert {r["framework"] for r in data["results"]} == {"torch", "jax"}
     assert all(r["busbw"] > 0 and r["time_s"] > 0 for r in data["results"])
     assert {f["op"] for f in data["fits"]} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
@@ -280,7 +285,6 @@ def test_bench_subcommand_writes_valid_json(tmp_path, capsys):
     assert all(rate > 0 for rates in data["compute"].values() for rate in rates.values())
     # the round trip: bench --profile writes this machine's table, plan --profile plans with it
     from parallel_twins.planner import plan_main
-
     from shared import efficiency
 
     table = efficiency.load(str(profile))
