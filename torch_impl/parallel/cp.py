@@ -68,12 +68,12 @@ def causal(q, k, v):
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=True, scale=None, **_):
     """F.scaled_dot_product_attention's place: causal attention, over the group inside a cp step."""
     if attn_mask is not None or not is_causal:
-        raise SeamError("parallel.cp.attention is causal attention over the global positions; it takes no attn_mask "
+        raise SeamError("cp.attention is causal attention over the global positions; it takes no attn_mask "
                         "(the ring masks by position): call it without attn_mask=, is_causal=True")
     if dropout_p:
-        raise SeamError("parallel.cp.attention has no attention dropout: call it with dropout_p=0")
+        raise SeamError("cp.attention has no attention dropout: call it with dropout_p=0")
     if scale is not None and scale != query.shape[-1] ** -0.5:
-        raise SeamError(f"parallel.cp.attention scales by dh**-0.5 = {query.shape[-1] ** -0.5}, not {scale}")
+        raise SeamError(f"cp.attention scales by dh**-0.5 = {query.shape[-1] ** -0.5}, not {scale}")
     active = _ACTIVE.get()
     if active is None:
         return causal(query, key, value)
@@ -173,9 +173,9 @@ class Trainer:
         with _active(seen):
             value = self.loss(self.model, *local, pos)  # mean over this rank's B·T/N tokens
         if not seen.calls:
-            raise SeamError("the model never called torch_impl.parallel.cp.attention: each rank would attend within "
-                            "its own T/N tokens. Route its attention through it (transformers: "
-                            f"attn_implementation={NAME!r} after torch_impl.parallel.cp.register())")
+            raise SeamError("the model never called cp.attention (torch_impl.parallel.cp): each rank would attend "
+                            "within its own T/N tokens. Route its attention through it (transformers: "
+                            f"attn_implementation={NAME!r} after cp.register())")
         value.backward()
         self.calls = seen.calls
         grads = [p.grad for p in self.params]
