@@ -22,7 +22,7 @@ rounding boundary (~1e-9 per element; measured below: none here). The parallel r
 products in another order (~1e-16 relative per op); 3 AdamW steps carry that to ~1e-15.
 
 Default tier: the launch above (~12 s on 2 cores, most of it importing transformers in 3 processes)
-and two refusals without one. Slow tier: the data-parallel wrappers at world size 4 (1 row per rank).
+and two refusals and the library stage split (parallel/llama.py) without one. Slow tier: the data-parallel wrappers at world size 4 (1 row per rank).
 """
 
 from __future__ import annotations
@@ -39,11 +39,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torch_impl.launch import launch
+from torch_impl.parallel import pp, tp, tp_ops
 from torch_impl.parallel import theory as mt
-from torch_impl.parallel import tp, tp_ops
 from torch_impl.parallel.dp import BucketedDDP, Zero1Optimizer
 from torch_impl.parallel.fsdp import FSDP, Zero2
 from torch_impl.parallel.llama import TP_PLAN as LLAMA_PLAN  # transformers' own plan + the vocabulary
+from torch_impl.parallel.llama import stage_split
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -248,6 +249,15 @@ def test_plan_is_transformers_own_plus_the_vocabulary():
     assert ours == LlamaConfig.base_model_tp_plan
     assert llama().config._attn_implementation == "sdpa"  # not eager's float32 softmax
     assert tp.check_plan(made(lambda: LlamaForCausalLM(config()).to("meta")), LLAMA_PLAN, 2)
+
+
+def test_stage_split_puts_every_llama_parameter_in_one_stage():
+    """parallel/llama.py's stage split passes the pipeline seam's static checks on transformers' Llama
+    (every parameter in exactly one stage; no launch), and refuses layer counts it cannot split evenly."""
+    stages = pp.check_stages(made(lambda: LlamaForCausalLM(config()).to("meta")), stage_split(LAYERS, 2), 2)
+    assert [len(s) for s in stages] == [2, 3]  # embedding + layer 0 | layer 1 + norm + head
+    with pytest.raises(ValueError, match="do not split into 2 equal stages"):
+        stage_split(3, 2)
 
 
 @pytest.mark.parametrize("plan", ["tp", "tp_unshared", "dtensor", "tp tied", "dtensor tied"])
