@@ -22,7 +22,8 @@ rounding boundary (~1e-9 per element; measured below: none here). The parallel r
 products in another order (~1e-16 relative per op); 3 AdamW steps carry that to ~1e-15.
 
 Default tier: the launch above (~12 s on 2 cores, most of it importing transformers in 3 processes)
-and two refusals and the library stage split (parallel/llama.py) without one. Slow tier: the data-parallel wrappers at world size 4 (1 row per rank).
+and two refusals and the library stage split (parallel/llama.py) without one. Slow tier: the
+data-parallel wrappers at world size 4 (1 row per rank).
 """
 
 from __future__ import annotations
