@@ -21,6 +21,7 @@ Backward: each all-to-all's backward is the reverse all-to-all (splits swapped):
 sends k·n rows, the dispatch's the received ones. Dropless: no capacity, nothing padded (GShard,
 Lepikhin et al. 2020, arXiv:2006.16668, and Shazeer et al. 2017 cap each expert; we never drop).
 
+    (the all-to-alls and the Dispatcher: torch_impl/parallel/ep.py)
     explicit/dropless  ``AllToAll``, a hand-written autograd Function around ``dist.all_to_all_single``.
     builtin/dropless   core torch 2.13 has NO expert-parallel building block: no "expert"/"moe" module
                        in torch.distributed (torchtitan's ExpertParallel / GroupedExperts live in
@@ -40,7 +41,7 @@ Lepikhin et al. 2020, arXiv:2006.16668, and Shazeer et al. 2017 cap each expert;
 
 Loss: mean CE over the local n tokens + Σ_l aux_l (global f from C, local P_e); equal token counts
 make the mean over ranks the global loss (loss_reduction "mean"). Gradients: the replicated ones
-averaged by ONE flat all-reduce (torch_impl.fsdp.average_flat); an expert's owner already holds
+averaged by ONE flat all-reduce (torch_impl.parallel.fsdp.average_flat); an expert's owner already holds
 Σ_ranks d(loss_r)/dW_e (every rank's rows came back through the combine's backward): × 1/N, no
 communication (DeepSpeed-MoE, Rajbhandari et al. 2022, arXiv:2201.05596: expert gradients reduce over
 the expert-data-parallel group only, here of size 1).
@@ -57,103 +58,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from shared.config import Config
 from shared.problem import Problem, is_expert_param
 from shared.results import Trained
 from shared.theory import ep_comm_bytes_torch, ep_comm_torch, ep_experts_of
-from torch_impl.dp import local_batch
-from torch_impl.fsdp import average_flat
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import aux_loss, build_model, expert_load, inputs, loss_fn, make_optimizer, targets, to_fixture
-from torch_impl.transformer import GroupedExperts
+from torch_impl.parallel.dp import local_batch
+from torch_impl.parallel.ep import ALL_TO_ALL, Dispatcher
+from torch_impl.parallel.fsdp import average_flat
 
 VARIANTS = (("explicit", "dropless"), ("builtin", "dropless"))
 
 
 def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
     return VARIANTS
-
-
-# --- the all-to-alls --------------------------------------------------------------------------------
-
-
-def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    """(Σ send, D) -> (Σ recv, D): send[j] rows to rank j, recv[j] rows from rank j, in rank order."""
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
-    return out
-
-
-class AllToAll(torch.autograd.Function):
-    """Uneven all-to-all whose backward is the reverse one (Megatron-Core's ``_AllToAll``)."""
-
-    @staticmethod
-    def forward(ctx, x, send: list[int], recv: list[int], group):
-        ctx.splits, ctx.group = (send, recv), group
-        return all_to_all_rows(x, send, recv, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        send, recv = ctx.splits
-        return all_to_all_rows(grad, recv, send, ctx.group), None, None, None
-
-
-def explicit_all_to_all(x, send, recv, group):
-    return AllToAll.apply(x, send, recv, group)
-
-
-# torchtitan's name; in torch 2.13 an alias of all_to_all_single, whose op has the autograd built in
-_FUNCTIONAL_A2A = getattr(funcol, "all_to_all_single_autograd", funcol.all_to_all_single)
-
-
-def builtin_all_to_all(x, send, recv, group):
-    return _FUNCTIONAL_A2A(x.contiguous(), recv, send, group)  # (output_split_sizes, input_split_sizes)
-
-
-ALL_TO_ALL = {"explicit": explicit_all_to_all, "builtin": builtin_all_to_all}  # what tells the styles apart
-
-
-# --- the dispatcher: MoE.global_counts and MoE.dispatch of one layer ----------------------------------
-
-
-class Dispatcher:
-    """One MoE layer's seams on one ep rank: ``global_counts`` exchanges the counts (and keeps C for
-    the splits), ``__call__`` moves the rows to their experts' owners and back."""
-
-    def __init__(self, cfg: Config, experts: GroupedExperts, group, all_to_all):
-        self.n, self.rank, self.group = dist.get_world_size(group), dist.get_rank(group), group
-        self.experts, self.all_to_all, self.num_experts = experts, all_to_all, cfg.experts
-        self.mine = ep_experts_of(cfg, self.rank)
-        self.owned = [ep_experts_of(cfg, dst) for dst in range(self.n)]
-        assert (experts.first, experts.num) == (self.mine.start, len(self.mine)), (experts.first, experts.num)
-        self.c: list[list[int]] = []
-
-    def global_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        gathered = counts.new_empty(self.n * self.num_experts)  # (N·E,) int64
-        dist.all_gather_single(gathered, counts.contiguous(), group=self.group)
-        c = gathered.view(self.n, self.num_experts)  # (N, E): C[src][e]
-        self.c = c.tolist()
-        return c.sum(0)  # (E,): the global counts
-
-    def __call__(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        c, n, mine = self.c, self.n, self.mine
-        assert counts == c[self.rank] and rows.shape[0] == sum(counts), (counts, c[self.rank], rows.shape)
-        send = [sum(c[self.rank][e] for e in self.owned[dst]) for dst in range(n)]
-        recv = [sum(c[src][e] for e in mine) for src in range(n)]
-        got = self.all_to_all(rows, send, recv, self.group)  # (received, D): by source, then expert
-        assert got.shape == (sum(recv), rows.shape[1]), got.shape
-        blocks = got.split([c[src][e] for src in range(n) for e in mine])  # block (src, i) at src·E/N + i
-        per = len(mine)
-        grouped = torch.cat([blocks[src * per + i] for i in range(per) for src in range(n)])  # by expert
-        y = self.experts(grouped, [sum(c[src][e] for src in range(n)) for e in mine])  # (received, D)
-        out = y.split([c[src][e] for e in mine for src in range(n)])  # block (i, src) at i·N + src
-        back = torch.cat([out[i * n + src] for src in range(n) for i in range(per)])  # by source again
-        combined = self.all_to_all(back, recv, send, self.group)  # (k·n, D): my rows, sorted order
-        assert combined.shape == rows.shape, (combined.shape, rows.shape)
-        return combined
 
 
 # --- training ---------------------------------------------------------------------------------------
@@ -168,7 +89,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     mine = ep_experts_of(cfg, r)
     for block in model.blocks:  # keep my E/N experts; swap in the all-to-all seams
         block.mlp.experts = block.mlp.experts.shard(mine.start, len(mine))
-        d = Dispatcher(cfg, block.mlp.experts, group, ALL_TO_ALL[style])
+        d = Dispatcher(cfg.experts, block.mlp.experts, group, ALL_TO_ALL[style])
         block.mlp.global_counts, block.mlp.dispatch = d.global_counts, d
     x = local_batch(inputs(cfg, problem, ctx.device), r, n)  # (B/N, T)
     y = local_batch(targets(cfg, problem, ctx.device), r, n)

@@ -8,7 +8,7 @@ so all_gather_single / reduce_scatter_single work on contiguous rows; rank r hol
 r·⌈R/N⌉:(r+1)·⌈R/N⌉. Vectors (RMSNorm gains) stay replicated; their gradients are averaged by ONE
 all-reduce of all of them flattened ((2L+1)·D for the transformer; none for the MLP).
 
-The wrappers themselves (model-generic): fsdp_wrapper.py.
+The wrappers themselves (model-generic): torch_impl/parallel/fsdp.py.
 
 explicit/zero3  ``FSDP(module)``: params, grads, AdamW state sharded (vectors replicated).
     fwd: a pre-hook on each module all-gathers its units just before it runs (and starts the
@@ -28,7 +28,7 @@ explicit/zero3  ``FSDP(module)``: params, grads, AdamW state sharded (vectors re
     the wrapped forward runs, a read of it outside its holder's forward (F.linear(h,
     self.emb.weight) in a parent) raises ShardReadError naming the parameter and the remedy.
     Frozen parameters are gathered, never reduce-scattered. comm_theory() / state_theory(): from
-    the module wrapped (torch_impl.model_theory).
+    the module wrapped (torch_impl/parallel/theory.py).
 explicit/zero2  ``Zero2(module)``: full params; each matrix's gradient is reduce-scattered by a
     post-accumulate-grad hook the moment autograd produces it; AdamW on the row shards (and the
     replicated vectors); the updated shards are all-gathered back: 2·(Φ − vectors)·b + vectors·b.
@@ -53,18 +53,6 @@ from torch.distributed.tensor import DTensor
 from shared.config import Config
 from shared.problem import Problem
 from shared.theory import fsdp_comm_bytes
-from torch_impl import model_theory
-
-# The wrappers (model-generic) live in fsdp_wrapper.py; fsdp.FSDP, fsdp.Zero2, … stay importable from here.
-from torch_impl.fsdp_wrapper import (  # noqa: F401
-    FSDP,
-    ShardReadError,
-    Unit,
-    Zero2,
-    average_flat,
-    gather_full,
-    split_params,
-)
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
@@ -77,6 +65,8 @@ from torch_impl.model import (
     tensor_bytes,
     to_fixture,
 )
+from torch_impl.parallel.fsdp import FSDP, Zero2, gather_full
+from torch_impl.parallel.theory import comm_bytes
 
 VARIANTS = (("explicit", "zero3"), ("explicit", "zero2"), ("builtin", "fsdp2"))
 
@@ -128,7 +118,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
                                           extra={"shard": "dim 0 of each ≥2-D parameter (Linear: columns of W)"}))
     if variant == "zero2":
         zero2 = Zero2(model, group)
-        comm_theory = model_theory.comm_bytes(zero2.comm_theory())  # = shared.theory's on our models
+        comm_theory = comm_bytes(zero2.comm_theory())  # = shared.theory's on our models
         params = model.parameters()
         opt = make_optimizer(zero2.params, cfg)
 

@@ -6,11 +6,11 @@ fast links; pp outermost crosses nodes, where its one message per micro-batch an
 
 Sharded (each axis as its 1-D pattern, on local sizes; shared/theory/mesh.py):
   data (dp | fsdp)  sequences [i·B/d, (i+1)·B/d) on data index i; fsdp also splits every tp-local
-                    ≥2-D weight by rows over the gradient group (ZeRO-3, torch_impl.fsdp.FSDP).
+                    ≥2-D weight by rows over the gradient group (ZeRO-3, torch_impl.parallel.fsdp.FSDP).
   pp                blocks: stage s holds L/pp blocks (embeddings on 0, final norm + head on the
                     last, torch_impl.pp.Stage); M micro-batches of m = B/(d·M) sequences, 1F1B.
   cp                tokens [j·T/c, (j+1)·T/c) on cp index j (and their positions); ring attention
-                    (torch_impl.cp.RingCore, "ring") over the tp-local heads.
+                    (torch_impl.parallel.cp.RingCore, "ring") over the tp-local heads.
   tp                Megatron (torch_impl.tp TRANSFORMER_PLAN; no sequence parallelism) on the
                     stage's modules; the loss is the vocab-parallel CE.
 Replicated weights' gradients are averaged over the data axis and cp together: ONE group over the
@@ -76,9 +76,7 @@ from shared.theory import (
     mesh_micro,
     mesh_state_bytes_torch,
 )
-from torch_impl import pp, tp, tp_plan
-from torch_impl.cp import RingCore
-from torch_impl.fsdp import FSDP, average_flat
+from torch_impl import pp
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
@@ -91,6 +89,11 @@ from torch_impl.model import (
     to_fixture,
     torch_dtype,
 )
+from torch_impl.parallel.cp import RingCore
+from torch_impl.parallel.fsdp import FSDP, average_flat
+from torch_impl.parallel.tp import apply_dtensor_plan, apply_plan, matches, unshard
+from torch_impl.parallel.tp_ops import VocabParallelCrossEntropy, heads_perm
+from torch_impl.transformer import TRANSFORMER_PLAN
 
 STYLES = ("explicit", "builtin")
 # Known, harmless noise of the builtin composition on every rank: FSDP2 wraps the last stage's output
@@ -188,10 +191,10 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
     styles, loss_of = {}, loss_fn
     if t > 1:
         tp_group = lay.groups["tp"]
-        styles = tp_plan.apply_plan(stage, tp.TRANSFORMER_PLAN, tp_group, missing_ok=True)  # a stage: absent modules
-        loss_of = lambda out, target: tp.VocabParallelCrossEntropy.apply(out, target, tp_group)  # (m, T/c, V/t)
+        styles = apply_plan(stage, TRANSFORMER_PLAN, tp_group, missing_ok=True)  # a stage: absent modules
+        loss_of = lambda out, target: VocabParallelCrossEntropy.apply(out, target, tp_group)  # (m, T/c, V/t)
     if c > 1:
-        core = RingCore(cfg, "ring", lay.groups["cp"])
+        core = RingCore(cfg.seq, "ring", lay.groups["cp"])
         for block in stage.blocks.values():
             block.attn.core = core  # q, k, v: (m, H/t, T/c, dh)
     fsdp = FSDP(stage, group=lay.grad_group) if cfg.data_axis == "fsdp" and lay.grad_group else None
@@ -218,7 +221,7 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
 
     def full(name: str, tensor: torch.Tensor) -> torch.Tensor:
         tensor = fsdp.full_tensor(name, tensor) if fsdp is not None else tensor.detach()  # tp-local
-        return tp_plan.unshard(tensor, styles[name], lay.groups["tp"]) if name in styles else tensor
+        return unshard(tensor, styles[name], lay.groups["tp"]) if name in styles else tensor
 
     return Setup(forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for p in params],
                  fixture=stage_fixture(cfg, lay, stage, named, full), params=params, optimizer=opt,
@@ -290,8 +293,8 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
     styles, parallel_loss = {}, contextlib.nullcontext
     if t > 1:
         paths = [path for path, _ in stage.named_modules()]
-        plan = {k: v for k, v in tp.TRANSFORMER_PLAN.items() if any(tp_plan.matches(p, k) for p in paths)}
-        styles = tp_plan.apply_dtensor_plan(stage, plan, dm["tp"])  # W_qkv rows permuted (heads_perm)
+        plan = {k: v for k, v in TRANSFORMER_PLAN.items() if any(matches(p, k) for p in paths)}
+        styles = apply_dtensor_plan(stage, plan, dm["tp"])  # W_qkv rows permuted (heads_perm)
         parallel_loss = loss_parallel  # CE over the Shard(-1) logits: 3 all-reduces of (m, T)
         if S > 1 and s == S - 1:  # the pipeline passes plain tensors: local logits out, DTensor again in the loss
             stage.head.register_forward_hook(lambda mod, args, out: out.to_local())  # (m, T, V/t)
@@ -343,7 +346,7 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
         tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
         if styles.get(name) != "colwise_heads":
             return tensor
-        return tensor[torch.argsort(tp.heads_perm(tensor.shape[0], t, tensor.device))]
+        return tensor[torch.argsort(heads_perm(tensor.shape[0], t, tensor.device))]
 
     return Setup(forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for p in params],
                  fixture=stage_fixture(cfg, lay, stage, named, full), params=params, optimizer=opt,

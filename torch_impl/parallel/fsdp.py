@@ -1,5 +1,6 @@
-"""The hand-written ZeRO wrappers, for ANY nn.Module (fsdp.py's explicit styles; its docstring has
-the pattern, the collectives and the bytes per step).
+"""The hand-written ZeRO wrappers, for ANY nn.Module (ZeRO: Rajbhandari et al. 2020,
+arXiv:1910.02054; FSDP: Zhao et al. 2023, arXiv:2304.11277). The runner torch_impl/fsdp.py's
+docstring has the collectives and the bytes per step.
 
     model = FSDP(module)          # ZeRO-3: parameters, gradients and AdamW state sharded by rows
     model = Zero2(module)         # ZeRO-2: full parameters; gradients and AdamW state sharded
@@ -10,7 +11,7 @@ gains, biases) stay replicated and their gradients are averaged by ONE flat all-
 must be read inside the forward of a module that holds it: a read elsewhere while the wrapped
 forward runs raises ``ShardReadError`` naming it and the remedy. Frozen parameters are gathered,
 never reduce-scattered. ``comm_theory()`` / ``state_theory()`` come from the module wrapped
-(torch_impl.model_theory), so "vs theory" holds for a model the project does not own.
+(parallel/theory.py), so "vs theory" holds for a model the project does not own.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from torch_impl import model_theory
+from torch_impl.parallel import theory
 
 
 class Unit:
@@ -160,7 +161,7 @@ class FSDP(nn.Module):
         self.module, self.compute_dtype = module, compute_dtype
         self.group = group if group is not None else dist.group.WORLD
         self.n, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        self._infos = model_theory.describe(module)  # full shapes, before sharding: comm_theory()
+        self._infos = theory.describe(module)  # full shapes, before sharding: comm_theory()
         self.units, self.replicated = split_params(module, rank, self.n)
         self.unit_of_name = {}  # parameter name -> Unit (shards keep their original names)
         shard_ids = {id(u.shard): u for _, _, u in self.units}
@@ -307,22 +308,22 @@ class FSDP(nn.Module):
         average_flat([p.grad for _, _, p in self.replicated if p.grad is not None], self.group)
 
     def comm_theory(self) -> dict[str, tuple[int, int]]:
-        """Per step per rank, from the module wrapped (model_theory.zero3_comm): an all-gather per
+        """Per step per rank, from the module wrapped (theory.zero3_comm): an all-gather per
         holder of each unit in forward, a reduce-scatter per holder of each trainable one, one
         all-reduce of the trainable vectors, and a re-gather in backward of each unit whose weight
         the last forward kept for backward (before any forward: every unit not held by an
-        nn.Embedding — model_theory.default_regathered)."""
+        nn.Embedding — theory.default_regathered)."""
         regathered = None
         if hasattr(self, "_bwd_order"):
             names = {id(u): name for name, u in self.unit_of_name.items()}
             regathered = [names[id(u)] for u in self._bwd_order if id(u) in names]
         itemsize = torch.empty((), dtype=self.compute_dtype).element_size() if self.compute_dtype else None
-        return model_theory.zero3_comm(self._infos, self.n, regathered, itemsize)
+        return theory.zero3_comm(self._infos, self.n, regathered, itemsize)
 
     def state_theory(self) -> dict[str, int]:
         """Per rank with AdamW: shards of every unit (⌈R/N⌉ rows), vectors whole; gradients and 2
-        moments of the trainable ones (model_theory.zero3_state)."""
-        return model_theory.zero3_state(self._infos, self.n)
+        moments of the trainable ones (theory.zero3_state)."""
+        return theory.zero3_state(self._infos, self.n)
 
     def full_tensor(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's tensor of parameter ``name`` (shard or replicated; parameter or gradient)
@@ -348,7 +349,7 @@ class Zero2:
         self.module, self.group = module, group if group is not None else dist.group.WORLD
         self.n, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.names, self.params, self.units, self._pending = [], [], {}, []
-        self._infos = model_theory.describe(module)
+        self._infos = theory.describe(module)
         for name, p in module.named_parameters():
             if not p.requires_grad:
                 continue  # frozen: no gradient to reduce, nothing to update (as BucketedDDP / Zero1 / FSDP)
@@ -363,12 +364,12 @@ class Zero2:
             p.register_post_accumulate_grad_hook(lambda p, u=unit: self._reduce_scatter(u, p))
 
     def comm_theory(self) -> dict[str, tuple[int, int]]:
-        """Per step per rank (model_theory.zero2_comm): a reduce-scatter and an all-gather per
+        """Per step per rank (theory.zero2_comm): a reduce-scatter and an all-gather per
         trainable unit (rows padded to N), one all-reduce of the trainable vectors."""
-        return model_theory.zero2_comm(self._infos, self.n)
+        return theory.zero2_comm(self._infos, self.n)
 
     def state_theory(self) -> dict[str, int]:
-        return model_theory.zero2_state(self._infos, self.n)
+        return theory.zero2_state(self._infos, self.n)
 
     def _reduce_scatter(self, unit: Unit, p: nn.Parameter) -> None:
         out = torch.empty_like(unit.shard)  # (⌈R/N⌉, …)

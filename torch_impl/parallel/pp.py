@@ -1,6 +1,7 @@
-"""Pipeline parallelism (GPipe, 1F1B) for ANY nn.Module that offers a stage split: the twin of
-jax_impl/pp_seam.py. pp.py has the pattern (GPipe, 1F1B, interleaved, ZB-H1 by hand and builtin) for
-the project's blocks; here the stages may differ in everything but the message between them.
+"""Pipeline parallelism (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2021) for ANY nn.Module
+that offers a stage split: the twin of jax_impl/parallel/pp.py. The runner torch_impl/pp.py has the
+pattern (GPipe, 1F1B, interleaved, ZB-H1 by hand and builtin) for the project's blocks; here the
+stages may differ in everything but the message between them.
 
 What a model must offer (the seam): a forward that IS a chain of submodules, given as module paths
 per stage — ``stages=[["embed", "blocks.0"], ["blocks.1", "norm", "head"]]`` — so that
@@ -17,7 +18,7 @@ Built on torch.distributed.pipelining, the path a user would take: this rank's m
 ``nn.Sequential`` (the model's own modules: they train in place), one ``PipelineStage`` given the
 message's shape (no shape-inference round trip), ``ScheduleGPipe`` or ``Schedule1F1B`` with
 ``loss_fn=loss`` and ``scale_grads=True`` (the summed micro-batch gradients divided by M: the
-full-batch mean's). The project's hand-written schedules (pp.py) build their stages from the
+full-batch mean's). The project's hand-written schedules (torch_impl/pp.py) build their stages from the
 project's Config, so they are not used here. Sharded: stage s's parameters, gradients and optimizer
 state on rank s; the batch cut into M micro-batches along dim 0 (inputs read by stage 0, targets
 by stage S−1). Per step per rank: the message forward and its gradient back across each boundary

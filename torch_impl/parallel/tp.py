@@ -1,5 +1,5 @@
-"""A tensor-parallel PLAN applied to any ``nn.Module``: the model-generic half of tp (tp.py has the
-collectives, the project's plans and the training step).
+"""A tensor-parallel PLAN applied to any ``nn.Module`` (Megatron-LM, Shoeybi et al. 2019,
+arXiv:1909.08053 §3; sequence parallelism: Korthikanti et al. 2022, arXiv:2205.05198 §4.2.2).
 
     styles = check_plan(model, {"layers.*.attn.q": "colwise", "layers.*.attn.o": "rowwise"}, tp=2)
     styles = apply_plan(model, plan, group)            # explicit: shards + Megatron's f/g as hooks
@@ -7,16 +7,28 @@ collectives, the project's plans and the training step).
     full = full_tensors(model, styles, group)          # every parameter whole again (padding dropped)
 
 A plan maps module paths (``*`` = one path segment, as ``parallelize_module`` and torchtitan's
-``parallelize_llama``) to the styles listed in tp.py's docstring. ``check_plan`` refuses, before
-anything changes or communicates, what ``apply_plan`` cannot carry out exactly — a key matching no
-module, a style on a module it cannot split, sizes not divisible by tp, part of an attention head
-on a rank, one tied parameter split two ways, sequence parallelism leaving a replicated parameter
-unplanned — with one ``PlanError`` naming what, the module path and the fix. Biases: colwise splits
-them with the rows, rowwise adds them once, after g. Vocabularies: any V (embedding and head rows
-padded to ⌈V/tp⌉ per rank, the head's padded logits −inf so the softmax ignores them). Sibling
-projections that read the same input (q, k, v; gate, up) share one f (``SharedEnter``): a
-Llama-style block pays Megatron's 2 all-reduces forward and 2 backward, not one per projection.
-What a model must offer: docs/tp.md, "Bring your own model".
+``parallelize_llama``) to a style (weights as nn.Linear stores them, (out, in)):
+
+    colwise        rows of weight (output features) split; f before (identity fwd, all-reduce bwd)
+    colwise_heads  colwise over whole heads: rows [q_r; k_r; v_r] of W_qkv (heads_perm reorders)
+    rowwise        columns (input features) split; g after (all-reduce fwd, identity bwd)
+    vocab_embed    embedding rows [r·V/tp, (r+1)·V/tp); other tokens give zero rows; g after
+    colwise_vocab  the LM head: colwise, logits stay split (B, T, V/tp) for VocabParallelCrossEntropy
+    colwise_out    colwise + all-gather of the output (MLP, odd L: the last layer; bwd a slice)
+    colwise_gather colwise + all-gather, no f (MLP allgather scheme: bwd reduce-scatter)
+    sequence       (SP) weight replicated, runs on this rank's T/tp tokens; gradient partial
+    positions      (SP) a position embedding: as sequence, its input cut to this rank's T/tp first
+
+Under SP, f becomes an all-gather of the sequence (bwd reduce-scatter) and g a reduce-scatter (bwd
+all-gather): the same wire bytes. The collectives are parallel/tp_ops.py's autograd Functions.
+``check_plan`` refuses, before anything changes or communicates, what ``apply_plan`` cannot carry out
+exactly — a key matching no module, a style on a module it cannot split, sizes not divisible by tp,
+part of an attention head on a rank, one tied parameter split two ways, sequence parallelism leaving
+a replicated parameter unplanned — with one ``PlanError`` (what, module path, fix). Biases: colwise
+splits them, rowwise adds them once after g. Vocabularies: any V (rows padded to ⌈V/tp⌉, the head's
+padded logits −inf). Sibling projections reading the same input (q, k, v; gate, up) share one f
+(``SharedEnter``): Megatron's 2 all-reduces per block forward and 2 backward. What a model must
+offer: docs/tp.md, "Bring your own model".
 """
 
 from __future__ import annotations
@@ -27,13 +39,15 @@ from fnmatch import fnmatch
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
-from torch_impl.tp import (
-    DTENSOR_SP_STYLES,
-    DTENSOR_STYLES,
-    SEQUENCE_STYLES,
-    SHARD_DIM,
+from torch_impl.parallel.tp_ops import (
     CopyToTP,
     GatherColumns,
     ReduceFromTP,
@@ -42,6 +56,29 @@ from torch_impl.tp import (
     sp_gather,
     sp_scatter,
 )
+
+DTENSOR_STYLES = {
+    "vocab_embed": lambda: RowwiseParallel(input_layouts=Replicate()),  # as torchtitan's tok_embeddings
+    "colwise_heads": lambda: ColwiseParallel(),  # rows pre-permuted by heads_perm
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "colwise_vocab": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    "colwise_out": lambda: ColwiseParallel(output_layouts=Replicate()),
+}
+# Sequence parallelism: the same splits, and the modules between the matmuls run on this rank's
+# T/tp tokens. Their weights stay replicated with partial gradients.
+SEQUENCE_STYLES = ("sequence", "positions")
+DTENSOR_SP_STYLES = {  # torchtitan's parallelize_llama with sequence parallel
+    "vocab_embed": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "colwise_heads": lambda: ColwiseParallel(input_layouts=Shard(1)),  # all-gather the sequence first
+    "colwise": lambda: ColwiseParallel(input_layouts=Shard(1)),
+    "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)),  # reduce-scatter to the sequence shard
+    "colwise_vocab": lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    "sequence": lambda: SequenceParallel(),
+    "positions": lambda: SequenceParallel(sequence_dim=0, use_local_output=True),  # after local_positions
+}
+SHARD_DIM = {"colwise": 0, "colwise_heads": 0, "colwise_vocab": 0, "colwise_out": 0, "colwise_gather": 0,
+             "rowwise": 1, "vocab_embed": 0}  # dim of the torch weight that is split
 
 
 def matches(path: str, pattern: str) -> bool:

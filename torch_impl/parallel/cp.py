@@ -1,13 +1,14 @@
-"""Context parallelism for ANY nn.Module that offers the attention seam: the twin of
-jax_impl/cp_seam.py. cp.py has the pattern (ring, ring_zigzag, ulysses), the collectives and the
-bytes; the project's transformer plugs the same cores into its own ``Attention.core`` hook.
+"""Context parallelism for ANY nn.Module that offers the attention seam, and its cores (ring
+attention, Liu et al. 2023, arXiv:2310.01889; its zigzag layout; DeepSpeed-Ulysses, Jacobs et al.
+2023, arXiv:2309.14509). The runner torch_impl/cp.py has the pattern's details and plugs the same
+cores into the project's transformer (``Attention.core``); the twin: jax_impl/parallel/cp.py.
 
 What a model must offer (the seam):
-  1. its attention through ``cp_seam.attention(q, k, v)`` — SDPA's signature, q, k, v (B, H, T, dh)
+  1. its attention through ``attention(q, k, v)`` (this module's) — SDPA's signature, q, k, v (B, H, T, dh)
      -> (B, H, T, dh) — which is CAUSAL attention (no attn_mask, no dropout, no other scale:
      refused). Outside a cp step it attends over the whole sequence (your single-process runs);
      inside, over this rank's T/N positions with the ring (or Ulysses) over the group.
-     transformers models: ``cp_seam.register()`` adds it to ``transformers.AttentionInterface`` (and
+     transformers models: ``register()`` adds it to ``transformers.AttentionInterface`` (and
      a mask function that makes no mask and refuses padding to ``AttentionMaskInterface``) as
      "parallel_twins_cp"; build the model with ``attn_implementation="parallel_twins_cp"``.
   2. positions as an input: ``loss(model, *batch, positions)`` gets the GLOBAL position of every
@@ -24,7 +25,7 @@ positions (T/N,); every parameter replicated. Each rank's loss is its local mean
 flat all-reduce of the gradients with the loss and a refusal flag (see _refuse) appended,
 divided by N, makes every rank's gradients the global mean's: (Φ + 2)·b. Per seam call (a = one
 rank's K: B·H·T/N·dh·b): ring (3N−2) sends (and as many receives) of K|V, 2a
-(torch_impl.cp.RingAttention); ulysses 8 all-to-alls of a (torch_impl.cp.UlyssesCore).
+(``RingAttention``); ulysses 8 all-to-alls of a (``UlyssesCore``).
 ``comm_theory()`` counts them from the calls the last step saw.
 A model that never calls the seam is refused at the first step (it would attend within its own
 T/N tokens only — silently wrong); one that calls it for some attention layers and not others cannot
@@ -41,9 +42,10 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
-from shared.theory import cp_positions
-from torch_impl.cp import RingCore, UlyssesCore
+from shared.theory import cp_chunks, cp_positions
+from torch_impl.parallel.tp_ops import Transposed
 
 VARIANTS = ("ring", "ring_zigzag", "ulysses")
 NAME = "parallel_twins_cp"  # the transformers attention implementation ``register`` adds
@@ -66,12 +68,12 @@ def causal(q, k, v):
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=True, scale=None, **_):
     """F.scaled_dot_product_attention's place: causal attention, over the group inside a cp step."""
     if attn_mask is not None or not is_causal:
-        raise SeamError("cp_seam.attention is causal attention over the global positions; it takes no attn_mask "
+        raise SeamError("cp.attention is causal attention over the global positions; it takes no attn_mask "
                         "(the ring masks by position): call it without attn_mask=, is_causal=True")
     if dropout_p:
-        raise SeamError("cp_seam.attention has no attention dropout: call it with dropout_p=0")
+        raise SeamError("cp.attention has no attention dropout: call it with dropout_p=0")
     if scale is not None and scale != query.shape[-1] ** -0.5:
-        raise SeamError(f"cp_seam.attention scales by dh**-0.5 = {query.shape[-1] ** -0.5}, not {scale}")
+        raise SeamError(f"cp.attention scales by dh**-0.5 = {query.shape[-1] ** -0.5}, not {scale}")
     active = _ACTIVE.get()
     if active is None:
         return causal(query, key, value)
@@ -162,8 +164,7 @@ class Trainer:
         return (*(a[:, pos] for a in arrays), pos)
 
     def _core(self, t: int):
-        seq = SimpleNamespace(seq=t)  # the cores read cfg.seq only
-        return UlyssesCore(seq, self.group) if self.variant == "ulysses" else RingCore(seq, self.variant, self.group)
+        return UlyssesCore(t, self.group) if self.variant == "ulysses" else RingCore(t, self.variant, self.group)
 
     def train_step(self, *batch) -> float:
         *local, pos = self.shard_batch(*batch)
@@ -172,9 +173,9 @@ class Trainer:
         with _active(seen):
             value = self.loss(self.model, *local, pos)  # mean over this rank's B·T/N tokens
         if not seen.calls:
-            raise SeamError("the model never called cp_seam.attention: each rank would attend within its own T/N "
-                            "tokens. Route its attention through cp_seam.attention (transformers: "
-                            f"attn_implementation={NAME!r} after cp_seam.register())")
+            raise SeamError("the model never called cp.attention (torch_impl.parallel.cp): each rank would attend "
+                            "within its own T/N tokens. Route its attention through it (transformers: "
+                            f"attn_implementation={NAME!r} after cp.register())")
         value.backward()
         self.calls = seen.calls
         grads = [p.grad for p in self.params]
@@ -226,3 +227,144 @@ def context_parallel(model: nn.Module, loss: Callable, optimizer: Callable, grou
         for p in model.parameters() if n > 1 else ():
             dist.broadcast(p, dist.get_global_rank(group, 0), group=group)
     return Trainer(model, loss, optimizer, group, variant)
+
+
+# --- ring attention ---------------------------------------------------------------------------------
+
+
+def ring_exchange(t: torch.Tensor, group) -> tuple[torch.Tensor, list]:
+    """Start sending ``t`` to r+1 and receiving its successor from r−1 (ONE message each way).
+    Returns (receive buffer, works to wait on)."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    nxt = torch.empty_like(t)
+    to, frm = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
+    return nxt, dist.batch_isend_irecv([dist.P2POp(dist.isend, t, to, group), dist.P2POp(dist.irecv, nxt, frm, group)])
+
+
+def wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+def scores(q: torch.Tensor, k: torch.Tensor, diag: bool) -> torch.Tensor:
+    """Scaled q·kᵀ of one chunk pair (B, H, c, c); on the diagonal the future is −inf."""
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5  # (B, H, c, c)
+    if diag:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+class RingCore:
+    """``Attention.core`` for ring / ring_zigzag; ``scores``: entries computed in the last forward."""
+
+    def __init__(self, seq: int, variant: str, group):
+        self.group, self.variant, self.scores = group, variant, 0
+        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.local_seq = seq // self.n  # seq: the global sequence length T
+
+    def __call__(self, q, k, v):
+        assert q.shape[2] == k.shape[2] == v.shape[2] == self.local_seq, q.shape  # (B, H, T/N, dh)
+        return RingAttention.apply(q, k, v, self)
+
+
+def pairs(core: RingCore, src: int):
+    """(local q chunk index, kv chunk index within the block of rank ``src``, diagonal?) of every chunk
+    pair this rank computes at the hop holding ``src``'s K|V (kv chunk ≤ q chunk)."""
+    mine, theirs = cp_chunks(core.n, core.rank, core.variant), cp_chunks(core.n, src, core.variant)
+    return [(a, b, qc == kc) for a, qc in enumerate(mine) for b, kc in enumerate(theirs) if kc <= qc]
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of the local q over every rank's K|V, passed around the ring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, core: RingCore):
+        n, r, nc = core.n, core.rank, len(cp_chunks(core.n, core.rank, core.variant))
+        qs = q.chunk(nc, dim=2)  # nc × (B, H, c, dh)
+        out = [torch.zeros_like(x) for x in qs]  # running outputs, normalised
+        lse = [torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype, device=x.device) for x in qs]  # (B, H, c)
+        kv, core.scores = torch.stack([k, v]), 0  # (2, B, H, T/N, dh): K|V, one message
+        for i in range(n):
+            nxt, works = ring_exchange(kv, core.group) if i < n - 1 else (None, [])  # before the compute
+            ks, vs = kv[0].chunk(nc, dim=2), kv[1].chunk(nc, dim=2)
+            for a, b, diag in pairs(core, (r - i) % n):
+                s = scores(qs[a], ks[b], diag)  # (B, H, c, c)
+                core.scores += s.numel()
+                blk_lse = torch.logsumexp(s, dim=-1)  # (B, H, c)
+                blk_out = torch.exp(s - blk_lse.unsqueeze(-1)) @ vs[b]  # (B, H, c, dh)
+                new = torch.logaddexp(lse[a], blk_lse)
+                old_w, blk_w = torch.exp(lse[a] - new).unsqueeze(-1), torch.exp(blk_lse - new).unsqueeze(-1)
+                out[a], lse[a] = old_w * out[a] + blk_w * blk_out, new  # (B, H, c, dh), (B, H, c)
+            wait(works)
+            kv = nxt
+        bsz, h, tl, dh = q.shape
+        lse = torch.cat(lse, dim=2)  # (B, H, T/N)
+        # (B, H, T/N, dh) laid out (B, T/N, H, dh) as SDPA's output, so W_o's input is a view of it
+        out = q.new_empty(bsz, tl, h, dh).transpose(1, 2).copy_(torch.cat(out, dim=2))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.core = core
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # (B, H, T/N, dh)
+        q, k, v, out, lse = ctx.saved_tensors
+        core = ctx.core
+        n, r, nc, scale = core.n, core.rank, len(cp_chunks(core.n, core.rank, core.variant)), q.shape[-1] ** -0.5
+        dq = torch.zeros_like(q)
+        qs, dqs, douts = q.chunk(nc, dim=2), dq.chunk(nc, dim=2), dout.chunk(nc, dim=2)
+        lses = lse.chunk(nc, dim=2)
+        deltas = (dout * out).sum(-1).chunk(nc, dim=2)  # D = rowsum(dout·out): nc × (B, H, c)
+        kv, dkv = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=k.dtype, device=k.device)  # (2, B, H, T/N, dh)
+        for i in range(n):
+            nxt, works = ring_exchange(kv, core.group) if i < n - 1 else (None, [])
+            ks, vs = kv[0].chunk(nc, dim=2), kv[1].chunk(nc, dim=2)
+            dks, dvs = dkv[0].chunk(nc, dim=2), dkv[1].chunk(nc, dim=2)  # views: accumulate in place
+            for a, b, diag in pairs(core, (r - i) % n):
+                p = torch.exp(scores(qs[a], ks[b], diag) - lses[a].unsqueeze(-1))  # (B, H, c, c) softmax
+                dvs[b].add_(p.transpose(-1, -2) @ douts[a])
+                ds = p * (douts[a] @ vs[b].transpose(-1, -2) - deltas[a].unsqueeze(-1))  # (B, H, c, c)
+                dqs[a].add_(ds @ ks[b] * scale)
+                dks[b].add_(ds.transpose(-1, -2) @ qs[a] * scale)
+            # dK|dV travel with their block: N hops (one rank: already home)
+            dkv, dworks = ring_exchange(dkv, core.group) if n > 1 else (dkv, [])
+            wait(works + dworks)
+            kv = nxt
+        return dq, dkv[0], dkv[1], None  # the last hop brought my block's dK|dV home
+
+
+# --- ulysses ----------------------------------------------------------------------------------------
+
+
+def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, H, T/N, dh) -> (B, H/N, T, dh): head group j goes to rank j, sequence chunks arrive in rank order."""
+    n = dist.get_world_size(group)
+    b, h, t, d = x.shape
+    send = x.reshape(b, n, h // n, t, d).transpose(0, 1).contiguous()  # (N, B, H/N, T/N, dh)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[j]: rank j's sequence chunk of my heads
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * t, d)
+
+
+def heads_to_seq(y: torch.Tensor, group) -> torch.Tensor:
+    """(B, H/N, T, dh) -> (B, H, T/N, dh): the inverse of ``seq_to_heads``."""
+    n = dist.get_world_size(group)
+    b, hn, t, d = y.shape
+    send = y.reshape(b, hn, n, t // n, d).permute(2, 0, 1, 3, 4).contiguous()  # (N, B, H/N, T/N, dh)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[j]: head group j of my sequence chunk
+    return recv.permute(1, 3, 0, 2, 4).reshape(b, t // n, n * hn, d).transpose(1, 2)  # laid out (B, T/N, H, dh)
+
+
+class UlyssesCore:
+    """``Attention.core`` for ulysses: 3 all-to-alls in, causal SDPA on H/N heads, 1 back."""
+
+    def __init__(self, seq: int, group):
+        self.group, self.scores, self.local_seq = group, 0, seq // dist.get_world_size(group)
+
+    def __call__(self, q, k, v):
+        assert q.shape[2] == self.local_seq and q.shape[1] % dist.get_world_size(self.group) == 0, q.shape
+        # each all-to-all's backward is the reverse one (tp_ops.Transposed)
+        q, k, v = (Transposed.apply(x, self.group, seq_to_heads, heads_to_seq) for x in (q, k, v))  # (B, H/N, T, dh)
+        self.scores = q.shape[0] * q.shape[1] * q.shape[2] ** 2  # the whole T×T, masked half included
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/N, T, dh)
+        return Transposed.apply(y, self.group, heads_to_seq, seq_to_heads)  # (B, H, T/N, dh)
