@@ -66,7 +66,7 @@ def hf_config(shape: LlamaShape) -> dict:
 
 
 def param_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
-    """Every parameter's name and shape, in transformers' order and orientation."""
+    """Every parameter's name and shape, in transformers' orientation."""
     D, F, V, hd = shape.dim, shape.ffn, shape.vocab, shape.head_dim
     H, KV = shape.heads * hd, shape.kv_heads * hd
     out = {"model.embed_tokens.weight": (V, D)}
@@ -76,7 +76,8 @@ def param_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.q_proj.weight": (H, D), p + "self_attn.k_proj.weight": (KV, D),
                 p + "self_attn.v_proj.weight": (KV, D), p + "self_attn.o_proj.weight": (D, H),
                 p + "post_attention_layernorm.weight": (D,),
-                p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D), p + "mlp.down_proj.weight": (D, F)}
+                p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+                p + "mlp.down_proj.weight": (D, F)}
     return out | {"model.norm.weight": (D,), "lm_head.weight": (V, D)}
 
 
