@@ -1,46 +1,23 @@
-"""Context parallelism (CP) with torch.distributed: the sequence is split over the cp ranks for
-the whole model.
+"""Context parallelism (CP) with torch.distributed, the runner: the sequence is split over the cp
+ranks for the whole model.
 
-Sharded: tokens, targets and their positions. Rank r holds the B full sequences' tokens at
-``shared.theory.cp_positions(T, N, r, variant)`` (ring / ulysses: T/N consecutive ones;
-ring_zigzag: chunks r and 2N−1−r of 2N), (B, T/N), and reads wpe at those positions. Every weight
-is replicated. Everything but attention is per token, hence local; attention needs every earlier
-key/value, which is what the variants do differently, through the ``Attention.core`` seam
-(q, k, v local (B, H, T/N, dh)). a = B·(T/N)·D·b: one rank's share of the residual stream, of Q,
-of K and of V.
+Sharded: tokens, targets and their positions (``shared.theory.cp_positions``: T/N consecutive
+ones; ring_zigzag: chunks r and 2N−1−r of 2N). Every weight is replicated. Only attention needs
+other ranks' keys and values, through the ``Attention.core`` seam (cores: torch_impl/parallel/cp.py).
+a = B·(T/N)·D·b, one rank's share of K (or Q, V, the residual stream).
 
-    explicit/ring         Ring attention (Liu et al. 2023, arXiv:2310.01889), ``RingAttention``
-                          (the cores: torch_impl/parallel/cp.py, beside the seam).
-                          Forward, hop i = 0…N−1: the K|V block (ONE message) goes to r+1 and the
-                          next comes from r−1 (batch_isend_irecv, started BEFORE this hop's
-                          compute); the visible chunk pairs (kv chunk ≤ q chunk; equal: causal mask
-                          inside; wholly in the future: skipped) are merged with an online softmax
-                          (running out + log-sum-exp: exact). Only q, k, v, out, lse are saved.
-                          Backward: K|V rotate again (N−1 hops) and the dK|dV accumulator (ONE
-                          message) travels with its block, N hops, the last bringing it home.
-                          Per layer 3N−2 sends of 2a (forward N−1, backward 2N−1).
-    explicit/ring_zigzag  The same ring over the load-balanced layout (Brandon et al. 2023,
-                          striped attention; zigzag as in ring-flash-attention): every hop ≥ 1
-                          computes exactly 2 of the 4 chunk pairs on every rank, so causal work is
-                          even (shared.theory.cp_attention_scores; ``extra["attention_scores"]``).
-    explicit/ulysses      DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv:2309.14509): q, k, v
-                          (B, H, T/N, dh) -> 3 all-to-alls -> (B, H/N, T, dh), causal SDPA over the
-                          whole sequence for H/N heads, 1 all-to-all back; each all-to-all's
-                          backward is the reverse one: 8 all-to-alls of a per layer and step.
-    builtin/context_parallel  torch.distributed.tensor.experimental.context_parallel: buffers
-                          (tokens, targets, positions) sharded by its head-tail load balancer (the
-                          zigzag layout when 2N | T), SDPA monkey-patched into its ring (K|V
-                          rotated by an all-gather, its default). CUDA (NCCL) and float32 only:
-                          see ``BUILTIN_REFUSAL``.
+    explicit/ring         K|V (one message) hop to r+1 each of N−1 hops, merged by an online softmax;
+                          backward: K|V rotate again and dK|dV travel home: per layer 3N−2 sends of 2a
+    explicit/ring_zigzag  the same ring over the load-balanced layout: causal work even per rank
+    explicit/ulysses      3 all-to-alls sequence -> heads, attention over the whole sequence for H/N
+                          heads, 1 back; each one's backward the reverse: 8 all-to-alls of a per layer
+    builtin/context_parallel  torch's experimental context_parallel (CUDA and float32 only:
+                          ``BUILTIN_REFUSAL``)
 
-Loss: mean cross-entropy over this rank's B·T/N tokens; the ranks' token counts are equal, so the
-mean over ranks is the global mean (loss_reduction "mean"). The replicated weights' gradients are
-averaged over cp by torch_impl.parallel.dp.BucketedDDP: one bucket, one all-reduce of Φ·b.
-Bytes per step per rank: shared.theory.cp_comm — ring L·(3N−2)·2a + Φ·b; ulysses 8L·a + Φ·b.
-Activation memory per rank (bytes saved for backward, S on one device): every activation is per
-token and the ring saves q, k, v, out, lse of its tokens as SDPA does of all, so ring holds
-(S − b)/N + b (b: the loss's 0-d weight); ulysses also keeps the all-to-all's output that W_o
-saves, + L·a (tests/test_cp.py measures both).
+The replicated weights' gradients: one all-reduce of Φ·b (BucketedDDP, one bucket).
+Bytes per step per rank (shared.theory.cp_comm): ring L·(3N−2)·2a + Φ·b; ulysses 8L·a + Φ·b.
+Papers: ring attention, Liu et al. 2023 (arXiv:2310.01889); striped/zigzag, Brandon et al. 2023;
+DeepSpeed-Ulysses, Jacobs et al. 2023 (arXiv:2309.14509).
 """
 
 from __future__ import annotations

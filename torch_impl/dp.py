@@ -1,36 +1,25 @@
-"""Data parallelism (DP) with torch.distributed: every rank holds the whole model, trains on its
-slice of the global batch, and the gradients are averaged across ranks before the update.
+"""Data parallelism (DP) and ZeRO-1 with torch.distributed, the runner: every rank holds the whole
+model, trains on its slice of the batch, and the gradients are averaged before the update.
 
-Sharded: the batch only. Rank r takes rows r·B/N … (r+1)·B/N: the MLP's (B/dp, D) inputs, the
-transformer's (B/dp, T) tokens and targets. Its loss is the local mean (MLP mean(out²),
-transformer mean cross-entropy over its B/dp·T positions); equal shards make the mean over ranks
-the global mean. Weights and gradients are replicated; so is the AdamW state, except in ZeRO-1,
-which splits it in N slices. Nothing here knows the model: any nn.Module, its parameters in
-named_parameters() order (the transformer's 1-D norm gains and (V, D) embeddings included).
+Sharded: the batch only (rank r: rows r·B/N … (r+1)·B/N). Weights and gradients are replicated;
+so is the AdamW state, except in ZeRO-1, which splits it in N slices.
 
-    explicit/naive     CS336 lecture 8: after backward, one blocking all-reduce per gradient.
-    explicit/bucketed  A DDP-style wrapper (Li et al. 2020, "PyTorch Distributed", VLDB):
-                       gradients are packed into ~bucket_mb buckets, in reverse order of
-                       registration, and each bucket's all-reduce starts asynchronously from
-                       gradient hooks DURING backward, overlapping the rest of the backward pass.
-    explicit/zero1     ZeRO stage 1 (Rajbhandari et al. 2020, "ZeRO"): reduce-scatter the
-                       gradients, each rank steps AdamW on its 1/N slice only, all-gather params.
-    builtin/ddp        torch.nn.parallel.DistributedDataParallel.
+    explicit/naive     after backward, one blocking all-reduce per gradient (CS336 lecture 8)
+    explicit/bucketed  DDP-style buckets in reverse order, each all-reduced asynchronously from
+                       gradient hooks during backward (overlapping the rest of it)
+    explicit/zero1     reduce-scatter the gradients, AdamW on this rank's 1/N, all-gather params
+    builtin/ddp        torch.nn.parallel.DistributedDataParallel
 
-Communication per step and rank (payload S as nccl-tests counts it, shared.theory; Φ of either
-model, cfg.n_params; the embedding gradients are dense (V, D) and (T, D) tensors, sent whole):
-    naive                  bwd: one all-reduce per parameter tensor   Φ·b   = dp_comm_bytes
-    bucketed, DDP          bwd: ⌈Φ·b / bucket⌉ all-reduces, overlapped Φ·b   = dp_comm_bytes
-    zero1                  reduce-scatter dW + all-gather W           2·Φ·b = zero1_comm_bytes
-On a ring both put 2·Φ·b·(N−1)/N bytes on the wire per rank: ZeRO-1 saves memory, not traffic.
-The run's ``comm_theory`` comes from the module wrapped (torch_impl/parallel/theory.py: the trainable
-parameters, each tied one once, ZeRO-1's flat Φ padded to N), so it is right for any nn.Module;
-on the project's models it equals the Config formulas above. The wrappers answer the same
-(``BucketedDDP.comm_theory()`` / ``state_theory()``, ``Zero1Optimizer.comm_theory()`` / ``state_theory()``).
-The reported loss is the mean of the ranks' local losses, all-reduced AFTER the recorded step
-(torch_impl.harness): bookkeeping, so the ledger holds gradient (and parameter) traffic only.
-The wrappers live in torch_impl/parallel/dp.py; this runner builds the project's models around them:
-each variant is a harness.Setup (make_setup); train() runs it through harness.train_loop.
+Collectives: none in forward; in backward an all-reduce of every gradient (zero1: a reduce-scatter,
+then an all-gather of the updated parameters after the step).
+Bytes per step per rank (payload S as nccl-tests counts it; shared/theory/dp.py): dp, bucketed,
+DDP Φ·b; zero1 2·Φ·b (the same wire traffic as one all-reduce: ZeRO-1 saves memory, not bytes).
+``comm_theory`` comes from the module wrapped (torch_impl/parallel/theory.py), right for any module.
+The loss is averaged over ranks after the recorded step, outside the ledger.
+
+The wrappers live in torch_impl/parallel/dp.py; this runner builds the project's models around them
+(make_setup) and runs them through harness.train_loop.
+Papers: PyTorch DDP, Li et al. 2020 (arXiv:2006.15704); ZeRO, Rajbhandari et al. 2020 (arXiv:1910.02054).
 """
 
 from __future__ import annotations

@@ -1,56 +1,25 @@
-"""Expert parallelism (EP) with torch.distributed: the mixture-of-experts transformer's experts are
-sharded over the ep ranks, tokens travel to their experts by all-to-all.
+"""Expert parallelism (EP) with torch.distributed, the runner: the MoE transformer's experts are
+sharded over the ep ranks; tokens travel to their experts by all-to-all.
 
-Sharded: rank r owns experts ``shared.theory.ep_experts_of(cfg, r)`` = [r·E/N, (r+1)·E/N) of every
-MoE layer, whole (its slice of the stacked ``w_up`` (E/N, D, 4D) and ``w_down`` (E/N, 4D, D)), and
-sequences [r·B/N, (r+1)·B/N) of the batch (EP inside DP, as GShard and DeepSpeed-MoE lay it out):
-n = B·T/N tokens. Embeddings, attention, norms, routers and the head are replicated.
+Sharded: rank r owns experts [r·E/N, (r+1)·E/N) of every MoE layer, whole, and sequences
+[r·B/N, (r+1)·B/N) of the batch (EP inside DP): n = B·T/N tokens. Embeddings, attention, norms,
+routers and the head are replicated.
 
-Per MoE layer, on every rank (the ``MoE.global_counts`` and ``MoE.dispatch`` seams of
-torch_impl/transformer.py; routing, gating and the sort by expert are the model's own):
-  1. counts exchange: ONE ``all_gather_single`` of the (E,) int64 per-expert counts -> C (N, E),
-     C[src][e] = assignments of src's tokens to expert e. It gives the split sizes (send to dst:
-     Σ_{e of dst} C[me][e]; receive from src: Σ_{e mine} C[src][e]) and the global f_e = Σ_src C[src][e]
-     of the balancing loss (Switch Transformer, Fedus et al. 2021, arXiv:2101.03961).
-  2. dispatch: the k·n assignment rows, sorted by expert, -> ``all_to_all_single`` with those uneven
-     splits (Megatron-Core's token dispatcher, MoEAlltoAllTokenDispatcher, does the same: counts
-     first, then the variable-size all-to-all). Rows arrive by source rank, then expert.
-  3. regroup by local expert, run each local expert MLP, restore the (source, expert) order.
-  4. combine: the reverse all-to-all brings every row home; the model unsorts and weights by gates.
-Backward: each all-to-all's backward is the reverse all-to-all (splits swapped): the combine's
-sends k·n rows, the dispatch's the received ones. Dropless: no capacity, nothing padded (GShard,
-Lepikhin et al. 2020, arXiv:2006.16668, and Shazeer et al. 2017 cap each expert; we never drop).
+Per MoE layer (the ``MoE.global_counts`` / ``MoE.dispatch`` seams; the pieces: torch_impl/parallel/ep.py):
+  1. ONE all-gather of the (E,) int64 counts: the uneven splits and the balancing loss's global f;
+  2. dispatch: the k·n assignment rows, sorted by expert, by ``all_to_all_single`` with uneven splits;
+  3. the local experts; 4. combine: the reverse all-to-all brings every row home.
+Backward: each all-to-all's backward is the reverse all-to-all. Dropless: no capacity, no padding.
+The replicated gradients: ONE flat all-reduce; an expert's gradient stays on its owner.
 
-    (the all-to-alls and the Dispatcher: torch_impl/parallel/ep.py)
-    explicit/dropless  ``AllToAll``, a hand-written autograd Function around ``dist.all_to_all_single``.
-    builtin/dropless   core torch 2.13 has NO expert-parallel building block: no "expert"/"moe" module
-                       in torch.distributed (torchtitan's ExpertParallel / GroupedExperts live in
-                       torchtitan; FSDP2 only mentions MoE for ``shard_placement_fn``); the MoE
-                       all-to-alls of ``torch.distributed._symmetric_memory`` (ops
-                       ``symm_mem::all_to_all_vdev``, ``all_to_all_vdev_2d``,
-                       ``all_to_all_vdev_2d_offset``) are private, NVSHMEM/CUDA-only, and this CPU
-                       build registers no kernel for them. So the builtin row is the closest
-                       builtin: the autograd-aware functional collective
-                       ``torch.distributed._functional_collectives.all_to_all_single_autograd``, what
-                       torchtitan's ExpertParallel calls (in 2.13 an alias of ``all_to_all_single``,
-                       whose op ``_c10d_functional::all_to_all_single`` carries the reverse
-                       all-to-all as its registered backward). The public
-                       ``torch.distributed.nn.functional.all_to_all_single`` is deprecated
-                       (FutureWarning) in its favour. Risk: the module is private; if a newer torch
-                       drops the alias we fall back to ``all_to_all_single`` (same op).
+    explicit/dropless  ``AllToAll``, a hand-written autograd Function around dist.all_to_all_single
+    builtin/dropless   the autograd-aware functional all-to-all (core torch has no EP building
+                       block; docs/ep.md says why this is the closest builtin)
 
-Loss: mean CE over the local n tokens + Σ_l aux_l (global f from C, local P_e); equal token counts
-make the mean over ranks the global loss (loss_reduction "mean"). Gradients: the replicated ones
-averaged by ONE flat all-reduce (torch_impl.parallel.fsdp.average_flat); an expert's owner already holds
-Σ_ranks d(loss_r)/dW_e (every rank's rows came back through the combine's backward): × 1/N, no
-communication (DeepSpeed-MoE, Rajbhandari et al. 2022, arXiv:2201.05596: expert gradients reduce over
-the expert-data-parallel group only, here of size 1).
-Bytes per step per rank (shared.theory.ep_comm_torch, on the step's own routing):
+Bytes per step per rank (shared.theory.ep_comm_torch, on the step's own routing counts):
     Σ_l [ N·E·8 + 2·(k·n + received_l)·D·b ] + ep_replicated_params·b
-State per rank: the replicated parameters + E/N experts per layer (shared.theory.ep_state_bytes_torch).
-Activation memory per rank (saved for backward): attention, norms and the head are per token (1/N of
-one device's); the experts' hidden activations follow the rows a rank RECEIVES, i.e. the routing
-(measured, L=2 D=16 B=4 T=8 E=4 k=2 float64: one device 296 KB, ep = 4 ranks 68-88 KB, sum 298 KB).
+Papers: GShard, Lepikhin et al. 2020 (arXiv:2006.16668); Switch Transformer, Fedus et al. 2021
+(arXiv:2101.03961); DeepSpeed-MoE, Rajbhandari et al. 2022 (arXiv:2201.05596); Megatron-Core's dispatcher.
 """
 
 from __future__ import annotations

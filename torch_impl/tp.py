@@ -1,66 +1,26 @@
-"""Tensor parallelism (TP, Megatron-LM: Shoeybi et al. 2019, arXiv:1909.08053, §3): every weight
-matrix is split over the tp ranks; every rank sees the full batch.
+"""Tensor parallelism (TP) with torch.distributed, the runner: every weight matrix split over the tp
+ranks; every rank sees the full batch.
 
-A TP layout is a PLAN: a small table from module path (``*`` = one path segment, as in
-``parallelize_module`` and torchtitan's ``parallelize_llama``) to a parallel style, applied to any
-model by one function of torch_impl/parallel/tp.py: ``apply_plan`` (explicit: sharded weights +
-Megatron's f/g as module hooks, parallel/tp_ops.py) or ``apply_dtensor_plan`` (builtin:
-``parallelize_module`` with ``DTENSOR_STYLES``). This runner builds the project's models, picks
-their plan (TRANSFORMER_PLAN / SP_PLAN beside the transformer, ``mlp_plan`` beside the MLP) and
-runs the step.
-Styles (weights as nn.Linear stores them, (out, in)):
+A TP layout is a PLAN (module path -> style) applied by torch_impl/parallel/tp.py: ``apply_plan``
+(explicit: shards + Megatron's f/g as hooks, parallel/tp_ops.py) or ``apply_dtensor_plan`` (builtin:
+``parallelize_module``). This runner picks the project's plans (TRANSFORMER_PLAN, SP_PLAN, ``mlp_plan``).
 
-    colwise        rows of weight (output features) split; f before (identity fwd, all-reduce bwd)
-    colwise_heads  colwise over whole heads: rows [q_r; k_r; v_r] of W_qkv (heads_perm reorders)
-    rowwise        columns (input features) split; g after (all-reduce fwd, identity bwd)
-    vocab_embed    embedding rows [r·V/tp, (r+1)·V/tp); other tokens give zero rows; g after
-    colwise_vocab  the LM head: colwise, logits stay split (B, T, V/tp) for vocab_parallel_ce
-    colwise_out    colwise + all-gather of the output (MLP, odd L: the last layer; bwd a slice)
-    colwise_gather colwise + all-gather, no f (MLP allgather scheme: bwd reduce-scatter)
-    sequence       (SP) weight replicated, runs on this rank's T/tp tokens; gradient partial
-    positions      (SP) wpe: as sequence, its input (the positions) cut to this rank's T/tp first
+Sharded (transformer): attention by whole heads (W_qkv colwise_heads, W_o rowwise), W_up colwise,
+W_down rowwise, the embedding and head by vocabulary rows; norms and wpe replicated.
+Collectives: f (identity fwd, all-reduce bwd) before each column-parallel matmul, g (all-reduce fwd,
+identity bwd) after each row-parallel one and the embedding; the vocab-parallel loss all-reduces a
+MAX of (B, T) and a SUM of (2, B, T) (DTensor's loss_parallel: 3 of (B, T)); its backward is local.
+Bytes per step per rank: (4L+2)·B·T·D·b + 3·B·T·b (shared.theory.tp_transformer_comm).
+MLP (CS336 lecture 8): allgather (every layer colwise + all-gather; MLP only) or megatron
+(colwise/rowwise pairs) (shared.theory.tp_comm_bytes).
 
-Any model (parallel/tp.py; docs/tp.md, "Bring your own model"): ``check_plan`` refuses, before anything changes,
-what ``apply_plan`` cannot do exactly (a key matching nothing, a style on a module it cannot split,
-sizes not divisible by tp, part of a head on a rank, tied parameters split unlike, SP leaving a
-replicated parameter unplanned) with one ``PlanError`` (what, module path, fix). Biases: colwise
-splits them, rowwise adds them once after g. Vocabularies: any V (rows padded to ⌈V/tp⌉, the
-head's padded logits −inf). Sibling projections reading the same input share one f (SharedEnter).
-
-Transformer (TRANSFORMER_PLAN; norms and wpe replicated): per block 2 all-reduces of B·T·D
-forward (g after attn.o, mlp.down) and 2 backward (f before attn.qkv, mlp.up); plus the embedding's
-g (fwd) and the head's f (bwd), and the vocab-parallel loss's all-reduces: MAX of the row max
-(B, T), SUM of (2, B, T) (target logit, Σexp; DTensor's loss_parallel: 3 of (B, T)); its backward
-is local (softmax − onehot on the own vocab slice). Per step per rank: (4L+2)·B·T·D·b + 3·B·T·b
-(shared.theory.tp_transformer_comm). The norm gains and wpe see
-identical inputs and gradients on every rank (f/g keep the residual stream replicated): no
-collective for them, and ``fixture`` asserts the ranks agree. The full logits never exist.
-
-MLP (the CS336 lecture-8 model, ``mlp_plan``): allgather — every layer colwise_gather: L all-gathers
-fwd + L−1 reduce-scatters bwd of S = B·D·b (the last gather's bwd is a slice: the loss is computed
-from the same full output everywhere); megatron — colwise/rowwise pairs, ⌊L/2⌋ all-reduces fwd +
-⌈L/2⌉−1 bwd (layer 0's f has nothing to reduce), odd L: colwise_out (+1 all-gather). allgather is
-MLP-only: in a residual network the gradient of the gathered stream is part partial (the next
-matmul) and part replicated (the residual path), which is Megatron's f, not a reduce-scatter.
-
-builtin/dtensor: the same plan through ``parallelize_module`` (Colwise/RowwiseParallel; the head
-ColwiseParallel(output_layouts=Shard(-1)) and the loss under ``loss_parallel()``); W_qkv's rows are
-permuted at load time (heads_perm) so DTensor's contiguous Shard(0) gives each rank [q_r; k_r; v_r],
-and un-permuted in ``fixture``. DTensor issues the same collectives, one for one.
-Memory per rank: split weights /tp, replicated norms and wpe whole (tp_state_bytes).
-
-Sequence parallelism (megatron_sp / dtensor_sp, Korthikanti et al. 2022, arXiv:2205.05198 §4.2.2;
-transformer only; SP_PLAN = the same splits + "sequence" norms and "positions" wpe): between the
-matmuls (embedding output, norms, residual adds) the activations are (B, T/tp, D). f becomes g =
-all-gather of the sequence before each column-parallel matmul (bwd reduce-scatter), g becomes ḡ =
-reduce-scatter after each row-parallel matmul and the embedding (bwd all-gather); the head's input
-is gathered, the logits stay (B, T, V/tp). Per step per rank (A = B·T·D·b): (4L+2) all-gathers and
-(4L+2) reduce-scatters of A (= Megatron's wire bytes), the loss's all-reduces, and one all-reduce
-of the SP parameters' partial gradients ((2L+1)·D + T·D)·b (shared.theory.tp_sp_comm). Saved
-activations: each norm's input, rsqrt and output /tp (theory.tp_sp_activation_saving). builtin:
-torchtitan's plan (SequenceParallel norms, Colwise(input_layouts=Shard(1)), Rowwise(output_layouts=
-Shard(1)), the embedding Rowwise(output_layouts=Shard(1))); wpe = SequenceParallel(sequence_dim=0)
-after local_positions. DTensor leaves the SP gradients Partial: ``train`` redistributes them once.
+Sequence parallelism (megatron_sp / dtensor_sp; transformer only): between the matmuls the stream is
+(B, T/tp, D); f becomes an all-gather of the sequence (bwd reduce-scatter), g a reduce-scatter (bwd
+all-gather): (4L+2) of each of B·T·D·b (Megatron's wire bytes), the loss's, and one all-reduce of
+the SP parameters' partial gradients (shared.theory.tp_sp_comm). Norm activations saved /tp.
+builtin/dtensor issues the same collectives. docs/tp.md has the styles, the refusals and the plans.
+Papers: Megatron-LM, Shoeybi et al. 2019 (arXiv:1909.08053 §3); sequence parallelism, Korthikanti
+et al. 2022 (arXiv:2205.05198 §4.2.2).
 """
 
 from __future__ import annotations

@@ -1,35 +1,24 @@
-"""Context parallelism for ANY nn.Module that offers the attention seam, and its cores (ring
-attention, Liu et al. 2023, arXiv:2310.01889; its zigzag layout; DeepSpeed-Ulysses, Jacobs et al.
-2023, arXiv:2309.14509). The runner torch_impl/cp.py has the pattern's details and plugs the same
-cores into the project's transformer (``Attention.core``); the twin: jax_impl/parallel/cp.py.
+"""Context parallelism for any ``nn.Module`` that offers the attention seam, and its cores (ring,
+zigzag ring, Ulysses): the twin of jax_impl/parallel/cp.py; torch_impl/cp.py plugs the same cores
+into the project's transformer.
 
-What a model must offer (the seam):
-  1. its attention through ``attention(q, k, v)`` (this module's) — SDPA's signature, q, k, v (B, H, T, dh)
-     -> (B, H, T, dh) — which is CAUSAL attention (no attn_mask, no dropout, no other scale:
-     refused). Outside a cp step it attends over the whole sequence (your single-process runs);
-     inside, over this rank's T/N positions with the ring (or Ulysses) over the group.
-     transformers models: ``register()`` adds it to ``transformers.AttentionInterface`` (and
-     a mask function that makes no mask and refuses padding to ``AttentionMaskInterface``) as
-     "parallel_twins_cp"; build the model with ``attn_implementation="parallel_twins_cp"``.
-  2. positions as an input: ``loss(model, *batch, positions)`` gets the GLOBAL position of every
-     token it sees (rank r's are not 0…T/N−1) and must hand them to the model's position encoding
-     (transformers: ``position_ids=positions[None]`` — a step whose position_ids are not these, e.g.
-     the local arange transformers makes when none are passed, is refused before the update).
-  3. a loss that is a mean over the tokens it sees (each rank: B·T/N of them).
+The seam: (1) attention through ``attention(q, k, v)`` — SDPA's signature, CAUSAL, no mask, dropout
+or other scale (refused); transformers models: ``register()``, then
+``attn_implementation="parallel_twins_cp"``; (2) the GLOBAL positions handed to the model's position
+encoding (``loss(model, *batch, positions)``); (3) a loss that is a mean over its tokens.
 
     trainer = context_parallel(model, loss, lambda ps: torch.optim.AdamW(ps), group, "ring")
     loss_value = trainer.train_step(tokens, targets)   # (B, T) each, the same on every rank
 
-Sharded: every batch array along dim 1 (the sequence; ring_zigzag takes chunks r and 2N−1−r of 2N),
-positions (T/N,); every parameter replicated. Each rank's loss is its local mean; after backward ONE
-flat all-reduce of the gradients with the loss and a refusal flag (see _refuse) appended,
-divided by N, makes every rank's gradients the global mean's: (Φ + 2)·b. Per seam call (a = one
-rank's K: B·H·T/N·dh·b): ring (3N−2) sends (and as many receives) of K|V, 2a
-(``RingAttention``); ulysses 8 all-to-alls of a (``UlyssesCore``).
-``comm_theory()`` counts them from the calls the last step saw.
-A model that never calls the seam is refused at the first step (it would attend within its own
-T/N tokens only — silently wrong); one that calls it for some attention layers and not others cannot
-be detected: route every attention through it.
+Sharded: every batch array along the sequence (T/N per rank; ring_zigzag: chunks r and 2N−1−r of
+2N); every parameter replicated. a = one rank's K, B·H·(T/N)·dh·b.
+Collectives per seam call: ring 3N−2 sends of K|V (2a; forward N−1, backward 2N−1 with dK|dV,
+``RingAttention``); ulysses 8 all-to-alls of a (``UlyssesCore``). After backward ONE flat all-reduce
+of the gradients with the loss and a refusal flag: (Φ + 2)·b. ``comm_theory()`` counts them.
+A model that never calls the seam is refused at the first step; one that routes only some attention
+layers through it cannot be detected: route every attention through it.
+Papers: ring attention, Liu et al. 2023 (arXiv:2310.01889); DeepSpeed-Ulysses, Jacobs et al. 2023
+(arXiv:2309.14509).
 """
 
 from __future__ import annotations

@@ -1,30 +1,22 @@
-"""Pipeline parallelism (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2021) for ANY nn.Module
-that offers a stage split: the twin of jax_impl/parallel/pp.py. The runner torch_impl/pp.py has the
-pattern (GPipe, 1F1B, interleaved, ZB-H1 by hand and builtin) for the project's blocks; here the
-stages may differ in everything but the message between them.
+"""Pipeline parallelism (GPipe, 1F1B) for any ``nn.Module`` that offers a stage split, over
+torch.distributed.pipelining: the twin of jax_impl/parallel/pp.py. (The project's hand-written
+schedules: torch_impl/pp.py.)
 
-What a model must offer (the seam): a forward that IS a chain of submodules, given as module paths
-per stage — ``stages=[["embed", "blocks.0"], ["blocks.1", "norm", "head"]]`` — so that
-``model(x) == head(norm(blocks.1(blocks.0(embed(x)))))``; the first ``train_step`` checks that
-equality on the first micro-batch and refuses a model whose forward is something else. Every
-parameter must belong to one stage (a tie across stages is refused). Every stage boundary carries
-the same activation shape and dtype (the "message"); the loss is ``loss(output, target)`` on the
-last stage's output, a mean over the micro-batch's rows.
+The seam: a forward that IS a chain of submodules, given as module paths per stage —
+``stages=[["embed", "blocks.0"], ["blocks.1", "norm", "head"]]`` — checked on the first micro-batch;
+every parameter in one stage; the same activation shape and dtype at every boundary; the loss a mean
+over the micro-batch's rows, on the last stage's output.
 
     trainer = pipeline(model, stages, loss, lambda ps: torch.optim.AdamW(ps), group, microbatches=4)
     loss_value = trainer.train_step(x, y)   # the full batch on every rank; the loss on every rank
 
-Built on torch.distributed.pipelining, the path a user would take: this rank's modules in an
-``nn.Sequential`` (the model's own modules: they train in place), one ``PipelineStage`` given the
-message's shape (no shape-inference round trip), ``ScheduleGPipe`` or ``Schedule1F1B`` with
-``loss_fn=loss`` and ``scale_grads=True`` (the summed micro-batch gradients divided by M: the
-full-batch mean's). The project's hand-written schedules (torch_impl/pp.py) build their stages from the
-project's Config, so they are not used here. Sharded: stage s's parameters, gradients and optimizer
-state on rank s; the batch cut into M micro-batches along dim 0 (inputs read by stage 0, targets
-by stage S−1). Per step per rank: the message forward and its gradient back across each boundary
-the rank touches — stage s sends and receives M·((s < S−1) + (s > 0)) messages of
-(B/M, …)·b each (send/recv: the project ledger sees them) — and one broadcast of the loss from the
-last stage (b).
+Sharded: stage s's parameters, gradients and optimizer state on rank s; the batch cut into M
+micro-batches (inputs read by stage 0, targets by stage S−1); ``scale_grads=True`` divides the
+summed micro-batch gradients by M.
+Collectives: none; send/recv of the message forward and its gradient back across each boundary
+the rank touches: M·((s < S−1) + (s > 0)) messages of (B/M, …)·b on stage s, and one broadcast of
+the loss from the last stage (b).
+Papers: GPipe, Huang et al. 2019 (arXiv:1811.06965); 1F1B, Narayanan et al. 2021 (arXiv:2104.04473).
 """
 
 from __future__ import annotations

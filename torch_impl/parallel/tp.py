@@ -1,34 +1,25 @@
-"""A tensor-parallel PLAN applied to any ``nn.Module`` (Megatron-LM, Shoeybi et al. 2019,
-arXiv:1909.08053 §3; sequence parallelism: Korthikanti et al. 2022, arXiv:2205.05198 §4.2.2).
+"""A tensor-parallel PLAN applied to any ``nn.Module``: each planned weight split over the tp ranks,
+every rank seeing the full batch.
 
     styles = check_plan(model, {"layers.*.attn.q": "colwise", "layers.*.attn.o": "rowwise"}, tp=2)
     styles = apply_plan(model, plan, group)            # explicit: shards + Megatron's f/g as hooks
     styles = apply_dtensor_plan(model, plan, mesh)     # builtin: parallelize_module with the same styles
     full = full_tensors(model, styles, group)          # every parameter whole again (padding dropped)
 
-A plan maps module paths (``*`` = one path segment, as ``parallelize_module`` and torchtitan's
-``parallelize_llama``) to a style (weights as nn.Linear stores them, (out, in)):
-
-    colwise        rows of weight (output features) split; f before (identity fwd, all-reduce bwd)
-    colwise_heads  colwise over whole heads: rows [q_r; k_r; v_r] of W_qkv (heads_perm reorders)
-    rowwise        columns (input features) split; g after (all-reduce fwd, identity bwd)
-    vocab_embed    embedding rows [r·V/tp, (r+1)·V/tp); other tokens give zero rows; g after
-    colwise_vocab  the LM head: colwise, logits stay split (B, T, V/tp) for VocabParallelCrossEntropy
-    colwise_out    colwise + all-gather of the output (MLP, odd L: the last layer; bwd a slice)
-    colwise_gather colwise + all-gather, no f (MLP allgather scheme: bwd reduce-scatter)
-    sequence       (SP) weight replicated, runs on this rank's T/tp tokens; gradient partial
-    positions      (SP) a position embedding: as sequence, its input cut to this rank's T/tp first
-
-Under SP, f becomes an all-gather of the sequence (bwd reduce-scatter) and g a reduce-scatter (bwd
-all-gather): the same wire bytes. The collectives are parallel/tp_ops.py's autograd Functions.
-``check_plan`` refuses, before anything changes or communicates, what ``apply_plan`` cannot carry out
-exactly — a key matching no module, a style on a module it cannot split, sizes not divisible by tp,
-part of an attention head on a rank, one tied parameter split two ways, sequence parallelism leaving
-a replicated parameter unplanned — with one ``PlanError`` (what, module path, fix). Biases: colwise
-splits them, rowwise adds them once after g. Vocabularies: any V (rows padded to ⌈V/tp⌉, the head's
-padded logits −inf). Sibling projections reading the same input (q, k, v; gate, up) share one f
-(``SharedEnter``): Megatron's 2 all-reduces per block forward and 2 backward. What a model must
-offer: docs/tp.md, "Bring your own model".
+A plan maps module paths (``*`` = one path segment) to a style (weights as nn.Linear stores them):
+colwise (output rows split; f before: identity fwd, all-reduce bwd), colwise_heads (whole heads),
+rowwise (input columns split; g after: all-reduce fwd, identity bwd), vocab_embed, colwise_vocab
+(logits stay vocab-split for VocabParallelCrossEntropy), colwise_out / colwise_gather (the MLP's
+all-gather schemes), sequence / positions (sequence parallelism: replicated, on T/tp tokens).
+Sibling projections reading the same input share one f (``SharedEnter``). Under sequence
+parallelism f becomes an all-gather of the sequence (bwd reduce-scatter) and g a reduce-scatter
+(bwd all-gather): the same wire bytes. The collectives: parallel/tp_ops.py.
+Bytes per step per rank, a Llama-style block: 2 all-reduces of B·T·D·b forward and 2 backward,
+plus the embedding's g, the head's f and the loss's (shared.theory.tp_transformer_comm).
+``check_plan`` refuses what ``apply_plan`` cannot carry out exactly with one ``PlanError`` (what,
+module path, fix), before anything changes: docs/tp.md, "Bring your own model".
+Papers: Megatron-LM, Shoeybi et al. 2019 (arXiv:1909.08053 §3); sequence parallelism, Korthikanti
+et al. 2022 (arXiv:2205.05198 §4.2.2).
 """
 
 from __future__ import annotations
