@@ -51,7 +51,7 @@ def build_bench_parser() -> argparse.ArgumentParser:
     add_json(p, "{world_size, results, fits, compute, memcpy}")
     p.add_argument("--profile", metavar="PATH", default=None,
                    help="write what this machine achieves (matmul rates by size, busbw per op, memcpy) as the "
-                        "table compare.py plan --profile reads (shared/efficiency.py; default: none)")
+                        "table compare.py plan --profile reads (shared/efficiency.py) (default: none)")
     add_quiet(p, "print nothing (with --json: the measurements go there only)")
     return p
 
