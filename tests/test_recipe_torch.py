@@ -288,6 +288,33 @@ class _Positioned(nn.Module):
         return self.m(tokens, torch.arange(T))
 
 
+# --- the ledger: one reduction per optimizer step under no_sync, the norm's one scalar all-reduce ---------
+
+
+def ledger_counts(ctx):
+    """op -> (recorded, comm_theory) for the gradient reductions and the norm, one step of K micro-batches."""
+    from torch_impl.ledger import CommLedger
+
+    out = {}
+    for name in ("fsdp", "zero2", "ddp"):
+        model = build()
+        w = {"fsdp": lambda: fsdp.FSDP(model), "zero2": lambda: fsdp.Zero2(model),
+             "ddp": lambda: dp.BucketedDDP(model, bucket_mb=1e-4)}[name]()
+        run = model if name == "zero2" else w
+        ledger = CommLedger(2)
+        with ledger.recording():
+            for i, (x, y) in enumerate(local_parts(ctx.rank)):
+                with w.no_sync() if i < K - 1 else _null():
+                    (F.mse_loss(run(x), y) / K).backward()
+            w.finish_gradient_synchronization()
+            if name != "ddp":
+                w.clip_grad_norm_(MAX_NORM)
+        got, want = ledger.summary(), w.comm_theory()
+        out[name] = {op: (got.get(op, {}).get("count"), want.get(op, (None,))[0])
+                     for op in ("reduce_scatter", "all_reduce")}
+    return out
+
+
 # --- refusals ------------------------------------------------------------------------------------------
 
 
@@ -362,6 +389,7 @@ def everything(ctx):
         except Exception as e:
             out[f"cp_{variant}"] = f"{type(e).__name__}: {e}"
         dist.barrier()
+    out["ledger"] = ledger_counts(ctx)
     out["refusals"] = refusals(ctx)
     return out
 
@@ -414,3 +442,11 @@ def test_refusals(results, case, words):
     for rank in results:
         msg = rank["refusals"][case]
         assert all(w in msg for w in words), msg
+
+
+@pytest.mark.parametrize("wrapper", ["fsdp", "zero2", "ddp"])
+def test_ledger_one_reduction_per_step(results, wrapper):
+    """K micro-batches under no_sync(): the ledger's reduce-scatters / all-reduces are those of ONE step
+    (comm_theory's), the norm's scalar all-reduce included (fsdp, zero2: comm_theory adds it once clipped)."""
+    for op, (got, want) in results[0]["ledger"][wrapper].items():
+        assert got == want, (wrapper, op, got, want)

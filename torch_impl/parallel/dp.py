@@ -217,7 +217,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         for ps in self.param_lists:
             for op, (k, b) in theory.zero1_comm(theory.describe(ps), self.n).items():
                 out[op] = (out.get(op, (0, 0))[0] + k, out.get(op, (0, 0))[1] + b)
-        return out
+        return recipe.with_clip(out, self.shard.element_size(), getattr(self, "clipped", False))
 
     def state_theory(self) -> dict[str, int]:
         """Per rank: the flat padded parameters, full gradients, AdamW state of this rank's slice."""
@@ -241,6 +241,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         mean gradient, so Σ slice² all-reduced (one scalar) is ‖g‖². Call before ``step()``."""
         if not self._reduced:
             self.reduce_gradients()
+        self.clipped = True  # comm_theory: + the norm's scalar all-reduce
         return recipe.clip_([s.grad for s in self.shards], [], max_norm, self.group, self.shard.dtype)
 
     @torch.no_grad()

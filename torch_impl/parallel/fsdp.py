@@ -340,6 +340,7 @@ class FSDP(nn.Module):
         one process) — units' shards' squares all-reduced (their padding rows are zero), the
         replicated vectors counted once — and every gradient clipped by it. One scalar all-reduce."""
         units = {id(u): u for _, _, u in self.units}.values()  # a tied unit once
+        self.clipped = True
         return recipe.clip_([u.shard.grad for u in units], [p.grad for _, _, p in self.replicated],
                             max_norm, self.group, self._dtype())
 
@@ -357,7 +358,8 @@ class FSDP(nn.Module):
             names = {id(u): name for name, u in self.unit_of_name.items()}
             regathered = [names[id(u)] for u in self._bwd_order if id(u) in names]
         itemsize = torch.empty((), dtype=self.compute_dtype).element_size() if self.compute_dtype else None
-        return theory.zero3_comm(self._infos, self.n, regathered, itemsize)
+        comm = theory.zero3_comm(self._infos, self.n, regathered, itemsize)
+        return recipe.with_clip(comm, self._dtype().itemsize, getattr(self, "clipped", False))
 
     def state_theory(self) -> dict[str, int]:
         """Per rank with AdamW: shards of every unit (⌈R/N⌉ rows), vectors whole; gradients and 2
@@ -408,7 +410,8 @@ class Zero2:
     def comm_theory(self) -> dict[str, tuple[int, int]]:
         """Per step per rank (theory.zero2_comm): a reduce-scatter and an all-gather per
         trainable unit (rows padded to N), one all-reduce of the trainable vectors."""
-        return theory.zero2_comm(self._infos, self.n)
+        comm = theory.zero2_comm(self._infos, self.n)  # + the norm's scalar all-reduce if the last step clipped
+        return recipe.with_clip(comm, self.params[0].dtype.itemsize, getattr(self, "clipped", False))
 
     def state_theory(self) -> dict[str, int]:
         return theory.zero2_state(self._infos, self.n)
@@ -464,6 +467,7 @@ class Zero2:
         the replicated vectors once) and every gradient the optimizer sees clipped by it."""
         shards = [u.shard.grad for u in self.units.values()]
         vectors = [p.grad for p in self.params if p.dim() < 2]
+        self.clipped = True
         return recipe.clip_(shards, vectors, max_norm, self.group, self.params[0].dtype)
 
     def all_gather_params(self) -> None:

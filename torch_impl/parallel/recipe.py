@@ -34,6 +34,14 @@ def clip_comm(itemsize: int, groups: int = 1) -> dict[str, tuple[int, int]]:
     return {"all_reduce": (groups, groups * itemsize)}
 
 
+def with_clip(comm: dict[str, tuple[int, int]], itemsize: int, clipped: bool) -> dict[str, tuple[int, int]]:
+    """A wrapper's comm_theory plus the norm's all-reduce when its last step clipped."""
+    if not clipped:
+        return comm
+    k, b = comm.get("all_reduce", (0, 0))
+    return {**comm, "all_reduce": (k + 1, b + itemsize)}
+
+
 def _squares(grads: list[torch.Tensor], dtype: torch.dtype, device) -> torch.Tensor:
     """Σ g² over the tensors, as a 0-dim tensor of ``dtype`` (zero when there are none)."""
     if not grads:
