@@ -357,6 +357,17 @@ def refusals(ctx):
         w.finish_gradient_synchronization()  # returns: still inside? no: outside, nothing reduced
 
     out["fsdp_last_in_no_sync"] = refusal(fsdp_last_in_no_sync)
+    def zero2_last_in_no_sync():
+        m = build()
+        z = fsdp.Zero2(m)
+        with z.no_sync():
+            F.mse_loss(m(data()[0]), data()[1]).backward()
+        z.finish_gradient_synchronization()
+
+    out["zero2_last_in_no_sync"] = refusal(zero2_last_in_no_sync)
+    head = build().head
+    out["zero1_mixed"] = refusal(lambda: dp.Zero1Optimizer([{"params": [head.weight]}, head.bias], torch.optim.AdamW))
+    out["zero1_closure"] = refusal(lambda: dp.Zero1Optimizer(build().parameters(), torch.optim.AdamW).step(lambda: 0))
     out["zero1_twice"] = refusal(lambda: dp.Zero1Optimizer(
         [{"params": [p]} for p in [build().head.weight] * 2], torch.optim.AdamW))
     m = build()
@@ -364,6 +375,8 @@ def refusals(ctx):
     m = build()
     trainer = pp.pipeline(m, [["inp", "blocks.0"], ["blocks.1", "head"]], F.mse_loss, adamw, ctx.group, 2)
     out["pp_accumulate"] = refusal(lambda: trainer.train_step(*data(), accumulate=3))
+    trainer.train_step(*data())
+    out["pp_rows_changed"] = refusal(lambda: trainer.train_step(*data(), accumulate=2))
     trainer_cp = cp.context_parallel(build_attn(), attn_loss, adamw, ctx.group)
     out["cp_accumulate"] = refusal(lambda: trainer_cp.train_step(*attn_data(), accumulate=3))
     return out
@@ -434,6 +447,10 @@ def test_cp_recipe_matches_one_process(results, variant):
     ("fsdp_stale", ["StaleParameterError", "FSDP", "AFTER wrapping"]),
     ("fsdp_last_in_no_sync", ["no_sync", "outside"]),
     ("zero1_twice", ["appears twice"]),
+    ("zero2_last_in_no_sync", ["Zero2", "no_sync", "outside"]),
+    ("zero1_mixed", ["param groups", "not a mix"]),
+    ("zero1_closure", ["closure"]),
+    ("pp_rows_changed", ["batch / accumulate", "8", "4"]),
     ("tp_no_group", ["tp group"]),
     ("pp_accumulate", ["accumulate=3"]),
     ("cp_accumulate", ["accumulate=3"]),
