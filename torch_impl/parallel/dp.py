@@ -8,6 +8,10 @@ replicated (ZeRO-1: the AdamW state split in N slices).
     opt = Zero1Optimizer(params, AdamW)    ZeRO-1 (Rajbhandari et al. 2020): reduce-scatter the flat
                                           gradients, AdamW on this rank's 1/N slice, all-gather params
 
+The recipe (docs/recipe.md, "## torch"): ``net.clip_grad_norm_`` / ``opt.clip_grad_norm_`` give the
+global norm (parallel/recipe.py); ``net.no_sync()`` for accumulation; Zero1Optimizer takes param
+groups (one flat buffer each) and is a torch.optim.Optimizer, so lr schedulers drive it.
+
 Bytes per step per rank (Φ trainable, b bytes each): all-reduce Φ·b (naive, bucketed); ZeRO-1 a
 reduce-scatter and an all-gather of the flat Φ padded to N, 2·Φ·b. ``comm_theory()`` /
 ``state_theory()`` of each wrapper come from the module wrapped (parallel/theory.py).

@@ -12,6 +12,12 @@ must be read inside the forward of a module that holds it: a read elsewhere whil
 forward runs raises ``ShardReadError`` naming it and the remedy. Frozen parameters are gathered,
 never reduce-scattered. ``comm_theory()`` / ``state_theory()`` come from the module wrapped
 (parallel/theory.py), so "vs theory" holds for a model the project does not own.
+
+The recipe (docs/recipe.md, "## torch"): ``clip_grad_norm_(max_norm)`` after
+``finish_gradient_synchronization()`` clips by the global norm (shards' squares all-reduced, vectors
+once: parallel/recipe.py); ``no_sync()`` accumulates micro-batches with one reduction per step;
+reductions of several backward passes ADD; an optimizer holding a full matrix the wrapper replaced
+is refused at its first step (recipe.refuse_stale).
 """
 
 from __future__ import annotations
