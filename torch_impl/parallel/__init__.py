@@ -11,6 +11,7 @@ a Setup for the harness's training loop. The twin: jax_impl/parallel/, file for 
     cp.py      the attention seam for context parallelism and its cores (ring, zigzag, Ulysses)
     ep.py      expert parallelism's all-to-alls and Dispatcher for an MoE layer's seams
     theory.py  communication and state bytes from the module a wrapper wraps
+    recipe.py  the recipe's sharded parts: global-norm clipping (clip_, clip_dtensor_), refuse_stale
     llama.py   transformers' LlamaForCausalLM: tp plan, pp stage split, cp attention
 
 Import rule: these modules import torch, numpy, shared.theory and each other (by module, never

@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shared.theory import cp_chunks, cp_positions
+from torch_impl.parallel import recipe
 from torch_impl.parallel.tp_ops import Transposed
 
 VARIANTS = ("ring", "ring_zigzag", "ulysses")
@@ -155,18 +156,29 @@ class Trainer:
     def _core(self, t: int):
         return UlyssesCore(t, self.group) if self.variant == "ulysses" else RingCore(t, self.variant, self.group)
 
-    def train_step(self, *batch) -> float:
+    def train_step(self, *batch, accumulate: int = 1, max_norm: float | None = None) -> float:
+        """One optimizer step on the (B, T) batch. ``accumulate`` K: K backward passes over B/K rows
+        each (losses scaled by 1/K), ONE gradient all-reduce after the last. ``max_norm``: clip by
+        the global norm — after the all-reduce every rank holds the whole mean gradient, so it is
+        the local norm (no communication)."""
+        b = batch[0].shape[0]
+        if accumulate < 1 or b % accumulate:
+            raise SeamError(f"cp: accumulate={accumulate} must be >= 1 and divide the batch dim 0 ({b})")
         *local, pos = self.shard_batch(*batch)
         self.optimizer.zero_grad(set_to_none=True)
         seen = SimpleNamespace(core=self._core(batch[0].shape[1]), positions=pos, calls=[], refused=None)
-        with _active(seen):
-            value = self.loss(self.model, *local, pos)  # mean over this rank's B·T/N tokens
-        if not seen.calls:
-            raise SeamError("the model never called cp.attention (torch_impl.parallel.cp): each rank would attend "
-                            "within its own T/N tokens. Route its attention through it (transformers: "
-                            f"attn_implementation={NAME!r} after cp.register())")
-        value.backward()
-        self.calls = seen.calls
+        value = 0.0
+        for k in range(accumulate):
+            part = [a[k * b // accumulate:(k + 1) * b // accumulate] for a in local]  # (B/K, T/N, …)
+            with _active(seen):
+                part_loss = self.loss(self.model, *part, pos) / accumulate  # mean over B/K·T/N tokens, / K
+            if not seen.calls:
+                raise SeamError("the model never called cp.attention (torch_impl.parallel.cp): each rank would "
+                                "attend within its own T/N tokens. Route its attention through it (transformers: "
+                                f"attn_implementation={NAME!r} after cp.register())")
+            part_loss.backward()
+            value = value + part_loss.detach()
+        self.calls = seen.calls  # every part's seam calls: comm_theory counts the step's
         grads = [p.grad for p in self.params]
         flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(self.params, grads)]
                          + [torch.stack([value.detach(), value.new_tensor(float(seen.refused is not None))])
@@ -181,6 +193,8 @@ class Trainer:
             if g is not None:
                 g.copy_(flat[at:at + p.numel()].view_as(g))
             at += p.numel()
+        if max_norm is not None:
+            self.norm = recipe.clip_([], grads, max_norm, self.group, self.params[0].dtype, reduce=False)
         self.optimizer.step()
         return float(flat[-2])
 

@@ -5,6 +5,7 @@ every rank seeing the full batch.
     styles = apply_plan(model, plan, group)            # explicit: shards + Megatron's f/g as hooks
     styles = apply_dtensor_plan(model, plan, mesh)     # builtin: parallelize_module with the same styles
     full = full_tensors(model, styles, group)          # every parameter whole again (padding dropped)
+    norm = clip_grad_norm_(model, max_norm, group)     # the global norm, either style (parallel/recipe.py)
 
 A plan maps module paths (``*`` = one path segment) to a style (weights as nn.Linear stores them):
 colwise (output rows split; f before: identity fwd, all-reduce bwd), colwise_heads (whole heads),
@@ -30,7 +31,7 @@ from fnmatch import fnmatch
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -38,6 +39,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torch_impl.parallel import recipe
 from torch_impl.parallel.tp_ops import (
     CopyToTP,
     GatherColumns,
@@ -389,6 +391,25 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel:
             module.register_forward_hook(
                 lambda m, args, out, mask=mask: leave(out * mask["mine"].unsqueeze(-1), group))
     return styles
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, group=None) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` of the whole (unsharded) model, for a model after ``apply_plan``
+    (``group``: its tp group) or ``apply_dtensor_plan`` (group unused). Explicit: the split
+    parameters (those carrying ``tp_size``; padding rows have zero gradients) are summed over the
+    group by one scalar all-reduce, the replicated ones (norms, rowwise biases, SP's 'sequence'
+    parameters after ``reduce_sequence_grads``) counted once. DTensor: torch's own norm over the
+    DTensors plus the unplanned plain parameters once (``recipe.clip_dtensor_``; torch's
+    clip_grad_norm_ refuses the mix). Call after backward (and any gradient reduction), on every rank."""
+    params = [p for p in model.parameters() if p.requires_grad]  # a tied parameter once
+    if any(isinstance(p, DTensor) for p in params):
+        return recipe.clip_dtensor_(params, max_norm)
+    if group is None:
+        raise ValueError("tp.clip_grad_norm_: a model after apply_plan needs its tp group: clip_grad_norm_(model, "
+                         "max_norm, group)")
+    split = [p.grad for p in params if hasattr(p, "tp_size")]
+    whole = [p.grad for p in params if not hasattr(p, "tp_size")]
+    return recipe.clip_(split, whole, max_norm, group, params[0].dtype)
 
 
 def apply_dtensor_plan(model: nn.Module, plan: dict[str, str], mesh, sequence_parallel: bool = False) -> dict[str, str]:
