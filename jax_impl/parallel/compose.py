@@ -291,7 +291,8 @@ class Composed:
             losses = self._shard_map_loss()
             value = lambda p: jnp.mean(losses(p, tokens, targets, positions))
         else:
-            value = lambda p: self._forward_loss(p, tokens, targets, positions, False)
+            value = lambda p: self._forward_loss({"rest": p["rest"], "blocks": {k: a[0] for k, a in p["blocks"].items()}},
+                                                 tokens, targets, positions, False)  # S = 1: blocks (1, L, …)
         loss, grads = jax.value_and_grad(value)(params)
         updates, opt_state = self.tx.update(grads, opt_state, params)
         new = optax.apply_updates(params, updates)
