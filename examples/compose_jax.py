@@ -78,11 +78,11 @@ def single_device(model, tokens, targets, steps: int):
     return losses, {key_of(p): np.asarray(a) for p, a in flat}
 
 
-def run(layout: dict[str, int], style: str = "shard_map", steps: int = STEPS) -> dict:
+def run(layout: dict[str, int], style: str = "shard_map", steps: int = STEPS, units=None) -> dict:
     shape = LlamaShape()
     w, (tokens, targets) = weights(shape, SEED), batch(shape, ROWS, SEED)
     trainer = compose(llama.from_numpy(w, shape), layout, cross_entropy, adamw(), plan=llama.PLAN,
-                      split=llama.SPLIT, style=style)
+                      split=llama.SPLIT, style=style, units=units)
     losses = [trainer.train_step(tokens, targets) for _ in range(steps)]
     ref_losses, ref = single_device(llama.from_numpy(w, shape), jnp.asarray(tokens), jnp.asarray(targets), steps)
     got = trainer.params()

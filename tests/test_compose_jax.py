@@ -9,11 +9,13 @@ only reorder sums (measured ~1e-15); float32 anywhere would show as ~1e-7.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -25,7 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def example():
-    spec = importlib.util.spec_from_file_location("compose_jax_example", os.path.join(ROOT, "examples", "compose_jax.py"))
+    path = os.path.join(ROOT, "examples", "compose_jax.py")
+    spec = importlib.util.spec_from_file_location("compose_jax_example", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -90,10 +93,10 @@ def test_two_axes_equal_single_device():
     assert len(out["losses"]) == 3 and out["max_rel_loss_diff"] <= 1e-12
 
 
-def test_refusals():
+def test_refusals(monkeypatch):
     from jax_impl.parallel import llama
     from jax_impl.parallel.compose import ComposeError, compose
-    from shared.llama import LlamaShape, weights
+    from shared.llama import LlamaShape, batch, weights
 
     ex = example()
     model = llama.from_numpy(weights(LlamaShape(), 0))
@@ -112,18 +115,49 @@ def test_refusals():
     trainer = make({"dp": 2})
     with pytest.raises(ComposeError, match="rows do not split"):
         trainer.check_batch(np.zeros((3, 16), np.int64))
+    tokens, targets = batch(LlamaShape(), 8, 0)
+    no_norm = dataclasses.replace(llama.SPLIT, head=lambda root, mods, h: mods["lm_head"](h))
+    with pytest.raises(ComposeError, match="chain"):  # checked eagerly before compiling
+        make({"dp": 2}, split=no_norm).train_step(tokens, targets)
+    from jax_impl.parallel import cp
+
+    monkeypatch.setattr(llama, "cp", types.SimpleNamespace(attention=cp.causal))  # attention beside the seam
+    with pytest.raises(cp.SeamError, match="never called"):  # at the first trace, before compiling
+        make({"cp": 2}).train_step(tokens, targets)
 
 
-@pytest.mark.slow  # 8 simulated devices: ~15 s each on 2 cores
-@pytest.mark.parametrize("layout,style", [({"fsdp": 2, "tp": 2, "pp": 2}, "shard_map"),
-                                          ({"dp": 2, "tp": 2, "cp": 2}, "shard_map"),
-                                          ({"dp": 2, "tp": 2, "cp": 2}, "jit")])
-def test_eight_devices_equal_single_device(layout, style):
-    out = example().run(layout, style)
+def test_specs():
+    """Where each array lives: tp on the plan's dims, fsdp on dim 0 after tp (tp-major), pp on the stage
+    dim of the stacked blocks, ZeRO units limiting fsdp; the embedding and head replicated over tp."""
+    from jax.sharding import PartitionSpec as P
+
+    from jax_impl.parallel import llama
+    from jax_impl.parallel.compose import compose
+    from shared.llama import LlamaShape, weights
+
+    ex, model = example(), llama.from_numpy(weights(LlamaShape(), 0))
+    t = compose(model, {"fsdp": 2, "tp": 2, "pp": 2}, ex.cross_entropy, ex.adamw(), plan=llama.PLAN,
+                split=llama.SPLIT)
+    b, r = t.specs["blocks"], t.specs["rest"]
+    assert b["self_attn.q_proj.kernel"] == P("pp", None, "fsdp", "tp")
+    assert b["self_attn.o_proj.kernel"] == P("pp", None, ("tp", "fsdp"), None)
+    assert b["input_layernorm.weight"] == P("pp", None, None)
+    assert r["model.embed_tokens.embedding"] == P("fsdp", None) and r["lm_head.kernel"] == P("fsdp", None)
+    t = compose(model, {"fsdp": 2}, ex.cross_entropy, ex.adamw(), split=llama.SPLIT, units=["model.layers.*"])
+    assert t.specs["rest"]["lm_head.kernel"] == P(None, None)
+    assert t.specs["blocks"]["mlp.up_proj.kernel"] == P(None, None, "fsdp", None)
+
+
+@pytest.mark.slow  # 8 (4) simulated devices: ~10-20 s each on 2 cores
+@pytest.mark.parametrize("layout,style,units", [({"dp": 2, "tp": 2, "cp": 2}, "shard_map", None),
+                                                ({"dp": 2, "tp": 2, "cp": 2}, "jit", None),
+                                                ({"fsdp": 2, "tp": 2}, "jit", ["model.layers.*"])])
+def test_eight_devices_equal_single_device(layout, style, units):
+    out = example().run(layout, style, units=units)
     assert out["exact"], out  # 1e-12 relative: measured ~1e-15
 
 
-@pytest.mark.slow  # a fresh interpreter, as a user runs it
+@pytest.mark.slow  # fsdp × tp × pp in a fresh interpreter, as a user runs it: ~30 s
 def test_example_json(tmp_path):
     path = tmp_path / "out.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -134,3 +168,4 @@ def test_example_json(tmp_path):
     out = json.loads(path.read_text())
     assert out["framework"] == "jax" and out["layout"] == {"fsdp": 2, "tp": 2, "pp": 2}
     assert set(out) >= {"losses", "reference_losses", "max_abs_param_diff"}
+    assert out["exact"] and out["max_rel_loss_diff"] <= 1e-12, out  # exit 0 says the same

@@ -130,7 +130,7 @@ class Composed:
         params, self.specs = self._arrange(mods)
         self.params_ = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(self.mesh, s)), params, self.specs)
         self.opt_state = tx.init(self.params_)
-        self._seam_calls = 0
+        self._seam_calls, self._chain_checked = 0, False
         self._step = jax.jit(self._step_fn, donate_argnums=(0, 1))
 
     # --- wrap-time checks ---------------------------------------------------------------------------
@@ -139,7 +139,8 @@ class Composed:
         sp = self.split
         for p in sp.first + sp.last + (sp.blocks,):
             if p not in mods:
-                raise ComposeError(f"compose: split path {p!r} is no module of {type(self.root).__name__}; fix the split")
+                raise ComposeError(f"compose: split path {p!r} is no module of {type(self.root).__name__}; "
+                                   "fix the split")
         self.L = len(mods[sp.blocks])
         if self.L % self.S:
             raise ComposeError(f"compose: {self.L} blocks ({sp.blocks}) do not split evenly over pp={self.S}; "
@@ -167,7 +168,8 @@ class Composed:
                     raise ComposeError(f"compose: plan key {pattern!r} hits {p!r} ({type(m).__name__}); compose "
                                        f"splits nnx.Linear modules inside {self.split.blocks} only: drop the key")
                 if style == "rowwise" and m.bias is not None:
-                    raise ComposeError(f"compose: rowwise {p!r} has a bias; compose has no rowwise bias: use_bias=False")
+                    raise ComposeError(f"compose: rowwise {p!r} has a bias; compose has no rowwise bias: "
+                                       "use_bias=False")
                 rel = p[len(prefix):].split(".", 1)[1]
                 dim = m.kernel.shape[1 if style == "colwise" else 0]
                 parent = mods[p.rsplit(".", 1)[0]]
@@ -220,13 +222,13 @@ class Composed:
         gdef, treedef, keys, _ = parts
         return nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, [flat[k] for k in keys]))
 
-    def _stand_ins(self, layer):
+    def _stand_ins(self, layer, f_cache: dict):
         for rel, style in self.rel_plan.items():
             parent, key = layer, rel.rsplit(".", 1)
             for k in key[0].split(".") if len(key) == 2 else ():
                 parent = parent[int(k)] if k.isdigit() else getattr(parent, k)
             name = key[-1]
-            put_child(parent, name, _Col(getattr(parent, name)) if style == "colwise" else _Row(getattr(parent, name)))
+            put_child(parent, name, _Col(getattr(parent, name), f_cache) if style == "colwise" else _Row(getattr(parent, name)))
         return layer
 
     def _forward_loss(self, params, tokens, targets, positions, manual: bool):
@@ -241,7 +243,8 @@ class Composed:
         layers = [self._module(self.block_parts, {k: a[l] for k, a in blocks.items()})
                   for l in range(next(iter(blocks.values())).shape[0])]
         if manual and self.tp > 1:
-            layers = [self._stand_ins(layer) for layer in layers]
+            f_cache = {}  # one f per input array (q|k|v, gate|up): one backward psum, Megatron's
+            layers = [self._stand_ins(layer, f_cache) for layer in layers]
 
         def stage(h):
             for layer in layers:
@@ -291,8 +294,8 @@ class Composed:
             losses = self._shard_map_loss()
             value = lambda p: jnp.mean(losses(p, tokens, targets, positions))
         else:
-            value = lambda p: self._forward_loss({"rest": p["rest"], "blocks": {k: a[0] for k, a in p["blocks"].items()}},
-                                                 tokens, targets, positions, False)  # S = 1: blocks (1, L, …)
+            unstack = lambda p: {"rest": p["rest"], "blocks": {k: a[0] for k, a in p["blocks"].items()}}  # S = 1
+            value = lambda p: self._forward_loss(unstack(p), tokens, targets, positions, False)
         loss, grads = jax.value_and_grad(value)(params)
         updates, opt_state = self.tx.update(grads, opt_state, params)
         new = optax.apply_updates(params, updates)
@@ -309,8 +312,24 @@ class Composed:
         if T % self.c:
             raise ComposeError(f"compose: sequence {T} does not split over cp={self.c}; use T divisible by it")
 
+    def check_chain(self, tokens):
+        """The split's chain equals the model's forward on one row (eager, one device): else refused."""
+        sp, mods = self.split, submodules(self.root)[0]
+        x = jnp.asarray(tokens[:1])
+        pos = jnp.arange(x.shape[1])
+        h = sp.embed(self.root, mods, x, pos)
+        for i in range(self.L):
+            h = sp.block(self.root, mods[f"{sp.blocks}.{i}"], h, pos)
+        want, got = np.asarray(self.root(x)), np.asarray(sp.head(self.root, mods, h))
+        if want.shape != got.shape or not np.allclose(got, want, rtol=1e-12, atol=0):
+            raise ComposeError(f"compose: the split's chain head(block(…embed(x))) differs from "
+                               f"{type(self.root).__name__}(x); fix the split's embed / block / head")
+        self._chain_checked = True
+
     def train_step(self, tokens, targets) -> float:
         self.check_batch(tokens)
+        if not self._chain_checked:
+            self.check_chain(tokens)
         rows = NamedSharding(self.mesh, P(_one(self.data), self.seq))
         batch = (jax.device_put(jnp.asarray(tokens), rows), jax.device_put(jnp.asarray(targets), rows),
                  jax.device_put(jnp.arange(tokens.shape[1]), NamedSharding(self.mesh, P(self.seq))))
@@ -344,15 +363,19 @@ def _flat(module):
 
 
 class _Col:
-    """colwise stand-in: f (pcast to varying over "tp": psum of dL/dx in backward), then the local shard."""
+    """colwise stand-in: f (pcast to varying over "tp": psum of dL/dx in backward; one per input array,
+    shared by the siblings reading it), then the local shard."""
 
-    def __init__(self, m):
-        self.m = m
+    def __init__(self, m, f_cache: dict):
+        self.m, self.f_cache = m, f_cache
 
     def __call__(self, x):
         t = jax.typeof(x)
-        varying = getattr(getattr(t, "mat", None), "varying", None) or getattr(t, "vma", ())
-        return self.m(x if "tp" in varying else lax.pcast(x, "tp", to="varying"))
+        if "tp" in (getattr(getattr(t, "mat", None), "varying", None) or getattr(t, "vma", ())):
+            return self.m(x)
+        if id(x) not in self.f_cache:  # the array kept with its cast: its id stays unique
+            self.f_cache[id(x)] = (x, lax.pcast(x, "tp", to="varying"))
+        return self.m(self.f_cache[id(x)][1])
 
 
 class _Row:

@@ -112,8 +112,8 @@ class LlamaModel(nnx.Module):
 class Llama(nnx.Module):
     """logits (B, T, V) = Llama(tokens (B, T), positions (T,) or None = arange(T))."""
 
-    def __init__(self, shape: LlamaShape = LlamaShape(), dtype=jnp.float64, rngs: nnx.Rngs | None = None):
-        rngs = rngs or nnx.Rngs(0)
+    def __init__(self, shape: LlamaShape | None = None, dtype=jnp.float64, rngs: nnx.Rngs | None = None):
+        rngs, shape = rngs or nnx.Rngs(0), shape or LlamaShape()
         self.shape = shape
         self.model = LlamaModel(shape, dtype, rngs)
         self.lm_head = nnx.Linear(shape.dim, shape.vocab, use_bias=False, param_dtype=dtype, rngs=rngs)
@@ -142,10 +142,10 @@ SPLIT = Split(first=("model.embed_tokens",), blocks="model.layers", last=("model
 CP_SEAM = "ring"  # Attention calls parallel.cp.attention: the ring over "cp" inside a composed step
 
 
-def from_numpy(weights: dict[str, np.ndarray], shape: LlamaShape = LlamaShape()) -> Llama:
+def from_numpy(weights: dict[str, np.ndarray], shape: LlamaShape | None = None) -> Llama:
     """The NNX Llama holding transformers-named NumPy weights (shared/llama.py's ``weights``): a Linear's
     (out, in) weight becomes its (in, out) kernel; the embedding table and norm gains as they are."""
-    dtype = next(iter(weights.values())).dtype
+    dtype, shape = next(iter(weights.values())).dtype, shape or LlamaShape()
     model = Llama(shape, jnp.dtype(dtype))
     mods = dict(_modules(model))
     for name, w in weights.items():
