@@ -34,12 +34,14 @@ def example():
     return mod
 
 
-def hf_logits(monkeypatch, float64: bool):
+def hf_model(monkeypatch, float64: bool):
+    """transformers' LlamaForCausalLM in float64 holding shared/llama.py's weights; ``float64``: its
+    two float32 casts (RMSNorm, RoPE's angles) patched to float64 for this test."""
     import torch
     import transformers
     import transformers.models.llama.modeling_llama as ml
 
-    from shared.llama import LlamaShape, batch, hf_config, weights
+    from shared.llama import LlamaShape, hf_config, weights
 
     s = LlamaShape()
     if float64:  # transformers' two float32 casts (RMSNorm, RoPE's angles) kept in float64
@@ -56,8 +58,18 @@ def hf_logits(monkeypatch, float64: bool):
     cfg = transformers.LlamaConfig(**hf_config(s))
     cfg._attn_implementation = "sdpa"  # eager's softmax is float32
     model = transformers.LlamaForCausalLM(cfg).to(torch.float64)
-    w, (tokens, _) = weights(s, 0), batch(s, 4, 0)
+    w = weights(s, 0)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()}, strict=True)
+    return model, w
+
+
+def hf_logits(monkeypatch, float64: bool):
+    import torch
+
+    from shared.llama import LlamaShape, batch
+
+    model, w = hf_model(monkeypatch, float64)
+    tokens = batch(LlamaShape(), 4, 0)[0]
     with torch.no_grad():
         return model(torch.from_numpy(tokens)).logits.numpy(), w, tokens
 
@@ -86,11 +98,29 @@ def test_transformers_float32_casts_are_why_it_is_patched(monkeypatch):
     assert 1e-10 < gap < 1e-5
 
 
-def test_two_axes_equal_single_device():
-    """fsdp=2 × tp=2 on 4 simulated devices, shard_map, 3 AdamW steps."""
+def test_two_axes_equal_single_device(monkeypatch):
+    """fsdp=2 × tp=2 on 4 simulated devices, shard_map, 3 AdamW steps; and the same 3 steps of
+    transformers' Llama (float64-patched) with torch.optim.AdamW give the same losses."""
+    import torch
+
+    from shared.llama import LlamaShape, batch
+
     out = example().run({"fsdp": 2, "tp": 2}, "shard_map")
     assert out["exact"], out  # 1e-12 relative (example.TOL): measured ~1e-15
     assert len(out["losses"]) == 3 and out["max_rel_loss_diff"] <= 1e-12
+    model, _ = hf_model(monkeypatch, float64=True)
+    s = LlamaShape()
+    tokens, targets = (torch.from_numpy(a) for a in batch(s, 8, 0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    losses = []
+    for _ in range(3):
+        loss = torch.nn.functional.cross_entropy(model(tokens).logits.reshape(-1, s.vocab), targets.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    # float64 both (measured 2e-16); unpatched transformers (float32 RMSNorm / RoPE) is 2e-10 away
+    assert np.allclose(losses, out["losses"], rtol=1e-12, atol=0), (losses, out["losses"])
 
 
 def test_refusals(monkeypatch):

@@ -24,8 +24,14 @@ The mesh: axes in the layout's order, device id row-major (innermost last). Per 
 
 shard_map: one body over the whole mesh returns each (data, cp) coordinate's mean loss; the step
 differentiates their mean OUTSIDE the body, so replicated weights' gradients are summed by the
-transposes of the invariant -> varying casts. jit: the same arrays under NamedShardings, the plain
-forward (no pp: refused), XLA picks the collectives. typed: refused (see ``refusal``).
+transposes of the invariant -> varying casts (check_vma inserts them at each use). Per step and device
+(A = one micro-batch's (m, T/c, D) message, I = M + S − 1 iterations, every local block runs I times):
+tp 2 all-reduces of A per block call forward (after o, down) + 2 backward (the shared f of q|k|v and
+gate|up); pp 2·(M + S − 2) permutes of A (+ the (1,) loss psum); cp the ring's 3c − 2 permutes of K|V per
+attention call (parallel.cp); fsdp one all-gather + one reduce-scatter per sharded array; dp / cp the
+replicated arrays' gradient all-reduces. jit: the same arrays under NamedShardings, the plain forward
+(no pp: refused), XLA picks the collectives. typed: refused (see ``refusal``). Papers: Narayanan et al.
+2021 (PTD-P, arXiv:2104.04473); torchtitan (Liang et al. 2024, arXiv:2410.06511).
 
 Refused before compiling (``ComposeError``, one line: what, which axes, fix): an unknown axis or style,
 pp under jit or typed, sizes that do not divide (rows, sequence, layers, heads, features, dim 0 under
@@ -227,8 +233,8 @@ class Composed:
             parent, key = layer, rel.rsplit(".", 1)
             for k in key[0].split(".") if len(key) == 2 else ():
                 parent = parent[int(k)] if k.isdigit() else getattr(parent, k)
-            name = key[-1]
-            put_child(parent, name, _Col(getattr(parent, name), f_cache) if style == "colwise" else _Row(getattr(parent, name)))
+            m = getattr(parent, key[-1])
+            put_child(parent, key[-1], _Col(m, f_cache) if style == "colwise" else _Row(m))
         return layer
 
     def _forward_loss(self, params, tokens, targets, positions, manual: bool):
