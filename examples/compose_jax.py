@@ -4,6 +4,7 @@ device; the twin of examples/compose_torch.py (transformers' LlamaForCausalLM fr
 
     python examples/compose_jax.py --layout fsdp=2,tp=2,pp=2 --json out.json   # 8 simulated devices
     python examples/compose_jax.py --layout dp=2,tp=2,cp=2 [--style jit]       # jit: no pp
+    python examples/compose_jax.py --layout dp=2,tp=2,cp=2 --cp-variant ulysses  # or ring_zigzag
 
 The glue (a user's copy):
 
@@ -78,11 +79,12 @@ def single_device(model, tokens, targets, steps: int):
     return losses, {key_of(p): np.asarray(a) for p, a in flat}
 
 
-def run(layout: dict[str, int], style: str = "shard_map", steps: int = STEPS, units=None) -> dict:
+def run(layout: dict[str, int], style: str = "shard_map", steps: int = STEPS, units=None,
+        cp_variant: str = "ring") -> dict:
     shape = LlamaShape()
     w, (tokens, targets) = weights(shape, SEED), batch(shape, ROWS, SEED)
     trainer = compose(llama.from_numpy(w, shape), layout, cross_entropy, adamw(), plan=llama.PLAN,
-                      split=llama.SPLIT, style=style, units=units)
+                      split=llama.SPLIT, style=style, units=units, cp_variant=cp_variant)
     losses = [trainer.train_step(tokens, targets) for _ in range(steps)]
     ref_losses, ref = single_device(llama.from_numpy(w, shape), jnp.asarray(tokens), jnp.asarray(targets), steps)
     got = trainer.params()
@@ -90,7 +92,8 @@ def run(layout: dict[str, int], style: str = "shard_map", steps: int = STEPS, un
     diff = max(float(np.abs(got[k] - ref[k]).max()) for k in ref)
     scale = max(float(np.abs(a).max()) for a in ref.values())
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
-    return {"framework": "jax", "layout": layout, "style": style, "losses": losses, "reference_losses": ref_losses,
+    return {"framework": "jax", "layout": layout, "style": style, "cp_variant": cp_variant, "losses": losses,
+            "reference_losses": ref_losses,
             "max_abs_param_diff": diff, "max_rel_loss_diff": loss_rel,
             "exact": bool(loss_rel <= TOL and diff <= TOL * scale)}
 
@@ -109,11 +112,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", default="fsdp=2,tp=2,pp=2", help="axis=size,… over dp fsdp pp cp tp")
     ap.add_argument("--style", default="shard_map", choices=("shard_map", "jit", "typed"))
+    ap.add_argument("--cp-variant", default="ring", choices=("ring", "ring_zigzag", "ulysses"))
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args(argv)
     try:
-        result = run(parse_layout(args.layout), args.style, args.steps)
+        result = run(parse_layout(args.layout), args.style, args.steps, cp_variant=args.cp_variant)
     except ComposeError as e:  # refused before compiling: one line
         print(e, file=sys.stderr)
         return 2

@@ -137,6 +137,7 @@ def test_refusals(monkeypatch):
              ({"tp": 4}, {}, "heads, not divisible by tp=4"),  # kv_heads = 2
              ({"pp": 3}, {}, "do not split evenly over pp=3"),
              ({"sp": 2}, {}, "unknown axes"),
+             ({"cp": 2}, {"style": "jit", "cp_variant": "ulysses"}, "under jit is refused"),
              ({"tp": 2}, {"plan": {"lm_head": "colwise"}}, "inside model.layers only"),
              ({"tp": 2}, {"plan": {"model.layers.*.attn.q": "colwise"}}, "matches no module")]
     for layout, kw, words in cases:
@@ -179,11 +180,11 @@ def test_specs():
 
 
 @pytest.mark.slow  # 8 (4) simulated devices: ~10-20 s each on 2 cores
-@pytest.mark.parametrize("layout,style,units", [({"dp": 2, "tp": 2, "cp": 2}, "shard_map", None),
-                                                ({"dp": 2, "tp": 2, "cp": 2}, "jit", None),
-                                                ({"fsdp": 2, "tp": 2}, "jit", ["model.layers.*"])])
-def test_eight_devices_equal_single_device(layout, style, units):
-    out = example().run(layout, style, units=units)
+@pytest.mark.parametrize("layout,style,units,variant", [({"dp": 2, "tp": 2, "cp": 2}, "shard_map", None, "ring"),
+                                                        ({"dp": 2, "tp": 2, "cp": 2}, "jit", None, "ring"),
+                                                        ({"fsdp": 2, "tp": 2}, "jit", ["model.layers.*"], "ring")])
+def test_eight_devices_equal_single_device(layout, style, units, variant):
+    out = example().run(layout, style, units=units, cp_variant=variant)
     assert out["exact"], out  # 1e-12 relative: measured ~1e-15
 
 

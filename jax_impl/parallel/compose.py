@@ -19,8 +19,9 @@ The mesh: axes in the layout's order, device id row-major (innermost last). Per 
                (S, L/S, …); ``first`` / ``last`` replicated over pp, real on stage 0 / S−1; M micro-batches of
                the local rows, M + S − 1 iterations, one ppermute of the message per iteration; the last
                stage's loss, psummed over "pp" (zeros elsewhere).
-    cp         the sequence: tokens / targets columns split over "cp", positions the global ones; the model's
-               attention goes through parallel.cp.attention (the seam): the ring over "cp".
+    cp         the sequence: tokens / targets columns split over "cp" (ring_zigzag: permuted on the host so
+               device r holds chunks r and 2c−1−r), positions the global ones; the model's attention goes
+               through parallel.cp.attention (the seam): ``cp_variant`` ring / ring_zigzag / ulysses.
 
 shard_map: one body over the whole mesh returns each (data, cp) coordinate's mean loss; the step
 differentiates their mean OUTSIDE the body, so replicated weights' gradients are summed by the
@@ -57,8 +58,10 @@ from jax.sharding import PartitionSpec as P
 
 from jax_impl.parallel import cp as cp_seam
 from jax_impl.parallel.tree import WrapError, fetch, key_of, put_child, submodules
+from shared.theory import cp_positions
 
 AXES = ("dp", "fsdp", "pp", "cp", "tp")
+CP_VARIANTS = ("ring", "ring_zigzag", "ulysses")  # parallel.cp's seam
 STYLES = ("shard_map", "jit")
 
 
@@ -109,10 +112,16 @@ def refusal(layout: dict[str, int], style: str) -> str | None:
 class Composed:
     """The composed trainer: ``train_step(tokens, targets)``, ``params()``, ``mesh``, ``specs``."""
 
-    def __init__(self, model, layout, loss, tx, plan, split, units, style, microbatches, devices):
+    def __init__(self, model, layout, loss, tx, plan, split, units, style, microbatches, devices, cp_variant):
         why = refusal(layout, style)
         if why:
             raise ComposeError(why)
+        if cp_variant not in CP_VARIANTS:
+            raise ComposeError(f"compose: unknown cp_variant {cp_variant!r}; use one of {CP_VARIANTS}")
+        if style == "jit" and cp_variant != "ring" and layout.get("cp", 1) > 1:
+            raise ComposeError(f"compose: cp_variant {cp_variant!r} under jit is refused (jit splits the sequence in "
+                               "order and XLA picks attention's collectives); use style='shard_map' or 'ring'")
+        self.cp_variant = cp_variant
         self.layout = {a: int(n) for a, n in layout.items()}
         self.style, self.loss, self.tx, self.split, self.root = style, loss, tx, split, model
         size = lambda a: self.layout.get(a, 1)
@@ -284,7 +293,7 @@ class Composed:
         def body(params, tokens, targets, positions):  # blocks (1, L/S, …) -> (L/S, …)
             blocks = {k: gather(a[0], specs["blocks"][k], 2, 1) for k, a in params["blocks"].items()}
             rest = {k: gather(a, specs["rest"][k], 0, 0) for k, a in params["rest"].items()}
-            ctx = cp_seam._active("ring", self.c, self._record) if self.c > 1 else contextlib.nullcontext()
+            ctx = cp_seam._active(self.cp_variant, self.c, self._record) if self.c > 1 else contextlib.nullcontext()
             with ctx:
                 loss = self._forward_loss({"blocks": blocks, "rest": rest}, tokens, targets, positions, True)
             return loss[None]
@@ -310,13 +319,18 @@ class Composed:
 
     # --- public --------------------------------------------------------------------------------------
 
-    def check_batch(self, tokens):
+    def check_batch(self, tokens) -> np.ndarray:
+        """Refuses a batch the layout cannot split; returns the sequence order (cp's layout)."""
         rows, T = tokens.shape
         if rows % (self.d * self.M):
             raise ComposeError(f"compose: {rows} rows do not split over data axes {self.data} (={self.d}) × "
                                f"{self.M} micro-batches; use rows divisible by {self.d * self.M}")
-        if T % self.c:
-            raise ComposeError(f"compose: sequence {T} does not split over cp={self.c}; use T divisible by it")
+        kind = "ring_zigzag" if self.cp_variant == "ring_zigzag" and self.c > 1 else "ring"
+        chunks = self.c * (2 if kind == "ring_zigzag" else 1)
+        if T % chunks:
+            raise ComposeError(f"compose: sequence {T} does not split into {chunks} chunks (cp={self.c}, "
+                               f"{self.cp_variant}); use T divisible by {chunks}")
+        return np.concatenate([cp_positions(T, self.c, r, kind) for r in range(self.c)])
 
     def check_chain(self, tokens):
         """The split's chain equals the model's forward on one row (eager, one device): else refused."""
@@ -333,12 +347,13 @@ class Composed:
         self._chain_checked = True
 
     def train_step(self, tokens, targets) -> float:
-        self.check_batch(tokens)
+        order = self.check_batch(tokens)  # ring: 0…T−1; ring_zigzag: chunks r and 2c−1−r on device r
         if not self._chain_checked:
             self.check_chain(tokens)
         rows = NamedSharding(self.mesh, P(_one(self.data), self.seq))
-        batch = (jax.device_put(jnp.asarray(tokens), rows), jax.device_put(jnp.asarray(targets), rows),
-                 jax.device_put(jnp.arange(tokens.shape[1]), NamedSharding(self.mesh, P(self.seq))))
+        batch = (jax.device_put(jnp.asarray(tokens)[:, order], rows),
+                 jax.device_put(jnp.asarray(targets)[:, order], rows),  # the mean loss ignores token order
+                 jax.device_put(jnp.asarray(order), NamedSharding(self.mesh, P(self.seq))))
         if self.style == "shard_map" and self.c > 1 and not self._seam_calls:  # trace once: the seam used?
             self._step.trace(self.params_, self.opt_state, *batch)
             if not self._seam_calls:
@@ -396,9 +411,10 @@ class _Row:
 
 def compose(model: nnx.Module, layout: dict[str, int], loss: Callable, tx: optax.GradientTransformation, *,
             plan: dict[str, str] | None = None, split: Split, units=None, style: str = "shard_map",
-            microbatches: int | None = None, devices=None) -> Composed:
+            microbatches: int | None = None, devices=None, cp_variant: str = "ring") -> Composed:
     """Train ``model`` on one mesh of ``layout`` ({axis: size}, axes dp fsdp pp cp tp); ``loss(logits,
     targets)`` a mean over the tokens it gets; ``plan`` {module path glob: colwise | rowwise};
     ``split`` the model's stage split; ``units`` module-path globs whose Params fsdp shards (default
-    all); ``microbatches`` under pp (default pp). The model's attention must call parallel.cp.attention."""
-    return Composed(model, layout, loss, tx, plan, split, units, style, microbatches, devices)
+    all); ``microbatches`` under pp (default pp); ``cp_variant`` the seam's ring / ring_zigzag / ulysses
+    (shard_map). The model's attention must call parallel.cp.attention."""
+    return Composed(model, layout, loss, tx, plan, split, units, style, microbatches, devices, cp_variant)
