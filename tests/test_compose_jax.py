@@ -143,6 +143,12 @@ def test_refusals(monkeypatch):
     for layout, kw, words in cases:
         with pytest.raises(ComposeError, match=words.replace("(", r"\(")):
             make(layout, **kw)
+    with pytest.raises(ComposeError, match="not a non-empty nnx.List"):
+        make({"dp": 2}, split=dataclasses.replace(llama.SPLIT, blocks="model.layers.0"))
+    tied = llama.from_numpy(weights(LlamaShape(), 0))
+    tied.model.norm = tied.model.layers[0].input_layernorm  # one RMSNorm in two places
+    with pytest.raises(ComposeError, match="tied"):
+        compose(tied, {"dp": 2}, ex.cross_entropy, ex.adamw(), split=llama.SPLIT)
     trainer = make({"dp": 2})
     with pytest.raises(ComposeError, match="rows do not split"):
         trainer.check_batch(np.zeros((3, 16), np.int64))

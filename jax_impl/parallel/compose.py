@@ -57,7 +57,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl.parallel import cp as cp_seam
-from jax_impl.parallel.tree import WrapError, fetch, key_of, put_child, submodules
+from jax_impl.parallel.tree import WrapError, fetch, key_of, param_holders, put_child, submodules
 from shared.theory import cp_positions
 
 AXES = ("dp", "fsdp", "pp", "cp", "tp")
@@ -152,20 +152,36 @@ class Composed:
 
     def _check_split(self, mods):
         sp = self.split
+        _, refs = submodules(self.root)
         for p in sp.first + sp.last + (sp.blocks,):
+            m = _resolve(self.root, p)
+            if m is not None and refs.get(id(m), 0) > 1:
+                raise ComposeError(f"compose: the module at {p!r} is held in {refs[id(m)]} places (tied); compose "
+                                   "trains each split part's own Params: untie it")
             if p not in mods:
                 raise ComposeError(f"compose: split path {p!r} is no module of {type(self.root).__name__}; "
                                    "fix the split")
-        self.L = len(mods[sp.blocks])
+        blocks = mods[sp.blocks]
+        if not isinstance(blocks, nnx.List) or not len(blocks):
+            raise ComposeError(f"compose: split.blocks {sp.blocks!r} is a {type(blocks).__name__}, not a non-empty "
+                               "nnx.List of blocks (a scan/vmap-stacked module is not split): hold the blocks in one")
+        self.L = len(blocks)
         if self.L % self.S:
             raise ComposeError(f"compose: {self.L} blocks ({sp.blocks}) do not split evenly over pp={self.S}; "
                                "use a pp size that divides the block count")
-        held = {id(v) for p in sp.first + sp.last + tuple(f"{sp.blocks}.{i}" for i in range(self.L))
-                for v in jax.tree.leaves(nnx.state(mods[p], nnx.Param))}
-        every = jax.tree.leaves(nnx.state(self.root, nnx.Param))
-        if len(held) != len(every):
-            raise ComposeError(f"compose: {len(every) - len(held)} Params of {type(self.root).__name__} are in no "
-                               "module of the split (first / blocks / last); add their modules to the split")
+        shapes = lambda m: [(key_of(k), v.shape) for k, v in jax.tree_util.tree_flatten_with_path(
+            nnx.state(m, nnx.Param))[0]]
+        for i in range(1, self.L):
+            if shapes(blocks[i]) != shapes(blocks[0]) or type(blocks[i]) is not type(blocks[0]):
+                raise ComposeError(f"compose: block {sp.blocks}.{i} differs from {sp.blocks}.0 (type or Params); "
+                                   "the blocks are stacked per stage: make them identical or move it to first/last")
+        parts = sp.first + sp.last + tuple(f"{sp.blocks}.{i}" for i in range(self.L))
+        for holder in param_holders(self.root).values():
+            owners = {q for q in parts for h in holder if h == q or h.startswith(q + ".")}
+            if len(owners) != 1:
+                what = "in no module of the split" if not owners else f"shared by {sorted(owners)} (tied)"
+                raise ComposeError(f"compose: a Param of {holder[0]!r} is {what}; compose trains each split part's "
+                                   "own Params: untie it / add its module to split.first or split.last")
 
     def _check_plan(self, mods, plan) -> dict[str, str]:
         """The plan as {path inside one block: style}; refuses what compose cannot split exactly."""
@@ -369,6 +385,17 @@ class Composed:
             a = fetch(a).reshape((self.L,) + a.shape[2:])
             out |= {f"{self.split.blocks}.{i}.{k}": a[i] for i in range(self.L)}
         return out
+
+
+def _resolve(root, path: str):
+    """The module at a dotted path, or None."""
+    m = root
+    for k in path.split("."):
+        try:
+            m = m[int(k)] if k.isdigit() else getattr(m, k)
+        except (AttributeError, IndexError, KeyError, TypeError):
+            return None
+    return m
 
 
 def _flat(module):
