@@ -98,6 +98,8 @@ def refusal(layout: dict[str, int], style: str) -> str | None:
     bad = [a for a in layout if a not in AXES]
     if bad:
         return f"compose: unknown axes {bad} in layout {layout}; use {AXES}"
+    if any(not isinstance(n, int) or n < 1 for n in layout.values()):
+        return f"compose: layout sizes must be positive integers, got {layout}"
     if style == "typed":
         return ("compose: style 'typed' is refused: a composed step mixes manual collectives (pp's ppermute, "
                 "cp's ring) with sharding-in-types; use style='shard_map' or 'jit'")
