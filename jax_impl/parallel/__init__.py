@@ -9,8 +9,10 @@
     pp       pipeline: GPipe over a stage split of module paths
     cp       context_parallel: the attention seam, ring / zigzag / Ulysses
     ep       expert parallelism's generic pieces (the axis, slots)
+    compose  dp/fsdp × tp × pp × cp on one mesh: a model, a layout, a plan, a stage split, the cp seam
+    llama    a Flax NNX Llama with transformers' names and shapes, its tp plan and stage split
 
-Import rule: jax, flax, optax, numpy, shared.theory and other jax_impl.parallel modules only; never
+Import rule: jax, flax, optax, numpy, shared.theory, shared.llama and jax_impl.parallel modules only; never
 shared.config / problem / results, the harness, reference, launch, the runners or the project's
 models (tests/test_layers_jax.py checks). No re-exports here: import the submodule.
 """

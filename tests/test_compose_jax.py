@@ -1,0 +1,208 @@
+"""jax_impl/parallel/compose.py and the NNX Llama (jax_impl/parallel/llama.py): the Llama equals
+transformers' LlamaForCausalLM (one process: torch for this test only), and examples/compose_jax.py's
+composed runs equal its single-device run. Default tier: the parity, a 4-device 2-axis layout, the
+refusals; slow: the 8-device layouts (fsdp × tp × pp, dp × tp × cp) and the example as a user runs it.
+
+Tolerances: 1e-13 on logits / 1e-12 on losses and parameters, relative: float64 throughout, the shards
+only reorder sums (measured ~1e-15); float32 anywhere would show as ~1e-7.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+
+import jax
+import numpy as np
+import pytest
+
+jax.config.update("jax_enable_x64", True)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def example():
+    path = os.path.join(ROOT, "examples", "compose_jax.py")
+    spec = importlib.util.spec_from_file_location("compose_jax_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def hf_model(monkeypatch, float64: bool):
+    """transformers' LlamaForCausalLM in float64 holding shared/llama.py's weights; ``float64``: its
+    two float32 casts (RMSNorm, RoPE's angles) patched to float64 for this test."""
+    import torch
+    import transformers
+    import transformers.models.llama.modeling_llama as ml
+
+    from shared.llama import LlamaShape, hf_config, weights
+
+    s = LlamaShape()
+    if float64:  # transformers' two float32 casts (RMSNorm, RoPE's angles) kept in float64
+        def rms(self, x):
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+        def rotary(self, x, position_ids):
+            inv = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float64) / s.head_dim))
+            freqs = position_ids[..., None].double() * inv
+            emb = torch.cat((freqs, freqs), dim=-1)
+            return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        monkeypatch.setattr(ml.LlamaRMSNorm, "forward", rms)
+        monkeypatch.setattr(ml.LlamaRotaryEmbedding, "forward", rotary)
+    cfg = transformers.LlamaConfig(**hf_config(s))
+    cfg._attn_implementation = "sdpa"  # eager's softmax is float32
+    model = transformers.LlamaForCausalLM(cfg).to(torch.float64)
+    w = weights(s, 0)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()}, strict=True)
+    return model, w
+
+
+def hf_logits(monkeypatch, float64: bool):
+    import torch
+
+    from shared.llama import LlamaShape, batch
+
+    model, w = hf_model(monkeypatch, float64)
+    tokens = batch(LlamaShape(), 4, 0)[0]
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens)).logits.numpy(), w, tokens
+
+
+def test_nnx_llama_equals_transformers(monkeypatch):
+    import jax.numpy as jnp
+
+    from jax_impl.parallel.llama import from_numpy, to_numpy
+
+    want, w, tokens = hf_logits(monkeypatch, float64=True)
+    model = from_numpy(w)
+    got = np.asarray(model(jnp.asarray(tokens)))
+    assert np.abs(got - want).max() <= 1e-13 * np.abs(want).max()  # float64 both: measured ~6e-16
+    back = to_numpy(model)
+    assert back.keys() == w.keys() and all(np.array_equal(back[k], w[k]) for k in w)
+
+
+def test_transformers_float32_casts_are_why_it_is_patched(monkeypatch):
+    """Unpatched, transformers' float64 Llama rounds RMSNorm and RoPE to float32: ~1e-7 from float64."""
+    import jax.numpy as jnp
+
+    from jax_impl.parallel.llama import from_numpy
+
+    want, w, tokens = hf_logits(monkeypatch, float64=False)
+    gap = np.abs(np.asarray(from_numpy(w)(jnp.asarray(tokens))) - want).max() / np.abs(want).max()
+    assert 1e-10 < gap < 1e-5
+
+
+def test_two_axes_equal_single_device(monkeypatch):
+    """fsdp=2 × tp=2 on 4 simulated devices, shard_map, 3 AdamW steps; and the same 3 steps of
+    transformers' Llama (float64-patched) with torch.optim.AdamW give the same losses."""
+    import torch
+
+    from shared.llama import LlamaShape, batch
+
+    out = example().run({"fsdp": 2, "tp": 2}, "shard_map")
+    assert out["exact"], out  # 1e-12 relative (example.TOL): measured ~1e-15
+    assert len(out["losses"]) == 3 and out["max_rel_loss_diff"] <= 1e-12
+    model, _ = hf_model(monkeypatch, float64=True)
+    s = LlamaShape()
+    tokens, targets = (torch.from_numpy(a) for a in batch(s, 8, 0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    losses = []
+    for _ in range(3):
+        loss = torch.nn.functional.cross_entropy(model(tokens).logits.reshape(-1, s.vocab), targets.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    # float64 both (measured 2e-16); unpatched transformers (float32 RMSNorm / RoPE) is 2e-10 away
+    assert np.allclose(losses, out["losses"], rtol=1e-12, atol=0), (losses, out["losses"])
+
+
+def test_refusals(monkeypatch):
+    from jax_impl.parallel import llama
+    from jax_impl.parallel.compose import ComposeError, compose
+    from shared.llama import LlamaShape, batch, weights
+
+    ex = example()
+    model = llama.from_numpy(weights(LlamaShape(), 0))
+    make = lambda layout, **kw: compose(model, layout, ex.cross_entropy, ex.adamw(),
+                                        **({"plan": llama.PLAN, "split": llama.SPLIT} | kw))
+    cases = [({"pp": 2, "tp": 2}, {"style": "jit"}, "under jit is refused"),
+             ({"tp": 2}, {"style": "typed"}, "'typed' is refused"),
+             ({"tp": 4}, {}, "heads, not divisible by tp=4"),  # kv_heads = 2
+             ({"pp": 3}, {}, "do not split evenly over pp=3"),
+             ({"sp": 2}, {}, "unknown axes"),
+             ({"cp": 2}, {"style": "jit", "cp_variant": "ulysses"}, "under jit is refused"),
+             ({"tp": 2}, {"plan": {"lm_head": "colwise"}}, "inside model.layers only"),
+             ({"tp": 2}, {"plan": {"model.layers.*.attn.q": "colwise"}}, "matches no module")]
+    for layout, kw, words in cases:
+        with pytest.raises(ComposeError, match=words.replace("(", r"\(")):
+            make(layout, **kw)
+    with pytest.raises(ComposeError, match="not a non-empty nnx.List"):
+        make({"dp": 2}, split=dataclasses.replace(llama.SPLIT, blocks="model.layers.0"))
+    tied = llama.from_numpy(weights(LlamaShape(), 0))
+    tied.model.norm = tied.model.layers[0].input_layernorm  # one RMSNorm in two places
+    with pytest.raises(ComposeError, match="tied"):
+        compose(tied, {"dp": 2}, ex.cross_entropy, ex.adamw(), split=llama.SPLIT)
+    trainer = make({"dp": 2})
+    with pytest.raises(ComposeError, match="rows do not split"):
+        trainer.check_batch(np.zeros((3, 16), np.int64))
+    tokens, targets = batch(LlamaShape(), 8, 0)
+    no_norm = dataclasses.replace(llama.SPLIT, head=lambda root, mods, h: mods["lm_head"](h))
+    with pytest.raises(ComposeError, match="chain"):  # checked eagerly before compiling
+        make({"dp": 2}, split=no_norm).train_step(tokens, targets)
+    from jax_impl.parallel import cp
+
+    monkeypatch.setattr(llama, "cp", types.SimpleNamespace(attention=cp.causal))  # attention beside the seam
+    with pytest.raises(cp.SeamError, match="never called"):  # at the first trace, before compiling
+        make({"cp": 2}).train_step(tokens, targets)
+
+
+def test_specs():
+    """Where each array lives: tp on the plan's dims, fsdp on dim 0 after tp (tp-major), pp on the stage
+    dim of the stacked blocks, ZeRO units limiting fsdp; the embedding and head replicated over tp."""
+    from jax.sharding import PartitionSpec as P
+
+    from jax_impl.parallel import llama
+    from jax_impl.parallel.compose import compose
+    from shared.llama import LlamaShape, weights
+
+    ex, model = example(), llama.from_numpy(weights(LlamaShape(), 0))
+    t = compose(model, {"fsdp": 2, "tp": 2, "pp": 2}, ex.cross_entropy, ex.adamw(), plan=llama.PLAN,
+                split=llama.SPLIT)
+    b, r = t.specs["blocks"], t.specs["rest"]
+    assert b["self_attn.q_proj.kernel"] == P("pp", None, "fsdp", "tp")
+    assert b["self_attn.o_proj.kernel"] == P("pp", None, ("tp", "fsdp"), None)
+    assert b["input_layernorm.weight"] == P("pp", None, None)
+    assert r["model.embed_tokens.embedding"] == P("fsdp", None) and r["lm_head.kernel"] == P("fsdp", None)
+    t = compose(model, {"fsdp": 2}, ex.cross_entropy, ex.adamw(), split=llama.SPLIT, units=["model.layers.*"])
+    assert t.specs["rest"]["lm_head.kernel"] == P(None, None)
+    assert t.specs["blocks"]["mlp.up_proj.kernel"] == P(None, None, "fsdp", None)
+
+
+@pytest.mark.slow  # 8 (4) simulated devices: ~10-20 s each on 2 cores
+@pytest.mark.parametrize("layout,style,units,variant", [({"dp": 2, "tp": 2, "cp": 2}, "shard_map", None, "ring"),
+                                                        ({"dp": 2, "tp": 2, "cp": 2}, "jit", None, "ring"),
+                                                        ({"fsdp": 2, "tp": 2}, "jit", ["model.layers.*"], "ring")])
+def test_eight_devices_equal_single_device(layout, style, units, variant):
+    out = example().run(layout, style, units=units, cp_variant=variant)
+    assert out["exact"], out  # 1e-12 relative: measured ~1e-15
+
+
+@pytest.mark.slow  # fsdp × tp × pp in a fresh interpreter, as a user runs it: ~30 s
+def test_example_json(tmp_path):
+    path = tmp_path / "out.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "compose_jax.py"), "--layout",
+                           "fsdp=2,tp=2,pp=2", "--json", str(path)], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = json.loads(path.read_text())
+    assert out["framework"] == "jax" and out["layout"] == {"fsdp": 2, "tp": 2, "pp": 2}
+    assert set(out) >= {"losses", "reference_losses", "max_abs_param_diff"}
+    assert out["exact"] and out["max_rel_loss_diff"] <= 1e-12, out  # exit 0 says the same
