@@ -56,7 +56,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.parallel import theory
+from jax_impl.parallel import recipe, theory
 from jax_impl.parallel.tree import (
     ShardReadError,
     WrapError,
@@ -74,12 +74,30 @@ from jax_impl.parallel.tree import (
 VARIANTS, STYLES = ("dp", "zero1", "zero2", "zero3"), ("shard_map", "jit", "typed")
 
 
+FIX = ("use style='jit' or 'typed' (optax sees your whole tree there), or variant 'zero2'/'zero3' where a mask or "
+       "labels is the problem (each leaf keeps its path and rank); for global-norm clipping drop it from the chain "
+       "and pass clip=max_norm to parallelize (the true norm, every variant and style)")
+
+
+@jax.tree_util.register_pytree_node_class
 class _Gathering:
     """Stands in for a zero3 unit in the merged model: calling it gathers the unit's row blocks
-    (inside jax.checkpoint, so the backward gathers again) and calls the unit on full weights."""
+    (inside jax.checkpoint, so the backward gathers again) and calls the unit on full weights. A
+    pytree of the unit's row blocks: a loss that maps over the model's state (nnx.split -> astype ->
+    nnx.merge) casts them, and the unit gathers the cast blocks."""
 
-    def __init__(self, unit: nnx.Module, path: str, sharded: set[str], axis: str, record: Callable):
+    def __init__(self, unit: nnx.Module, path: str, sharded: frozenset[str], axis: str, record: Callable):
         self._unit, self._path, self._sharded, self._axis, self._record = unit, path, sharded, axis, record
+
+    def tree_flatten(self):
+        gdef, state = nnx.split(self._unit)
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        return leaves, (gdef, treedef, self._path, self._sharded, self._axis, self._record)
+
+    @classmethod
+    def tree_unflatten(cls, aux, leaves):
+        gdef, treedef, *rest = aux
+        return cls(nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, leaves)), *rest)
 
     def __call__(self, *args, **kwargs):
         self._record(self._path, args)
@@ -120,8 +138,9 @@ class Trainer:
     the placed (params, opt_state) — params a {path: array} dict —; ``train_step(*batch)`` runs one
     step on ``state`` and returns the mean loss; ``module()`` the model with the trained parameters."""
 
-    def __init__(self, model, loss, tx, mesh, variant, style, axis, units):
+    def __init__(self, model, loss, tx, mesh, variant, style, axis, units, clip=None, compute_dtype=None):
         self.variant, self.style, self.mesh, self.axis = variant, style, mesh, axis
+        self.clip, self.compute_dtype = clip, compute_dtype
         self.n = mesh.shape[axis]
         self.graphdef, state = nnx.split(model)
         leaves, self._treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -137,6 +156,9 @@ class Trainer:
         self.infos = theory.describe(params, self.sharded, self.units)
         place = lambda specs, tree: {k: jax.device_put(a, NamedSharding(mesh, specs[k])) for k, a in tree.items()}
         self.param_specs = {k: P(axis) if variant == "zero3" and k in self.sharded else P() for k in params}
+        layout = None if style != "shard_map" or variant == "dp" else (
+            recipe.Flat(self.n) if variant == "zero1" else recipe.Rows(self.n, variant))
+        recipe.check(tx, params, layout, f"parallelize {variant}/{style}", FIX)
         params = place(self.param_specs, params)
         self._build(params)
         self.compiler_options = cpu_options(mesh, style, variant)
@@ -163,13 +185,13 @@ class Trainer:
         return nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._treedef, [flat[k] for k in self.keys]))
 
     def _batch_loss(self, flat: dict, batch: tuple):
-        return self._loss(self._merge(flat), *batch)
+        return self._loss(self._merge(recipe.cast(flat, self.compute_dtype)), *batch)
 
     def _zero3_loss(self, mine: dict, batch: tuple):
         """shard_map/zero3: the root's row blocks gathered now, each unit's at its call."""
         mine = {k: lax.all_gather(a, self.axis, axis=0, tiled=True)
                 if k in self.sharded and unit_of(k, self.units) is None else a for k, a in mine.items()}
-        model = self._merge(mine)
+        model = self._merge(recipe.cast(mine, self.compute_dtype))
         ids = {id(a) for a in jax.tree.leaves(batch)}
         mods, calls = submodules(model)[0], {}
 
@@ -181,7 +203,7 @@ class Trainer:
         for u in self.units:
             if any(unit_of(k, [u]) for k in self.sharded):
                 parent, _, name = u.rpartition(".")
-                put_child(mods[parent], name, _Gathering(mods[u], u, self.sharded, self.axis, record))
+                put_child(mods[parent], name, _Gathering(mods[u], u, frozenset(self.sharded), self.axis, record))
         loss = self._loss(model, *batch)
         self.unit_calls = calls
         return loss
@@ -223,7 +245,8 @@ class Trainer:
         loss, grads = jax.value_and_grad(self._batch_loss)(params, batch)
         where = {k: NamedSharding(self.mesh, s) for k, s in self.grad_specs.items()}
         grads = lax.with_sharding_constraint(grads, where)
-        updates, opt_state = self._tx.update(grads, opt_state, params)
+        clipped = grads if self.clip is None else recipe.scale_by_norm(grads, recipe.sumsq(grads), self.clip)
+        updates, opt_state = self._tx.update(clipped, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, grads
 
     def _local(self, params, batch, share: bool):
@@ -239,7 +262,8 @@ class Trainer:
     def _dp_step(self, params, opt_state, *batch):
         loss, grads = self._local(params, batch, share=False)
         grads = lax.pmean(grads, self.axis)  # all-reduce Φ·b
-        updates, opt_state = self._tx.update(grads, opt_state, params)
+        clipped = grads if self.clip is None else recipe.scale_by_norm(grads, recipe.sumsq(grads), self.clip)
+        updates, opt_state = self._tx.update(clipped, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss[None], grads
 
     def _flatten(self, tree: dict):
@@ -255,7 +279,8 @@ class Trainer:
         g = lax.psum_scatter(self._flatten(grads), self.axis, tiled=True)  # (Φ_pad/N,) of the mean
         shard = g.shape[0]
         w = lax.dynamic_slice_in_dim(self._flatten(params), lax.axis_index(self.axis) * shard, shard)
-        updates, opt_state = self._tx.update(g, opt_state, w)
+        clipped = g if self.clip is None else recipe.scale_by_norm(g, lax.psum(recipe.sumsq(g), self.axis), self.clip)
+        updates, opt_state = self._tx.update(clipped, opt_state, w)
         flat = lax.all_gather(optax.apply_updates(w, updates), self.axis, tiled=True, to="invarying")  # (Φ_pad,)
         return self._unflatten(flat), opt_state, loss[None], g
 
@@ -272,7 +297,11 @@ class Trainer:
         r = lax.axis_index(self.axis)
         mine = {k: lax.dynamic_slice_in_dim(a, r * (a.shape[0] // self.n), a.shape[0] // self.n)
                 if k in rows and self.variant == "zero2" else a for k, a in params.items()}
-        updates, opt_state = self._tx.update(grads, opt_state, mine)
+        clipped = grads
+        if self.clip is not None:  # row blocks' squares summed over the axis, the replicated vectors' once
+            sq = lax.psum(recipe.sumsq([grads[k] for k in rows]), self.axis) + recipe.sumsq([grads[k] for k in vec])
+            clipped = recipe.scale_by_norm(grads, sq, self.clip)
+        updates, opt_state = self._tx.update(clipped, opt_state, mine)
         mine = optax.apply_updates(mine, updates)
         if self.variant == "zero2":
             mine |= {k: lax.all_gather(mine[k], self.axis, axis=0, tiled=True, to="invarying") for k in rows}
@@ -311,7 +340,11 @@ class Trainer:
     def comm_theory(self) -> dict[str, tuple[int, int]]:
         """op -> (count, payload bytes) per step per device, from the model wrapped (shard_map: what
         the ledger records; jit: the same ZeRO traffic, XLA may choose otherwise)."""
-        return theory.comm(self.infos, self.variant, self.n, self.unit_calls)
+        out = theory.comm(self.infos, self.variant, self.n, self.unit_calls)
+        if self.clip is not None and self.style == "shard_map" and self.variant != "dp" and out:
+            c, b = out.get("all_reduce", (0, 0))  # the global norm's psum of one float32
+            out["all_reduce"] = (c + 1, b + 4)
+        return out
 
     def state_theory(self) -> dict[str, int]:
         return theory.state(self.infos, self.variant, self.n, self.style)
@@ -334,8 +367,12 @@ class FromApply(nnx.Module):
 
 
 def parallelize(model: nnx.Module, loss: Callable, tx: optax.GradientTransformation, mesh, variant: str = "dp",
-                style: str = "shard_map", axis: str = "dp", units: Sequence[str] | None = None) -> Trainer:
-    """A ZeRO ``variant`` of ``model`` over ``mesh``'s ``axis`` in ``style``; see the module docstring."""
+                style: str = "shard_map", axis: str = "dp", units: Sequence[str] | None = None, *,
+                clip: float | None = None, compute_dtype=None) -> Trainer:
+    """A ZeRO ``variant`` of ``model`` over ``mesh``'s ``axis`` in ``style``; see the module docstring.
+    ``clip``: global-norm clipping with the true norm (parallel.recipe); ``compute_dtype``: the loss
+    sees the floating Params cast to it (bf16 compute), master weights and optimizer state stay as given."""
+    recipe.check_clip(clip, "parallelize")
     if variant not in VARIANTS or style not in STYLES:
         raise WrapError(f"unknown variant/style {variant}/{style}: choose a variant from {VARIANTS}, "
                         f"a style from {STYLES}")
@@ -351,8 +388,8 @@ def parallelize(model: nnx.Module, loss: Callable, tx: optax.GradientTransformat
     if style == "typed":  # sharding in types: an Explicit-axes copy of the mesh (jax_impl/parallel/typed.py)
         from jax_impl.parallel.typed import TypedTrainer
 
-        return TypedTrainer(model, loss, tx, mesh, variant, axis)
+        return TypedTrainer(model, loss, tx, mesh, variant, axis, clip, compute_dtype)
     # jax.make_mesh's default axes are Explicit (sharding in types); these steps place arrays with
     # Auto axes (shardings are hints XLA propagates): the same devices, re-typed.
     mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-    return Trainer(model, loss, tx, mesh, variant, style, axis, units)
+    return Trainer(model, loss, tx, mesh, variant, style, axis, units, clip, compute_dtype)

@@ -1,0 +1,236 @@
+"""A real training recipe through the JAX library layer (issue 34): global-norm clipping, decay
+masks, frozen parts (multi_transform), compute in a narrower dtype — exact against single-device
+training with the same recipe, or refused before anything compiles (jax_impl/parallel/recipe.py).
+
+``Tiny`` (defined here, float64; not a project model): Linear+tanh, Linear+tanh, LayerNorm, Linear —
+biases, a norm's scale and bias (replicated vectors under zero2/zero3), kernels N = 2 splits, and a
+forward that is a chain of modules (pp) with a colwise/rowwise pair (tp).
+
+Tolerance: float64, 1e-12 (as test_own_model_jax: the sums are split over devices and added in
+another order, ~1e-16 relative per op; 3 steps carry that to ~1e-15; a clipping or mask defect is
+1e-3 or more). compute_dtype=float32 on the float64 model: 1e-5 (float32 round-off, ~1e-7 relative
+per op, of a loss computed on B/N rows per device instead of B; a missing cast is 1e-8, a cast of the
+master weights would change the stored dtype, which is asserted).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jax_impl  # noqa: F401  (float64)
+from jax_impl.devices import make_mesh
+from jax_impl.parallel import recipe
+from jax_impl.parallel.fsdp import parallelize
+from jax_impl.parallel.pp import pipeline
+from jax_impl.parallel.tp import apply_plan
+from jax_impl.parallel.tree import WrapError, key_of
+
+TOL, TOL32 = 1e-12, 1e-5  # see the module docstring
+N, B, STEPS, CLIP = 2, 4, 3, 0.2
+F64 = jnp.float64
+
+
+class Act(nnx.Module):
+    def __init__(self, i, o, rngs):
+        self.lin = nnx.Linear(i, o, param_dtype=F64, rngs=rngs)
+
+    def __call__(self, x):
+        return jnp.tanh(self.lin(x))
+
+
+class Tiny(nnx.Module):
+    def __init__(self, rngs=None):
+        rngs = rngs or nnx.Rngs(0)
+        self.inp, self.hid = Act(6, 8, rngs), Act(8, 8, rngs)
+        self.norm = nnx.LayerNorm(8, param_dtype=F64, rngs=rngs)
+        self.out = nnx.Linear(8, 4, param_dtype=F64, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.norm(self.hid(self.inp(x))))
+
+
+def mse(pred, y):
+    return jnp.mean((pred - y) ** 2)
+
+
+def loss(m, x, y):
+    return mse(m(x), y)
+
+
+def data():
+    rng = np.random.default_rng(1)
+    return rng.standard_normal((B, 6)), rng.standard_normal((B, 4)) * 3
+
+
+def adamw(**kw):
+    return optax.adamw(3e-2, weight_decay=0.1, **kw)
+
+
+def kernels(p):  # decay the matrices only
+    return jax.tree.map(lambda a: a.ndim == 2, p)
+
+
+def frozen(p):  # the first layer frozen
+    return {k: "frozen" if k.startswith("inp.") else "train" for k in p}
+
+
+def freeze():
+    return optax.multi_transform({"train": adamw(), "frozen": optax.set_to_zero()}, frozen)
+
+
+def flat(model):
+    return {key_of(p): np.asarray(a) for p, a in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]}
+
+
+def single(tx, clip=None, dtype=None, loss=loss):
+    """STEPS on one device: optax sees the {path: array} dict, as the wrappers' whole-tree layouts."""
+    model = Tiny()
+    gdef, state = nnx.split(model)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    keys = [key_of(p) for p, _ in leaves]
+    params = {k: a for k, (_, a) in zip(keys, leaves)}
+    tx = tx if clip is None else optax.chain(recipe.clip_by_global_norm(clip), tx)
+    merge = lambda p: nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, [p[k] for k in keys]))
+    opt, x, y = tx.init(params), *data()
+    for _ in range(STEPS):
+        grads = jax.grad(lambda p: loss(merge(recipe.cast(p, dtype)), x, y))(params)
+        updates, opt = tx.update(grads, opt, params)
+        params = optax.apply_updates(params, updates)
+    return {k: np.asarray(a) for k, a in params.items()}
+
+
+def gap(got: dict, want: dict) -> float:
+    return max(float(np.max(np.abs(got[k] - want[k]))) for k in got)
+
+
+def run(trainer):
+    for _ in range(STEPS):
+        trainer.train_step(*data())
+    return flat(trainer.module())
+
+
+# --- refused: the layout would compute another update -----------------------------------------------------
+
+CLIPPED = lambda: optax.chain(optax.clip_by_global_norm(CLIP), adamw())  # noqa: E731
+
+
+@pytest.mark.parametrize("variant", ["zero1", "zero2", "zero3"])
+def test_optax_global_norm_clipping_is_refused_under_shard_map(variant):
+    with pytest.raises(WrapError, match=rf"{variant}/shard_map.*scaled otherwise.*clip_by_global_norm.*clip=max_norm"):
+        parallelize(Tiny(), loss, CLIPPED(), make_mesh(N, "dp"), variant, "shard_map")
+
+
+@pytest.mark.parametrize("tx", [freeze, lambda: adamw(mask=kernels)], ids=["multi_transform", "mask"])
+def test_masks_and_labels_are_refused_on_zero1s_flat_vector(tx):
+    with pytest.raises(WrapError, match=r"zero1/shard_map: .*ONE flat 1-D piece.*style='jit'"):
+        parallelize(Tiny(), loss, tx(), make_mesh(N, "dp"), "zero1", "shard_map")
+
+
+@pytest.mark.parametrize("tx", [freeze, lambda: adamw(mask=kernels)], ids=["multi_transform", "mask"])
+def test_masks_and_labels_are_refused_on_pps_packed_stages(tx):
+    with pytest.raises(WrapError, match=r"pp: .*ONE packed \(2, Φ_max\) array.*clip=max_norm"):
+        pipeline(Tiny(), STAGES, mse, tx(), make_mesh(N, "pp"), microbatches=2)
+
+
+def test_a_per_tensor_statistic_is_refused_on_row_blocks():
+    lamb = optax.lamb(1e-2)  # trust ratio = ‖w‖ / ‖u‖ of each tensor: a row block's is another
+    with pytest.raises(WrapError, match=r"zero2/shard_map: .*First difference at 'hid.lin.kernel'"):
+        parallelize(Tiny(), loss, lamb, make_mesh(N, "dp"), "zero2", "shard_map")
+
+
+def test_the_probe_is_cheap_and_passes_elementwise_optimizers():
+    import time
+    sched = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
+    params = flat(Tiny())
+    for tx in (adamw(), optax.sgd(1e-2, momentum=0.9), optax.adam(sched)):
+        for layout in (recipe.Flat(N), recipe.Rows(N, "zero2"), recipe.Rows(N, "zero3")):
+            start = time.perf_counter()
+            recipe.check(tx, params, layout, "probe", "-")
+            assert time.perf_counter() - start < 2.0  # a few eager optax steps (~10-100 ms; 2 s: a loaded machine)
+
+
+# --- supported: exact against one device with the same recipe ---------------------------------------------
+
+
+@pytest.mark.parametrize("style", ["shard_map", "jit"])
+@pytest.mark.parametrize("variant", ["dp", "zero1", "zero2", "zero3"])
+def test_clip_is_the_true_global_norm(variant, style):
+    want = single(adamw(), clip=CLIP)
+    got = run(parallelize(Tiny(), loss, adamw(), make_mesh(N, "dp"), variant, style, clip=CLIP))
+    assert gap(got, want) <= TOL
+    assert gap(want, single(adamw())) > 1e-3  # the clip acts at this scale
+
+
+def test_clip_typed_and_optax_clipping_where_optax_sees_the_tree():
+    want = single(adamw(), clip=CLIP)
+    got = run(parallelize(Tiny(), loss, adamw(), make_mesh(N, "dp"), "zero3", "typed", clip=CLIP))
+    assert gap(got, want) <= TOL
+    got = run(parallelize(Tiny(), loss, CLIPPED(), make_mesh(N, "dp"), "zero1", "jit"))
+    assert gap(got, single(CLIPPED())) <= TOL
+
+
+@pytest.mark.parametrize("variant,style", [("zero2", "shard_map"), ("zero3", "shard_map"), ("zero1", "jit")])
+def test_masks_and_frozen_parts_where_each_leaf_keeps_its_path(variant, style):
+    tx = lambda: optax.chain(optax.clip_by_global_norm(1e9), freeze()) if style == "jit" else freeze()  # noqa: E731
+    got = run(parallelize(Tiny(), loss, tx(), make_mesh(N, "dp"), variant, style, clip=CLIP))
+    want = single(tx(), clip=CLIP)
+    assert gap(got, want) <= TOL
+    assert gap({k: v for k, v in got.items() if k.startswith("inp.")}, flat(Tiny())) == 0  # frozen: unchanged
+    got = run(parallelize(Tiny(), loss, adamw(mask=kernels), make_mesh(N, "dp"), variant, style))
+    assert gap(got, single(adamw(mask=kernels))) <= TOL
+
+
+PLAN = {"inp.lin": "colwise", "hid.lin": "rowwise"}
+
+
+@pytest.mark.parametrize("style", ["shard_map", "jit"])
+def test_tp_clip_and_masks(style):
+    got = run(apply_plan(Tiny(), PLAN, loss, freeze(), make_mesh(N, "tp"), style, clip=CLIP))
+    assert gap(got, single(freeze(), clip=CLIP)) <= TOL
+
+
+STAGES = [["inp", "hid"], ["norm", "out"]]
+
+
+def test_pp_clip():
+    got = run(pipeline(Tiny(), STAGES, mse, adamw(), make_mesh(N, "pp"), microbatches=2, clip=CLIP))
+    assert gap(got, single(adamw(), clip=CLIP)) <= TOL
+
+
+# --- compute in a narrower dtype, master weights as given --------------------------------------------------
+
+
+@pytest.mark.parametrize("variant,style", [("zero3", "shard_map"), ("zero1", "shard_map"), ("dp", "typed")])
+def test_compute_dtype_keeps_the_master_weights(variant, style):
+    trainer = parallelize(Tiny(), loss, adamw(), make_mesh(N, "dp"), variant, style, compute_dtype=jnp.float32)
+    got = run(trainer)
+    assert {a.dtype for a in got.values()} == {np.dtype("float64")}
+    want, want64 = single(adamw(), dtype=jnp.float32), single(adamw())
+    assert gap(got, want) <= TOL32 < gap(want, want64) * 1e3
+
+
+def cast_loss(m, x, y):  # the user's own cast: nnx.split -> astype -> nnx.merge
+    gdef, state = nnx.split(m)
+    return loss(nnx.merge(gdef, jax.tree.map(lambda a: a.astype(jnp.float32), state)), x, y)
+
+
+def test_compute_dtype_under_tp():
+    got = run(apply_plan(Tiny(), PLAN, loss, adamw(), make_mesh(N, "tp"), compute_dtype=jnp.float32))
+    assert {a.dtype for a in got.values()} == {np.dtype("float64")}
+    assert gap(got, single(adamw(), dtype=jnp.float32)) <= TOL32
+
+
+@pytest.mark.parametrize("make", [
+    lambda: apply_plan(Tiny(), PLAN, cast_loss, adamw(), make_mesh(N, "tp")),
+    lambda: parallelize(Tiny(), cast_loss, adamw(), make_mesh(N, "dp"), "zero3", "shard_map")], ids=["tp", "zero3"])
+def test_a_loss_that_casts_the_model_itself(make):
+    """The stand-ins tp and zero3 put in the model (split modules, gathering units) are pytrees of their
+    arrays: the user's tree map casts them too (it used to crash: no attribute 'astype')."""
+    got = run(make())
+    want, want64 = single(adamw(), loss=cast_loss), single(adamw())
+    assert gap(got, want) <= TOL32 < gap(want, want64) * 1e3
