@@ -154,6 +154,21 @@ def test_the_probe_is_cheap_and_passes_elementwise_optimizers():
             assert time.perf_counter() - start < 2.0  # a few eager optax steps (~10-100 ms; 2 s: a loaded machine)
 
 
+def test_a_large_model_is_probed_on_a_bounded_cut(monkeypatch):
+    monkeypatch.setattr(recipe, "BOUND", 100)  # as if the model were large: every dim cut to <= 6·N (12)
+    params = {"a.kernel": np.ones((40, 30)), "a.bias": np.ones(31), "b.kernel": np.ones((7, 30))}
+    assert {k: a.shape for k, a in recipe._bounded(params, N).items()} == {
+        "a.kernel": (12, 12), "a.bias": (13,), "b.kernel": (7, 12)}  # N | 40, 30; N ∤ 31, 7: kept so
+    recipe.check(adamw(), params, recipe.Rows(N, "zero2"), "probe", "-")
+    with pytest.raises(WrapError, match="'a.kernel'"):
+        recipe.check(CLIPPED(), params, recipe.Rows(N, "zero2"), "probe", "-")
+
+
+def test_clip_must_be_a_positive_number():
+    with pytest.raises(WrapError, match=r"clip=-1.*> 0"):
+        parallelize(Tiny(), loss, adamw(), make_mesh(N, "dp"), "zero1", clip=-1)
+
+
 # --- supported: exact against one device with the same recipe ---------------------------------------------
 
 

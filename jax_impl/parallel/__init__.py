@@ -9,6 +9,8 @@
     pp       pipeline: GPipe over a stage split of module paths
     cp       context_parallel: the attention seam, ring / zigzag / Ulysses
     ep       expert parallelism's generic pieces (the axis, slots)
+    recipe   the optimizer probe (refuses a tx a layout cannot apply exactly), clip= with the true
+             global norm, compute_dtype= casts (docs/recipe.md)
 
 Import rule: jax, flax, optax, numpy, shared.theory and other jax_impl.parallel modules only; never
 shared.config / problem / results, the harness, reference, launch, the runners or the project's

@@ -24,6 +24,8 @@ with the sequence split; XLA (GSPMD) picks attention's collectives.
 A model that never calls the seam is refused at the first trace (it would attend within its own
 T/N tokens only — silently wrong); one that calls it for some attention layers and not others cannot
 be detected: route every attention through it.
+Recipe: optax sees the whole replicated {path: array} dict (masks, labels, optax's clipping exact);
+``clip=max_norm`` clips with torch's formula (parallel/recipe.py, docs/recipe.md).
 """
 
 from __future__ import annotations

@@ -34,6 +34,13 @@ rows; the updated rows back) and recorded (``trainer.stated.entries``). The mode
 typeable: an op whose output layout JAX cannot infer (an embedding lookup on split ids) is refused at
 the first trace in one line; state it (``out_sharding=jax_impl.parallel.typed.rows_like(ids)``).
 
+A real recipe (docs/recipe.md, parallel/recipe.py): ``clip=max_norm`` clips by the WHOLE model's
+gradient norm (shard_map zero1/2/3: the pieces' squares psum'ed, replicated leaves once; torch's
+formula); ``compute_dtype=jnp.bfloat16`` casts the Params inside the step, master weights and
+optimizer state as given. Under shard_map zero1/2/3 optax sees a flat piece or row blocks, not the
+tree: ``recipe.check`` probes ``tx`` first and refuses one that would update otherwise (optax's
+global-norm clipping, masks / multi_transform labels on zero1's flat vector, per-tensor statistics).
+
 Refused before anything is compiled (``WrapError``: what, where, how to fix): unknown variant or
 style, a mesh without the axis, non-Param state, a unit pattern that matches nothing or nests in
 another, a unit module reachable from two places (shared), a row-split Param held by modules in

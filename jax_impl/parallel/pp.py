@@ -22,6 +22,11 @@ programs) on micro-batch t − s, and the message moves s → s+1 (``ppermute``)
 stale inputs and are masked to zero (zero value, zero gradient). Backward: jax.grad of the unrolled
 schedule (GPipe order), every shift transposed. Per step per device: 2·(M + S − 2) collective-permutes
 of one message, plus the all-reduce of the (S,) per-stage losses' sum (one element per device).
+
+The optimizer sees the packed (S, Φ_max) array, not the model's tree: ``recipe.check`` refuses, before
+anything compiles, a ``tx`` that would update otherwise (masks, multi_transform labels: no paths in a
+packed row). Global-norm clipping is exact (the whole packed gradient; padding zero): ``clip=max_norm``
+uses torch's formula (parallel/recipe.py, docs/recipe.md).
 """
 
 from __future__ import annotations

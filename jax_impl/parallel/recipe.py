@@ -20,9 +20,11 @@ row by another factor in [0.1, 10] so that the norms of a layout's pieces vary b
 on the whole tree and once as the layout's devices see it (their states cut as the wrapper places
 them), and compares the updates leaf by leaf. A difference beyond round-off (``rtol``) raises ONE
 ``WrapError``: the layout, the first leaf that differs, the likely transform, the fix. Elementwise
-optimizers (sgd, adam, adamw with schedules) give identical updates and pass. Cost: a few eager
-optax steps on the host, O(Φ); above ``BOUND`` elements every leaf is probed cut to at most 6·N
-along each dim (divisibility by N kept), so a large model costs the same as a small one.
+optimizers (sgd, adam, adamw with schedules) give identical updates and pass. Cost: three eager optax
+steps on the host, O(Φ): 1-20 ms once JAX's per-op cache holds the shapes; the first probe of a
+process compiles those ops (~0.2-1 s). Above ``BOUND`` elements every leaf is probed cut to at most
+6·N along each dim (whether N divides it kept), so a large model costs what a small one does; a mask
+reading a size (``shape[0] == vocab``) is then probed on the cut sizes.
 
 Clipping. ``clip=max_norm`` on the wrappers computes the norm of the WHOLE model's gradient —
 shard_map: the squares of each device's row blocks / flat piece psum'ed over the axis, replicated
@@ -90,7 +92,7 @@ def check_clip(clip, where: str):
 class Layout:
     """How a wrapper's devices see the {path: array} tree: ``views`` (one tree per device),
     ``back`` (the device trees -> the full tree), ``init`` (the per-device optimizer states, cut
-    as the wrapper places them). ``what`` names it in the refusal."""
+    as the wrapper places them, from ``tx_init``). ``what`` names it in the refusal."""
 
     what, n = "", 1
 
@@ -100,8 +102,8 @@ class Layout:
     def back(self, views: list) -> dict:
         raise NotImplementedError
 
-    def init(self, tx, tree: dict) -> list:
-        return [tx.init(v) for v in self.views(tree)]
+    def init(self, tx_init, tree: dict) -> list:
+        return [tx_init(v) for v in self.views(tree)]
 
 
 class Flat(Layout):
@@ -123,8 +125,8 @@ class Flat(Layout):
             at += int(np.prod(s))
         return out
 
-    def init(self, tx, tree):
-        state = tx.init(jnp.asarray(np.concatenate(self.views(tree))))
+    def init(self, tx_init, tree):
+        state = tx_init(jnp.asarray(np.concatenate(self.views(tree))))
         return [jax.tree.map(lambda a, i=i: np.split(np.asarray(a), self.n)[i] if np.ndim(a) else a, state)
                 for i in range(self.n)]
 
@@ -147,8 +149,8 @@ class Rows(Layout):
     def back(self, views):
         return {k: np.concatenate([v[k] for v in views]) if k in self.cut else a for k, a in views[0].items()}
 
-    def init(self, tx, tree):
-        state = tx.init(tree)
+    def init(self, tx_init, tree):
+        state = tx_init(tree)
         return [jax.tree.map(lambda a, i=i: self._cut(a, i), state) for i in range(self.n)]
 
 
@@ -199,26 +201,27 @@ def check(tx: optax.GradientTransformation, params: dict, layout: Layout | None,
     otherwise than ``tx`` on the whole dict; ``layout=None``: the wrapper hands optax the whole dict."""
     if layout is None:
         return
-    n = layout.n
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu):
-        ref_p = {k: np.asarray(a) for k, a in _bounded(params, n).items()}
+    # eager: each op compiles once per shape and process (~1 s the first time on a small model), then
+    # the probe takes milliseconds; jit would compile the whole update again for every new tx
+    init, update = tx.init, tx.update
+    with jax.default_device(jax.devices("cpu")[0]):
+        ref_p = {k: np.asarray(a) for k, a in _bounded(params, layout.n).items()}
         ref_p = {k: a.astype(np.float64 if a.dtype == np.float64 else np.float32) for k, a in ref_p.items()}
         try:
-            ref_state = tx.init(ref_p)
+            ref_state = init(ref_p)
         except Exception:  # noqa: BLE001 - the optimizer fails on the user's own tree: theirs to see at init
             return
         try:
-            states = layout.init(tx, ref_p)
+            states = layout.init(init, ref_p)
         except Exception as e:  # noqa: BLE001
             raise WrapError(f"{where}: the optimizer cannot be applied to this layout: {layout.what}; optax raised "
                             f"{type(e).__name__}: {str(e)[:200]}. Fix: {fix}") from e
         rng, p = np.random.default_rng(seed), ref_p
         for scale in (1e4, 1e4, 1e-4):
             g = {k: _grad(rng, a.shape, scale).astype(a.dtype) for k, a in p.items()}
-            u_ref, ref_state = tx.update(g, ref_state, p)
+            u_ref, ref_state = update(g, ref_state, p)
             try:
-                outs = [tx.update(gv, s, pv) for gv, s, pv in zip(layout.views(g), states, layout.views(p),
+                outs = [update(gv, s, pv) for gv, s, pv in zip(layout.views(g), states, layout.views(p),
                                                                      strict=True)]
             except Exception as e:  # noqa: BLE001
                 raise WrapError(f"{where}: the optimizer cannot be applied to this layout: {layout.what}; optax "
@@ -233,4 +236,4 @@ def check(tx: optax.GradientTransformation, params: dict, layout: Layout | None,
                     raise WrapError(f"{where}: the optimizer would compute another update than on your whole tree, "
                                     f"silently: {layout.what}. First difference at {k!r} (relative "
                                     f"{np.abs(ref - got).max() / big:.2g}): {_cause(ref, got)}. Fix: {fix}")
-            p = {k: np.asarray(a) for k, a in optax.apply_updates(p, u_ref).items()}
+            p = {k: p[k] + np.asarray(u_ref[k]) for k in p}  # in the model's order (zero1 concatenates in it)

@@ -40,6 +40,11 @@ places or a Param tied to another module, sizes tp does not divide, part of an a
 device (the parent module's ``head_dim``), state other than nnx.Param. At the first trace: a parent
 reading a split module's Param or method (``self.emb.attend``), a colwise_vocab head whose logits
 never reach ``cross_entropy``, a loss that still varies over the axis (a colwise without g).
+
+Recipe (parallel/recipe.py, docs/recipe.md): optax sees the whole dict, vocabulary leaves padded and
+colwise_heads' columns reordered (``recipe.check`` refuses a ``tx`` that reads those shapes);
+``clip=max_norm`` (torch's formula), ``compute_dtype=`` (the Params cast inside the step). The stand-ins
+are pytrees of their module's arrays: a loss's own nnx.split -> astype -> nnx.merge casts them too.
 """
 
 from __future__ import annotations
