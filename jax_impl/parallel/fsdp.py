@@ -298,15 +298,22 @@ class Trainer:
         rows, vec = [k for k in self.keys if k in self.sharded], [k for k in self.keys if k not in self.sharded]
         if self.variant == "zero2":
             grads |= {k: lax.psum_scatter(grads[k], self.axis, scatter_dimension=0, tiled=True) for k in rows}
+        rows_sq = None if self.clip is None else recipe.sumsq([grads[k] for k in rows])  # this device's blocks
+        folded = False
         if vec:
-            flat = lax.psum(jnp.concatenate([grads[k].reshape(-1) for k in vec]), self.axis)  # (Σ vectors,)
+            flat = jnp.concatenate([grads[k].reshape(-1) for k in vec])
+            if rows_sq is not None and flat.dtype.itemsize >= 4:  # the blocks' Σg² rides in the same psum
+                flat = lax.psum(jnp.concatenate([flat, rows_sq.astype(flat.dtype)[None]]), self.axis)
+                flat, rows_sq, folded = flat[:-1], flat[-1], True
+            else:
+                flat = lax.psum(flat, self.axis)  # (Σ vectors,)
             grads |= self._unflatten_some(flat, vec, grads)
         r = lax.axis_index(self.axis)
         mine = {k: lax.dynamic_slice_in_dim(a, r * (a.shape[0] // self.n), a.shape[0] // self.n)
                 if k in rows and self.variant == "zero2" else a for k, a in params.items()}
         clipped = grads
         if self.clip is not None:  # row blocks' squares summed over the axis, the replicated vectors' once
-            sq = lax.psum(recipe.sumsq([grads[k] for k in rows]), self.axis) + recipe.sumsq([grads[k] for k in vec])
+            sq = (rows_sq if folded else lax.psum(rows_sq, self.axis)) + recipe.sumsq([grads[k] for k in vec])
             clipped = recipe.scale_by_norm(grads, sq, self.clip)
         updates, opt_state = self._tx.update(clipped, opt_state, mine)
         mine = optax.apply_updates(mine, updates)
@@ -349,8 +356,13 @@ class Trainer:
         the ledger records; jit: the same ZeRO traffic, XLA may choose otherwise)."""
         out = theory.comm(self.infos, self.variant, self.n, self.unit_calls)
         if self.clip is not None and self.style == "shard_map" and self.variant != "dp" and out:
-            c, b = out.get("all_reduce", (0, 0))  # the global norm's psum of one float32
-            out["all_reduce"] = (c + 1, b + 4)
+            c, b = out.get("all_reduce", (0, 0))  # the global norm's psum: one scalar, float32 or wider
+            dtype = lambda keys: jnp.result_type(*[self.state[0][k].dtype for k in keys])
+            vec = [k for k in self.keys if k not in self.sharded]
+            if self.variant != "zero1" and vec and np.dtype(dtype(vec)).itemsize >= 4:  # in the vectors' psum
+                out["all_reduce"] = (c, b + np.dtype(dtype(vec)).itemsize)
+            else:
+                out["all_reduce"] = (c + 1, b + np.dtype(jnp.promote_types(dtype(self.keys), jnp.float32)).itemsize)
         return out
 
     def state_theory(self) -> dict[str, int]:
