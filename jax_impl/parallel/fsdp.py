@@ -86,25 +86,12 @@ FIX = ("use style='jit' or 'typed' (optax sees your whole tree there), or varian
        "and pass clip=max_norm to parallelize (the true norm, every variant and style)")
 
 
-@jax.tree_util.register_pytree_node_class
 class _Gathering:
     """Stands in for a zero3 unit in the merged model: calling it gathers the unit's row blocks
-    (inside jax.checkpoint, so the backward gathers again) and calls the unit on full weights. A
-    pytree of the unit's row blocks: a loss that maps over the model's state (nnx.split -> astype ->
-    nnx.merge) casts them, and the unit gathers the cast blocks."""
+    (inside jax.checkpoint, so the backward gathers again) and calls the unit on full weights."""
 
-    def __init__(self, unit: nnx.Module, path: str, sharded: frozenset[str], axis: str, record: Callable):
+    def __init__(self, unit: nnx.Module, path: str, sharded: set[str], axis: str, record: Callable):
         self._unit, self._path, self._sharded, self._axis, self._record = unit, path, sharded, axis, record
-
-    def tree_flatten(self):
-        gdef, state = nnx.split(self._unit)
-        leaves, treedef = jax.tree_util.tree_flatten(state)
-        return leaves, (gdef, treedef, self._path, self._sharded, self._axis, self._record)
-
-    @classmethod
-    def tree_unflatten(cls, aux, leaves):
-        gdef, treedef, *rest = aux
-        return cls(nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, leaves)), *rest)
 
     def __call__(self, *args, **kwargs):
         self._record(self._path, args)
@@ -120,6 +107,8 @@ class _Gathering:
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
+        if name in recipe.ARRAY_ATTRS:
+            raise ShardReadError(f"zero3: {recipe.as_array(self._path, name)}")
         raise ShardReadError(
             f"zero3: {name!r} of unit {self._path!r} ({type(self._unit).__name__}) was read by its parent instead "
             f"of calling the unit; there it is a row block. Make the reader the unit: units=[<the parent's path>]")
@@ -210,7 +199,7 @@ class Trainer:
         for u in self.units:
             if any(unit_of(k, [u]) for k in self.sharded):
                 parent, _, name = u.rpartition(".")
-                put_child(mods[parent], name, _Gathering(mods[u], u, frozenset(self.sharded), self.axis, record))
+                put_child(mods[parent], name, _Gathering(mods[u], u, self.sharded, self.axis, record))
         loss = self._loss(model, *batch)
         self.unit_calls = calls
         return loss

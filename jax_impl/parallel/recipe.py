@@ -81,6 +81,18 @@ def cast(flat: dict, dtype) -> dict:
     return {k: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a for k, a in flat.items()}
 
 
+ARRAY_ATTRS = frozenset({"astype", "dtype", "shape", "ndim", "size", "reshape", "sum", "at", "T", "real"})
+
+
+def as_array(path: str, name: str) -> str:
+    """The refusal of tp's / zero3's stand-in modules read as an array (``.astype`` ...): the loss maps
+    over the model's state (nnx.split -> astype -> nnx.merge), where a split module is no array."""
+    return (f"the loss read {name!r} of {path!r} as if it were an array: it maps over the model's state "
+            "(nnx.split -> astype -> nnx.merge, a tree map), where this module is split over the devices and "
+            "stands in as one object. Fix: for bf16 compute pass compute_dtype=jnp.bfloat16 to the wrapper "
+            "(it casts the Params inside the step; master weights stay), or build the model with Flax's dtype=")
+
+
 def check_clip(clip, where: str):
     if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
         raise WrapError(f"{where}: clip={clip!r}; pass the maximum global norm, a number > 0 (or None)")

@@ -210,24 +210,12 @@ class _Trace:
 _ACTIVE: list[_Trace] = []  # the trace in progress (cross_entropy reads it)
 
 
-@jax.tree_util.register_pytree_node_class
 class _Split:
     """Stands in for a planned module inside the traced step; its weights are the local shards
-    (shard_map) or the sharded globals (jit). A pytree of the module's arrays: a loss that maps over
-    the model's state (nnx.split -> astype -> nnx.merge: bf16 compute) gets a stand-in of the cast module."""
+    (shard_map) or the sharded globals (jit)."""
 
     def __init__(self, m, path: str, style: str, trace: _Trace):
         self._m, self._path, self._style, self._tr = m, path, style, trace
-
-    def tree_flatten(self):
-        gdef, state = nnx.split(self._m)
-        leaves, treedef = jax.tree_util.tree_flatten(state)
-        return leaves, (gdef, treedef, self._path, self._style, self._tr)
-
-    @classmethod
-    def tree_unflatten(cls, aux, leaves):
-        gdef, treedef, *rest = aux
-        return cls(nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, leaves)), *rest)
 
     def __call__(self, x, *args, **kwargs):
         m, tr, ax = self._m, self._tr, self._tr.t.axis
@@ -257,6 +245,8 @@ class _Split:
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
+        if name in recipe.ARRAY_ATTRS:
+            raise PlanError(f"tp plan: {recipe.as_array(self._path, name)}")
         value = getattr(self._m, name)
         if isinstance(value, nnx.Variable) or callable(value):
             raise PlanError(f"tp plan: {name!r} of {self._path!r} ({self._style}) was read by its parent; the "
