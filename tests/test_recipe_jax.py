@@ -25,7 +25,7 @@ from flax import nnx
 import jax_impl  # noqa: F401  (float64)
 from jax_impl.devices import make_mesh
 from jax_impl.ledger import comm_from_hlo
-from jax_impl.parallel import recipe
+from jax_impl.parallel import cp, recipe
 from jax_impl.parallel.fsdp import parallelize
 from jax_impl.parallel.pp import pipeline
 from jax_impl.parallel.tp import PlanError, apply_plan
@@ -88,18 +88,20 @@ def flat(model):
     return {key_of(p): np.asarray(a) for p, a in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]}
 
 
-def single(tx, clip=None, dtype=None, loss=loss):
+def single(tx, clip=None, dtype=None, loss=loss, make=Tiny, batch=None):
     """STEPS on one device: optax sees the {path: array} dict, as the wrappers' whole-tree layouts."""
-    model = Tiny()
+    model = make()
     gdef, state = nnx.split(model)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
     keys = [key_of(p) for p, _ in leaves]
     params = {k: a for k, (_, a) in zip(keys, leaves)}
     tx = tx if clip is None else optax.chain(recipe.clip_by_global_norm(clip), tx)
     merge = lambda p: nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, [p[k] for k in keys]))
-    opt, x, y = tx.init(params), *data()
+    opt, batch = tx.init(params), batch or data()
+    grad = jax.grad(lambda p, *b: loss(merge(recipe.cast(p, dtype)), *b))
+    grad = grad if make is Tiny else jax.jit(grad)  # Tiny: eager, its ops cached across the tests
     for _ in range(STEPS):
-        grads = jax.grad(lambda p: loss(merge(recipe.cast(p, dtype)), x, y))(params)
+        grads = grad(params, *batch)
         updates, opt = tx.update(grads, opt, params)
         params = optax.apply_updates(params, updates)
     return {k: np.asarray(a) for k, a in params.items()}
@@ -109,9 +111,9 @@ def gap(got: dict, want: dict) -> float:
     return max(float(np.max(np.abs(got[k] - want[k]))) for k in got)
 
 
-def run(trainer):
+def run(trainer, batch=None):
     for _ in range(STEPS):
-        trainer.train_step(*data())
+        trainer.train_step(*(batch or data()))
     return flat(trainer.module())
 
 
@@ -220,6 +222,33 @@ STAGES = [["inp", "hid"], ["norm", "out"]]
 def test_pp_clip():
     got = run(pipeline(Tiny(), STAGES, mse, adamw(), make_mesh(N, "pp"), microbatches=2, clip=CLIP))
     assert gap(got, single(adamw(), clip=CLIP)) <= TOL
+
+
+class Seq(nnx.Module):  # context parallelism's seam: attention through cp.attention, positions given
+    def __init__(self, rngs=None):
+        rngs, f64 = rngs or nnx.Rngs(0), dict(param_dtype=F64)
+        self.tok, self.pos = nnx.Embed(7, 8, rngs=rngs, **f64), nnx.Embed(4, 8, rngs=rngs, **f64)
+        self.attn = nnx.MultiHeadAttention(2, 8, attention_fn=cp.attention, decode=False, use_bias=False, rngs=rngs,
+                                           **f64)
+        self.head = nnx.Linear(8, 7, rngs=rngs, **f64)
+
+    def __call__(self, tokens, positions):
+        return self.head(self.attn(self.tok(tokens) + self.pos(positions)))
+
+
+def seq_loss(m, tokens, targets, positions):
+    return optax.softmax_cross_entropy_with_integer_labels(m(tokens, positions), targets).mean()
+
+
+def test_cp_clip_and_frozen_parts():
+    rng = np.random.default_rng(2)
+    tokens, targets = rng.integers(0, 7, (2, 4)).astype(np.int32), rng.integers(0, 7, (2, 4)).astype(np.int32)
+    tx = lambda: optax.multi_transform(  # noqa: E731
+        {"train": adamw(), "frozen": optax.set_to_zero()}, lambda p: {k: "frozen" if k.startswith("tok.") else
+                                                                       "train" for k in p})
+    got = run(cp.context_parallel(Seq(), seq_loss, tx(), make_mesh(N, "cp"), "seq_sharded", clip=CLIP), (tokens, targets))
+    want = single(tx(), clip=CLIP, loss=seq_loss, make=Seq, batch=(tokens, targets, jnp.arange(4)))
+    assert gap(got, want) <= TOL
 
 
 # --- compute in a narrower dtype, master weights as given --------------------------------------------------
