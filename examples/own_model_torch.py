@@ -1,5 +1,5 @@
 """Your own torch model under the torch patterns that take one: DDP (BucketedDDP), ZeRO-1, ZeRO-2, FSDP,
-a tensor-parallel plan (``tp_plan.apply_dtensor_plan`` runs the same plan through DTensor), a pipeline
+a tensor-parallel plan (``tp.apply_dtensor_plan`` runs the same plan through DTensor), a pipeline
 from a stage split and context parallelism through the attention seam.
 
     python examples/own_model_torch.py
@@ -12,9 +12,9 @@ above 1e-12). The lines marked ``# glue`` are all that each pattern changes in a
     opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=LR)
     zero2 = Zero2(model)                             ... zero2.finish_gradient_synchronization() ... all_gather_params()
     model = FSDP(model)                              ... model.finish_gradient_synchronization()
-    styles = tp_plan.apply_plan(model, PLAN, group)  ... VocabParallelCrossEntropy.apply(logits, y, group)
-    trainer = pp_seam.pipeline(model, [["embed", "blocks.0"], ["blocks.1", "norm", "head"]], ce, opt, group)
-    trainer = cp_seam.context_parallel(model, loss, opt, group, "ring")   # attention: cp_seam.attention
+    styles = tp.apply_plan(model, PLAN, group)  ... VocabParallelCrossEntropy.apply(logits, y, group)
+    trainer = pp.pipeline(model, [["embed", "blocks.0"], ["blocks.1", "norm", "head"]], ce, opt, group)
+    trainer = cp.context_parallel(model, loss, opt, group, "ring")   # attention: cp.attention
 
 The key projection has no bias, as in most LLMs: softmax ignores a shift, so a key bias's true gradient is
 0, and AdamW would turn the ~1e-17 rounding noise it gets into steps of lr·g/eps ~ 1e-11, different in
@@ -34,10 +34,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from torch_impl import cp_seam, pp_seam, tp, tp_plan  # noqa: E402
-from torch_impl.dp import BucketedDDP, Zero1Optimizer  # noqa: E402
-from torch_impl.fsdp import FSDP, Zero2  # noqa: E402
 from torch_impl.launch import launch  # noqa: E402
+from torch_impl.parallel import cp, pp, tp, tp_ops  # noqa: E402
+from torch_impl.parallel.dp import BucketedDDP, Zero1Optimizer  # noqa: E402
+from torch_impl.parallel.fsdp import FSDP, Zero2  # noqa: E402
 
 torch.set_default_dtype(torch.float64)  # float64 parity (runs again in every rank: they import this file)
 VOCAB, DIM, HEADS, SEQ, BATCH, STEPS, LR = 25, 16, 2, 8, 4, 3, 1e-2  # V = 25: not divisible by 2, padded
@@ -47,7 +47,7 @@ class Block(nn.Module):
     def __init__(self):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.heads, self.head_dim = HEADS, DIM // HEADS  # tp_plan checks that each rank gets whole heads
+        self.heads, self.head_dim = HEADS, DIM // HEADS  # the tp plan checks that each rank gets whole heads
         self.q, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(3))
         self.k = nn.Linear(DIM, DIM, bias=False)  # no key bias: see the module docstring
         self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
@@ -55,7 +55,7 @@ class Block(nn.Module):
     def forward(self, h):  # (B, T, D); under TP q, k, v hold H/tp heads: the -1 below
         (b, t, _), a = h.shape, self.norm1(h)
         q, k, v = (m(a).view(b, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
-        h = h + self.o(cp_seam.attention(q, k, v).transpose(1, 2).reshape(b, t, -1))  # causal SDPA; cp's seam
+        h = h + self.o(cp.attention(q, k, v).transpose(1, 2).reshape(b, t, -1))  # causal SDPA; cp's seam
         return h + self.down(F.gelu(self.up(self.norm2(h))))
 
 
@@ -143,18 +143,18 @@ def train_fsdp(x, y, rank):
 
 def train_tp(x, y, rank):
     model, group = TinyLM(), dist.group.WORLD
-    styles = tp_plan.apply_plan(model, PLAN, group)  # glue
+    styles = tp.apply_plan(model, PLAN, group)  # glue
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for _ in range(STEPS):
         opt.zero_grad()
-        tp.VocabParallelCrossEntropy.apply(model(x), y, group).backward()  # glue: logits split over the vocab
+        tp_ops.VocabParallelCrossEntropy.apply(model(x), y, group).backward()  # glue: logits split over the vocab
         opt.step()
-    return tp_plan.full_tensors(model, styles, group)  # glue: the full weights (a checkpoint) from the shards
+    return tp.full_tensors(model, styles, group)  # glue: the full weights (a checkpoint) from the shards
 
 
 def train_pp(x, y, rank):
     stages = [["embed", "blocks.0"], ["blocks.1", "norm", "head"]]  # forward = this chain of modules
-    trainer = pp_seam.pipeline(TinyLM(), stages, ce, lambda ps: torch.optim.AdamW(ps, lr=LR),  # glue
+    trainer = pp.pipeline(TinyLM(), stages, ce, lambda ps: torch.optim.AdamW(ps, lr=LR),  # glue
                                dist.group.WORLD, microbatches=2)
     for _ in range(STEPS):
         trainer.train_step(x, y)  # glue
@@ -163,7 +163,7 @@ def train_pp(x, y, rank):
 
 def train_cp(x, y, rank):
     loss = lambda model, x, y, positions: ce(model(x), y)  # no position encoding here: positions unused
-    trainer = cp_seam.context_parallel(TinyLM(), loss, lambda ps: torch.optim.AdamW(ps, lr=LR),  # glue
+    trainer = cp.context_parallel(TinyLM(), loss, lambda ps: torch.optim.AdamW(ps, lr=LR),  # glue
                                        dist.group.WORLD, "ring")
     for _ in range(STEPS):
         trainer.train_step(x, y)  # glue: (B, T) on every rank, T split over the ranks

@@ -46,7 +46,20 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shared.checkpoint import CheckpointError, Plan, aside, commit, fault, manifest, read_state, step_name, verify
+from shared.checkpoint import (
+    CheckpointError,
+    Plan,
+    RunLock,
+    abandon,
+    aside,
+    commit,
+    fault,
+    manifest,
+    read_state,
+    save_error,
+    step_name,
+    verify,
+)
 from shared.problem import param_names
 
 
@@ -215,9 +228,14 @@ def save(cfg, setup, state: tuple, done: int, s: Session) -> str:
     tmp = aside(s.run_dir, done) if lead else os.path.join(s.run_dir, ".tmp-" + step_name(done))
     _sync(f"aside {tmp}")
     checkpointer, args = _writer()
-    checkpointer.save(os.path.join(tmp, "orbax"), args=args(tree))  # synchronous: written when it returns
+    try:
+        checkpointer.save(os.path.join(tmp, "orbax"), args=args(tree))  # synchronous: written when it returns
+    except Exception as exc:  # noqa: BLE001 — full disk, read-only folder (OSError, or tensorstore's): one line
+        if lead:
+            abandon(tmp)
+        raise save_error(s.run_dir, done, exc) from None
     fault("save", done, jax.process_index())
-    final = commit(tmp, manifest(cfg, done, "jax", "orbax", s.layout)) if lead else \
+    final = commit(tmp, manifest(cfg, done, "jax", "orbax", s.layout), keep=s.plan.keep) if lead else \
         os.path.join(s.run_dir, step_name(done))
     _sync(f"commit {final}")
     size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(final) for f in fs)
@@ -241,10 +259,43 @@ def _probe(module, cfg, problem, moment: dict, style, variant, mesh, fields: dic
                           "harness.train_loop: checkpoints not supported for it yet")
 
 
+@contextlib.contextmanager
+def writer_lock(plan: Plan, run_dir: str):
+    """Process 0 (the one that creates each save's folder and commits it) holds ``run_dir``'s lock
+    (shared.checkpoint_io.RunLock) for the whole run when it writes there; with several JAX
+    processes its refusal reaches every process (one line, before training)."""
+    if not plan.writes:
+        yield
+        return
+    lock, refusal = RunLock(run_dir), None
+    if jax.process_index() == 0:
+        try:
+            lock.__enter__()
+        except CheckpointError as exc:
+            refusal = str(exc)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        if int(multihost_utils.broadcast_one_to_all(np.int32(refusal is not None))) and refusal is None:
+            refusal = f"{run_dir}: another run is writing this checkpoint folder (process 0 could not lock it)"
+    if refusal:
+        raise CheckpointError(refusal)
+    try:
+        yield
+    finally:
+        lock.__exit__()
+
+
 def run(module, pattern: str, cfg, problem, style: str, variant: str, mesh, plan: Plan):
     """One (style, variant) run of ``module`` under ``plan``: from ``plan.source`` (verified, checked,
-    resharded by probes) or from step 0; saving when ``plan.due``. Returns its Trained."""
+    resharded by probes) or from step 0; saving when ``plan.due``. Returns its Trained. Process 0
+    holds the run folder's lock throughout (``writer_lock``)."""
     run_dir = plan.run_dir("jax", pattern, style, variant, cfg)
+    with writer_lock(plan, run_dir):
+        return _run(module, pattern, cfg, problem, style, variant, mesh, plan, run_dir)
+
+
+def _run(module, pattern, cfg, problem, style, variant, mesh, plan, run_dir):
     layout = {"pattern": pattern, "style": style, "variant": variant, "world_size": cfg.world_size,
               "mesh": {k: int(v) for k, v in dict(mesh.shape).items()}}
     fields = {"plan": plan, "run_dir": run_dir, "layout": layout, "devices": tuple(mesh.devices.flat)}

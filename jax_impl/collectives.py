@@ -15,7 +15,6 @@ collectives appendix, CS336 lecture 8, the shard_map docs ("collective primitive
 
 from __future__ import annotations
 
-import statistics
 import time
 from functools import partial
 
@@ -243,9 +242,10 @@ _BENCH_FNS = {"all_reduce": all_reduce_sum, "all_gather": all_gather,
 
 
 def bench(mesh, ops=BENCH_OPS, sizes_bytes=BENCH_SIZES, iters=10, warmup=2, dtype=jnp.float32) -> list[dict]:
-    """Per op and size S: jit a shard_map of the one collective, compile it outside the clock,
-    then the median over ``iters`` calls (after ``warmup``), each timed alone and waited for with
-    block_until_ready. algbw = S / t, busbw = algbw · factor(N) as in nccl-tests."""
+    """Per op and size S: jit a shard_map of the one collective, compile it outside the clock, run
+    ``warmup`` calls, then time ``iters`` calls dispatched back to back between two blocks (as torch's
+    bench on CUDA and nccl-tests: a block per call would time the dispatch and the wait), divided by
+    ``iters``. algbw = S / t, busbw = algbw · factor(N) as in nccl-tests."""
     axis = mesh.axis_names[0]
     n = mesh.shape[axis]
     itemsize = jnp.dtype(dtype).itemsize
@@ -257,13 +257,11 @@ def bench(mesh, ops=BENCH_OPS, sizes_bytes=BENCH_SIZES, iters=10, warmup=2, dtyp
             elems, s_bytes = bench_elements(op, size, n, itemsize)
             x = jax.device_put(jnp.zeros(n * elems, dtype), NamedSharding(mesh, P(axis)))  # (N·elems,)
             step = _per_device(mesh, _BENCH_FNS[op]).lower(x).compile()
-            times = []
-            for i in range(warmup + iters):
-                t0 = time.perf_counter()
-                step(x).block_until_ready()
-                if i >= warmup:
-                    times.append(time.perf_counter() - t0)
-            t = statistics.median(times)
+            jax.block_until_ready([step(x) for _ in range(warmup)] + [x])
+            t0 = time.perf_counter()
+            outs = [step(x) for _ in range(iters)]  # every output waited for: the calls are independent
+            jax.block_until_ready(outs)
+            t = (time.perf_counter() - t0) / iters
             algbw, bus = busbw(op, s_bytes, t, n)
             rows.append({"op": op, "size_bytes": s_bytes, "time_s": t, "algbw": algbw, "busbw": bus})
     return rows

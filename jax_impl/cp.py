@@ -1,41 +1,25 @@
-"""Context parallelism (CP): the sequence is split over the mesh axis "cp" for the whole model.
+"""Context parallelism (CP) in JAX, the runner: the sequence is split over the mesh axis "cp" for the
+whole model.
 
-Sharded: tokens, targets and their global positions, P(None, "cp") / P("cp"). Device r holds the
-tokens at ``shared.theory.cp_positions(T, N, r, variant)`` (ring / ulysses: T/N consecutive ones;
-ring_zigzag: chunks r and 2N−1−r of 2N): the host permutes the sequence so that a contiguous shard
-IS that layout, and wpe is read at the positions. Every device holds the FULL batch and every
-weight, P(). Everything but attention is per token, hence local; attention needs every earlier
-key/value, which is what the variants do differently (a = B·(T/N)·D·b, one device's share of the
-residual stream, of Q, of K and of V):
+Sharded: tokens, targets and their global positions, P(None, "cp") / P("cp") (layout
+``shared.theory.cp_positions``: ring / ulysses T/N consecutive tokens; ring_zigzag chunks r and
+2N−1−r of 2N, permuted on the host). Every weight is replicated, P(). Only attention needs other
+devices' keys and values. a = B·(T/N)·D·b: one device's share of K (or Q, V, the stream).
 
-    shard_map/ring         Ring attention (Liu et al. 2023, arXiv:2310.01889): a ``jax.custom_vjp``
-                           around the attention seam. Forward: the K|V block (ONE array) hops N−1
-                           times to r+1 (``ppermute``); each hop's visible chunk pairs are merged
-                           into the running output with an online softmax (running out + log-sum-
-                           exp). Backward (only the local q, k, v, out, lse saved): K|V rotate again
-                           (N−1) and the dK|dV accumulator (ONE array) travels with its block, N
-                           hops (the last brings it home): L·(3N−2) collective-permutes of 2a
-                           (XLA:CPU would CSE the backward K|V hops into the forward ones: cpu_options).
-    shard_map/ring_zigzag  The same ring over the load-balanced layout (ring-flash-attention; cf.
-                           Brandon et al. 2023, striped attention): every hop ≥ 1 computes exactly 2
-                           chunk pairs on every device, so causal work is even (``attention_scores``).
-    shard_map/ulysses      DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv:2309.14509): q, k, v
-                           (B, T/N, H, dh) -> 3 all-to-alls -> (B, T, H/N, dh), causal attention over
-                           the whole sequence for H/N heads, 1 all-to-all back; autodiff transposes
-                           them: 8·L all-to-alls of a per step.
-    typed/seq_sharded,     Sharding in types (jax_impl/cp_typed.py): the program states reshard(k|v,
-    typed/ulysses          P()) per layer (XLA: jit's collectives exactly), or Ulysses' four token <->
-                           head reshards per layer (XLA: 8L all-to-alls, theory's op for op).
-    jit/seq_sharded        The plain single-device loss with tokens P(None, "cp") and the residual
-                           stream constrained to P(None, "cp", None): XLA (GSPMD) picks attention's
-                           collectives. Seen at cp = 2 and 4 (``seq_sharded_comm``): forward all-
-                           gathers K and V, (B, T, D) each per layer; backward all-reduces the whole-
-                           sequence dK, dV partials (no reduce-scatter); no causal skipping.
+    shard_map/ring         a custom_vjp ring: K|V hop N−1 times (ppermute), merged by an online
+                           softmax; backward: K|V rotate again and dK|dV travel home:
+                           L·(3N−2) collective-permutes of 2a per step
+    shard_map/ring_zigzag  the same ring over the load-balanced layout: causal work even
+    shard_map/ulysses      3 all-to-alls sequence -> heads, attention for H/N heads, 1 back;
+                           autodiff transposes them: 8·L all-to-alls of a per step
+    typed/seq_sharded, typed/ulysses  the layouts as types (jax_impl/cp_typed.py): stated reshards
+    jit/seq_sharded        the plain loss with the sequence split; XLA (GSPMD) picks attention's
+                           collectives (the ledger and ``seq_sharded_comm`` say which)
 
-Loss: the shard_map returns each device's mean cross-entropy over its B·T/N tokens (out_specs
-P("cp")); the step differentiates their mean OUTSIDE the shard_map, so the replicated weights'
-gradients come back summed over "cp" by the transpose of their implicit invariant -> varying cast:
-all-reduce Φ·b per step (XLA's combiner sets the count). Bytes per step: shared.theory.cp_comm.
+The replicated weights' gradients: summed over "cp" by the transpose of their invariant -> varying
+cast, an all-reduce of Φ·b. Bytes per step: shared.theory.cp_comm.
+Papers: ring attention, Liu et al. 2023 (arXiv:2310.01889); striped/zigzag, Brandon et al. 2023;
+DeepSpeed-Ulysses, Jacobs et al. 2023 (arXiv:2309.14509).
 """
 
 from __future__ import annotations

@@ -1,44 +1,25 @@
-"""Data parallelism (DP) in JAX: every device holds the whole model, trains on its slice of the
-global batch, and the gradients are averaged across the ``dp`` mesh axis before the update.
+"""Data parallelism (DP) and ZeRO-1 in JAX, the runner: every device holds the whole model, trains on
+its slice of the batch, and the gradients are averaged over the ``dp`` mesh axis.
 
-Sharded: the batch, P('dp'): device r sees rows r·B/N … (r+1)·B/N, the MLP's (B/dp, D) inputs
-or the transformer's (B/dp, T) tokens and targets. Weights are replicated, P(); the AdamW state
-too, except in ZeRO-1, which splits it over 'dp'. The steps are written once, for any Flax NNX
-model and loss: ``jax_impl.parallel.fsdp.parallelize(model, loss, tx, mesh, "dp" | "zero1",
-style)``; ``train`` below puts the project's MLP and transformer through it.
+Sharded: the batch, P('dp') (device r: rows r·B/N … (r+1)·B/N). Weights are replicated, P(); the
+AdamW state too, except in ZeRO-1, which splits it over 'dp'. The steps are written once for any
+Flax NNX model (``jax_impl.parallel.fsdp.parallelize(model, loss, tx, mesh, "dp" | "zero1", style)``);
+``train`` puts the project's MLP and transformer through them.
 
-A model must offer: a call on a batch whose rows split over 'dp', nnx.Param state only, a loss
-that is a mean over the rows.
+    shard_map/dp     local gradients (params pcast to varying first), then lax.pmean
+    shard_map/zero1  psum_scatter of the flat gradient, optax on 1/N of it, all_gather of the update
+    jit/dp, zero1    the same step under NamedShardings; XLA (GSPMD) inserts the collectives
+    typed/dp, zero1  sharding in types (jax_impl/parallel/typed.py): the layouts are types, every
+                     layout change a stated reshard; XLA picks what each becomes
 
-shard_map with check_vma: the replicated params are *invariant* over 'dp'; differentiating w.r.t.
-them would transpose the implicit invariant->varying cast into a psum, handing back gradients
-already summed over devices. The step casts them to *varying* first (lax.pcast), so grad is the
-LOCAL gradient (as torch's backward) and the averaging is the explicit collective.
-
-    shard_map/dp     jax.shard_map, explicit collectives: local grads, then lax.pmean.
-    jit/dp           the same step as one jax.jit program over NamedSharding inputs (batch
-                     P('dp'), Flax NNX params P() via nnx.with_partitioning): XLA's SPMD
-                     partitioner (GSPMD, Xu et al. 2021) inserts the all-reduce itself.
-    shard_map/zero1  ZeRO stage 1 (Rajbhandari et al. 2020): psum_scatter the flat gradient,
-                     optax on this device's 1/N slice, all_gather the updated parameters.
-    jit/zero1        AdamW moments split on dim 0, P('dp', None, …) where N divides it, params P():
-                     XLA picks the collectives (the ledger shows which).
-    typed/dp         sharding in types (JAX's Explicit axes, jax_impl/parallel/typed.py): params typed P(),
-                     batch P('dp'); nothing is stated — the gradient of a P() weight from a
-                     dp-split batch is typed P(), XLA:CPU issues ONE all-reduce (Φ·b + the loss).
-    typed/zero1      the moments typed P('dp', …); the program states reshard(g, rows),
-                     reshard(w, rows) (slices: no communication) and reshard(w_new, P()) per array;
-                     XLA:CPU: one all-reduce of every gradient (not a reduce-scatter) and one
-                     all-gather per array, Φ·b each (tests/typed_expect.py; the stated changes in
-                     Trained.extra["stated"]).
-
-Communication per step and device (payload S as nccl-tests counts it, shared.theory; Φ of either
-model, the embedding gradients dense (V, D) / (T, D) scatter-adds, sent whole):
-    dp       bwd: all-reduce dW over dp                     Φ·b   = dp_comm_bytes
-    zero1    reduce-scatter dW + all-gather W over dp       2·Φ·b = zero1_comm_bytes
-The shard_map steps return each device's local loss (out_specs P('dp')); the reported loss is
-their mean, taken on the host, so the ledger holds gradient (and parameter) traffic only. The
-jit steps compute the global mean loss inside the program (one scalar all-reduce more).
+Collectives: none in forward; backward all-reduces every gradient (zero1: reduce-scatter, then an
+all-gather of the updated parameters). Bytes per step and device (payload S, nccl-tests size):
+dp Φ·b (dp_comm_bytes), zero1 2·Φ·b (zero1_comm_bytes), shared/theory/dp.py. What XLA issued for the
+jit and typed steps is read from the HLO into the ledger (docs/dp.md).
+The shard_map steps return each device's local loss, averaged on the host (outside the ledger);
+the jit steps compute the global mean loss in the program (one scalar all-reduce more).
+Papers: PyTorch DDP, Li et al. 2020 (arXiv:2006.15704); ZeRO, Rajbhandari et al. 2020
+(arXiv:1910.02054); GSPMD, Xu et al. 2021 (arXiv:2105.04663).
 """
 
 from __future__ import annotations

@@ -1,59 +1,27 @@
-"""Expert parallelism (EP) in JAX: the mixture-of-experts transformer with its experts sharded over
-the mesh axis "ep", tokens sent to their experts' owners by all-to-all.
+"""Expert parallelism (EP) in JAX, the runner: the MoE transformer's experts sharded over the mesh axis
+"ep", tokens sent to their experts' owners by all-to-all.
 
-Sharded: the E experts of every MoE layer, w_up (E, D, 4D) / w_down (E, 4D, D) P("ep", None, None):
-device r owns experts [r·E/N, (r+1)·E/N) whole (shared.theory.ep_experts_of). The batch too, P("ep"):
-device r routes sequences [r·B/N, (r+1)·B/N), n = B·T/N tokens (EP inside DP, as GShard and
-DeepSpeed-MoE lay it out). Embeddings, attention, norms, routers and the head are replicated, P().
-Per MoE layer (shared/problem.py's recipe; the math is jax_impl.transformer.moe with its seams):
+Sharded: the E experts of every MoE layer, w_up / w_down P("ep", None, None) (device r: experts
+[r·E/N, (r+1)·E/N), whole); the batch, P("ep"): n = B·T/N tokens per device (EP inside DP).
+Embeddings, attention, norms, routers and the head are replicated, P().
 
-    shard_map/capacity  Explicit collectives, static shapes. Route locally (top-k, gates); psum
-                        the (E,) int32 counts over "ep" for the balancing loss's global f; scatter
-                        each of the k·n assignments into a (N, E/N, C, D) buffer at (owner, local
-                        expert, its rank among that expert's assignments from this device), with
-                        C = shared.theory.ep_capacity = n: no token can ever be dropped (every
-                        local token may pick the same expert, once). ONE ``lax.all_to_all``
-                        dispatches (row block j to device j), the E/N local experts run on their
-                        N·C rows, ONE all-to-all combines (rows back to their sources), each
-                        assignment's row is gathered and weighted by its gate. Padding rows are
-                        zeros and come back as zeros that no assignment reads. Backward: autodiff
-                        transposes each all-to-all into an all-to-all: 4 per layer of E·C·D·b
-                        (the buffer, whatever the routing: the waste is shared.theory.ep_padding).
-    shard_map/ragged    ``lax.ragged_all_to_all`` with the exchanged counts would send exactly the
-                        routed rows; XLA:CPU (jax 0.10.2) cannot run it: "UNIMPLEMENTED: HLO
-                        opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter"
-                        (RAGGED_REFUSAL), so ``variants`` leaves it out. (Its output buffer is
-                        static too, sized for the worst case: an HLO ledger would count that
-                        buffer, not the routed rows; jax_impl.ledger does not read the op yet.)
-    jit/gshard          GShard's formulation (Lepikhin et al. 2020, arXiv:2006.16668, §2.2 and
-                        Algorithm 2): G = N groups of S = n tokens; a one-hot dispatch mask
-                        (G, S, E, C) and combine weights (G, S, E, C) = mask·gates;
-                        einsum("gsec,gsd->egcd") constrained to P("ep") on E, the experts as
-                        einsums with their weights P("ep", None, None), einsum("gsec,egcd->gsd")
-                        constrained back to P("ep") on G. XLA (GSPMD) chooses the collectives:
-                        ``gshard_comm`` says what it chose (5 all-to-alls per layer and an all-
-                        gather: the combine weights' gradient is built on the expert side), the
-                        ledger reads the HLO. top-k as a stable sort (``sorted_top_k``): XLA
-                        all-gathers lax.top_k's operand even along its batch dim.
-    typed/gshard        The same einsums in types (jax_impl/ep_typed.py): the program states the two
-                        token moves per layer, reshard(x, P('ep')) and reshard(y, P(None, 'ep'));
-                        XLA:CPU: 4 all-to-alls per layer (not jit's 5) and no (B·T, D) all-gather,
-                        but lax.top_k's (B·T, E) operand gathered (typed_comm).
+    shard_map/capacity  static shapes: psum of the (E,) counts (the balancing loss's global f);
+                        each assignment scattered into an (N, E/N, C, D) buffer, C = n (nothing
+                        dropped); ONE all_to_all dispatches, the local experts run, ONE all_to_all
+                        combines; autodiff transposes each: 4 all-to-alls per layer of E·C·D·b,
+                        whatever the routing (the padding: shared.theory.ep_padding)
+    shard_map/ragged    lax.ragged_all_to_all would send only the routed rows; XLA:CPU cannot run it
+                        (RAGGED_REFUSAL), so ``variants`` leaves it out
+    jit/gshard          GShard's dispatch / combine einsums with the experts P("ep"); XLA picks
+                        the collectives (``gshard_comm``); top-k as a stable sort
+    typed/gshard        the same einsums in types (jax_impl/ep_typed.py): two stated token moves
+                        per layer (``typed_comm``)
 
-Loss: each shard_map device returns its local loss, mean CE over its n tokens + Σ_l aux_l with the
-GLOBAL f and its LOCAL P_e (out_specs P("ep")); the step differentiates their mean OUTSIDE the
-shard_map, so the replicated weights' gradients come back summed over "ep" by the transpose of
-their implicit invariant -> varying cast (all-reduce of ep_replicated_params·b; XLA's combiner
-sets the count), while an expert's gradient stays on its owner: the all-to-alls' transposes
-already brought it every device's tokens' contribution (the 1/N of the mean is in it). The jit
-step differentiates the global loss. Both return the routing counts (L, B, E) of the step:
-extra["expert_load"] (steps, L, B, E) int64, as the references report it. Bytes per step:
-shared.theory.ep_comm_jax; state per device: ep_state_bytes_jax.
-
-Papers: Shazeer et al. 2017 (sparsely-gated MoE, arXiv:1701.06538); GShard (Lepikhin et al. 2020);
-Switch Transformer (Fedus et al. 2021, arXiv:2101.03961: top-1, the balancing loss, capacity
-factors — here 'dropless', C = n); DeepSpeed-MoE (Rajbhandari et al. 2022, arXiv:2201.05596);
-Megatron-Core's token dispatcher (uneven all-to-alls: the torch twin, torch_impl/ep.py).
+The replicated gradients: summed over "ep" by the transpose of their invariant -> varying cast (an
+all-reduce); an expert's gradient stays on its owner. Routing counts: extra["expert_load"].
+Bytes per step: shared.theory.ep_comm_jax; state per device: ep_state_bytes_jax.
+Papers: Shazeer et al. 2017 (arXiv:1701.06538); GShard, Lepikhin et al. 2020 (arXiv:2006.16668);
+Switch Transformer, Fedus et al. 2021 (arXiv:2101.03961); DeepSpeed-MoE, Rajbhandari et al. 2022.
 """
 
 from __future__ import annotations

@@ -1,46 +1,26 @@
-"""ZeRO-2 / ZeRO-3 (FSDP) in JAX for any model (MLP, transformer): jax.shard_map with explicit
-collectives, jax.jit with shardings, and sharding in types ("typed"). ZeRO: Rajbhandari et al.
-2020, arXiv:1910.02054; FSDP: Zhao et al. 2023, arXiv:2304.11277.
+"""ZeRO-2 / ZeRO-3 (FSDP) in JAX, the runner: jax.shard_map with explicit collectives, jax.jit with
+shardings, and sharding in types ("typed"), for the MLP and the transformer.
 
-The steps are written once, for any Flax NNX model and loss:
-``jax_impl.parallel.fsdp.parallelize(model, loss, tx, mesh, "zero2" | "zero3", style, units=…)``;
-``train`` below puts the project's MLP and transformer through it. A model must offer: nnx.Param
-state only, a loss that is a mean over the rows, and (shard_map/zero3) parameters read only by
-calling the module that holds them (a parent reading a child's weight is refused; make it the unit).
+The steps are written once for any Flax NNX model: ``jax_impl.parallel.fsdp.parallelize(model, loss,
+tx, mesh, "zero2" | "zero3", style, units=…)``; ``train`` puts the project's models through it.
+Sharded: the batch as in DP, P('dp'); every parameter with >= 2 dims puts dim 0 on 'dp'
+(P('dp', None): parallel.tree.rule); vectors (norm gains) stay replicated, P().
 
-Batch as in DP: device r trains on rows r·B/N:(r+1)·B/N, P('dp'). What is sharded comes from ONE
-rule for every model (parallel.tree.rule; ``rules`` here for the project's names): every parameter with >= 2 dims (W_l;
-wte, wpe, W_qkv, W_o, W_up, W_down, W_head) puts dim 0 on 'dp' (its row block r on device r:
-P('dp', None)); vectors (RMSNorm gains) stay replicated, P(). torch_impl/fsdp.py shards the same
-parameters along torch's dim 0 (nn.Linear stores Wᵀ: W's columns there) — the same bytes.
-
-shard_map/zero3  params, grads, optax state sharded by the rule (vectors replicated).
-    Each unit (default: every module holding a Param — MLP: each layer; transformer: wte, wpe,
-    each Linear and norm, head) all-gathers its row blocks (tiled) right before its call, inside a
-    jax.checkpoint with policy checkpoint_dots: matmul outputs are saved, gathered weights are
-    not, so the backward gathers again — only where a weight is needed (not the embeddings, whose
-    gradient is a scatter-add over the ids; not the MLP's layer 0, whose input is the data).
-    The transpose of all_gather is psum_scatter: autodiff emits each unit's reduce-scatter. The
-    vectors' gradients go through ONE psum of all of them flattened (torch: one all-reduce).
-    payload S per step per device: shared.theory.fsdp_comm(cfg, "zero3") (MLP 3Φb − D²b).
-shard_map/zero2  replicated params; unit gradients psum_scatter-ed to their row blocks, vectors one
-    flat psum; optax on the rows (+ vectors); all_gather of the updated rows: fsdp_comm "zero2".
-jit/zero3        NNX params created by build_model(rules=rules(cfg)), batch P('dp'), nnx.Optimizer
-    (moments inherit the sharding); XLA picks the collectives (docs/fsdp.md says what it chose).
-jit/zero2        replicated params; moments and gradients constrained to the rules' row blocks.
-typed/zero3      sharding in types (JAX's Explicit axes, jax_impl/parallel/typed.py): the row-split params
-    typed P('dp', None), the batch P('dp'). The forward STATES each gather, reshard(w, P()), at the
-    start of the loss; autodiff transposes it, so each gradient comes back typed P('dp', None) like
-    its param. XLA:CPU: one all-gather per row-split param (no re-gather in backward: XLA keeps the
-    gathered weights), ONE all-reduce of every gradient and the loss, no reduce-scatter (the slice
-    to the rows is local); tests/typed_expect.py has the table. jit/zero3 issues one all-gather
-    fewer and a second all-reduce (tests/test_fsdp.py).
-typed/zero2      params P(); the program states reshard(g, rows), reshard(w, rows) and reshard(w_new,
-    P()) per row-split param: the same collectives as typed/zero3 on CPU. Trained.extra["stated"]
-    lists every stated change with its types (jax.typeof), read at trace time.
-The shard_map steps differentiate each device's SHARE of the loss (local mean / N) and return the
-local mean per device (the loop averages them, outside the step): the ledger holds ZeRO traffic
-only. The jit steps' loss is the global mean, so XLA adds it to its gradient reduction.
+shard_map/zero3  params, grads, optax state sharded. Each unit all-gathers its row blocks right
+    before its call, inside jax.checkpoint (matmul outputs saved, gathered weights not), so backward
+    gathers again where a weight is needed; all_gather's transpose is the unit's psum_scatter; the
+    vectors' gradients go through ONE flat psum. Bytes: shared.theory.fsdp_comm(cfg, "zero3")
+    (MLP 3Φb − D²b).
+shard_map/zero2  replicated params; gradients psum_scatter-ed to row blocks, vectors one psum;
+    optax on the rows; all_gather of the updated rows: fsdp_comm(cfg, "zero2").
+jit/zero2, zero3 the same layouts as shardings; XLA (GSPMD) picks the collectives.
+typed/zero2, zero3  the layouts as types (jax_impl/parallel/typed.py); each gather or slice is a
+    stated reshard (Trained.extra["stated"]); XLA picks what each becomes.
+What jit and typed issued is read from the HLO into the ledger; docs/fsdp.md and
+docs/sharding_modes.md compare it with the hand-written steps.
+The shard_map steps differentiate each device's share of the loss (local mean / N); the jit steps
+the global mean, so XLA folds the loss into its gradient reduction.
+Papers: ZeRO, Rajbhandari et al. 2020 (arXiv:1910.02054); FSDP, Zhao et al. 2023 (arXiv:2304.11277).
 """
 
 from __future__ import annotations

@@ -1,46 +1,28 @@
 """N-D parallelism in JAX: dp/fsdp × pp × cp × tp on ONE multi-axis mesh (the transformer).
 
-The mesh is ``jax.make_mesh``'s over the layout's sizes and names in device order (``mesh_for``:
-"dp=2,tp=2,pp=2" -> axes ("dp", "tp", "pp"), device id = row-major index, innermost last), and
-every 1-D pattern keeps its own axis name, so each collective names the axis it runs on:
+The mesh is ``jax.make_mesh`` over the layout's sizes and names in device order (``mesh_for``:
+"dp=2,tp=2,pp=2" -> axes ("dp", "tp", "pp"), innermost last); every 1-D pattern keeps its axis name,
+so each collective names the axis it runs on. ``rules(cfg)`` is the one layout table of both styles.
 
-    data (dp | fsdp)  tokens/targets P(data, cp): rows [i·B/d, (i+1)·B/d) on data index i.
-    cp                the same arrays' columns: tokens [j·T/c, (j+1)·T/c) on cp index j (the contiguous
-                      ring layout; wpe read at those positions); attention = jax_impl.cp's ring
-                      (``ring_attention``) on the tp-local heads: K|V hop around "cp".
-    tp                Megatron (jax_impl.tp: TRANSFORMER_RULES, f = pcast, g = psum, vocab-parallel
-                      embedding and cross-entropy), no sequence parallelism.
-    pp                jax_impl.pp's circular pipeline over "pp" (``pp.circular``): every parameter
-                      stacked (S, …) by ``pp.split`` (blocks (S, L/S, …); the embedding and the head
-                      in one slot per stage, real on stage 0 / S−1); M micro-batches of the local rows.
-    fsdp              ZeRO-3 over the fsdp(+cp) group (torchtitan's dp_shard_cp): dim 0 of every ≥2-D
-                      tp-local (stage-local) array split over it; gathered ONCE per step before the
-                      pipeline (torchtitan keeps FSDP unsharded across a step's micro-batches under PP:
-                      no per-micro-batch re-gather), again once in backward where a weight is needed
-                      (jax.checkpoint saving everything but the gathered weights: not wte / wpe, whose
-                      gradient is a scatter-add), one reduce-scatter per array (the gather's transpose).
+    data (dp | fsdp)  tokens/targets P(data, cp): rows per data index
+    cp                the same arrays' columns; attention = jax_impl.cp's ring on the tp-local heads
+    tp                Megatron (jax_impl.tp: f = pcast, g = psum, vocab-parallel embedding and loss)
+    pp                jax_impl.pp's circular pipeline over "pp"; M micro-batches of the local rows
+    fsdp              ZeRO-3 over the fsdp(+cp) group: dim 0 of every ≥2-D local array split;
+                      gathered once per step before the pipeline, again in backward where needed,
+                      one reduce-scatter per array (the gather's transpose)
 
-``rules(cfg)`` is the one layout table both styles use; absent axes contribute nothing.
+shard_map  one body over the whole mesh; the replicated weights' gradients are summed over data and
+           cp together by ONE invariant -> varying cast per array (one "dp+cp" group).
+jit        the same arrays under NamedShardings; XLA (Shardy + the SPMD partitioner) picks the
+           collectives (mesh_comm_jax(cfg, "jit"), read back from the HLO).
 
-shard_map  one body over the whole mesh; it returns this device's mean cross-entropy over its
-    (B/d, T/c) tokens, out_specs P(data, cp); the step differentiates the mean of that vector
-    OUTSIDE the shard_map, so the replicated weights' gradients are summed over data and cp together
-    by the transpose of ONE explicit invariant -> varying cast per array (``prepare``: one "dp+cp"
-    group; XLA's combiner sets the count), and fsdp's all_gather transposes into the reduce-scatters.
-jit        the same arrays under NamedShardings from ``rules``; the stages vmapped (pp.jit_circular),
-    tp's f / g / split placements with the batch dims kept on (data, cp) and any leading (M,) dim
-    whole, the tokens P(data, cp); the embedding and the CE written vocab-parallel as one-hot
-    matmuls / sums over the tp-split vocabulary, so nothing but V is split on tp there (a gather /
-    take_along_axis on tp-split rows made XLA gather the ids over the data axis and all-to-all the
-    batch back). XLA (Shardy + the SPMD partitioner) picks the collectives: without cp and fsdp they
-    are shard_map's tp all-reduces exactly, pp's 3·(M+S−2) permutes (pp/jit), and a data-axis
-    gradient all-reduce per dot (blocks once per pipeline iteration): mesh_comm_jax(cfg, "jit").
-
-Per step and device (shared.theory.mesh_comm_jax; A = one micro-batch's (m, T/c, D) stream, I = M+S−1
-iterations, every block runs I times on every device): tp (4·L/S·I + 2M)·A + 3·M·m·T/c·b all-reduces;
-cp L/S·I·(3c−2) permutes of K|V; pp 2·(M+S−2) permutes of A; the gradient group Φ_dev·b (dp) or ZeRO-3's
-gathers / reduce-scatters of the tp-local units (fsdp). Memory per device: mesh_state_bytes_jax.
-Papers: Narayanan et al. 2021 (PTD-P, arXiv:2104.04473); GSPMD (Xu et al. 2021, arXiv:2105.04663).
+Per step and device (shared.theory.mesh_comm_jax; A = one micro-batch's (m, T/c, D) stream,
+I = M+S−1 iterations): tp (4·L/S·I + 2M)·A + 3·M·m·T/c·b all-reduces; cp L/S·I·(3c−2) permutes
+of K|V; pp 2·(M+S−2) permutes of A; the gradient group Φ_dev·b (dp) or ZeRO-3's gathers and
+reduce-scatters (fsdp). Memory per device: mesh_state_bytes_jax.
+Papers: Megatron-LM PTD-P, Narayanan et al. 2021 (arXiv:2104.04473); GSPMD, Xu et al. 2021
+(arXiv:2105.04663).
 """
 
 from __future__ import annotations

@@ -1,52 +1,25 @@
-"""Pipeline parallelism in JAX: the circular (SPMD) pipeline, trained by autodiff of the schedule.
+"""Pipeline parallelism in JAX, the runner: the circular (SPMD) pipeline, trained by autodiff of the
+schedule, and 1F1B / ZB-H1 / interleaved by hand (jax_impl/pp_schedules.py).
 
-Sharded: the model's blocks, stacked per stage — every block parameter as (S, L/S, …) split over
-the ``pp`` mesh axis, so device s holds blocks s·L/S … (s+1)·L/S − 1 (and their grads and AdamW
-state). Transformer: the pieces outside the blocks are stacked (S, …) too, one slot per device:
-the embeddings (wte, wpe) hold the fixture on stage 0 and zeros elsewhere, the final norm + head
-on stage S−1 (``split``). SPMD runs one program on every device, so every device holds (and
-computes with) these slots: the embedding runs on stage 0 only in effect (``where(s == 0, …)``),
-the head and the loss on stage S−1 (``where(s == S−1, …)``) — the semantics of torch's stages —
-but the memory is not torch's: every device pays (V+T)·D + D + D·V parameters, 3× that with
-grads and AdamW (shared.theory.pp_spmd_param_count), where torch puts them on stages 0 and S−1
-only. The zero slots get zero gradients and stay zero under AdamW; no collective touches them.
-The batch is cut into M micro-batches, replicated: (M, B/M, D) inputs (MLP), (M, B/M, T) tokens and
-targets (transformer); stage 0 reads the inputs, stage S−1 the targets.
+Sharded: the blocks, stacked (S, L/S, …) over the ``pp`` axis (device s: blocks s·L/S … (s+1)·L/S − 1,
+their grads and AdamW state). The embeddings and the head are stacked (S, …) too, one slot per
+device, real on stage 0 / S−1 and zero elsewhere: every device holds them
+(shared.theory.pp_spmd_param_count). M micro-batches, replicated.
 
-Schedule ("circular": the shift wraps round; GSPMD's shifting-buffer pipeline): M + S − 1
-iterations; in iteration t every stage s runs its blocks on micro-batch t − s at once, then
-every activation moves one stage on (s → s+1, the last wraps round to 0, where it is ignored).
-Stage s is idle ("bubble": micro-batch t − s outside 0 … M−1) in S − 1 of the iterations: it
-still computes — SPMD runs the same program everywhere — on zeros, and the output is masked to
-zero, so bubble work never reaches the loss and contributes exactly nothing to the gradients.
-Backward is jax.grad of the whole unrolled schedule: it is the same pipeline run in reverse,
-each shift transposed into a shift s+1 → s (GPipe order: all forwards, then all backwards).
+Schedule ("circular", GSPMD's shifting buffer): M + S − 1 iterations; in iteration t stage s runs
+micro-batch t − s, then every activation moves one stage on (the last wraps round, ignored).
+Bubble iterations compute on zeros and are masked out: they reach neither the loss nor the
+gradients. Backward is jax.grad of the unrolled schedule (GPipe order), every shift transposed.
 
-Communication per step, per device (shared.theory.pp_circular_permute_count / _bytes); message:
-one micro-batch's activation, (B/M, D) MLP, (B/M, T, D) transformer:
-  fwd: a collective-permute of the message after each iteration but the last: M + S − 2
-  bwd: its transpose, one per forward shift:                                   M + S − 2
-  shard_map: 2·(M + S − 2) messages in all, plus an all-reduce of the scalar loss (b bytes).
-  jit: XLA transposes jnp.roll (slice + concatenate → pad + split) into TWO permutes per shift
-  (pairs s+1 → s, and the wrap 0 → S−1): 3·(M + S − 2) ledger entries, the same bytes per device
-  on the wire, since each device sends in only one of the two.
-torch's explicit pipeline sends ((s<S−1) + (s>0))·M messages on stage s: only real micro-batches
-over real edges. The circular SPMD program shifts on every device in every iteration, bubbles
-and the wrap-around edge S−1 → 0 included: 2·(S−2) more messages per device than torch's middle
-stages send, and every device (not only middle ones) sends that many.
-
-Styles:
-  shard_map  the loop body sees one stage: blocks (1, L/S, …), slots (1, …); shift =
-             lax.ppermute over ``pp``.
-  jit        the loop sees all stages as arrays with a leading (S,) axis sharded over ``pp``
-             (``rules``); jax.vmap runs the stages, the shift is jnp.roll(·, 1, axis=0) under a
-             sharding constraint, and XLA's SPMD partitioner turns the roll into collective-permutes.
-  shard_map  variants "1f1b", "zb" (ZB-H1: B = input gradient, W deferred), "interleaved" (v =
-             cfg.virtual_stages chunks per device, ``chunked`` layout: row s = virtual stages s,
-             S + s, …): torch's orders, gradients taken inside the schedule by per-micro-batch
-             jax.vjp (jax_impl/pp_schedules.py: ticks, stash, one permute per tick).
-
-Papers: Huang et al. 2019 (GPipe); the SPMD formulation: Xu et al. 2021 (GSPMD, arXiv:2105.04663).
+Collectives per step and device: collective-permutes of one micro-batch's activation ((B/M, D) or
+(B/M, T, D)): M + S − 2 forward, M + S − 2 backward (shard_map), plus an all-reduce of the scalar
+loss (shared.theory.pp_circular_permute_count / _bytes). jit writes the shift as jnp.roll under a
+sharding constraint; XLA turns it into permutes (the ledger counts them).
+  shard_map  lax.ppermute over ``pp``; variants 1f1b, zb (ZB-H1), interleaved: torch's orders,
+             per-micro-batch jax.vjp on a tick clock
+  jit        the stages vmapped over a leading (S,) axis sharded over ``pp``
+Papers: GPipe, Huang et al. 2019 (arXiv:1811.06965); GSPMD, Xu et al. 2021 (arXiv:2105.04663);
+ZB-H1, Qi et al. 2024 (arXiv:2401.10241).
 """
 
 from __future__ import annotations

@@ -1,57 +1,27 @@
-"""Tensor parallelism (TP, Megatron-LM: Shoeybi et al. 2019, arXiv:1909.08053, §3): every weight
-matrix is split over the mesh axis "tp"; every device sees the full batch.
+"""Tensor parallelism (TP) in JAX, the runner: every weight matrix split over the mesh axis "tp";
+every device sees the full batch.
 
-A TP layout is a RULES function, ``tp_rules(cfg, variant)(name, shape) -> PartitionSpec`` (the
-twin of torch_impl.tp's plan table): it places the parameter pytree for both styles — shard_map
-takes the specs as in_specs (its body sees the local shapes), jit puts the arrays there and lets
-XLA (GSPMD) insert the collectives. Transformer (TRANSFORMER_RULES; norms and wpe replicated):
+A TP layout is a RULES function, ``tp_rules(cfg, variant)(name, shape) -> PartitionSpec`` (the twin
+of torch_impl.tp's plan). Transformer (TRANSFORMER_RULES): wte P("tp", None) (vocab-parallel),
+attn.qkv held as (D, 3, D) and split P(None, None, "tp") (whole heads), attn.o P("tp", None),
+mlp.up P(None, "tp"), mlp.down P("tp", None), head P(None, "tp") (logits never gathered); norms
+and wpe replicated.
 
-    wte (V, D)            P("tp", None)        vocab-parallel embedding (other tokens: zero rows)
-    attn.qkv (D, 3, D)    P(None, None, "tp")  column-parallel by whole heads: [q_r | k_r | v_r]
-    attn.o (D, D)         P("tp", None)        row-parallel
-    mlp.up (D, 4D)        P(None, "tp")        column-parallel
-    mlp.down (4D, D)      P("tp", None)        row-parallel
-    head (D, V)           P(None, "tp")        column-parallel: logits (B, T, V/tp), never gathered
-
-W_qkv (D, 3D) is held as (D, 3, D) (``to_layout``): a contiguous split of its 3D columns would cut
-across q|k|v; splitting the last dim of (D, 3, D) gives each device the q, k and v columns of its
-heads (``from_layout`` reshapes back for the fixture).
-
-shard_map: ``transformer_forward`` with Megatron's f = ``pcast(x, to="varying")`` (identity fwd,
-transposes to psum) before every column-parallel matmul and g = ``psum`` (transposes to identity)
-after every row-parallel one and the embedding; the vocab-parallel loss does a pmax of (B, T) and
-one psum of (2, B, T) (target logit, Σexp); its backward is local. Per step per device: 2 psums of B·T·D per
-layer fwd + 2 bwd, + embedding (fwd) + head (bwd), + 3·B·T·b: (4L+2)·B·T·D·b + 3·B·T·b
-(shared.theory.tp_transformer_comm); norms and wpe stay invariant (check_vma): no collective.
-jit: the same ``transformer_forward`` with f / g as sharding constraints; XLA picks the
-collectives (ledger; docs/tp.md says what it issued).
-shard_map/megatron trains the project's NNX Transformer through the model-generic API
-(``train_plan``: TRANSFORMER_PLAN, jax_impl.parallel.tp.apply_plan; the same shards, f / g, loss and
-ledger). jit/megatron keeps ``transformer_forward``: through apply_plan the fused qkv's output
-would have to be reordered back to [q|k|v] for the model's attention, which GSPMD does with
-all-to-alls and permutes (measured at tp=2: 8 all-to-all, 4 collective-permute, 2 all-gather).
-
-typed (sharding in types, jax_impl/tp_typed.py): the same rules on an Explicit-axes mesh; column
-layers state out_sharding=P(…, 'tp'), row layers einsum(…, out_sharding=P(unreduced={'tp'})) then
-reshard to P() (SP: P(None, 'tp', None)) — Megatron's g as the unreduced -> reduced step; the
-embedding and the loss are vocab-parallel in types (one-hot products). XLA:CPU issues theory's
-all-reduces for megatron op for op; SP's stated reduce-scatters become all-reduces
-(tests/typed_expect.py). Trained.extra["stated"]: every statement with its types.
-
-MLP (CS336 lecture 8): allgather — every layer P(None, "tp") + all_gather (bwd psum_scatter; the
-last is "invarying": a slice); megatron — P(None,"tp") / P("tp",None) pairs with f / g, odd L: last
-column + all-gather. allgather is MLP-only (torch_impl/tp.py says why).
-Memory per device: split weights /tp, replicated norms and wpe whole (shared.theory.tp_state_bytes).
-
-Sequence parallelism (megatron_sp, Korthikanti et al. 2022, arXiv:2205.05198 §4.2.2; transformer
-only): the residual stream, norms and embedding output are (B, T/tp, D). shard_map: f -> g =
-``all_gather(axis=1, tiled)`` (transposes to psum_scatter), g -> ḡ = ``psum_scatter(
-scatter_dimension=1, tiled)`` (transposes to all_gather), the embedding's psum a psum_scatter, wpe
-sliced at this device's positions; the norm gains and wpe are invariant inputs used on varying
-data, so the transpose psums their gradients (XLA combines them). Per step per device: (4L+2)
-all-gathers + (4L+2) reduce-scatters of B·T·D·b, the loss's, and ((2L+1)·D + T·D)·b
-(shared.theory.tp_sp_comm). jit: the stream constrained to P(None, "tp", None); what XLA issued:
-tests/test_tp.py::test_jit_sequence_parallel_ledger, docs/tp.md.
+shard_map: Megatron's f = pcast(x, to="varying") (identity fwd, psum bwd) before each column-parallel
+matmul, g = psum (identity bwd) after each row-parallel one and the embedding; the vocab-parallel
+loss: a pmax of (B, T) and one psum of (2, B, T), backward local. shard_map/megatron trains the NNX
+Transformer through jax_impl.parallel.tp.apply_plan (``train_plan``).
+jit: the same forward with f / g as sharding constraints; XLA (GSPMD) picks the collectives.
+typed (jax_impl/tp_typed.py): the rules on Explicit axes; row layers state P(unreduced={'tp'}) then
+reshard: Megatron's g in types.
+Bytes per step per device: (4L+2)·B·T·D·b + 3·B·T·b (shared.theory.tp_transformer_comm); MLP
+allgather / megatron: shared.theory.tp_comm_bytes.
+Sequence parallelism (megatron_sp; transformer only): the stream is (B, T/tp, D); f -> all_gather
+(bwd psum_scatter), g -> psum_scatter (bwd all_gather): (4L+2) of each of B·T·D·b, the loss's, and
+((2L+1)·D + T·D)·b for the replicated gains and wpe (shared.theory.tp_sp_comm).
+What jit and typed issued: the ledger, docs/tp.md.
+Papers: Megatron-LM, Shoeybi et al. 2019 (arXiv:1909.08053 §3); sequence parallelism, Korthikanti
+et al. 2022 (arXiv:2205.05198 §4.2.2).
 """
 
 from __future__ import annotations

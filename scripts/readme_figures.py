@@ -1,13 +1,13 @@
-"""Regenerate the README's measured blocks from fresh runs on this machine, so no figure is copied by hand.
+"""Regenerate the measured blocks of docs/ (and README.md) from fresh runs here: no figure is copied by hand.
 
     python scripts/readme_figures.py                 # every block (about 6 min on 2 cores)
     python scripts/readme_figures.py --only fsdp,plan
-    python scripts/readme_figures.py --check         # every block in README.md has a recipe here (no run)
+    python scripts/readme_figures.py --check         # every block in README.md and docs/ has a recipe here (no run)
 
-Each block sits between ``<!-- figures:NAME -->`` and ``<!-- /figures:NAME -->`` in README.md (or in
-the docs/ page IN_FILE names) and is replaced whole: the command's output as printed when piped (plain
-text), under a line naming the command, the date, the machine and the versions it came from. The
-``run`` block re-renders an excerpt of the default run's table from its ``--json`` with report.py, and
+Each block sits between ``<!-- figures:NAME -->`` and ``<!-- /figures:NAME -->`` in the page IN_FILE
+names (README.md for a block not in IN_FILE) and is replaced whole: the command's output as printed when
+piped (plain text), under a line naming the command, the date, the machine and the versions it came from. The
+``run`` block re-renders an excerpt of the default run's table from its ``--json`` with parallel_twins/report.py, and
 keeps its closing lines.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import json
 import os
 import platform
@@ -39,9 +40,10 @@ BLOCKS = {  # name: the compare.py arguments it shows
     "checkpoint": ["checkpoint", "--model", "transformer"],
     "modes": ["--model", "transformer", "--mesh", "fsdp=2,tp=2", "--show-collectives", "mesh"],
 }
-# Blocks that live in a page of docs/ instead of README.md.
-IN_FILE = {"modes": "docs/sharding_modes.md"}
-# The default run's rows the README shows (pattern, model, framework, style, variant); the rest: --json.
+# The page each block lives in (README.md for a block not named here).
+IN_FILE = {"run": "docs/cli.md", "fsdp": "docs/sharding_modes.md", "mesh": "docs/mesh.md", "ep": "docs/ep.md",
+           "plan": "docs/plan.md", "checkpoint": "docs/checkpoint.md", "modes": "docs/sharding_modes.md"}
+# The default run's rows docs/cli.md shows (pattern, model, framework, style, variant); the rest: --json.
 EXCERPT = [
     ("dp", "mlp", "torch", "explicit", "bucketed"), ("dp", "transformer", "torch", "builtin", "ddp"),
     ("dp", "transformer", "jax", "shard_map", "zero1"), ("fsdp", "transformer", "torch", "explicit", "zero3"),
@@ -81,7 +83,7 @@ def run(args: list[str]) -> tuple[str, float]:
 
 def run_block(stdout: str, path: str, seconds: float) -> str:
     """The default run: its size, an excerpt of its table, its closing lines."""
-    import report
+    from parallel_twins import report
     from shared.results import RunResult
 
     data = json.load(open(path))
@@ -118,9 +120,11 @@ def blocks_in(text: str) -> list[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", default=",".join(BLOCKS), help="comma list of " + ", ".join(BLOCKS))
-    p.add_argument("--check", action="store_true", help="only check that README's blocks and these recipes match")
+    p.add_argument("--check", action="store_true", help="only check that the pages' blocks and these recipes match")
     args = p.parse_args(argv)
-    texts = {path: open(path).read() for path in {README, *[os.path.join(ROOT, f) for f in IN_FILE.values()]}}
+    pages = {README, *glob.glob(os.path.join(ROOT, "docs", "*.md")), *[os.path.join(ROOT, f) for f in IN_FILE.values()]}
+    texts = {path: open(path).read() for path in pages}
+    before = dict(texts)
     where = {name: os.path.join(ROOT, IN_FILE[name]) if name in IN_FILE else README for name in BLOCKS}
     for path, text in texts.items():
         found, want = blocks_in(text), [n for n in BLOCKS if where[n] == path]
@@ -141,6 +145,8 @@ def main(argv=None) -> int:
             texts[where[name]] = replace_block(texts[where[name]], name, body, " ".join(["python compare.py", *shown]),
                                                f"{stamp_base}; {seconds:.0f} s")
     for path, text in texts.items():
+        if text == before[path]:
+            continue
         with open(path, "w") as f:
             f.write(text)
     return 0

@@ -6,4 +6,7 @@
 - tolerances: how close is close enough, per dtype, with the reason
 - theory:     analytic communication / memory / bubble formulas
 - dims:       the dimension glossary used in shape comments
+- provenance: what produced a result file (versions, devices, commit, command), stdlib only
+- schema:     the checker of docs/results-schema.json's subset of JSON Schema
+- diff:       what changed between two result files, by severity (compare.py diff)
 """

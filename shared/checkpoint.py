@@ -7,6 +7,8 @@ load, the manifest, the atomic commit, and the checks that refuse a checkpoint b
     path = latest(run_dir)                   # the newest COMPLETE checkpoint (an interrupted save has
     info = verify(path, cfg)                 # no manifest.json and is never chosen); CheckpointError
                                              # (one line: the file and the mismatch) when it cannot load
+    check_runs(plan, runs)                   # compare.py, before any process: no folder held by another
+                                             # writer, each run's resume checkpoint verified (its own cfg)
 
 The canonical state (``State``) is what makes a checkpoint loadable under any layout and by the other
 framework: every array under its fixture name and orientation (shared.problem.param_names /
@@ -18,12 +20,16 @@ the step count (AdamW's bias correction, and the next step to run) is in the man
 
 A checkpoint is complete or absent: written into a hidden ``.tmp-`` folder, its manifest written last
 (step, config, layout, framework, and the size and SHA-256 of every file), then renamed into place.
+Files are read only inside their checkpoint folder, one run writes a run folder at a time, a checkpoint
+of another run (seed, batch, learning rate, …) is refused, ``Plan.keep`` prunes old ones, and a failed
+save is one line (shared.checkpoint_io; docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -32,17 +38,28 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shared.checkpoint_io import (  # noqa: F401
+    GROUPS,
+    CheckpointError,
+    RunLock,
+    entry_parts,
+    lock_holder,
+    open_confined,
+    save_error,
+    walk_files,
+)
+
 FORMAT = "parallel-twins-checkpoint/1"
 MANIFEST = "manifest.json"
-GROUPS = ("params", "adam_m", "adam_v")  # the canonical state's three dicts, as named in the files
 # What must be equal for a checkpoint to load (the model's shapes and numerics). The layout (world size,
 # pattern, mesh) may differ: loading reshards.
 MODEL_FIELDS = ("model", "layers", "dim", "heads", "seq", "vocab", "experts", "dtype")
+# The run's identity beyond its shapes: what makes its numbers (the data and weights from the seed and
+# batch, AdamW's hyperparameters, MoE routing). A checkpoint of another run is refused, not continued.
+IDENTITY_FIELDS = ("seed", "batch", "lr", "beta1", "beta2", "eps", "weight_decay", "topk")
+WRITERS = {"dcp": "torch", "orbax": "jax"}  # writer -> framework; the writer's files are under <writer>/
 _STEP = re.compile(r"^step_(\d{6,})$")
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: one line naming the file and the mismatch."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +77,7 @@ class Plan:
     save_at: tuple[int, ...] = ()
     resume: bool = False
     load: str | None = None
+    keep: int = 0  # after each commit keep only the newest ``keep`` complete checkpoints (0: every one)
 
     def __post_init__(self):
         if not self.dir:
@@ -69,6 +87,13 @@ class Plan:
                              "steps are counted from 1")
         if self.resume and self.load:
             raise ValueError("checkpoint: resume (newest in the run's folder) or load (one path), not both")
+        if not isinstance(self.keep, int) or self.keep < 0:
+            raise ValueError(f"checkpoint: --keep {self.keep}: a number of checkpoints >= 1 (0: keep every one)")
+
+    @property
+    def writes(self) -> bool:
+        """Does a run under this plan write its folder (and so hold its lock)?"""
+        return self.every > 0 or bool(self.save_at)
 
     def due(self, done: int) -> bool:
         """Save after ``done`` optimizer steps?"""
@@ -173,58 +198,103 @@ def run_name(framework: str, pattern: str, style: str, variant: str, model: str)
 
 def aside(run_dir: str, step: int) -> str:
     """The empty folder a save of ``step`` writes into before ``commit``: ``run_dir/.tmp-step_…``. A
-    stale one (a save that was killed) is removed first. Every rank may call it: only call it on one
-    rank before the others write (torch: rank 0, then a barrier)."""
+    stale one (a save that was killed) is removed first; a symlink or a file in its place is refused.
+    Every rank may call it: only call it on one rank before the others write (torch: rank 0, then a
+    barrier). A folder that cannot be written: CheckpointError, one line naming it."""
     tmp = os.path.join(run_dir, ".tmp-" + step_name(step))
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    if os.path.islink(tmp) or (os.path.lexists(tmp) and not os.path.isdir(tmp)):
+        raise CheckpointError(f"{tmp}: a symlink or a file where a save's own folder goes: remove it "
+                              "(nothing was written)")
+    try:
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    except OSError as exc:
+        raise save_error(run_dir, step, exc) from None
     return tmp
 
 
-def _sha256(path: str) -> str:
+def abandon(tmp: str) -> None:
+    """Remove a save's ``.tmp-`` folder after a failure (best effort: the folder may be unwritable)."""
+    if not os.path.islink(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sha256(fd: int) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(fd, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
 
 
 def _files(folder: str) -> list[str]:
-    out = []
-    for root, _, names in os.walk(folder):
-        out += [os.path.relpath(os.path.join(root, n), folder) for n in names]
-    return sorted(f for f in out if f != MANIFEST)
+    return [f for f in walk_files(folder) if f != MANIFEST]
 
 
 def manifest(cfg, step: int, framework: str, writer: str, layout: dict) -> dict:
     """What ``commit`` writes (files are added there): ``layout`` = {"pattern", "style", "variant",
-    "world_size", "mesh"} of the run that saved."""
+    "world_size", "mesh"} of the run that saved; the config holds the model's shapes and the run's
+    identity (``check_identity``), and ``steps`` (the run's length when it saved: informative)."""
     return {"format": FORMAT, "step": int(step), "framework": framework, "writer": writer,
-            "config": {k: getattr(cfg, k) for k in MODEL_FIELDS} | {"seed": cfg.seed, "lr": cfg.lr,
-                                                                     "weight_decay": cfg.weight_decay},
+            "config": {k: getattr(cfg, k) for k in MODEL_FIELDS + IDENTITY_FIELDS} | {"steps": cfg.steps},
             "layout": layout, "optimizer": "adamw", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-def commit(tmp: str, info: dict) -> str:
+def commit(tmp: str, info: dict, keep: int = 0) -> str:
     """Checksum every file in ``tmp``, write the manifest last (fsynced), rename ``tmp`` to its final
-    name (an older checkpoint of the same step is replaced). Returns the final path. One process only."""
-    paths = {f: os.path.join(tmp, f) for f in _files(tmp)}
-    info = dict(info, files={f: {"bytes": os.path.getsize(p), "sha256": _sha256(p)} for f, p in paths.items()})
-    path = os.path.join(tmp, MANIFEST)
-    with open(path, "w") as f:
-        json.dump(info, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    final = os.path.join(os.path.dirname(tmp), step_name(info["step"]))
-    if os.path.exists(final):  # a re-save of the same step: the old one leaves first (complete or absent)
-        old = final + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
+    name (an older checkpoint of the same step is replaced). Returns the final path. One process only.
+    ``keep`` > 0: then only the newest ``keep`` complete checkpoints stay (``prune``). A failure (full
+    disk, read-only folder): CheckpointError naming the run folder; ``tmp`` is removed, and every
+    earlier checkpoint is as it was."""
+    run_dir, step = os.path.dirname(tmp), info["step"]
+    final = os.path.join(run_dir, step_name(step))
+    try:
+        files = {}
+        for f in _files(tmp):
+            fd, size = open_confined(tmp, f)
+            files[f] = {"bytes": size, "sha256": _sha256(fd)}
+        info = dict(info, files=files)
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(info, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.lexists(final):  # a re-save of the same step: the old one leaves first (complete or absent)
+            old = os.path.join(run_dir, ".old-" + step_name(step))
+            abandon(old)
+            os.replace(final, old)
+            try:
+                os.replace(tmp, final)
+            except OSError:
+                os.replace(old, final)  # the earlier checkpoint back in place
+                raise
+            abandon(old)
+        else:
+            os.replace(tmp, final)
+    except OSError as exc:
+        abandon(tmp)
+        raise save_error(run_dir, step, exc) from None
+    prune(run_dir, keep, final)
     return final
+
+
+def prune(run_dir: str, keep: int, just: str) -> list[str]:
+    """Retention: delete the complete checkpoints of ``run_dir`` beyond the newest ``keep`` (by step;
+    0: none deleted), never ``just`` (the one just written). ``.tmp-`` folders are never touched (a
+    live writer's save, or a killed one's that ``aside`` removes). Each goes by a rename to a hidden
+    name first, so a crash mid-delete leaves no half checkpoint under a ``step_`` name. The paths gone."""
+    if keep <= 0:
+        return []
+    victims = [path for _, path in complete(run_dir)[:-keep] if path != just]
+    for path in victims:
+        gone = os.path.join(run_dir, ".old-" + os.path.basename(path))
+        try:
+            abandon(gone)
+            os.replace(path, gone)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot delete it (--keep {keep}): {exc.strerror or exc}") from None
+        abandon(gone)
+    return victims
 
 
 def complete(run_dir: str) -> list[tuple[int, str]]:
@@ -245,40 +315,123 @@ def latest(run_dir: str) -> str | None:
     return found[-1][1] if found else None
 
 
-def verify(path: str, cfg=None) -> dict:
-    """The manifest of the checkpoint at ``path``, after checking it: complete, every file present
-    with its size and SHA-256, and (with ``cfg``) saved by a model of the same shapes and dtype.
-    CheckpointError (one line: file and mismatch) otherwise."""
+def _read_manifest(path: str) -> tuple[str, dict]:
     mpath = os.path.join(path, MANIFEST)
-    if not os.path.isfile(mpath):
+    if os.path.islink(os.path.normpath(path)):
+        raise CheckpointError(f"{path}: a symlink: a checkpoint is a folder of its run, not a link to one")
+    if not os.path.lexists(mpath):
         raise CheckpointError(f"{path}: no {MANIFEST}: not a checkpoint, or a save that did not finish")
     try:
-        with open(mpath) as f:
-            info = json.load(f)
+        fd, size = open_confined(path, MANIFEST)
+        if size > 1 << 24:
+            os.close(fd)
+            raise CheckpointError(f"{mpath}: {size} bytes: not a manifest of this project")
+        with os.fdopen(fd, "rb") as f:
+            info = json.loads(f.read())
     except (OSError, ValueError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
         raise CheckpointError(f"{mpath}: unreadable manifest ({exc})") from None
-    if info.get("format") != FORMAT:
-        raise CheckpointError(f"{mpath}: format {info.get('format')!r}, this reads {FORMAT!r}")
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise CheckpointError(f"{mpath}: format {info.get('format') if isinstance(info, dict) else None!r}, "
+                              f"this reads {FORMAT!r}")
+    return mpath, info
+
+
+def _byte_budget(cfg, nfiles: int) -> int:
+    """The most bytes a checkpoint of ``cfg``'s model can hold: 3 arrays per parameter in float64,
+    twice over for the formats' own layout, plus 64 KiB of headers and metadata per file and 1 MiB."""
+    from shared.problem import param_shapes
+
+    return 2 * 3 * 8 * sum(math.prod(s) for s in param_shapes(cfg).values()) + 65536 * nfiles + (1 << 20)
+
+
+def _model_of(mpath: str, saved: dict):
+    """A Config of the model the manifest describes (for its byte budget when no run's cfg is given)."""
+    from shared.config import Config
+
+    try:
+        return Config(**{k: saved[k] for k in MODEL_FIELDS if k in saved})
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{mpath}: its config is not a model of this project ({exc})") from None
+
+
+def check_identity(info: dict, cfg, where: str = "checkpoint") -> None:
+    """Refuse (one line: the field and both values) a checkpoint another run wrote: saved with other
+    model shapes or dtype (MODEL_FIELDS), or another seed, batch or AdamW setting (IDENTITY_FIELDS).
+    The layout (pattern, world size, mesh) may differ: loading reshards."""
+    saved = info.get("config") or {}
+    for k in MODEL_FIELDS:
+        if saved.get(k) != getattr(cfg, k):
+            raise CheckpointError(f"{where}: saved with {k}={saved.get(k)!r}, this run has {k}={getattr(cfg, k)!r}")
+    for k in IDENTITY_FIELDS:
+        if k not in saved:
+            raise CheckpointError(f"{where}: records no {k} (saved by an older version?): cannot tell it is this "
+                                  "run's; start without --resume or use another --checkpoint-dir")
+        if saved[k] != getattr(cfg, k):
+            raise CheckpointError(f"{where}: another run's checkpoint: saved with {k}={saved[k]!r}, this run has "
+                                  f"{k}={getattr(cfg, k)!r}")
+
+
+def verify(path: str, cfg=None) -> dict:
+    """The manifest of the checkpoint at ``path``, after checking it: complete; its step, writer and
+    framework consistent with its folder; every file it lists a plain relative name inside ``path``,
+    a regular file (no symlink on the way), of its size (from fstat, before hashing; the sizes within
+    what a model of this config can hold) and SHA-256; no other file; and (with ``cfg``) written by
+    this run (``check_identity``). CheckpointError (one line: file and mismatch) otherwise."""
+    mpath, info = _read_manifest(path)
     if not info.get("optimizer"):
         raise CheckpointError(f"{mpath}: no optimizer state in this checkpoint: it cannot resume AdamW")
-    for name, meta in info.get("files", {}).items():
-        fpath = os.path.join(path, name)
-        if not os.path.isfile(fpath):
-            raise CheckpointError(f"{fpath}: missing (the manifest lists it)")
-        size = os.path.getsize(fpath)
+    step, writer = info.get("step"), info.get("writer")
+    m = _STEP.match(os.path.basename(os.path.normpath(path)))
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0 or (m and int(m.group(1)) != step):
+        raise CheckpointError(f"{mpath}: step {step!r} does not match the folder {os.path.basename(path)!r}")
+    if writer not in WRITERS or info.get("framework") != WRITERS[writer]:
+        raise CheckpointError(f"{mpath}: writer {writer!r} / framework {info.get('framework')!r}: not dcp/torch "
+                              "nor orbax/jax")
+    files = info.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, dict) and isinstance(v.get("bytes"), int)
+                                              and isinstance(v.get("sha256"), str) for v in files.values()):
+        raise CheckpointError(f"{mpath}: its file list is not {{name: {{bytes, sha256}}}}")
+    for name, meta in files.items():  # every size first (fstat): nothing is hashed before all are right
+        parts = entry_parts(path, name)
+        if len(parts) < 2 or parts[0] != writer:
+            raise CheckpointError(f"{mpath}: entry {name!r} is not under {writer}/, where its writer's files are")
+        fd, size = open_confined(path, name)
+        os.close(fd)
         if size != meta["bytes"]:
-            raise CheckpointError(f"{fpath}: {size} bytes, the manifest says {meta['bytes']} (truncated or grown)")
-        if _sha256(fpath) != meta["sha256"]:
-            raise CheckpointError(f"{fpath}: SHA-256 differs from the manifest's (corrupted)")
-    extra = [f for f in _files(path) if f not in info.get("files", {})]
+            raise CheckpointError(f"{os.path.join(path, name)}: {size} bytes, the manifest says {meta['bytes']} "
+                                  "(truncated or grown)")
+    budget = _byte_budget(cfg if cfg is not None else _model_of(mpath, info.get("config") or {}), len(files))
+    total = sum(meta["bytes"] for meta in files.values())
+    if total > budget:
+        raise CheckpointError(f"{mpath}: its files hold {total} bytes, a checkpoint of this model at most {budget}")
+    extra = [f for f in _files(path) if f not in files]
     if extra:
         raise CheckpointError(f"{os.path.join(path, extra[0])}: not in the manifest (written after the commit?)")
+    for name, meta in files.items():
+        if _sha256(open_confined(path, name)[0]) != meta["sha256"]:
+            raise CheckpointError(f"{os.path.join(path, name)}: SHA-256 differs from the manifest's (corrupted)")
     if cfg is not None:
-        saved = info.get("config", {})
-        for k in MODEL_FIELDS:
-            if saved.get(k) != getattr(cfg, k):
-                raise CheckpointError(f"{mpath}: saved with {k}={saved.get(k)!r}, this run has {k}={getattr(cfg, k)!r}")
+        check_identity(info, cfg, mpath)
     return info
+
+
+def check_runs(plan: Plan, runs) -> None:
+    """compare.py's check before any process starts, over the runs this invocation makes and only
+    those (another run's folder in the same --checkpoint-dir is not looked at): ``runs`` =
+    [(framework, pattern, style, variant, cfg)]. A run folder another process is writing is refused
+    (its lock holder named); with ``plan.resume``, the checkpoint each run would start from is verified
+    against its own cfg (files, shapes, identity). CheckpointError, one line."""
+    for framework, pattern, style, variant, cfg in runs:
+        run_dir = plan.run_dir(framework, pattern, style, variant, cfg)
+        holder = lock_holder(run_dir) if plan.writes else None
+        if holder:
+            raise CheckpointError(f"{run_dir}: another run is writing this checkpoint folder ({holder}): wait for "
+                                  "it to end, or give another --checkpoint-dir")
+        path = plan.source(run_dir, cfg.steps)
+        if path is not None:
+            verify(path, cfg)
 
 
 # --- safetensors, read with NumPy: how JAX reads what torch's DCP wrote (HuggingFaceStorageWriter) ---

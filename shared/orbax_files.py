@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from shared.checkpoint import GROUPS, CheckpointError
+from shared.checkpoint_io import GROUPS, CheckpointError
 
 METADATA = "_METADATA"
 

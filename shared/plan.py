@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from shared import efficiency
 from shared.theory import BUSBW_FACTOR
 from shared.theory.dp import zero_state  # noqa: F401 - the formulas the runs are checked against, re-exported:
 from shared.theory.layout import Layout, Model  # noqa: F401   plan.comm is theory.mesh.comm, one form
@@ -40,12 +41,10 @@ from shared.theory.recompute import activation_elements, activations  # noqa: F4
 
 GiB = 1024 ** 3
 RECOMPUTE = ("none", "selective", "full")
-PRECISIONS = ("mixed", "pure")
-
-
-
-
-
+PRECISIONS = ("mixed", "mixed-fp32-grads", "pure")  # mixed-fp32-grads: Megatron's fp32 main grads, 18 B/param
+OVERLAPS = ("backward", "last", "none")  # the data axis' traffic under the whole backward (DDP buckets, FSDP2
+#   prefetch), under the last micro-batch's backward only (Megatron --overlap-grad-reduce), or after it
+FLOPS = ("causal", "full", "megatron")  # model-FLOP conventions (model_flops)
 
 def bus_factor(op: str, n: int) -> float:
     """nccl-tests' bus factor of ``op`` over ``n`` ranks (a point-to-point send: sendrecv's 1)."""
@@ -120,15 +119,46 @@ class Cluster:
     hbm: float = GPUS["h100"]["hbm"]  # HBM bytes/s (the roofline's memory bound, the elementwise ops)
     matmul: str = "shapes"  # "shapes": every matmul from its shape (roofline); "flat": FLOPs × efficiency
     size_table: tuple = SIZE_FACTOR  # (smallest side, fraction of the largest GEMMs' rate), ascending
-    overlap: bool = True  # the data axis' traffic runs under the backward pass (False: after it, as
-    #                       Megatron-LM's 2021 DDP all-reduced the gradients once backward was done)
+    hbm_table: tuple = ()  # (bytes per transfer, fraction of ``hbm``), ascending; () = every size at ``hbm``
+    overlap: bool | str = True  # the data axis' traffic: OVERLAPS ("backward" = True, "none" = False: after the
+    #                             backward, as Megatron-LM's 2021 DDP all-reduced the gradients once it was done)
+    tp_overlap: bool = False  # tensor-parallel traffic hidden behind the matmuls (torchtitan's async TP);
+    #                           off by default: Megatron and plain DTensor TP run it on the critical path
+    overlap_cost: tuple = (0.0, 0.0)  # (intra, inter): the fraction of an overlapped transfer's time the
+    #                                   compute beside it loses (its kernels' SMs; efficiency.OVERLAP_COST)
 
     @classmethod
-    def preset(cls, name: str, gpus: int, **kw) -> Cluster:
-        """A cluster of ``gpus`` of the preset ``name`` (GPUS)."""
-        g = gpu(name)
-        return cls(gpus, **{"memory": g["memory"], "flops": g["flops"], "intra": g["intra"], "inter": g["inter"],
-                            "hbm": g["hbm"], **kw})
+    def preset(cls, name: str, gpus: int, dtype: str = "bfloat16", profile: dict | None = None, **kw) -> Cluster:
+        """A cluster of ``gpus`` of the preset ``name`` with what it achieves (shared/efficiency.py: memory as
+        the device reports it, the GEMM table by shape, HBM copy and nccl-tests busbw per op, each cited), or
+        with a measured ``profile`` (efficiency.load) in their place."""
+        gpu(name)  # the known names, or ValueError
+        table = efficiency.TABLES[{"a100": "a100-80gb", "h100-sxm": "h100", "h200-sxm": "h200"}.get(
+            name.lower(), name.lower())]
+        t = {"memory": table["memory"], **(profile or table)}  # a profile without memory: the preset's
+        top = max(f for _, f in t["matmul"])
+        link = lambda ops: Link(*ops.get("all_gather", next(iter(ops.values()))), per_op=dict(ops))
+        return cls(gpus, **{"memory": t["memory"], "flops": efficiency.peak(t, dtype),
+                            "efficiency": top, "size_table": tuple((s, round(f / top, 6)) for s, f in t["matmul"]),
+                            "intra": link(t["intra"]), "inter": link(t["inter"]), "hbm": t["hbm_copy"],
+                            "hbm_table": tuple(t.get("hbm_table", ())),
+                            "overlap_cost": tuple(t.get("overlap_cost", (0.0, 0.0))), **kw})
+
+    def link_cost(self, link: Link) -> float:
+        """overlap_cost of ``link`` (intra or inter)."""
+        return self.overlap_cost[link is self.inter and link is not self.intra]
+
+    def hbm_at(self, nbytes: float) -> float:
+        """The HBM bandwidth a transfer of ``nbytes`` streams at (hbm_table's step at its size)."""
+        out = 1.0 if not self.hbm_table else self.hbm_table[0][1]
+        for size, f in self.hbm_table:
+            if nbytes >= size:
+                out = f
+        return self.hbm * out
+
+    @property
+    def overlap_mode(self) -> str:
+        return {True: "backward", False: "none"}.get(self.overlap, self.overlap)
 
     @property
     def usable(self) -> float:
@@ -243,13 +273,40 @@ class Prediction:
     mfu: float
     fits: bool
     reason: str = ""
+    hfu: float = 0.0  # hardware FLOPs (recomputation, and math attention's whole T×T) over the step at peak
 
     def to_json(self) -> dict:
         return {"layout": self.layout.name, **{k: getattr(self.layout, k) for k in (
             "dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "sp", "recompute", "virtual", "trim", "cp_style",
             "pp_scatter")},
             "memory": self.memory, "comm": {a: {op: list(v) for op, v in ops.items()} for a, ops in self.comm.items()},
-            "bubble": self.bubble, "time": self.time, "mfu": self.mfu, "fits": self.fits, "reason": self.reason}
+            "bubble": self.bubble, "time": self.time, "mfu": self.mfu, "hfu": self.hfu, "fits": self.fits,
+            "reason": self.reason}
+
+
+def model_flops(model: Model, batch: int, convention: str = "causal") -> float:
+    """A step's model FLOPs (batch × T tokens) in one of FLOPS' conventions. causal: 6 per matmul parameter
+    + causal attention 6·L·T·D per token (each query meets T/2 keys; this planner's MFU column, and
+    torchtitan's); full: attention over all T keys, 12·L·T·D (PaLM, Chowdhery et al. 2022 arXiv:2204.02311
+    App. B; Korthikanti et al. 2022 eq. 7); megatron: full plus the recomputed forward of every block
+    (Narayanan et al. 2021 arXiv:2104.04473 eq. 3: 96·B·s·l·h²·(1 + s/6h + V/16lh), what their TFLOP/s count)."""
+    if convention not in FLOPS:
+        raise ValueError(f"unknown FLOP convention {convention!r}; choose from {', '.join(FLOPS)}")
+    per = model.flops_per_token("none")
+    attn = 6 * model.layers * model.seq * model.dim
+    full = per + attn
+    if convention == "megatron":  # a second forward: 2 per block matmul parameter + full attention's 4·L·T·D
+        full += (full - 6 * model.dim * model.vocab) / 3
+    return batch * model.seq * (per if convention == "causal" else full)
+
+
+def hardware_flops(model: Model, layout: Layout, batch: int, attention: str = "flash") -> float:
+    """The FLOPs the GPUs execute: the layout's recomputation included (Model.flops_per_token); unfused
+    (math) attention computes the whole T×T, twice the causal half."""
+    per = model.flops_per_token(layout.recompute)
+    if attention == "math":
+        per += (3 + (layout.recompute != "none")) * 2 * model.layers * model.seq * model.dim
+    return batch * model.seq * per
 
 
 def block_seconds(model: Model, layout: Layout, m: int, cluster: Cluster, b: int = 2,
@@ -290,7 +347,8 @@ def block_seconds(model: Model, layout: Layout, m: int, cluster: Cluster, b: int
     rep = d / t if layout.sp else d
     per_token = 4 * rep + 6 * rep + model.mlp_matrices * f / t + \
         model.rope * 2 * (d + model.kv_dim) / t + model.dropout * 5 * rep + scores
-    out["elementwise"] = (2 + fw) * per_token * n * b / cluster.hbm
+    # each memory-bound op streams tensors of about n × (D or D/t) elements: their size sets the bandwidth
+    out["elementwise"] = (2 + fw) * per_token * n * b / cluster.hbm_at(n * rep * b)
     return out
 
 
@@ -317,6 +375,9 @@ def stage_seconds(model: Model, layout: Layout, stage: int, batch: int, view: di
         compute = sum(parts.values())
     seconds = comm_time(view, layout, cluster)
     critical = sum(v for k, v in seconds.items() if k in ("tp", "cp", "ep", "pp")) / layout.microbatches
+    if cluster.tp_overlap and "tp" in seconds:  # async TP: hidden behind the block matmuls it feeds, the
+        hid = min(seconds["tp"] / layout.microbatches, parts.get("matmul", 0.0))  # SMs its kernels take
+        critical -= hid * (1 - cluster.link_cost(cluster.link(*_strides(layout)["tp"])))  # slowing them
     return {"compute_mb": compute, "critical_mb": critical, "parts_mb": parts,
             "data": sum(v for k, v in seconds.items() if k not in ("tp", "cp", "ep", "pp")), "axes": seconds}
 
@@ -347,19 +408,26 @@ def predict(model: Model, layout: Layout, cluster: Cluster, batch: int, b: int =
     times = [stage_seconds(model, layout, s, batch, v, cluster, b, attention) for s, v in zip(stages, views)]
     slow = max(times, key=lambda x: x["compute_mb"] + x["critical_mb"])
     ticks = M + (S - 1) / layout.virtual  # the slowest stage's micro-batches, plus the fill and drain
-    hidden = 2 / 3 * M * slow["compute_mb"] if cluster.overlap else 0.0
-    exposed = max(0.0, max(x["data"] for x in times) - hidden)
+    # the data axis' traffic hides behind the backward (2/3 of a micro-batch's compute): every micro-batch's
+    # (DDP buckets, FSDP2 prefetch), the last one's (Megatron's --overlap-grad-reduce), or none
+    hidden = 2 / 3 * slow["compute_mb"] * {"backward": M, "last": 1, "none": 0}[cluster.overlap_mode]
+    data = max(x["data"] for x in times)
+    exposed = max(0.0, data - hidden)
+    if data > exposed:  # what hides still takes SMs from the compute it runs beside (Calculon's processor_usage)
+        label = layout.grad_label or layout.data_axis
+        exposed += (data - exposed) * cluster.link_cost(cluster.link(*_strides(layout).get(label, (1, 1))))
     # the optimizer step: memory-bound, every state byte read and written once (Adam: no matmul)
     optimizer = 0.0 if cluster.matmul == "flat" else 2 * sum(
         memory[k] for k in ("params", "grads", "optimizer")) / cluster.hbm
     step = ticks * (slow["compute_mb"] + slow["critical_mb"]) + exposed + optimizer
-    mfu = batch * model.seq * model.flops_per_token("none") / (step * layout.gpus * cluster.flops)
+    mfu = model_flops(model, batch) / (step * layout.gpus * cluster.flops)
+    hfu = hardware_flops(model, layout, batch, attention) / (step * layout.gpus * cluster.flops)
     return Prediction(layout, memory, max(views, key=lambda v: sum(comm_bytes(v).values())), layout.bubble,
                       {"compute": ticks * slow["compute_mb"], "critical": ticks * slow["critical_mb"],
                        "exposed_data": exposed, "optimizer": optimizer, "step": step,
                        **{f"compute_{k}": ticks * v for k, v in slow["parts_mb"].items()},
                        **{f"comm_{k}": v for k, v in slow["axes"].items()}},
-                      mfu, fits, reason)
+                      mfu, fits, reason, hfu)
 
 
 # --- the search ------------------------------------------------------------------------------------

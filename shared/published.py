@@ -86,19 +86,33 @@ def best(model: Model, cluster, batch: int, axes: dict, pins: dict, attention: s
     return min(found, key=lambda p: p.time["step"]) if found else None
 
 
-def llama3_rows(matmul: str = "shapes", efficiency: float | None = None, vs=(1, 2, 4, 8)) -> list[dict]:
-    """Llama 3 Table 4's runs, each predicted at its fastest fitting layout over M and the v in ``vs``."""
+def cluster(name: str, gpus: int, datasheet: bool = False, **kw):
+    """The preset with the cited achieved figures (shared/efficiency.py), or ``datasheet``: the planner
+    before them (every link and HBM at its datasheet figure, decimal GB, the largest GEMMs at 0.8)."""
     from shared import plan
+
+    if not datasheet:
+        return plan.Cluster.preset(name, gpus, **kw)
+    g = plan.gpu(name)
+    return plan.Cluster(gpus, **{"memory": g["memory"], "flops": g["flops"], "intra": g["intra"], "inter": g["inter"],
+                                 "hbm": g["hbm"], **kw})
+
+
+def llama3_rows(matmul: str = "shapes", efficiency: float | None = None, vs=(1, 2, 4, 8),
+                datasheet: bool = False) -> list[dict]:
+    """Llama 3 Table 4's runs, each predicted at its fastest fitting layout over M and the v in ``vs``
+    (FSDP: the data axis' traffic under the whole backward; Meta's TFLOP/s: causal model FLOPs)."""
 
     rows = []
     for gpus, t, c, p, dp, seq, per_dp, tflops, _mfu in LLAMA3_TABLE4:
         # 126 layers over 16 stages: Meta drops one layer from the first and the last stage (§3.3.2): trim=1
         model = replace(PRESETS["llama3-405b"], seq=seq)
         batch = per_dp * dp
-        cluster = plan.Cluster.preset("h100", gpus, matmul=matmul, **({"efficiency": efficiency} if efficiency else {}))
+        cl = cluster("h100", gpus, datasheet, matmul=matmul, overlap="backward",
+                     **({"efficiency": efficiency} if efficiency else {}))
         # context parallelism: K|V all-gathered (Meta's, §3.3.2: "we all-gather the key (K) and value (V) tensors")
         pins = {"zero": 3, "sp": True, "trim": 1} | ({"cp_style": "allgather"} if c > 1 else {})
-        pred = best(model, cluster, batch, {"tp": t, "pp": p, "cp": c}, pins, "flash", list(vs))
+        pred = best(model, cl, batch, {"tp": t, "pp": p, "cp": c}, pins, "flash", list(vs))
         flops = batch * seq * model.flops_per_token("none")
         got = flops / (pred.time["step"] * gpus) / 1e12
         rows.append({"name": f"Llama 3 405B tp={t} cp={c} pp={p} dp={dp} T={seq} {gpus} H100", "reported": tflops,
@@ -106,35 +120,47 @@ def llama3_rows(matmul: str = "shapes", efficiency: float | None = None, vs=(1, 
     return rows
 
 
-def published_rows(matmul: str = "shapes", efficiency: float | None = None) -> list[dict]:
+def published_rows(matmul: str = "shapes", efficiency: float | None = None, datasheet: bool = False) -> list[dict]:
     """Every published run predicted: {name, reported, predicted (TFLOP/s per GPU as the paper counts them),
-    error (predicted/reported − 1), layout}. ``matmul="flat", efficiency=0.6``: the planner before shapes."""
-    from shared import plan
-
+    error (predicted/reported − 1), layout}. ``matmul="flat", efficiency=0.6``: the planner before shapes;
+    ``datasheet``: before the cited efficiencies (cluster)."""
     rows = []
     for params, heads, hidden, layers, t, p, gpus, batch, tflops in MEGATRON_TABLE1:
         model = Model(layers, hidden, heads, 51200, 2048, dropout=True, bias=True, tied=True)
-        cluster = plan.Cluster.preset("a100-80gb", gpus, matmul=matmul, overlap=False,
-                                      **({"efficiency": efficiency} if efficiency else {}))
+        # Megatron-LM 2021: the gradients all-reduced after the backward (overlap none)
+        cl = cluster("a100-80gb", gpus, datasheet, matmul=matmul, overlap="none",
+                     **({"efficiency": efficiency} if efficiency else {}))
         per = layers // p
         vs = [v for v in range(1, per + 1) if per % v == 0 and v <= 8] if p > 1 else [1]
-        pred = best(model, cluster, batch, {"tp": t, "pp": p, "cp": 1},
+        pred = best(model, cl, batch, {"tp": t, "pp": p, "cp": 1},
                     {"zero": 0, "recompute": "full", "sp": False, "pp_scatter": True}, "math", vs)
         got = megatron_flops(model, batch) / (pred.time["step"] * gpus) / 1e12
         rows.append({"name": f"Megatron {params}B t={t} p={p} {gpus} A100", "reported": tflops, "predicted": got,
                      "error": got / tflops - 1, "layout": pred.layout, "prediction": pred})
-    return rows + llama3_rows(matmul, efficiency)
+    return rows + llama3_rows(matmul, efficiency, datasheet=datasheet)
 
 
 def markdown(before: list[dict], after: list[dict]) -> str:
-    lines = ["| run | reported TFLOP/s/GPU | before (flat 0.6) | error | after (shapes) | error "
-             "| layout after (M, v, recompute) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| run | reported TFLOP/s/GPU | before (datasheet links and HBM) | error | after (cited efficiencies) "
+             "| error | layout after (M, v, recompute) |", "|---|---|---|---|---|---|---|"]
     for a, b in zip(before, after):
         lay = b["layout"]
         lines.append(f"| {b['name']} | {b['reported']:.0f} | {a['predicted']:.0f} | {100 * a['error']:+.0f} % | "
                      f"{b['predicted']:.0f} | {100 * b['error']:+.0f} % | M={lay.microbatches} v={lay.virtual} "
                      f"{lay.recompute} |")
     return "\n".join(lines)
+
+
+def summary(rows: list[dict]) -> str:
+    """Median and worst absolute error, per paper and over all rows."""
+    groups = {"Megatron-LM 2021 Table 1": [r for r in rows if r["name"].startswith("Megatron")],
+              "Llama 3 Table 4": [r for r in rows if r["name"].startswith("Llama")], "all": rows}
+    out = []
+    for name, rs in groups.items():
+        errs = sorted(abs(r["error"]) for r in rs)
+        med = (errs[(len(errs) - 1) // 2] + errs[len(errs) // 2]) / 2
+        out.append(f"{name}: median |error| {100 * med:.1f} %, worst {100 * errs[-1]:.1f} % ({len(errs)} runs)")
+    return "\n".join(out)
 
 
 def v_sensitivity() -> str:
@@ -148,6 +174,8 @@ def v_sensitivity() -> str:
 
 
 if __name__ == "__main__":
-    print(markdown(published_rows("flat", 0.6), published_rows()))
+    print(markdown(published_rows(datasheet=True), published_rows()))
+    print()
+    print(summary(published_rows()))
     print()
     print(v_sensitivity())

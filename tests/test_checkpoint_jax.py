@@ -207,7 +207,7 @@ def test_killed_in_a_save_then_resumed(dp_saved, tmp_path, measured):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stderr[-2000:]
     run_dir = tmp_path / "jax-dp-shard_map-zero1-mlp"
-    assert sorted(os.listdir(run_dir)) == [".tmp-step_000003", "step_000001", "step_000002"]
+    assert sorted(os.listdir(run_dir)) == [".lock", ".tmp-step_000003", "step_000001", "step_000002"]
     again = train("dp", MLP, [("shard_map", "zero1")], Plan(str(tmp_path), resume=True))["runs"][0][2]
     full = next(r for s, v, r in dp_saved["out"]["runs"] if (s, v) == ("shard_map", "zero1"))
     assert again.start_step == 2 and again.losses == full.losses[2:]
@@ -298,3 +298,39 @@ def test_several_processes_save_and_resume(tmp_path):
     # float64; gloo's cross-process reductions sum in another order than one process's: 1e-12
     assert c.start_step == HALF and rel_err(c.losses, a.losses[HALF:]) <= FLOAT64
     assert rel_err(c.params, a.params) <= FLOAT64
+
+
+def test_a_second_writer_and_a_full_disk_are_one_line(tmp_path, monkeypatch):
+    """A run folder another process holds is refused before training (one line, the holder named); a
+    save that fails (full disk: Orbax's write raising ENOSPC at step 2) is one line naming the folder,
+    and step 1's checkpoint stays complete and verified, no .tmp- left behind."""
+    import errno
+
+    from jax_impl import checkpoint as jck
+    from shared.checkpoint import RunLock, complete, verify
+
+    plan, variant = Plan(str(tmp_path), every=1), [("shard_map", "dp")]
+    run_dir = plan.run_dir("jax", "dp", "shard_map", "dp", MLP)
+    with RunLock(run_dir):
+        with pytest.raises(CheckpointError, match=rf"another run is writing .*pid {os.getpid()} "):
+            train("dp", MLP, variant, plan)
+    writer, calls = jck._writer, []
+
+    def failing():
+        checkpointer, args = writer()
+
+        class Full:
+            def save(self, path, args):
+                calls.append(path)
+                if len(calls) == 2:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+                return checkpointer.save(path, args=args)
+
+        return Full(), args
+
+    monkeypatch.setattr(jck, "_writer", failing)
+    with pytest.raises(CheckpointError, match=rf"{run_dir}: cannot save step 2: no space left on the device") as e:
+        train("dp", MLP, variant, plan)
+    assert "\n" not in str(e.value)
+    assert [s for s, _ in complete(run_dir)] == [1] and verify(complete(run_dir)[0][1], MLP)
+    assert sorted(os.listdir(run_dir)) == [".lock", "step_000001"]

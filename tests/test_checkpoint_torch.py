@@ -52,10 +52,47 @@ def _save_and_resume(ctx, folder, jobs):
     return out if ctx.rank == 0 else None
 
 
+def _save_resume_and_lock(ctx, folder, jobs):
+    """The pairs above; then, in the same launch, a run whose folder rank 0 already holds (as a second
+    run writing it would): every rank's one-line refusal, before training, and no folder written."""
+    import torch.distributed as dist
+
+    from shared.checkpoint import RunLock
+    from torch_impl.harness import run_pattern
+
+    pairs = _save_and_resume(ctx, folder, jobs)
+    plan = Plan(dir=os.path.join(folder, "held"), every=1)
+    held = RunLock(plan.run_dir("torch", "dp", "explicit", "naive", MLP))
+    if ctx.rank == 0:
+        held.__enter__()
+    try:
+        run_pattern(ctx, "dp", [MLP], [("explicit", "naive")], checkpoint=plan)
+        line = None
+    except CheckpointError as exc:
+        line = str(exc)
+    finally:
+        held.__exit__()
+    lines = [None] * ctx.world_size
+    dist.all_gather_object(lines, line)
+    return pairs, lines
+
+
 @pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
+def launched(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("ckpt"))
-    return launch(_save_and_resume, 2, folder, DEFAULT)[0]
+    return launch(_save_resume_and_lock, 2, folder, DEFAULT)[0]
+
+
+@pytest.fixture(scope="module")
+def pairs(launched):
+    return launched[0]
+
+
+def test_a_held_run_folder_is_refused_on_every_rank(launched):
+    lines = launched[1]
+    assert len(set(lines)) == 1 and lines[0] is not None, lines
+    assert "torch-dp-explicit-naive-mlp: another run is writing this checkpoint folder (pid " in lines[0]
+    assert "\n" not in lines[0]
 
 
 def _check_pairs(pairs):
@@ -157,7 +194,7 @@ def test_a_rank_killed_in_a_save_then_resumed_is_bitwise(pairs, tmp_path, monkey
         launch(_fsdp_zero3, 2, MLP, Plan(dir=folder, every=1))
     monkeypatch.delenv("PARALLEL_TWINS_FAULT")
     run = os.path.join(folder, "torch-fsdp-explicit-zero3-mlp")
-    assert sorted(os.listdir(run)) == [".tmp-step_000002", "step_000001"]
+    assert sorted(os.listdir(run)) == [".lock", ".tmp-step_000002", "step_000001"]
     resumed = launch(_fsdp_zero3, 2, MLP, Plan(dir=folder, resume=True))[0]
     *_, whole, _, _ = next(p for p in pairs if p[0] == "fsdp" and p[3] == "zero3")  # never interrupted
     assert resumed.start_step == 1 and resumed.losses == whole.losses[1:]
@@ -177,7 +214,7 @@ def test_kill_in_a_save_then_resume_is_bitwise(tmp_path):
     r = _compare(*args, "--checkpoint-dir", str(cut), env={"PARALLEL_TWINS_FAULT": "step=2,phase=save,rank=0"})
     assert r.returncode == 1, r.stdout + r.stderr
     run = cut / "torch-fsdp-explicit-zero3-mlp"
-    assert sorted(os.listdir(run)) == [".tmp-step_000002", "step_000001"]  # the killed save: never complete
+    assert sorted(os.listdir(run)) == [".lock", ".tmp-step_000002", "step_000001"]  # the killed save: never complete
     r = _compare(*args, "--checkpoint-dir", str(cut), "--resume", "--json", str(tmp_path / "cut.json"))
     assert r.returncode == 0, r.stdout + r.stderr
     a, b = (json.loads((tmp_path / f"{n}.json").read_text())["runs"] for n in ("whole", "cut"))
@@ -232,3 +269,19 @@ def test_mesh_layouts_resume_bitwise_and_reshard(tmp_path):
     assert len(moved) == 4
     for cfg, trained, ref in moved:  # dp=2,tp=2's checkpoint continued under fsdp=2,tp=2 and pp=2,tp=2
         assert trained.start_step == 2 and within(parity(trained, ref), cfg.dtype), cfg.mesh
+
+
+def test_a_failed_dcp_write_is_one_line():
+    """DCP raises CheckpointException (a BaseException whose text is every rank's traceback) on every
+    rank when one rank's write fails: the save's line names the folder, the step and that rank's reason."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from shared.checkpoint import save_error
+    from torch_impl.checkpoint import dcp_failure
+
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/ckpt/run/.tmp-step_000002/dcp/shard-00002")
+    exc = CheckpointException("save", {1: (full, None)})
+    line = str(save_error("/ckpt/run", 2, dcp_failure(exc)))
+    assert line == "/ckpt/run: cannot save step 2: no space left on the device (the earlier checkpoints are kept)"

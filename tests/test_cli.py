@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import compare
-import report_collectives
+from parallel_twins import cli as compare
+from parallel_twins import report_collectives
+from shared.schema import check as check_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,6 +76,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--plots", "/dev/null/plots"], "--plots /dev/null/plots: cannot create it: /dev/null is not a writable "
                                           "folder"),
         (["bench", "--json", "/nonexistent/b.json"], "--json /nonexistent/b.json: the folder /nonexistent does not"),
+        (["--baseline", "/nonexistent.json"], "/nonexistent.json: no such file"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
@@ -205,6 +207,8 @@ def test_json_markdown_and_plots_contract(tmp_path):
                          "--json", str(out_json), "--markdown", str(out_md), "--plots", str(plot_dir), "--quiet"])
     assert code == 0
     data = json.loads(out_json.read_text(), parse_constant=_refuse)
+    assert check_schema(data) == []  # docs/results-schema.json, provenance block included
+    assert out_md.read_text().startswith("**provenance**")
     data["runs"] = [r for r in data["runs"] if r["pattern"] == "pp"]
     data["cross_framework"] = [x for x in data["cross_framework"] if x["pattern"] == "pp"]
     required = {"pattern", "model", "framework", "style", "variant", "world_size", "dtype", "ok", "losses",
@@ -267,17 +271,33 @@ def _refuse(name):
     raise ValueError(f"{name} is not valid JSON")
 
 
-def test_bench_subcommand_writes_valid_json(tmp_path):
-    path = tmp_path / "bench.json"
+def test_bench_subcommand_writes_valid_json(tmp_path, capsys):
+    path, profile = tmp_path / "bench.json", tmp_path / "profile.json"
     code = compare.main(["bench", "--world-size", "2", "--min-bytes", "4096", "--max-bytes", "16384",
-                         "--iters", "2", "--warmup", "1", "--json", str(path)])
+                         "--iters", "2", "--warmup", "1", "--json", str(path), "--profile", str(profile)])
     assert code == 0
     data = json.loads(path.read_text(), parse_constant=_refuse)  # strict JSON: no Infinity / NaN
+    assert check_schema(data, "stamped") == []  # the provenance block
     assert {r["framework"] for r in data["results"]} == {"torch", "jax"}
     assert all(r["busbw"] > 0 and r["time_s"] > 0 for r in data["results"])
     assert {f["op"] for f in data["fits"]} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
     assert set(data["compute"]) == {"float64", "float32"}  # the matmul rate plan --calibrate reads
     assert all(rate > 0 for rates in data["compute"].values() for rate in rates.values())
+    # the round trip: bench --profile writes this machine's table, plan --profile plans with it
+    from parallel_twins.planner import plan_main
+    from shared import efficiency
+
+    table = efficiency.load(str(profile))
+    assert table["hbm_copy"] > 0 and max(f for _, f in table["matmul"]) == 1.0 and table["intra"]
+    assert table["peaks"]["fp64"] == max(data["compute"]["float64"].values())
+    capsys.readouterr()
+    assert plan_main(["--profile", str(profile), "--dtype", "float64", "--layers", "2", "--dim", "64", "--heads", "4",
+                      "--vocab", "128", "--seq", "32", "--global-batch", "8", "--gpus", "2", "--gpus-per-node", "2",
+                      "--gpu-memory", "1GiB", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"{table['peaks']['fp64'] / 1e12:.0f} TFLOP/s" in out and "fastest layouts that fit" in out
+    assert plan_main(["--profile", str(profile)]) == 2  # bfloat16: no such peak measured on this CPU
+    assert "no bfloat16 peak" in capsys.readouterr().err
 
 
 def test_show_collectives_mesh_table_per_axis_and_memory():

@@ -1,6 +1,6 @@
 """Context parallelism for torch models the project does not own (issue 24, torch), through the
-attention seam: ``cp_seam.attention`` (or transformers' registry, ``attn_implementation=
-"parallel_twins_cp"``) and global positions (torch_impl/cp_seam.py). ONE launch at world size 2.
+attention seam: ``cp.attention`` (or transformers' registry, ``attn_implementation=
+"parallel_twins_cp"``) and global positions (torch_impl/cp.py). ONE launch at world size 2.
 
 ``Decoder`` (defined here, float64): learned position embedding read at the positions given, 2
 pre-norm blocks of q/k/v/o attention (4 heads, no biases: see jax's test) through the seam + a biased
@@ -22,8 +22,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torch_impl import cp_seam
 from torch_impl.launch import launch
+from torch_impl.parallel import cp
+from torch_impl.parallel.llama import cp_attention, cp_logits
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TOL = 1e-12  # float64: see the module docstring
@@ -47,7 +48,7 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, attend=cp_seam.attention):
+    def __init__(self, attend=cp.attention):
         super().__init__()
         self.tok, self.pos = nn.Embedding(V, D, dtype=DT), nn.Embedding(T, D, dtype=DT)
         self.blocks = nn.ModuleList(Block(attend) for _ in range(L))
@@ -64,13 +65,15 @@ def own_attention():  # the same decoder calling torch's SDPA: it never calls th
     return Decoder(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
-def llama(attn=cp_seam.NAME):
+def llama(attn=cp.NAME):
     from transformers import LlamaConfig, LlamaForCausalLM
-    cp_seam.register()
     cfg = LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=L,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T, use_cache=False,
                       tie_word_embeddings=False)
-    cfg._attn_implementation = attn
+    if attn == cp.NAME:
+        cp_attention(cfg)  # the seam, registered in transformers' attention registry
+    else:
+        cfg._attn_implementation = attn
     return LlamaForCausalLM(cfg).to(DT)
 
 
@@ -79,7 +82,7 @@ def ce(logits, y):
 
 
 LOSSES = {"decoder": lambda m, x, y, pos: ce(m(x, pos), y),
-          "llama": lambda m, x, y, pos: ce(m(input_ids=x, position_ids=pos[None]).logits, y)}
+          "llama": lambda m, x, y, pos: ce(cp_logits(m, x, pos), y)}
 MODELS = {"decoder": Decoder, "llama": llama}
 
 
@@ -112,7 +115,7 @@ def reference(name):
 def refusal(fn) -> str:
     try:
         fn()
-    except cp_seam.SeamError as e:
+    except cp.SeamError as e:
         return str(e)
     return "not refused"
 
@@ -121,9 +124,9 @@ def rank_checks(ctx):
     out, names = {}, ["decoder"] + (["llama"] if _have_transformers() else [])
     for name in names:
         ref_losses, ref_params = reference(name)
-        for variant in cp_seam.VARIANTS:
+        for variant in cp.VARIANTS:
             model = made(MODELS[name])
-            trainer = cp_seam.context_parallel(model, LOSSES[name], adamw, ctx.group, variant)
+            trainer = cp.context_parallel(model, LOSSES[name], adamw, ctx.group, variant)
             losses = [trainer.train_step(*data()) for _ in range(STEPS - 1)]
             with ctx.ledger.recording():
                 losses.append(trainer.train_step(*data()))
@@ -135,21 +138,21 @@ def rank_checks(ctx):
         m, (x, _) = made(llama), data()
         with torch.no_grad():
             out["llama_vs_sdpa"] = float((m(x).logits - made(lambda: llama("sdpa"))(x).logits).abs().max())
-        out["no_position_ids"] = refusal(lambda: cp_seam.context_parallel(
+        out["no_position_ids"] = refusal(lambda: cp.context_parallel(
             made(llama), lambda m, x, y, pos: ce(m(input_ids=x).logits, y), adamw, ctx.group).train_step(*data()))
         pad = lambda x: torch.ones_like(x).index_fill(1, torch.tensor([0]), 0)  # each rank's first token
         padded = lambda m, x, y, pos: ce(m(input_ids=x, position_ids=pos[None], attention_mask=pad(x)).logits, y)
-        out["padding"] = refusal(lambda: cp_seam.context_parallel(made(llama), padded, adamw, ctx.group).train_step(
+        out["padding"] = refusal(lambda: cp.context_parallel(made(llama), padded, adamw, ctx.group).train_step(
             *data()))
     three = torch.zeros(B, 3, T // N, 2, dtype=DT)  # 3 heads over cp = 2
-    out["ulysses_heads"] = refusal(lambda: cp_seam.context_parallel(
-        Decoder(), lambda *_: cp_seam.attention(three, three, three).sum(), adamw, ctx.group, "ulysses"
+    out["ulysses_heads"] = refusal(lambda: cp.context_parallel(
+        Decoder(), lambda *_: cp.attention(three, three, three).sum(), adamw, ctx.group, "ulysses"
     ).train_step(*data()))
-    out["dropout"] = refusal(lambda: cp_seam.context_parallel(
+    out["dropout"] = refusal(lambda: cp.context_parallel(
         nn.Sequential(Decoder(), nn.Dropout(0.1)), LOSSES["decoder"], adamw, ctx.group))
-    out["never_called"] = refusal(lambda: cp_seam.context_parallel(
+    out["never_called"] = refusal(lambda: cp.context_parallel(
         own_attention(), LOSSES["decoder"], adamw, ctx.group).train_step(*data()))
-    out["not_divisible"] = refusal(lambda: cp_seam.context_parallel(
+    out["not_divisible"] = refusal(lambda: cp.context_parallel(
         Decoder(), LOSSES["decoder"], adamw, ctx.group, "ring_zigzag").shard_batch(torch.zeros(B, 6)))
     return out
 
@@ -168,7 +171,7 @@ def result():
     return every[0] | {"no_position_ids": [r.get("no_position_ids") for r in every]}
 
 
-CASES = [(m, v) for m in MODELS for v in cp_seam.VARIANTS]
+CASES = [(m, v) for m in MODELS for v in cp.VARIANTS]
 
 
 @pytest.mark.parametrize("name,variant", CASES)
@@ -202,7 +205,7 @@ def test_the_registered_seam_equals_transformers_sdpa(result):
 
 
 def test_refuses_a_model_that_never_calls_the_seam(result):
-    assert "never called cp_seam.attention" in result["never_called"], result["never_called"]
+    assert "never called cp.attention" in result["never_called"], result["never_called"]
 
 
 def test_refuses_a_sequence_not_divisible(result):
@@ -232,22 +235,22 @@ def test_refuses_active_dropout(result):
 
 def test_refuses_a_mask_dropout_or_scale_at_the_seam():
     q = torch.zeros(B, H, T, D // H, dtype=DT)
-    with pytest.raises(cp_seam.SeamError, match="takes no attn_mask"):
-        cp_seam.attention(q, q, q, attn_mask=torch.ones(T, T, dtype=torch.bool))
-    with pytest.raises(cp_seam.SeamError, match="takes no attn_mask"):
-        cp_seam.attention(q, q, q, is_causal=False)
-    with pytest.raises(cp_seam.SeamError, match="dropout_p=0"):
-        cp_seam.attention(q, q, q, dropout_p=0.1)
-    with pytest.raises(cp_seam.SeamError, match="scales by dh"):
-        cp_seam.attention(q, q, q, scale=1.0)
-    with pytest.raises(cp_seam.SeamError, match="takes no attention_mask"):
-        cp_seam.hf_attention(None, q, q, q, torch.ones(B, 1, T, T))
-    with pytest.raises(cp_seam.SeamError, match="sliding_window=4 is not supported"):
-        cp_seam.hf_attention(None, q, q, q, None, sliding_window=4)
-    with pytest.raises(cp_seam.SeamError, match="takes no attn_mask"):
-        cp_seam.hf_attention(None, q, q, q, None, is_causal=False)
+    with pytest.raises(cp.SeamError, match="takes no attn_mask"):
+        cp.attention(q, q, q, attn_mask=torch.ones(T, T, dtype=torch.bool))
+    with pytest.raises(cp.SeamError, match="takes no attn_mask"):
+        cp.attention(q, q, q, is_causal=False)
+    with pytest.raises(cp.SeamError, match="dropout_p=0"):
+        cp.attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(cp.SeamError, match="scales by dh"):
+        cp.attention(q, q, q, scale=1.0)
+    with pytest.raises(cp.SeamError, match="takes no attention_mask"):
+        cp.hf_attention(None, q, q, q, torch.ones(B, 1, T, T))
+    with pytest.raises(cp.SeamError, match="sliding_window=4 is not supported"):
+        cp.hf_attention(None, q, q, q, None, sliding_window=4)
+    with pytest.raises(cp.SeamError, match="takes no attn_mask"):
+        cp.hf_attention(None, q, q, q, None, is_causal=False)
 
 
 def test_refuses_an_unknown_variant():
-    with pytest.raises(cp_seam.SeamError, match="unknown variant"):
-        cp_seam.context_parallel(Decoder(), LOSSES["decoder"], adamw, None, "striped")
+    with pytest.raises(cp.SeamError, match="unknown variant"):
+        cp.context_parallel(Decoder(), LOSSES["decoder"], adamw, None, "striped")

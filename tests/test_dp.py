@@ -23,10 +23,10 @@ from shared.problem import param_names
 from shared.results import comm_bytes, cross_framework_ok, parity, rel_err, within
 from shared.theory import adam_state_bytes, dp_comm_bytes, zero1_comm_bytes
 from shared.tolerances import FLOAT32, FLOAT64
-from torch_impl.dp import BucketedDDP, Zero1Optimizer
 from torch_impl.harness import run_pattern
 from torch_impl.launch import launch
 from torch_impl.model import optimizer_state_bytes
+from torch_impl.parallel.dp import BucketedDDP, Zero1Optimizer
 
 WORLD_SIZES = (2, 4)
 DTYPES = ("float64", "float32")

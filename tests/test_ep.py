@@ -29,6 +29,7 @@ from torch_impl.harness import _reference as torch_reference
 from torch_impl.harness import run_pattern as torch_run_pattern
 from torch_impl.launch import launch
 from torch_impl.model import aux_loss, build_model, inputs, loss_fn, targets
+from torch_impl.parallel import ep as ep_lib
 
 # the JAX twin, once it exists (a file check: find_spec would import JAX in every torch rank too)
 HAS_JAX_EP = (Path(__file__).resolve().parents[1] / "jax_impl" / "ep.py").exists()
@@ -62,7 +63,7 @@ def _all_to_all_check(ctx) -> dict[str, float]:
     fwd = np.array([(src, sum(s[src][:r]) + j) for src in range(n) for j in range(s[src][r])]).reshape(-1, 2)
     bwd = np.array([(dst, sum(s[:r, dst]) + j) for dst in range(n) for j in range(s[r][dst])]).reshape(-1, 2)
     errors = {}
-    for name, a2a in (("explicit", torch_ep.explicit_all_to_all), ("builtin", torch_ep.builtin_all_to_all)):
+    for name, a2a in (("explicit", ep_lib.explicit_all_to_all), ("builtin", ep_lib.builtin_all_to_all)):
         rows = torch.stack([torch.full((sum(send),), float(r)), torch.arange(sum(send))], 1).double()
         x = rows.clone().requires_grad_(True)  # (Σ send, 2): (src, index)
         out = a2a(x, send, recv, ctx.group) * 1.0  # (Σ recv, 2)

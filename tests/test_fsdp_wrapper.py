@@ -1,4 +1,4 @@
-"""The hand-written FSDP wrapper (torch_impl.fsdp.FSDP) on its own, in ONE launch at world size 2:
+"""The hand-written FSDP wrapper (torch_impl.parallel.fsdp.FSDP) on its own, in ONE launch at world size 2:
 - bit for bit: float32, plain SGD, 3 steps, every parameter torch.equal to non-parallel training of
   the same batch as 2 accumulated micro-batches (the same computation split the same way: what the
   code guarantees on every machine), for the wrapper and for FSDP2; against FULL-batch training
@@ -21,9 +21,9 @@ from shared.config import Config
 from shared.problem import make_problem
 from shared.results import rel_err
 from shared.tolerances import FLOAT32
-from torch_impl.fsdp import FSDP
 from torch_impl.launch import launch
 from torch_impl.model import build_model, inputs, loss_fn, targets
+from torch_impl.parallel.fsdp import FSDP
 
 STEPS, LR = 3, 0.1
 

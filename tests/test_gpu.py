@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-import compare
+from parallel_twins import cli as compare
 
 
 def _run(tmp_path, *argv):

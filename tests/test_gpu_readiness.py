@@ -199,8 +199,8 @@ def _steps(every: bool = True):
     """(pattern, cfg, style, variant, module) for every JAX pattern and layout compare.py runs at
     world size 4 (every pattern's default layout, and three 2-D mesh layouts); ``every=False``: the
     MLP where a pattern has it (the transformer-only cp, ep, and one mesh layout otherwise)."""
-    import compare
-    from compare import cfgs_for
+    from parallel_twins import cli as compare
+    from parallel_twins.args import cfgs_for
     from shared.config import PATTERNS
 
     small = ["--world-size", "4", "--steps", "1", "--layers", "4", "--dim", "16", "--batch", "8", "--seq", "16",
@@ -261,7 +261,7 @@ def _lower_for_cuda(monkeypatch, every: bool, at_least: int):
 
 def test_doctor_probes_on_cpu(capsys):
     """On a CPU node it reports what it finds and skips the GPU runs (both probes: separate processes)."""
-    from doctor import doctor_main
+    from parallel_twins.doctor import doctor_main
 
     assert doctor_main(["--probe-only"]) == 0
     out = capsys.readouterr().out
@@ -314,7 +314,7 @@ def test_audit_in_a_launch(monkeypatch):
 def test_every_torch_pattern_under_the_meta_audit(tmp_path, monkeypatch):
     """Every torch pattern and model, and two mesh layouts, with the default device meta: a tensor
     made without device= fails the run or its parity (tp's heads_perm takes the weight's device)."""
-    import compare
+    from parallel_twins import cli as compare
 
     monkeypatch.setenv("PARALLEL_TWINS_AUDIT", "meta")
     small = ["--frameworks", "torch", "--steps", "2", "--quiet", "--device", "cpu"]

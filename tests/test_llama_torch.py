@@ -1,6 +1,6 @@
 """Bring your own model (issue 24, torch), a model the project does not own: transformers'
 ``LlamaForCausalLM`` under BucketedDDP, Zero1Optimizer, Zero2, FSDP and both tensor-parallel plans
-(``tp_plan.apply_plan``, ``tp_plan.apply_dtensor_plan``), each against single-process training of
+(``tp.apply_plan``, ``tp.apply_dtensor_plan``), each against single-process training of
 the same model from the same weights, in ONE launch at world size 2 (gloo).
 
 Model: ``LlamaConfig`` small and random (torch seed 0; nothing loaded, the hub never asked:
@@ -22,7 +22,8 @@ rounding boundary (~1e-9 per element; measured below: none here). The parallel r
 products in another order (~1e-16 relative per op); 3 AdamW steps carry that to ~1e-15.
 
 Default tier: the launch above (~12 s on 2 cores, most of it importing transformers in 3 processes)
-and two refusals without one. Slow tier: the data-parallel wrappers at world size 4 (1 row per rank).
+and two refusals and the library stage split (parallel/llama.py) without one. Slow tier: the
+data-parallel wrappers at world size 4 (1 row per rank).
 """
 
 from __future__ import annotations
@@ -38,11 +39,13 @@ from own_models import LR, WD, ce, full, made, max_err, train
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torch_impl import model_theory as mt
-from torch_impl import tp, tp_plan
-from torch_impl.dp import BucketedDDP, Zero1Optimizer
-from torch_impl.fsdp import FSDP, Zero2
 from torch_impl.launch import launch
+from torch_impl.parallel import pp, tp, tp_ops
+from torch_impl.parallel import theory as mt
+from torch_impl.parallel.dp import BucketedDDP, Zero1Optimizer
+from torch_impl.parallel.fsdp import FSDP, Zero2
+from torch_impl.parallel.llama import TP_PLAN as LLAMA_PLAN  # transformers' own plan + the vocabulary
+from torch_impl.parallel.llama import stage_split
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -50,18 +53,6 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 DT = torch.float64
 TOL = 1e-12  # float64 (float32 only inside RMSNorm / RoPE, identically in both runs): see the module docstring
 V, B, T, LAYERS = 97, 4, 8, 2
-
-# transformers' LlamaConfig.base_model_tp_plan (under "model.") plus the vocabulary: embedding and head split
-# Megatron's way, V padded to ⌈97/2⌉ = 49 rows per rank.
-LLAMA_PLAN = {
-    "model.embed_tokens": "vocab_embed",
-    "model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
-    "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
-    "model.layers.*.mlp.down_proj": "rowwise",
-    "lm_head": "colwise_vocab",
-}
-
 
 def config(tied: bool = False) -> LlamaConfig:
     cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
@@ -154,13 +145,13 @@ def tensor_parallel(ctx, ref, shared_f=True, tied=False):
     """apply_plan(LLAMA_PLAN): the vocabulary-parallel loss on (B, T, 49) logits; the ledger of step 3."""
     tokens, y = batch()
     model = llama(tied)
-    styles = tp_plan.apply_plan(model, LLAMA_PLAN, ctx.group, shared_f=shared_f)
-    step = lambda: tp.VocabParallelCrossEntropy.apply(model(input_ids=tokens).logits, y, ctx.group)
+    styles = tp.apply_plan(model, LLAMA_PLAN, ctx.group, shared_f=shared_f)
+    step = lambda: tp_ops.VocabParallelCrossEntropy.apply(model(input_ids=tokens).logits, y, ctx.group)
     losses, grads0 = train(step, model.parameters(), ledger=ctx.ledger,
-                           grads0=lambda: tp_plan.full_tensors(model, styles, ctx.group, grads=True))
+                           grads0=lambda: tp.full_tensors(model, styles, ctx.group, grads=True))
     comm = ctx.ledger.summary()
     return {"loss_err": max_err(losses, ref["losses"]), "grad0_err": max_err(grads0, ref["grads0"]),
-            "param_err": max_err(tp_plan.full_tensors(model, styles, ctx.group), ref["params"]),
+            "param_err": max_err(tp.full_tensors(model, styles, ctx.group), ref["params"]),
             "ledger": {op: v["count"] for op, v in comm.items()},
             "one_parameter": model.lm_head.weight is model.model.embed_tokens.weight,
             "local": (tuple(model.model.embed_tokens.weight.shape), tuple(model.lm_head.weight.shape),
@@ -171,7 +162,7 @@ def dtensor_parallel(ctx, ref, tied=False):
     """apply_dtensor_plan(LLAMA_PLAN): parallelize_module; the loss under loss_parallel()."""
     tokens, y = batch()
     model = llama(tied)
-    tp_plan.apply_dtensor_plan(model, LLAMA_PLAN, init_device_mesh("cpu", (ctx.world_size,)))
+    tp.apply_dtensor_plan(model, LLAMA_PLAN, init_device_mesh("cpu", (ctx.world_size,)))
     losses, _ = train(lambda: ce(model(input_ids=tokens).logits, y), model.parameters(), ledger=ctx.ledger,
                       around=loss_parallel)
     comm = ctx.ledger.summary()
@@ -258,7 +249,16 @@ def test_plan_is_transformers_own_plus_the_vocabulary():
     ours = {k.removeprefix("model."): s for k, s in LLAMA_PLAN.items() if ".layers." in k}
     assert ours == LlamaConfig.base_model_tp_plan
     assert llama().config._attn_implementation == "sdpa"  # not eager's float32 softmax
-    assert tp_plan.check_plan(made(lambda: LlamaForCausalLM(config()).to("meta")), LLAMA_PLAN, 2)
+    assert tp.check_plan(made(lambda: LlamaForCausalLM(config()).to("meta")), LLAMA_PLAN, 2)
+
+
+def test_stage_split_puts_every_llama_parameter_in_one_stage():
+    """parallel/llama.py's stage split passes the pipeline seam's static checks on transformers' Llama
+    (every parameter in exactly one stage; no launch), and refuses layer counts it cannot split evenly."""
+    stages = pp.check_stages(made(lambda: LlamaForCausalLM(config()).to("meta")), stage_split(LAYERS, 2), 2)
+    assert [len(s) for s in stages] == [2, 3]  # embedding + layer 0 | layer 1 + norm + head
+    with pytest.raises(ValueError, match="do not split into 2 equal stages"):
+        stage_split(3, 2)
 
 
 @pytest.mark.parametrize("plan", ["tp", "tp_unshared", "dtensor", "tp tied", "dtensor tied"])
@@ -295,9 +295,9 @@ def test_plan_refuses_splitting_the_kv_heads():
     """tp = 4 would split 2 key-value heads (GQA) over 4 ranks: check_plan refuses before anything
     changes, naming the module (no launch)."""
     model = made(lambda: LlamaForCausalLM(config()).to("meta"))
-    with pytest.raises(tp_plan.PlanError, match=r"'model\.layers\.0\.self_attn\.k_proj'.*2 heads of head_dim=8 "
+    with pytest.raises(tp.PlanError, match=r"'model\.layers\.0\.self_attn\.k_proj'.*2 heads of head_dim=8 "
                                                 r"over tp=4"):
-        tp_plan.check_plan(model, LLAMA_PLAN, 4)
+        tp.check_plan(model, LLAMA_PLAN, 4)
 
 
 def test_dtensor_plan_refuses_a_tied_weight_split_unlike():
@@ -305,9 +305,9 @@ def test_dtensor_plan_refuses_a_tied_weight_split_unlike():
     changes or communicates (no mesh needed, no launch)."""
     model = llama(tied=True)  # (not .to("meta"): Module.to makes one Parameter per holder, untying them)
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    with pytest.raises(tp_plan.PlanError, match=r"'model\.embed_tokens\.weight' \(vocab_embed\), "
+    with pytest.raises(tp.PlanError, match=r"'model\.embed_tokens\.weight' \(vocab_embed\), "
                                                 r"'lm_head\.weight' \(replicated\)"):
-        tp_plan.apply_dtensor_plan(model, {"model.embed_tokens": "vocab_embed"}, mesh=None)
+        tp.apply_dtensor_plan(model, {"model.embed_tokens": "vocab_embed"}, mesh=None)
     assert model.lm_head.weight is model.model.embed_tokens.weight and not model.model.embed_tokens._forward_hooks
 
 

@@ -1,4 +1,4 @@
-"""Bring your own model (issue 24, torch): the wrappers and ``tp_plan.apply_plan`` on modules the project
+"""Bring your own model (issue 24, torch): the wrappers and ``tp.apply_plan`` on modules the project
 does not own, against single-process training from the same weights, in ONE launch at world size 2.
 
 Models (defined here, float64): ``BiasedMLP`` (biases, LayerNorm, a frozen matrix and a frozen gain,
@@ -12,7 +12,7 @@ the all-reduces add partial products in another order), ~1e-16 relative per op; 
 carry that to ~1e-15. 1e-12 leaves three orders of margin and sits ten orders below every defect
 these tests pin (2.9e-2 loss error from step 0 for the vocabulary offset, (N−1)·bias in the output).
 
-Refusals (``tp_plan.check_plan``, the preconditions ``apply_plan`` checks first): test_tp_plan.py, no launch.
+Refusals (``tp.check_plan``, the preconditions ``apply_plan`` checks first): test_tp_plan.py, no launch.
 """
 
 from __future__ import annotations
@@ -52,12 +52,12 @@ from shared.theory import (
     fsdp_state_bytes,
     zero1_comm_bytes,
 )
-from torch_impl import model_theory as mt
-from torch_impl import tp, tp_plan
-from torch_impl.dp import BucketedDDP, Zero1Optimizer
-from torch_impl.fsdp import FSDP, ShardReadError, Zero2
 from torch_impl.launch import launch
 from torch_impl.model import empty_model
+from torch_impl.parallel import theory as mt
+from torch_impl.parallel import tp, tp_ops
+from torch_impl.parallel.dp import BucketedDDP, Zero1Optimizer
+from torch_impl.parallel.fsdp import FSDP, ShardReadError, Zero2
 
 DT = torch.float64
 TOL = 1e-12  # float64: see the module docstring
@@ -84,16 +84,16 @@ def vocab_smallest(ctx):
     with torch.no_grad():
         emb.weight.copy_(torch.arange(5, dtype=DT).view(5, 1))
     holder = nn.Sequential(emb)
-    tp_plan.apply_plan(holder, {"0": "vocab_embed"}, ctx.group)
+    tp.apply_plan(holder, {"0": "vocab_embed"}, ctx.group)
     rows = holder(torch.arange(5)).view(-1).tolist()
     head, y = made(nn.Linear, 3, 5, bias=False, dtype=DT, seed=3), torch.tensor([[0, 2, 3, 4]])
     x = made(torch.randn, 1, 4, 3, dtype=DT, seed=4)
     want = ce(head(x), y).item()
     sharded = nn.Sequential(head)
-    tp_plan.apply_plan(sharded, {"0": "colwise_vocab"}, ctx.group)
-    got = tp.VocabParallelCrossEntropy.apply(sharded(x), y, ctx.group).item()
+    tp.apply_plan(sharded, {"0": "colwise_vocab"}, ctx.group)
+    got = tp_ops.VocabParallelCrossEntropy.apply(sharded(x), y, ctx.group).item()
     return {"rows": rows, "loss": (got, want), "local_head": tuple(head.weight.shape),
-            "full_head": tuple(tp_plan.unshard(head.weight, "colwise_vocab", ctx.group).shape)}
+            "full_head": tuple(tp.unshard(head.weight, "colwise_vocab", ctx.group).shape)}
 
 
 def tp_mlp(ctx, sequence_parallel=False):
@@ -105,25 +105,25 @@ def tp_mlp(ctx, sequence_parallel=False):
     n, r = ctx.world_size, ctx.rank
     if sequence_parallel:  # input and output on this rank's T/tp tokens; the loss a share of the mean
         plan = {"norm": "sequence"} | plan
-        styles = tp_plan.apply_plan(model, plan, ctx.group, sequence_parallel=True)
+        styles = tp.apply_plan(model, plan, ctx.group, sequence_parallel=True)
         partial = [p for name, p in model.named_parameters() if styles.get(name) in tp.SEQUENCE_STYLES]
         local = x.chunk(n, dim=1)[r]
         step = lambda: model(local).pow(2).sum() / x[..., 0].numel() / 6  # Σ over ranks = the mean
 
         def sync():
-            tp.reduce_sequence_grads(partial, ctx.group)
+            tp_ops.reduce_sequence_grads(partial, ctx.group)
         losses, _ = train(step, model.parameters(), sync)
         summed = torch.tensor(losses, dtype=DT)
         torch.distributed.all_reduce(summed, group=ctx.group)
         losses = summed.tolist()
     else:
-        styles = tp_plan.apply_plan(model, plan, ctx.group)
+        styles = tp.apply_plan(model, plan, ctx.group)
         losses, _ = train(lambda: model(x).pow(2).mean(), model.parameters())
-    got = tp_plan.full_tensors(model, styles, ctx.group)
+    got = tp.full_tensors(model, styles, ctx.group)
     out = {"loss_err": max_err(losses, ref_losses), "param_err": max_err(got, full(ref)), "styles": styles}
     if not sequence_parallel:
         dt = made(TPMLP)
-        tp_plan.apply_dtensor_plan(dt, plan, init_device_mesh("cpu", (n,)))
+        tp.apply_dtensor_plan(dt, plan, init_device_mesh("cpu", (n,)))
         dt_losses, _ = train(lambda: dt(x).pow(2).mean(), dt.parameters())
         theirs = {k: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for k, p in dt.named_parameters()}
         out |= {"dtensor_loss_err": max_err(dt_losses, ref_losses), "dtensor_vs_explicit": max_err(got, theirs)}
@@ -134,10 +134,10 @@ def llama(ctx, shared_f=True, steps_only=False):
     tokens, y = made(torch.randint, 0, V, (B, T), seed=2), made(torch.randint, 0, V, (B, T), seed=3)
     tokens[0, 1] = 20  # the padding row is looked up too
     model = made(TinyLlama)
-    styles = tp_plan.apply_plan(model, LLAMA_PLAN, ctx.group, shared_f=shared_f)
-    step = lambda: tp.VocabParallelCrossEntropy.apply(model(tokens), y, ctx.group)
+    styles = tp.apply_plan(model, LLAMA_PLAN, ctx.group, shared_f=shared_f)
+    step = lambda: tp_ops.VocabParallelCrossEntropy.apply(model(tokens), y, ctx.group)
     losses, grads0 = train(step, model.parameters(), ledger=ctx.ledger,
-                           grads0=lambda: tp_plan.full_tensors(model, styles, ctx.group, grads=True))
+                           grads0=lambda: tp.full_tensors(model, styles, ctx.group, grads=True))
     comm = ctx.ledger.summary()
     out = {"all_reduce": comm["all_reduce"]["count"], "ops": sorted(comm), "losses": losses}
     if steps_only:
@@ -146,7 +146,7 @@ def llama(ctx, shared_f=True, steps_only=False):
     ref_losses, ref_grads0 = train(lambda: ce(ref(tokens), y), ref.parameters(),
                                    grads0=lambda: {n: p.grad.clone() for n, p in ref.named_parameters()})
     return out | {"loss_err": max_err(losses, ref_losses), "grad0_err": max_err(grads0, ref_grads0),
-                  "param_err": max_err(tp_plan.full_tensors(model, styles, ctx.group), full(ref)),
+                  "param_err": max_err(tp.full_tensors(model, styles, ctx.group), full(ref)),
                   "local_vocab": (tuple(model.emb.weight.shape), tuple(model.head.weight.shape)),
                   "padding_idx": _every(model.emb.padding_idx, ctx)}
 
@@ -163,7 +163,7 @@ def dtensor_tied_llama(ctx):
     ref = tied()
     ref_losses, _ = train(lambda: ce(ref(tokens), y), ref.parameters())
     model = tied()
-    tp_plan.apply_dtensor_plan(model, LLAMA_PLAN, init_device_mesh("cpu", (ctx.world_size,)))
+    tp.apply_dtensor_plan(model, LLAMA_PLAN, init_device_mesh("cpu", (ctx.world_size,)))
     opt, losses = adamw(model.parameters()), []
     for _ in range(STEPS):
         opt.zero_grad(set_to_none=True)
@@ -183,8 +183,8 @@ def apply_plan_refuses_first(ctx):
     model = made(TPMLP)
     before = full(model)
     try:
-        tp_plan.apply_plan(model, {"up": "colwise", "dwon": "rowwise"}, ctx.group)
-    except tp_plan.PlanError as e:
+        tp.apply_plan(model, {"up": "colwise", "dwon": "rowwise"}, ctx.group)
+    except tp.PlanError as e:
         return {"message": str(e), "unchanged": max_err(full(model), before) == 0.0,
                 "hooks": len(model.up._forward_pre_hooks) + len(model._forward_pre_hooks)}
     return {"message": None}

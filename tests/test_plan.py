@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import pytest
 
-from shared import plan, schedule, theory
+from shared import efficiency, plan, schedule, theory
 from shared.config import Config
 
 TINY = ((4, 16, 4, 16, 32, 8), (4, 32, 4, 16, 64, 16))  # L, D, H, T, V, B
@@ -237,7 +237,7 @@ def test_cli_plan_prints_ranked_layouts_and_json(tmp_path):
     (["--efficiency", "2"], "--efficiency"),
 ])
 def test_cli_plan_refuses_bad_input(args, message, capsys):
-    from planner import plan_main  # in process: compare.py dispatches "plan" to it before anything else
+    from parallel_twins.planner import plan_main  # in process: compare.py dispatches "plan" to it before anything else
 
     assert plan_main(args) == 2
     err = capsys.readouterr().err
@@ -256,8 +256,20 @@ def test_gpu_presets_carry_the_datasheet_figures():
         g = plan.gpu(name.upper())
         got = (g["flops"], g["memory"], g["hbm"], g["intra"].beta, g["inter"].beta)
         assert got == (flops, memory, hbm, nvlink, net)
+        # the preset cluster: what the GPU achieves (shared/efficiency.py, each cited): memory as the device
+        # reports it (H100: 81559 MiB = 79.6 GiB), HBM copies at 0.9 of the datasheet, nccl-tests' busbw
+        # (H100 ring 370 GB/s, NVLS all-reduce 480, NDR 47 per NIC) below the line rates
         c = plan.Cluster.preset(name, 64)
-        assert (c.flops, c.memory, c.hbm) == (flops, memory, hbm)
+        t = efficiency.TABLES[name]
+        assert (c.flops, c.memory, c.hbm) == (flops, t["memory"], t["hbm_copy"]) and c.hbm < hbm
+        assert c.intra.beta < nvlink and c.inter.beta < net and c.efficiency == max(f for _, f in t["matmul"])
+        assert set(efficiency.citations(name)) == {"peaks", "memory", "matmul", "hbm_copy", "intra", "inter",
+                                              "overlap_cost"}
+    assert plan.Cluster.preset("h100", 8).memory / plan.GiB == pytest.approx(79.65, abs=0.01)
+    assert plan.Cluster.preset("h100", 8, "float8").flops == 1979e12
+    assert plan.Cluster.preset("a100", 8, "float32").flops == 156e12  # TF32
+    with pytest.raises(ValueError, match="no float8 peak"):
+        plan.Cluster.preset("a100", 8, "float8")
     assert plan.gpu("a100") is plan.GPUS["a100-80gb"]
     with pytest.raises(ValueError, match="known: a100-40gb, a100-80gb, h100, h200"):
         plan.gpu("b200")
@@ -307,7 +319,7 @@ def test_pins_fix_the_settings_and_v_may_be_any_divisor():
                          for l in found)
     assert {l.pp for l in found} <= {2, 4, 8} and all(24 % (l.pp * 3) == 0 for l in found)
     assert any(l.tp > 1 for l in found)  # sp=off with tp: Megatron before sequence parallelism
-    from planner import parse_pins
+    from parallel_twins.planner import parse_pins
 
     assert parse_pins("zero=1,recompute=none,sp=on,M=4,v=3,overlap=off") == {
         "zero": 1, "recompute": "none", "sp": True, "microbatches": 4, "virtual": 3, "overlap": False}
@@ -381,26 +393,94 @@ def test_gqa_and_swiglu_by_hand():
 def test_published_runs_predicted_within_their_error(measured):
     """Megatron-LM (Narayanan et al. 2021, Table 1: ten GPT sizes on 32–3 072 A100s) and Llama 3 405B
     (Table 4: three H100 layouts) predicted with the paper's settings pinned (Megatron: ZeRO 0, full
-    recompute, no sp, math attention, dropout, the data-parallel all-reduce after the backward; Llama:
-    ZeRO-3 with sp, FlashAttention), the micro-batches and v the planner's best. The table is printed
-    (docs/plan.md shows it); asserted: the shape model removes the error's trend with model size
-    (Megatron's 1.7B row +31 % → within 15 %), every Megatron row is within 25 %, and each Llama row's
-    reported rate lies within 15 % of the prediction at one of v = 1, 2, 4, 8 (Meta does not publish v;
-    it moves the prediction by up to 55 points)."""
-    from shared.published import llama3_rows, markdown, published_rows
+    recompute, no sp, math attention, dropout, the data-parallel all-reduce after the backward, its eq. 3
+    FLOPs; Llama: ZeRO-3 with sp, FlashAttention, FSDP's traffic under the backward), the micro-batches and
+    v the planner's best, on the cited efficiencies (shared/efficiency.py, none fitted to these runs). The
+    table is printed (docs/plan.md shows it). Asserted, at what the model reaches today (issue 35 asks
+    ≤ 10 % median, ≤ 25 % worst): every published layout fits; the cited figures lower the Megatron rows'
+    median error against the datasheet figures; Megatron median ≤ 12.5 %, worst ≤ 17.5 % (today 10.9 %
+    and 14.2 %; a regression guard, not a target); each Llama row's
+    reported rate lies within 15 % of the prediction at one of v = 1, 2, 4, 8 (Meta does not publish v)."""
+    from shared.published import llama3_rows, markdown, published_rows, summary
 
-    before, after = published_rows("flat", 0.6), published_rows()
-    for line in markdown(before, after).splitlines():
+    before, after = published_rows(datasheet=True), published_rows()
+    for line in (markdown(before, after) + "\n" + summary(after)).splitlines():
         measured(line)
+    assert all(r["prediction"].fits for r in after)  # best() keeps fitting layouts only: every row found one
+    median = lambda errs: sorted(abs(e) for e in errs)[len(errs) // 2]
     meg_b = [r["error"] for r in before if r["name"].startswith("Megatron")]
     meg_a = [r["error"] for r in after if r["name"].startswith("Megatron")]
-    assert max(meg_b) - min(meg_b) > 0.3  # before: from +31 % (1.7B) to −8 % (1T)
-    assert max(meg_a) - min(meg_a) < max(meg_b) - min(meg_b) - 0.15
-    assert abs(meg_a[0]) < 0.15
-    assert all(abs(e) < 0.25 for e in meg_a)
+    assert median(meg_a) < median(meg_b) - 0.03
+    assert median(meg_a) <= 0.125 and all(abs(e) <= 0.175 for e in meg_a)
     per_v = [llama3_rows(vs=(v,)) for v in (1, 2, 4, 8)]
     for i in range(3):
         assert min(abs(rows[i]["error"]) for rows in per_v) < 0.15, per_v[0][i]["name"]
+
+
+def test_flop_conventions_and_hfu():
+    """causal < full < megatron; megatron is Narayanan et al.'s eq. 3 exactly for their GPT; HFU counts the
+    recomputed forward (and math attention's whole T×T), so HFU > MFU with recomputation."""
+    from shared.published import megatron_flops, preset
+
+    m = preset("gpt3-175b")
+    causal, full, meg = (plan.model_flops(m, 8, c) for c in plan.FLOPS)
+    assert causal < full < meg and meg == pytest.approx(megatron_flops(m, 8), rel=1e-12)
+    assert full - causal == 8 * m.seq * 6 * m.layers * m.seq * m.dim  # full attention: the other half
+    with pytest.raises(ValueError, match="causal, full, megatron"):
+        plan.model_flops(m, 8, "palm")
+    c = plan.Cluster.preset("a100", 64)
+    p = plan.predict(m, plan.Layout(dp=1, tp=8, pp=8, microbatches=8, recompute="full"), c, 8)
+    assert p.hfu > p.mfu and p.hfu == pytest.approx(
+        plan.hardware_flops(m, p.layout, 8) / (p.time["step"] * 64 * c.flops))
+
+
+def test_overlap_modes_tp_overlap_and_fp32_main_grads():
+    """The data axis' traffic hidden behind every micro-batch's backward (DDP, FSDP2) ≤ the last one's
+    (Megatron --overlap-grad-reduce) ≤ none; async TP takes tp traffic off the critical path; Megatron's
+    fp32 main grads: 2 + 4 + 12 = 18 bytes per parameter."""
+    model = plan.Model(16, 4096, 32, 32000, 2048)
+    lay = plan.Layout(dp=16, tp=4, microbatches=8, sp=True)
+    step = {o: plan.predict(model, lay, plan.Cluster.preset("h100", 64, overlap=o), 512).time["step"]
+            for o in plan.OVERLAPS}
+    assert step["backward"] <= step["last"] < step["none"]
+    # hidden traffic is not free: its kernels take Calculon's 2 % of the compute over the NIC while they run
+    free = plan.predict(model, lay, plan.Cluster.preset("h100", 64, overlap_cost=(0, 0)), 512).time
+    assert step["backward"] > free["step"] and free["exposed_data"] == 0
+    base = plan.Cluster.preset("h100", 64)
+    assert plan.predict(model, lay, replace(base, tp_overlap=True), 512).time["step"] < \
+        plan.predict(model, lay, base, 512).time["step"]
+    one = plan.Layout()
+    st = plan.state(model, one, 0, 2, precision="mixed-fp32-grads")
+    assert sum(st.values()) == 18 * sum(plan.stage_params(model, one, 0)[k] for k in ("units", "vectors"))
+    from parallel_twins.planner import parse_pins
+
+    assert parse_pins("overlap=last") == {"overlap": "last"}
+
+
+def test_profile_load_refuses_what_it_cannot_use(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"peaks": {"fp64": 1e9}, "matmul": [[32, 1.0]], "hbm_copy": 1e9}))
+    with pytest.raises(ValueError, match="missing intra, inter"):
+        efficiency.load(str(path))
+    good = {"peaks": {"fp64": 1e9}, "matmul": [[32, 0.5], [64, 1.0]], "hbm_copy": 1e9,
+            "intra": {"all_reduce": [1e-4, 1e8]}, "inter": {"all_reduce": [1e-4, 1e8]}}
+    efficiency.save(str(path), good)
+    c = plan.Cluster.preset("h100", 2, "float64", efficiency.load(str(path)))
+    assert (c.flops, c.efficiency, c.size_table, c.hbm) == (1e9, 1.0, ((32, 0.5), (64, 1.0)), 1e9)
+    assert c.memory == efficiency.TABLES["h100"]["memory"]  # no memory in the profile: the preset's
+    assert c.hbm_at(1) == c.hbm_at(1e12) == 1e9  # no hbm_table: one bandwidth at every size
+    # from bench's measurements: peaks per dtype, the size table over the fastest, busbw = algbw fit × bus
+    # factor (all-reduce on 4 ranks: 1.5); a fit with no size dependence takes its largest message's busbw
+    bench = {"world_size": 4, "compute": {"float32": {"32": 1e9, "64": 4e9}},
+             "fits": [{"framework": "torch", "op": "all_reduce", "alpha_s": 1e-4, "beta_bytes_per_s": 2e8},
+                      {"framework": "torch", "op": "all_gather", "alpha_s": 2e-4, "beta_bytes_per_s": float("inf")}],
+             "results": [{"framework": "torch", "op": "all_gather", "size_bytes": s, "busbw": s / 1e4}
+                         for s in (4096, 16384)]}
+    prof = efficiency.from_bench(bench, memcpy=5e9)
+    assert prof["peaks"] == {"tf32": 4e9} and prof["matmul"] == ((32, 0.25), (64, 1.0)) and prof["hbm_copy"] == 5e9
+    assert prof["intra"] == {"all_reduce": (1e-4, 3e8), "all_gather": (2e-4, 16384 / 1e4)} == prof["inter"]
+    h = plan.Cluster.preset("h100", 8)  # Calculon's steps: 0.3, 0.6, 0.75, 0.9 of the datasheet's 3.35 TB/s
+    assert [h.hbm_at(n) / 3.35e12 for n in (1e3, 1e6, 5e7, 1e9)] == pytest.approx([0.3, 0.6, 0.75, 0.9])
 
 
 @pytest.mark.parametrize("args,message", [
@@ -416,7 +496,7 @@ def test_published_runs_predicted_within_their_error(measured):
     (["--kv-heads", "5"], "kv_heads must divide"),
 ])
 def test_cli_plan_refuses_what_it_cannot_plan(args, message, capsys):
-    from planner import plan_main
+    from parallel_twins.planner import plan_main
 
     assert plan_main(args) == 2
     err = capsys.readouterr().err
@@ -445,7 +525,7 @@ def test_scatter_gather_pipeline_sends():
     plain, sg = plan.comm(model, lay, 0, 8, 2), plan.comm(model, replace(lay, pp_scatter=True), 0, 8, 2)
     assert sg["pp"]["send"] == (plain["pp"]["send"][0], plain["pp"]["send"][1] // 8)
     assert sg["tp"]["all_gather"] == plain["pp"]["send"] and "all_gather" not in plain["tp"]
-    from planner import parse_pins
+    from parallel_twins.planner import parse_pins
 
     assert parse_pins("scatter=on") == {"pp_scatter": True}
 
@@ -461,7 +541,7 @@ def test_allgather_context_parallelism_moves_only_the_kv_heads():
     assert cp == {"all_gather": (2 * 2 * 4, 2 * 2 * 4 * whole), "reduce_scatter": (2 * 4, 2 * 4 * whole)}
     mha = plan.comm(replace(model, kv_heads=0), lay, 0, 4, 2)["cp"]
     assert mha["all_gather"][1] == 16 * cp["all_gather"][1]
-    from planner import parse_pins
+    from parallel_twins.planner import parse_pins
 
     assert parse_pins("cp=allgather") == {"cp_style": "allgather"}
 

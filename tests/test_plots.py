@@ -1,4 +1,4 @@
-"""plots.py without a run (synthetic run dicts, no process launched): which PNGs write_plots draws for
+"""parallel_twins/plots.py without a run (synthetic run dicts, no process launched): which PNGs write_plots draws for
 a run's patterns, the bench called only for the collectives, and what the figures promise a reader
 (distinct implementations, a labelled zero floor, W in the zero-bubble legend, rank rows)."""
 
@@ -7,8 +7,7 @@ import os
 import matplotlib.pyplot as plt
 import pytest
 
-import plots
-import plots_layouts
+from parallel_twins import plots, plots_layouts
 from shared.config import Config
 from shared.schedule import simulate
 

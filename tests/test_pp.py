@@ -19,7 +19,7 @@ import pytest
 from jax_impl import pp as jax_pp
 from jax_impl import pp_schedules
 from jax_impl.harness import run_pattern as jax_run_pattern
-from plots_layouts import plot_pipeline_timeline, plot_schedule
+from parallel_twins.plots_layouts import plot_pipeline_timeline, plot_schedule
 from shared.config import Config
 from shared.results import cross_framework_ok, parity, within
 from shared.schedule import closed_form_bubble, measured_costs, order, simulate

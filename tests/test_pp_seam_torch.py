@@ -1,6 +1,6 @@
 """Pipeline parallelism for a torch model the project does not own (issue 24, torch), through the
 stage-split seam: module paths per stage, torch.distributed.pipelining's GPipe / 1F1B over them
-(torch_impl/pp_seam.py). ONE launch at world size 2; the refusals need no process group.
+(torch_impl/pp.py). ONE launch at world size 2; the refusals need no process group.
 
 ``Chain`` (defined here, float64, the twin of tests/test_pp_seam_jax.py's): an embedding, two
 different blocks (a biased GELU MLP with LayerNorm; a gated tanh block with a bare matrix Parameter),
@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torch_impl import pp_seam
 from torch_impl.launch import launch
+from torch_impl.parallel import pp
 
 TOL = 1e-12  # float64: see the module docstring
 DT = torch.float64
@@ -109,8 +109,8 @@ def rank_checks(ctx):
         opt.step()
         ref_losses.append(value.item())
     want, out = dict(ref.named_parameters()), {}
-    for schedule in pp_seam.SCHEDULES:
-        trainer = pp_seam.pipeline(made(), STAGES, ce, adamw, ctx.group, microbatches=M, schedule=schedule)
+    for schedule in pp.SCHEDULES:
+        trainer = pp.pipeline(made(), STAGES, ce, adamw, ctx.group, microbatches=M, schedule=schedule)
         losses = [trainer.train_step(x, y) for _ in range(STEPS - 1)]
         with ctx.ledger.recording():
             losses.append(trainer.train_step(x, y))
@@ -127,7 +127,7 @@ def result():
     return launch(rank_checks, S)
 
 
-@pytest.mark.parametrize("schedule", list(pp_seam.SCHEDULES))
+@pytest.mark.parametrize("schedule", list(pp.SCHEDULES))
 def test_pipeline_trains_a_foreign_chain_like_one_process(result, schedule, measured):
     loss_err = max(r[schedule]["loss_err"] for r in result)
     param_err = max(r[schedule]["param_err"] for r in result)
@@ -137,7 +137,7 @@ def test_pipeline_trains_a_foreign_chain_like_one_process(result, schedule, meas
         k for k, _ in made().named_parameters())  # every parameter trained, on exactly one rank
 
 
-@pytest.mark.parametrize("schedule", list(pp_seam.SCHEDULES))
+@pytest.mark.parametrize("schedule", list(pp.SCHEDULES))
 def test_ledger_equals_the_theory(result, schedule):
     """Per rank M sends and M receives of one (B/M, T, D) message, and the loss's broadcast."""
     msg = (B // M) * T * D * 8
@@ -167,20 +167,20 @@ def test_refusals_before_training(case):
     x = data()[0][: B // M]
 
     def check():
-        return pp_seam.check_chain(model, pp_seam.check_stages(model, stages, S), x)
+        return pp.check_chain(model, pp.check_stages(model, stages, S), x)
     if message is None:  # a valid split at another boundary: accepted
         assert check()[0] == (B // M, T, D)
         return
-    with pytest.raises(pp_seam.StageError, match=message):
+    with pytest.raises(pp.StageError, match=message):
         check()
 
 
 def test_stage_boundaries_must_carry_one_message_shape():
     model, stages = made(Widening), [["embed", "mlp"], ["gated", "norm", "wide"], ["head"]]
-    with pytest.raises(pp_seam.StageError, match="boundaries carry different activations"):
-        pp_seam.check_chain(model, pp_seam.check_stages(model, stages, 3), data()[0][: B // M])
+    with pytest.raises(pp.StageError, match="boundaries carry different activations"):
+        pp.check_chain(model, pp.check_stages(model, stages, 3), data()[0][: B // M])
 
 
 def test_refuses_an_unknown_schedule():
-    with pytest.raises(pp_seam.StageError, match="unknown schedule"):
-        pp_seam.pipeline(made(), STAGES, ce, adamw, schedule="dualpipe")
+    with pytest.raises(pp.StageError, match="unknown schedule"):
+        pp.pipeline(made(), STAGES, ce, adamw, schedule="dualpipe")

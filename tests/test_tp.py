@@ -26,11 +26,12 @@ from shared.problem import make_problem, param_names, param_shapes
 from shared.results import comm_bytes, cross_framework_ok, parity, within
 from shared.theory import tp_comm, tp_comm_bytes, tp_sp_activation_saving, tp_state_bytes
 from torch_impl import tp as torch_tp
-from torch_impl import tp_plan as torch_tp_plan
 from torch_impl.harness import run_pattern as torch_run_pattern
 from torch_impl.launch import launch
 from torch_impl.model import empty_model
+from torch_impl.parallel.tp import SEQUENCE_STYLES, styles_of
 from torch_impl.reference import train as torch_train
+from torch_impl.transformer import SP_PLAN, TRANSFORMER_PLAN
 
 WORLD_SIZES = (2, 4)
 DTYPES = ("float64", "float32")
@@ -241,7 +242,7 @@ def test_state_bytes(runs):
 def test_plan_and_rules_cover_the_transformer():
     """Torch's plan and JAX's rules split the same parameters the same way (in fixture terms)."""
     cfg = Config(world_size=4, model="transformer", layers=2, dim=16, heads=4, vocab=32)
-    styles = torch_tp_plan.styles_of(empty_model(cfg, "meta"), torch_tp.TRANSFORMER_PLAN)
+    styles = styles_of(empty_model(cfg, "meta"), TRANSFORMER_PLAN)
     rules = jax_tp.tp_rules(cfg, "megatron")
     layout = jax_tp.to_layout({k: np.zeros(s) for k, s in param_shapes(cfg).items()})
     assert layout["blocks.0.attn.qkv.weight"].shape == (16, 3, 16)
@@ -249,9 +250,9 @@ def test_plan_and_rules_cover_the_transformer():
         spec = rules(name, layout[name].shape)
         assert (name in styles) == any(a is not None for a in spec), (name, spec)
     assert set(styles.values()) == {"vocab_embed", "colwise_heads", "rowwise", "colwise", "colwise_vocab"}
-    sp = torch_tp_plan.styles_of(empty_model(cfg, "meta"), torch_tp.SP_PLAN)  # SP: the same splits + SP regions
-    assert {k: s for k, s in sp.items() if s not in torch_tp.SEQUENCE_STYLES} == styles
-    assert {k for k, s in sp.items() if s in torch_tp.SEQUENCE_STYLES} == {
+    sp = styles_of(empty_model(cfg, "meta"), SP_PLAN)  # SP: the same splits + SP regions
+    assert {k: s for k, s in sp.items() if s not in SEQUENCE_STYLES} == styles
+    assert {k for k, s in sp.items() if s in SEQUENCE_STYLES} == {
         n for n in param_names(cfg) if "norm" in n or n == "wpe.weight"}
 
 

@@ -1,4 +1,4 @@
-"""``tp_plan.check_plan`` on models the project does not own: what it accepts (any vocabulary, a tied
+"""``tp.check_plan`` on models the project does not own: what it accepts (any vocabulary, a tied
 embedding and head) and what it refuses — one PlanError naming what, where (module path) and the fix,
 before anything changes (no process group, no launch)."""
 
@@ -10,12 +10,12 @@ import torch.nn as nn
 from own_models import LLAMA_PLAN, TinyLlama, made
 
 from shared.config import Config
-from torch_impl import tp_plan
 from torch_impl.model import empty_model
+from torch_impl.parallel import tp
 
 
 def test_check_plan_accepts_the_llama_plan_at_any_vocabulary():
-    styles = tp_plan.check_plan(made(TinyLlama), LLAMA_PLAN, 2)
+    styles = tp.check_plan(made(TinyLlama), LLAMA_PLAN, 2)
     assert styles["emb.weight"] == "vocab_embed" and styles["head.weight"] == "colwise_vocab"
     assert len(styles) == 2 + 7 * 2  # embedding, head, 7 projections per block; norms replicated
 
@@ -24,7 +24,7 @@ def test_check_plan_shares_a_tied_embedding_and_head():
     """Tied wte/head split alike (rows, padded to ⌈V/tp⌉): one shard serves both."""
     model = made(TinyLlama)
     model.head.weight = model.emb.weight
-    styles = tp_plan.check_plan(model, LLAMA_PLAN, 2)
+    styles = tp.check_plan(model, LLAMA_PLAN, 2)
     assert styles["emb.weight"] == "vocab_embed" and styles["head.weight"] == "colwise_vocab"
 
 
@@ -51,9 +51,9 @@ def test_apply_dtensor_plan_refuses_a_tie_split_unlike_before_anything_changes()
     """parallelize_module would split the embedding's copy and leave the head's whole: refused first
     (no mesh needed), the tie intact."""
     model = _tied()
-    with pytest.raises(tp_plan.PlanError, match=r"\(DTensor\): one Parameter \(tied\) is used as 'emb\.weight' "
+    with pytest.raises(tp.PlanError, match=r"\(DTensor\): one Parameter \(tied\) is used as 'emb\.weight' "
                                                 r"\(vocab_embed\), 'head\.weight' \(replicated\)"):
-        tp_plan.apply_dtensor_plan(model, {"emb": "vocab_embed"}, mesh=None)
+        tp.apply_dtensor_plan(model, {"emb": "vocab_embed"}, mesh=None)
     assert model.head.weight is model.emb.weight and not model.emb._forward_hooks
 
 
@@ -100,7 +100,7 @@ def test_check_plan_refuses(case):
     build, plan, n, sp, what = REFUSALS[case]
     model = build()
     before = {k: (tuple(p.shape), p.device.type) for k, p in model.named_parameters()}
-    with pytest.raises(tp_plan.PlanError, match=what) as err:
-        tp_plan.check_plan(model, plan, n, sequence_parallel=sp)
+    with pytest.raises(tp.PlanError, match=what) as err:
+        tp.check_plan(model, plan, n, sequence_parallel=sp)
     assert "Fix: " in str(err.value), err.value
     assert {k: (tuple(p.shape), p.device.type) for k, p in model.named_parameters()} == before

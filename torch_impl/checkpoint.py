@@ -36,10 +36,24 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from shared.checkpoint import CheckpointError, Plan, State, aside, commit, fault, manifest, read_state, verify
+from shared.checkpoint import (
+    CheckpointError,
+    Plan,
+    RunLock,
+    State,
+    abandon,
+    aside,
+    commit,
+    fault,
+    manifest,
+    read_state,
+    save_error,
+    verify,
+)
 from shared.problem import param_shapes
 
 
@@ -138,18 +152,43 @@ def save(cfg, ctx, setup, done: int, s: Session) -> None:
         for (name, shape), a in zip(param_shapes(cfg).items(), arrays, strict=True):
             full = (torch.from_numpy(a) if ctx.rank == 0 else torch.empty(shape, dtype=torch.float64)).to(ctx.device)
             state_dict[f"{group}/{name}"] = distribute_tensor(full, mesh, [Shard(0)], src_data_rank=0)
-    tmp = aside(s.run_dir, done) if ctx.rank == 0 else None
-    obj = [tmp]
+    obj = [None, None]  # rank 0's tmp folder, or its one-line failure: every rank raises the same
+    if ctx.rank == 0:
+        try:
+            obj[0] = aside(s.run_dir, done)
+        except CheckpointError as exc:
+            obj[1] = str(exc)
     dist.broadcast_object_list(obj, src=0)
-    dcp.save(state_dict, storage_writer=HuggingFaceStorageWriter(os.path.join(obj[0], "dcp"), save_distributed=True))
+    if obj[1]:
+        raise CheckpointError(obj[1])
+    try:  # a rank's failed write (full disk, read-only) reaches every rank through DCP's own gather
+        dcp.save(state_dict, storage_writer=HuggingFaceStorageWriter(os.path.join(obj[0], "dcp"),
+                                                                      save_distributed=True))
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 — one line, whatever DCP raised
+        if ctx.rank == 0:
+            abandon(obj[0])
+        raise save_error(s.run_dir, done, dcp_failure(exc)) from None
     fault("save", done, ctx.rank)  # the kill test's "in the middle of a save": files written, no manifest
     dist.barrier()  # every rank's files are written: only then is the checkpoint committed
+    failed = [None]
     if ctx.rank == 0:
-        info = manifest(cfg, done, "torch", "dcp", s.layout)
-        path = commit(obj[0], info)
-        size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
-        s.saved.append({"step": done, "path": path, "bytes": size, "save_s": time.perf_counter() - t0})
-    dist.barrier()
+        try:
+            path = commit(obj[0], manifest(cfg, done, "torch", "dcp", s.layout), keep=s.plan.keep)
+            size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+            s.saved.append({"step": done, "path": path, "bytes": size, "save_s": time.perf_counter() - t0})
+        except CheckpointError as exc:
+            failed[0] = str(exc)
+    dist.broadcast_object_list(failed, src=0)  # (a barrier too) every rank stops with rank 0's line
+    if failed[0]:
+        raise CheckpointError(failed[0])
+
+
+def dcp_failure(exc: BaseException) -> BaseException:
+    """The exception behind DCP's CheckpointException (a BaseException holding {rank: (exception,
+    traceback)}; its str is every rank's traceback): the lowest failing rank's, e.g. the OSError of a
+    full disk. Any other exception: itself."""
+    failures = exc.failures if isinstance(exc, CheckpointException) else None
+    return failures[min(failures)][0] if failures else exc
 
 
 def load(path: str, cfg, ctx) -> State:
@@ -168,12 +207,41 @@ def load(path: str, cfg, ctx) -> State:
     return state
 
 
+@contextlib.contextmanager
+def writer_lock(plan: Plan, run_dir: str, ctx):
+    """Rank 0 holds ``run_dir``'s lock (shared.checkpoint_io.RunLock) for the whole run when the run
+    writes there: it creates every save's folder and commits it, and the other ranks write into
+    that folder only between its barriers. A refusal reaches every rank (one line, before training)."""
+    if not plan.writes:
+        yield
+        return
+    lock, obj = RunLock(run_dir), [None]
+    if ctx.rank == 0:
+        try:
+            lock.__enter__()
+        except CheckpointError as exc:
+            obj[0] = str(exc)
+    dist.broadcast_object_list(obj, src=0)
+    if obj[0]:
+        raise CheckpointError(obj[0])
+    try:
+        yield
+    finally:
+        lock.__exit__()
+
+
 def run(module, pattern: str, cfg, problem, style: str, variant: str, ctx, plan: Plan):
     """One (style, variant) run of ``module`` under ``plan``: from step 0, or from the checkpoint
-    plan.source() names (the pattern rebuilt from its arrays, its moments probed, then trained on)."""
+    plan.source() names (the pattern rebuilt from its arrays, its moments probed, then trained on).
+    Rank 0 holds the run folder's lock throughout (``writer_lock``)."""
+    run_dir = plan.run_dir("torch", pattern, style, variant, cfg)
+    with writer_lock(plan, run_dir, ctx):
+        return _run(module, pattern, cfg, problem, style, variant, ctx, plan, run_dir)
+
+
+def _run(module, pattern, cfg, problem, style, variant, ctx, plan, run_dir):
     layout = {"pattern": pattern, "style": style, "variant": variant, "world_size": ctx.world_size,
               "mesh": list(cfg.mesh)}
-    run_dir = plan.run_dir("torch", pattern, style, variant, cfg)
     path = plan.source(run_dir, cfg.steps)
     if path is None:
         with session(Session(plan, run_dir, layout)) as s:

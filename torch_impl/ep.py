@@ -1,55 +1,25 @@
-"""Expert parallelism (EP) with torch.distributed: the mixture-of-experts transformer's experts are
-sharded over the ep ranks, tokens travel to their experts by all-to-all.
+"""Expert parallelism (EP) with torch.distributed, the runner: the MoE transformer's experts are
+sharded over the ep ranks; tokens travel to their experts by all-to-all.
 
-Sharded: rank r owns experts ``shared.theory.ep_experts_of(cfg, r)`` = [r·E/N, (r+1)·E/N) of every
-MoE layer, whole (its slice of the stacked ``w_up`` (E/N, D, 4D) and ``w_down`` (E/N, 4D, D)), and
-sequences [r·B/N, (r+1)·B/N) of the batch (EP inside DP, as GShard and DeepSpeed-MoE lay it out):
-n = B·T/N tokens. Embeddings, attention, norms, routers and the head are replicated.
+Sharded: rank r owns experts [r·E/N, (r+1)·E/N) of every MoE layer, whole, and sequences
+[r·B/N, (r+1)·B/N) of the batch (EP inside DP): n = B·T/N tokens. Embeddings, attention, norms,
+routers and the head are replicated.
 
-Per MoE layer, on every rank (the ``MoE.global_counts`` and ``MoE.dispatch`` seams of
-torch_impl/transformer.py; routing, gating and the sort by expert are the model's own):
-  1. counts exchange: ONE ``all_gather_single`` of the (E,) int64 per-expert counts -> C (N, E),
-     C[src][e] = assignments of src's tokens to expert e. It gives the split sizes (send to dst:
-     Σ_{e of dst} C[me][e]; receive from src: Σ_{e mine} C[src][e]) and the global f_e = Σ_src C[src][e]
-     of the balancing loss (Switch Transformer, Fedus et al. 2021, arXiv:2101.03961).
-  2. dispatch: the k·n assignment rows, sorted by expert, -> ``all_to_all_single`` with those uneven
-     splits (Megatron-Core's token dispatcher, MoEAlltoAllTokenDispatcher, does the same: counts
-     first, then the variable-size all-to-all). Rows arrive by source rank, then expert.
-  3. regroup by local expert, run each local expert MLP, restore the (source, expert) order.
-  4. combine: the reverse all-to-all brings every row home; the model unsorts and weights by gates.
-Backward: each all-to-all's backward is the reverse all-to-all (splits swapped): the combine's
-sends k·n rows, the dispatch's the received ones. Dropless: no capacity, nothing padded (GShard,
-Lepikhin et al. 2020, arXiv:2006.16668, and Shazeer et al. 2017 cap each expert; we never drop).
+Per MoE layer (the ``MoE.global_counts`` / ``MoE.dispatch`` seams; the pieces: torch_impl/parallel/ep.py):
+  1. ONE all-gather of the (E,) int64 counts: the uneven splits and the balancing loss's global f;
+  2. dispatch: the k·n assignment rows, sorted by expert, by ``all_to_all_single`` with uneven splits;
+  3. the local experts; 4. combine: the reverse all-to-all brings every row home.
+Backward: each all-to-all's backward is the reverse all-to-all. Dropless: no capacity, no padding.
+The replicated gradients: ONE flat all-reduce; an expert's gradient stays on its owner.
 
-    explicit/dropless  ``AllToAll``, a hand-written autograd Function around ``dist.all_to_all_single``.
-    builtin/dropless   core torch 2.13 has NO expert-parallel building block: no "expert"/"moe" module
-                       in torch.distributed (torchtitan's ExpertParallel / GroupedExperts live in
-                       torchtitan; FSDP2 only mentions MoE for ``shard_placement_fn``); the MoE
-                       all-to-alls of ``torch.distributed._symmetric_memory`` (ops
-                       ``symm_mem::all_to_all_vdev``, ``all_to_all_vdev_2d``,
-                       ``all_to_all_vdev_2d_offset``) are private, NVSHMEM/CUDA-only, and this CPU
-                       build registers no kernel for them. So the builtin row is the closest
-                       builtin: the autograd-aware functional collective
-                       ``torch.distributed._functional_collectives.all_to_all_single_autograd``, what
-                       torchtitan's ExpertParallel calls (in 2.13 an alias of ``all_to_all_single``,
-                       whose op ``_c10d_functional::all_to_all_single`` carries the reverse
-                       all-to-all as its registered backward). The public
-                       ``torch.distributed.nn.functional.all_to_all_single`` is deprecated
-                       (FutureWarning) in its favour. Risk: the module is private; if a newer torch
-                       drops the alias we fall back to ``all_to_all_single`` (same op).
+    explicit/dropless  ``AllToAll``, a hand-written autograd Function around dist.all_to_all_single
+    builtin/dropless   the autograd-aware functional all-to-all (core torch has no EP building
+                       block; docs/ep.md says why this is the closest builtin)
 
-Loss: mean CE over the local n tokens + Σ_l aux_l (global f from C, local P_e); equal token counts
-make the mean over ranks the global loss (loss_reduction "mean"). Gradients: the replicated ones
-averaged by ONE flat all-reduce (torch_impl.fsdp.average_flat); an expert's owner already holds
-Σ_ranks d(loss_r)/dW_e (every rank's rows came back through the combine's backward): × 1/N, no
-communication (DeepSpeed-MoE, Rajbhandari et al. 2022, arXiv:2201.05596: expert gradients reduce over
-the expert-data-parallel group only, here of size 1).
-Bytes per step per rank (shared.theory.ep_comm_torch, on the step's own routing):
+Bytes per step per rank (shared.theory.ep_comm_torch, on the step's own routing counts):
     Σ_l [ N·E·8 + 2·(k·n + received_l)·D·b ] + ep_replicated_params·b
-State per rank: the replicated parameters + E/N experts per layer (shared.theory.ep_state_bytes_torch).
-Activation memory per rank (saved for backward): attention, norms and the head are per token (1/N of
-one device's); the experts' hidden activations follow the rows a rank RECEIVES, i.e. the routing
-(measured, L=2 D=16 B=4 T=8 E=4 k=2 float64: one device 296 KB, ep = 4 ranks 68-88 KB, sum 298 KB).
+Papers: GShard, Lepikhin et al. 2020 (arXiv:2006.16668); Switch Transformer, Fedus et al. 2021
+(arXiv:2101.03961); DeepSpeed-MoE, Rajbhandari et al. 2022 (arXiv:2201.05596); Megatron-Core's dispatcher.
 """
 
 from __future__ import annotations
@@ -57,103 +27,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from shared.config import Config
 from shared.problem import Problem, is_expert_param
 from shared.results import Trained
 from shared.theory import ep_comm_bytes_torch, ep_comm_torch, ep_experts_of
-from torch_impl.dp import local_batch
-from torch_impl.fsdp import average_flat
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import aux_loss, build_model, expert_load, inputs, loss_fn, make_optimizer, targets, to_fixture
-from torch_impl.transformer import GroupedExperts
+from torch_impl.parallel.dp import local_batch
+from torch_impl.parallel.ep import ALL_TO_ALL, Dispatcher
+from torch_impl.parallel.fsdp import average_flat
 
 VARIANTS = (("explicit", "dropless"), ("builtin", "dropless"))
 
 
 def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
     return VARIANTS
-
-
-# --- the all-to-alls --------------------------------------------------------------------------------
-
-
-def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    """(Σ send, D) -> (Σ recv, D): send[j] rows to rank j, recv[j] rows from rank j, in rank order."""
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
-    return out
-
-
-class AllToAll(torch.autograd.Function):
-    """Uneven all-to-all whose backward is the reverse one (Megatron-Core's ``_AllToAll``)."""
-
-    @staticmethod
-    def forward(ctx, x, send: list[int], recv: list[int], group):
-        ctx.splits, ctx.group = (send, recv), group
-        return all_to_all_rows(x, send, recv, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        send, recv = ctx.splits
-        return all_to_all_rows(grad, recv, send, ctx.group), None, None, None
-
-
-def explicit_all_to_all(x, send, recv, group):
-    return AllToAll.apply(x, send, recv, group)
-
-
-# torchtitan's name; in torch 2.13 an alias of all_to_all_single, whose op has the autograd built in
-_FUNCTIONAL_A2A = getattr(funcol, "all_to_all_single_autograd", funcol.all_to_all_single)
-
-
-def builtin_all_to_all(x, send, recv, group):
-    return _FUNCTIONAL_A2A(x.contiguous(), recv, send, group)  # (output_split_sizes, input_split_sizes)
-
-
-ALL_TO_ALL = {"explicit": explicit_all_to_all, "builtin": builtin_all_to_all}  # what tells the styles apart
-
-
-# --- the dispatcher: MoE.global_counts and MoE.dispatch of one layer ----------------------------------
-
-
-class Dispatcher:
-    """One MoE layer's seams on one ep rank: ``global_counts`` exchanges the counts (and keeps C for
-    the splits), ``__call__`` moves the rows to their experts' owners and back."""
-
-    def __init__(self, cfg: Config, experts: GroupedExperts, group, all_to_all):
-        self.n, self.rank, self.group = dist.get_world_size(group), dist.get_rank(group), group
-        self.experts, self.all_to_all, self.num_experts = experts, all_to_all, cfg.experts
-        self.mine = ep_experts_of(cfg, self.rank)
-        self.owned = [ep_experts_of(cfg, dst) for dst in range(self.n)]
-        assert (experts.first, experts.num) == (self.mine.start, len(self.mine)), (experts.first, experts.num)
-        self.c: list[list[int]] = []
-
-    def global_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        gathered = counts.new_empty(self.n * self.num_experts)  # (N·E,) int64
-        dist.all_gather_single(gathered, counts.contiguous(), group=self.group)
-        c = gathered.view(self.n, self.num_experts)  # (N, E): C[src][e]
-        self.c = c.tolist()
-        return c.sum(0)  # (E,): the global counts
-
-    def __call__(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        c, n, mine = self.c, self.n, self.mine
-        assert counts == c[self.rank] and rows.shape[0] == sum(counts), (counts, c[self.rank], rows.shape)
-        send = [sum(c[self.rank][e] for e in self.owned[dst]) for dst in range(n)]
-        recv = [sum(c[src][e] for e in mine) for src in range(n)]
-        got = self.all_to_all(rows, send, recv, self.group)  # (received, D): by source, then expert
-        assert got.shape == (sum(recv), rows.shape[1]), got.shape
-        blocks = got.split([c[src][e] for src in range(n) for e in mine])  # block (src, i) at src·E/N + i
-        per = len(mine)
-        grouped = torch.cat([blocks[src * per + i] for i in range(per) for src in range(n)])  # by expert
-        y = self.experts(grouped, [sum(c[src][e] for src in range(n)) for e in mine])  # (received, D)
-        out = y.split([c[src][e] for e in mine for src in range(n)])  # block (i, src) at i·N + src
-        back = torch.cat([out[i * n + src] for src in range(n) for i in range(per)])  # by source again
-        combined = self.all_to_all(back, recv, send, self.group)  # (k·n, D): my rows, sorted order
-        assert combined.shape == rows.shape, (combined.shape, rows.shape)
-        return combined
 
 
 # --- training ---------------------------------------------------------------------------------------
@@ -168,7 +58,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     mine = ep_experts_of(cfg, r)
     for block in model.blocks:  # keep my E/N experts; swap in the all-to-all seams
         block.mlp.experts = block.mlp.experts.shard(mine.start, len(mine))
-        d = Dispatcher(cfg, block.mlp.experts, group, ALL_TO_ALL[style])
+        d = Dispatcher(cfg.experts, block.mlp.experts, group, ALL_TO_ALL[style])
         block.mlp.global_counts, block.mlp.dispatch = d.global_counts, d
     x = local_batch(inputs(cfg, problem, ctx.device), r, n)  # (B/N, T)
     y = local_batch(targets(cfg, problem, ctx.device), r, n)

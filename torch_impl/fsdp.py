@@ -1,46 +1,23 @@
-"""ZeRO-2 / ZeRO-3 (FSDP) with torch.distributed, for ANY nn.Module (the MLP and the transformer).
-ZeRO: Rajbhandari et al. 2020, arXiv:1910.02054; FSDP: Zhao et al. 2023, arXiv:2304.11277.
+"""ZeRO-2 / ZeRO-3 (FSDP) with torch.distributed, the runner, for the MLP and the transformer.
 
-Batch as in DP: rank r trains on rows r·B/N:(r+1)·B/N ((B/N, D) MLP inputs, (B/N, T) tokens).
-What is sharded (one rule for every model): each parameter with >= 2 dims — nn.Linear.weight
-(out, in), nn.Embedding.weight (V, D) — is a "unit" split along dim 0 (padded to a multiple of N)
-so all_gather_single / reduce_scatter_single work on contiguous rows; rank r holds rows
-r·⌈R/N⌉:(r+1)·⌈R/N⌉. Vectors (RMSNorm gains) stay replicated; their gradients are averaged by ONE
-all-reduce of all of them flattened ((2L+1)·D for the transformer; none for the MLP).
+Sharded: the batch as in DP; each parameter with >= 2 dims is a "unit" split along dim 0 (padded
+to a multiple of N); vectors (norm gains) stay replicated, their gradients averaged by ONE flat
+all-reduce. The wrappers (model-generic): torch_impl/parallel/fsdp.py.
 
-The wrappers themselves (model-generic): fsdp_wrapper.py.
+explicit/zero3  ``FSDP(module)``: params, grads, AdamW state sharded.
+    fwd: each unit all-gathered just before its module runs (the next one prefetched), then dropped.
+    bwd: re-gathered where autograd needs the weight (not embeddings, not the MLP's layer 0);
+         each unit's gradient reduce-scattered asynchronously; the vectors' one all-reduce.
+    bytes: MLP 3Φb − D²b; transformer 3Φb − (V+T)·D·b − (2L+1)·D·b (shared.theory.fsdp_comm).
+explicit/zero2  ``Zero2(module)``: full params; each matrix's gradient reduce-scattered as autograd
+    produces it; AdamW on the row shards; the updated shards all-gathered:
+    2·(Φ − vectors)·b + vectors·b.
+builtin/fsdp2   ``fully_shard`` per block and on the root: per block an all-gather fwd, again bwd,
+    one reduce-scatter; the root gathered once (shared.theory.fsdp_comm(cfg, "fsdp2")).
 
-explicit/zero3  ``FSDP(module)``: params, grads, AdamW state sharded (vectors replicated).
-    fwd: a pre-hook on each module all-gathers its units just before it runs (and starts the
-         NEXT unit's gather asynchronously: prefetch); a post-hook drops the gathered weight.
-    bwd: autograd never keeps a gathered weight: a saved-tensor hook packs it as a handle and
-         re-gathers it when backward unpacks it (prefetching the next one in reverse order). Ops
-         that do not save the weight cause no re-gather: embeddings (their backward needs only
-         the indices) and a Linear whose input needs no gradient (the MLP's layer 0). Each unit's
-         gradient is reduce-scattered asynchronously; ``finish_gradient_synchronization`` waits.
-         Under full recomputation a checkpointed block saves no weight through these hooks: its
-         recompute in backward gathers them again (pre-hooks, no prefetch), in place of the handles.
-    payload S per step per rank (shared.theory.fsdp_comm): all-gather every unit fwd, every unit
-    but the embeddings (MLP: but layer 0) bwd; reduce-scatter every unit; 1 all-reduce of the
-    vectors. MLP: (2L−1)·D²·b + L·D²·b = 3Φb − D²b; transformer: 3Φb − (V+T)·D·b − (2L+1)·D·b.
-    Any module: a parameter must be read inside the forward of a module that holds it (a tied
-    one is held by each user: one unit, gathered in each). Elsewhere only the shard exists: while
-    the wrapped forward runs, a read of it outside its holder's forward (F.linear(h,
-    self.emb.weight) in a parent) raises ShardReadError naming the parameter and the remedy.
-    Frozen parameters are gathered, never reduce-scattered. comm_theory() / state_theory(): from
-    the module wrapped (torch_impl.model_theory).
-explicit/zero2  ``Zero2(module)``: full params; each matrix's gradient is reduce-scattered by a
-    post-accumulate-grad hook the moment autograd produces it; AdamW on the row shards (and the
-    replicated vectors); the updated shards are all-gathered back: 2·(Φ − vectors)·b + vectors·b.
-builtin/fsdp2   ``fully_shard`` per block (MLP ``layers[l]``, transformer ``blocks[l]``) and on the
-    root (transformer: wte, wpe, normf, head), Shard(0) DTensors. Per block group: all-gather fwd,
-    again bwd, one reduce-scatter (flat, with the gains inside); the root's group is gathered once
-    (the root is not resharded after forward): shared.theory.fsdp_comm(cfg, "fsdp2").
-Gradient scale: each rank differentiates its local mean over B/N rows; reduce-scatter (and the
-vectors' all-reduce) SUMS the N gradients, then / N. For N a power of 2 that division is exact,
-so "sum, then / N" and FSDP2's "pre-divide by N, then sum" give the same bits; what can differ
-from one device is only how the batch reduction inside each op is split (see docs/fsdp.md,
-"bit for bit"). The reported loss is averaged over ranks by the shared loop (outside the ledger).
+Gradient scale: each rank differentiates its local mean; the reduce-scatter sums the N gradients,
+then / N. docs/fsdp.md has the hooks, the refusals (ShardReadError) and the "bit for bit" check.
+Papers: ZeRO, Rajbhandari et al. 2020 (arXiv:1910.02054); FSDP, Zhao et al. 2023 (arXiv:2304.11277).
 """
 
 from __future__ import annotations
@@ -53,18 +30,6 @@ from torch.distributed.tensor import DTensor
 from shared.config import Config
 from shared.problem import Problem
 from shared.theory import fsdp_comm_bytes
-from torch_impl import model_theory
-
-# The wrappers (model-generic) live in fsdp_wrapper.py; fsdp.FSDP, fsdp.Zero2, … stay importable from here.
-from torch_impl.fsdp_wrapper import (  # noqa: F401
-    FSDP,
-    ShardReadError,
-    Unit,
-    Zero2,
-    average_flat,
-    gather_full,
-    split_params,
-)
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
@@ -77,6 +42,8 @@ from torch_impl.model import (
     tensor_bytes,
     to_fixture,
 )
+from torch_impl.parallel.fsdp import FSDP, Zero2, gather_full
+from torch_impl.parallel.theory import comm_bytes
 
 VARIANTS = (("explicit", "zero3"), ("explicit", "zero2"), ("builtin", "fsdp2"))
 
@@ -128,7 +95,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
                                           extra={"shard": "dim 0 of each ≥2-D parameter (Linear: columns of W)"}))
     if variant == "zero2":
         zero2 = Zero2(model, group)
-        comm_theory = model_theory.comm_bytes(zero2.comm_theory())  # = shared.theory's on our models
+        comm_theory = comm_bytes(zero2.comm_theory())  # = shared.theory's on our models
         params = model.parameters()
         opt = make_optimizer(zero2.params, cfg)
 

@@ -1,45 +1,27 @@
-"""N-D parallelism: dp/fsdp × pp × cp × tp composed on one device mesh (the transformer), with
-torch.distributed. The layout is ``cfg.mesh``, e.g. dp=2,tp=2,pp=2: axes in device order,
-outermost first, innermost last (rank = row-major index: shared.theory.mesh_coords; tp innermost
-puts a tp group on neighbouring ranks, i.e. inside a node, where its per-layer all-reduces find the
-fast links; pp outermost crosses nodes, where its one message per micro-batch and boundary is cheap).
+"""N-D parallelism with torch.distributed: dp/fsdp × pp × cp × tp composed on one device mesh (the
+transformer). The layout is ``cfg.mesh`` (e.g. dp=2,tp=2,pp=2): axes in device order, innermost
+last (rank = row-major index, shared.theory.mesh_coords), so tp sits on neighbouring ranks.
 
-Sharded (each axis as its 1-D pattern, on local sizes; shared/theory/mesh.py):
-  data (dp | fsdp)  sequences [i·B/d, (i+1)·B/d) on data index i; fsdp also splits every tp-local
-                    ≥2-D weight by rows over the gradient group (ZeRO-3, torch_impl.fsdp.FSDP).
-  pp                blocks: stage s holds L/pp blocks (embeddings on 0, final norm + head on the
-                    last, torch_impl.pp.Stage); M micro-batches of m = B/(d·M) sequences, 1F1B.
-  cp                tokens [j·T/c, (j+1)·T/c) on cp index j (and their positions); ring attention
-                    (torch_impl.cp.RingCore, "ring") over the tp-local heads.
-  tp                Megatron (torch_impl.tp TRANSFORMER_PLAN; no sequence parallelism) on the
-                    stage's modules; the loss is the vocab-parallel CE.
-Replicated weights' gradients are averaged over the data axis and cp together: ONE group over the
-ranks that differ only in their data/cp coordinates, labelled e.g. "dp+cp" (fsdp: the ZeRO-3
-group, torchtitan's dp_shard_cp). Loss: each rank's local mean over its m·T/c tokens per
-micro-batch, /M; the global mean is the mean over (data, cp) ranks (equal token counts).
+Sharded (each axis as its 1-D pattern on local sizes; shared/theory/mesh.py):
+  data (dp | fsdp)  sequences per data index; fsdp also splits every tp-local ≥2-D weight by rows
+  pp                blocks per stage (embeddings on the first, head on the last); M micro-batches, 1F1B
+  cp                tokens per cp index; ring attention over the tp-local heads
+  tp                Megatron (TRANSFORMER_PLAN, no sequence parallelism); vocab-parallel loss
+Replicated gradients are averaged over the data axis and cp together: ONE group ("dp+cp").
 
-Collectives per step, by axis (A = m·(T/c)·D·b; shared.theory.mesh_comm_torch derives each):
-  tp    all-reduce: per micro-batch 4 per block + embedding g (stage 0) + head f (last stage) of A,
-        + the CE's 2 (explicit) / 3 (DTensor) of (m, T/c)
-  cp    send/recv: per micro-batch and block 3c−2 messages of K|V (or dK|dV): 2·m·(T/c)·(D/t)·b
-  pp    send/recv: M activations to s+1, M gradients to s−1, of A
-  grad  dp: one flat all-reduce of the stage's gradients (builtin dp × tp: one per FSDP2
-        group); fsdp: all-gathers fwd + bwd and reduce-scatters per micro-batch per unit, one
-        all-reduce of the norm gains
-The ledger records every op under the axis of its group (CommLedger.label_groups).
+Collectives per step, by axis (A = m·(T/c)·D·b; shared.theory.mesh_comm_torch):
+  tp    all-reduces: per micro-batch 4 per block + embedding g + head f of A, + the loss's
+  cp    send/recv: per micro-batch and block 3c−2 messages of K|V (or dK|dV)
+  pp    send/recv: M activations forward, M gradients back, of A
+  grad  dp: one flat all-reduce of the stage's gradients; fsdp: all-gathers fwd + bwd and
+        reduce-scatters per micro-batch per unit, one all-reduce of the norm gains
+The ledger records every op under its group's axis (CommLedger.label_groups).
 
-explicit  groups from ``init_device_mesh(…, mesh_dim_names=…)`` (``dm[axis].get_group()``) + the
-          gradient group (``new_subgroups_by_enumeration``); the hand-written patterns per axis.
-builtin   torchtitan's composition on the same DeviceMesh: DTensor TP (parallelize_module +
-          loss_parallel), FSDP2 ``fully_shard`` per block + root on dm["fsdp"], dp as
-          DistributedDataParallel on the dp group (tp = 1), PipelineStage + Schedule1F1B
-          (scale_grads) on dm["pp"]'s group. dp × tp: DDP cannot take DTensor weights, and
-          torchtitan's replicate is private, so the mesh gets a size-1 "dp_shard" axis right inside
-          dp and fully_shard runs on dm["dp", "dp_shard"]: FSDP2's HSDP, replicated over dp, sharded
-          over one rank, which (by FSDP2's single-rank path) all-gathers and reduce-scatters nothing
-          and all-reduces each group's gradient over dp once per step. Refused (BUILTIN_REFUSAL): cp.
-Papers: Narayanan et al. 2021 (Megatron-LM PTD-P, arXiv:2104.04473); torchtitan (Liang et al. 2024,
-arXiv:2410.06511).
+explicit  process groups from ``init_device_mesh``; the hand-written patterns per axis.
+builtin   torchtitan's composition: DTensor TP, FSDP2 per block, DDP or HSDP over dp,
+          PipelineStage + Schedule1F1B (docs/mesh.md); cp refused (BUILTIN_REFUSAL).
+Papers: Megatron-LM PTD-P, Narayanan et al. 2021 (arXiv:2104.04473); torchtitan, Liang et al. 2024
+(arXiv:2410.06511).
 """
 
 from __future__ import annotations
@@ -76,9 +58,7 @@ from shared.theory import (
     mesh_micro,
     mesh_state_bytes_torch,
 )
-from torch_impl import pp, tp, tp_plan
-from torch_impl.cp import RingCore
-from torch_impl.fsdp import FSDP, average_flat
+from torch_impl import pp
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
@@ -91,6 +71,11 @@ from torch_impl.model import (
     to_fixture,
     torch_dtype,
 )
+from torch_impl.parallel.cp import RingCore
+from torch_impl.parallel.fsdp import FSDP, average_flat
+from torch_impl.parallel.tp import apply_dtensor_plan, apply_plan, matches, unshard
+from torch_impl.parallel.tp_ops import VocabParallelCrossEntropy, heads_perm
+from torch_impl.transformer import TRANSFORMER_PLAN
 
 STYLES = ("explicit", "builtin")
 # Known, harmless noise of the builtin composition on every rank: FSDP2 wraps the last stage's output
@@ -188,10 +173,10 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
     styles, loss_of = {}, loss_fn
     if t > 1:
         tp_group = lay.groups["tp"]
-        styles = tp_plan.apply_plan(stage, tp.TRANSFORMER_PLAN, tp_group, missing_ok=True)  # a stage: absent modules
-        loss_of = lambda out, target: tp.VocabParallelCrossEntropy.apply(out, target, tp_group)  # (m, T/c, V/t)
+        styles = apply_plan(stage, TRANSFORMER_PLAN, tp_group, missing_ok=True)  # a stage: absent modules
+        loss_of = lambda out, target: VocabParallelCrossEntropy.apply(out, target, tp_group)  # (m, T/c, V/t)
     if c > 1:
-        core = RingCore(cfg, "ring", lay.groups["cp"])
+        core = RingCore(cfg.seq, "ring", lay.groups["cp"])
         for block in stage.blocks.values():
             block.attn.core = core  # q, k, v: (m, H/t, T/c, dh)
     fsdp = FSDP(stage, group=lay.grad_group) if cfg.data_axis == "fsdp" and lay.grad_group else None
@@ -218,7 +203,7 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
 
     def full(name: str, tensor: torch.Tensor) -> torch.Tensor:
         tensor = fsdp.full_tensor(name, tensor) if fsdp is not None else tensor.detach()  # tp-local
-        return tp_plan.unshard(tensor, styles[name], lay.groups["tp"]) if name in styles else tensor
+        return unshard(tensor, styles[name], lay.groups["tp"]) if name in styles else tensor
 
     return Setup(forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for p in params],
                  fixture=stage_fixture(cfg, lay, stage, named, full), params=params, optimizer=opt,
@@ -290,8 +275,8 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
     styles, parallel_loss = {}, contextlib.nullcontext
     if t > 1:
         paths = [path for path, _ in stage.named_modules()]
-        plan = {k: v for k, v in tp.TRANSFORMER_PLAN.items() if any(tp_plan.matches(p, k) for p in paths)}
-        styles = tp_plan.apply_dtensor_plan(stage, plan, dm["tp"])  # W_qkv rows permuted (heads_perm)
+        plan = {k: v for k, v in TRANSFORMER_PLAN.items() if any(matches(p, k) for p in paths)}
+        styles = apply_dtensor_plan(stage, plan, dm["tp"])  # W_qkv rows permuted (heads_perm)
         parallel_loss = loss_parallel  # CE over the Shard(-1) logits: 3 all-reduces of (m, T)
         if S > 1 and s == S - 1:  # the pipeline passes plain tensors: local logits out, DTensor again in the loss
             stage.head.register_forward_hook(lambda mod, args, out: out.to_local())  # (m, T, V/t)
@@ -343,7 +328,7 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
         tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
         if styles.get(name) != "colwise_heads":
             return tensor
-        return tensor[torch.argsort(tp.heads_perm(tensor.shape[0], t, tensor.device))]
+        return tensor[torch.argsort(heads_perm(tensor.shape[0], t, tensor.device))]
 
     return Setup(forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for p in params],
                  fixture=stage_fixture(cfg, lay, stage, named, full), params=params, optimizer=opt,

@@ -48,6 +48,15 @@ class MLP(nn.Module):
         return x
 
 
+def mlp_plan(layers: int, variant: str) -> dict[str, str]:
+    """The MLP's tensor-parallel plan: "allgather" (every layer colwise_gather) or Megatron's
+    colwise/rowwise pairs (odd L: the last layer colwise_out); torch_impl/parallel/tp.py applies it."""
+    if variant == "allgather":
+        return {f"layers.{l}.linear": "colwise_gather" for l in range(layers)}
+    kinds = ["colwise", "rowwise"] * (layers // 2) + ["colwise_out"] * (layers % 2)
+    return {f"layers.{l}.linear": k for l, k in enumerate(kinds)}
+
+
 def empty_model(cfg: Config, device="cpu", layers: int | None = None) -> nn.Module:
     """The model of ``cfg`` (with ``layers`` blocks if given), uninitialised."""
     layers = cfg.layers if layers is None else layers

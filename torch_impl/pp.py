@@ -1,48 +1,25 @@
 """Pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, ZB-H1) with torch.distributed point-to-point.
 
-Sharded: the model's blocks, in contiguous stages — rank s holds blocks s·L/S … (s+1)·L/S − 1
-(their weights, grads and AdamW state). Transformer: the embeddings (wte, wpe) also sit on stage
-0, the final norm and the head (and the loss) on stage S−1, so per-rank state is uneven:
-Φ_s = L/S·(12D² + 2D) + [s = 0]·(V+T)·D + [s = S−1]·(D + D·V) (shared.theory.pp_stage_param_count;
-MLP: Φ/S). ``Stage`` is torchtitan's pipeline split: the full model built on the meta device,
-the other stages' modules dropped, so parameter names stay the model's (``blocks.5.attn.qkv``).
-The batch is cut into M micro-batches: MLP (B/M, D) inputs; transformer (B/M, T) tokens (stage 0
-only) and (B/M, T) targets (last stage only).
+Sharded: the blocks, in contiguous stages (rank s: blocks s·L/S … (s+1)·L/S − 1, their grads and
+AdamW state); the transformer's embeddings on stage 0, final norm, head and loss on stage S−1
+(shared.theory.pp_stage_param_count). ``Stage`` is torchtitan's split: parameter names stay the
+model's. The batch is cut into M micro-batches; each micro-batch loss is divided by M.
 
-Communication per step, all point-to-point between neighbours (no collective in training):
-  fwd: stage s sends each micro-batch's activation to s+1          — M sends unless last
-  bwd: stage s sends each activation-gradient back to s−1          — M sends unless first
-  message: (B/M, D) MLP, (B/M, T, D) transformer; per rank ((s < S−1) + (s > 0))·B·D·b
-  (transformer ·T) on the wire (shared.theory.pp_p2p_bytes_per_rank).
-Reporting only (outside the ledger): the last stage broadcasts the step's loss (b bytes), and
-every stage's pieces are gathered at the end.
+Collectives: none in training, only send/recv between neighbours. fwd: each micro-batch's
+activation to s+1; bwd: its gradient to s−1. Message (B/M, D) (MLP) or (B/M, T, D) (transformer);
+per rank ((s < S−1) + (s > 0))·M messages (shared.theory.pp_p2p_bytes_per_rank). Every exchange is
+one batch_isend_irecv that both neighbours issue in the same order: no deadlock for any M ≥ 1.
 
-Loss: each micro-batch's loss (MLP mean(y²), transformer mean CE over its (B/M)·T positions) is
-divided by M, so the sum over micro-batches is the full-batch mean and the accumulated gradients
-equal the single-device ones.
-
-Schedules (Huang et al. 2019 "GPipe"; Narayanan et al. 2019 "PipeDream", 1F1B as in Megatron-LM):
-  gpipe  all M forwards, then all M backwards: every stage stashes M micro-batches' activations.
-  1f1b   warm-up of S−s−1 forwards, steady one-forward-one-backward, cool-down: ≤ S−s stashed.
-  zb     ZB-H1 (Qi et al. 2024, arXiv:2401.10241): 1F1B with each backward split into B (the input
-         gradient, sent on at once: autograd.grad w.r.t. the stage input, graph retained) and W (the
-         weight gradient: autograd.backward w.r.t. the parameters — a second pass through the
-         stage), stage s deferring its W's by s; ≤ S micro-batches held from F to W on every stage.
-  interleaved  Megatron's interleaved 1F1B over v = cfg.virtual_stages model chunks per rank
-         (torch_impl/pp_schedules.py: its chunks, messages and exchange plan).
-gpipe and 1f1b idle (p−1)/(M+p−1) of the time (the bubble), 1F1B only saves memory; interleaved
-(p−1)/(v·M+p−1) at v× the messages; ZB-H1 idles a third of 1F1B's time at F = B = W. The order of
-every stage is shared.schedule.order's (asserted).
-
-Deadlock freedom: every exchange goes through ``exchange`` = one dist.batch_isend_irecv that
-posts the sends and receives together (NCCL groups them), and both neighbours issue the same
-sequence of exchanges (the steady state fuses "send activation + receive gradient" on s with
-"send gradient + receive activation" on s+1, as Megatron's p2p_communication does). This holds
-for any M ≥ 1, including M < S.
-
-builtin: torch.distributed.pipelining on the same ``Stage`` modules: PipelineStage + ScheduleGPipe /
-Schedule1F1B, and one PipelineStage per chunk for ScheduleInterleaved1F1B and, zero bubble,
-ScheduleInterleavedZeroBubble (at one chunk per rank: ZB-H1, the order of ``zb``).
+    gpipe        all M forwards, then all M backwards
+    1f1b         warm-up, one-forward-one-backward, cool-down: ≤ S−s micro-batches stashed
+    zb           ZB-H1: each backward split into B (input gradient) and W (weight gradient, deferred)
+    interleaved  v = cfg.virtual_stages chunks per rank (torch_impl/pp_schedules.py)
+Bubble (theory): (p−1)/(M+p−1); interleaved (p−1)/(v·M+p−1); ZB-H1 a third of 1F1B's at F = B = W.
+Every stage's order is shared.schedule.order's (asserted).
+builtin: torch.distributed.pipelining on the same ``Stage`` modules (ScheduleGPipe, Schedule1F1B,
+ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble).
+Papers: GPipe, Huang et al. 2019 (arXiv:1811.06965); PipeDream 1F1B, Narayanan et al. 2019
+(arXiv:1806.03377); ZB-H1, Qi et al. 2024 (arXiv:2401.10241).
 """
 
 from __future__ import annotations

@@ -43,6 +43,24 @@ from torch.utils.checkpoint import checkpoint
 
 from shared.problem import MOE_BALANCE_COEF, RMS_EPS
 
+# The tensor-parallel plans of this model (module path -> style: torch_impl/parallel/tp.py).
+TRANSFORMER_PLAN = {
+    "wte": "vocab_embed",
+    "blocks.*.attn.qkv": "colwise_heads",
+    "blocks.*.attn.o": "rowwise",
+    "blocks.*.mlp.up": "colwise",
+    "blocks.*.mlp.down": "rowwise",
+    "head": "colwise_vocab",
+}
+# Sequence parallelism: the same splits, and the modules between the
+# matmuls run on this rank's T/tp tokens. Their weights stay replicated with partial gradients.
+SP_PLAN = TRANSFORMER_PLAN | {
+    "wpe": "positions",  # rows of this rank's positions: (T/tp, D)
+    "blocks.*.norm1": "sequence",  # on (B, T/tp, D)
+    "blocks.*.norm2": "sequence",
+    "normf": "sequence",
+}
+
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, dh), scale 1/√dh

@@ -1,31 +1,25 @@
-"""Context parallelism for ANY Flax NNX model that offers the attention seam: the twin of
-torch_impl/parallel/cp.py. jax_impl/cp.py has the pattern (ring, ring_zigzag, ulysses), the collectives and the
-bytes; the project's transformer plugs the same ring into its own ``attn`` hook.
+"""Context parallelism for any Flax NNX model that offers the attention seam: the twin of
+torch_impl/parallel/cp.py (jax_impl/cp.py plugs the same ring into the project's transformer).
 
-What a model must offer (the seam):
-  1. its attention through ``parallel.cp.attention`` — ``nnx.MultiHeadAttention(..., attention_fn=
-     parallel.cp.attention)`` — which is CAUSAL attention over (B, T, H, dh) (no mask, no bias, no
-     dropout: refused). Outside a cp step it attends over the whole sequence (your single-device
-     runs); inside, over this device's T/N positions with the ring (or Ulysses) over "cp".
-  2. positions as an input: ``loss(model, *batch, positions)`` gets the GLOBAL position of every
-     token it sees (device r's are not 0…T/N−1) and must hand them to the model's position encoding.
-  3. a loss that is a mean over the tokens it sees (each device: B·T/N of them).
+The seam: (1) attention through ``parallel.cp.attention`` (``nnx.MultiHeadAttention(...,
+attention_fn=parallel.cp.attention)``): CAUSAL over (B, T, H, dh), no mask, bias or dropout
+(refused); (2) the GLOBAL positions handed to the model's position encoding (``loss(model, *batch,
+positions)``); (3) a loss that is a mean over the tokens it sees.
 
     trainer = context_parallel(model, loss, optax.adamw(...), mesh, "ring")   # mesh axis "cp"
     loss_value = trainer.train_step(tokens, targets)   # (B, T) each; T split over "cp"
 
-Sharded: every batch array along dim 1 (the sequence; ring_zigzag permutes it on the host so device
-r holds chunks r and 2N−1−r), positions P("cp"); every parameter replicated, P(). The shard_map
-returns each device's local mean; the step differentiates their mean OUTSIDE the shard_map, so the
-replicated weights' gradients come back summed over "cp" by the transpose of the implicit
-invariant -> varying cast: an all-reduce of Φ·b. Per attention call (a = one device's K: B·T/N·H·dh·b):
-ring 3N−2 collective-permutes of 2a; ulysses 8 all-to-alls of a. jit/seq_sharded: the plain loss
-with the sequence split; XLA (GSPMD) picks attention's collectives.
-A model that never calls the seam is refused at the first trace (it would attend within its own
-T/N tokens only — silently wrong); one that calls it for some attention layers and not others cannot
-be detected: route every attention through it.
-Recipe: optax sees the whole replicated {path: array} dict (masks, labels, optax's clipping exact);
-``clip=max_norm`` clips with torch's formula (parallel/recipe.py, docs/recipe.md).
+Sharded: every batch array along dim 1 (ring_zigzag: chunks r and 2N−1−r of 2N); every parameter
+replicated, P(). a = one device's K, B·(T/N)·H·dh·b.
+Collectives per attention call: ring 3N−2 collective-permutes of 2a; ulysses 8 all-to-alls of a;
+jit/seq_sharded: XLA (GSPMD) picks. The replicated gradients come back summed over "cp" by the
+transpose of the invariant -> varying cast: an all-reduce of Φ·b.
+A model that never calls the seam is refused at the first trace; one that routes only some attention
+layers through it cannot be detected: route every attention through it.
+Recipe (parallel/recipe.py, docs/recipe.md): optax sees the whole replicated {path: array} dict
+(masks, labels, optax's own clipping exact); ``clip=max_norm`` clips with torch's formula.
+Papers: ring attention, Liu et al. 2023 (arXiv:2310.01889); DeepSpeed-Ulysses, Jacobs et al. 2023
+(arXiv:2309.14509).
 """
 
 from __future__ import annotations

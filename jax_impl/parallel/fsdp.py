@@ -1,52 +1,33 @@
-"""The ZeRO stages 0-3 as a train step for ANY Flax NNX model: the twin of torch_impl/parallel/fsdp.py
-(FSDP, Zero2) and torch_impl/parallel/dp.py (BucketedDDP, Zero1Optimizer). jax_impl/dp.py, fsdp.py have the
-pattern, the collectives and the bytes per step; the project's MLP and transformer train through
-``parallelize`` too.
+"""The ZeRO stages 0-3 as a train step for any Flax NNX model: the twin of torch_impl/parallel/fsdp.py
+(FSDP, Zero2) and torch_impl/parallel/dp.py (BucketedDDP, Zero1Optimizer).
 
     trainer = parallelize(model, loss, optax.adamw(1e-3, weight_decay=0.01), mesh, "zero3", "shard_map")
     for x, y in batches:
         loss_value = trainer.train_step(x, y)       # rows split over the mesh axis "dp"
     model = trainer.module()                        # the trained nnx.Module, full parameters
 
-``loss(model, *batch) -> scalar`` must be a MEAN over the batch's rows (dim 0 of every batch
-array): each device computes it on its B/N rows and the gradients are averaged. The model may hold
-``nnx.Param`` only (no BatchNorm statistics, no Dropout RNG state: refused), every Param trained.
+``loss(model, *batch)`` must be a MEAN over the batch rows; the model may hold ``nnx.Param`` only.
+Sharded (``rule``): a parameter with >= 2 dims whose dim 0 N divides is split in N row blocks; the
+others ("vectors") are replicated, their gradients averaged by ONE flat psum.
 
-What is sharded over the axis, one rule for every model (``rule``): a parameter with >= 2 dims
-whose dim 0 N divides is split in N row blocks; the others ("vectors": norm gains, biases, an
-indivisible matrix) are replicated and their gradients averaged by ONE flat psum.
-
-    dp     params replicated; pmean of every gradient                      (jit: XLA's all-reduce)
-    zero1  params replicated; psum_scatter of the flat padded gradient, AdamW on 1/N of it,
-           all_gather of the updated flat vector                           (jit: moments split)
-    zero2  params replicated; psum_scatter per row-split gradient, AdamW on the rows, all_gather
-    zero3  params, grads, AdamW state as row blocks. Each UNIT (a submodule; default: every
-           topmost module that holds a Param directly, as torch's FSDP gathers per holder) is
-           all-gathered right before its call inside jax.checkpoint(checkpoint_dots): the gathered
-           weight is not saved, the backward gathers it again where it needs it; all_gather's
-           transpose is the unit's psum_scatter. Row-split params outside every unit are gathered
-           once at the start (FSDP2's root). ``units=["blocks.*"]`` gathers per block instead.
-
-style="typed" (sharding in types: JAX's Explicit axes; jax_impl/parallel/typed.py): the same four stages as
-ONE step on an Explicit-axes copy of the mesh; the layouts are types (params P() or, zero3, P('dp',
-None…), batch P('dp')) and every change is stated with ``reshard`` (zero3's gathers; the moments'
-rows; the updated rows back) and recorded (``trainer.stated.entries``). The model's forward must be
-typeable: an op whose output layout JAX cannot infer (an embedding lookup on split ids) is refused at
-the first trace in one line; state it (``out_sharding=jax_impl.parallel.typed.rows_like(ids)``).
-
-A real recipe (docs/recipe.md, parallel/recipe.py): ``clip=max_norm`` clips by the WHOLE model's
-gradient norm (shard_map zero1/2/3: the pieces' squares psum'ed, replicated leaves once; torch's
-formula); ``compute_dtype=jnp.bfloat16`` casts the Params inside the step, master weights and
-optimizer state as given. Under shard_map zero1/2/3 optax sees a flat piece or row blocks, not the
-tree: ``recipe.check`` probes ``tx`` first and refuses one that would update otherwise (optax's
-global-norm clipping, masks / multi_transform labels on zero1's flat vector, per-tensor statistics).
-
-Refused before anything is compiled (``WrapError``: what, where, how to fix): unknown variant or
-style, a mesh without the axis, non-Param state, a unit pattern that matches nothing or nests in
-another, a unit module reachable from two places (shared), a row-split Param held by modules in
-different units (tied). At the first trace (``ShardReadError``): a unit's attribute read by its
-parent instead of calling it (``self.wte.embedding``, ``self.wte.attend(h)``): under zero3 the
-parent would get the row block — make the reader the unit.
+    dp     params replicated; pmean of every gradient: Φ·b
+    zero1  psum_scatter of the flat padded gradient, AdamW on 1/N, all_gather of the update: 2·Φ·b
+    zero2  psum_scatter per row-split gradient, AdamW on the rows, all_gather of the rows
+    zero3  params, grads, AdamW state as row blocks; each unit (default: every topmost module holding
+           a Param) all-gathered before its call inside jax.checkpoint, again in backward where
+           needed; all_gather's transpose is the unit's psum_scatter (``units=["blocks.*"]``: per block)
+Styles: shard_map (these collectives by hand), jit (shardings; XLA picks), typed (sharding in
+types: every layout change a stated reshard, jax_impl/parallel/typed.py). Bytes per step:
+parallel/theory.py, from the model wrapped.
+Refused before anything compiles (``WrapError``) or at the first trace (``ShardReadError``), with
+what, where and how to fix: docs/fsdp.md, "Bring your own model (JAX parallelize)".
+Recipe (parallel/recipe.py, docs/recipe.md): ``clip=max_norm`` clips by the WHOLE model's gradient
+norm (shard_map zero1/2/3: the pieces' squares psum'ed, replicated leaves once; torch's formula);
+``compute_dtype=jnp.bfloat16`` casts the Params inside the step (master weights, optimizer state as
+given). Under shard_map zero1/2/3 optax sees a flat piece or row blocks: ``recipe.check`` probes ``tx``
+first and refuses one that would update otherwise (optax's global-norm clipping, masks / labels on
+zero1's flat vector, per-tensor statistics).
+Papers: ZeRO, Rajbhandari et al. 2020 (arXiv:1910.02054); FSDP, Zhao et al. 2023 (arXiv:2304.11277).
 """
 
 from __future__ import annotations

@@ -1,50 +1,28 @@
-"""A tensor-parallel PLAN applied to ANY Flax NNX model: the twin of torch_impl/parallel/tp.py (jax_impl/tp.py has
-the pattern; this is its model-generic half), with parallel.fsdp.parallelize's surface.
+"""A tensor-parallel PLAN applied to any Flax NNX model: the twin of torch_impl/parallel/tp.py, with
+parallel.fsdp.parallelize's surface (jax_impl/tp.py runs the project's transformer through it).
 
     plan = {"emb": "vocab_embed", "blocks.*.attn.[qkv]": "colwise", "blocks.*.attn.o": "rowwise",
-            "blocks.*.mlp.gate": "colwise", "blocks.*.mlp.up": "colwise", "blocks.*.mlp.down": "rowwise",
-            "head": "colwise_vocab"}
+            "blocks.*.mlp.up": "colwise", "blocks.*.mlp.down": "rowwise", "head": "colwise_vocab"}
     trainer = apply_plan(model, plan, lambda m, x, y: cross_entropy(m(x), y), optax.adamw(1e-3), mesh)
     loss_value = trainer.train_step(x, y)      # the batch replicated over "tp"
-    model = trainer.module()                   # the trained model, full (unpadded) parameters
 
-Keys are module paths (``*`` = one path segment, fnmatch within it); styles (nnx.Linear kernel (in, out)):
-
-    colwise        kernel P(None, "tp") (output features split), bias split with it; f before
-    colwise_heads  a fused [q|k|v] kernel (D, 3·H·dh), colwise by whole heads: its columns reordered
-                   at placement (heads_perm) so device r holds [q_r|k_r|v_r] (jit: output reordered back)
-    rowwise        kernel P("tp", None) (input features split); g after; the bias added ONCE, after g
-    vocab_embed    nnx.Embed rows split [r·V/tp, (r+1)·V/tp); other tokens give zero rows; g after
-    colwise_vocab  the LM head: colwise, logits stay split (B, T, V/tp); the loss must use
-                   ``cross_entropy`` (vocab-parallel there: pmax + one psum of (2, B, T), bwd local)
-
-f = pcast(x, to="varying") (identity fwd, psum bwd), g = psum (identity bwd). Sibling projections
-that read the SAME array (q, k, v; gate, up) share ONE f, found automatically (one f per input array
-per trace, as torch's SharedEnter): their partial dL/dx add up before the single psum. A Llama block
-pays Megatron's 2 all-reduces of B·T·D fwd (after o, down) + 2 bwd (before q|k|v, gate|up), plus
-the embedding's g (fwd), the head's f (bwd), the loss's pmax + psum of (2, B, T): per step per
-device (4L+2)·B·T·D·b + 3·B·T·b (shared.theory.tp_transformer_comm). Other parameters (norms) are
-replicated and see identical data on every device: no collective. Vocabularies tp does not divide
-are padded to ⌈V/tp⌉ rows per device (zero rows; their logits −inf, out of every softmax).
-Memory per device: split weights (and their AdamW moments) /tp plus padding, the rest whole.
-
-shard_map (check_vma=True): inside the traced step the planned modules are swapped for stand-ins
-carrying f / g on the local shards (the user's state paths stay the same); ``cross_entropy`` takes
-logits varying over the axis as a colwise_vocab head's split ones. jit: the same plan as parameter
-shardings plus output constraints; XLA (GSPMD) inserts the collectives.
-
-Refused before anything is compiled (``check_plan``, one ``PlanError``: what, module path, fix): an
-unknown style, a key matching no module, two styles on one module, a style on a module kind it
-cannot split (exactly nnx.Linear / nnx.Embed), a stacked kernel, a planned module held in two
-places or a Param tied to another module, sizes tp does not divide, part of an attention head on a
-device (the parent module's ``head_dim``), state other than nnx.Param. At the first trace: a parent
-reading a split module's Param or method (``self.emb.attend``), a colwise_vocab head whose logits
-never reach ``cross_entropy``, a loss that still varies over the axis (a colwise without g).
-
+Styles (nnx.Linear kernel (in, out)): colwise P(None, "tp") with f before; colwise_heads (a fused
+[q|k|v] kernel split by whole heads); rowwise P("tp", None) with g after (the bias added once);
+vocab_embed (nnx.Embed rows split); colwise_vocab (logits stay (B, T, V/tp) for ``cross_entropy``).
+Collectives: f = pcast(x, to="varying") (identity fwd, psum bwd), g = psum (identity bwd); siblings
+reading the same array share one f; the loss: pmax + one psum of (2, B, T), backward local.
+Bytes per step per device, a Llama-style model: (4L+2)·B·T·D·b + 3·B·T·b
+(shared.theory.tp_transformer_comm). Memory: split weights /tp (padded to ⌈V/tp⌉ rows), the rest whole.
+shard_map (check_vma) swaps the planned modules for stand-ins carrying f / g; jit places the same
+shards and XLA (GSPMD) inserts the collectives.
+``check_plan`` refuses what cannot be split exactly with one ``PlanError`` (what, module path, fix):
+docs/tp.md, "Bring your own model (JAX apply_plan)".
 Recipe (parallel/recipe.py, docs/recipe.md): optax sees the whole dict, vocabulary leaves padded and
 colwise_heads' columns reordered (``recipe.check`` refuses a ``tx`` that reads those shapes);
-``clip=max_norm`` (torch's formula), ``compute_dtype=`` (the Params cast inside the step). The stand-ins
-are pytrees of their module's arrays: a loss's own nnx.split -> astype -> nnx.merge casts them too.
+``clip=max_norm`` (torch's formula), ``compute_dtype=`` (the Params cast inside the step). A loss that
+maps over the model's state (nnx.split -> astype -> nnx.merge) meets the stand-ins: refused at the
+first trace, naming compute_dtype=.
+Papers: Megatron-LM, Shoeybi et al. 2019 (arXiv:1909.08053 §3).
 """
 
 from __future__ import annotations

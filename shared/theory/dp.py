@@ -39,7 +39,8 @@ def zero_state(params: float, shards: float, zero: int, precision: str = "mixed"
     """Bytes of ``params`` parameters' state, ZeRO stage ``zero`` over ``shards`` ranks (the ZeRO paper's
     Figure 1): stage 1 shards the optimizer, 2 also the gradients, 3 also the parameters. pure: b, b, 2b
     bytes per parameter (one dtype, as the runs); mixed: 2 (bf16), 2 (bf16), K = 12 (fp32 master, m, v):
-    16Φ unsharded, 4Φ + 12Φ/N at ZeRO-2, 16Φ/N at ZeRO-3."""
-    pb, gb, ob = (b, b, 2 * b) if precision == "pure" else (2, 2, 12)
+    16Φ unsharded, 4Φ + 12Φ/N at ZeRO-2, 16Φ/N at ZeRO-3; mixed-fp32-grads: Megatron-LM's fp32 main
+    gradients (--accumulate-allreduce-grads-in-fp32), 2 + 4 + 12 = 18 bytes per parameter."""
+    pb, gb, ob = {"pure": (b, b, 2 * b), "mixed-fp32-grads": (2, 4, 12)}.get(precision, (2, 2, 12))
     cut = lambda k, per: params * per / shards if zero >= k else params * per
     return {"params": cut(3, pb), "grads": cut(2, gb), "optimizer": cut(1, ob)}

@@ -43,7 +43,7 @@ def zero3_comm(cfg: Config, regather_first: bool = False) -> dict[str, tuple[int
 
 
 # --- fsdp (generic) ------------------------------------------------------------------------------
-# The hand-written ZeRO-2/3 (torch_impl.fsdp.FSDP / Zero2, jax_impl.fsdp shard_map) shard every
+# The hand-written ZeRO-2/3 (torch_impl.parallel.fsdp.FSDP / Zero2, jax_impl.fsdp shard_map) shard every
 # parameter with >= 2 dims along dim 0 (a "unit": W_l; wte, wpe, W_qkv, W_o, W_up, W_down, W_head)
 # and replicate the vectors (RMSNorm gains), whose gradients go through ONE flat all-reduce.
 # Exact when each unit's dim 0 (torch: Linear out-features, embedding rows) divides by N, which

@@ -14,13 +14,24 @@ Single device: the dp pattern on one rank / one device (no collective does anyth
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
 import time
 
-from shared.config import DTYPES, MODELS
+from parallel_twins.args import (
+    ArgumentError,
+    HelpFormatter,
+    Parser,
+    add_frameworks,
+    add_json,
+    add_quiet,
+    add_sizes,
+    add_training,
+    add_world_size,
+    check_output_path,
+)
+from shared.config import MODELS
 from shared.env import simulate_host_devices
 
 # name -> (pattern, style, variant, world size: 0 = --world-size)
@@ -101,7 +112,7 @@ def matrix(cfg, frameworks, folder, device="cpu", say=print) -> tuple[list[dict]
                 rows.append({"save": side(sfw, sname), "load": side(lfw, lname), "start_step": trained.start_step,
                              "losses": [float(x) for x in trained.losses], "max_rel_err": err,
                              "ok": trained.start_step == half and len(trained.losses) == cfg.steps - half
-                             and within({"e": err}, cfg.dtype, factor)})
+                             and within({"e": err}, cfg.dtype, factor, steps=cfg.steps)})
     return rows, {fw: {k: float(np.median(v)) for k, v in c.items() if v} for fw, c in cost.items()}
 
 
@@ -125,45 +136,35 @@ def print_matrix(rows, console) -> None:
 
 
 def matrix_main(argv) -> int:
-    p = argparse.ArgumentParser(prog="compare.py checkpoint", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=MODELS, default="mlp")
-    p.add_argument("--frameworks", default="torch,jax", help="comma list of torch, jax (default: both)")
-    p.add_argument("--world-size", type=int, default=2, metavar="N",
-                   help="ranks of every layout but single (default: 2)")
-    p.add_argument("--steps", type=int, default=4, metavar="S", help="save after S//2, continue to S (default: 4)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=64)
-    p.add_argument("--dtype", choices=DTYPES, default="float64")
+    p = Parser(prog="compare.py checkpoint", formatter_class=HelpFormatter, description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=MODELS, default="mlp", help="the workload")
+    add_frameworks(p)
+    add_world_size(p, 2, "ranks of every layout but single")
+    add_sizes(p, batch=16)
+    add_training(p, steps=4, steps_help="save after S//2, continue to S")
     p.add_argument("--dir", metavar="DIR", help="keep the checkpoints here (default: a temporary folder)")
-    p.add_argument("--json", metavar="PATH", help="write the rows here (default: none)")
-    p.add_argument("--quiet", action="store_true")
+    add_json(p, "the rows")
+    add_quiet(p, "no progress lines")
     try:
         args = p.parse_args(argv)
-        from compare import check_output_path
         from shared.config import Config
 
-        frameworks = [f for f in args.frameworks.split(",") if f]
-        if not frameworks or any(f not in LAYOUTS for f in frameworks):
-            raise ValueError(f"--frameworks {args.frameworks}: choose from torch, jax")
+        frameworks = args.frameworks
         check_output_path("--json", args.json)
         check_output_path("--dir", args.dir, directory=True)
         cfg = Config(model=args.model, world_size=args.world_size, layers=args.layers, dim=args.dim,
                      batch=args.batch, heads=args.heads, seq=args.seq, vocab=args.vocab, steps=args.steps,
-                     dtype=args.dtype)
+                     dtype=args.dtype, seed=args.seed, lr=args.lr, weight_decay=args.weight_decay)
         if args.steps < 2:
             raise ValueError(f"--steps {args.steps}: at least 2 (save after steps//2, then continue)")
         for fw in frameworks:
             for pattern, *_, w in LAYOUTS[fw].values():
                 cfg.replace(world_size=w or cfg.world_size).check(pattern)
-    except ValueError as exc:
+    except (ArgumentError, ValueError) as exc:
         print(f"compare.py checkpoint: error: {exc}", file=sys.stderr)
         return 2
     simulate_host_devices(cfg.world_size)  # before JAX starts
-    from report import make_console, write_json
+    from parallel_twins.report import make_console, write_json
 
     console = make_console()
     say = (lambda text: None) if args.quiet else (lambda text: console.print(text, highlight=False))
@@ -172,7 +173,7 @@ def matrix_main(argv) -> int:
         rows, cost = matrix(cfg, frameworks, args.dir or tmp, "cpu", say)
     print_matrix(rows, console)
     for fw, c in cost.items():
-        from report import fmt_bytes
+        from parallel_twins.report import fmt_bytes
 
         console.print(f"{fw} ({'DCP' if fw == 'torch' else 'Orbax'}): {fmt_bytes(int(c['bytes']))} in {c['files']:.0f} "
                       f"files per checkpoint; save {c['save_s'] * 1e3:.0f} ms, load {c['load_s'] * 1e3:.0f} ms "
@@ -182,5 +183,9 @@ def matrix_main(argv) -> int:
     console.print(f"verdict: {'all' if ok else f'{bad} of'} {len(rows)} save → load pairs "
                   f"{'agree' if ok else 'failed'} ({time.perf_counter() - t0:.0f} s)", highlight=False)
     if args.json:
-        write_json(args.json, {"config": vars(cfg), "rows": rows, "cost": cost, "ok": ok})
+        from shared.provenance import process_layout, provenance, stamp
+
+        block = provenance(["compare.py", "checkpoint", *argv], world_size=cfg.world_size,
+                           layout=process_layout(args.frameworks, cfg.world_size, "cpu"))
+        write_json(args.json, stamp({"config": vars(cfg), "rows": rows, "cost": cost, "ok": ok}, block))
     return 0 if ok else 1

@@ -17,7 +17,10 @@ from __future__ import annotations
 from matplotlib.colors import to_rgb
 from matplotlib.patches import Patch
 
-from plots import _IDLE, _KIND_COLOURS, _save, plt  # one style for every figure (and the Agg backend)
+from parallel_twins.plot_style import IDLE as _IDLE  # one style for every figure (and the Agg backend)
+from parallel_twins.plot_style import KIND_COLOURS as _KIND_COLOURS
+from parallel_twins.plot_style import plt
+from parallel_twins.plot_style import save as _save
 
 
 def _lighten(colour: str, t: float) -> tuple[float, float, float]:

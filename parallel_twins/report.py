@@ -12,13 +12,13 @@ compare.py runs; this module only formats what the runs returned (shared.results
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
 
 from rich.markup import escape
 
+from parallel_twins.args import write_output
 from shared.config import RECOMPUTE
 
 
@@ -32,13 +32,11 @@ def make_console(quiet: bool = False):
 
 
 def write_json(path: str, data) -> None:
-    """Strict JSON (no NaN / Infinity), written aside and renamed: a file is complete or absent."""
+    """Strict JSON (no NaN / Infinity), through args.write_output: a regular file written aside and
+    renamed (complete or absent), a FIFO or device written in place, ``-`` standard output."""
     from shared.results import _jsonable
 
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(_jsonable(data), f, indent=1)
-    os.replace(tmp, path)
+    write_output(path, json.dumps(_jsonable(data), indent=1))
 
 
 def fmt_bytes(n) -> str:

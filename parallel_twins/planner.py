@@ -23,14 +23,10 @@ import sys
 import time
 from dataclasses import replace
 
-from shared import plan
+from parallel_twins.args import ArgumentError, HelpFormatter, Parser, add_json, check_output_path, write_output
+from shared import efficiency, plan
 from shared.config import BYTES_PER_ELEMENT, Config, parse_mesh
 from shared.published import PRESETS, preset
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one clear line, exit 2
-        raise ValueError(message)
 
 
 def parse_bytes(text: str) -> float:
@@ -44,9 +40,7 @@ def parse_bytes(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from compare import HelpFormatter
-
-    p = _Parser(prog="compare.py plan", formatter_class=HelpFormatter,
+    p = Parser(prog="compare.py plan", formatter_class=HelpFormatter,
                 description="Rank the layouts of a transformer on a GPU cluster: memory per GPU, bytes per step per\n"
                             "axis, bubble, step time and MFU (docs/plan.md).")
     p.add_argument("--model", choices=("transformer",), default="transformer", help="the model family")
@@ -79,28 +73,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default="h100", metavar="NAME",
                    help=f"preset for memory, FLOP/s, HBM bandwidth, links: {', '.join(plan.GPUS)}")
     p.add_argument("--gpu-memory", type=parse_bytes, metavar="BYTES",
-                   help="bytes per GPU, e.g. 80GiB (default: the --gpu's)")
+                   help="bytes per GPU, e.g. 80GiB (default: the --gpu's, as the device reports it: H100 79.6 GiB)")
+    p.add_argument("--profile", metavar="PATH",
+                   help="what this machine achieves, from compare.py bench --profile (default: the --gpu's cited "
+                        "figures, shared/efficiency.py)")
+    p.add_argument("--fp8", action="store_true",
+                   help="matmuls at the GPU's dense FP8 peak (Transformer Engine; states and activations as --dtype)")
+    p.add_argument("--tp-overlap", action="store_true",
+                   help="tensor-parallel traffic hidden behind the matmuls (async TP; default: on the critical path)")
+    p.add_argument("--flops", choices=plan.FLOPS, default="causal",
+                   help="MFU's model FLOPs: causal attention (this planner, torchtitan), full attention (PaLM, "
+                        "Korthikanti eq. 7), megatron (full + the recomputed forward, Narayanan eq. 3)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "float64"), default="bfloat16",
                    help="parameters and activations")
     p.add_argument("--precision", choices=plan.PRECISIONS, default="mixed",
-                   help="mixed: bf16 params/grads + fp32 master, m, v (16 bytes/param); pure: one dtype (the runs)")
+                   help="mixed: bf16 params/grads + fp32 master, m, v (16 bytes/param); mixed-fp32-grads: Megatron's "
+                        "fp32 main grads (18); pure: one dtype (the runs)")
     p.add_argument("--style", choices=("builtin", "explicit"), default="builtin",
                    help="torch style whose calls are counted")
     p.add_argument("--attention", choices=("flash", "math"), default="flash",
                    help="flash keeps no T×T scores; math does (selective recompute drops them)")
-    p.add_argument("--peak-flops", type=float, metavar="FLOPS", help="FLOP/s per GPU (default: the --gpu's dense BF16)")
+    p.add_argument("--peak-flops", type=float, metavar="FLOPS",
+                   help="FLOP/s per GPU (default: the --gpu's dense tensor-core peak in --dtype; float32: TF32)")
     p.add_argument("--efficiency", type=float, metavar="F",
-                   help="fraction of peak the largest matmuls reach (default 0.8; --matmul flat: 0.6, every FLOP)")
+                   help="fraction of peak the largest matmuls reach (default: the --gpu's cited table, "
+                        "shared/efficiency.py: 0.8 A100, 0.79 H100/H200; --matmul flat: 0.6, every FLOP)")
     p.add_argument("--matmul", choices=("shapes", "flat"),
                    help="shapes: each matmul timed from its sharded shape (roofline; with --calibrate, the bench's "
                         "measured size table); flat: FLOPs at one efficiency (default: shapes, flat with --calibrate)")
-    p.add_argument("--hbm-bandwidth", type=float, metavar="B/S", help="HBM bytes/s (default: the --gpu's)")
+    p.add_argument("--hbm-bandwidth", type=float, metavar="B/S",
+                   help="HBM bytes/s of large copies (default: the --gpu's achieved, 0.9 of its datasheet)")
     p.add_argument("--headroom", type=float, default=0.1, metavar="F", help="fraction of GPU memory kept free")
     for where in ("intra", "inter"):
         p.add_argument(f"--alpha-{where}", type=float, metavar="S",
                        help=f"{where}-node latency per call, seconds (default: the --gpu's)")
         p.add_argument(f"--beta-{where}", type=float, metavar="B/S",
-                       help=f"{where}-node bus bandwidth, bytes/s (default: the --gpu's)")
+                       help=f"{where}-node bus bandwidth, bytes/s, every op (default: the --gpu's nccl-tests "
+                            "busbw per op)")
     p.add_argument("--layout", metavar="LAYOUT",
                    help="only layouts with these axis sizes, e.g. fsdp=128,tp=8,pp=16 (default: every layout)")
     p.add_argument("--pin", metavar="K=V,...",
@@ -108,9 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "v=chunks per rank (any that divides), trim=K (K blocks fewer on the first and last stage), "
                         "cp=ring|allgather (context parallelism's K|V exchange), scatter=on|off (Megatron's "
                         "scatter/gather pp sends), "
-                        "overlap=on|off (data traffic under the backward) (default: none: all searched)")
+                        "overlap=on|off|backward|last|none (the data axis' traffic under the whole backward: DDP "
+                        "buckets, FSDP2 prefetch; under the last micro-batch's: Megatron --overlap-grad-reduce; "
+                        "none) (default: none pinned: all searched, overlap backward)")
     p.add_argument("--top", type=int, default=8, metavar="K", help="layouts shown")
-    p.add_argument("--json", metavar="PATH", help="write the ranked layouts here as JSON (default: none)")
+    add_json(p, "the ranked layouts")
     p.add_argument("--calibrate", metavar="BENCH_JSON",
                    help="α–β per op and FLOP/s from compare.py bench --json (default: the --gpu's figures)")
     p.add_argument("--measured", metavar="RUN_JSON",
@@ -144,7 +155,9 @@ def parse_pins(text: str | None) -> dict:
         if not eq or key not in (*plan.PINS, "overlap"):
             raise ValueError(f"--pin: {item!r}: write key=value with key one of zero, recompute, sp, microbatches, "
                              f"v, trim, cp, scatter, overlap")
-        if key in ("sp", "overlap", "pp_scatter"):
+        if key == "overlap" and value in plan.OVERLAPS:
+            pins[key] = value
+        elif key in ("sp", "overlap", "pp_scatter"):
             if value.lower() not in _ON:
                 raise ValueError(f"--pin {key}={value}: write on or off")
             pins[key] = _ON[value.lower()]
@@ -167,22 +180,33 @@ def parse_pins(text: str | None) -> dict:
 
 def make_inputs(args):
     model = make_model(args)
-    gpu = plan.gpu(args.gpu)
-    link = lambda where: replace(gpu[where], **{k: v for k, v in (
-        ("alpha", getattr(args, f"alpha_{where}")), ("beta", getattr(args, f"beta_{where}"))) if v is not None})
+    plan.gpu(args.gpu)  # the known names, or ValueError
     if args.gpus < 1 or args.gpus_per_node < 1 or args.global_batch < 1:
         raise ValueError("--gpus, --gpus-per-node and --global-batch must be positive")
     shapes = args.matmul == "shapes" or (args.matmul is None and not args.calibrate)
-    efficiency = args.efficiency if args.efficiency is not None else 0.8 if shapes else 0.6
-    if not 0 < efficiency <= 1:
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
     if not 0 <= args.headroom < 1:
         raise ValueError(f"--headroom must be in [0, 1), got {args.headroom}")
     pins = parse_pins(args.pin)
-    cluster = plan.Cluster(args.gpus, args.gpus_per_node, args.gpu_memory or gpu["memory"],
-                           args.peak_flops or gpu["flops"], efficiency, link("intra"), link("inter"),
-                           args.headroom, args.hbm_bandwidth or gpu["hbm"], "shapes" if shapes else "flat",
-                           overlap=pins.pop("overlap", True))
+    profile = efficiency.load(args.profile) if args.profile else None
+    dtype = "float8" if args.fp8 else args.dtype
+    if args.measured and profile:  # each run's own dtype is looked up per run (measured_main)
+        dtype = next(dt for dt, key in efficiency.DTYPE_PEAK.items() if key in profile["peaks"])
+    cluster = plan.Cluster.preset(args.gpu, args.gpus, dtype, profile, gpus_per_node=args.gpus_per_node,
+                                  headroom=args.headroom, matmul="shapes" if shapes else "flat",
+                                  overlap=pins.pop("overlap", True), tp_overlap=args.tp_overlap)
+    if not shapes:  # flat: every FLOP at one efficiency (0.6 unless given)
+        cluster = replace(cluster, efficiency=0.6)
+    for where in ("intra", "inter"):  # a link given by hand: one α–β for every op
+        alpha, beta = getattr(args, f"alpha_{where}"), getattr(args, f"beta_{where}")
+        if alpha is not None or beta is not None:
+            old = getattr(cluster, where)
+            cluster = replace(cluster, **{where: plan.Link(old.alpha if alpha is None else alpha,
+                                                           old.beta if beta is None else beta)})
+    cluster = replace(cluster, **{k: v for k, v in (
+        ("memory", args.gpu_memory), ("flops", args.peak_flops), ("efficiency", args.efficiency),
+        ("hbm", args.hbm_bandwidth)) if v is not None})
     if args.calibrate:
         with open(args.calibrate) as f:
             args.bench = json.load(f)
@@ -238,18 +262,16 @@ def _gib(n) -> str:
 def plan_main(argv) -> int:
     try:
         args = build_parser().parse_args(argv)
-        from compare import check_output_path
-
         check_output_path("--json", args.json)
         model, cluster, want, pins = make_inputs(args)
-    except (ValueError, OSError, KeyError, argparse.ArgumentTypeError) as exc:
+    except (ArgumentError, ValueError, OSError, KeyError, argparse.ArgumentTypeError) as exc:
         print(f"compare.py plan: error: {exc}", file=sys.stderr)
         return 2
     if args.measured:
         return measured_main(args, cluster)
     from rich.table import Table
 
-    from report import make_console
+    from parallel_twins.report import make_console
 
     t0 = time.perf_counter()
     b = {**BYTES_PER_ELEMENT, "float16": 2}[args.dtype]  # fp16: bf16's bytes and (A100, H100) its peak
@@ -264,6 +286,8 @@ def plan_main(argv) -> int:
     over.sort(key=lambda p: p.memory["total"])
     seconds = time.perf_counter() - t0
     console = make_console()
+    mfu = lambda p: plan.model_flops(model, args.global_batch, args.flops) / (
+        p.time["step"] * p.layout.gpus * cluster.flops)
     moe = f", E={model.experts} k={model.topk} ({model.active_params / 1e9:.1f}B active)" if model.moe else ""
     kv = f" KV={model.kv}" if model.kv != model.heads else ""
     mlp = f"{'SwiGLU' if model.gated else 'MLP'} F={model.ffn}" + (" RoPE" if model.rope else "")
@@ -275,7 +299,8 @@ def plan_main(argv) -> int:
                   f"{len(fit) + len(over)} layouts in {seconds:.2f} s: {len(fit)} fit")
     table = Table(title="fastest layouts that fit (1F1B, or interleaved with v chunks per rank)")
     for col in ("#", "layout", "M×m", "v", "ZeRO", "sp", "recompute", "params/grads/opt/act GiB", "total / usable GiB",
-                "GiB per step per GPU by axis", "bubble", "step s (compute + exposed comm)", "MFU"):
+                "GiB per step per GPU by axis", "bubble", "step s (compute + exposed comm)", f"MFU ({args.flops})",
+                "HFU"):
         table.add_column(col, justify="left" if col in ("layout", "GiB per step per GPU by axis") else "right")
     seen = set()
     rows = []
@@ -296,7 +321,7 @@ def plan_main(argv) -> int:
                       f"{_gib(mem['total'])} / {_gib(cluster.usable)}", axes, f"{p.bubble:.2f}",
                       f"{p.time['step']:.2f} ({p.time['compute']:.2f} + "
                       f"{p.time['critical'] + p.time['exposed_data']:.2f})",
-                      f"{100 * p.mfu:.0f}%")
+                      f"{100 * mfu(p):.0f}%", f"{100 * p.hfu:.0f}%")
     if rows:
         console.print(table)
     if over:
@@ -319,11 +344,15 @@ def plan_main(argv) -> int:
         console.print("[red]no layout fits[/]: more GPUs, a smaller micro-batch or full recompute (all tried), or "
                       "more memory per GPU")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": vars(model), "cluster": {"gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
-                                                         "memory": cluster.memory, "flops": cluster.flops},
-                       "global_batch": args.global_batch, "seconds": seconds, "fit": [p.to_json() for p in fit[:100]],
-                       "over": [p.to_json() for p in over[:100]], "n_fit": len(fit), "n_over": len(over)}, f, indent=1)
+        from shared.provenance import provenance, stamp
+
+        block = provenance(["compare.py", "plan", *argv], world_size=None,
+                           layout={"gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node})
+        write_output(args.json, json.dumps(stamp(
+            {"model": vars(model), "cluster": {"gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
+                                               "memory": cluster.memory, "flops": cluster.flops},
+             "global_batch": args.global_batch, "seconds": seconds, "fit": [p.to_json() for p in fit[:100]],
+             "over": [p.to_json() for p in over[:100]], "n_fit": len(fit), "n_over": len(over)}, block), indent=1))
     return 0
 
 
@@ -349,14 +378,14 @@ def measured_main(args, cluster) -> int:
     ledger's (equal, or what differs), and the predicted step time against the measured median."""
     from rich.table import Table
 
-    from report import make_console
+    from parallel_twins.report import make_console
     from shared.theory import mesh_coords
 
     with open(args.measured) as f:
         data = json.load(f)
     console = make_console()
-    table = Table(title=f"plan vs measured ({args.measured}; α–β and FLOP/s "
-                        f"{'from ' + args.calibrate if args.calibrate else 'of the --gpu defaults'})")
+    source = f"from {args.calibrate or args.profile}" if args.calibrate or args.profile else "of the --gpu defaults"
+    table = Table(title=f"plan vs measured ({args.measured}; α–β and FLOP/s {source})")
     for col in ("run", "style", "ranks", "bytes per axis = ledger", "state = ledger", "step ms plan", "measured",
                 "error"):
         table.add_column(col)
@@ -385,8 +414,13 @@ def measured_main(args, cluster) -> int:
         same_state = all(plan.state(model, lay, stage(r), b, style, "pure") == {
             k: states[r][k] for k in ("params", "grads", "optimizer")} for r in range(len(states)))
         bad += not (same_comm and same_state)
-        here = plan.calibrated(cluster, args.bench, cfg.dtype, shapes=args.matmul == "shapes") \
-            if args.calibrate else cluster
+        if args.calibrate:
+            here = plan.calibrated(cluster, args.bench, cfg.dtype, shapes=args.matmul == "shapes")
+        elif args.profile:  # the profile's rate in the run's dtype, every link one machine's
+            here = replace(cluster, flops=efficiency.peak(efficiency.load(args.profile), cfg.dtype),
+                           gpus_per_node=max(cluster.gpus_per_node, cfg.world_size))
+        else:
+            here = cluster
         pred = plan.predict(model, lay, here, cfg.batch, b, "pure", style)
         measured = run.get("step_time_s")
         err = f"{100 * (pred.time['step'] / measured - 1):+.0f}%" if measured else "-"
@@ -397,6 +431,6 @@ def measured_main(args, cluster) -> int:
     if any(r["pattern"] == "ep" for r in data["runs"]):
         console.print("ep: the all-to-alls' bytes follow the routing; compared are their calls, the counts' "
                       "all-gathers and the gradients' all-reduce (tests/test_ep.py checks the routing formula)")
-    if not args.calibrate:
-        console.print("step times: the --gpu defaults' FLOP/s and links (--calibrate bench.json: this machine's)")
+    if not (args.calibrate or args.profile):
+        console.print("step times: the --gpu defaults' FLOP/s and links (--profile profile.json: this machine's)")
     return 1 if bad else 0

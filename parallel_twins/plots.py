@@ -19,16 +19,13 @@ import math
 import os
 import re
 
-import matplotlib
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator  # noqa: E402
+from parallel_twins.plot_style import plt  # pyplot on the Agg backend
+from parallel_twins.plot_style import save as _save
 
-_KIND_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
-_IDLE = dict(facecolor="#F2F2F2", hatch="///", edgecolor="#C8C8C8", linewidth=0)
 # one line style and marker per style (torch: explicit, builtin; JAX: shard_map, jit); the colour is per implementation
 _STYLE_LINES = {"explicit": ("-", "o"), "builtin": ("-.", "s"), "shard_map": ("--", "^"), "jit": (":", "D")}
 _FW_LINES = {"torch": ("-", "o"), "jax": ("--", "^")}
@@ -52,7 +49,7 @@ def _impl_styles(labels_styles: list[tuple[str, str]]) -> dict[str, dict]:
 
 
 def _run_key(r: dict, references=None) -> tuple[str, str]:
-    """(pattern, run key) of a run dict, as compare.run_key names its references: mesh runs by their
+    """(pattern, run key) of a run dict, as args.run_key names its references: mesh runs by their
     layout ("transformer dp=2,tp=2"), ep by its experts ("transformer E=4,k=2")."""
     model = r.get("model") or ""
     if r["pattern"] == "mesh":
@@ -75,11 +72,6 @@ def _config_of(cfg, key: str):
     return cfg.replace(model=key.split()[0], **changes)
 
 
-def _save(fig, path: str, dpi: int) -> None:
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
-
-
 # --- compare.py --plots ----------------------------------------------------------------------
 
 
@@ -94,7 +86,7 @@ def write_plots(directory, runs: list[dict], refs, cfg, patterns, bench=None) ->
       pp_<model>_<fw>_<style>_<variant>_timeline.png / _schedule.png   pp runs with a measured timeline
       bus_bandwidth.png                the collectives pattern, world size ≥ 2
     """
-    from plots_layouts import plot_pipeline_timeline, plot_schedule
+    from parallel_twins.plots_layouts import plot_pipeline_timeline, plot_schedule
     from shared import schedule  # pure Python
 
     os.makedirs(directory, exist_ok=True)

@@ -1,22 +1,26 @@
-"""A tensor-parallel PLAN applied to any ``nn.Module``: the model-generic half of tp (tp.py has the
-collectives, the project's plans and the training step).
+"""A tensor-parallel PLAN applied to any ``nn.Module``: each planned weight split over the tp ranks,
+every rank seeing the full batch.
 
     styles = check_plan(model, {"layers.*.attn.q": "colwise", "layers.*.attn.o": "rowwise"}, tp=2)
     styles = apply_plan(model, plan, group)            # explicit: shards + Megatron's f/g as hooks
     styles = apply_dtensor_plan(model, plan, mesh)     # builtin: parallelize_module with the same styles
     full = full_tensors(model, styles, group)          # every parameter whole again (padding dropped)
+    norm = clip_grad_norm_(model, max_norm, group)     # the global norm, either style (parallel/recipe.py)
 
-A plan maps module paths (``*`` = one path segment, as ``parallelize_module`` and torchtitan's
-``parallelize_llama``) to the styles listed in tp.py's docstring. ``check_plan`` refuses, before
-anything changes or communicates, what ``apply_plan`` cannot carry out exactly — a key matching no
-module, a style on a module it cannot split, sizes not divisible by tp, part of an attention head
-on a rank, one tied parameter split two ways, sequence parallelism leaving a replicated parameter
-unplanned — with one ``PlanError`` naming what, the module path and the fix. Biases: colwise splits
-them with the rows, rowwise adds them once, after g. Vocabularies: any V (embedding and head rows
-padded to ⌈V/tp⌉ per rank, the head's padded logits −inf so the softmax ignores them). Sibling
-projections that read the same input (q, k, v; gate, up) share one f (``SharedEnter``): a
-Llama-style block pays Megatron's 2 all-reduces forward and 2 backward, not one per projection.
-What a model must offer: docs/tp.md, "Bring your own model".
+A plan maps module paths (``*`` = one path segment) to a style (weights as nn.Linear stores them):
+colwise (output rows split; f before: identity fwd, all-reduce bwd), colwise_heads (whole heads),
+rowwise (input columns split; g after: all-reduce fwd, identity bwd), vocab_embed, colwise_vocab
+(logits stay vocab-split for VocabParallelCrossEntropy), colwise_out / colwise_gather (the MLP's
+all-gather schemes), sequence / positions (sequence parallelism: replicated, on T/tp tokens).
+Sibling projections reading the same input share one f (``SharedEnter``). Under sequence
+parallelism f becomes an all-gather of the sequence (bwd reduce-scatter) and g a reduce-scatter
+(bwd all-gather): the same wire bytes. The collectives: parallel/tp_ops.py.
+Bytes per step per rank, a Llama-style block: 2 all-reduces of B·T·D·b forward and 2 backward,
+plus the embedding's g, the head's f and the loss's (shared.theory.tp_transformer_comm).
+``check_plan`` refuses what ``apply_plan`` cannot carry out exactly with one ``PlanError`` (what,
+module path, fix), before anything changes: docs/tp.md, "Bring your own model".
+Papers: Megatron-LM, Shoeybi et al. 2019 (arXiv:1909.08053 §3); sequence parallelism, Korthikanti
+et al. 2022 (arXiv:2205.05198 §4.2.2).
 """
 
 from __future__ import annotations
@@ -27,13 +31,16 @@ from fnmatch import fnmatch
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
-from torch_impl.tp import (
-    DTENSOR_SP_STYLES,
-    DTENSOR_STYLES,
-    SEQUENCE_STYLES,
-    SHARD_DIM,
+from torch_impl.parallel import recipe
+from torch_impl.parallel.tp_ops import (
     CopyToTP,
     GatherColumns,
     ReduceFromTP,
@@ -42,6 +49,29 @@ from torch_impl.tp import (
     sp_gather,
     sp_scatter,
 )
+
+DTENSOR_STYLES = {
+    "vocab_embed": lambda: RowwiseParallel(input_layouts=Replicate()),  # as torchtitan's tok_embeddings
+    "colwise_heads": lambda: ColwiseParallel(),  # rows pre-permuted by heads_perm
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "colwise_vocab": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    "colwise_out": lambda: ColwiseParallel(output_layouts=Replicate()),
+}
+# Sequence parallelism: the same splits, and the modules between the matmuls run on this rank's
+# T/tp tokens. Their weights stay replicated with partial gradients.
+SEQUENCE_STYLES = ("sequence", "positions")
+DTENSOR_SP_STYLES = {  # torchtitan's parallelize_llama with sequence parallel
+    "vocab_embed": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "colwise_heads": lambda: ColwiseParallel(input_layouts=Shard(1)),  # all-gather the sequence first
+    "colwise": lambda: ColwiseParallel(input_layouts=Shard(1)),
+    "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)),  # reduce-scatter to the sequence shard
+    "colwise_vocab": lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    "sequence": lambda: SequenceParallel(),
+    "positions": lambda: SequenceParallel(sequence_dim=0, use_local_output=True),  # after local_positions
+}
+SHARD_DIM = {"colwise": 0, "colwise_heads": 0, "colwise_vocab": 0, "colwise_out": 0, "colwise_gather": 0,
+             "rowwise": 1, "vocab_embed": 0}  # dim of the torch weight that is split
 
 
 def matches(path: str, pattern: str) -> bool:
@@ -361,6 +391,25 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel:
             module.register_forward_hook(
                 lambda m, args, out, mask=mask: leave(out * mask["mine"].unsqueeze(-1), group))
     return styles
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, group=None) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` of the whole (unsharded) model, for a model after ``apply_plan``
+    (``group``: its tp group) or ``apply_dtensor_plan`` (group unused). Explicit: the split
+    parameters (those carrying ``tp_size``; padding rows have zero gradients) are summed over the
+    group by one scalar all-reduce, the replicated ones (norms, rowwise biases, SP's 'sequence'
+    parameters after ``reduce_sequence_grads``) counted once. DTensor: torch's own norm over the
+    DTensors plus the unplanned plain parameters once (``recipe.clip_dtensor_``; torch's
+    clip_grad_norm_ refuses the mix). Call after backward (and any gradient reduction), on every rank."""
+    params = [p for p in model.parameters() if p.requires_grad]  # a tied parameter once
+    if any(isinstance(p, DTensor) for p in params):
+        return recipe.clip_dtensor_(params, max_norm)
+    if group is None:
+        raise ValueError("tp.clip_grad_norm_: a model after apply_plan needs its tp group: clip_grad_norm_(model, "
+                         "max_norm, group)")
+    split = [p.grad for p in params if hasattr(p, "tp_size")]
+    whole = [p.grad for p in params if not hasattr(p, "tp_size")]
+    return recipe.clip_(split, whole, max_norm, group, params[0].dtype)
 
 
 def apply_dtensor_plan(model: nn.Module, plan: dict[str, str], mesh, sequence_parallel: bool = False) -> dict[str, str]:

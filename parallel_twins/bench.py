@@ -2,11 +2,12 @@
 
     python compare.py bench --frameworks torch,jax --world-size 4 --json bench.json
 
-For each op (all-reduce, all-gather, reduce-scatter, all-to-all) and size: warm-up, repeated timed
-iterations, the median; ``algbw`` = size / time and ``busbw`` = algbw × nccl-tests' bus factor
-(shared.plan.bus_factor); then a latency/bandwidth fit ``t = α + n/β`` per op. With torch it also
-measures the matmul FLOP/s each rank gets while every rank multiplies (what ``plan --calibrate``
-reads). Torch ranks import this module (``_torch_bench``): its top level imports no JAX.
+For each op (all-reduce, all-gather, reduce-scatter, all-to-all) and size: warm-up, then the timed
+iterations (torch on CPU: the median of calls timed alone, gloo's calls block; torch on CUDA and JAX:
+back to back between two blocks, divided by their number); ``algbw`` = size / time and ``busbw`` =
+algbw × nccl-tests' bus factor (shared.plan.bus_factor); then a latency/bandwidth fit ``t = α + n/β``
+per op. With torch it also measures the matmul FLOP/s each rank gets while every rank multiplies
+(what ``plan --calibrate`` reads). Torch ranks import this module (``_torch_bench``): its top level imports no JAX.
 """
 
 from __future__ import annotations
@@ -15,29 +16,43 @@ import argparse
 import sys
 import time
 
-from compare import FRAMEWORKS, ArgumentError, HelpFormatter, _csv, _Parser, check_devices, check_output_path
+from parallel_twins.args import (
+    ArgumentError,
+    HelpFormatter,
+    Parser,
+    add_device,
+    add_frameworks,
+    add_json,
+    add_quiet,
+    add_world_size,
+    check_devices,
+    check_output_path,
+    csv_list,
+)
 from shared.collectives import BENCH_OPS  # NumPy only: safe before JAX starts
 from shared.env import simulate_host_devices
 
 
 def build_bench_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="compare.py bench", formatter_class=HelpFormatter,
-                description="nccl-tests-style bandwidth sweep of the collectives (median time, algbw, busbw, "
-                            "an α–β fit per op) and each torch rank's matmul FLOP/s.")
-    p.add_argument("--frameworks", type=_csv(FRAMEWORKS), default=list(FRAMEWORKS), metavar="LIST",
-                   help=f"comma list of {', '.join(FRAMEWORKS)}")
-    p.add_argument("--world-size", type=int, default=4, help="ranks / devices (>= 2)")
-    p.add_argument("--ops", type=_csv(BENCH_OPS), default=list(BENCH_OPS), metavar="LIST",
+    p = Parser(prog="compare.py bench", formatter_class=HelpFormatter,
+               description="nccl-tests-style bandwidth sweep of the collectives (time per call, algbw, busbw, "
+                           "an α–β fit per op) and each torch rank's matmul FLOP/s.")
+    add_frameworks(p)
+    add_world_size(p, 4, "ranks / devices (>= 2)")
+    p.add_argument("--ops", type=csv_list(BENCH_OPS), default=list(BENCH_OPS), metavar="LIST",
                    help=f"comma list of {', '.join(BENCH_OPS)}")
     p.add_argument("--min-bytes", type=int, default=4 * 1024, help="smallest message (bytes)")
     p.add_argument("--max-bytes", type=int, default=None,
                    help="largest message, bytes; sizes step ×4 (default: 16 MiB on CPU, 256 MiB on GPUs)")
-    p.add_argument("--iters", type=int, default=10, help="timed iterations per size (the median is reported)")
+    p.add_argument("--iters", type=int, default=10,
+                   help="timed iterations per size (gloo: their median; CUDA and JAX: back to back, their mean)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations per size first")
-    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
-                   help="gpu: NCCL / JAX on GPUs, or refuse; cpu: gloo / simulated devices; auto: GPUs if enough")
-    p.add_argument("--json", metavar="PATH", default=None,
-                   help="write {world_size, results, fits, compute} here as JSON (default: none)")
+    add_device(p)
+    add_json(p, "{world_size, results, fits, compute, memcpy}")
+    p.add_argument("--profile", metavar="PATH", default=None,
+                   help="write what this machine achieves (matmul rates by size, busbw per op, memcpy) as the "
+                        "table compare.py plan --profile reads (shared/efficiency.py) (default: none)")
+    add_quiet(p, "print nothing (with --json: the measurements go there only)")
     return p
 
 
@@ -56,6 +71,9 @@ def bench_main(argv) -> int:
         if args.iters < 1 or args.warmup < 0:
             raise ValueError("--iters must be >= 1 and --warmup >= 0")
         check_output_path("--json", args.json)
+        check_output_path("--profile", args.profile)
+        if args.profile and "torch" not in args.frameworks:
+            raise ValueError("--profile needs the torch framework (it measures the matmuls and the copies)")
         simulate_host_devices(args.world_size)  # before JAX starts
         check_devices(args.frameworks, args.world_size, args.device)
     except (ArgumentError, ValueError) as exc:
@@ -63,7 +81,7 @@ def bench_main(argv) -> int:
         return 2
     from rich.table import Table
 
-    from report import fmt_bytes, make_console, write_json
+    from parallel_twins.report import fmt_bytes, make_console, write_json
     from shared.collectives import fit_per_op
 
     sizes, s = [], args.min_bytes
@@ -75,12 +93,24 @@ def bench_main(argv) -> int:
     fits = [{"framework": fw, "op": op, **fit} for fw in args.frameworks
             for op, fit in fit_per_op([r for r in results if r["framework"] == fw]).items()]
     compute = {}  # every torch rank multiplying at once: the FLOP/s a rank of a run gets (plan --calibrate)
-    for dtype in matmul[0] if matmul else ():
+    for dtype in [k for k in matmul[0] if k not in ("memcpy", "memory")] if matmul else ():
         compute[dtype] = {n: sorted(r[dtype][n] for r in matmul)[len(matmul) // 2] for n in matmul[0][dtype]}
+    memcpy = sorted(r["memcpy"] for r in matmul)[len(matmul) // 2] if matmul else 0.0
     if args.json:  # first: nothing printed below can lose the measurements
-        write_json(args.json, {"world_size": args.world_size, "results": results, "fits": fits, "compute": compute})
-    console = make_console()
-    table = Table(title=f"collective bandwidth, world size {args.world_size} (median of {args.iters})")
+        from shared.provenance import process_layout, provenance, stamp
+
+        block = provenance(["compare.py", "bench", *argv], world_size=args.world_size,
+                           layout=process_layout(args.frameworks, args.world_size, args.device))
+        write_json(args.json, stamp({"world_size": args.world_size, "results": results, "fits": fits,
+                                     "compute": compute, "memcpy": memcpy}, block))
+    if args.profile:
+        from shared import efficiency
+
+        efficiency.save(args.profile, efficiency.from_bench(
+            {"world_size": args.world_size, "fits": fits, "compute": compute, "results": results}, memcpy,
+            matmul[0].get("memory")))
+    console = make_console(quiet=args.quiet)
+    table = Table(title=f"collective bandwidth, world size {args.world_size} ({args.iters} timed calls per size)")
     for col in ("framework", "op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):
         table.add_column(col, justify="left" if col in ("framework", "op") else "right", overflow="fold")
     for r in results:
@@ -108,7 +138,7 @@ def run_bench(frameworks, world_size, ops, sizes, iters, warmup, device, matmul=
 
             per_rank = launch(_torch_bench, world_size, tuple(ops), tuple(sizes), iters, warmup, matmul, device=device)
             results += per_rank[0]["rows"]
-            rates = [r["matmul"] for r in per_rank] if matmul else []
+            rates = [r["matmul"] for r in per_rank] if matmul else []  # {dtype: {n: FLOP/s}, "memcpy", "memory"}
         else:
             from jax_impl.collectives import bench
             from jax_impl.devices import make_mesh
@@ -128,7 +158,7 @@ def _torch_matmul(ctx, sizes=None, iters=20) -> dict:
     cuda = ctx.device.type == "cuda"
     sizes = sizes or ((256, 1024, 4096) if cuda else (32, 64, 128, 256))
     out = {}
-    for dtype in ("float64", "float32"):
+    for dtype in ("float64", "float32") + (("bfloat16",) if cuda else ()):  # a GPU's tensor-core dtype too
         out[dtype] = {}
         for n in sizes:
             a = torch.randn(n, n, dtype=getattr(torch, dtype), device=ctx.device)
@@ -151,6 +181,20 @@ def _torch_matmul(ctx, sizes=None, iters=20) -> dict:
                     times.append(time.perf_counter() - t0)
                 seconds = sorted(times)[iters // 2]
             out[dtype][str(n)] = 2 * n ** 3 / seconds
+    src = torch.empty(2 ** 22 if not cuda else 2 ** 28, dtype=torch.uint8, device=ctx.device)  # 4 MiB / 256 MiB
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):  # a device copy reads and writes every byte: 2·size per copy
+        if cuda:
+            torch.cuda.synchronize(ctx.device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if cuda:
+            torch.cuda.synchronize(ctx.device)
+        times.append(time.perf_counter() - t0)
+    out["memcpy"] = 2 * src.numel() / sorted(times)[2]
+    if cuda:  # the capacity as the device reports it (the planner's memory)
+        out["memory"] = torch.cuda.get_device_properties(ctx.device).total_memory
     return out
 
 

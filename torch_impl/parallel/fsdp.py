@@ -1,5 +1,6 @@
-"""The hand-written ZeRO wrappers, for ANY nn.Module (fsdp.py's explicit styles; its docstring has
-the pattern, the collectives and the bytes per step).
+"""The hand-written ZeRO wrappers, for ANY nn.Module (ZeRO: Rajbhandari et al. 2020,
+arXiv:1910.02054; FSDP: Zhao et al. 2023, arXiv:2304.11277). The runner torch_impl/fsdp.py's
+docstring has the collectives and the bytes per step.
 
     model = FSDP(module)          # ZeRO-3: parameters, gradients and AdamW state sharded by rows
     model = Zero2(module)         # ZeRO-2: full parameters; gradients and AdamW state sharded
@@ -10,16 +11,24 @@ gains, biases) stay replicated and their gradients are averaged by ONE flat all-
 must be read inside the forward of a module that holds it: a read elsewhere while the wrapped
 forward runs raises ``ShardReadError`` naming it and the remedy. Frozen parameters are gathered,
 never reduce-scattered. ``comm_theory()`` / ``state_theory()`` come from the module wrapped
-(torch_impl.model_theory), so "vs theory" holds for a model the project does not own.
+(parallel/theory.py), so "vs theory" holds for a model the project does not own.
+
+The recipe (docs/recipe.md, "## torch"): ``clip_grad_norm_(max_norm)`` after
+``finish_gradient_synchronization()`` clips by the global norm (shards' squares all-reduced, vectors
+once: parallel/recipe.py); ``no_sync()`` accumulates micro-batches with one reduction per step;
+reductions of several backward passes ADD; an optimizer holding a full matrix the wrapper replaced
+is refused at its first step (recipe.refuse_stale).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from torch_impl import model_theory
+from torch_impl.parallel import recipe, theory
 
 
 class Unit:
@@ -160,8 +169,11 @@ class FSDP(nn.Module):
         self.module, self.compute_dtype = module, compute_dtype
         self.group = group if group is not None else dist.group.WORLD
         self.n, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        self._infos = model_theory.describe(module)  # full shapes, before sharding: comm_theory()
+        self._infos = theory.describe(module)  # full shapes, before sharding: comm_theory()
+        originals = {name: p for name, p in module.named_parameters() if p.dim() >= 2}
         self.units, self.replicated = split_params(module, rank, self.n)
+        recipe.refuse_stale(originals, "FSDP", "build the optimizer (and its param groups) AFTER wrapping, from "
+                            "fsdp.module.named_parameters() (the shards keep the names)")
         self.unit_of_name = {}  # parameter name -> Unit (shards keep their original names)
         shard_ids = {id(u.shard): u for _, _, u in self.units}
         for name, p in module.named_parameters():
@@ -180,6 +192,8 @@ class FSDP(nn.Module):
         self._fwd_order = [u for _, _, u in self.units]  # first step: registration order
         self._pending = []  # reduce-scatters in flight: (unit, out, work, input)
         self._forwarding = False  # inside forward(); False while backward recomputes a checkpointed block
+        self.require_sync = True  # False inside no_sync(): full gradients accumulate locally, unsent
+        self._held = {}  # Unit -> (N·⌈R/N⌉, …) full local gradient summed over no_sync() micro-batches
 
     def _read_message(self, path: str, owner: nn.Module, attr: str, unit: Unit) -> str:
         name = f"{path}.{attr}" if path else attr
@@ -292,6 +306,11 @@ class FSDP(nn.Module):
 
     def _reduce_scatter(self, unit: Unit, grad: torch.Tensor) -> None:
         g = unit.pad(grad.to(unit.shard.dtype))  # (N·⌈R/N⌉, …) reduced in the master dtype
+        if unit in self._held:
+            g = g + self._held.pop(unit)  # the no_sync() micro-batches' sum joins this reduction
+        if not self.require_sync:
+            self._held[unit] = g  # FSDP's no_sync: the full (unsharded) gradient is kept, nothing sent
+            return
         out = torch.empty_like(unit.shard)  # (⌈R/N⌉, …)
         work = dist.reduce_scatter_single(out, g, group=self.group, async_op=True)
         self._pending.append((unit, out, work, g))  # g must live until the work is done
@@ -299,6 +318,11 @@ class FSDP(nn.Module):
     def finish_gradient_synchronization(self) -> None:
         """Wait for every reduce-scatter (shard.grad = Σ ranks / N; accumulates over calls) and
         average the replicated vectors' gradients with one flat all-reduce."""
+        if not self.require_sync:
+            return  # inside no_sync(): the vectors' gradients accumulate in p.grad, unsent
+        if self._held:
+            raise RuntimeError("FSDP: the last backward ran inside no_sync(), so its gradients were never reduced. "
+                               "Fix: run the last micro-batch's backward outside the no_sync() block")
         for unit, out, work, _ in self._pending:
             work.wait()
             out.div_(self.n)
@@ -306,23 +330,47 @@ class FSDP(nn.Module):
         self._pending.clear()
         average_flat([p.grad for _, _, p in self.replicated if p.grad is not None], self.group)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation without communication (torch FSDP's no_sync): backward passes inside
+        keep each unit's full local gradient (the memory of an unsharded gradient); the first
+        backward outside reduce-scatters their sum with its own. Exact: the reduction is linear."""
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = True
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """After ``finish_gradient_synchronization()``: the global norm (torch's clip_grad_norm_ on
+        one process) — units' shards' squares all-reduced (their padding rows are zero), the
+        replicated vectors counted once — and every gradient clipped by it. One scalar all-reduce."""
+        units = {id(u): u for _, _, u in self.units}.values()  # a tied unit once
+        self.clipped = True
+        return recipe.clip_([u.shard.grad for u in units], [p.grad for _, _, p in self.replicated],
+                            max_norm, self.group, self._dtype())
+
+    def _dtype(self) -> torch.dtype:
+        return next(p.dtype for p in self.module.parameters())
+
     def comm_theory(self) -> dict[str, tuple[int, int]]:
-        """Per step per rank, from the module wrapped (model_theory.zero3_comm): an all-gather per
+        """Per step per rank, from the module wrapped (theory.zero3_comm): an all-gather per
         holder of each unit in forward, a reduce-scatter per holder of each trainable one, one
         all-reduce of the trainable vectors, and a re-gather in backward of each unit whose weight
         the last forward kept for backward (before any forward: every unit not held by an
-        nn.Embedding — model_theory.default_regathered)."""
+        nn.Embedding — theory.default_regathered)."""
         regathered = None
         if hasattr(self, "_bwd_order"):
             names = {id(u): name for name, u in self.unit_of_name.items()}
             regathered = [names[id(u)] for u in self._bwd_order if id(u) in names]
         itemsize = torch.empty((), dtype=self.compute_dtype).element_size() if self.compute_dtype else None
-        return model_theory.zero3_comm(self._infos, self.n, regathered, itemsize)
+        comm = theory.zero3_comm(self._infos, self.n, regathered, itemsize)
+        return recipe.with_clip(comm, self._dtype().itemsize, getattr(self, "clipped", False))
 
     def state_theory(self) -> dict[str, int]:
         """Per rank with AdamW: shards of every unit (⌈R/N⌉ rows), vectors whole; gradients and 2
-        moments of the trainable ones (model_theory.zero3_state)."""
-        return model_theory.zero3_state(self._infos, self.n)
+        moments of the trainable ones (theory.zero3_state)."""
+        return theory.zero3_state(self._infos, self.n)
 
     def full_tensor(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's tensor of parameter ``name`` (shard or replicated; parameter or gradient)
@@ -348,7 +396,8 @@ class Zero2:
         self.module, self.group = module, group if group is not None else dist.group.WORLD
         self.n, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.names, self.params, self.units, self._pending = [], [], {}, []
-        self._infos = model_theory.describe(module)
+        self.require_sync = True
+        self._infos = theory.describe(module)
         for name, p in module.named_parameters():
             if not p.requires_grad:
                 continue  # frozen: no gradient to reduce, nothing to update (as BucketedDDP / Zero1 / FSDP)
@@ -361,27 +410,71 @@ class Zero2:
             self.units[name] = unit
             self.params.append(unit.shard)
             p.register_post_accumulate_grad_hook(lambda p, u=unit: self._reduce_scatter(u, p))
+        recipe.refuse_stale({n: u.full for n, u in self.units.items()}, "Zero2",
+                            "build the optimizer (and its param groups) from Zero2's named_parameters() / params")
 
     def comm_theory(self) -> dict[str, tuple[int, int]]:
-        """Per step per rank (model_theory.zero2_comm): a reduce-scatter and an all-gather per
+        """Per step per rank (theory.zero2_comm): a reduce-scatter and an all-gather per
         trainable unit (rows padded to N), one all-reduce of the trainable vectors."""
-        return model_theory.zero2_comm(self._infos, self.n)
+        comm = theory.zero2_comm(self._infos, self.n)  # + the norm's scalar all-reduce if the last step clipped
+        return recipe.with_clip(comm, self.params[0].dtype.itemsize, getattr(self, "clipped", False))
 
     def state_theory(self) -> dict[str, int]:
-        return model_theory.zero2_state(self._infos, self.n)
+        return theory.zero2_state(self._infos, self.n)
+
+    def named_parameters(self):
+        """(name, what the optimizer gets) in the module's order: row shards of the matrices (still
+        >= 2-D, so ``p.dim() >= 2`` masks work), the vectors themselves. Build param groups (decay
+        masks) from THIS, not from ``module.named_parameters()``: those full matrices get no gradient."""
+        return list(zip(self.names, self.params))
 
     def _reduce_scatter(self, unit: Unit, p: nn.Parameter) -> None:
+        if not self.require_sync:
+            return  # no_sync(): p.grad keeps accumulating on the full matrix, unsent
         out = torch.empty_like(unit.shard)  # (⌈R/N⌉, …)
         g = unit.pad(p.grad)
         self._pending.append((unit, out, dist.reduce_scatter_single(out, g, group=self.group, async_op=True), g))
         p.grad = None  # the full gradient is not kept
 
     def finish_gradient_synchronization(self) -> None:
+        """shard.grad += Σ ranks / N for every reduce-scatter of this step (ADDS: micro-batches
+        reduced one by one accumulate), then the vectors' one flat all-reduce."""
+        if not self.require_sync:
+            return
+        self.check_optimizer_params()
         for unit, out, work, _ in self._pending:
             work.wait()
-            unit.shard.grad = out.div_(self.n)
+            out.div_(self.n)
+            unit.shard.grad = out if unit.shard.grad is None else unit.shard.grad.add_(out)
         self._pending.clear()
         average_flat([p.grad for p in self.params if p.dim() < 2 and p.grad is not None], self.group)
+
+    def check_optimizer_params(self) -> None:
+        """Refuse a full matrix still holding a gradient at the synchronisation: the last backward
+        ran inside no_sync(), so nothing was reduced."""
+        for name, unit in self.units.items():
+            if unit.full.grad is not None:
+                raise RuntimeError(f"Zero2: {name!r} {tuple(unit.shape)} kept a full gradient: its backward ran "
+                                   "inside no_sync() with no synced backward after it. Fix: run the last "
+                                   "micro-batch's backward outside no_sync()")
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation without communication: matrices' gradients accumulate on the full
+        parameters (the first backward outside reduce-scatters their sum); vectors' in p.grad."""
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = True
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """After ``finish_gradient_synchronization()``: the global norm (shards' squares all-reduced,
+        the replicated vectors once) and every gradient the optimizer sees clipped by it."""
+        shards = [u.shard.grad for u in self.units.values()]
+        vectors = [p.grad for p in self.params if p.dim() < 2]
+        self.clipped = True
+        return recipe.clip_(shards, vectors, max_norm, self.group, self.params[0].dtype)
 
     def all_gather_params(self) -> None:
         works = []

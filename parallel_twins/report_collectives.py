@@ -7,7 +7,7 @@ other collectives than the hand-written shard_map step, one line says which.
 
 from __future__ import annotations
 
-from report import fmt_bytes
+from parallel_twins.report import fmt_bytes
 from shared.config import parse_mesh
 
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from importlib import metadata
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding parallel_twins, jax_impl
 
 _TORCH_PROBE = r"""
 import json, torch
@@ -90,7 +90,7 @@ def _majors(pkgs: dict[str, str]) -> list[str]:
 
 def _run(title: str, argv: list[str], timeout: float = 900) -> bool:
     print(f"\n== {title}: python compare.py {' '.join(argv)}", flush=True)
-    out = subprocess.run([sys.executable, "compare.py", *argv], cwd=HERE, text=True, timeout=timeout,
+    out = subprocess.run([sys.executable, "-m", "parallel_twins.cli", *argv], cwd=HERE, text=True, timeout=timeout,
                          capture_output=True)
     tail = (out.stdout + out.stderr).strip().splitlines()[-6:]
     print("\n".join("   " + line for line in tail))
@@ -133,6 +133,9 @@ def doctor_main(argv: list[str]) -> int:
             k = sum(d.startswith("gpu") for d in jx["devices"])
             ok &= _run(f"JAX on {k} GPU(s)", ["--device", "gpu", "--frameworks", "jax", "--world-size", str(k),
                                               "--dtype", "float32", "--steps", "3", "--quiet"])
+    if n > 1:  # what this node achieves, as the table compare.py plan --profile reads (docs/plan.md)
+        print(f"\nfor the planner: python compare.py bench --frameworks torch --device gpu --world-size {n} "
+              "--profile profile.json, then python compare.py plan --profile profile.json ...")
     print("\nsend back: everything above (or python compare.py doctor > doctor.txt 2>&1), plus "
           "`nvidia-smi` and `pip list | grep -i -e nvidia -e cuda -e jax -e torch`")
     return 0 if ok else 1

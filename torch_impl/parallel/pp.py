@@ -1,29 +1,23 @@
-"""Pipeline parallelism (GPipe, 1F1B) for ANY nn.Module that offers a stage split: the twin of
-jax_impl/pp_seam.py. pp.py has the pattern (GPipe, 1F1B, interleaved, ZB-H1 by hand and builtin) for
-the project's blocks; here the stages may differ in everything but the message between them.
+"""Pipeline parallelism (GPipe, 1F1B) for any ``nn.Module`` that offers a stage split, over
+torch.distributed.pipelining: the twin of jax_impl/parallel/pp.py. (The project's hand-written
+schedules: torch_impl/pp.py.)
 
-What a model must offer (the seam): a forward that IS a chain of submodules, given as module paths
-per stage — ``stages=[["embed", "blocks.0"], ["blocks.1", "norm", "head"]]`` — so that
-``model(x) == head(norm(blocks.1(blocks.0(embed(x)))))``; the first ``train_step`` checks that
-equality on the first micro-batch and refuses a model whose forward is something else. Every
-parameter must belong to one stage (a tie across stages is refused). Every stage boundary carries
-the same activation shape and dtype (the "message"); the loss is ``loss(output, target)`` on the
-last stage's output, a mean over the micro-batch's rows.
+The seam: a forward that IS a chain of submodules, given as module paths per stage —
+``stages=[["embed", "blocks.0"], ["blocks.1", "norm", "head"]]`` — checked on the first micro-batch;
+every parameter in one stage; the same activation shape and dtype at every boundary; the loss a mean
+over the micro-batch's rows, on the last stage's output.
 
     trainer = pipeline(model, stages, loss, lambda ps: torch.optim.AdamW(ps), group, microbatches=4)
     loss_value = trainer.train_step(x, y)   # the full batch on every rank; the loss on every rank
+    trainer.train_step(x, y, accumulate=2, max_norm=1.0)  # 2 batches of B/2 per step, clipped by the global norm
 
-Built on torch.distributed.pipelining, the path a user would take: this rank's modules in an
-``nn.Sequential`` (the model's own modules: they train in place), one ``PipelineStage`` given the
-message's shape (no shape-inference round trip), ``ScheduleGPipe`` or ``Schedule1F1B`` with
-``loss_fn=loss`` and ``scale_grads=True`` (the summed micro-batch gradients divided by M: the
-full-batch mean's). The project's hand-written schedules (pp.py) build their stages from the
-project's Config, so they are not used here. Sharded: stage s's parameters, gradients and optimizer
-state on rank s; the batch cut into M micro-batches along dim 0 (inputs read by stage 0, targets
-by stage S−1). Per step per rank: the message forward and its gradient back across each boundary
-the rank touches — stage s sends and receives M·((s < S−1) + (s > 0)) messages of
-(B/M, …)·b each (send/recv: the project ledger sees them) — and one broadcast of the loss from the
-last stage (b).
+Sharded: stage s's parameters, gradients and optimizer state on rank s; the batch cut into M
+micro-batches (inputs read by stage 0, targets by stage S−1); ``scale_grads=True`` divides the
+summed micro-batch gradients by M.
+Collectives: none; send/recv of the message forward and its gradient back across each boundary
+the rank touches: M·((s < S−1) + (s > 0)) messages of (B/M, …)·b on stage s, and one broadcast of
+the loss from the last stage (b).
+Papers: GPipe, Huang et al. 2019 (arXiv:1811.06965); 1F1B, Narayanan et al. 2021 (arXiv:2104.04473).
 """
 
 from __future__ import annotations
@@ -34,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from torch_impl.parallel import recipe
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -92,8 +88,12 @@ def check_chain(model: nn.Module, stages: list[list[nn.Module]], x: torch.Tensor
 
 
 class Trainer:
-    """``pipeline``'s result: ``train_step(x, y)`` -> the mean loss (every rank), ``named_parameters()``
-    (this rank's stage, the model's names), ``comm_theory()``."""
+    """``pipeline``'s result: ``train_step(x, y, accumulate=1, max_norm=None)`` -> the mean loss (every
+    rank), ``named_parameters()`` (this rank's stage, the model's names), ``optimizer`` (a torch
+    optimizer over this stage's trainable parameters: lr schedulers drive it), ``comm_theory()``.
+    The optimizer callable gets the stage's parameters, the model's own tensors: build param groups
+    by identity with masks computed on the whole model (``decay = {id(p) for n, p in
+    model.named_parameters() if ...}``) or by ``p.dim()``."""
 
     def __init__(self, model, stages, loss, optimizer, group, microbatches, schedule):
         self.model, self.paths, self.loss, self.group, self.m = model, stages, loss, group, microbatches
@@ -102,6 +102,7 @@ class Trainer:
         self.mine = nn.Sequential(*self.modules[self.rank])
         self.optimizer = optimizer([p for p in self.mine.parameters() if p.requires_grad])
         self.schedule, self.message = None, None  # built at the first step, from the checked chain
+        self.clipped = False  # the last step clipped: one more all-reduce in comm_theory
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         return {f"{path}.{k}": p for path in self.paths[self.rank]
@@ -127,20 +128,51 @@ class Trainer:
         self.message = (shapes[0], dt) if self.n > 1 else None
         self._last = dist.get_global_rank(self.group, last)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        if self.schedule is None:
-            self._build(x, y)
-        self.optimizer.zero_grad(set_to_none=True)
+    def _run(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One schedule over x's M micro-batches: the gradients of their mean; the mean loss (last stage)."""
         s, last = self.rank, self.n - 1
         args, losses = ((x,) if s == 0 else ()), []
         if s == last:
             self.schedule.step(*args, target=y, losses=losses)  # M micro-batch means
-            value = torch.stack(losses).mean().detach()
-        else:
-            self.schedule.step(*args)
-            value = torch.zeros((), dtype=self.message[1], device=x.device)
+            return torch.stack(losses).mean().detach()
+        self.schedule.step(*args)
+        return torch.zeros((), dtype=self.message[1], device=x.device)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, accumulate: int = 1,
+                   max_norm: float | None = None) -> float:
+        """One optimizer step on the batch (x, y). ``accumulate`` K: the batch is cut into K equal
+        parts along dim 0, each run through the schedule (M micro-batches each) and the K gradients
+        averaged (the full batch's mean; the K runs' messages are K× one run's). ``max_norm``: clip
+        by the global norm (the stages' squares summed over the group: one scalar all-reduce)."""
+        if accumulate < 1 or x.shape[0] % accumulate or y.shape[0] % accumulate:
+            raise StageError(f"pp: accumulate={accumulate} must be >= 1 and divide the batch dim 0 ({x.shape[0]})")
+        xs, ys = x.chunk(accumulate), y.chunk(accumulate)
+        if self.schedule is None:
+            self._build(xs[0], ys[0])
+            self._rows = xs[0].shape[0]
+        if xs[0].shape[0] != self._rows:
+            raise StageError(f"pp: the stages were built for parts of {self._rows} rows (batch / accumulate); this "
+                             f"step's are {xs[0].shape[0]}: keep batch / accumulate fixed across steps")
+        self.optimizer.zero_grad(set_to_none=True)
+        params = [p for p in self.mine.parameters() if p.requires_grad]
+        sums, values = [None] * len(params), []
+        for xi, yi in zip(xs, ys):
+            values.append(self._run(xi, yi))
+            if accumulate > 1:  # the schedule scales every p.grad by 1/M: keep each run's apart
+                for i, p in enumerate(params):
+                    if p.grad is not None:
+                        sums[i] = p.grad if sums[i] is None else sums[i].add_(p.grad)
+                    p.grad = None
+        if accumulate > 1:
+            for p, g in zip(params, sums):
+                p.grad = None if g is None else g.div_(accumulate)
+        value = torch.stack(values).mean()
         if self.n > 1:
             dist.broadcast(value, self._last, group=self.group)
+        self.clipped = max_norm is not None
+        if self.clipped:
+            self.norm = recipe.clip_([p.grad for p in params], [], max_norm, self.group, self.message[1]
+                                     if self.message else params[0].dtype)
         self.optimizer.step()
         return float(value)
 
@@ -151,7 +183,8 @@ class Trainer:
         shape, dt = self.message
         b = shape.numel() * dt.itemsize
         k = self.m * ((self.rank < self.n - 1) + (self.rank > 0))
-        return {"send": (k, k * b), "recv": (k, k * b), "broadcast": (1, dt.itemsize)}
+        out = {"send": (k, k * b), "recv": (k, k * b), "broadcast": (1, dt.itemsize)}
+        return out | (recipe.clip_comm(dt.itemsize) if self.clipped else {})
 
 
 def pipeline(model: nn.Module, stages: Sequence[Sequence[str]], loss: Callable, optimizer: Callable, group=None,

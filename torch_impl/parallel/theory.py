@@ -126,7 +126,7 @@ def zero1_state(model, n: int) -> dict[str, int]:
             "grads": sum(p.nbytes for p in ps), "optimizer": 2 * flat // n}
 
 
-# --- ZeRO-2 / ZeRO-3 (torch_impl.fsdp) ---------------------------------------------------------------
+# --- ZeRO-2 / ZeRO-3 (parallel/fsdp.py) -------------------------------------------------------------
 
 
 def zero2_comm(model, n: int) -> Comm:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import traceback
 
-from compare import FRAMEWORKS, cfgs_for, run_key
+from parallel_twins.args import FRAMEWORKS, cfgs_for, run_key
 
 
 def chosen_variants(framework, pattern, cfg, styles=None) -> list[tuple[str, str]]:
@@ -156,6 +156,6 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
                 t_ref, j_ref = raw["torch"][pattern][model]["reference"], raw["jax"][pattern][model]["reference"]
                 errs, routing = parity(t_ref, j_ref), routing_mismatch(t_ref, j_ref)  # MoE: the same routing
                 xfw.append({"pattern": pattern, "model": model, "what": "torch reference vs jax reference",
-                            **errs, "ok": cross_framework_ok(errs, cfg.dtype) and routing is None,
+                            **errs, "ok": cross_framework_ok(errs, cfg.dtype, cfg.steps) and routing is None,
                             **({"routing_mismatch": routing} if routing else {})})
     return rows, xfw, errors, refs

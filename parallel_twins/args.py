@@ -1,0 +1,217 @@
+"""The command line's shared parts: the parser (one-line errors), its help format, the option groups
+every subcommand spells the same way, and the output paths (checked before anything runs, written
+so that a regular file is complete or absent and a FIFO or a device is never replaced).
+
+    p = Parser(prog="compare.py bench", formatter_class=HelpFormatter)
+    add_frameworks(p); add_world_size(p, 4, "ranks / devices (>= 2)"); add_json(p, "the rows")
+    check_output_path("--json", args.json)      # ValueError, one line: exit 2 before any run
+    write_output(args.json, text)               # "-": standard output
+
+Imports only the standard library and ``shared`` (NumPy only); everything in parallel_twins imports
+this module and it imports none of them back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+import sys
+
+from shared.config import DTYPES
+
+FRAMEWORKS = ("torch", "jax")
+DEVICES = ("auto", "cpu", "gpu")
+
+
+class ArgumentError(Exception):
+    pass
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one clear line, exit 2 (argparse prints usage + error otherwise)
+        raise ArgumentError(message)
+
+
+def csv_list(choices):
+    """An argparse type: a comma list, every item one of ``choices``."""
+
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices)}")
+        return items
+
+    return parse
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help line ends with its default (lists as comma lists); options whose default is
+    worked out at run time (None) say so in their own words."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if default is None or default is False or default == argparse.SUPPRESS or not action.option_strings:
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+# --- option groups: one spelling, one meaning, in every subcommand ------------------------------
+
+
+def add_frameworks(p) -> None:
+    p.add_argument("--frameworks", type=csv_list(FRAMEWORKS), default=list(FRAMEWORKS), metavar="LIST",
+                   help=f"comma list of {', '.join(FRAMEWORKS)}")
+
+
+def add_world_size(p, default, help) -> None:
+    p.add_argument("--world-size", type=int, default=default, metavar="N", help=help)
+
+
+def add_sizes(p, batch=32) -> None:
+    """The model's sizes (the MLP: layers, dim, batch; the transformer also heads, seq, vocab)."""
+    p.add_argument("--layers", type=int, default=4, metavar="L", help="layers (MLP) / blocks (transformer)")
+    p.add_argument("--dim", type=int, default=32, metavar="D", help="model width")
+    p.add_argument("--batch", type=int, default=batch, metavar="B",
+                   help="sequences (transformer) or rows (MLP) per step, over all ranks")
+    p.add_argument("--heads", type=int, default=4, metavar="H", help="transformer: attention heads (D %% H == 0)")
+    p.add_argument("--seq", type=int, default=16, metavar="T", help="transformer: sequence length")
+    p.add_argument("--vocab", type=int, default=64, metavar="V", help="transformer: vocabulary size")
+
+
+def add_training(p, steps=5, steps_help="optimizer steps per run") -> None:
+    """What a run trains with: steps, seed, dtype, AdamW's learning rate and weight decay."""
+    p.add_argument("--steps", type=int, default=steps, metavar="S", help=steps_help)
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the shared weights and data")
+    p.add_argument("--dtype", choices=DTYPES, default="float64", help="parameters, activations and optimizer state")
+    p.add_argument("--lr", type=float, default=1e-3, metavar="LR", help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.01, metavar="WD",
+                   help="AdamW weight decay (torch's default)")
+
+
+def add_device(p) -> None:
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="gpu: NCCL and JAX on GPUs, or refuse; cpu: gloo and simulated devices; auto: GPUs when "
+                        "there are enough")
+
+
+def add_json(p, what: str) -> None:
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help=f"write {what} here as JSON ('-': standard output) (default: none)")
+
+
+def add_quiet(p, what: str = "no progress line (it is shown on a terminal only)") -> None:
+    p.add_argument("--quiet", action="store_true", help=what)
+
+
+# --- output paths --------------------------------------------------------------------------------
+
+
+def check_output_path(flag: str, path: str | None, directory: bool = False) -> None:
+    """Refuse (ValueError, one line) an output path that could not be written, before anything runs:
+    a file needs an existing, writable folder (and must not be a folder; ``-`` is standard output, a
+    FIFO or a device is written in place); a folder (``--plots``) may not exist yet, but the nearest
+    existing parent must be a writable folder."""
+    if not path or (path == "-" and not directory):
+        return
+    path = os.path.abspath(path)
+    if directory:
+        if os.path.exists(path):
+            if not os.path.isdir(path):
+                raise ValueError(f"{flag} {path}: exists and is not a folder")
+            if not os.access(path, os.W_OK):
+                raise ValueError(f"{flag} {path}: the folder is not writable")
+            return
+        parent = path
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise ValueError(f"{flag} {path}: cannot create it: {parent} is not a writable folder")
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a folder; give a file name")
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
+    if os.path.exists(path) and not _regular(path):  # a FIFO, a device, /dev/stdout: written in place
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{flag} {path}: not writable")
+        return
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {path}: not writable")
+
+
+def _regular(path: str) -> bool:
+    """A regular file itself (not a symlink, FIFO, device or socket): the one kind replaced by a rename."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def write_output(path: str, data: str | bytes) -> None:
+    """Write ``data`` to an output path: ``-`` is standard output; a path that exists and is not a
+    regular file (a FIFO, a character device, /dev/stdout, a symlink) is opened and written in place,
+    never replaced; a regular file (or a new one) is written aside and renamed over, so it is complete
+    or absent. A folder is refused (IsADirectoryError; check_output_path refuses it up front)."""
+    binary = isinstance(data, bytes)
+    if path == "-":
+        if binary:
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+        else:
+            sys.stdout.write(data)
+            sys.stdout.flush()
+        return
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path}: is a folder; give a file name")
+    if os.path.exists(path) and not _regular(path):
+        with open(path, "wb" if binary else "w") as f:
+            f.write(data)
+        return
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb" if binary else "w") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def check_devices(frameworks, world_size: int, device: str) -> None:
+    """Refuse (ValueError) a device request that cannot be met, before any rank starts. JAX first:
+    its GPU backend starts before this process loads torch's CUDA libraries (jax-ml/jax#18032)."""
+    if "jax" in frameworks and "RANK" not in os.environ:
+        from jax_impl.devices import devices
+
+        devices(world_size, device)
+    if "torch" in frameworks:
+        from torch_impl.launch import resolve_device
+
+        resolve_device(device, world_size)
+
+
+# --- the run's configs, as every report names them ------------------------------------------------
+
+
+def _belongs(cfg, pattern) -> bool:
+    """Which of the run's configs a pattern takes: mesh those with a layout, ep the MoE transformer,
+    the 1-D patterns the plain models."""
+    return bool(cfg.mesh) == (pattern == "mesh") and cfg.moe == (pattern == "ep")
+
+
+def cfgs_for(cfgs, pattern):
+    """The configs ``pattern`` runs (``_belongs``), only the models it applies to (cp, mesh and ep:
+    the transformer)."""
+    return [c for c in cfgs if _belongs(c, pattern) and c.applies(pattern)]
+
+
+def run_key(cfg) -> str:
+    """What one entry of a pattern is reported under: the model, and the layout (mesh) or the
+    experts (ep), e.g. "transformer dp=2,tp=2" or "transformer E=4,k=2"."""
+    return f"{cfg.model} {cfg.mesh_name}" if cfg.mesh else f"{cfg.model} {cfg.moe_name}" if cfg.moe else cfg.model

@@ -1,0 +1,435 @@
+"""compare.py: run every pattern in torch and JAX, check parity, print one table.
+
+    python compare.py                                   # everything, both models, CPU, world size 4 simulated
+    python compare.py --model transformer --patterns tp # one model, one pattern
+    python compare.py --model transformer --patterns tp,cp --show-collectives cp   # SP, ring, Ulysses
+    python compare.py --patterns dp,fsdp --dtype float32 --json out.json
+    python compare.py --model transformer --mesh dp=2,tp=2,pp=2 --show-collectives mesh  # 3-D, 8 ranks
+    python compare.py --mesh "dp=2,tp=2;fsdp=2,tp=2;tp=2,pp=2"   # several layouts, one launch each side
+    python compare.py --model transformer --patterns ep --experts 8 --topk 2 --show-collectives ep  # MoE
+    python compare.py bench --frameworks torch,jax      # nccl-tests-style bandwidth sweep
+    python compare.py --patterns fsdp --checkpoint-dir ckpt --checkpoint-every 2   # save; later add --resume
+    python compare.py checkpoint --json matrix.json     # save under each layout × framework, load under each
+    python compare.py plan --layers 80 --dim 8192 --heads 64 --gpus 256   # rank layouts (docs/plan.md)
+    torchrun --nproc_per_node=8 compare.py --frameworks torch --world-size 8   # join a torchrun launch
+
+Exit status: 0 when everything agrees, 1 when a parity check (or a run) fails, 2 for bad
+arguments, a bad config or an output path that cannot be written (one line on stderr, before any
+process starts), 3 when the runs agreed and were printed (and --json written) but a later output
+(--plots) failed.
+
+The flow: the command line (this file: arguments → checked configs; args.py: the shared options and
+output paths) → the runs (runs.py: one launch per framework into torch_impl/ and jax_impl/, then the
+rows) → the report (report.py: tables, Markdown, JSON, progress; plots.py: PNGs). ``bench`` is
+bench.py, ``plan`` planner.py, ``checkpoint`` checkpoint_matrix.py, ``doctor`` doctor.py.
+
+JAX is imported only after the simulated-device flag is set (and only if asked for), and torch
+ranks never import JAX: they are spawned fresh and re-import the entry point (compare.py) as
+``__mp_main__``, whose imports reach only this module, args.py, the standard library and NumPy-only
+modules of ``shared``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from parallel_twins.args import (
+    ArgumentError,
+    HelpFormatter,
+    Parser,
+    _belongs,
+    add_device,
+    add_frameworks,
+    add_json,
+    add_quiet,
+    add_sizes,
+    add_training,
+    add_world_size,
+    cfgs_for,
+    check_devices,
+    check_output_path,
+    csv_list,
+    run_key,
+    write_output,
+)
+from shared.collectives import BENCH_OPS, BENCH_SIZES  # NumPy only: safe before JAX starts
+from shared.config import MODELS, PATTERNS, RECOMPUTE, format_mesh, parse_mesh
+from shared.env import simulate_host_devices
+
+STYLES = ("explicit", "builtin", "shard_map", "typed", "jit")  # torch's two, JAX's three
+
+
+def _layouts(text: str) -> list[tuple[tuple[str, int], ...]]:
+    try:
+        return [parse_mesh(part) for part in text.split(";") if part.strip()] or [parse_mesh(text)]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+SUBCOMMANDS = """subcommands (each has its own --help):
+  compare.py bench   nccl-tests-style sweep of the collectives in both frameworks (algbw, busbw, α–β fit)
+  compare.py plan    rank the layouts of a model on a GPU cluster: memory, bytes per axis, step time
+  compare.py checkpoint  save under each layout of both frameworks, load under each, continue (docs/checkpoint.md)
+  compare.py doctor  on a GPU node: versions, CUDA majors, devices, NCCL, then small NCCL and JAX-on-GPU runs
+  compare.py diff OLD.json NEW.json  what changed between two --json files: parity, collectives, bytes,
+                     memory, step-time ratios (docs/regression.md)
+
+exit status: 0 every run agrees with its reference (and across frameworks); 1 a parity check or a run
+failed; 2 bad arguments, config or output path (one line, before any process starts); 3 the runs
+finished (table printed, --json written) but a later output could not be written."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="compare.py", formatter_class=HelpFormatter, epilog=SUBCOMMANDS,
+               description="Run every parallelism pattern in torch and JAX, check each against a single-device\n"
+                           "run and against the other framework, and print one table.")
+    p.add_argument("--patterns", type=csv_list(PATTERNS), default=None, metavar="LIST",
+                   help=f"comma list of {', '.join(PATTERNS)} (default: every 1-D pattern the models have; "
+                        "mesh when --mesh is given)")
+    p.add_argument("--mesh", type=_layouts, default=None, metavar="LAYOUT[;LAYOUT…]",
+                   help="N-D layouts of the transformer, axes in device order, innermost last, e.g. "
+                        "dp=2,tp=2,pp=2 (axes dp|fsdp, pp, cp, tp; product = world size) (default: none)")
+    p.add_argument("--experts", type=int, default=None, metavar="E",
+                   help="ep: experts per MoE layer, E %% world size == 0 (default: the smallest multiple of "
+                        "the world size >= 4)")
+    p.add_argument("--topk", type=int, default=2, metavar="K", help="ep: experts per token")
+    add_frameworks(p)
+    p.add_argument("--model", type=csv_list(MODELS), default=list(MODELS), metavar="LIST",
+                   help="comma list of workloads: mlp (the CS336 MLP), transformer (a GPT-style decoder)")
+    add_world_size(p, None, "ranks / devices (default: torchrun's WORLD_SIZE, else the layout's size with --mesh, "
+                            "else the local GPU count, else 4)")
+    add_sizes(p)
+    p.add_argument("--microbatches", type=int, default=4, metavar="M", help="pp (and mesh with pp): micro-batches")
+    p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="pp: model chunks per rank of the interleaved schedule (layers %% (world·V) == 0, "
+                        "microbatches %% world == 0)")
+    p.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                   help="transformer: activation recomputation, full (each block) or selective (the attention "
+                        "core)")
+    add_training(p)
+    p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB",
+                   help="bucket size of the bucketed DP variant")
+    add_device(p)
+    p.add_argument("--timeout", type=float, default=900.0, metavar="S", help="seconds before a torch launch is ended")
+    add_json(p, "every run (all columns and more)")
+    p.add_argument("--markdown", metavar="PATH",
+                   help="write the table, every column, here as Markdown ('-': standard output) (default: none)")
+    p.add_argument("--plots", metavar="DIR",
+                   help="write PNGs here: loss curves, memory, pipeline timelines, bus bandwidth (with collectives) "
+                        "(default: none)")
+    p.add_argument("--wide", action="store_true",
+                   help="print every column (separate loss and gradient errors, theory bytes, state per rank)")
+    p.add_argument("--show-collectives", metavar="PATTERN", choices=PATTERNS[1:],
+                   help=f"print, side by side, the collectives one step issues in each style of PATTERN "
+                        f"({', '.join(PATTERNS[1:])}) instead of the parity table (default: the parity table)")
+    p.add_argument("--styles", type=csv_list(STYLES), default=None, metavar="LIST",
+                   help=f"comma list of {', '.join(STYLES)}: run only these ways of writing each pattern (torch: "
+                        "explicit = hand-written dist.*, builtin = DTensor/FSDP2/DDP/pipelining; JAX: shard_map, "
+                        "typed = sharding in types, jit) (default: every one)")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="save each run's model and AdamW state here (torch: DCP, JAX: Orbax; one folder per run, "
+                        "a checkpoint complete or absent; docs/checkpoint.md) (default: none)")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
+                   help="with --checkpoint-dir: save after every K optimizer steps (default: 1)")
+    p.add_argument("--resume", action="store_true",
+                   help="with --checkpoint-dir: continue each run from its newest complete checkpoint there "
+                        "(a run with none starts at step 0); JSON rows say start_step")
+    p.add_argument("--baseline", metavar="OLD.json", default=None,
+                   help="after the runs, report what changed against this --json file of an earlier run "
+                        "(compare.py diff's report); exit 1 when something regressed (default: none)")
+    p.add_argument("--keep", type=int, default=None, metavar="N",
+                   help="with --checkpoint-dir: keep only each run's newest N complete checkpoints "
+                        "(default: every one)")
+    add_quiet(p)
+    return p
+
+
+def check_styles(args, cfgs) -> None:
+    """--styles: refuse (ValueError, one line) a pattern that none of the styles asked for can run —
+    for the typed style, JAX's reason (a layout that cannot be written in types)."""
+    if not args.styles:
+        return
+    from parallel_twins.runs import chosen_variants, typed_refusal
+
+    for pattern in (p for p in args.patterns if p != "collectives"):
+        for cfg in cfgs_for(cfgs, pattern):
+            if any(chosen_variants(fw, pattern, cfg, args.styles) for fw in args.frameworks):
+                continue
+            reason = typed_refusal(pattern, cfg) if "typed" in args.styles and "jax" in args.frameworks else None
+            if reason:
+                raise ValueError(f"--styles typed: {reason}")
+            have = sorted({s for fw in args.frameworks for s, _ in chosen_variants(fw, pattern, cfg)})
+            raise ValueError(f"--styles {','.join(args.styles)}: {pattern} ({run_key(cfg)}) has none of them "
+                             f"under {','.join(args.frameworks)} (it has {', '.join(have)})")
+    runs_any = lambda fw: any(chosen_variants(fw, p, c, args.styles) for p in args.patterns if p != "collectives"
+                              for c in cfgs_for(cfgs, p))
+    args.frameworks = [fw for fw in args.frameworks if runs_any(fw)]  # --styles typed: JAX alone
+
+
+def checkpoint_plan(args, cfgs):
+    """The runs' shared.checkpoint.Plan (None without --checkpoint-dir). Before any process starts,
+    for the runs this invocation makes (and no other folder in DIR): a run folder another process is
+    writing is refused (its holder named); with --resume, the checkpoint each run would start from is
+    verified against that run's config: files, checksums, shapes, seed / batch / AdamW (CheckpointError,
+    a ValueError: one line, exit 2)."""
+    if args.checkpoint_dir is None:
+        if args.resume or args.checkpoint_every is not None or args.keep is not None:
+            raise ValueError("--resume, --checkpoint-every and --keep need --checkpoint-dir DIR")
+        return None
+    check_output_path("--checkpoint-dir", args.checkpoint_dir, directory=True)
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise ValueError(f"--checkpoint-every {args.checkpoint_every}: a number of steps >= 1")
+    if args.keep is not None and args.keep < 1:
+        raise ValueError(f"--keep {args.keep}: a number of checkpoints >= 1")
+    from parallel_twins.runs import chosen_variants
+    from shared.checkpoint import Plan, check_runs
+
+    plan = Plan(dir=args.checkpoint_dir, every=args.checkpoint_every or 1, resume=args.resume, keep=args.keep or 0)
+    check_runs(plan, [(fw, pattern, style, variant, cfg) for fw in args.frameworks
+                      for pattern in args.patterns if pattern != "collectives" for cfg in cfgs_for(cfgs, pattern)
+                      for style, variant in chosen_variants(fw, pattern, cfg, args.styles)])
+    return plan
+
+
+def default_world_size(device: str) -> int:
+    """torchrun's WORLD_SIZE; else one rank per local GPU (NCCL); else 4 simulated CPU ranks."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if device != "cpu":
+        from shared.env import local_gpu_count  # the driver's count: loads neither framework's CUDA libraries
+
+        gpus = local_gpu_count()
+        if gpus > 0:
+            return gpus
+    return 4
+
+
+def join_jax_processes(args, cfgs):
+    """Multi-controller JAX: this process is one of JAX_NUM_PROCESSES (process JAX_PROCESS_ID,
+    coordinator at JAX_COORDINATOR_ADDRESS), every one running this same command. Joins
+    jax.distributed before any JAX use; the world size is the global device count (CPU: each
+    process simulates world_size / processes devices; GPU: a world size not given is every GPU of
+    every process); only process 0 prints and writes files, every process exits with the status
+    of the same (gathered) results. Returns the configs, rebuilt when the world size changed."""
+    from jax_impl.launch import host_device_flags
+
+    n = int(os.environ["JAX_NUM_PROCESSES"])
+    if args.frameworks != ["jax"]:
+        raise ValueError("a multi-process JAX launch (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+                         "JAX_PROCESS_ID set) runs JAX only: use --frameworks jax (torch: torchrun)")
+    if args.plots:
+        raise ValueError("--plots is not available under a multi-process JAX launch")
+    if cfgs[0].world_size % n:
+        raise ValueError(f"world_size={cfgs[0].world_size} is not divisible by JAX_NUM_PROCESSES={n}")
+    os.environ["XLA_FLAGS"] = host_device_flags(cfgs[0].world_size // n, os.environ.get("XLA_FLAGS", ""))
+    from jax_impl.devices import init_distributed
+
+    init_distributed()
+    import jax
+
+    if args.world_size is None and not args.mesh and jax.device_count() != cfgs[0].world_size:
+        args.world_size = jax.device_count()  # GPU nodes: every GPU of every process
+        cfgs = make_configs(args)
+    if jax.device_count() != cfgs[0].world_size:
+        raise ValueError(f"world_size={cfgs[0].world_size} but the {n} JAX processes hold "
+                         f"{jax.device_count()} devices")
+    if jax.process_index() != 0:
+        sys.stdout = open(os.devnull, "w")  # for the rest of this process: only process 0 prints
+        args.json = args.markdown = None
+    return cfgs
+
+
+def make_configs(args):
+    """The run's Configs, one per model (plus one per mesh layout, and the MoE transformer for ep),
+    checked for every requested pattern (ValueError on a bad one)."""
+    from shared.config import Config
+
+    defaulted = args.patterns is None
+    if defaulted:  # the mesh pattern runs when layouts are given, and only then by default
+        args.patterns = ["mesh"] if args.mesh else [p for p in PATTERNS if p != "mesh"]
+    elif args.mesh and "mesh" not in args.patterns:
+        args.patterns = [*args.patterns, "mesh"]
+    if args.show_collectives:
+        args.patterns = [args.show_collectives]
+        defaulted = False
+    layouts = args.mesh or []
+    sizes = sorted({_product(layout) for layout in layouts})
+    if len(sizes) > 1:
+        raise ValueError(f"--mesh: every layout of one run needs the same world size, got "
+                         f"{', '.join(f'{format_mesh(m)} ({_product(m)})' for m in layouts)}")
+    world = args.world_size if args.world_size is not None else \
+        sizes[0] if sizes and "WORLD_SIZE" not in os.environ else default_world_size(args.device)
+    base = Config(world_size=world, layers=args.layers, dim=args.dim, batch=args.batch,
+                  microbatches=args.microbatches, steps=args.steps, seed=args.seed, dtype=args.dtype,
+                  lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb,
+                  heads=args.heads, seq=args.seq, vocab=args.vocab, virtual_stages=args.virtual_stages)
+    if args.experts is not None and "ep" not in args.patterns:
+        raise ValueError("--experts/--topk build the mixture-of-experts transformer, which runs under "
+                         "--patterns ep only")
+    cfgs = [base.replace(model=m) for m in args.model]
+    if "mesh" in args.patterns:  # one config per (model, layout); the 1-D patterns ignore cfg.mesh
+        cfgs += [base.replace(model=m, mesh=layout) for m in args.model for layout in layouts]
+    if "ep" in args.patterns and "transformer" in args.model:  # the MoE transformer: ep's own config
+        experts = args.experts if args.experts is not None else default_experts(world)
+        cfgs.append(base.replace(model="transformer", experts=experts, topk=args.topk))
+    cfgs = [c.replace(recompute=args.recompute) for c in cfgs]  # the MLP refuses all but "none"
+    if "RANK" in os.environ and "jax" in args.frameworks:
+        raise ValueError("under torchrun every rank runs this script: use --frameworks torch "
+                         "(run the JAX side once, without torchrun)")
+    if defaulted and not args.mesh:  # every 1-D pattern by default: those a requested model has (no cp on the MLP)
+        args.patterns = [p for p in args.patterns if p == "collectives" or cfgs_for(cfgs, p)]
+    for pattern in args.patterns:
+        mine = [cfg for cfg in cfgs if _belongs(cfg, pattern)] or \
+            [base.replace(model=m) for m in args.model]  # --patterns mesh without --mesh: its one-line reason
+        applying = [cfg for cfg in mine if cfg.applies(pattern)]
+        for cfg in applying or mine:  # a pattern no requested model has (cp on the MLP): its one-line reason
+            cfg.check(pattern)
+    return [c for c in cfgs if not c.mesh or c.applies("mesh")]  # the mesh runs the transformer only
+
+
+def default_experts(world: int) -> int:
+    """ep's E when --experts is not given: the smallest multiple of the world size that is >= 4
+    (ep = world size needs E % N == 0; 4 experts on 1, 2 or 4 ranks, 8 on 8)."""
+    return world * -(-4 // world)
+
+
+def _product(layout) -> int:
+    out = 1
+    for _, n in layout:
+        out *= n
+    return out
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        from parallel_twins.bench import bench_main
+
+        return bench_main(argv[1:])
+    if argv and argv[0] == "plan":
+        from parallel_twins.planner import plan_main
+
+        return plan_main(argv[1:])
+    if argv and argv[0] == "checkpoint":
+        from parallel_twins.checkpoint_matrix import matrix_main
+
+        return matrix_main(argv[1:])
+    if argv and argv[0] == "doctor":
+        from parallel_twins.doctor import doctor_main
+
+        return doctor_main(argv[1:])
+    if argv and argv[0] == "diff":
+        from parallel_twins.diff import diff_main
+
+        return diff_main(argv[1:])
+    try:
+        args = build_parser().parse_args(argv)
+        check_output_path("--json", args.json)
+        check_output_path("--markdown", args.markdown)
+        check_output_path("--plots", args.plots, directory=True)
+        from shared.diff import load as load_results
+
+        baseline = load_results(args.baseline) if args.baseline else None  # a bad file: one line, exit 2
+        cfgs = make_configs(args)
+        cfg = cfgs[0]
+        # --- multi-process JAX (one process per node, or jax_impl/launch.py): join before JAX starts ---
+        if all(os.environ.get(k) for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")):
+            cfgs = join_jax_processes(args, cfgs)
+            cfg = cfgs[0]
+        else:
+            simulate_host_devices(cfg.world_size)  # before JAX starts
+        # --- end multi-process JAX ---
+        check_devices(args.frameworks, cfg.world_size, args.device)
+        plan = checkpoint_plan(args, cfgs)
+        check_styles(args, cfgs)
+    except (ArgumentError, ValueError) as exc:
+        print(f"compare.py: error: {exc}", file=sys.stderr)
+        return 2
+    from parallel_twins import report
+    from parallel_twins.runs import collect, planned_runs
+
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    console = report.make_console(quiet=not rank0)
+    t0 = time.perf_counter()
+    if args.quiet or not rank0 or not console.is_terminal:  # progress on a terminal only
+        rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, None, args.timeout,
+                                          checkpoint=plan, styles=args.styles)
+    else:
+        from rich.live import Live
+
+        progress = report.Progress(planned_runs(cfgs, args.patterns, args.frameworks, args.styles))
+        with Live(progress, console=console, refresh_per_second=4, transient=True):
+            rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, progress.event,
+                                              args.timeout, checkpoint=plan, styles=args.styles)
+    elapsed = time.perf_counter() - t0
+    ok = report.all_ok(rows, xfw, errors)
+    if not rank0:
+        return 0 if ok else 1
+    from shared.provenance import process_layout, provenance, provenance_markdown, stamp
+
+    block = provenance(["compare.py", *argv], world_size=cfg.world_size, layout=process_layout(
+        args.frameworks, cfg.world_size, args.device, [c.mesh_name for c in cfgs if c.mesh]))
+    data = stamp({"config": vars(cfg), "configs": {run_key(c): vars(c) for c in cfgs},
+                  "runs": [r.to_json() for r in rows], "cross_framework": xfw,
+                  "errors": errors, "ok": ok, "seconds": elapsed}, block)
+    try:  # the results first: nothing printed or drawn below can lose them
+        if args.json:
+            report.write_json(args.json, data)
+        if args.markdown:
+            write_output(args.markdown, provenance_markdown(block) + "\n" + report.markdown_table(rows))
+    except OSError as exc:
+        console.print(f"[bold red]error[/] could not write the results: {exc}")
+        late_failure = True
+    else:
+        late_failure = False
+
+    if args.show_collectives:
+        from parallel_twins import report_collectives as shown
+    if args.show_collectives == "mesh":
+        shown.mesh_tables(rows, console)
+    elif args.show_collectives == "ep":
+        shown.collectives_table(rows, "ep", console)
+        shown.ep_tables(rows, cfgs_for(cfgs, "ep"), console)
+    elif args.show_collectives:
+        shown.collectives_table(rows, args.show_collectives, console)
+    else:
+        report.print_table(rows, cfgs, console, wide=args.wide)
+    if args.recompute != "none":
+        report.recompute_lines(rows, cfgs, console)
+    if "pp" in args.patterns and not args.show_collectives:
+        report.pp_bubble_lines(rows, console)
+    resumed = [r for r in rows if r.start_step]
+    if resumed:  # --resume: say which rows ran only part of the steps
+        starts = ", ".join(f"{s} ({n})" for s, n in sorted(
+            {s: sum(r.start_step == s for r in resumed) for s in {r.start_step for r in resumed}}.items()))
+        console.print(f"resumed: {len(resumed)} of {len(rows)} runs continued from a checkpoint, at step {starts}; "
+                      "their losses and errors cover the steps they ran", highlight=False)
+    report.verdict_lines(rows, xfw, errors, args.frameworks, elapsed, console)
+    if args.plots:
+        from parallel_twins.bench import run_bench
+        from parallel_twins.plots import write_plots
+
+        bench = lambda: run_bench(args.frameworks, cfg.world_size, BENCH_OPS, BENCH_SIZES[:6], iters=5,
+                                  warmup=2, device=args.device)[0]  # a short sweep: 4 KiB … 4 MiB
+        try:
+            for path in write_plots(args.plots, [r.to_json() for r in rows], refs, cfg, args.patterns, bench):
+                console.print(f"wrote {path}")
+        except Exception as exc:  # noqa: BLE001 - the results are printed and saved: say so, exit 3
+            console.print(f"[bold red]error[/] --plots {args.plots}: {type(exc).__name__}: {exc}")
+            late_failure = True
+    regressed = False
+    if baseline is not None:  # --baseline: what changed against the stored run (docs/regression.md)
+        from parallel_twins.diff import report_baseline
+        from shared.results import _jsonable
+
+        regressed = report_baseline(baseline, _jsonable(data), args.baseline, args.json or "this run") == 1
+    if not ok or regressed:
+        return 1
+    return 3 if late_failure else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""What each GPU preset achieves, as data with its source: the planner's (shared/plan.py) defaults, and the
+profile ``compare.py bench --profile`` measures on this machine in the same form (``load``/``save``).
+
+Every default comes from a public microbenchmark or a vendor figure, cited beside it; none is fitted to
+the published training runs shared/published.py compares against. Where no source was found the entry
+says so and reuses the nearest cited one.
+
+A table (one per GPU preset, or a measured profile) holds:
+  peaks       dense tensor-core FLOP/s by dtype (bf16 = fp16, fp8, tf32, fp64), the datasheets'
+  memory      bytes per GPU as the device reports them (nvidia-smi's memory.total in MiB)
+  matmul      ((smallest side, fraction of peak), ...) ascending: the GEMM efficiency by shape
+  hbm_copy    achieved device-to-device copy bandwidth, bytes/s (of large transfers)
+  hbm_table   ((bytes per transfer, fraction of hbm_copy), ...) ascending: smaller tensors stream slower
+  intra       {op: (α s, busbw bytes/s)} inside a node (NVLink/NVSwitch), nccl-tests' busbw
+  inter       {op: (α s, busbw bytes/s)} across nodes, per GPU (one NIC per GPU)
+  overlap_cost  (intra, inter): the compute rate an overlapped collective takes while it runs
+"""
+
+from __future__ import annotations
+
+import json
+
+MiB = 2 ** 20
+
+# --- sources ------------------------------------------------------------------------------------------
+SOURCES = {
+    "a100-datasheet": "NVIDIA A100 Tensor Core GPU datasheet (2021), specifications table: BF16/FP16 312, TF32 156, "
+                      "FP64 tensor 19.5 TFLOP/s dense; HBM2e 2 039 GB/s (80 GB), HBM2 1 555 GB/s (40 GB); NVLink "
+                      "600 GB/s (300 each way)",
+    "h100-datasheet": "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM column: BF16/FP16 989, FP8 1 979, TF32 "
+                      "494.5 (989 with sparsity), FP64 tensor 67 TFLOP/s dense; HBM3 3.35 TB/s; NVLink 900 GB/s",
+    "h200-datasheet": "NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM column: the H100 SXM's tensor rates; "
+                      "141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s",
+    "smi-h100": "nvidia-smi on an H100 80GB HBM3: memory.total 81559MiB (= 79.6 GiB; public nvidia-smi logs, e.g. "
+                "github.com/NVIDIA/nccl-tests issues)",
+    "smi-h200": "nvidia-smi on an H200: memory.total 143771MiB (= 140.4 GiB)",
+    "smi-a100-80": "nvidia-smi on an A100-SXM4-80GB: memory.total 81920MiB (= 80.0 GiB)",
+    "smi-a100-40": "no nvidia-smi log found for the A100-SXM4-40GB: 40960MiB assumed, as the 80 GB part's 81920",
+    "nccl-212": "github.com/NVIDIA/nccl-tests/issues/212 (S. Jeaugey, NVIDIA, 2024): on H100 'with the protocol "
+                "overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s' (busbw of non-all-reduce "
+                "ops, or NCCL_ALGO=RING); all-reduce with NVLink SHARP: 'a peak busBw of ~480GB/s' on 8 GPUs",
+    "nccl-290": "github.com/NVIDIA/nccl-tests/issues/290 (D. Addison, NVIDIA, 2025): 476 GB/s single-node H100 "
+                "all-reduce 'in the expected range'; 'For NDR @ 400Gbps you should see 46-48GB/s per NIC'",
+    "nccl-149": "github.com/NVIDIA/nccl-tests/issues/149 (2023): 8 × A100-SXM4-80GB over NVSwitch, all_reduce_perf "
+                "busbw ~200 GB/s; github.com/NVIDIA/nccl-tests/issues/178: 208 GB/s on A100",
+    "nccl-119": "github.com/NVIDIA/nccl-tests/issues/119 (2022): 3 nodes of 8 × A100 with 4 HDR 200 Gb/s HCAs, "
+                "all_reduce_perf busbw peak ~96 GB/s of the 100 GB/s line rate (0.96)",
+    "fa2": "Dao 2023, FlashAttention-2, arXiv:2307.08691 §1: optimized GEMMs reach 'up to 80-90% of the "
+           "theoretical maximum device throughput' on A100",
+    "h100-gemm": "gist.github.com/jeromeku/e03df32cb86e89f7cb5f3485c93f99f1: H100 bf16 GEMM 4224×8192×2048, "
+                 "780 TFLOP/s (0.79 of 989) at best (max-autotune)",
+    "size-assumed": "no public GEMM sweep by shape found in time: the step table on the smallest side (tile and "
+                    "wave quantization, NVIDIA 'Matrix Multiplication Background' guide §3) is an assumption",
+    "calculon-mem": "Calculon's system files (Isaev et al. 2023, SC'23; github.com/calculon-ai/calculon "
+                    "systems/a100_80g.json and h100_80g_nvl8.json, mem1.MB_efficiency): HBM at 0.90 of the "
+                    "datasheet for transfers of 100 MB and more, 0.75 from 10 MB, 0.6 from 1 MB, 0.3 below",
+    "calculon-net": "Calculon's system files (a100_80g.json, h100_80g_nvl8.json, networks[].processor_usage): "
+                    "a collective overlapped with compute takes 0.15 of the compute's rate over NVLink, 0.02 over "
+                    "the NIC, while it runs",
+    "alpha-assumed": "α (per-call latency) has no vendor figure: 5 µs inside a node, 10 µs across, an assumption "
+                     "of the order of nccl-tests' small-message times",
+}
+
+SIZE_TABLE = ((64, 0.5), (128, 0.7), (256, 0.8), (512, 0.9), (1024, 0.95), (2048, 1.0))  # "size-assumed"
+HBM_COPY = 0.9  # "calculon-mem": of the datasheet, transfers >= 100 MB
+OVERLAP_COST = (0.15, 0.02)  # "calculon-net": (intra, inter)
+HBM_TABLE = ((0, 0.3 / 0.9), (10 ** 6, 0.6 / 0.9), (10 ** 7, 0.75 / 0.9), (10 ** 8, 1.0))  # "calculon-mem"
+ALPHA_INTRA, ALPHA_INTER = 5e-6, 10e-6  # "alpha-assumed"
+
+
+def _scaled(table, top):
+    return tuple((side, round(top * f, 4)) for side, f in table)
+
+
+def _links(ring, all_reduce, net):
+    intra = {op: (ALPHA_INTRA, ring) for op in ("all_gather", "reduce_scatter", "all_to_all", "sendrecv", "send")}
+    return dict(intra, all_reduce=(ALPHA_INTRA, all_reduce)), \
+        {op: (ALPHA_INTER, net) for op in (*intra, "all_reduce")}
+
+
+_A100_LINKS = _links(205e9, 205e9, 0.96 * 25e9)  # nccl-149 (200–208), nccl-119 (0.96 of HDR 200 Gb/s)
+_H100_LINKS = _links(370e9, 480e9, 47e9)  # nccl-212 (ring 370, NVLS all-reduce 480), nccl-290 (46–48 per NIC)
+
+TABLES = {
+    "a100-40gb": {"peaks": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp64": 19.5e12},
+                  "memory": 40960 * MiB, "matmul": _scaled(SIZE_TABLE, 0.8), "hbm_copy": HBM_COPY * 1555e9,
+                  "hbm_table": HBM_TABLE,
+                  "intra": _A100_LINKS[0], "inter": _A100_LINKS[1], "overlap_cost": OVERLAP_COST,
+                  "cite": {"peaks": "a100-datasheet", "memory": "smi-a100-40", "matmul": "fa2 size-assumed",
+                           "hbm_copy": "a100-datasheet calculon-mem", "intra": "nccl-149 alpha-assumed",
+                           "inter": "nccl-119 alpha-assumed",
+                           "overlap_cost": "calculon-net"}},
+    "a100-80gb": {"peaks": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp64": 19.5e12},
+                  "memory": 81920 * MiB, "matmul": _scaled(SIZE_TABLE, 0.8), "hbm_copy": HBM_COPY * 2039e9,
+                  "hbm_table": HBM_TABLE,
+                  "intra": _A100_LINKS[0], "inter": _A100_LINKS[1], "overlap_cost": OVERLAP_COST,
+                  "cite": {"peaks": "a100-datasheet", "memory": "smi-a100-80", "matmul": "fa2 size-assumed",
+                           "hbm_copy": "a100-datasheet calculon-mem", "intra": "nccl-149 alpha-assumed",
+                           "inter": "nccl-119 alpha-assumed",
+                           "overlap_cost": "calculon-net"}},
+    "h100": {"peaks": {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp64": 67e12},
+             "memory": 81559 * MiB, "matmul": _scaled(SIZE_TABLE, 0.79), "hbm_copy": HBM_COPY * 3.35e12,
+             "hbm_table": HBM_TABLE,
+             "intra": _H100_LINKS[0], "inter": _H100_LINKS[1], "overlap_cost": OVERLAP_COST,
+             "cite": {"peaks": "h100-datasheet", "memory": "smi-h100", "matmul": "h100-gemm size-assumed",
+                      "hbm_copy": "h100-datasheet calculon-mem", "intra": "nccl-212 alpha-assumed",
+                      "inter": "nccl-290 alpha-assumed", "overlap_cost": "calculon-net"}},
+    "h200": {"peaks": {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp64": 67e12},
+             "memory": 143771 * MiB, "matmul": _scaled(SIZE_TABLE, 0.79), "hbm_copy": HBM_COPY * 4.8e12,
+             "hbm_table": HBM_TABLE,
+             "intra": _H100_LINKS[0], "inter": _H100_LINKS[1], "overlap_cost": OVERLAP_COST,
+             # the H200's NVLink and NIC are the H100's (h200-datasheet): the H100's measured figures reused
+             "cite": {"peaks": "h200-datasheet", "memory": "smi-h200", "matmul": "h100-gemm size-assumed",
+                      "hbm_copy": "h200-datasheet calculon-mem", "intra": "nccl-212 alpha-assumed",
+                      "inter": "nccl-290 alpha-assumed", "overlap_cost": "calculon-net"}},
+}
+
+DTYPE_PEAK = {"bfloat16": "bf16", "float16": "fp16", "float8": "fp8", "float32": "tf32", "float64": "fp64"}
+
+
+def peak(table: dict, dtype: str) -> float:
+    """The dense tensor-core FLOP/s of ``dtype`` (float32 runs as TF32), or ValueError naming those known."""
+    key = DTYPE_PEAK.get(dtype, dtype)
+    if key not in table["peaks"]:
+        raise ValueError(f"no {dtype} peak for this GPU; known: {', '.join(table['peaks'])}")
+    return table["peaks"][key]
+
+
+def citations(name: str) -> dict[str, str]:
+    """{entry: the sources' text} of the preset ``name``."""
+    return {k: "; ".join(SOURCES[s] for s in v.split()) for k, v in TABLES[name]["cite"].items()}
+
+
+# --- a measured profile (compare.py bench --profile) ----------------------------------------------------
+
+
+def save(path: str, profile: dict) -> None:
+    """Write a profile: the keys above ("cite": what measured it) as JSON."""
+    with open(path, "w") as f:
+        json.dump(profile, f, indent=1)
+
+
+def load(path: str) -> dict:
+    """A profile written by ``save``, checked: one clear error naming what is missing or wrong."""
+    with open(path) as f:
+        data = json.load(f)
+    missing = [k for k in ("peaks", "matmul", "hbm_copy", "intra", "inter") if k not in data]
+    if missing:
+        raise ValueError(f"profile {path}: missing {', '.join(missing)} (write it with compare.py bench --profile)")
+    data["matmul"] = tuple((int(s), float(f)) for s, f in data["matmul"])
+    data["hbm_table"] = tuple((float(s), float(f)) for s, f in data.get("hbm_table", ()))
+    for where in ("intra", "inter"):
+        data[where] = {op: (float(a), float(b)) for op, (a, b) in data[where].items()}
+        if any(b <= 0 for _, b in data[where].values()):
+            raise ValueError(f"profile {path}: {where} has a non-positive bandwidth")
+    if not data["matmul"] or any(not 0 < f <= 1 for _, f in data["matmul"]):
+        raise ValueError(f"profile {path}: matmul fractions must lie in (0, 1]")
+    return data
+
+
+def from_bench(bench: dict, memcpy: float | None = None, memory: int | None = None, dtype: str = "") -> dict:
+    """A profile from ``compare.py bench``'s measurements on this machine: peaks = the fastest matmul rate
+    per dtype (every rank multiplying at once), the matmul table = each size's rate over the fastest
+    (``dtype``'s, default bfloat16 where measured (GPUs), else float32; square n×n×n: the smallest side
+    is n), HBM copy = ``memcpy`` bytes/s (read + write), ``memory`` the device's capacity (GPUs),
+    intra = inter = the α–β fit per op (β as busbw: the algbw fit × nccl-tests' bus factor; one machine;
+    where the fit found no size dependence, the busbw of the op's largest message in ``results``)."""
+    from shared.theory import BUSBW_FACTOR
+
+    n = bench["world_size"]
+    rates = {dt: {int(s): r for s, r in sizes.items()} for dt, sizes in bench.get("compute", {}).items() if sizes}
+    dtype = dtype or ("bfloat16" if "bfloat16" in rates else "float32")
+    if dtype not in rates:
+        raise ValueError(f"bench: no {dtype} matmul rates measured (torch measures them)")
+    top = max(rates[dtype].values())
+    links = {}
+    for f in bench["fits"]:
+        if f["framework"] != "torch":
+            continue
+        if f["beta_bytes_per_s"] not in (None, float("inf")):
+            links[f["op"]] = (f["alpha_s"], f["beta_bytes_per_s"] * BUSBW_FACTOR[f["op"]](n))
+        else:  # no size dependence resolved (a short sweep): the busbw seen at its largest message, which
+            rows = [r for r in bench.get("results", ()) if r["framework"] == "torch" and r["op"] == f["op"]]
+            if rows:  # with α on top errs slow (at most 2× at that size), never fast
+                links[f["op"]] = (f["alpha_s"], max(rows, key=lambda r: r["size_bytes"])["busbw"])
+    if not links:
+        raise ValueError("bench: no torch α–β fits with a finite bandwidth, and no torch rows")
+    if "sendrecv" in links:
+        links["send"] = links["sendrecv"]
+    return {"peaks": {DTYPE_PEAK[dt]: max(r.values()) for dt, r in rates.items()},
+            "matmul": tuple((s, rates[dtype][s] / top) for s in sorted(rates[dtype])),
+            "hbm_copy": memcpy or bench.get("memcpy", 0.0), "intra": links, "inter": links,
+            **({"memory": int(memory)} if memory else {}),
+            "cite": {"all": f"measured on this machine by compare.py bench ({n} ranks)"}}

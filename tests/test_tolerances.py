@@ -1,0 +1,83 @@
+"""The step-aware parity verdict (shared/tolerances.py, shared/results.within): long runs of correct code
+pass, a wrong reduction still fails — on the first steps and after 600. A NumPy simulation of data
+parallelism (no rank launched): the batch split in two, the halves' gradients summed and averaged (the
+reordering a collective brings), against the whole batch; and the same with a wrong averaging factor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shared.results import rel_err, within
+from shared.tolerances import STEP_CEILING, tolerance
+
+
+def _grads(ws, x):
+    """A tanh MLP, loss mean(out^2): (loss, dL/dW per layer), by hand."""
+    acts = [x]
+    for w in ws:
+        acts.append(np.tanh(acts[-1] @ w))
+    d = 2.0 * acts[-1] / acts[-1].size
+    out = [None] * len(ws)
+    for i in reversed(range(len(ws))):
+        d = d * (1.0 - acts[i + 1] ** 2)
+        out[i] = acts[i].T @ d
+        d = d @ ws[i].T
+    return float(np.mean(acts[-1] ** 2)), out
+
+
+def _train(steps, split=1, factor=1.0, keep=(3,), lr=1e-3, wd=0.01, b1=0.9, b2=0.999, eps=1e-8):
+    """AdamW as torch's; ``split`` shards' gradients summed then × factor / split (correct: factor 1).
+    {step: (losses so far, step-0 grads, params)} at the steps in ``keep`` and the last."""
+    rng = np.random.default_rng(0)
+    ws = [rng.standard_normal((16, 16)) / 4 for _ in range(3)]
+    x = rng.standard_normal((16, 16))
+    m, v = [np.zeros_like(w) for w in ws], [np.zeros_like(w) for w in ws]
+    losses, g0, out = [], None, {}
+    for k in range(1, steps + 1):
+        parts = [_grads(ws, p) for p in np.array_split(x, split)]
+        losses.append(sum(p[0] for p in parts) / split)
+        gs = [sum(p[1][i] for p in parts) * (factor / split) for i in range(len(ws))]
+        g0 = g0 or gs
+        for i, g in enumerate(gs):
+            ws[i] = ws[i] * (1 - lr * wd)
+            m[i], v[i] = b1 * m[i] + (1 - b1) * g, b2 * v[i] + (1 - b2) * g * g
+            ws[i] = ws[i] - lr * (m[i] / (1 - b1 ** k)) / (np.sqrt(v[i] / (1 - b2 ** k)) + eps)
+        if k in keep or k == steps:
+            out[k] = (list(losses), g0, [w.copy() for w in ws])
+    return out
+
+
+def _errors(run, ref, resumed=False):
+    return {"max_rel_err_loss": rel_err(run[0], ref[0]),
+            "max_rel_err_grad": 0.0 if resumed else rel_err(run[1], ref[1]),
+            "max_rel_err_param": rel_err(run[2], ref[2])}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {name: _train(600, *args) for name, args in
+            {"ref": (1,), "split": (2,), "sum": (2, 2.0), "half": (2, 0.5)}.items()}
+
+
+def test_the_tolerance_grows_with_the_steps_and_stops():
+    assert tolerance("float64", 5) == tolerance("float64") == 1e-12
+    assert tolerance("float64", 600) == pytest.approx(1e-12 * 120**2)  # the S^2 growth of the measured drift
+    assert tolerance("float64", 10**6) == STEP_CEILING["float64"] == 1e-7
+    assert tolerance("float32", 600) == STEP_CEILING["float32"] and tolerance("bfloat16", 600) == 5e-2
+    # the issue's case: torch fsdp, 600 float64 steps, 1.5e-11 from the single-device run
+    drift = {"max_rel_err_loss": 1.5e-11, "max_rel_err_grad": 1e-15, "max_rel_err_param": 1.5e-11}
+    assert within(drift, "float64", steps=600) and not within(drift, "float64")
+    assert not within(drift | {"max_rel_err_grad": 1e-11}, "float64", steps=600)  # step 0's never grows
+
+
+@pytest.mark.parametrize("steps", [3, 600])
+def test_correct_code_passes_a_wrong_factor_fails(runs, steps):
+    ref = runs["ref"][steps]
+    assert within(_errors(runs["split"][steps], ref), "float64", steps=steps)
+    for bad in ("sum", "half"):  # the halves summed, not averaged / averaged twice
+        errors = _errors(runs[bad][steps], ref)
+        assert not within(errors, "float64", steps=steps), (bad, steps, errors)
+        resumed = _errors(runs[bad][steps], ref, resumed=True)  # no step-0 gradients: the parameters alone
+        assert not within(resumed, "float64", steps=steps), (bad, steps, resumed)
+        assert resumed["max_rel_err_param"] > 100 * tolerance("float64", steps)

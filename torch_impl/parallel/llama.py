@@ -1,0 +1,60 @@
+"""The plans for transformers' ``LlamaForCausalLM``: plain dicts and functions (transformers is not
+imported here; ``cp_attention`` imports it when called, through parallel/cp.py's ``register``).
+
+    apply_plan(model, TP_PLAN, group)                  # tp (parallel/tp.py): Megatron's splits
+    pipeline(model, stage_split(layers, pp), ...)      # pp: module paths per stage (parallel/pp.py)
+    LlamaForCausalLM(cp_attention(config))             # cp: every attention through the seam
+    loss = ce(cp_logits(model, tokens, positions), y)  # ... at the ranks' global positions
+
+TP_PLAN is transformers' own ``LlamaConfig.base_model_tp_plan`` (q, k, v, gate, up colwise; o, down
+rowwise; under "model.") plus the vocabulary split Megatron's way: the embedding "vocab_embed" and the
+head "colwise_vocab" (any V: rows padded to ⌈V/tp⌉; with tie_word_embeddings the tied weight is split
+alike in both holders). Per layer: 2 all-reduces of B·T·D forward, 2 backward (parallel/tp.py). Head
+counts come from the weights, so tp must divide the key-value heads (GQA): ``check_plan`` refuses
+otherwise. No sequence-parallel variant: transformers' Llama computes its rotary embeddings outside
+the planned modules.
+
+``stage_split`` names the modules of each pipeline stage (embedding with the first layers, the final
+norm and head with the last). ``parallel/pp.py``'s seam runs a stage as a chain of those modules; a
+transformers decoder layer takes the rotary embeddings as an argument, which the chain does not pass,
+so the seam's chain check decides whether a given model version runs as a plain chain.
+"""
+
+from __future__ import annotations
+
+from torch_impl.parallel.cp import register
+
+TP_PLAN = {
+    "model.embed_tokens": "vocab_embed",
+    "model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "colwise_vocab",
+}
+
+
+def stage_split(layers: int, stages: int) -> list[list[str]]:
+    """Module paths per pipeline stage: ``layers`` decoder layers in ``stages`` equal runs, the
+    embedding before the first, the final norm and the head after the last."""
+    if stages < 1 or layers % stages:
+        raise ValueError(f"llama stage_split: {layers} layers do not split into {stages} equal stages. Fix: a "
+                         f"stage count that divides {layers}")
+    per = layers // stages
+    split = [[f"model.layers.{l}" for l in range(s * per, (s + 1) * per)] for s in range(stages)]
+    split[0].insert(0, "model.embed_tokens")
+    split[-1] += ["model.norm", "lm_head"]
+    return split
+
+
+def cp_attention(config):
+    """``config`` (a LlamaConfig) with every attention routed through the cp seam (parallel/cp.py:
+    registered in transformers' attention registry as ``cp.NAME``). Returns ``config``."""
+    config._attn_implementation = register()
+    return config
+
+
+def cp_logits(model, tokens, positions):
+    """Logits (B, T/N, V) of this rank's tokens (B, T/N) at their GLOBAL positions (T/N,): the seam
+    refuses a step whose position_ids are the local arange transformers makes when given none."""
+    return model(input_ids=tokens, position_ids=positions[None]).logits
