@@ -146,15 +146,17 @@ def test_a_per_tensor_statistic_is_refused_on_row_blocks():
         parallelize(Tiny(), loss, lamb, make_mesh(N, "dp"), "zero2", "shard_map")
 
 
-def test_the_probe_is_cheap_and_passes_elementwise_optimizers():
+def test_the_probe_passes_elementwise_optimizers(measured):
     import time
     sched = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
-    params = flat(Tiny())
+    params, times = flat(Tiny()), []
     for tx in (adamw(), optax.sgd(1e-2, momentum=0.9), optax.adam(sched)):
         for layout in (recipe.Flat(N), recipe.Rows(N, "zero2"), recipe.Rows(N, "zero3")):
             start = time.perf_counter()
             recipe.check(tx, params, layout, "probe", "-")
-            assert time.perf_counter() - start < 2.0  # a few eager optax steps (~10-100 ms; 2 s: a loaded machine)
+            times.append(time.perf_counter() - start)
+    measured(f"probe on Tiny: first {times[0] * 1e3:.0f} ms (eager ops compiled), then median "
+             f"{np.median(times[1:]) * 1e3:.1f} ms")
 
 
 def test_a_large_model_is_probed_on_a_bounded_cut(monkeypatch):
