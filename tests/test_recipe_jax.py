@@ -250,7 +250,8 @@ def test_cp_clip_and_frozen_parts():
     tx = lambda: optax.multi_transform(  # noqa: E731
         {"train": adamw(), "frozen": optax.set_to_zero()}, lambda p: {k: "frozen" if k.startswith("tok.") else
                                                                        "train" for k in p})
-    got = run(cp.context_parallel(Seq(), seq_loss, tx(), make_mesh(N, "cp"), "seq_sharded", clip=CLIP), (tokens, targets))
+    trainer = cp.context_parallel(Seq(), seq_loss, tx(), make_mesh(N, "cp"), "seq_sharded", clip=CLIP)
+    got = run(trainer, (tokens, targets))
     want = single(tx(), clip=CLIP, loss=seq_loss, make=Seq, batch=(tokens, targets, jnp.arange(4)))
     assert gap(got, want) <= TOL
 

@@ -28,11 +28,12 @@ reading a size (``shape[0] == vocab``) is then probed on the cut sizes.
 
 Clipping. ``clip=max_norm`` on the wrappers computes the norm of the WHOLE model's gradient —
 shard_map: the squares of each device's row blocks / flat piece psum'ed over the axis (zero2/zero3:
-one more element of the vectors' psum), replicated leaves counted once — and scales the gradient by ``min(1, max_norm / (norm + 1e-6))``, torch's
-``clip_grad_norm_``; ``clip_by_global_norm`` below is the same as an optax transformation, for the
-single-device reference and the whole-tree layouts. optax's own ``clip_by_global_norm`` has no 1e-6
-and scales only when norm > max_norm: ~1e-6 relative from torch's, it passes the probe where the
-layout hands optax the whole tree, and is refused where it would see a piece.
+one more element of the vectors' psum), replicated leaves counted once — and scales the gradient
+by ``min(1, max_norm / (norm + 1e-6))``, torch's ``clip_grad_norm_``. ``clip_by_global_norm`` below
+is the same as an optax transformation, for the single-device reference and the whole-tree layouts.
+optax's own ``clip_by_global_norm`` has no 1e-6 and scales only when norm > max_norm: ~1e-6 relative
+from torch's; it passes the probe where the layout hands optax the whole tree, and is refused where
+it would see a piece.
 """
 
 from __future__ import annotations
