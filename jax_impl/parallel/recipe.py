@@ -1,7 +1,7 @@
 """A real training recipe under the wrappers of jax_impl/parallel/: the optimizer probe that refuses,
 before anything compiles, an optax transformation a layout cannot apply exactly, and global-norm
-clipping with the TRUE norm (torch's formula) for every layout. No torch twin module: torch's side
-of issue 34 is torch_impl's (docs/recipe.md has both).
+clipping with the TRUE norm (torch's formula) for every layout: the twin of
+torch_impl/parallel/recipe.py (``clip_``, ``global_norm``); docs/recipe.md has both frameworks.
 
 Why a probe. Under some layouts each device's optimizer does not see the user's tree:
 
