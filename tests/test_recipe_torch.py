@@ -11,7 +11,6 @@ ulp per step that AdamW carries over 3 steps — measured ~1e-16."""
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -21,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torch_impl.launch import launch
-from torch_impl.parallel import cp, dp, fsdp, pp, recipe, tp
+from torch_impl.parallel import cp, dp, fsdp, pp, tp
 
 STEPS, LR, WD, MAX_NORM, WARM, K = 3, 1e-2, 0.1, 0.05, 2, 2  # K: micro-batches accumulated per step
 TOL = 1e-12  # see the module docstring

@@ -11,6 +11,8 @@
     ep       expert parallelism's generic pieces (the axis, slots)
     compose  dp/fsdp × tp × pp × cp on one mesh: a model, a layout, a plan, a stage split, the cp seam
     llama    a Flax NNX Llama with transformers' names and shapes, its tp plan and stage split
+    recipe   the optimizer probe (refuses a tx a layout cannot apply exactly), clip= with the true
+             global norm, compute_dtype= casts (docs/recipe.md)
 
 Import rule: jax, flax, optax, numpy, shared.theory, shared.llama and jax_impl.parallel modules only; never
 shared.config / problem / results, the harness, reference, launch, the runners or the project's

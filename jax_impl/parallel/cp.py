@@ -16,6 +16,8 @@ jit/seq_sharded: XLA (GSPMD) picks. The replicated gradients come back summed ov
 transpose of the invariant -> varying cast: an all-reduce of Φ·b.
 A model that never calls the seam is refused at the first trace; one that routes only some attention
 layers through it cannot be detected: route every attention through it.
+Recipe (parallel/recipe.py, docs/recipe.md): optax sees the whole replicated {path: array} dict
+(masks, labels, optax's own clipping exact); ``clip=max_norm`` clips with torch's formula.
 Papers: ring attention, Liu et al. 2023 (arXiv:2310.01889); DeepSpeed-Ulysses, Jacobs et al. 2023
 (arXiv:2309.14509).
 """
@@ -36,6 +38,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_impl.parallel import recipe
 from jax_impl.parallel.tree import WrapError, fetch, key_of
 from shared.theory import cp_chunks, cp_positions
 
@@ -211,11 +214,12 @@ class Trainer:
     """``context_parallel``'s result: ``step(params, opt_state, *batch, positions)``, ``state``,
     ``train_step(*batch)`` (B, T) arrays -> mean loss, ``module()``, ``comm_theory()``."""
 
-    def __init__(self, model, loss, tx, mesh, style, variant):
-        self.style, self.variant, self.mesh, self.n = style, variant, mesh, mesh.shape[AXIS]
+    def __init__(self, model, loss, tx, mesh, style, variant, clip=None):
+        self.style, self.variant, self.mesh, self.n, self.clip = style, variant, mesh, mesh.shape[AXIS], clip
         self.graphdef, state = nnx.split(model)
         leaves, self._treedef = jax.tree_util.tree_flatten_with_path(state)
         self.keys = [key_of(p) for p, _ in leaves]
+        recipe.check(tx, {}, None, "cp", "")  # optax sees the whole replicated {path: array} dict: nothing to probe
         params = {k: jax.device_put(a, NamedSharding(mesh, P())) for k, (_, a) in zip(self.keys, leaves)}
         self.state, self._loss, self._tx = (params, tx.init(params)), loss, tx
         self.calls: list[tuple[int, int]] | None = None  # per seam call at the last trace: (K elements, itemsize)
@@ -247,7 +251,8 @@ class Trainer:
 
     def _step(self, params, opt_state, *batch):
         (_, loss), grads = jax.value_and_grad(self._losses, has_aux=True)(params, *batch)
-        updates, opt_state = self._tx.update(grads, opt_state, params)
+        clipped = grads if self.clip is None else recipe.scale_by_norm(grads, recipe.sumsq(grads), self.clip)
+        updates, opt_state = self._tx.update(clipped, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, grads
 
     def order(self, t: int) -> np.ndarray:
@@ -292,8 +297,10 @@ class Trainer:
 
 
 def context_parallel(model: nnx.Module, loss: Callable, tx: optax.GradientTransformation, mesh,
-                     variant: str = "ring", style: str | None = None) -> Trainer:
-    """Context parallelism over ``mesh``'s "cp" axis for a model with the seam (module docstring)."""
+                     variant: str = "ring", style: str | None = None, *, clip: float | None = None) -> Trainer:
+    """Context parallelism over ``mesh``'s "cp" axis for a model with the seam (module docstring).
+    ``clip``: global-norm clipping, torch's formula (parallel.recipe); optax sees the whole tree."""
+    recipe.check_clip(clip, "cp")
     style = style or ("jit" if variant == "seq_sharded" else "shard_map")
     if (style, variant) not in VARIANTS:
         raise WrapError(f"cp: unknown style/variant {style}/{variant}; choose from {VARIANTS}")
@@ -304,4 +311,4 @@ def context_parallel(model: nnx.Module, loss: Callable, tx: optax.GradientTransf
         raise WrapError(f"{type(model).__name__} holds state other than nnx.Param: context_parallel trains Params "
                         "only; build it without BatchNorm / Dropout RNG state")
     mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-    return Trainer(model, loss, tx, mesh, style, variant)
+    return Trainer(model, loss, tx, mesh, style, variant, clip)

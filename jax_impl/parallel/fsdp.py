@@ -21,6 +21,12 @@ types: every layout change a stated reshard, jax_impl/parallel/typed.py). Bytes 
 parallel/theory.py, from the model wrapped.
 Refused before anything compiles (``WrapError``) or at the first trace (``ShardReadError``), with
 what, where and how to fix: docs/fsdp.md, "Bring your own model (JAX parallelize)".
+Recipe (parallel/recipe.py, docs/recipe.md): ``clip=max_norm`` clips by the WHOLE model's gradient
+norm (shard_map zero1/2/3: the pieces' squares psum'ed, replicated leaves once; torch's formula);
+``compute_dtype=jnp.bfloat16`` casts the Params inside the step (master weights, optimizer state as
+given). Under shard_map zero1/2/3 optax sees a flat piece or row blocks: ``recipe.check`` probes ``tx``
+first and refuses one that would update otherwise (optax's global-norm clipping, masks / labels on
+zero1's flat vector, per-tensor statistics).
 Papers: ZeRO, Rajbhandari et al. 2020 (arXiv:1910.02054); FSDP, Zhao et al. 2023 (arXiv:2304.11277).
 """
 
@@ -38,7 +44,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.parallel import theory
+from jax_impl.parallel import recipe, theory
 from jax_impl.parallel.tree import (
     ShardReadError,
     WrapError,
@@ -54,6 +60,11 @@ from jax_impl.parallel.tree import (
 )
 
 VARIANTS, STYLES = ("dp", "zero1", "zero2", "zero3"), ("shard_map", "jit", "typed")
+
+
+FIX = ("use style='jit' or 'typed' (optax sees your whole tree there), or variant 'zero2'/'zero3' where a mask or "
+       "labels is the problem (each leaf keeps its path and rank); for global-norm clipping drop it from the chain "
+       "and pass clip=max_norm to parallelize (the true norm, every variant and style)")
 
 
 class _Gathering:
@@ -77,6 +88,8 @@ class _Gathering:
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
+        if name in recipe.ARRAY_ATTRS:
+            raise ShardReadError(f"zero3: {recipe.as_array(self._path, name)}")
         raise ShardReadError(
             f"zero3: {name!r} of unit {self._path!r} ({type(self._unit).__name__}) was read by its parent instead "
             f"of calling the unit; there it is a row block. Make the reader the unit: units=[<the parent's path>]")
@@ -102,8 +115,9 @@ class Trainer:
     the placed (params, opt_state) — params a {path: array} dict —; ``train_step(*batch)`` runs one
     step on ``state`` and returns the mean loss; ``module()`` the model with the trained parameters."""
 
-    def __init__(self, model, loss, tx, mesh, variant, style, axis, units):
+    def __init__(self, model, loss, tx, mesh, variant, style, axis, units, clip=None, compute_dtype=None):
         self.variant, self.style, self.mesh, self.axis = variant, style, mesh, axis
+        self.clip, self.compute_dtype = clip, compute_dtype
         self.n = mesh.shape[axis]
         self.graphdef, state = nnx.split(model)
         leaves, self._treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -119,6 +133,9 @@ class Trainer:
         self.infos = theory.describe(params, self.sharded, self.units)
         place = lambda specs, tree: {k: jax.device_put(a, NamedSharding(mesh, specs[k])) for k, a in tree.items()}
         self.param_specs = {k: P(axis) if variant == "zero3" and k in self.sharded else P() for k in params}
+        layout = None if style != "shard_map" or variant == "dp" else (
+            recipe.Flat(self.n) if variant == "zero1" else recipe.Rows(self.n, variant))
+        recipe.check(tx, params, layout, f"parallelize {variant}/{style}", FIX)
         params = place(self.param_specs, params)
         self._build(params)
         self.compiler_options = cpu_options(mesh, style, variant)
@@ -145,13 +162,13 @@ class Trainer:
         return nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._treedef, [flat[k] for k in self.keys]))
 
     def _batch_loss(self, flat: dict, batch: tuple):
-        return self._loss(self._merge(flat), *batch)
+        return self._loss(self._merge(recipe.cast(flat, self.compute_dtype)), *batch)
 
     def _zero3_loss(self, mine: dict, batch: tuple):
         """shard_map/zero3: the root's row blocks gathered now, each unit's at its call."""
         mine = {k: lax.all_gather(a, self.axis, axis=0, tiled=True)
                 if k in self.sharded and unit_of(k, self.units) is None else a for k, a in mine.items()}
-        model = self._merge(mine)
+        model = self._merge(recipe.cast(mine, self.compute_dtype))
         ids = {id(a) for a in jax.tree.leaves(batch)}
         mods, calls = submodules(model)[0], {}
 
@@ -205,7 +222,8 @@ class Trainer:
         loss, grads = jax.value_and_grad(self._batch_loss)(params, batch)
         where = {k: NamedSharding(self.mesh, s) for k, s in self.grad_specs.items()}
         grads = lax.with_sharding_constraint(grads, where)
-        updates, opt_state = self._tx.update(grads, opt_state, params)
+        clipped = grads if self.clip is None else recipe.scale_by_norm(grads, recipe.sumsq(grads), self.clip)
+        updates, opt_state = self._tx.update(clipped, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, grads
 
     def _local(self, params, batch, share: bool):
@@ -221,7 +239,8 @@ class Trainer:
     def _dp_step(self, params, opt_state, *batch):
         loss, grads = self._local(params, batch, share=False)
         grads = lax.pmean(grads, self.axis)  # all-reduce Φ·b
-        updates, opt_state = self._tx.update(grads, opt_state, params)
+        clipped = grads if self.clip is None else recipe.scale_by_norm(grads, recipe.sumsq(grads), self.clip)
+        updates, opt_state = self._tx.update(clipped, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss[None], grads
 
     def _flatten(self, tree: dict):
@@ -237,7 +256,8 @@ class Trainer:
         g = lax.psum_scatter(self._flatten(grads), self.axis, tiled=True)  # (Φ_pad/N,) of the mean
         shard = g.shape[0]
         w = lax.dynamic_slice_in_dim(self._flatten(params), lax.axis_index(self.axis) * shard, shard)
-        updates, opt_state = self._tx.update(g, opt_state, w)
+        clipped = g if self.clip is None else recipe.scale_by_norm(g, lax.psum(recipe.sumsq(g), self.axis), self.clip)
+        updates, opt_state = self._tx.update(clipped, opt_state, w)
         flat = lax.all_gather(optax.apply_updates(w, updates), self.axis, tiled=True, to="invarying")  # (Φ_pad,)
         return self._unflatten(flat), opt_state, loss[None], g
 
@@ -248,13 +268,24 @@ class Trainer:
         rows, vec = [k for k in self.keys if k in self.sharded], [k for k in self.keys if k not in self.sharded]
         if self.variant == "zero2":
             grads |= {k: lax.psum_scatter(grads[k], self.axis, scatter_dimension=0, tiled=True) for k in rows}
+        rows_sq = None if self.clip is None else recipe.sumsq([grads[k] for k in rows])  # this device's blocks
+        folded = False
         if vec:
-            flat = lax.psum(jnp.concatenate([grads[k].reshape(-1) for k in vec]), self.axis)  # (Σ vectors,)
+            flat = jnp.concatenate([grads[k].reshape(-1) for k in vec])
+            if rows_sq is not None and flat.dtype.itemsize >= 4:  # the blocks' Σg² rides in the same psum
+                flat = lax.psum(jnp.concatenate([flat, rows_sq.astype(flat.dtype)[None]]), self.axis)
+                flat, rows_sq, folded = flat[:-1], flat[-1], True
+            else:
+                flat = lax.psum(flat, self.axis)  # (Σ vectors,)
             grads |= self._unflatten_some(flat, vec, grads)
         r = lax.axis_index(self.axis)
         mine = {k: lax.dynamic_slice_in_dim(a, r * (a.shape[0] // self.n), a.shape[0] // self.n)
                 if k in rows and self.variant == "zero2" else a for k, a in params.items()}
-        updates, opt_state = self._tx.update(grads, opt_state, mine)
+        clipped = grads
+        if self.clip is not None:  # row blocks' squares summed over the axis, the replicated vectors' once
+            sq = (rows_sq if folded else lax.psum(rows_sq, self.axis)) + recipe.sumsq([grads[k] for k in vec])
+            clipped = recipe.scale_by_norm(grads, sq, self.clip)
+        updates, opt_state = self._tx.update(clipped, opt_state, mine)
         mine = optax.apply_updates(mine, updates)
         if self.variant == "zero2":
             mine |= {k: lax.all_gather(mine[k], self.axis, axis=0, tiled=True, to="invarying") for k in rows}
@@ -293,7 +324,16 @@ class Trainer:
     def comm_theory(self) -> dict[str, tuple[int, int]]:
         """op -> (count, payload bytes) per step per device, from the model wrapped (shard_map: what
         the ledger records; jit: the same ZeRO traffic, XLA may choose otherwise)."""
-        return theory.comm(self.infos, self.variant, self.n, self.unit_calls)
+        out = theory.comm(self.infos, self.variant, self.n, self.unit_calls)
+        if self.clip is not None and self.style == "shard_map" and self.variant != "dp" and out:
+            c, b = out.get("all_reduce", (0, 0))  # the global norm's psum: one scalar, float32 or wider
+            dtype = lambda keys: jnp.result_type(*[self.state[0][k].dtype for k in keys])
+            vec = [k for k in self.keys if k not in self.sharded]
+            if self.variant != "zero1" and vec and np.dtype(dtype(vec)).itemsize >= 4:  # in the vectors' psum
+                out["all_reduce"] = (c, b + np.dtype(dtype(vec)).itemsize)
+            else:
+                out["all_reduce"] = (c + 1, b + np.dtype(jnp.promote_types(dtype(self.keys), jnp.float32)).itemsize)
+        return out
 
     def state_theory(self) -> dict[str, int]:
         return theory.state(self.infos, self.variant, self.n, self.style)
@@ -316,8 +356,12 @@ class FromApply(nnx.Module):
 
 
 def parallelize(model: nnx.Module, loss: Callable, tx: optax.GradientTransformation, mesh, variant: str = "dp",
-                style: str = "shard_map", axis: str = "dp", units: Sequence[str] | None = None) -> Trainer:
-    """A ZeRO ``variant`` of ``model`` over ``mesh``'s ``axis`` in ``style``; see the module docstring."""
+                style: str = "shard_map", axis: str = "dp", units: Sequence[str] | None = None, *,
+                clip: float | None = None, compute_dtype=None) -> Trainer:
+    """A ZeRO ``variant`` of ``model`` over ``mesh``'s ``axis`` in ``style``; see the module docstring.
+    ``clip``: global-norm clipping with the true norm (parallel.recipe); ``compute_dtype``: the loss
+    sees the floating Params cast to it (bf16 compute), master weights and optimizer state stay as given."""
+    recipe.check_clip(clip, "parallelize")
     if variant not in VARIANTS or style not in STYLES:
         raise WrapError(f"unknown variant/style {variant}/{style}: choose a variant from {VARIANTS}, "
                         f"a style from {STYLES}")
@@ -333,8 +377,8 @@ def parallelize(model: nnx.Module, loss: Callable, tx: optax.GradientTransformat
     if style == "typed":  # sharding in types: an Explicit-axes copy of the mesh (jax_impl/parallel/typed.py)
         from jax_impl.parallel.typed import TypedTrainer
 
-        return TypedTrainer(model, loss, tx, mesh, variant, axis)
+        return TypedTrainer(model, loss, tx, mesh, variant, axis, clip, compute_dtype)
     # jax.make_mesh's default axes are Explicit (sharding in types); these steps place arrays with
     # Auto axes (shardings are hints XLA propagates): the same devices, re-typed.
     mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-    return Trainer(model, loss, tx, mesh, variant, style, axis, units)
+    return Trainer(model, loss, tx, mesh, variant, style, axis, units, clip, compute_dtype)

@@ -22,6 +22,11 @@ programs) on micro-batch t − s, and the message moves s → s+1 (``ppermute``)
 stale inputs and are masked to zero (zero value, zero gradient). Backward: jax.grad of the unrolled
 schedule (GPipe order), every shift transposed. Per step per device: 2·(M + S − 2) collective-permutes
 of one message, plus the all-reduce of the (S,) per-stage losses' sum (one element per device).
+
+The optimizer sees the packed (S, Φ_max) array, not the model's tree: ``recipe.check`` refuses, before
+anything compiles, a ``tx`` that would update otherwise (masks, multi_transform labels: no paths in a
+packed row). Global-norm clipping is exact (the whole packed gradient; padding zero): ``clip=max_norm``
+uses torch's formula (parallel/recipe.py, docs/recipe.md).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_impl.parallel import recipe
 from jax_impl.parallel.tree import WrapError, fetch, key_of, param_holders, submodules
 
 AXIS = "pp"
@@ -52,6 +58,8 @@ class Stage:
             leaves, treedef = jax.tree_util.tree_flatten(state)
             self.parts.append((gdef, treedef, [(a.shape, a.dtype) for a in leaves]))
         self.values = [a for p in self.paths for a in jax.tree.leaves(nnx.split(mods[p])[1])]
+        self.keys = [f"{p}.{key_of(k)}" for p in self.paths
+                     for k, _ in jax.tree_util.tree_flatten_with_path(nnx.split(mods[p])[1])[0]]
         self.size = sum(int(np.prod(s)) for part in self.parts for s, _ in part[2])
 
     def pack(self, length: int, dtype) -> jax.Array:
@@ -104,8 +112,8 @@ class Trainer:
     """``pipeline``'s result: ``step(params, opt_state, xs, *ys)``, ``state``, ``train_step(x, *y)``,
     ``module()``, ``comm_theory()``."""
 
-    def __init__(self, model, stages, loss, tx, mesh, microbatches):
-        self.model, self.loss, self.tx, self.mesh, self.m = model, loss, tx, mesh, microbatches
+    def __init__(self, model, stages, loss, tx, mesh, microbatches, clip=None):
+        self.model, self.loss, self.tx, self.mesh, self.m, self.clip = model, loss, tx, mesh, microbatches, clip
         self.n = mesh.shape[AXIS]
         if len(stages) != self.n:
             raise WrapError(f"pp: {len(stages)} stages for a mesh with pp={self.n}: give one module list per device")
@@ -113,6 +121,9 @@ class Trainer:
         self.stages = [Stage(model, paths, mods) for paths in stages]
         dtype = jnp.result_type(*[a.dtype for s in self.stages for a in s.values])
         self.length = max(s.size for s in self.stages)
+        recipe.check(tx, {k: a for s in self.stages for k, a in zip(s.keys, s.values)}, self._layout(dtype), "pp",
+                     "pass the optimizer a whole-tree layout sees: the same recipe under parallelize(..., style="
+                     "'jit') or apply_plan; for global-norm clipping pipeline(..., clip=max_norm)")
         packed = jnp.stack([s.pack(self.length, dtype) for s in self.stages])  # (S, Φ_max)
         params = jax.device_put(packed, NamedSharding(mesh, P(AXIS)))
         opt_state = tx.init(params)
@@ -121,6 +132,25 @@ class Trainer:
         self.message = None  # ShapeDtypeStruct of the activation between stages, set by shard_batch
         self.step = jax.jit(self._step, donate_argnums=(0, 1))
         self._compiled = None
+
+    def _layout(self, dtype) -> recipe.Layout:
+        """What optax sees: ONE (S, Φ_max) array, each stage's Params flattened into its row."""
+        shapes = {}
+
+        def to(tree):
+            shapes.update({k: np.shape(a) for k, a in tree.items()})
+            rows = [np.concatenate([np.ravel(tree[k]) for k in s.keys] + [np.zeros(0)]) for s in self.stages]
+            return np.stack([np.pad(r, (0, max(map(len, rows)) - len(r))) for r in rows]).astype(dtype)
+
+        def back(packed):
+            out = {}
+            for s, row in zip(self.stages, packed):
+                at = 0
+                for k in s.keys:
+                    out[k], at = row[at:at + int(np.prod(shapes[k]))].reshape(shapes[k]), at + int(np.prod(shapes[k]))
+            return out
+        return recipe.Whole(f"optax sees ONE packed ({self.n}, Φ_max) array, each stage's Params flattened "
+                            "into its row, not your tree", to, back, self.n)
 
     def _split(self, a):
         if a.shape[0] % self.m:
@@ -154,7 +184,8 @@ class Trainer:
         def total(params):
             return jnp.sum(self._losses(params, xs, *ys))  # the last stage's; the others' are 0
         value, grads = jax.value_and_grad(total)(params)
-        updates, opt_state = self.tx.update(grads, opt_state, params)
+        clipped = grads if self.clip is None else recipe.scale_by_norm(grads, recipe.sumsq(grads), self.clip)
+        updates, opt_state = self.tx.update(clipped, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value, grads
 
     def _losses(self, params, xs, *ys):
@@ -215,12 +246,14 @@ class Trainer:
 
 
 def pipeline(model: nnx.Module, stages: Sequence[Sequence[str]], loss: Callable, tx: optax.GradientTransformation,
-             mesh, microbatches: int = 4) -> Trainer:
-    """GPipe over ``mesh``'s "pp" axis for a model whose forward is the chain ``stages`` lists."""
+             mesh, microbatches: int = 4, *, clip: float | None = None) -> Trainer:
+    """GPipe over ``mesh``'s "pp" axis for a model whose forward is the chain ``stages`` lists.
+    ``clip``: global-norm clipping (torch's formula, parallel.recipe) of the whole packed gradient."""
+    recipe.check_clip(clip, "pp")
     if AXIS not in mesh.shape:
         raise WrapError(f"the mesh has axes {tuple(mesh.shape)}, no {AXIS!r}: make one with axis name 'pp'")
     _, _, rest = nnx.split(model, nnx.Param, ...)
     if jax.tree.leaves(rest):
         raise WrapError(f"{type(model).__name__} holds state other than nnx.Param: pipeline trains Params only")
     mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-    return Trainer(model, stages, loss, tx, mesh, microbatches)
+    return Trainer(model, stages, loss, tx, mesh, microbatches, clip)

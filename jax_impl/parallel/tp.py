@@ -17,6 +17,11 @@ shard_map (check_vma) swaps the planned modules for stand-ins carrying f / g; ji
 shards and XLA (GSPMD) inserts the collectives.
 ``check_plan`` refuses what cannot be split exactly with one ``PlanError`` (what, module path, fix):
 docs/tp.md, "Bring your own model (JAX apply_plan)".
+Recipe (parallel/recipe.py, docs/recipe.md): optax sees the whole dict, vocabulary leaves padded and
+colwise_heads' columns reordered (``recipe.check`` refuses a ``tx`` that reads those shapes);
+``clip=max_norm`` (torch's formula), ``compute_dtype=`` (the Params cast inside the step). A loss that
+maps over the model's state (nnx.split -> astype -> nnx.merge) meets the stand-ins: refused at the
+first trace, naming compute_dtype=.
 Papers: Megatron-LM, Shoeybi et al. 2019 (arXiv:1909.08053 §3).
 """
 
@@ -36,6 +41,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_impl.parallel import recipe
 from jax_impl.parallel.tree import fetch, key_of, param_holders, put_child, submodules
 
 STYLES = ("colwise", "colwise_heads", "rowwise", "vocab_embed", "colwise_vocab")
@@ -217,6 +223,8 @@ class _Split:
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
+        if name in recipe.ARRAY_ATTRS:
+            raise PlanError(f"tp plan: {recipe.as_array(self._path, name)}")
         value = getattr(self._m, name)
         if isinstance(value, nnx.Variable) or callable(value):
             raise PlanError(f"tp plan: {name!r} of {self._path!r} ({self._style}) was read by its parent; the "
@@ -250,8 +258,9 @@ class Trainer:
     opt_state); ``step(params, opt_state, *batch) -> (params, opt_state, loss, grads)`` the jitted pure
     step; ``train_step(*batch)`` -> the loss; ``full_params`` / ``module()`` the trained model."""
 
-    def __init__(self, model, plan, loss, tx, mesh, style, axis, shared_f=True):
+    def __init__(self, model, plan, loss, tx, mesh, style, axis, shared_f=True, clip=None, compute_dtype=None):
         self.n, self.mesh, self.axis, self.style, self._loss, self._tx = mesh.shape[axis], mesh, axis, style, loss, tx
+        self.clip, self.compute_dtype = clip, compute_dtype
         self.shared_f = shared_f
         self.styles = check_plan(model, plan, self.n)
         planned = planned_modules(model, plan)
@@ -260,24 +269,47 @@ class Trainer:
         self.graphdef, state = nnx.split(model)
         leaves, self._treedef = jax.tree_util.tree_flatten_with_path(state)
         self.keys = [key_of(p) for p, _ in leaves]
-        params, self.sizes, self.specs = {}, {}, {}
+        self.sizes, self.specs = {}, {}
         for k, (_, a) in zip(self.keys, leaves, strict=True):
             s = self.styles.get(k)
             d = 0 if a.ndim == 1 else SPLIT_DIM.get(s, 0)  # a colwise bias: dim 0
             self.specs[k] = P() if s is None else P(*[axis if i == d else None for i in range(a.ndim)])
-            if s in PADDED and a.shape[d] % self.n:  # zero rows / columns up to ⌈V/tp⌉ per device
-                self.sizes[k] = (d, a.shape[d])
-                a = jnp.pad(a, [(0, -a.shape[d] % self.n if i == d else 0) for i in range(a.ndim)])
-            if s == "colwise_heads":
-                a = a[..., heads_perm(a.shape[-1], self.n)]  # device r: [q_r|k_r|v_r]
-            params[k] = jax.device_put(a, NamedSharding(mesh, self.specs[k]))
+        layout = recipe.Whole("optax sees your dict with the vocabulary styles' leaves padded to ⌈V/tp⌉ and "
+                              "colwise_heads' columns reordered", self._place, self._unplace, self.n)
+        recipe.check(tx, {k: a for k, (_, a) in zip(self.keys, leaves)}, layout, "tp plan",
+                     "use an optimizer that reads no shapes (parallelize(..., style='jit') hands optax the "
+                     "unpadded tree); for global-norm clipping apply_plan(..., clip=max_norm)")
+        placed = self._place({k: a for k, (_, a) in zip(self.keys, leaves)})
+        params = {k: jax.device_put(a, NamedSharding(mesh, self.specs[k])) for k, a in placed.items()}
         opt_state = jax.jit(tx.init)(params)
         self.state = (params, opt_state)
         shard = {k: NamedSharding(mesh, s) for k, s in self.specs.items()}
         self.step = jax.jit(self._step, donate_argnums=(0, 1), out_shardings=(shard, None, None, shard))
         self._compiled = None
 
+    def _place(self, tree: dict) -> dict:
+        """The leaves as the step holds them: the vocabulary styles' padded with zero rows / columns up
+        to ⌈V/tp⌉ per device (``sizes``: (dim, V)), colwise_heads' columns reordered: device r [q_r|k_r|v_r]."""
+        out, self.sizes = {}, {}
+        for k, a in tree.items():
+            s = self.styles.get(k)
+            d = 0 if a.ndim == 1 else SPLIT_DIM.get(s, 0)
+            if s in PADDED and a.shape[d] % self.n:
+                self.sizes[k] = (d, a.shape[d])
+                a = jnp.pad(a, [(0, -a.shape[d] % self.n if i == d else 0) for i in range(a.ndim)])
+            out[k] = a[..., heads_perm(a.shape[-1], self.n)] if s == "colwise_heads" else a
+        return out
+
+    def _unplace(self, tree: dict) -> dict:
+        """``_place`` undone (NumPy): columns in order, padding dropped."""
+        out = {k: np.asarray(a) for k, a in tree.items()}
+        out |= {k: a[..., np.argsort(heads_perm(a.shape[-1], self.n))] for k, a in out.items()
+                if self.styles.get(k) == "colwise_heads"}
+        return {k: np.take(a, np.arange(self.sizes[k][1]), self.sizes[k][0]) if k in self.sizes else a
+                for k, a in out.items()}
+
     def _traced_loss(self, params: dict, batch: tuple, shard_map: bool):
+        params = recipe.cast(params, self.compute_dtype)
         model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._treedef, [params[k] for k in self.keys]))
         tr, mods = _Trace(self, shard_map), submodules(model)[0]
         for path, style in self.planned:
@@ -305,7 +337,8 @@ class Trainer:
             loss_of = lambda p: jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs, *[P()] * len(batch)),
                                               out_specs=P(), check_vma=True)(p, *batch)
         loss, grads = jax.value_and_grad(loss_of)(params)  # outside shard_map: replicated grads stay invariant
-        updates, opt_state = self._tx.update(grads, opt_state, params)
+        clipped = grads if self.clip is None else recipe.scale_by_norm(grads, recipe.sumsq(grads), self.clip)
+        updates, opt_state = self._tx.update(clipped, opt_state, params)  # padding: zero gradients
         return optax.apply_updates(params, updates), opt_state, loss, grads
 
     def replicate(self, *batch) -> tuple:
@@ -333,11 +366,7 @@ class Trainer:
     def full_params(self, params: dict | None = None) -> dict[str, np.ndarray]:
         """{path: full array} of the parameters (or of the step's grads), padding dropped, columns in order."""
         params = self.state[0] if params is None else params
-        out = {k: fetch(a) for k, a in params.items()}  # fetch: from any process (jax.distributed)
-        out |= {k: a[..., np.argsort(heads_perm(a.shape[-1], self.n))] for k, a in out.items()
-                if self.styles.get(k) == "colwise_heads"}
-        return {k: np.take(a, np.arange(self.sizes[k][1]), self.sizes[k][0]) if k in self.sizes else a
-                for k, a in out.items()}
+        return self._unplace({k: fetch(a) for k, a in params.items()})  # fetch: from any process (jax.distributed)
 
     def module(self, params: dict | None = None):
         full = self.full_params(params)
@@ -346,13 +375,18 @@ class Trainer:
 
 
 def apply_plan(model, plan: dict[str, str], loss: Callable, tx: optax.GradientTransformation, mesh,
-               style: str = "shard_map", axis: str = "tp", shared_f: bool = True) -> Trainer:
+               style: str = "shard_map", axis: str = "tp", shared_f: bool = True, *,
+               clip: float | None = None, compute_dtype=None) -> Trainer:
     """Tensor parallelism of ``model`` by ``plan`` over ``mesh``'s ``axis``; ``loss(model, *batch)``
     a scalar. See the module docstring. ``check_plan`` first: nothing compiles on a refused plan.
-    ``shared_f=False``: one f per column-parallel call (for comparison: more backward psums)."""
+    ``shared_f=False``: one f per column-parallel call (for comparison: more backward psums).
+    ``clip``: global-norm clipping with the true norm (torch's formula; parallel.recipe); optax sees the
+    whole padded tree, probed first (parallel.recipe.check). ``compute_dtype``: the loss sees the floating
+    Params cast to it (bf16 compute); master weights and optimizer state stay as given."""
+    recipe.check_clip(clip, "tp plan")
     if style not in ("shard_map", "jit"):
         raise PlanError(f"tp plan: unknown style {style!r}. Fix: 'shard_map' or 'jit'")
     if axis not in mesh.shape:
         raise PlanError(f"tp plan: the mesh has axes {tuple(mesh.shape)}, no {axis!r}. Fix: pass axis=<one of them>")
     mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-    return Trainer(model, plan, loss, tx, mesh, style, axis, shared_f)
+    return Trainer(model, plan, loss, tx, mesh, style, axis, shared_f, clip, compute_dtype)

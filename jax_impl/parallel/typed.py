@@ -36,7 +36,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.parallel import theory
+from jax_impl.parallel import recipe, theory
 from jax_impl.parallel.tree import WrapError, key_of, rule, shard_rows
 
 
@@ -175,8 +175,9 @@ class TypedTrainer:
 
     style = "typed"
 
-    def __init__(self, model, loss, tx, mesh, variant: str, axis: str):
+    def __init__(self, model, loss, tx, mesh, variant: str, axis: str, clip=None, compute_dtype=None):
         self.variant, self.axis, self.mesh = variant, axis, explicit_mesh(mesh)
+        self.clip, self.compute_dtype = clip, compute_dtype
         self.n = mesh.shape[axis]
         self.graphdef, state = nnx.split(model)
         leaves, self._treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -205,7 +206,7 @@ class TypedTrainer:
     def _batch_loss(self, params: dict, batch: tuple):
         """zero3: the gather of every row-split param stated here, once, as a reshard to P()."""
         full = {k: self.stated.reshard(a, P(), k) if self.param_specs[k] != P() else a for k, a in params.items()}
-        return self._loss(self._merge(full), *batch)
+        return self._loss(self._merge(recipe.cast(full, self.compute_dtype)), *batch)
 
     def _step(self, params, opt_state, *batch):
         loss, grads = jax.value_and_grad(self._batch_loss)(params, batch)
@@ -216,7 +217,8 @@ class TypedTrainer:
                                  grads[k], full, "slice")  # the sum over dp is the contraction's
         g = {k: self.stated.reshard(a, self.row_specs[k], f"grad {k}") for k, a in grads.items()}
         w = {k: self.stated.reshard(a, self.row_specs[k], k) for k, a in params.items()}
-        updates, opt_state = self._tx.update(g, opt_state, w)
+        clipped = g if self.clip is None else recipe.scale_by_norm(g, recipe.sumsq(g), self.clip)
+        updates, opt_state = self._tx.update(clipped, opt_state, w)
         new = optax.apply_updates(w, updates)
         new = {k: self.stated.reshard(a, self.param_specs[k], f"updated {k}") for k, a in new.items()}
         return new, opt_state, loss, g
