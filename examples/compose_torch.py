@@ -1,0 +1,126 @@
+"""transformers' ``LlamaForCausalLM`` under N-D composition on one DeviceMesh (issue 33), against the same
+model trained on one process. The JAX twin, examples/compose_jax.py, trains the same Llama from the same
+NumPy weights (shared/llama.py) with the same data, loss and optimizer, so both write the same losses.
+
+    python examples/compose_torch.py --layout fsdp=2,tp=2,pp=2 --json out.json   # 8 gloo ranks
+    python examples/compose_torch.py --layout dp=2,tp=2,cp=2                       # 8 ranks
+    python examples/compose_torch.py --layout fsdp=2,tp=2 --style explicit          # 4 ranks
+
+The contract both frameworks follow: model ``LlamaShape()`` (V 64, D 32, 4 layers, 4 heads / 2 key-value
+heads, F 64, T 16) in float64 from ``shared.llama.weights(shape, seed=0)``; data ``batch(shape, rows=8,
+seed=0)``, the same whole batch every step; loss the mean cross-entropy of the logits (B, T, V) against the
+targets over all B × T tokens; optimizer AdamW(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+on every parameter; 3 steps; the losses are those before each update. SDPA attention (CPU float64 SDPA
+stays in float64; transformers' eager path takes its softmax in float32); under cp the project's seam.
+
+The glue a user copies (the rank code below; ``Stage`` and ``TP_PLAN`` from parallel/llama.py):
+
+    mesh = init_device_mesh("cpu", sizes, mesh_dim_names=axes)
+    trainer = parallelize(model, mesh, plan=TP_PLAN, stage=Stage, units=["model.layers.*"],
+                          optimizer=lambda ps: torch.optim.AdamW(ps, **ADAMW))
+    losses = [trainer.train_step(tokens, targets) for _ in range(STEPS)]
+
+Exit 0 only when every loss matches the single process's to <= 1e-12 relative (float64: the parallel
+runs add the same products in another order, ~1e-16 per op; 3 AdamW steps keep that near 1e-15).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never the hub: the model is built from a config
+
+import torch  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+from shared import llama as shared_llama  # noqa: E402
+from torch_impl.launch import launch  # noqa: E402
+from torch_impl.parallel.compose import cross_entropy, parallelize  # noqa: E402
+from torch_impl.parallel.llama import TP_PLAN, Stage, cp_attention  # noqa: E402
+
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+ROWS, STEPS, SEED, TOL = 8, 3, 0, 1e-12  # TOL: relative, float64 (module docstring)
+
+
+def build(shape: shared_llama.LlamaShape, cp: bool = False):
+    """LlamaForCausalLM in float64 holding shared/llama.py's weights; cp: attention through the cp seam."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**shared_llama.hf_config(shape), use_cache=False)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).to(torch.float64)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in shared_llama.weights(shape, SEED).items()})
+    if cp:
+        cp_attention(model.config)  # every attention layer reads the shared config at call time
+    return model
+
+
+def data(shape):
+    return tuple(torch.from_numpy(a) for a in shared_llama.batch(shape, ROWS, SEED))  # tokens, targets (B, T)
+
+
+def reference(shape) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same model on one process: plain forward, mean CE, AdamW."""
+    model, (tokens, targets) = build(shape), data(shape)
+    opt, losses = torch.optim.AdamW(model.parameters(), **ADAMW), []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = cross_entropy(model(input_ids=tokens).logits, targets)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, {k: p.detach() for k, p in model.named_parameters()}
+
+
+def rank(ctx, layout: dict[str, int], style: str, shape):
+    model, (tokens, targets) = build(shape, cp=layout.get("cp", 1) > 1), data(shape)
+    mesh = init_device_mesh("cpu", tuple(layout.values()), mesh_dim_names=tuple(layout))  # glue
+    trainer = parallelize(model, mesh, plan=TP_PLAN, stage=Stage, units=["model.layers.*"], style=style,
+                          optimizer=lambda ps: torch.optim.AdamW(ps, **ADAMW))  # glue
+    losses = [trainer.train_step(tokens, targets) for _ in range(STEPS)]  # glue
+    params = {k: v.numpy() for k, v in trainer.full_state_dict().items()}  # NumPy: rank -> parent
+    return (losses, params) if ctx.rank == 0 else None
+
+
+def parse_layout(text: str) -> dict[str, int]:
+    out = {}
+    for part in text.split(","):
+        axis, _, size = part.partition("=")
+        out[axis.strip()] = int(size)
+    return out
+
+
+def run(layout: dict[str, int], style: str = "builtin", shape=None) -> dict:
+    """Train under ``layout`` on prod(sizes) ranks and on one process; the comparison as a dict."""
+    shape = shape or shared_llama.LlamaShape()
+    world = 1
+    for n in layout.values():
+        world *= n
+    losses, params = launch(rank, world, layout, style, shape)[0]
+    ref_losses, ref_params = reference(shape)
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
+    diff = max(float((torch.from_numpy(params[k]) - v).abs().max()) for k, v in ref_params.items())
+    return {"framework": "torch", "layout": layout, "style": style, "losses": losses,
+            "reference_losses": ref_losses, "max_abs_param_diff": diff, "max_rel_loss_diff": rel}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layout", default="fsdp=2,tp=2,pp=2", help="axis=size,... outermost first")
+    parser.add_argument("--style", default="builtin", choices=("builtin", "explicit"))
+    parser.add_argument("--json", help="write the result here")
+    args = parser.parse_args(argv)
+    result = run(parse_layout(args.layout), args.style)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0 if result["max_rel_loss_diff"] <= TOL else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
