@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -76,14 +77,20 @@ def reference(shape) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: p.detach() for k, p in model.named_parameters()}
 
 
-def rank(ctx, layout: dict[str, int], style: str, shape):
+def train(layout: dict[str, int], style: str, shape) -> tuple[list[float], dict]:
+    """This rank's part of training under ``layout``: the losses and every parameter whole."""
     model, (tokens, targets) = build(shape, cp=layout.get("cp", 1) > 1), data(shape)
     mesh = init_device_mesh("cpu", tuple(layout.values()), mesh_dim_names=tuple(layout))  # glue
     trainer = parallelize(model, mesh, plan=TP_PLAN, stage=Stage, units=["model.layers.*"], style=style,
                           optimizer=lambda ps: torch.optim.AdamW(ps, **ADAMW))  # glue
     losses = [trainer.train_step(tokens, targets) for _ in range(STEPS)]  # glue
-    params = {k: v.numpy() for k, v in trainer.full_state_dict().items()}  # NumPy: rank -> parent
-    return (losses, params) if ctx.rank == 0 else None
+    return losses, {k: v.numpy() for k, v in trainer.full_state_dict().items()}  # NumPy: rank -> parent
+
+
+def rank(ctx, cases: list[tuple[dict, str]], shape):
+    """Every (layout, style) of ``cases`` on the same ranks, one after another; rank 0's answers."""
+    out = [train(layout, style, shape) for layout, style in cases]
+    return out if ctx.rank == 0 else None
 
 
 def parse_layout(text: str) -> dict[str, int]:
@@ -94,18 +101,23 @@ def parse_layout(text: str) -> dict[str, int]:
     return out
 
 
-def run(layout: dict[str, int], style: str = "builtin", shape=None) -> dict:
-    """Train under ``layout`` on prod(sizes) ranks and on one process; the comparison as a dict."""
-    shape = shape or shared_llama.LlamaShape()
-    world = 1
-    for n in layout.values():
-        world *= n
-    losses, params = launch(rank, world, layout, style, shape)[0]
-    ref_losses, ref_params = reference(shape)
+def compare(layout, style, got, ref) -> dict:
+    (losses, params), (ref_losses, ref_params) = got, ref
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
     diff = max(float((torch.from_numpy(params[k]) - v).abs().max()) for k, v in ref_params.items())
     return {"framework": "torch", "layout": layout, "style": style, "losses": losses,
             "reference_losses": ref_losses, "max_abs_param_diff": diff, "max_rel_loss_diff": rel}
+
+
+def run(cases: list[tuple[dict, str]], shape=None) -> list[dict]:
+    """Train every (layout, style) in ONE launch (all layouts of one world size) and on one process."""
+    shape = shape or shared_llama.LlamaShape()
+    worlds = {math.prod(layout.values()) for layout, _ in cases}
+    if len(worlds) != 1:
+        raise ValueError(f"compose_torch.run: one launch per world size; these layouts need {sorted(worlds)}")
+    results = launch(rank, worlds.pop(), cases, shape)[0]
+    ref = reference(shape)
+    return [compare(layout, style, got, ref) for (layout, style), got in zip(cases, results, strict=True)]
 
 
 def main(argv=None) -> int:
@@ -114,7 +126,7 @@ def main(argv=None) -> int:
     parser.add_argument("--style", default="builtin", choices=("builtin", "explicit"))
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
-    result = run(parse_layout(args.layout), args.style)
+    result = run([(parse_layout(args.layout), args.style)])[0]
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -25,9 +25,14 @@ builtin   DTensor TP (apply_dtensor_plan = parallelize_module, loss under loss_p
           context_parallel is CUDA-only).
 explicit  the project's wrappers on the same sub-meshes' groups: apply_plan + the vocabulary-parallel
           CE, the FSDP wrapper (no pp: refused), the same pipeline, cp seam and dp all-reduce.
+          explicit fsdp × pp: the wrapper's shard gradients arrive after the schedule (which would
+          scale them by 1/M too early), so the composition divides by M after they arrive.
 Refused before anything changes (ComposeError, one line: what, which axes, the fix): both dp and
-fsdp > 1 (HSDP), an axis not in AXES, explicit fsdp with pp, explicit tp with a loss other than
-``cross_entropy``, cp without a ``positions`` attribute, indivisible rows / sequence / micro-batches.
+fsdp > 1 (HSDP), an axis not in AXES, explicit tp with a loss other than ``cross_entropy``, cp
+without a ``positions`` attribute, a parameter in two stages or in none, a cp variant other than
+ring; a plan tp cannot carry out (tp.PlanError); indivisible rows / sequence / micro-batches (at
+the first step, before any collective). Inside a step, a cp seam refusal (e.g. local position ids)
+raises on every rank before the update (parallel/cp.py).
 Collectives per step: tp's 2 all-reduces per layer forward and 2 backward (+ the loss's);
 fsdp's all-gathers and reduce-scatters per unit per micro-batch; pp's one message (m, T/c, D) per
 micro-batch and boundary each way; cp's ring (3c−2 K|V messages per attention call); dp's one flat
@@ -53,7 +58,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from shared.theory import cp_positions
 from torch_impl.parallel import cp as seam
 from torch_impl.parallel.fsdp import FSDP, average_flat
-from torch_impl.parallel.tp import apply_dtensor_plan, apply_plan, matches, unshard
+from torch_impl.parallel.tp import apply_dtensor_plan, apply_plan, check_plan, matches, unshard
 from torch_impl.parallel.tp_ops import VocabParallelCrossEntropy
 
 AXES = ("dp", "fsdp", "pp", "cp", "tp")
@@ -86,13 +91,30 @@ def check(layout: dict[str, int], style: str, loss: Callable, plan: dict | None)
     if layout.get("dp", 1) > 1 and layout.get("fsdp", 1) > 1:
         raise ComposeError("compose: dp and fsdp both > 1 (HSDP) is not composed here; fix: one data axis "
                            "(dp=N or fsdp=N)")
-    if style == "explicit" and layout.get("fsdp", 1) > 1 and layout.get("pp", 1) > 1:
-        raise ComposeError("compose explicit: fsdp × pp — the FSDP wrapper gathers per forward call and "
-                           "reduce-scatters per backward, which the pipeline schedule interleaves across "
-                           "micro-batches; fix: style='builtin' (FSDP2) or dp instead of fsdp")
     if style == "explicit" and layout.get("tp", 1) > 1 and plan and loss is not cross_entropy:
         raise ComposeError("compose explicit: tp splits the head's vocabulary, so the loss must be the "
                            "vocabulary-parallel CE; fix: loss=compose.cross_entropy (or style='builtin')")
+
+
+def check_stages(model: nn.Module, stage: Callable, stages: int) -> None:
+    """Every trainable parameter in exactly one stage (a tie across stages would train two copies apart)."""
+    if stages == 1:
+        return
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(repr(n))
+    held: dict[int, int] = {}
+    for s in range(stages):
+        for p in stage(model, s, stages).parameters():
+            if held.setdefault(id(p), s) != s:
+                tied = " = ".join(names.get(id(p), ["?"]))
+                raise ComposeError(f"compose pp: parameter {tied} is held by stages {held[id(p)]} and {s} "
+                                   "(tied): pp would train two copies apart; fix: untie it or put its holders in "
+                                   "one stage")
+    lost = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if lost:
+        raise ComposeError(f"compose pp: {lost[:3]} in no stage (would never train); fix: the stage builder must "
+                           "hold every module the model's forward uses")
 
 
 def apply_tp(module: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, style: str) -> dict[str, str]:
@@ -113,10 +135,12 @@ def apply_fsdp(module: nn.Module, mesh: DeviceMesh, units: list[str]) -> nn.Modu
 
 
 def apply_pp(module: nn.Module, s: int, S: int, pp_mesh: DeviceMesh, loss: Callable, microbatches: int,
-             schedule: str = "gpipe"):
-    """This stage in ``torch.distributed.pipelining`` (shapes inferred at the first step)."""
+             schedule: str = "gpipe", scale_grads: bool = True):
+    """This stage in ``torch.distributed.pipelining`` (shapes inferred at the first step). scale_grads:
+    the schedule divides the summed micro-batch gradients by M (False: the caller does, after a
+    reduction that fills them later — the explicit FSDP's shards)."""
     stage = PipelineStage(module, s, S, torch.device("cpu"), group=pp_mesh.get_group())
-    return SCHEDULES[schedule](stage, microbatches, loss_fn=loss, scale_grads=True)
+    return SCHEDULES[schedule](stage, microbatches, loss_fn=loss, scale_grads=scale_grads)
 
 
 def _group(mesh: DeviceMesh, axes: list[str]):
@@ -140,6 +164,9 @@ class Trainer:
         coord = lambda a: mesh[a].get_local_rank() if ax(a) > 1 else 0
         self.data = "fsdp" if ax("fsdp") > 1 else "dp"
         self.d, self.i, self.j, self.s = ax(self.data), coord(self.data), coord("cp"), coord("pp")
+        if self.t > 1 and plan:
+            check_plan(model, plan, self.t)  # PlanError (e.g. GQA heads that tp does not divide), nothing changed
+        check_stages(model, stage, self.S)
         self.module = stage(model, self.s, self.S) if stage else model
         if self.c > 1 and not hasattr(self.module, "positions"):
             raise ComposeError(f"compose: cp={self.c} needs the stage module to read a `positions` attribute "
@@ -160,8 +187,8 @@ class Trainer:
         if self.S > 1 and self.t > 1 and style == "builtin" and self.s == self.S - 1:
             # the pipeline passes plain tensors: local logits (m, T/c, V/t) out, DTensor again in the loss
             self.module.register_forward_hook(lambda m, a, out: out.to_local() if isinstance(out, DTensor) else out)
-        self.schedule = apply_pp(self.run, self.s, self.S, mesh["pp"], self._loss, self.M, schedule) \
-            if self.S > 1 else None
+        self.schedule = apply_pp(self.run, self.s, self.S, mesh["pp"], self._loss, self.M, schedule,
+                                 scale_grads=self.fsdp is None) if self.S > 1 else None
 
     def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.t > 1 and self.style == "explicit" and "colwise_vocab" in self.styles.values():
@@ -220,7 +247,10 @@ class Trainer:
     def _sync(self) -> None:
         """The data × cp gradient reduction FSDP2 does not do: the explicit FSDP's, or dp's all-reduce."""
         if self.fsdp is not None:
-            self.fsdp.finish_gradient_synchronization()
+            self.fsdp.finish_gradient_synchronization()  # the shards' gradients arrive here, summed over M
+            for p in self.params if self.schedule is not None else ():
+                if p.grad is not None:
+                    p.grad.div_(self.M)  # the schedule's scale_grads would have scaled them before they came
         elif self.grad_group is not None and not (self.data == "fsdp" and self.style == "builtin"):
             grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params
                      if p.grad is not None]
