@@ -12,6 +12,9 @@ seed=0)``, the same whole batch every step; loss the mean cross-entropy of the l
 targets over all B × T tokens; optimizer AdamW(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 on every parameter; 3 steps; the losses are those before each update. SDPA attention (CPU float64 SDPA
 stays in float64; transformers' eager path takes its softmax in float32); under cp the project's seam.
+Everything in float64: transformers computes RMSNorm and RoPE's angles in float32 even in a float64 model,
+so ``llama.full_precision(model)`` makes them compute the same formulas in float64, as the JAX twin does
+(float32 arithmetic of two libraries differs at ~1e-7: the 1e-12 agreement needs float64 throughout).
 
 The glue a user copies (the rank code below; ``Stage`` and ``TP_PLAN`` from parallel/llama.py):
 
@@ -41,7 +44,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from shared import llama as shared_llama  # noqa: E402
 from torch_impl.launch import launch  # noqa: E402
 from torch_impl.parallel.compose import cross_entropy, parallelize  # noqa: E402
-from torch_impl.parallel.llama import TP_PLAN, Stage, cp_attention  # noqa: E402
+from torch_impl.parallel.llama import TP_PLAN, Stage, cp_attention, full_precision  # noqa: E402
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 ROWS, STEPS, SEED, TOL = 8, 3, 0, 1e-12  # TOL: relative, float64 (module docstring)
@@ -55,6 +58,7 @@ def build(shape: shared_llama.LlamaShape, cp: bool = False):
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config).to(torch.float64)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in shared_llama.weights(shape, SEED).items()})
+    full_precision(model)  # RMSNorm and RoPE in float64 too, as the JAX twin (transformers casts to float32)
     if cp:
         cp_attention(model.config)  # every attention layer reads the shared config at call time
     return model

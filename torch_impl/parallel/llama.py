@@ -27,9 +27,17 @@ holds the model's own modules under the model's own names (``model.layers.2.self
 the tp plan, FSDP units and parameter names apply to a stage unchanged. ``positions`` (T,) or the
 rank's T/c global positions under cp (``cp_positions``) are set by the composition; no attention mask
 (causal: SDPA's is_causal, or the cp seam).
+
+``full_precision(model)``: transformers computes RMSNorm and RoPE's angles in float32 even in a float64
+model (``.to(torch.float32)``, ``.float()``), ~1e-7 from float64. It makes every RMSNorm and the rotary
+embedding compute the same formulas in the input's dtype — what the JAX twin (jax_impl/parallel/llama.py)
+computes, so the two frameworks' float64 losses agree to ~1e-15 (float32 arithmetic of two libraries
+does not agree to the last bit).
 """
 
 from __future__ import annotations
+
+from types import MethodType
 
 import torch
 import torch.nn as nn
@@ -99,3 +107,30 @@ class Stage(nn.Module):
         for layer in self.model.layers.values():
             h = layer(h, attention_mask=None, position_ids=ids, position_embeddings=rope)
         return self.lm_head(self.model.norm(h)) if self.last else h
+
+
+def _rms(self, x: torch.Tensor) -> torch.Tensor:  # transformers' LlamaRMSNorm without its float32 cast
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def _rope(self, x: torch.Tensor, position_ids: torch.Tensor):  # LlamaRotaryEmbedding in x's dtype
+    dim = self.inv_freq.shape[0] * 2
+    inv = 1.0 / (self.config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=x.dtype,
+                                                                            device=x.device) / dim))
+    emb = torch.cat([position_ids[..., None].to(x.dtype) * inv] * 2, dim=-1)  # (1, T, hd)
+    return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+
+def full_precision(model: nn.Module) -> nn.Module:
+    """Every RMSNorm and rotary embedding of a transformers Llama computed in its input's dtype (the module
+    docstring); refuses a RoPE scaling other than the default, whose inverse frequencies it would not recompute."""
+    for path, m in model.named_modules():
+        kind = type(m).__name__
+        if kind.endswith("RotaryEmbedding"):
+            if getattr(m, "rope_type", "default") != "default":
+                raise ValueError(f"llama.full_precision: {path!r} uses rope_type={m.rope_type!r}; only the default "
+                                 "RoPE is recomputed in float64. Fix: leave the model as it is (float32 angles)")
+            m.forward = MethodType(_rope, m)
+        elif kind.endswith("RMSNorm"):
+            m.forward = MethodType(_rms, m)
+    return model
