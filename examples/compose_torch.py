@@ -81,20 +81,41 @@ def reference(shape) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: p.detach() for k, p in model.named_parameters()}
 
 
-def train(layout: dict[str, int], style: str, shape) -> tuple[list[float], dict]:
-    """This rank's part of training under ``layout``: the losses and every parameter whole."""
+def train(layout: dict[str, int], style: str, shape, ledger=None) -> tuple[list[float], dict, dict]:
+    """This rank's part of training under ``layout``: the losses, every parameter whole, and (given the
+    project's CommLedger) the last step's collectives per axis beside the composition's theory of them."""
     model, (tokens, targets) = build(shape, cp=layout.get("cp", 1) > 1), data(shape)
     mesh = init_device_mesh("cpu", tuple(layout.values()), mesh_dim_names=tuple(layout))  # glue
     trainer = parallelize(model, mesh, plan=TP_PLAN, stage=Stage, units=["model.layers.*"], style=style,
                           optimizer=lambda ps: torch.optim.AdamW(ps, **ADAMW))  # glue
-    losses = [trainer.train_step(tokens, targets) for _ in range(STEPS)]  # glue
-    return losses, {k: v.numpy() for k, v in trainer.full_state_dict().items()}  # NumPy: rank -> parent
+    losses = [trainer.train_step(tokens, targets) for _ in range(STEPS - 1)]  # glue
+    comm = {}
+    if ledger is not None:
+        current = {g.group_name: label for g, label in trainer.labels().items()}
+        ledger.label_groups(_LABELS | current)
+        _LABELS.update({k: v for k, v in current.items() if k != torch.distributed.group.WORLD.group_name})
+        with ledger.recording():
+            losses.append(trainer.train_step(tokens, targets))
+        ledger.label_groups({})
+        comm = {"ledger": {a: {op: (v["count"], v["bytes"]) for op, v in ops.items()}
+                           for a, ops in ledger.by_axis().items()}, "theory": trainer.comm_theory()}
+    else:
+        losses.append(trainer.train_step(tokens, targets))
+    return losses, {k: v.numpy() for k, v in trainer.full_state_dict().items()}, comm  # NumPy: rank -> parent
+
+
+# {group name: ledger label} of every layout this process ran: DTensor caches its sharding decisions by
+# DeviceMesh equality, which ignores process groups, so a later layout's tp collectives may run on an
+# earlier layout's equal tp group, which keeps its (same) label (as torch_impl/mesh.py); the world's
+# group is labelled per layout (a sub-mesh spanning every rank is the world's group)
+_LABELS: dict[str, str] = {}
 
 
 def rank(ctx, cases: list[tuple[dict, str]], shape):
-    """Every (layout, style) of ``cases`` on the same ranks, one after another; rank 0's answers."""
-    out = [train(layout, style, shape) for layout, style in cases]
-    return out if ctx.rank == 0 else None
+    """Every (layout, style) of ``cases`` on the same ranks, one after another; every rank's answers
+    (the ledger differs by rank; the parameters are rank 0's)."""
+    out = [train(layout, style, shape, ctx.ledger) for layout, style in cases]
+    return out if ctx.rank == 0 else [(None, None, comm) for _, _, comm in out]
 
 
 def parse_layout(text: str) -> dict[str, int]:
@@ -106,7 +127,7 @@ def parse_layout(text: str) -> dict[str, int]:
 
 
 def compare(layout, style, got, ref) -> dict:
-    (losses, params), (ref_losses, ref_params) = got, ref
+    (losses, params, _), (ref_losses, ref_params) = got, ref
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
     diff = max(float((torch.from_numpy(params[k]) - v).abs().max()) for k, v in ref_params.items())
     return {"framework": "torch", "layout": layout, "style": style, "losses": losses,
@@ -119,9 +140,12 @@ def run(cases: list[tuple[dict, str]], shape=None) -> list[dict]:
     worlds = {math.prod(layout.values()) for layout, _ in cases}
     if len(worlds) != 1:
         raise ValueError(f"compose_torch.run: one launch per world size; these layouts need {sorted(worlds)}")
-    results = launch(rank, worlds.pop(), cases, shape)[0]
+    every = launch(rank, worlds.pop(), cases, shape)
     ref = reference(shape)
-    return [compare(layout, style, got, ref) for (layout, style), got in zip(cases, results, strict=True)]
+    out = [compare(layout, style, got, ref) for (layout, style), got in zip(cases, every[0], strict=True)]
+    for i, r in enumerate(out):
+        r["comm_per_rank"] = [answers[i][2] for answers in every]  # {"ledger", "theory"} per axis, per rank
+    return out
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,8 @@ layout against the same model trained on one process.
 Default tier: ONE launch of 4 gloo ranks running every 2-axis case one after another (fsdp × tp in both
 styles, cp × tp and pp × tp builtin; ~40 s on 2 shared cores, most of it importing transformers in 5
 processes) and the refusals that need no process group. Slow tier: ONE launch of 8 ranks, the issue's
-layouts fsdp=2,tp=2,pp=2 and dp=2,tp=2,cp=2 in both styles.
+layouts fsdp=2,tp=2,pp=2 and dp=2,tp=2,cp=2 in both styles. Every case also compares the composition's
+communication theory per axis (Trainer.comm_theory, from the model wrapped) with the ledger of step 3.
 
 Tolerance: losses 1e-12 relative (the example's exit criterion; the JAX twin is compared to the same
 numbers), parameters 1e-12 absolute after 3 steps: float64, the parallel runs add the same products in
@@ -49,12 +50,28 @@ def four():
     return dict(zip(map(name, CASES_4), compose_torch.run(CASES_4), strict=True))
 
 
+def assert_theory_is_the_ledger(r):
+    """Per rank, per axis: Trainer.comm_theory() == the ledger of step 3 (op -> count, bytes). Only fsdp
+    under pp is not derived (compose.NOT_DERIVED): that axis must be the one missing from the theory."""
+    for k, comm in enumerate(r["comm_per_rank"]):
+        ledger, theory = comm["ledger"], comm["theory"]
+        underived = {"fsdp"} if r["layout"].get("fsdp", 1) > 1 and r["layout"].get("pp", 1) > 1 else set()
+        assert set(ledger) - set(theory) == underived and set(theory) <= set(ledger), (r["layout"], k, comm)
+        for axis, ops in theory.items():
+            assert ledger[axis] == ops, (r["layout"], r["style"], k, axis, ledger[axis], ops)
+
+
 def assert_exact(r, measured):
     measured(f"{r['layout']} {r['style']}: loss rel {r['max_rel_loss_diff']:.1e}, "
              f"params {r['max_abs_param_diff']:.1e}")
     assert KEYS <= set(r) and r["framework"] == "torch", r
     assert len(r["losses"]) == compose_torch.STEPS and r["losses"][-1] < r["losses"][0], r  # it trains
     assert r["max_rel_loss_diff"] <= TOL_LOSS and r["max_abs_param_diff"] <= TOL_PARAM, r
+
+
+@pytest.mark.parametrize("case", [name(c) for c in CASES_4])
+def test_theory_per_axis_equals_the_ledger(four, case):
+    assert_theory_is_the_ledger(four[case])
 
 
 # examples/compose_jax.py --layout fsdp=2,tp=2 (the NNX Llama, optax.adamw, the same contract), its
@@ -79,6 +96,7 @@ def test_issue_layouts_on_8_ranks_train_like_one_process(measured):
     over tp-local heads, one gradient all-reduce over dp × cp), builtin and explicit, in one launch."""
     for r in compose_torch.run(CASES_8):
         assert_exact(r, measured)
+        assert_theory_is_the_ledger(r)
 
 
 # --- refusals before anything changes (no process group) -------------------------------------------

@@ -68,6 +68,9 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
+NOT_DERIVED = "fsdp × pp: the all-gathers and reduce-scatters per micro-batch are not derived (comm_theory omits them)"
+
+
 class ComposeError(ValueError):
     """A layout, style or model that the composition cannot train exactly (raised before any change)."""
 
@@ -126,12 +129,27 @@ def apply_tp(module: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, style
     return apply_plan(module, plan, tp_mesh.get_group(), missing_ok=True)
 
 
-def apply_fsdp(module: nn.Module, mesh: DeviceMesh, units: list[str]) -> nn.Module:
-    """FSDP2: ``fully_shard`` every module matching a unit glob, then the root (torchtitan's order)."""
-    for path, sub in list(module.named_modules()):
-        if path and any(matches(path, u) for u in units):
-            fully_shard(sub, mesh=mesh)
-    return fully_shard(module, mesh=mesh)
+def apply_fsdp(module: nn.Module, mesh: DeviceMesh, units: list[str]) -> list[tuple[str, int, bool]]:
+    """FSDP2: ``fully_shard`` every module matching a unit glob, then the root (torchtitan's order).
+    Returns each group's (path, bytes all-gathered, trainable?), the root last: its (tp-local)
+    parameters with dim 0 padded to a multiple of the mesh size, as FSDP2 shards them."""
+    n = mesh.size()
+    paths = [path for path, _ in module.named_modules() if path and any(matches(path, u) for u in units)]
+    owner = lambda name: next((u for u in paths if name.startswith(u + ".")), "")  # "" = the root's
+    groups: dict[str, list] = {u: [] for u in [*paths, ""]}
+    for name, p in module.named_parameters():  # each parameter once, before any is sharded
+        groups[owner(name)].append(p)
+
+    def nbytes(ps) -> int:
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in ps]
+        return sum(-(-t.shape[0] // n) * n * t[0].numel() * t.element_size() if t.dim() else t.element_size()
+                   for t in local)
+
+    out = [(u, nbytes(ps), any(p.requires_grad for p in ps)) for u, ps in groups.items()]
+    for u in paths:
+        fully_shard(module.get_submodule(u), mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    return out
 
 
 def apply_pp(module: nn.Module, s: int, S: int, pp_mesh: DeviceMesh, loss: Callable, microbatches: int,
@@ -157,7 +175,7 @@ class Trainer:
 
     def __init__(self, model, mesh, plan, stage, units, loss, optimizer, microbatches, style, cp_variant,
                  schedule):
-        self.layout, self.mesh, self.style, self.loss = sizes(mesh), mesh, style, loss
+        self.layout, self.mesh, self.style, self.loss, self.plan = sizes(mesh), mesh, style, loss, plan
         check(self.layout, style, loss, plan)
         ax = lambda a: self.layout.get(a, 1)
         self.S, self.t, self.c, self.M = ax("pp"), ax("tp"), ax("cp"), microbatches if ax("pp") > 1 else 1
@@ -174,10 +192,10 @@ class Trainer:
         self.styles = apply_tp(self.module, plan, mesh["tp"], style) if self.t > 1 and plan else {}
         grad_axes = [a for a in (self.data, "cp") if ax(a) > 1]
         self.grad_mesh, self.grad_group = _group(mesh, grad_axes)
-        self.fsdp = None
+        self.fsdp, self.fsdp2 = None, []
         if self.data == "fsdp" and self.d > 1:
             if style == "builtin":
-                apply_fsdp(self.module, self.grad_mesh, units)
+                self.fsdp2 = apply_fsdp(self.module, self.grad_mesh, units)
             else:
                 self.fsdp = FSDP(self.module, group=self.grad_group)
         self.run = self.fsdp or self.module
@@ -228,6 +246,8 @@ class Trainer:
             else:
                 self.schedule.step(*(() if self.s else (x,)))
                 value = None
+        self.last = {"m": x.shape[0] // self.M, "tc": x.shape[1], "b": self.params[0].element_size(),
+                     "kv": [c for c in calls.calls] if calls is not None else []}  # for comm_theory
         if calls is not None and not calls.calls:
             raise ComposeError("compose: cp > 1 but the model never called the cp seam (parallel/cp.py): each "
                                "rank would attend within its own tokens; route its attention through it")
@@ -255,6 +275,82 @@ class Trainer:
             grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params
                      if p.grad is not None]
             average_flat(grads, self.grad_group)  # ONE all-reduce over data × cp, / (d·c)
+
+    def labels(self) -> dict:
+        """{process group: axis label} for CommLedger.label_groups: each axis by name, the gradient
+        group by its axes ("dp+cp"); the loss's all-reduce runs on the world ("world")."""
+        out = {self.mesh[a].get_group(): a for a in self.layout if self.layout[a] > 1}
+        if self.grad_group is not None:
+            out[self.grad_group] = self.grad_label
+        return out
+
+    @property
+    def grad_label(self) -> str:
+        return "+".join(a for a in (self.data, "cp") if self.layout.get(a, 1) > 1)
+
+    def comm_theory(self) -> dict[str, dict[str, tuple[int, int]]]:
+        """Per axis label (``labels``): op -> (count, bytes) per step per rank, from the module wrapped
+        and the last step's shapes (A = m·(T/c)·D·b, D the rowwise modules' output width). Derived:
+        tp (explicit: per micro-batch one g per rowwise module and the embedding, one f per input of
+        colwise modules and the head, the vocabulary CE's MAX + SUM; builtin: one f per colwise
+        module, loss_parallel's 3), pp (M messages of A per boundary each way), cp (the ring: 3c−2
+        K|V messages per seam call), dp (one flat all-reduce), fsdp without pp (explicit: the FSDP
+        wrapper's own theory; builtin: FSDP2 gathers each unit in forward and again in backward, the
+        root once, and reduce-scatters each once, dim 0 padded to the group size) and the world's
+        (loss, flag). Not derived: fsdp under pp (gathers per micro-batch as the schedule and FSDP's
+        resharding decide): absent from the result, NOT_DERIVED says so."""
+        out: dict[str, dict[str, tuple[int, int]]] = {}
+
+        def add(label, op, n, nbytes):
+            c, b = out.setdefault(label, {}).get(op, (0, 0))
+            out[label][op] = (c + n, b + nbytes)
+
+        m, tc, b, M = self.last["m"], self.last["tc"], self.last["b"], self.M
+        mods = dict(self.module.named_modules())
+        row = [p for p, st in self._planned().items() if st == "rowwise"]
+        D = mods[row[0]].out_features if row else 0
+        A = m * tc * D * b
+        if self.t > 1:
+            st = self._planned()
+            col = [p for p, x in st.items() if x == "colwise"]
+            fs = len({p.rsplit(".", 1)[0] for p in col}) if self.style == "explicit" else len(col)
+            g = len(row) + sum(x == "vocab_embed" for x in st.values())
+            f = fs + sum(x == "colwise_vocab" for x in st.values())
+            add("tp", "all_reduce", M * (g + f), M * (g + f) * A)
+            if self.s == self.S - 1:
+                n_ce, ce_bytes = (2, 3 * m * tc * b) if self.style == "explicit" else (3, 3 * m * tc * b)
+                add("tp", "all_reduce", M * n_ce, M * ce_bytes)
+        if self.S > 1:
+            k = M * ((self.s < self.S - 1) + (self.s > 0))
+            add("pp", "send", k, k * A)
+            add("pp", "recv", k, k * A)
+        if self.c > 1 and self.last["kv"]:
+            a, k = sum(n * item for n, item in self.last["kv"]), (3 * self.c - 2) * len(self.last["kv"])
+            add("cp", "send", k, (3 * self.c - 2) * 2 * a)
+            add("cp", "recv", k, (3 * self.c - 2) * 2 * a)
+        if self.data == "fsdp" and self.d > 1 and self.S > 1:
+            pass  # NOT_DERIVED
+        elif self.fsdp is not None:
+            for op, (n, nbytes) in self.fsdp.comm_theory().items():
+                add(self.grad_label, op, n, nbytes)
+        elif self.fsdp2:  # a unit: gathered in forward and again in backward; the root once
+            for path, nbytes, trainable in self.fsdp2:
+                k = 1 if path == "" else 2
+                add(self.grad_label, "all_gather", k, k * nbytes)
+                if trainable:
+                    add(self.grad_label, "reduce_scatter", 1, nbytes)
+        elif self.grad_group is not None and not (self.data == "fsdp" and self.style == "builtin"):
+            add(self.grad_label, "all_reduce", 1, sum(p.grad.to_local().numel() if isinstance(p.grad, DTensor)
+                                                      else p.grad.numel() for p in self.params
+                                                      if p.grad is not None) * b)
+        world = dist.group.WORLD.group_name  # a sub-mesh spanning every rank runs on the world's group
+        add(next((a for g, a in self.labels().items() if g.group_name == world), "world"), "all_reduce", 1, 2 * b)
+        return out
+
+    def _planned(self) -> dict[str, str]:
+        """{module path of this stage: tp style} of the plan's entries."""
+        return {p: st for p, _ in self.module.named_modules() for k, st in (self.plan or {}).items()
+                if p and matches(p, k)}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's parameters whole, by the model's names (all_gather_object: bookkeeping)."""
