@@ -134,3 +134,16 @@ def test_pp_refuses_a_weight_tied_across_stages():
     lossy = lambda m, s, n: nn.Module()  # a stage builder that drops the model: nothing would train
     with pytest.raises(compose.ComposeError, match="in no stage"):
         compose.check_stages(LlamaForCausalLM(LlamaConfig(**hf_config(LlamaShape(layers=2)))), lossy, 2)
+
+
+def test_builtin_tp_refuses_an_uneven_vocabulary():
+    """V = 97 over tp = 2: DTensor would shard it 49 | 48; explicit pads it (parallel/tp.py), builtin refuses."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shared.llama import hf_config
+    from torch_impl.parallel.llama import TP_PLAN
+
+    model = LlamaForCausalLM(LlamaConfig(**hf_config(LlamaShape(vocab=97, layers=2)))).to("meta")
+    with pytest.raises(compose.ComposeError, match=r"'model\.embed_tokens' \(vocab_embed\) has 97 rows"):
+        compose.check_vocab(model, TP_PLAN, 2, "builtin")
+    compose.check_vocab(model, TP_PLAN, 2, "explicit")

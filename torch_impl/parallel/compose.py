@@ -28,7 +28,8 @@ explicit  the project's wrappers on the same sub-meshes' groups: apply_plan + th
           explicit fsdp × pp: the wrapper's shard gradients arrive after the schedule (which would
           scale them by 1/M too early), so the composition divides by M after they arrive.
 Refused before anything changes (ComposeError, one line: what, which axes, the fix): both dp and
-fsdp > 1 (HSDP), an axis not in AXES, explicit tp with a loss other than ``cross_entropy``, cp
+fsdp > 1 (HSDP), an axis not in AXES, explicit tp with a loss other than ``cross_entropy``, builtin
+tp of a vocabulary not divisible by tp (DTensor's uneven shards; explicit pads it), cp
 without a ``positions`` attribute, a parameter in two stages or in none, a cp variant other than
 ring; a plan tp cannot carry out (tp.PlanError); indivisible rows / sequence / micro-batches (at
 the first step, before any collective). Inside a step, a cp seam refusal (e.g. local position ids)
@@ -120,6 +121,18 @@ def check_stages(model: nn.Module, stage: Callable, stages: int) -> None:
                            "hold every module the model's forward uses")
 
 
+def check_vocab(model: nn.Module, plan: dict[str, str], tp: int, style: str) -> None:
+    """builtin tp: DTensor shards a vocabulary V % tp != 0 unevenly, which the pipeline's fixed
+    message shapes and the loss's re-wrapping of local logits do not describe: refused."""
+    if style != "builtin" or tp == 1:
+        return
+    for path, m in model.named_modules():
+        style_of = next((st for k, st in plan.items() if path and matches(path, k)), None)
+        if style_of in ("vocab_embed", "colwise_vocab") and m.weight.shape[0] % tp:
+            raise ComposeError(f"compose builtin: {path!r} ({style_of}) has {m.weight.shape[0]} rows, not divisible "
+                               f"by tp={tp}; fix: style='explicit' (pads the vocabulary) or V divisible by tp")
+
+
 def apply_tp(module: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, style: str) -> dict[str, str]:
     """The plan's entries that name a module of ``module`` (a stage holds some), on mesh["tp"]."""
     paths = [p for p, _ in module.named_modules()]
@@ -184,6 +197,7 @@ class Trainer:
         self.d, self.i, self.j, self.s = ax(self.data), coord(self.data), coord("cp"), coord("pp")
         if self.t > 1 and plan:
             check_plan(model, plan, self.t)  # PlanError (e.g. GQA heads that tp does not divide), nothing changed
+            check_vocab(model, plan, self.t, style)
         check_stages(model, stage, self.S)
         self.module = stage(model, self.s, self.S) if stage else model
         if self.c > 1 and not hasattr(self.module, "positions"):
@@ -211,7 +225,8 @@ class Trainer:
     def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.t > 1 and self.style == "explicit" and "colwise_vocab" in self.styles.values():
             return VocabParallelCrossEntropy.apply(out, y, self.mesh["tp"].get_group())  # (m, T/c, V/t) logits
-        if self.t > 1 and self.style == "builtin" and not isinstance(out, DTensor):
+        if self.t > 1 and self.style == "builtin" and "colwise_vocab" in self.styles.values() \
+                and not isinstance(out, DTensor):  # the pipeline's plain local logits
             out = DTensor.from_local(out, self.mesh["tp"], [Shard(-1)])
         value = self.loss(out, y)
         return value.to_local() if isinstance(value, DTensor) else value
