@@ -297,8 +297,8 @@ def ledger_counts(ctx):
     out = {}
     for name in ("fsdp", "zero2", "ddp"):
         model = build()
-        w = {"fsdp": lambda: fsdp.FSDP(model), "zero2": lambda: fsdp.Zero2(model),
-             "ddp": lambda: dp.BucketedDDP(model, bucket_mb=1e-4)}[name]()
+        w = {"fsdp": fsdp.FSDP, "zero2": fsdp.Zero2,
+             "ddp": lambda m: dp.BucketedDDP(m, bucket_mb=1e-4)}[name](model)
         run = model if name == "zero2" else w
         ledger = CommLedger(2)
         with ledger.recording():
@@ -385,7 +385,8 @@ def everything(ctx):
     torch.set_default_dtype(torch.float64)
     ref, ref_norms = reference()
     out = {"ref_norms": ref_norms}
-    cases = {"ddp": case_ddp, "zero1": case_zero1, "zero2": case_zero2, "zero2_no_sync": lambda c, r: case_zero2(c, r, no_sync=True),
+    cases = {"ddp": case_ddp, "zero1": case_zero1, "zero2": case_zero2,
+             "zero2_no_sync": lambda c, r: case_zero2(c, r, no_sync=True),
              "fsdp": case_fsdp, "fsdp_no_sync": lambda c, r: case_fsdp(c, r, no_sync=True), "fsdp2": case_fsdp2,
              "tp": case_tp, "dtensor": case_dtensor, "pp_gpipe": case_pp,
              "pp_1f1b": lambda c, r: case_pp(c, r, "1f1b")}

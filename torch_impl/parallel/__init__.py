@@ -12,9 +12,10 @@ a Setup for the harness's training loop. The twin: jax_impl/parallel/, file for 
     ep.py      expert parallelism's all-to-alls and Dispatcher for an MoE layer's seams
     theory.py  communication and state bytes from the module a wrapper wraps
     recipe.py  the recipe's sharded parts: global-norm clipping (clip_, clip_dtensor_), refuse_stale
-    llama.py   transformers' LlamaForCausalLM: tp plan, pp stage split, cp attention
+    llama.py   transformers' LlamaForCausalLM: tp plan, pp stage split and Stage, cp attention
+    compose.py dp|fsdp × pp × cp × tp on one DeviceMesh: apply_tp / apply_fsdp / apply_pp, parallelize
 
-Import rule: these modules import torch, numpy, shared.theory and each other (by module, never
+Import rule: these modules import torch, numpy, shared.theory, shared.llama and each other (by module, never
 through this package: it re-exports nothing) — never shared.config / problem / results, the
 harness, launch, the runners or the project's models (tests/test_layers.py checks).
 """

@@ -129,6 +129,13 @@ def _active(seen: SimpleNamespace):
         _ACTIVE.reset(token)
 
 
+def step(core, positions: torch.Tensor):
+    """The seam's context for one training step of a composition (parallel/compose.py) that does its
+    own gradient reduction: yields the record of the step (``calls``: the seam calls seen; ``refused``:
+    a refusal the caller must make every rank raise, before its update)."""
+    return _active(SimpleNamespace(core=core, positions=positions, calls=[], refused=None))
+
+
 class Trainer:
     """``context_parallel``'s result: ``train_step(*batch)`` (B, T) tensors -> the global mean loss,
     ``shard_batch``, ``positions``, ``comm_theory()``; ``model`` trains in place."""

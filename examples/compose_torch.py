@@ -1,0 +1,172 @@
+"""transformers' ``LlamaForCausalLM`` under N-D composition on one DeviceMesh (issue 33), against the same
+model trained on one process. The JAX twin, examples/compose_jax.py, trains the same Llama from the same
+NumPy weights (shared/llama.py) with the same data, loss and optimizer, so both write the same losses.
+
+    python examples/compose_torch.py --layout fsdp=2,tp=2,pp=2 --json out.json   # 8 gloo ranks
+    python examples/compose_torch.py --layout dp=2,tp=2,cp=2                       # 8 ranks
+    python examples/compose_torch.py --layout fsdp=2,tp=2 --style explicit          # 4 ranks
+
+The contract both frameworks follow: model ``LlamaShape()`` (V 64, D 32, 4 layers, 4 heads / 2 key-value
+heads, F 64, T 16) in float64 from ``shared.llama.weights(shape, seed=0)``; data ``batch(shape, rows=8,
+seed=0)``, the same whole batch every step; loss the mean cross-entropy of the logits (B, T, V) against the
+targets over all B × T tokens; optimizer AdamW(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+on every parameter; 3 steps; the losses are those before each update. SDPA attention (CPU float64 SDPA
+stays in float64; transformers' eager path takes its softmax in float32); under cp the project's seam.
+Everything in float64: transformers computes RMSNorm and RoPE's angles in float32 even in a float64 model,
+so ``llama.full_precision(model)`` makes them compute the same formulas in float64, as the JAX twin does
+(float32 arithmetic of two libraries differs at ~1e-7: the 1e-12 agreement needs float64 throughout).
+
+The glue a user copies (the rank code below; ``Stage`` and ``TP_PLAN`` from parallel/llama.py):
+
+    mesh = init_device_mesh("cpu", sizes, mesh_dim_names=axes)
+    trainer = parallelize(model, mesh, plan=TP_PLAN, stage=Stage, units=["model.layers.*"],
+                          optimizer=lambda ps: torch.optim.AdamW(ps, **ADAMW))
+    losses = [trainer.train_step(tokens, targets) for _ in range(STEPS)]
+
+``--json PATH`` writes {"framework": "torch", "layout", "style", "losses", "reference_losses",
+"max_abs_param_diff", "max_rel_loss_diff", "comm_per_rank"} (the last: per rank, the ledger of step 3 and
+the composition's theory, op -> [count, bytes] per mesh axis). Exit 0 only when every loss matches the
+single process's to <= 1e-12 relative and every parameter after the 3 steps to <= 1e-12 (float64: the
+parallel runs add the same products in another order, ~1e-16 per op; measured <= 1e-14 after 3 steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never the hub: the model is built from a config
+
+import torch  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+from shared import llama as shared_llama  # noqa: E402
+from torch_impl.launch import launch  # noqa: E402
+from torch_impl.parallel.compose import cross_entropy, parallelize  # noqa: E402
+from torch_impl.parallel.llama import TP_PLAN, Stage, cp_attention, full_precision  # noqa: E402
+
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+ROWS, STEPS, SEED, TOL = 8, 3, 0, 1e-12  # TOL: relative, float64 (module docstring)
+
+
+def build(shape: shared_llama.LlamaShape, cp: bool = False):
+    """LlamaForCausalLM in float64 holding shared/llama.py's weights; cp: attention through the cp seam."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**shared_llama.hf_config(shape), use_cache=False)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).to(torch.float64)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in shared_llama.weights(shape, SEED).items()})
+    full_precision(model)  # RMSNorm and RoPE in float64 too, as the JAX twin (transformers casts to float32)
+    if cp:
+        cp_attention(model.config)  # every attention layer reads the shared config at call time
+    return model
+
+
+def data(shape):
+    return tuple(torch.from_numpy(a) for a in shared_llama.batch(shape, ROWS, SEED))  # tokens, targets (B, T)
+
+
+def reference(shape) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same model on one process: plain forward, mean CE, AdamW."""
+    model, (tokens, targets) = build(shape), data(shape)
+    opt, losses = torch.optim.AdamW(model.parameters(), **ADAMW), []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = cross_entropy(model(input_ids=tokens).logits, targets)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, {k: p.detach() for k, p in model.named_parameters()}
+
+
+def train(layout: dict[str, int], style: str, shape, ledger=None) -> tuple[list[float], dict, dict]:
+    """This rank's part of training under ``layout``: the losses, every parameter whole, and (given the
+    project's CommLedger) the last step's collectives per axis beside the composition's theory of them."""
+    model, (tokens, targets) = build(shape, cp=layout.get("cp", 1) > 1), data(shape)
+    mesh = init_device_mesh("cpu", tuple(layout.values()), mesh_dim_names=tuple(layout))  # glue
+    trainer = parallelize(model, mesh, plan=TP_PLAN, stage=Stage, units=["model.layers.*"], style=style,
+                          optimizer=lambda ps: torch.optim.AdamW(ps, **ADAMW))  # glue
+    losses = [trainer.train_step(tokens, targets) for _ in range(STEPS - 1)]  # glue
+    comm = {}
+    if ledger is not None:
+        current = {g.group_name: label for g, label in trainer.labels().items()}
+        ledger.label_groups(_LABELS | current)
+        _LABELS.update({k: v for k, v in current.items() if k != torch.distributed.group.WORLD.group_name})
+        with ledger.recording():
+            losses.append(trainer.train_step(tokens, targets))
+        ledger.label_groups({})
+        comm = {"ledger": {a: {op: (v["count"], v["bytes"]) for op, v in ops.items()}
+                           for a, ops in ledger.by_axis().items()}, "theory": trainer.comm_theory()}
+    else:
+        losses.append(trainer.train_step(tokens, targets))
+    return losses, {k: v.numpy() for k, v in trainer.full_state_dict().items()}, comm  # NumPy: rank -> parent
+
+
+# {group name: ledger label} of every layout this process ran: DTensor caches its sharding decisions by
+# DeviceMesh equality, which ignores process groups, so a later layout's tp collectives may run on an
+# earlier layout's equal tp group, which keeps its (same) label (as torch_impl/mesh.py); the world's
+# group is labelled per layout (a sub-mesh spanning every rank is the world's group)
+_LABELS: dict[str, str] = {}
+
+
+def rank(ctx, cases: list[tuple[dict, str]], shape):
+    """Every (layout, style) of ``cases`` on the same ranks, one after another; every rank's answers
+    (the ledger differs by rank; the parameters are rank 0's)."""
+    out = [train(layout, style, shape, ctx.ledger) for layout, style in cases]
+    return out if ctx.rank == 0 else [(None, None, comm) for _, _, comm in out]
+
+
+def parse_layout(text: str) -> dict[str, int]:
+    out = {}
+    for part in text.split(","):
+        axis, _, size = part.partition("=")
+        out[axis.strip()] = int(size)
+    return out
+
+
+def compare(layout, style, got, ref) -> dict:
+    (losses, params, _), (ref_losses, ref_params) = got, ref
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
+    diff = max(float((torch.from_numpy(params[k]) - v).abs().max()) for k, v in ref_params.items())
+    return {"framework": "torch", "layout": layout, "style": style, "losses": losses,
+            "reference_losses": ref_losses, "max_abs_param_diff": diff, "max_rel_loss_diff": rel}
+
+
+def run(cases: list[tuple[dict, str]], shape=None) -> list[dict]:
+    """Train every (layout, style) in ONE launch (all layouts of one world size) and on one process."""
+    shape = shape or shared_llama.LlamaShape()
+    worlds = {math.prod(layout.values()) for layout, _ in cases}
+    if len(worlds) != 1:
+        raise ValueError(f"compose_torch.run: one launch per world size; these layouts need {sorted(worlds)}")
+    every = launch(rank, worlds.pop(), cases, shape)
+    ref = reference(shape)
+    out = [compare(layout, style, got, ref) for (layout, style), got in zip(cases, every[0], strict=True)]
+    for i, r in enumerate(out):
+        r["comm_per_rank"] = [answers[i][2] for answers in every]  # {"ledger", "theory"} per axis, per rank
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layout", default="fsdp=2,tp=2,pp=2", help="axis=size,... outermost first")
+    parser.add_argument("--style", default="builtin", choices=("builtin", "explicit"))
+    parser.add_argument("--json", help="write the result here")
+    args = parser.parse_args(argv)
+    result = run([(parse_layout(args.layout), args.style)])[0]
+    agree = all(c["theory"].get(a) == ops for c in result["comm_per_rank"] for a, ops in c["ledger"].items()
+                if a in c["theory"])
+    print(json.dumps({k: v for k, v in result.items() if k != "comm_per_rank"}, indent=1))
+    print(f"theory per axis == ledger on every rank (axes derived): {agree}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0 if result["max_rel_loss_diff"] <= TOL and result["max_abs_param_diff"] <= TOL else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
