@@ -11,6 +11,8 @@ four stated all-to-alls per layer (``ulysses``). The loss is the global mean ove
 (typed P(): XLA's all-reduce), and the P() weights' gradients from the split tokens come back P()
 (XLA's all-reduce). ring / ring_zigzag have no typed form: a K|V hop is a point-to-point shift
 along the split sequence, what pp.TYPED_REFUSAL quotes JAX refusing (jnp.roll over a split axis).
+
+No torch twin: torch has no sharding-in-types style; the nearest is torch_impl/cp.py.
 """
 
 from __future__ import annotations

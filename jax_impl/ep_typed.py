@@ -11,6 +11,9 @@ Routing: lax.top_k — XLA all-gathers its operand, the (B·T, E) probs, once pe
 that with ep.sorted_top_k, a stable sort; in types the sort is refused under autodiff: its JVP
 adds an unsharded index operand, "Arguments to sort must have equal shardings", jax 0.10.2). Both moves are recorded
 (Trained.extra["stated"]).
+
+No torch twin: torch has no sharding-in-types style; the nearest is torch_impl/ep.py's functional all-to-
+all.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ change stated.
 The gradients of weights used on data-split rows come back typed like the weights: XLA sums them
 over the data axis (and, under fsdp, slices the rows). pp cannot be said in types (pp.TYPED_REFUSAL);
 cp layouts are not written in types here (jax_impl/cp_typed.py has cp alone): ``refusal`` says which.
+
+No torch twin: torch has no sharding-in-types style; DTensor on one DeviceMesh (torch_impl/mesh.py, builtin)
+is the nearest.
 """
 
 from __future__ import annotations

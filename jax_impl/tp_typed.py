@@ -25,6 +25,9 @@ The weights are typed by the same rules as the other styles (W_up ``float64[16,6
 Every reshard and unreduced product is recorded at trace time (``Stated``): Trained.extra["stated"].
 MLP: megatron as (column, row) pairs + a lone last column gathered (odd L); allgather: every layer
 column-parallel, its output resharded to P() (the all-gather stated).
+
+No torch twin: torch has no sharding-in-types style; DTensor placements (torch_impl/tp.py, builtin) are the
+nearest.
 """
 
 from __future__ import annotations

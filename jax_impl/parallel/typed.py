@@ -23,6 +23,8 @@ The steps here are ONE function for dp, zero1, zero2, zero3; the variant changes
 Every ``reshard`` the step issues goes through ``Stated.reshard``, which records at trace time
 what was stated (the types in and out, the bytes of the full array): ``Trained.extra["stated"]``,
 next to the collectives XLA issued (``Trained.comm``).
+
+No torch twin: sharding in types is JAX's own (Explicit axes); DTensor placements are torch's nearest.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ plan machinery (parallel/tp.py) hooks them into a model; runners and the mesh us
     SP sp_gather/sp_scatter all-gather <-> reduce-scatter along the sequence (Transposed)
        VocabParallelCrossEntropy  the loss from vocab-split logits: all-reduce MAX (B, T), SUM (2, B, T)
 Bytes per step: shared.theory.tp_comm_bytes / tp_sp_comm.
+
+No JAX twin: under shard_map these are psum / all_gather / psum_scatter written inline
+(jax_impl/parallel/tp.py), and their transposes come from JAX's autodiff.
 """
 
 from __future__ import annotations
