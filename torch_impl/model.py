@@ -12,6 +12,8 @@ fixture's W (see shared/dims.py); ``to_fixture`` / ``fixture_*`` convert back, b
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -25,7 +27,17 @@ TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": 
 
 
 def torch_dtype(cfg: Config) -> torch.dtype:
-    return TORCH_DTYPES[cfg.dtype]
+    """The parameters' (and gradients', optimizer state's) dtype: float32 under mixed precision."""
+    return TORCH_DTYPES[cfg.param_dtype]
+
+
+def autocast(cfg: Config, device) -> contextlib.AbstractContextManager:
+    """Mixed precision's compute: ``torch.autocast`` to ``cfg.dtype`` (bfloat16) around the forward and
+    backward of one step — matmuls in bf16, reductions (softmax, norms, the loss) in float32, the
+    gradients of the float32 parameters in float32. Pure precision: nothing."""
+    if cfg.precision != "mixed":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=TORCH_DTYPES[cfg.dtype])
 
 
 class Block(nn.Module):
