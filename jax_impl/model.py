@@ -81,11 +81,13 @@ class MLP(nnx.Module):
                        dtype=dtype, param_dtype=param_dtype or dtype, rngs=nnx.Rngs(0))
             for name in params
         )
+        # mixed precision (param_dtype float32, dtype bf16): the output handed to the loss in float32
+        self.out_dtype = param_dtype if param_dtype not in (None, dtype) else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         for layer in self.layers:
             x = gelu(layer(x))  # (B, D)
-        return x
+        return x if self.out_dtype is None else x.astype(self.out_dtype)
 
 
 def build_model(cfg: Config, problem: Problem, mesh=None, kernel_axes: tuple | None = None,

@@ -232,7 +232,7 @@ class Config:
         """Validate what ``pattern`` needs on top of the basic checks; returns self."""
         if pattern not in PATTERNS:
             raise ValueError(f"unknown pattern {pattern!r}; choose from {', '.join(PATTERNS)}")
-        if self.precision == "mixed" and pattern not in MIXED_PATTERNS:
+        if self.precision == "mixed" and pattern not in MIXED_PATTERNS + ("collectives",):  # collectives: no model
             raise ValueError(f"{pattern}: --precision mixed is built for {', '.join(MIXED_PATTERNS)} only; "
                              f"use --precision pure for {pattern}")
         if self.moe and pattern not in EXPERT_PATTERNS:

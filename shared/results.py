@@ -127,23 +127,24 @@ def mixed_extra(ref: Trained, split: Trained, float64: Trained) -> dict[str, Any
     return {"floor": parity(split, ref), "float64_losses": [float(v) for v in float64.losses]}
 
 
-def within_floor(errors: dict[str, float], *refs: Trained, factor: float = 1.0) -> bool:
+def within_floor(errors: dict[str, float], *refs: Trained, factor: float = 1.0, style: str | None = None) -> bool:
     """Every error within ``factor`` × the mixed tolerance of the largest floor of ``refs``
-    (shared.tolerances.mixed_tolerance). A reference without a floor: False (never a silent pass)."""
+    (shared.tolerances.mixed_tolerance, for ``style``). A reference without a floor: False (never a
+    silent pass)."""
     floors = [r.extra.get("floor") for r in refs]
     if any(f is None for f in floors):
         return False
-    return all(e <= factor * mixed_tolerance(max(f[k] for f in floors)) for k, e in errors.items())
+    return all(e <= factor * mixed_tolerance(max(f[k] for f in floors), style) for k, e in errors.items())
 
 
-def mixed_report(run: Trained, ref: Trained) -> dict[str, Any]:
+def mixed_report(run: Trained, ref: Trained, style: str | None = None) -> dict[str, Any]:
     """The row's extra for a mixed run: the floor it was judged by, the tolerances, and how far its
     losses are from the float64 run's (reported, not asserted: the issue's bar is 2e-2 relative)."""
     floor = ref.extra.get("floor", {})
     f64 = ref.extra.get("float64_losses")
     errors = parity(run, ref)
     ratio = max((errors[k] / max(v, MIXED_FLOOR_MIN) for k, v in floor.items()), default=None)
-    return {"floor": floor, "tolerance": {k: mixed_tolerance(v) for k, v in floor.items()},
+    return {"floor": floor, "tolerance": {k: mixed_tolerance(v, style) for k, v in floor.items()},
             "floor_ratio": ratio,  # the worst error / its floor (MIXED_FACTOR allows up to that)
             "loss_rel_err_vs_float64": rel_err(run.losses, f64[run.start_step:]) if f64 else None}
 
@@ -215,8 +216,8 @@ def make_result(
     extra = run.extra if routing is None else {**run.extra, "routing_mismatch": routing}
     mixed = getattr(cfg, "precision", "pure") == "mixed"
     if mixed:  # judged against the reference's measured floor (shared/tolerances.py), not a dtype constant
-        extra = {**extra, "mixed": mixed_report(run, ref)}
-        ok = within_floor(errors, ref) and routing is None
+        extra = {**extra, "mixed": mixed_report(run, ref, style)}
+        ok = within_floor(errors, ref, style=style) and routing is None
         xfw_ok = (within_floor(xfw, ref, other_ref, factor=MIXED_CROSS_FRAMEWORK_FACTOR) and xfw_routing is None
                   if xfw else None)
     else:

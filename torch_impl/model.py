@@ -50,14 +50,16 @@ class Block(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, layers: int, dim: int, dtype: torch.dtype = torch.float32, device=None):
+    def __init__(self, layers: int, dim: int, dtype: torch.dtype = torch.float32, device=None,
+                 out_dtype: torch.dtype | None = None):
         super().__init__()
         self.layers = nn.ModuleList(Block(dim, dtype, device) for _ in range(layers))
+        self.out_dtype = out_dtype  # mixed precision: the output handed to the loss in float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.layers:
             x = block(x)
-        return x
+        return x if self.out_dtype is None else x.to(self.out_dtype)
 
 
 def mlp_plan(layers: int, variant: str) -> dict[str, str]:
@@ -73,7 +75,7 @@ def empty_model(cfg: Config, device="cpu", layers: int | None = None) -> nn.Modu
     """The model of ``cfg`` (with ``layers`` blocks if given), uninitialised."""
     layers = cfg.layers if layers is None else layers
     if cfg.model == "mlp":
-        return MLP(layers, cfg.dim, torch_dtype(cfg), device)
+        return MLP(layers, cfg.dim, torch_dtype(cfg), device, torch.float32 if cfg.precision == "mixed" else None)
     return Transformer(layers, cfg.dim, cfg.heads, cfg.vocab, cfg.seq, torch_dtype(cfg), device,
                        cfg.experts, cfg.topk, cfg.recompute)
 
