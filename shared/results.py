@@ -18,6 +18,7 @@ import numpy as np
 from shared.tolerances import (
     CROSS_FRAMEWORK_FACTOR,
     MIXED_CROSS_FRAMEWORK_FACTOR,
+    MIXED_FACTOR,
     MIXED_FLOOR_MIN,
     mixed_tolerance,
     tolerance,
@@ -127,14 +128,15 @@ def mixed_extra(ref: Trained, split: Trained, float64: Trained) -> dict[str, Any
     return {"floor": parity(split, ref), "float64_losses": [float(v) for v in float64.losses]}
 
 
-def within_floor(errors: dict[str, float], *refs: Trained, factor: float = 1.0, style: str | None = None) -> bool:
+def within_floor(errors: dict[str, float], *refs: Trained, factor: float = 1.0, style: str | None = None,
+                 program: bool = False) -> bool:
     """Every error within ``factor`` × the mixed tolerance of the largest floor of ``refs``
-    (shared.tolerances.mixed_tolerance, for ``style``). A reference without a floor: False (never a
-    silent pass)."""
+    (shared.tolerances.mixed_tolerance, for ``style``; ``program``: another framework's program). A
+    reference without a floor: False (never a silent pass)."""
     floors = [r.extra.get("floor") for r in refs]
     if any(f is None for f in floors):
         return False
-    return all(e <= factor * mixed_tolerance(max(f[k] for f in floors), style) for k, e in errors.items())
+    return all(e <= factor * mixed_tolerance(max(f[k] for f in floors), style, program) for k, e in errors.items())
 
 
 def mixed_report(run: Trained, ref: Trained, style: str | None = None) -> dict[str, Any]:
@@ -218,7 +220,8 @@ def make_result(
     if mixed:  # judged against the reference's measured floor (shared/tolerances.py), not a dtype constant
         extra = {**extra, "mixed": mixed_report(run, ref, style)}
         ok = within_floor(errors, ref, style=style) and routing is None
-        xfw_ok = (within_floor(xfw, ref, other_ref, factor=MIXED_CROSS_FRAMEWORK_FACTOR) and xfw_routing is None
+        xfw_ok = (within_floor(xfw, ref, other_ref, factor=MIXED_CROSS_FRAMEWORK_FACTOR / MIXED_FACTOR, style=style,
+                               program=True) and xfw_routing is None
                   if xfw else None)
     else:
         ok = within(errors, cfg.dtype, steps=cfg.steps) and routing is None
