@@ -15,6 +15,10 @@ explicit/zero2  ``Zero2(module)``: full params; each matrix's gradient reduce-sc
 builtin/fsdp2   ``fully_shard`` per block and on the root: per block an all-gather fwd, again bwd,
     one reduce-scatter; the root gathered once (shared.theory.fsdp_comm(cfg, "fsdp2")).
 
+Mixed precision (--precision mixed): float32 shards and AdamW state, the step under autocast;
+zero3 ``FSDP(compute_dtype=bf16)`` and fsdp2 ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=float32)`` cast before the all-gather (2-byte gathers, 4-byte reductions; their reference
+makes the same casts: MIXED_CASTS); zero2 gathers and reduces float32.
 Gradient scale: each rank differentiates its local mean; the reduce-scatter sums the N gradients,
 then / N. docs/fsdp.md has the hooks, the refusals (ShardReadError) and the "bit for bit" check.
 Papers: ZeRO, Rajbhandari et al. 2020 (arXiv:1910.02054); FSDP, Zhao et al. 2023 (arXiv:2304.11277).
