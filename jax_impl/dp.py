@@ -16,6 +16,8 @@ Collectives: none in forward; backward all-reduces every gradient (zero1: reduce
 all-gather of the updated parameters). Bytes per step and device (payload S, nccl-tests size):
 dp Φ·b (dp_comm_bytes), zero1 2·Φ·b (zero1_comm_bytes), shared/theory/dp.py. What XLA issued for the
 jit and typed steps is read from the HLO into the ledger (docs/dp.md).
+Mixed precision (--precision mixed): float32 parameters and optax state, the model's dtype=bfloat16
+casts them inside the loss, so the gradients (and their reductions, 4 bytes per element) are float32.
 The shard_map steps return each device's local loss, averaged on the host (outside the ledger);
 the jit steps compute the global mean loss in the program (one scalar all-reduce more).
 Papers: PyTorch DDP, Li et al. 2020 (arXiv:2006.15704); ZeRO, Rajbhandari et al. 2020

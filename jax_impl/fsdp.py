@@ -16,6 +16,7 @@ shard_map/zero2  replicated params; gradients psum_scatter-ed to row blocks, vec
 jit/zero2, zero3 the same layouts as shardings; XLA (GSPMD) picks the collectives.
 typed/zero2, zero3  the layouts as types (jax_impl/parallel/typed.py); each gather or slice is a
     stated reshard (Trained.extra["stated"]); XLA picks what each becomes.
+Mixed precision (--precision mixed): float32 shards, cast to bf16 inside the loss (zero3 gathers float32).
 What jit and typed issued is read from the HLO into the ledger; docs/fsdp.md and
 docs/sharding_modes.md compare it with the hand-written steps.
 The shard_map steps differentiate each device's share of the loss (local mean / N); the jit steps

@@ -40,7 +40,7 @@ from jax_impl.parallel.tree import fetch
 from shared.checkpoint import Plan
 from shared.config import Config
 from shared.problem import make_problem
-from shared.results import Trained
+from shared.results import Trained, mixed_extra
 
 
 @dataclass
@@ -154,7 +154,13 @@ def _reference(cfg: Config, device: str):
 
 @functools.lru_cache(maxsize=8)
 def _cached_reference(cfg: Config, device: str):
-    return reference.train(cfg, make_problem(cfg), devices(1, device)[0])
+    one = devices(1, device)[0]
+    ref = reference.train(cfg, make_problem(cfg), one)
+    if cfg.precision == "mixed":  # its floor (the batch split in two) and the float64 run (shared.results.mixed_extra)
+        ref.extra.update(mixed_extra(ref, reference.train(cfg, make_problem(cfg), one, split=2),
+                                     reference.train(cfg.replace(dtype="float64", precision="pure"),
+                                                     make_problem(cfg), one)))
+    return ref
 
 
 def run_pattern(

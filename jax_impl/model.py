@@ -30,6 +30,13 @@ JAX_DTYPES = {"float32": jnp.float32, "float64": jnp.float64, "bfloat16": jnp.bf
 
 
 def jax_dtype(cfg: Config):
+    """The parameters' (and gradients', optimizer state's) dtype: float32 under mixed precision."""
+    return JAX_DTYPES[cfg.param_dtype]
+
+
+def compute_dtype(cfg: Config):
+    """What the model computes in: ``cfg.dtype`` (mixed precision: bfloat16, Flax's ``dtype=`` casts the
+    float32 parameters inside every call, so the step's gradients and AdamW stay float32)."""
     return JAX_DTYPES[cfg.dtype]
 
 
@@ -67,18 +74,20 @@ def loss_fn(params, x: jax.Array, y: jax.Array | None = None, cfg: Config | None
 
 
 class MLP(nnx.Module):
-    def __init__(self, params: dict[str, np.ndarray], dtype, rules: Rules | None = None):
+    def __init__(self, params: dict[str, np.ndarray], dtype, rules: Rules | None = None, param_dtype=None):
         dim = next(iter(params.values())).shape[0]
         self.layers = nnx.List(
             nnx.Linear(dim, dim, use_bias=False, kernel_init=transformer.fixture_init(params, name, rules),
-                       dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+                       dtype=dtype, param_dtype=param_dtype or dtype, rngs=nnx.Rngs(0))
             for name in params
         )
+        # mixed precision (param_dtype float32, dtype bf16): the output handed to the loss in float32
+        self.out_dtype = param_dtype if param_dtype not in (None, dtype) else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         for layer in self.layers:
             x = gelu(layer(x))  # (B, D)
-        return x
+        return x if self.out_dtype is None else x.astype(self.out_dtype)
 
 
 def build_model(cfg: Config, problem: Problem, mesh=None, kernel_axes: tuple | None = None,
@@ -90,9 +99,10 @@ def build_model(cfg: Config, problem: Problem, mesh=None, kernel_axes: tuple | N
     if kernel_axes is not None:
         rules = lambda name, shape: kernel_axes
     if cfg.model == "mlp":
-        make = lambda: MLP(problem.params, jax_dtype(cfg), rules)
+        make = lambda: MLP(problem.params, compute_dtype(cfg), rules, jax_dtype(cfg))
     else:
-        make = lambda: transformer.Transformer(problem.params, cfg.heads, jax_dtype(cfg), rules, cfg.topk)
+        make = lambda: transformer.Transformer(problem.params, cfg.heads, compute_dtype(cfg), rules, cfg.topk,
+                                               jax_dtype(cfg))
     if rules is None:
         return make()
     with jax.set_mesh(mesh):

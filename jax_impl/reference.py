@@ -2,7 +2,10 @@
 
 Every parallel implementation is checked against this run (same fixture, same steps). The MoE
 transformer's loss adds the balancing losses, and its routing counts come back per step as
-``extra["expert_load"]`` (steps, L, B, E) int64.
+``extra["expert_load"]`` (steps, L, B, E) int64. Mixed precision: the model's float32 parameters are
+cast to bfloat16 inside every call (Flax's ``dtype=``), AdamW's state stays float32. ``split=2`` trains
+the same run with each step's batch cut in two halves whose gradients are added (the mixed runs'
+measured floor: shared/tolerances.py).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -29,7 +33,7 @@ from shared.problem import Problem
 from shared.results import Trained
 
 
-def train(cfg: Config, problem: Problem, device=None) -> Trained:
+def train(cfg: Config, problem: Problem, device=None, split: int = 1) -> Trained:
     device = device or jax.devices()[0]
     with jax.default_device(device):
         model = build_model(cfg, problem)
@@ -47,6 +51,16 @@ def train(cfg: Config, problem: Problem, device=None) -> Trained:
             return loss, grads
 
         @nnx.jit
+        def split_step(model, opt, x, y):  # the batch in `split` equal parts, gradients added (dense only)
+            parts = zip(jnp.split(x, split), [None] * split if y is None else jnp.split(y, split))
+            loss, grads = 0.0, None
+            for xs, ys in parts:
+                part, g = nnx.value_and_grad(lambda m: output_loss(m(xs), ys) / split)(model)
+                loss, grads = loss + part, g if grads is None else jax.tree.map(jnp.add, grads, g)
+            opt.update(model, grads)
+            return loss, grads
+
+        @nnx.jit
         def moe_step(model, opt, x, y):
             (loss, load), grads = nnx.value_and_grad(moe_loss, has_aux=True)(model)
             opt.update(model, grads)
@@ -59,7 +73,7 @@ def train(cfg: Config, problem: Problem, device=None) -> Trained:
                 loss, grads, load = moe_step(model, opt, x, y)
                 loads.append(np.asarray(fetch(load), np.int64))  # (L, B, E)
             else:
-                loss, grads = step(model, opt, x, y)
+                loss, grads = (split_step if split > 1 else step)(model, opt, x, y)
             losses.append(float(loss))  # float() waits for the device
             step_times.append(time.perf_counter() - t0)
             if k == 0:  # grads: an nnx.State shaped like the model: read it through the same names

@@ -164,11 +164,13 @@ class MoE(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, prefix: str, params, dim: int, heads: int, dtype, rules: Rules | None, topk: int = 1):
+    def __init__(self, prefix: str, params, dim: int, heads: int, dtype, rules: Rules | None, topk: int = 1,
+                 param_dtype=None):
+        pd = param_dtype or dtype  # mixed precision: float32 parameters, computed in dtype (bf16)
         lin = lambda n, i, o: nnx.Linear(i, o, use_bias=False, kernel_init=fixture_init(params, prefix + n, rules),
-                                        dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+                                        dtype=dtype, param_dtype=pd, rngs=nnx.Rngs(0))
         norm = lambda n: nnx.RMSNorm(dim, epsilon=RMS_EPS, scale_init=fixture_init(params, prefix + n, rules),
-                                     dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+                                     dtype=dtype, param_dtype=pd, rngs=nnx.Rngs(0))
         self.head_dim = dim // heads
         self.norm1, self.norm2 = norm("norm1.weight"), norm("norm2.weight")
         self.qkv, self.o = lin("attn.qkv.weight", dim, 3 * dim), lin("attn.o.weight", dim, dim)
@@ -190,18 +192,23 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    def __init__(self, params: dict[str, np.ndarray], heads: int, dtype, rules: Rules | None = None, topk: int = 1):
+    def __init__(self, params: dict[str, np.ndarray], heads: int, dtype, rules: Rules | None = None, topk: int = 1,
+                 param_dtype=None):
+        """``dtype``: what it computes in; ``param_dtype`` (default: dtype) what its parameters are stored in
+        (mixed precision: float32 master weights, bf16 compute, the logits handed to the loss in float32)."""
         vocab, dim = params["wte.weight"].shape
         seq = params["wpe.weight"].shape[0]
         layers = sum(1 for k in params if k.endswith("attn.qkv.weight"))
+        pd = param_dtype or dtype
+        self.logits_dtype = pd if pd != dtype else None  # mixed: the loss in float32, as under torch's autocast
         emb = lambda n, rows: nnx.Embed(rows, dim, embedding_init=fixture_init(params, n, rules), dtype=dtype,
-                                        param_dtype=dtype, rngs=nnx.Rngs(0))
+                                        param_dtype=pd, rngs=nnx.Rngs(0))
         self.wte, self.wpe = emb("wte.weight", vocab), emb("wpe.weight", seq)
-        self.blocks = nnx.List(Block(f"blocks.{l}.", params, dim, heads, dtype, rules, topk) for l in range(layers))
+        self.blocks = nnx.List(Block(f"blocks.{l}.", params, dim, heads, dtype, rules, topk, pd) for l in range(layers))
         self.normf = nnx.RMSNorm(dim, epsilon=RMS_EPS, scale_init=fixture_init(params, "normf.weight", rules),
-                                 dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+                                 dtype=dtype, param_dtype=pd, rngs=nnx.Rngs(0))
         self.head = nnx.Linear(dim, vocab, use_bias=False, kernel_init=fixture_init(params, "head.weight", rules),
-                               dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+                               dtype=dtype, param_dtype=pd, rngs=nnx.Rngs(0))
 
     def __call__(self, tokens: jax.Array):
         """-> logits (B, T, V); the MoE transformer: (logits, Σ_l aux_l, load (L, B, E))."""
@@ -214,6 +221,8 @@ class Transformer(nnx.Module):
                 x, a, load = x
                 aux, loads = aux + [a], loads + [load]
         logits = self.head(self.normf(x))  # (B, T, V)
+        if self.logits_dtype is not None:
+            logits = logits.astype(self.logits_dtype)
         return (logits, sum(aux), jnp.stack(loads)) if loads else logits
 
 

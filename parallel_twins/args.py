@@ -18,7 +18,7 @@ import os
 import stat
 import sys
 
-from shared.config import DTYPES
+from shared.config import DTYPES, PRECISIONS
 
 FRAMEWORKS = ("torch", "jax")
 DEVICES = ("auto", "cpu", "gpu")
@@ -86,7 +86,11 @@ def add_training(p, steps=5, steps_help="optimizer steps per run") -> None:
     """What a run trains with: steps, seed, dtype, AdamW's learning rate and weight decay."""
     p.add_argument("--steps", type=int, default=steps, metavar="S", help=steps_help)
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the shared weights and data")
-    p.add_argument("--dtype", choices=DTYPES, default="float64", help="parameters, activations and optimizer state")
+    p.add_argument("--dtype", choices=DTYPES, default="float64",
+                   help="parameters, activations and optimizer state (--precision mixed: the compute dtype)")
+    p.add_argument("--precision", choices=PRECISIONS, default="pure",
+                   help="pure: everything in --dtype; mixed: float32 master weights, gradients, optimizer state "
+                        "and gradient reductions, compute in --dtype bfloat16")
     p.add_argument("--lr", type=float, default=1e-3, metavar="LR", help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.01, metavar="WD",
                    help="AdamW weight decay (torch's default)")

@@ -152,6 +152,8 @@ def matrix_main(argv) -> int:
         frameworks = args.frameworks
         check_output_path("--json", args.json)
         check_output_path("--dir", args.dir, directory=True)
+        if args.precision != "pure":
+            raise ValueError("checkpoint: --precision mixed is not built for checkpoints; use --precision pure")
         cfg = Config(model=args.model, world_size=args.world_size, layers=args.layers, dim=args.dim,
                      batch=args.batch, heads=args.heads, seq=args.seq, vocab=args.vocab, steps=args.steps,
                      dtype=args.dtype, seed=args.seed, lr=args.lr, weight_decay=args.weight_decay)

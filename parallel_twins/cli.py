@@ -175,6 +175,8 @@ def checkpoint_plan(args, cfgs):
     writing is refused (its holder named); with --resume, the checkpoint each run would start from is
     verified against that run's config: files, checksums, shapes, seed / batch / AdamW (CheckpointError,
     a ValueError: one line, exit 2)."""
+    if args.checkpoint_dir is not None and cfgs and cfgs[0].precision != "pure":
+        raise ValueError("--checkpoint-dir: --precision mixed is not built for checkpoints; use --precision pure")
     if args.checkpoint_dir is None:
         if args.resume or args.checkpoint_every is not None or args.keep is not None:
             raise ValueError("--resume, --checkpoint-every and --keep need --checkpoint-dir DIR")
@@ -264,6 +266,7 @@ def make_configs(args):
         sizes[0] if sizes and "WORLD_SIZE" not in os.environ else default_world_size(args.device)
     base = Config(world_size=world, layers=args.layers, dim=args.dim, batch=args.batch,
                   microbatches=args.microbatches, steps=args.steps, seed=args.seed, dtype=args.dtype,
+                  precision=args.precision,
                   lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb,
                   heads=args.heads, seq=args.seq, vocab=args.vocab, virtual_stages=args.virtual_stages)
     if args.experts is not None and "ep" not in args.patterns:

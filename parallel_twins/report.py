@@ -195,7 +195,9 @@ def print_table(rows, cfgs, console, wide: bool = False) -> None:
     from shared.results import where_line
 
     cfg, where = cfgs[0], where_line(rows)
-    console.print(f"parallel-twins: world size {cfg.world_size}, {cfg.dtype}, M={cfg.microbatches}, "
+    dtype = f"{cfg.dtype} compute, float32 master weights (mixed; vs ref: the measured floor)" \
+        if getattr(cfg, "precision", "pure") == "mixed" else cfg.dtype
+    console.print(f"parallel-twins: world size {cfg.world_size}, {dtype}, M={cfg.microbatches}, "
                   f"{cfg.steps} steps{f'; {where}' if where else ''}; {describe_sizes(cfgs)}", style="bold",
                   highlight=False)
     if not wide:

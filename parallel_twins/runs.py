@@ -109,15 +109,17 @@ def collective_rows(framework, cfg, per_rank_checks):
 def pattern_rows(pattern, framework, entry, other_ref):
     from shared.results import make_result
 
-    return [make_result(pattern, framework, style, variant, entry["cfg"], trained, entry["reference"], other_ref)
-            for style, variant, trained in entry["runs"]]
+    refs = entry.get("references", {})  # mixed precision: a variant whose reference makes its casts
+    return [make_result(pattern, framework, style, variant, entry["cfg"], trained, refs.get(variant, entry["reference"]),
+                        other_ref) for style, variant, trained in entry["runs"]]
 
 
 def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, checkpoint=None, styles=None):
     """Run everything; returns (rows, cross-framework reference comparisons, errors,
     {(pattern, model, framework): reference losses}). ``progress(framework, event)`` hears each
     framework start and each run start and finish."""
-    from shared.results import cross_framework_ok, parity, routing_mismatch
+    from shared.results import cross_framework_ok, parity, routing_mismatch, within_floor
+    from shared.tolerances import MIXED_CROSS_FRAMEWORK_FACTOR, MIXED_FACTOR
 
     raw, errors, cfg = {}, [], cfgs[0]
     models_of = {p: [run_key(c) for c in cfgs_for(cfgs, p)] for p in patterns}  # cp, mesh: the transformer only
@@ -155,7 +157,9 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
             if all(fw in raw for fw in FRAMEWORKS):
                 t_ref, j_ref = raw["torch"][pattern][model]["reference"], raw["jax"][pattern][model]["reference"]
                 errs, routing = parity(t_ref, j_ref), routing_mismatch(t_ref, j_ref)  # MoE: the same routing
+                agree = within_floor(errs, t_ref, j_ref, factor=MIXED_CROSS_FRAMEWORK_FACTOR / MIXED_FACTOR, program=True) \
+                    if cfg.precision == "mixed" else cross_framework_ok(errs, cfg.dtype, cfg.steps)  # vs the floors
                 xfw.append({"pattern": pattern, "model": model, "what": "torch reference vs jax reference",
-                            **errs, "ok": cross_framework_ok(errs, cfg.dtype, cfg.steps) and routing is None,
+                            **errs, "ok": agree and routing is None,
                             **({"routing_mismatch": routing} if routing else {})})
     return rows, xfw, errors, refs

@@ -26,6 +26,13 @@ MODELS = ("mlp", "transformer")
 # recompute the block in backward, or recompute only the attention core (Korthikanti et al. 2022).
 RECOMPUTE = ("none", "full", "selective")
 BYTES_PER_ELEMENT = {"float32": 4, "float64": 8, "bfloat16": 2}
+# Precision: "pure" trains everything in ``dtype``; "mixed" keeps parameters, gradients, optimizer state
+# and gradient reductions in float32 (master weights) and computes in ``dtype`` (bfloat16): torch's
+# autocast / FSDP2's MixedPrecisionPolicy, Flax's dtype= with param_dtype=float32.
+PRECISIONS = ("pure", "mixed")
+MIXED_DTYPES = ("bfloat16",)  # float16 would need dynamic loss scaling: not built (DTYPES has no float16)
+# The patterns whose runs (every style) build mixed precision; the others refuse it in Config.check.
+MIXED_PATTERNS = ("dp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,8 @@ class Config:
     virtual_stages: int = 1
     # Activation recomputation (RECOMPUTE): what backward recomputes instead of keeping (the transformer).
     recompute: str = "none"
+    # PRECISIONS: "mixed" = float32 master weights, gradients, optimizer state and reductions; compute in dtype.
+    precision: str = "pure"
 
     def __post_init__(self) -> None:
         for name in ("world_size", "layers", "dim", "batch", "microbatches", "steps", "heads", "seq", "vocab",
@@ -72,6 +81,11 @@ class Config:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.precision == "mixed" and self.dtype not in MIXED_DTYPES:
+            raise ValueError(f"precision mixed computes in a 16-bit dtype: give --dtype {' or '.join(MIXED_DTYPES)} "
+                             f"(got {self.dtype}; float32 master weights are kept either way)")
         if not self.lr > 0:  # `not x > 0` also refuses NaN
             raise ValueError(f"lr must be > 0, got {self.lr}")
         for name in ("beta1", "beta2"):
@@ -145,7 +159,19 @@ class Config:
         return format_mesh(self.mesh)
 
     @property
+    def param_dtype(self) -> str:
+        """What parameters, gradients, optimizer state and gradient reductions are stored in:
+        float32 under mixed precision (master weights), else ``dtype``."""
+        return "float32" if self.precision == "mixed" else self.dtype
+
+    @property
     def bytes_per_element(self) -> int:
+        """Bytes of one parameter / gradient element: the reduce dtype (float32 under mixed precision)."""
+        return BYTES_PER_ELEMENT[self.param_dtype]
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of one element in the compute dtype (``dtype``): what a cast-before-gather moves."""
         return BYTES_PER_ELEMENT[self.dtype]
 
     @property
@@ -206,6 +232,9 @@ class Config:
         """Validate what ``pattern`` needs on top of the basic checks; returns self."""
         if pattern not in PATTERNS:
             raise ValueError(f"unknown pattern {pattern!r}; choose from {', '.join(PATTERNS)}")
+        if self.precision == "mixed" and pattern not in MIXED_PATTERNS + ("collectives",):  # collectives: no model
+            raise ValueError(f"{pattern}: --precision mixed is built for {', '.join(MIXED_PATTERNS)} only; "
+                             f"use --precision pure for {pattern}")
         if self.moe and pattern not in EXPERT_PATTERNS:
             raise ValueError(f"{pattern}: the mixture-of-experts transformer runs under ep only "
                              f"(drop --experts, or use --patterns ep)")

@@ -77,7 +77,9 @@ def load(path: str) -> dict:
 
 
 def row_key(run: dict) -> tuple:
-    return tuple(run.get(k) for k in KEY_FIELDS)
+    """The row's KEY_FIELDS; precision "pure" (the default every row now states) keys as a file that
+    predates the field does: None."""
+    return tuple(None if k == "precision" and run.get(k) == "pure" else run.get(k) for k in KEY_FIELDS)
 
 
 def key_name(key: tuple) -> str:
@@ -224,6 +226,8 @@ def _configs(old: dict, new: dict) -> list[Finding]:
     changes: dict[tuple, list[str]] = {}
     for run in sorted(set(a) & set(b)):
         for field in sorted(set(a[run]) | set(b[run])):
+            if field == "precision" and {a[run].get(field), b[run].get(field)} <= {None, "pure"}:
+                continue  # a file that predates the field trained "pure"
             if a[run].get(field) != b[run].get(field):
                 seen = (field, json.dumps(a[run].get(field)), json.dumps(b[run].get(field)))
                 changes.setdefault(seen, []).append(run)

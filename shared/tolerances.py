@@ -29,6 +29,53 @@ COLLECTIVES = 0.0
 
 TOLERANCE = {"float64": FLOAT64, "float32": FLOAT32, "bfloat16": BFLOAT16}
 
+# Mixed precision (Config.precision "mixed": float32 master weights, bf16 compute). A bf16 constant would
+# sit at the bug scale (BFLOAT16 above), so a mixed run is judged against a MEASURED floor instead: the
+# single-device mixed run against itself with every step's batch split in two (the references compute
+# it once per config: shared.results.mixed_extra), per quantity (losses, step-0 gradients, parameters).
+# That is the rounding a different summation order alone causes, which is all a correct sharded run
+# changes. Measured (compare.py's transformer, L=4 D=32 T=16 V=64 B=32, 4 steps, 2 ranks): the floor is
+# loss 7e-5..2e-4, gradients 5e-3..9e-3, parameters 5e-3..2e-2 (AdamW's normalised update turns the
+# rounding of near-zero gradient entries into whole-lr differences). Every torch dp / fsdp run on 2
+# ranks IS the split-in-two run (ratio 1.0, bit for bit); on 4 ranks (compare.py's default sizes, both
+# models) torch sits at 1.2-3.6x the floor, JAX shard_map / jit at 0-2.0x; the issue measured 2.7-3.6x
+# for torch tp / cp. MIXED_FACTOR = 8 covers those with room; a real bug (a lost 1/N, a dropped rank's
+# gradient, a missing term) moves the gradients by >= 50%, i.e. >= 50x the floor.
+# A floor never counts below MIXED_FLOOR_MIN: the float32 master weights are still summed in another
+# order (the FLOAT32 argument), and a floor that happens to be ~0 must not turn rounding into a failure.
+# What the floor cannot see is a bf16 gradient reduction (one more bf16 rounding, ~4e-3, below it):
+# the ledger shows that instead (float32 reductions: 4 bytes per element, shared.theory with them).
+MIXED_FACTOR = 8.0
+# The floor sees summation order only: the split run computes every row's forward exactly as the whole
+# batch does. A DIFFERENT PROGRAM for the same math — the other framework, or JAX's sharding-in-types
+# ("typed") program, which XLA fuses differently — also rounds the bf16 forward at other points: the
+# step-0 loss, same parameters and batch, differs by 1.1e-3 (typed, transformer L=2 D=8), 4.0e-3 (typed,
+# MLP D=16) and 5.0e-3 (torch vs JAX, MLP), where shard_map / jit are bit for bit the split run. One
+# bf16 rounding is up to its unit roundoff 2^-8 = 3.9e-3 relative; MIXED_PROGRAM_MIN = four of them is
+# the least such a comparison is allowed. typed's gradients and parameters also reach 3.9x (transformer,
+# 4 ranks) to 8.3x (L=2 D=8) the floor: MIXED_STYLE_FACTOR 16 for that style. A lost 1/N or a dropped
+# rank's gradient (>= 50% on the gradients) stays beyond both.
+MIXED_STYLE_FACTOR = {"typed": 16.0}
+MIXED_PROGRAM_MIN = 4 * 2.0**-8
+MIXED_PROGRAM_STYLES = ("typed",)
+MIXED_FLOOR_MIN = FLOAT32
+# Cross-framework in mixed: torch (autocast: matmuls in bf16, norms / softmax / loss and the residual
+# stream in float32) and Flax (dtype=bfloat16: every parameter and activation in bf16, statistics in
+# float32) round in different places, so the two references differ by more than either's floor:
+# transformer 2.0x (loss), 3.1x (gradients), 2.1x (parameters) the larger floor, a run against the other
+# framework's reference up to 3.3x; the MLP's forward differs by 5e-3 in the step-0 loss (MIXED_PROGRAM_MIN
+# below). MIXED_FACTOR's 8 × the larger floor, never below MIXED_PROGRAM_MIN.
+MIXED_CROSS_FRAMEWORK_FACTOR = 8.0
+
+
+def mixed_tolerance(floor: float, style: str | None = None, program: bool = False) -> float:
+    """A mixed run's tolerance for one quantity from its measured floor: MIXED_FACTOR (or the style's
+    MIXED_STYLE_FACTOR) × the floor, the floor never below MIXED_FLOOR_MIN; a different program (the
+    other framework: ``program``; a MIXED_PROGRAM_STYLES style) never below MIXED_PROGRAM_MIN."""
+    tol = MIXED_STYLE_FACTOR.get(style, MIXED_FACTOR) * max(floor, MIXED_FLOOR_MIN)
+    return max(tol, MIXED_PROGRAM_MIN) if program or style in MIXED_PROGRAM_STYLES else tol
+
+
 # Cross-framework (torch vs JAX) agreement: each side is within TOLERANCE of its own reference
 # and the two references agree to the same order, so twice the tolerance bounds their distance.
 CROSS_FRAMEWORK_FACTOR = 2.0

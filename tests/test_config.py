@@ -17,6 +17,9 @@ from shared.config import Config
         ({"steps": 0}, "steps must be a positive integer"),
         ({"dtype": "float16"}, "dtype must be one of float32, float64, bfloat16, got 'float16'"),
         ({"lr": 0.0}, "lr must be > 0"),
+        ({"precision": "half"}, "precision must be one of pure, mixed, got 'half'"),
+        ({"precision": "mixed"}, "precision mixed computes in a 16-bit dtype: give --dtype bfloat16 (got float64"),
+        ({"precision": "mixed", "dtype": "float32"}, "precision mixed computes in a 16-bit dtype"),
         ({"beta2": 1.0}, "beta2 must be in [0, 1)"),
         ({"eps": 0.0}, "eps must be > 0"),
         ({"weight_decay": -0.1}, "weight_decay must be >= 0"),
@@ -78,3 +81,20 @@ def test_transformer_n_params_counts_every_parameter():
 def test_frozen():
     with pytest.raises(AttributeError):
         Config().dim = 8  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("pattern", ["tp", "pp", "cp"])
+def test_mixed_precision_is_refused_where_not_built(pattern):
+    cfg = Config(model="transformer", world_size=2, heads=2, dim=8, seq=4, vocab=8, batch=4, layers=2,
+                 dtype="bfloat16", precision="mixed")
+    with pytest.raises(ValueError, match=f"{pattern}: --precision mixed is built for dp, fsdp only; "
+                                         f"use --precision pure for {pattern}"):
+        cfg.check(pattern)
+
+
+def test_mixed_precision_stores_float32_and_reduces_in_it():
+    cfg = Config(dtype="bfloat16", precision="mixed")
+    assert (cfg.param_dtype, cfg.bytes_per_element, cfg.compute_bytes) == ("float32", 4, 2)
+    pure = Config(dtype="bfloat16")
+    assert (pure.param_dtype, pure.bytes_per_element, pure.compute_bytes) == ("bfloat16", 2, 2)
+    assert cfg.check("dp") is cfg and cfg.check("fsdp") is cfg

@@ -81,3 +81,21 @@ def test_correct_code_passes_a_wrong_factor_fails(runs, steps):
         resumed = _errors(runs[bad][steps], ref, resumed=True)  # no step-0 gradients: the parameters alone
         assert not within(resumed, "float64", steps=steps), (bad, steps, resumed)
         assert resumed["max_rel_err_param"] > 100 * tolerance("float64", steps)
+
+
+def test_mixed_runs_are_judged_by_the_measured_floor():
+    """A mixed run within MIXED_FACTOR x the floor passes; a lost 1/N (gradients x2) fails; a
+    reference without a floor never passes silently; a ~0 floor counts as MIXED_FLOOR_MIN."""
+    from shared.results import Trained, parity, within_floor
+    from shared.tolerances import MIXED_FACTOR, MIXED_FLOOR_MIN, mixed_tolerance
+
+    rng = np.random.default_rng(0)
+    g, w = [rng.standard_normal((4, 4))], [rng.standard_normal((4, 4))]
+    floor = {"max_rel_err_loss": 1e-4, "max_rel_err_grad": 5e-3, "max_rel_err_param": 1e-2}
+    ref = Trained(losses=[1.0, 0.9], grads0=g, params=w, extra={"floor": floor})
+    near = Trained(losses=[1.0 + 1e-4, 0.9], grads0=[g[0] * (1 + 1e-2)], params=[w[0] + 1e-2 * np.abs(w[0]).max()])
+    assert within_floor(parity(near, ref), ref)
+    halved = Trained(losses=[1.0, 0.9], grads0=[g[0] * 2], params=w)
+    assert not within_floor(parity(halved, ref), ref)
+    assert not within_floor(parity(near, ref), Trained(losses=[], grads0=[], params=[]))  # no floor: refused
+    assert mixed_tolerance(0.0) == MIXED_FACTOR * MIXED_FLOOR_MIN

@@ -17,6 +17,8 @@ DDP Φ·b; zero1 2·Φ·b (the same wire traffic as one all-reduce: ZeRO-1 saves
 ``comm_theory`` comes from the module wrapped (torch_impl/parallel/theory.py), right for any module.
 The loss is averaged over ranks after the recorded step, outside the ledger.
 
+Mixed precision (--precision mixed): float32 parameters, gradients and AdamW state, the step under
+autocast (bf16 matmuls); every reduction moves the float32 gradients (4 bytes per element).
 The wrappers live in torch_impl/parallel/dp.py; this runner builds the project's models around them
 (make_setup) and runs them through harness.train_loop.
 Papers: PyTorch DDP, Li et al. 2020 (arXiv:2006.15704); ZeRO, Rajbhandari et al. 2020 (arXiv:1910.02054).

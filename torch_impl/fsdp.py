@@ -15,6 +15,10 @@ explicit/zero2  ``Zero2(module)``: full params; each matrix's gradient reduce-sc
 builtin/fsdp2   ``fully_shard`` per block and on the root: per block an all-gather fwd, again bwd,
     one reduce-scatter; the root gathered once (shared.theory.fsdp_comm(cfg, "fsdp2")).
 
+Mixed precision (--precision mixed): float32 shards and AdamW state, the step under autocast;
+zero3 ``FSDP(compute_dtype=bf16)`` and fsdp2 ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=float32)`` cast before the all-gather (2-byte gathers, 4-byte reductions; their reference
+makes the same casts: MIXED_CASTS); zero2 gathers and reduces float32.
 Gradient scale: each rank differentiates its local mean; the reduce-scatter sums the N gradients,
 then / N. docs/fsdp.md has the hooks, the refusals (ShardReadError) and the "bit for bit" check.
 Papers: ZeRO, Rajbhandari et al. 2020 (arXiv:1910.02054); FSDP, Zhao et al. 2023 (arXiv:2304.11277).
@@ -22,9 +26,10 @@ Papers: ZeRO, Rajbhandari et al. 2020 (arXiv:1910.02054); FSDP, Zhao et al. 2023
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from shared.config import Config
@@ -33,6 +38,7 @@ from shared.theory import fsdp_comm_bytes
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
+    TORCH_DTYPES,
     build_model,
     inputs,
     loss_fn,
@@ -46,16 +52,26 @@ from torch_impl.parallel.fsdp import FSDP, Zero2, gather_full
 from torch_impl.parallel.theory import comm_bytes
 
 VARIANTS = (("explicit", "zero3"), ("explicit", "zero2"), ("builtin", "fsdp2"))
+# Mixed precision: zero3 (FSDP(compute_dtype=bf16)) and fsdp2 (MixedPrecisionPolicy) cast every weight and
+# every float input of a sharded module to bf16 before computing, not only autocast's ops: their
+# single-device reference makes the same casts (torch_impl/reference.py, casts="params").
+MIXED_CASTS = {"zero3": "params", "fsdp2": "params"}
 
 
 # --- builtin/fsdp2 -----------------------------------------------------------------------------
 
 
-def fsdp2_model(model: nn.Module, ctx: RankContext) -> nn.Module:
+def fsdp2_model(model: nn.Module, ctx: RankContext, cfg: Config | None = None) -> nn.Module:
+    """``fully_shard`` per block and on the root; mixed precision (cfg.precision "mixed") through FSDP2's
+    own ``MixedPrecisionPolicy``: float32 shards (master weights, AdamW state), cast to bf16 before the
+    all-gather (bf16 bytes on the wire), gradients reduce-scattered in float32."""
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    mp = {}
+    if cfg is not None and cfg.precision == "mixed":
+        mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[cfg.dtype], reduce_dtype=torch.float32)}
     for block in getattr(model, "blocks", None) or model.layers:
-        fully_shard(block, mesh=mesh)  # one all-gather / reduce-scatter group per block
-    fully_shard(model, mesh=mesh)  # root: the embeddings, final norm and head (MLP: nothing)
+        fully_shard(block, mesh=mesh, **mp)  # one all-gather / reduce-scatter group per block
+    fully_shard(model, mesh=mesh, **mp)  # root: the embeddings, final norm and head (MLP: nothing)
     return model
 
 
@@ -76,10 +92,11 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     fixture = lambda full: lambda ts: [to_fixture(model, nm, full(nm, t)) for nm, t in zip(names, ts)]
     # zero3 / fsdp2: the Config formula (zero3's backward re-gathers depend on what the forward keeps,
     # FSDP.comm_theory() reads that after one; fsdp2 groups per block); zero2: from the module below
-    comm_theory = fsdp_comm_bytes(cfg, variant)
+    mixed = cfg.precision == "mixed"  # zero3 and fsdp2 cast the float32 shards to bf16 before the gather
+    comm_theory = fsdp_comm_bytes(cfg, variant, cast_gather=mixed)
 
     if variant == "zero3":
-        fsdp = FSDP(model, group=group)
+        fsdp = FSDP(model, compute_dtype=TORCH_DTYPES[cfg.dtype] if mixed else None, group=group)
         params = [p for _, p in fsdp.module.named_parameters()]  # shards + replicated vectors
         opt = make_optimizer(params, cfg)
 
@@ -117,7 +134,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         return train_loop(cfg, ctx, Setup(forward_backward, update, lambda: [p.grad for p in zero2.params],
                                           fixture(full), zero2.params, opt, comm_theory, group=group,
                                           state=state, extra={"shard": "dim 0 of each ≥2-D parameter"}))
-    model = fsdp2_model(model, ctx)
+    model = fsdp2_model(model, ctx, cfg)
     params = list(model.parameters())  # DTensors, Shard(0)
     opt = make_optimizer(params, cfg)
 

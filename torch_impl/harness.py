@@ -31,11 +31,11 @@ import torch.distributed as dist
 from shared.checkpoint import Plan
 from shared.config import Config
 from shared.problem import make_problem
-from shared.results import Trained
+from shared.results import Trained, mixed_extra
 from torch_impl import checkpoint as ckpt
 from torch_impl import reference
 from torch_impl.launch import RankContext
-from torch_impl.model import optimizer_state_bytes, tensor_bytes
+from torch_impl.model import autocast, optimizer_state_bytes, tensor_bytes
 
 
 @dataclass
@@ -174,8 +174,8 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
             setup.before_step()
         with ctx.ledger.recording() if last else contextlib.nullcontext():
             t0 = time.perf_counter()
-            with meter.recording() if k == start else contextlib.nullcontext():
-                loss = setup.forward_backward()
+            with meter.recording() if k == start else contextlib.nullcontext(), autocast(cfg, ctx.device):
+                loss = setup.forward_backward()  # mixed precision: under autocast (float32 params and grads)
             if k == 0:
                 grads0 = [g.detach().clone() for g in setup.grads()]  # local; gathered below
             setup.update()
@@ -207,17 +207,22 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
                    start_step=start)
 
 
-def _reference(cfg: Config, device):
+def _reference(cfg: Config, device, casts: str = "autocast"):
     """The single-device run depends on none of the parallel layout (world size, micro-batches,
     buckets, mesh) nor on recomputation (a run with recompute is checked against the one without):
     compute it once per remaining configuration."""
     return _cached_reference(cfg.replace(world_size=1, microbatches=1, bucket_mb=25.0, mesh=(), recompute="none",
-                                         virtual_stages=1), str(device))
+                                         virtual_stages=1), str(device), casts)
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_reference(cfg: Config, device: str):
-    return reference.train(cfg, make_problem(cfg), device)
+def _cached_reference(cfg: Config, device: str, casts: str = "autocast"):
+    ref = reference.train(cfg, make_problem(cfg), device, casts=casts)
+    if cfg.precision == "mixed":  # its floor (the batch split in two) and the float64 run (shared.results.mixed_extra)
+        ref.extra.update(mixed_extra(ref, reference.train(cfg, make_problem(cfg), device, split=2, casts=casts),
+                                     reference.train(cfg.replace(dtype="float64", precision="pure"),
+                                                     make_problem(cfg), device)))
+    return ref
 
 
 def run_pattern(
@@ -247,7 +252,11 @@ def run_pattern(
                 else module.train(cfg, problem, style, variant, ctx)
             ctx.progress(("done", 1))
             runs.append((style, variant, trained))
-        out.append({"cfg": cfg, "reference": ref, "runs": runs})
+        entry = {"cfg": cfg, "reference": ref, "runs": runs}
+        casts = getattr(module, "MIXED_CASTS", {}) if cfg.precision == "mixed" else {}
+        if ctx.rank == 0 and any(v in casts for _, v, _ in runs):  # variants whose reference casts otherwise
+            entry["references"] = {v: _reference(cfg, ctx.device, casts[v]) for _, v, _ in runs if v in casts}
+        out.append(entry)
     return out if ctx.rank == 0 else None
 
 

@@ -12,6 +12,8 @@ fixture's W (see shared/dims.py); ``to_fixture`` / ``fixture_*`` convert back, b
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -25,7 +27,17 @@ TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": 
 
 
 def torch_dtype(cfg: Config) -> torch.dtype:
-    return TORCH_DTYPES[cfg.dtype]
+    """The parameters' (and gradients', optimizer state's) dtype: float32 under mixed precision."""
+    return TORCH_DTYPES[cfg.param_dtype]
+
+
+def autocast(cfg: Config, device) -> contextlib.AbstractContextManager:
+    """Mixed precision's compute: ``torch.autocast`` to ``cfg.dtype`` (bfloat16) around the forward and
+    backward of one step — matmuls in bf16, reductions (softmax, norms, the loss) in float32, the
+    gradients of the float32 parameters in float32. Pure precision: nothing."""
+    if cfg.precision != "mixed":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=TORCH_DTYPES[cfg.dtype])
 
 
 class Block(nn.Module):
@@ -38,14 +50,16 @@ class Block(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, layers: int, dim: int, dtype: torch.dtype = torch.float32, device=None):
+    def __init__(self, layers: int, dim: int, dtype: torch.dtype = torch.float32, device=None,
+                 out_dtype: torch.dtype | None = None):
         super().__init__()
         self.layers = nn.ModuleList(Block(dim, dtype, device) for _ in range(layers))
+        self.out_dtype = out_dtype  # mixed precision: the output handed to the loss in float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.layers:
             x = block(x)
-        return x
+        return x if self.out_dtype is None else x.to(self.out_dtype)
 
 
 def mlp_plan(layers: int, variant: str) -> dict[str, str]:
@@ -61,7 +75,7 @@ def empty_model(cfg: Config, device="cpu", layers: int | None = None) -> nn.Modu
     """The model of ``cfg`` (with ``layers`` blocks if given), uninitialised."""
     layers = cfg.layers if layers is None else layers
     if cfg.model == "mlp":
-        return MLP(layers, cfg.dim, torch_dtype(cfg), device)
+        return MLP(layers, cfg.dim, torch_dtype(cfg), device, torch.float32 if cfg.precision == "mixed" else None)
     return Transformer(layers, cfg.dim, cfg.heads, cfg.vocab, cfg.seq, torch_dtype(cfg), device,
                        cfg.experts, cfg.topk, cfg.recompute)
 

@@ -1,6 +1,10 @@
 """Single-device reference: the shared model (MLP or transformer) trained with AdamW on one device.
 
-Every parallel implementation is checked against this run (same fixture, same steps).
+Every parallel implementation is checked against this run (same fixture, same steps). Mixed precision
+(cfg.precision "mixed"): float32 parameters and AdamW state, the forward and backward under
+``torch.autocast`` to bfloat16 — the casts every mixed run makes. ``split=2`` trains the same run with
+each step's batch cut in two halves whose gradients are added (the mixed runs' measured floor:
+shared/tolerances.py).
 """
 
 from __future__ import annotations
@@ -8,11 +12,14 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import torch
 
 from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
 from torch_impl.model import (
+    TORCH_DTYPES,
+    autocast,
     aux_loss,
     build_model,
     expert_load,
@@ -27,19 +34,37 @@ from torch_impl.model import (
 )
 
 
-def train(cfg: Config, problem: Problem, device="cpu") -> Trained:
+def train(cfg: Config, problem: Problem, device="cpu", split: int = 1, casts: str = "autocast") -> Trained:
+    """``casts`` (mixed precision): "autocast" — autocast's casts only; "params" — every parameter and
+    the float input cast to the compute dtype first, as FSDP2's MixedPrecisionPolicy (param_dtype=bf16)
+    and FSDP(compute_dtype=bf16) do (the gradient of each cast is the float32 parameter's)."""
     model = build_model(cfg, problem, device)
     opt = make_optimizer(model.parameters(), cfg)
     x, y = inputs(cfg, problem, device), targets(cfg, problem, device)  # (B, D) | (B, T), None | (B, T)
+    if cfg.precision == "mixed" and casts == "params":
+        low = TORCH_DTYPES[cfg.dtype]
+        net = lambda xs: torch.func.functional_call(  # noqa: E731
+            model, {n: p.to(low) for n, p in model.named_parameters()}, (xs.to(low) if xs.is_floating_point() else xs,))
+    else:
+        net = model
     losses, step_times, grads0, loads = [], [], None, []
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        if cfg.moe:  # + the balancing loss of every MoE layer; its routing: (L, B, E) counts
-            loss = loss + aux_loss(model)
-            loads.append(expert_load(model))
-        loss.backward()
+        if split > 1:  # the same step over the batch in `split` equal parts, gradients added (dense only)
+            loss = 0.0
+            for xs, ys in zip(x.chunk(split), [None] * split if y is None else y.chunk(split)):
+                with autocast(cfg, device):
+                    part = loss_fn(net(xs), ys) / split
+                    part.backward()
+                loss = loss + part.detach()
+        else:
+            with autocast(cfg, device):
+                loss = loss_fn(net(x), y)
+                if cfg.moe:  # + the balancing loss of every MoE layer; its routing: (L, B, E) counts
+                    loss = loss + aux_loss(model)
+                    loads.append(expert_load(model))
+                loss.backward()
         if step == 0:
             grads0 = fixture_grads(model)
         opt.step()
