@@ -55,7 +55,7 @@ def train(cfg: Config, problem: Problem, device=None, split: int = 1) -> Trained
             parts = zip(jnp.split(x, split), [None] * split if y is None else jnp.split(y, split))
             loss, grads = 0.0, None
             for xs, ys in parts:
-                part, g = nnx.value_and_grad(lambda m: output_loss(m(xs), ys) / split)(model)
+                part, g = nnx.value_and_grad(lambda m, xs=xs, ys=ys: output_loss(m(xs), ys) / split)(model)
                 loss, grads = loss + part, g if grads is None else jax.tree.map(jnp.add, grads, g)
             opt.update(model, grads)
             return loss, grads

@@ -110,8 +110,8 @@ def pattern_rows(pattern, framework, entry, other_ref):
     from shared.results import make_result
 
     refs = entry.get("references", {})  # mixed precision: a variant whose reference makes its casts
-    return [make_result(pattern, framework, style, variant, entry["cfg"], trained, refs.get(variant, entry["reference"]),
-                        other_ref) for style, variant, trained in entry["runs"]]
+    return [make_result(pattern, framework, style, variant, entry["cfg"], trained,
+                        refs.get(variant, entry["reference"]), other_ref) for style, variant, trained in entry["runs"]]
 
 
 def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, checkpoint=None, styles=None):
@@ -157,8 +157,11 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
             if all(fw in raw for fw in FRAMEWORKS):
                 t_ref, j_ref = raw["torch"][pattern][model]["reference"], raw["jax"][pattern][model]["reference"]
                 errs, routing = parity(t_ref, j_ref), routing_mismatch(t_ref, j_ref)  # MoE: the same routing
-                agree = within_floor(errs, t_ref, j_ref, factor=MIXED_CROSS_FRAMEWORK_FACTOR / MIXED_FACTOR, program=True) \
-                    if cfg.precision == "mixed" else cross_framework_ok(errs, cfg.dtype, cfg.steps)  # vs the floors
+                if cfg.precision == "mixed":  # vs the two references' floors
+                    agree = within_floor(errs, t_ref, j_ref, factor=MIXED_CROSS_FRAMEWORK_FACTOR / MIXED_FACTOR,
+                                         program=True)
+                else:
+                    agree = cross_framework_ok(errs, cfg.dtype, cfg.steps)
                 xfw.append({"pattern": pattern, "model": model, "what": "torch reference vs jax reference",
                             **errs, "ok": agree and routing is None,
                             **({"routing_mismatch": routing} if routing else {})})

@@ -163,7 +163,7 @@ class RunResult:
     dtype: str
     ok: bool
     model: str | None = "mlp"  # "mlp" | "transformer"; None for the collectives (no model)
-    precision: str = "pure"  # shared.config.PRECISIONS: "mixed" = float32 master weights, compute in dtype  # "mlp" | "transformer"; None for the collectives (no model)
+    precision: str = "pure"  # shared.config.PRECISIONS: "mixed" = float32 master weights, compute in dtype
     losses: list[float] = field(default_factory=list)
     max_rel_err_loss: float = 0.0
     max_rel_err_grad: float = 0.0
