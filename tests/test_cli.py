@@ -156,6 +156,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # slow tier (issue 37's budget): two whole runs; determinism of each pattern is in its own module
 def test_same_seed_same_losses_bit_for_bit(tmp_path):
     """Two processes, same seed: identical losses. torch, where ranks, gloo's reductions, SDPA and
     DTensor could make a run differ (JAX runs one process whose XLA:CPU programs are fixed at
@@ -266,6 +267,7 @@ def test_styles_typed_refuses_pp_in_one_line(capsys):
         "ShardingTypeError" in err, err
 
 
+@pytest.mark.slow  # slow tier (issue 37's budget): cp's ledgers are asserted in test_cp; this is the table's text
 def test_show_collectives_cp_ring_zigzag_ulysses_and_xla(capsys):
     """Default models (both): cp runs on the transformer only; the table, XLA's choice for
     seq_sharded and the per-rank attention work (zigzag balanced)."""

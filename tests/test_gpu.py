@@ -22,6 +22,7 @@ def _run(tmp_path, *argv):
     return code, data
 
 
+@pytest.mark.slow  # slow tier (issue 37's budget): the one-rank paths, a whole compare.py run
 def test_world_size_1_every_pattern_on_cpu(tmp_path):
     """The one-rank path of every pattern. torch on the transformer (its single-stage pipeline,
     1-way TP plan, FSDP units and one-rank ring take the same code paths as the MLP's, plus

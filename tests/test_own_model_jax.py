@@ -183,6 +183,7 @@ def placed_bytes(tree) -> int:
                for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.floating))
 
 
+@pytest.mark.slow  # slow tier (issue 37's budget): one refusal at the first trace (a compile)
 def test_tied_embedding_read_by_the_parent():
     """zero3 with per-holder units refuses the parent's ``emb.attend`` at the first trace (it would
     get a row block); with the embedding gathered at the root (units=[]) it trains exactly."""

@@ -45,7 +45,9 @@ def _assert_parity(entry, framework):
         assert within(errors, cfg.dtype), (framework, style, variant, cfg, errors)
 
 
-@pytest.mark.parametrize("pattern", [p for p in PATTERNS if p != "pp"])
+# dp in the default tier; fsdp and tp random configs in the slow tier (issue 37's budget)
+@pytest.mark.parametrize("pattern", [p if p == "dp" else pytest.param(p, marks=pytest.mark.slow)
+                                     for p in PATTERNS if p != "pp"])
 @settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_jax_parity_on_random_configs(pattern, data):

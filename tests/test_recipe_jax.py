@@ -244,6 +244,7 @@ def seq_loss(m, tokens, targets, positions):
     return optax.softmax_cross_entropy_with_integer_labels(m(tokens, positions), targets).mean()
 
 
+@pytest.mark.slow  # slow tier (issue 37's budget): clip= under cp is the dp code path (the whole tree), tested on dp
 def test_cp_clip_and_frozen_parts():
     rng = np.random.default_rng(2)
     tokens, targets = rng.integers(0, 7, (2, 4)).astype(np.int32), rng.integers(0, 7, (2, 4)).astype(np.int32)
