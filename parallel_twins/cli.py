@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bucket size of the bucketed DP variant")
     add_device(p)
     p.add_argument("--timeout", type=float, default=900.0, metavar="S", help="seconds before a torch launch is ended")
+    p.add_argument("--no-resource-check", action="store_true",
+                   help="start even when --world-size exceeds max(32, 4 × cores) or the memory estimate exceeds "
+                        "the available memory (parallel_twins/preflight.py) (default: refuse)")
     add_json(p, "every run (all columns and more)")
     p.add_argument("--markdown", metavar="PATH",
                    help="write the table, every column, here as Markdown ('-': standard output) (default: none)")
@@ -327,6 +330,11 @@ def main(argv=None) -> int:
         return diff_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
+        from parallel_twins.preflight import check_environment, check_resources
+
+        check_environment(os.environ)  # a stale RANK/WORLD_SIZE/MASTER_* export, WORLD_SIZE=abc
+        if not args.timeout > 0:
+            raise ValueError(f"--timeout {args.timeout:g}: a number of seconds > 0")
         check_output_path("--json", args.json)
         check_output_path("--markdown", args.markdown)
         check_output_path("--plots", args.plots, directory=True)
@@ -335,6 +343,9 @@ def main(argv=None) -> int:
         baseline = load_results(args.baseline) if args.baseline else None  # a bad file: one line, exit 2
         cfgs = make_configs(args)
         cfg = cfgs[0]
+        if not args.no_resource_check:  # before any rank, process or device exists
+            launched = "RANK" in os.environ or "JAX_NUM_PROCESSES" in os.environ  # this process is one of many
+            check_resources(cfgs, args.frameworks, under_torchrun=launched)
         # --- multi-process JAX (one process per node, or jax_impl/launch.py): join before JAX starts ---
         if all(os.environ.get(k) for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")):
             cfgs = join_jax_processes(args, cfgs)

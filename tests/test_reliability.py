@@ -39,3 +39,79 @@ def test_jax_launch_ends_every_process_when_process_1_dies(tmp_path, capsys):
     pid0 = int((tmp_path / "pid0").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid0, 0)
+
+
+# --- up-front: the machine can hold the run ----------------------------------------------------
+
+def _one_line_exit_2(argv, capsys) -> str:
+    assert compare.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_world_size_beyond_the_machine_is_refused_before_any_process(capsys):
+    err = _one_line_exit_2(["--world-size", "100000", "--patterns", "collectives"], capsys)
+    assert "--world-size 100000" in err and "--no-resource-check" in err, err
+
+
+@pytest.mark.parametrize("dim", ["30000", "200000"])
+def test_sizes_beyond_the_memory_are_refused_before_any_rank(dim, capsys):
+    err = _one_line_exit_2(["--dim", dim, "--model", "mlp", "--patterns", "dp"], capsys)
+    assert f"dim={dim}" in err and "GiB" in err and "--no-resource-check" in err, err
+
+
+def test_the_estimate_counts_processes_and_the_flag_overrides(monkeypatch):
+    from parallel_twins import preflight
+    from shared.config import Config
+
+    cfg = Config(world_size=4, dim=1024, model="mlp")  # Φ = 4·1024² = 4.2e6: 8·Φ·8 B = 268 MB per rank
+    per_rank = preflight.rank_bytes(cfg)
+    assert per_rank == 8 * cfg.n_params * 8 + 4 * 32 * 1024 * 4 * 8  # + the MLP's 4 B×D tensors per layer
+    need = preflight.estimate([cfg], ["torch"], 4)
+    assert need == 4 * (preflight.PROCESS_BYTES + per_rank)
+    preflight.check_resources([cfg], ["torch"], available=need)  # exactly enough: accepted
+    with pytest.raises(ValueError, match="needs about"):
+        preflight.check_resources([cfg], ["torch"], available=need - 1)
+    preflight.check_resources([cfg], ["torch"], under_torchrun=True, available=need // 2)  # one rank here
+    # --no-resource-check: the check is not called at all
+    seen = []
+    monkeypatch.setattr(preflight, "check_resources", lambda *a, **k: seen.append(a))
+    assert compare.main(["--world-size", "100000", "--patterns", "collectives", "--no-resource-check",
+                         "--frameworks", "torch", "--device", "gpu"]) == 2  # stopped by the GPU check, not by us
+    assert seen == []
+
+
+# --- up-front: the distributed environment -------------------------------------------------------
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    from parallel_twins.preflight import INT_VARS, RANK_VARS, TORCHRUN_MARKS
+
+    for name in {*RANK_VARS, *INT_VARS, *TORCHRUN_MARKS}:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_a_stale_torchrun_environment_is_named_in_one_line(clean_env, capsys):
+    """RANK/WORLD_SIZE/MASTER_* exported without torchrun: used to wait 905 s for a peer."""
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        clean_env.setenv(k, v)
+    t0 = time.monotonic()
+    err = _one_line_exit_2(["--frameworks", "torch", "--patterns", "dp"], capsys)
+    assert time.monotonic() - t0 < 5
+    assert "RANK=0, WORLD_SIZE=2, MASTER_ADDR=127.0.0.1, MASTER_PORT=29500" in err and "torchrun" in err, err
+
+
+@pytest.mark.parametrize("name,value,says", [("WORLD_SIZE", "abc", "WORLD_SIZE='abc' is not an integer"),
+                                             ("JAX_PROCESS_ID", "x", "JAX_PROCESS_ID='x'"),
+                                             ("WORLD_SIZE", "0", "WORLD_SIZE='0' is out of range")])
+def test_a_bad_environment_variable_is_named(clean_env, capsys, name, value, says):
+    clean_env.setenv(name, value)
+    clean_env.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert says in _one_line_exit_2(["--patterns", "dp"], capsys)
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan"])
+def test_a_timeout_not_positive_is_refused(value, capsys):
+    assert f"--timeout {value}" in _one_line_exit_2(["--timeout", value, "--patterns", "dp"], capsys)
