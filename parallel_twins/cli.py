@@ -307,6 +307,16 @@ def _product(layout) -> int:
 
 
 def main(argv=None) -> int:
+    """compare.py's entry: Ctrl-C anywhere is one line and exit 130 (during the runs, the rows
+    that finished are still written to --json / --markdown first)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("compare.py: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return 130
+
+
+def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         from parallel_twins.bench import bench_main
@@ -360,32 +370,37 @@ def main(argv=None) -> int:
         print(f"compare.py: error: {exc}", file=sys.stderr)
         return 2
     from parallel_twins import report
-    from parallel_twins.runs import collect, planned_runs
+    from parallel_twins.runs import Interrupted, collect, planned_runs
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
     console = report.make_console(quiet=not rank0)
     t0 = time.perf_counter()
-    if args.quiet or not rank0 or not console.is_terminal:  # progress on a terminal only
-        rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, None, args.timeout,
-                                          checkpoint=plan, styles=args.styles)
-    else:
-        from rich.live import Live
+    interrupted = None
+    try:
+        if args.quiet or not rank0 or not console.is_terminal:  # progress on a terminal only
+            rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, None, args.timeout,
+                                              checkpoint=plan, styles=args.styles)
+        else:
+            from rich.live import Live
 
-        progress = report.Progress(planned_runs(cfgs, args.patterns, args.frameworks, args.styles))
-        with Live(progress, console=console, refresh_per_second=4, transient=True):
-            rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, progress.event,
-                                              args.timeout, checkpoint=plan, styles=args.styles)
+            progress = report.Progress(planned_runs(cfgs, args.patterns, args.frameworks, args.styles))
+            with Live(progress, console=console, refresh_per_second=4, transient=True):
+                rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device,
+                                                  progress.event, args.timeout, checkpoint=plan, styles=args.styles)
+    except Interrupted as stop:  # Ctrl-C: what finished is written below, then one line, exit 130
+        (rows, xfw, errors, refs), interrupted = stop.results, stop.during
     elapsed = time.perf_counter() - t0
-    ok = report.all_ok(rows, xfw, errors)
+    ok = report.all_ok(rows, xfw, errors) and interrupted is None
     if not rank0:
-        return 0 if ok else 1
+        return 130 if interrupted else 0 if ok else 1
     from shared.provenance import process_layout, provenance, provenance_markdown, stamp
 
     block = provenance(["compare.py", *argv], world_size=cfg.world_size, layout=process_layout(
         args.frameworks, cfg.world_size, args.device, [c.mesh_name for c in cfgs if c.mesh]))
     data = stamp({"config": vars(cfg), "configs": {run_key(c): vars(c) for c in cfgs},
                   "runs": [r.to_json() for r in rows], "cross_framework": xfw,
-                  "errors": errors, "ok": ok, "seconds": elapsed}, block)
+                  "errors": errors, "ok": ok, "seconds": elapsed,
+                  **({"interrupted": interrupted} if interrupted else {})}, block)
     try:  # the results first: nothing printed or drawn below can lose them
         if args.json:
             report.write_json(args.json, data)
@@ -396,6 +411,11 @@ def main(argv=None) -> int:
         late_failure = True
     else:
         late_failure = False
+    if interrupted:
+        saved = [p for p in (args.json, args.markdown) if p and p != "-"]
+        print(f"compare.py: interrupted (Ctrl-C) during the {interrupted} runs; {len(rows)} finished rows"
+              + (f" written to {', '.join(saved)}" if saved else " (none saved: no --json)"), file=sys.stderr, flush=True)
+        return 130
 
     if args.show_collectives:
         from parallel_twins import report_collectives as shown

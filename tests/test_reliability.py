@@ -115,3 +115,120 @@ def test_a_bad_environment_variable_is_named(clean_env, capsys, name, value, say
 @pytest.mark.parametrize("value", ["-1", "0", "nan"])
 def test_a_timeout_not_positive_is_refused(value, capsys):
     assert f"--timeout {value}" in _one_line_exit_2(["--timeout", value, "--patterns", "dp"], capsys)
+
+
+# --- data-parallel wrappers refuse uneven batches; library misuse is one line (one 2-rank launch) ---
+
+def _misuse_on_2_ranks(ctx):
+    """Every check below on one launch of 2 gloo ranks; returns {case: message or result}."""
+    import torch
+    import torch.nn as nn
+
+    from torch_impl.parallel import tp
+    from torch_impl.parallel.dp import BucketedDDP
+    from torch_impl.parallel.fsdp import FSDP
+
+    def refusal(fn):
+        try:
+            fn()
+        except (ValueError, tp.PlanError) as exc:
+            return str(exc)
+        return None
+
+    torch.manual_seed(0)
+    out = {}
+    rows = 3 if ctx.rank == 0 else 2  # 5 rows over 2 ranks: the issue's case
+    x = torch.randn(rows, 8, dtype=torch.float64)
+    ddp = BucketedDDP(nn.Linear(8, 8, dtype=torch.float64))
+    out["ddp uneven"] = refusal(lambda: ddp(x))
+    even = torch.randn(2, 8, dtype=torch.float64)
+    with ctx.ledger.recording():  # the check's all-reduce is not the model's communication
+        ddp(even).sum().backward()
+        ddp.finish_gradient_synchronization()
+    out["ddp even comm"] = ctx.ledger.summary()
+    fsdp = FSDP(nn.Sequential(nn.Linear(8, 8, dtype=torch.float64)))
+    out["fsdp uneven"] = refusal(lambda: fsdp(x))
+    out["fsdp twice"] = refusal(lambda: FSDP(fsdp))
+    model = nn.Sequential(nn.Linear(8, 8, dtype=torch.float64), nn.Linear(8, 8, dtype=torch.float64))
+    plan = {"0": "colwise", "1": "rowwise"}
+    tp.apply_plan(model, plan, ctx.group)
+    out["plan twice"] = refusal(lambda: tp.apply_plan(model, plan, ctx.group))
+    return out
+
+
+@pytest.fixture(scope="module")
+def misuse():
+    from torch_impl.launch import launch
+
+    return launch(_misuse_on_2_ranks, 2, timeout_s=120)
+
+
+def test_bucketed_ddp_and_fsdp_refuse_uneven_local_batches(misuse):
+    """BucketedDDP used to train 3 + 2 rows without a word, 5.9e-2 from single-device training.
+    Both ranks raise (no rank left waiting in a collective), each naming its own rows."""
+    for who in ("ddp", "fsdp"):
+        for rank, r in enumerate(misuse):
+            msg = r[f"{who} uneven"]
+            assert msg is not None and "local batches differ (2 to 3 rows" in msg and "Fix:" in msg, msg
+            assert f"this rank has {3 - rank}" in msg, msg
+    # an even batch: only the gradient's all-reduce is counted (8·8 + 8 float64 in one bucket)
+    assert misuse[0]["ddp even comm"]["all_reduce"] == {"count": 1, "bytes": 72 * 8}, misuse[0]["ddp even comm"]
+
+
+def test_local_batch_refuses_rows_that_do_not_split():
+    import torch
+
+    from torch_impl.parallel.dp import local_batch
+
+    with pytest.raises(ValueError, match="5 rows do not split evenly over 2 ranks"):
+        local_batch(torch.zeros(5, 3), 0, 2)
+    assert local_batch(torch.arange(6), 1, 2).tolist() == [3, 4, 5]
+
+
+def test_fsdp_twice_and_apply_plan_twice_are_refused_in_one_line(misuse):
+    assert "already wrapped by FSDP" in misuse[0]["fsdp twice"], misuse[0]
+    assert "already planned" in misuse[0]["plan twice"], misuse[0]
+    assert all("\n" not in r[k] for r in misuse for k in ("fsdp twice", "plan twice"))
+
+
+# --- Ctrl-C: one line, exit 130, the finished rows kept ----------------------------------------------
+
+def _fake_torch_collectives(cfgs, patterns, *a, **k):
+    """What run_torch returns for --patterns collectives on 2 ranks (no launch): per rank, its checks."""
+    check = {"variant": "all_reduce", "ok": True, "comm": {"all_reduce": {"count": 1, "bytes": 64}},
+             "max_abs_err": 0.0, "expected_bytes": 64}
+    return [{"collectives": [dict(check)]} for _ in range(cfgs[0].world_size)]
+
+
+@pytest.mark.parametrize("during", ["jax", "torch"])
+def test_ctrl_c_is_one_line_exit_130_and_keeps_the_finished_rows(during, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the JAX phase used to lose the torch rows and print a 32-line traceback."""
+    import json
+
+    from parallel_twins import runs
+    from shared.schema import check as check_schema
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runs, "run_torch", interrupt if during == "torch" else _fake_torch_collectives)
+    monkeypatch.setattr(runs, "run_jax", interrupt)
+    out = tmp_path / "out.json"
+    rc = compare.main(["--frameworks", "torch,jax", "--patterns", "collectives", "--world-size", "2",
+                       "--quiet", "--json", str(out)])
+    assert rc == 130
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and f"interrupted (Ctrl-C) during the {during} runs" in err, err
+    data = json.loads(out.read_text())
+    assert check_schema(data) == []
+    assert data["interrupted"] == during and data["ok"] is False
+    assert [(r["framework"], r["variant"]) for r in data["runs"]] == ([("torch", "all_reduce")] if during == "jax" else [])
+
+
+def test_ctrl_c_before_the_runs_is_one_line(monkeypatch, capsys):
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compare, "make_configs", interrupt)
+    assert compare.main(["--patterns", "dp"]) == 130
+    assert capsys.readouterr().err.strip() == "compare.py: interrupted (Ctrl-C)"
