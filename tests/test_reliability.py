@@ -232,3 +232,29 @@ def test_ctrl_c_before_the_runs_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(compare, "make_configs", interrupt)
     assert compare.main(["--patterns", "dp"]) == 130
     assert capsys.readouterr().err.strip() == "compare.py: interrupted (Ctrl-C)"
+
+
+# --- JAX: parallelize leaves the user's model usable ----------------------------------------------
+
+def test_jax_parallelize_does_not_consume_the_models_arrays():
+    """The step donates its params: it used to donate the model's own arrays, so after one step the
+    model and a second parallelize failed with "Array has been deleted"."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from jax_impl.parallel.fsdp import parallelize
+
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    before = np.asarray(model.kernel[...]).copy()
+    mesh = jax.make_mesh((2,), ("dp",), devices=jax.devices()[:2])
+    loss = lambda m, x, y: jnp.mean((m(x) - y) ** 2)  # noqa: E731
+    x = jnp.ones((4, 4))
+    trainer = parallelize(model, loss, optax.adamw(1e-2), mesh, "dp", "shard_map")
+    trainer.train_step(x, 2 * x)
+    np.testing.assert_array_equal(np.asarray(model.kernel[...]), before)  # still there, not trained
+    assert not np.array_equal(np.asarray(trainer.module().kernel[...]), before)  # the trainer's copy trained
+    again = parallelize(model, loss, optax.adamw(1e-2), mesh, "dp", "shard_map")
+    assert np.isfinite(again.train_step(x, 2 * x))

@@ -135,7 +135,7 @@ class Trainer:
         self.unit_calls: dict[str, tuple[int, int]] | None = None  # zero3 shard_map, traced: (calls, re-gathers)
         self._loss, self._tx = loss, tx
         self.infos = theory.describe(params, self.sharded, self.units)
-        place = lambda specs, tree: {k: jax.device_put(a, NamedSharding(mesh, specs[k])) for k, a in tree.items()}
+        place = lambda specs, tree: {k: jax.device_put(jnp.copy(a), NamedSharding(mesh, specs[k])) for k, a in tree.items()}
         self.param_specs = {k: P(axis) if variant == "zero3" and k in self.sharded else P() for k in params}
         params = place(self.param_specs, params)
         self._build(params)
@@ -335,7 +335,10 @@ class FromApply(nnx.Module):
 
 def parallelize(model: nnx.Module, loss: Callable, tx: optax.GradientTransformation, mesh, variant: str = "dp",
                 style: str = "shard_map", axis: str = "dp", units: Sequence[str] | None = None) -> Trainer:
-    """A ZeRO ``variant`` of ``model`` over ``mesh``'s ``axis`` in ``style``; see the module docstring."""
+    """A ZeRO ``variant`` of ``model`` over ``mesh``'s ``axis`` in ``style``; see the module docstring.
+    The trainer trains a COPY of the model's arrays (its jitted step donates them): ``model`` stays
+    usable, with its initial weights, and can be parallelized again; ``trainer.module()`` is the
+    trained model. The copy costs one model's parameters of memory while the trainer is built."""
     if variant not in VARIANTS or style not in STYLES:
         raise WrapError(f"unknown variant/style {variant}/{style}: choose a variant from {VARIANTS}, "
                         f"a style from {STYLES}")

@@ -292,7 +292,7 @@ class Trainer:
                 a = jnp.pad(a, [(0, -a.shape[d] % self.n if i == d else 0) for i in range(a.ndim)])
             if s == "colwise_heads":
                 a = a[..., heads_perm(a.shape[-1], self.n)]  # device r: [q_r|k_r|v_r]
-            params[k] = jax.device_put(a, NamedSharding(mesh, self.specs[k]))
+            params[k] = jax.device_put(jnp.copy(a), NamedSharding(mesh, self.specs[k]))  # a copy: the step donates it
         opt_state = jax.jit(tx.init)(params)
         self.state = (params, opt_state)
         shard = {k: NamedSharding(mesh, s) for k, s in self.specs.items()}
