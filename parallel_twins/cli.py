@@ -294,6 +294,13 @@ def make_configs(args):
     return [c for c in cfgs if not c.mesh or c.applies("mesh")]  # the mesh runs the transformer only
 
 
+def _preempted(errors) -> bool:
+    """SIGTERM reached this process, or a rank stopped on one (its Preempted in the errors)."""
+    from shared import preempt
+
+    return preempt.requested() or any("Preempted: preempted (SIGTERM)" in e for e in errors)
+
+
 def default_experts(world: int) -> int:
     """ep's E when --experts is not given: the smallest multiple of the world size that is >= 4
     (ep = world size needs E % N == 0; 4 experts on 1, 2 or 4 ranks, 8 on 8)."""
@@ -377,6 +384,10 @@ def _main(argv=None) -> int:
     console = report.make_console(quiet=not rank0)
     t0 = time.perf_counter()
     interrupted = None
+    if plan is not None:  # SIGTERM: every run finishes its step and saves it, then exit 143 (shared/preempt.py)
+        from shared import preempt
+
+        preempt.install()
     try:
         if args.quiet or not rank0 or not console.is_terminal:  # progress on a terminal only
             rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, None, args.timeout,
@@ -391,7 +402,10 @@ def _main(argv=None) -> int:
     except Interrupted as stop:  # Ctrl-C: what finished is written below, then one line, exit 130
         (rows, xfw, errors, refs), interrupted = stop.results, stop.during
     elapsed = time.perf_counter() - t0
-    ok = report.all_ok(rows, xfw, errors) and interrupted is None
+    preempted = plan is not None and _preempted(errors)
+    ok = report.all_ok(rows, xfw, errors) and interrupted is None and not preempted
+    if preempted and not rank0:
+        return 143
     if not rank0:
         return 130 if interrupted else 0 if ok else 1
     from shared.provenance import process_layout, provenance, provenance_markdown, stamp
@@ -412,6 +426,11 @@ def _main(argv=None) -> int:
         late_failure = True
     else:
         late_failure = False
+    if preempted:
+        print(f"compare.py: stopped by SIGTERM: each run saved the step it finished under {args.checkpoint_dir}; "
+              f"{len(rows)} finished rows{' written to ' + args.json if args.json and args.json != '-' else ''}; "
+              "continue with --resume", file=sys.stderr, flush=True)
+        return 143
     if interrupted:
         saved = [p for p in (args.json, args.markdown) if p and p != "-"]
         print(f"compare.py: interrupted (Ctrl-C) during the {interrupted} runs; {len(rows)} finished rows"

@@ -134,7 +134,12 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
 
     raw, errors, cfg, interrupted = {}, [], cfgs[0], None
     models_of = {p: [run_key(c) for c in cfgs_for(cfgs, p)] for p in patterns}  # cp, mesh: the transformer only
+    from shared import preempt
+
     for fw in frameworks:
+        if preempt.requested():  # SIGTERM (with --checkpoint-dir): the runs in flight saved and stopped
+            errors.append(f"{fw}: not run (SIGTERM)")
+            break
         report = (lambda event, fw=fw: progress(fw, event)) if progress else None
         if report:
             report(("framework", fw))
@@ -159,6 +164,8 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
             errors.append(f"{fw}: {type(exc).__name__}: {exc}")
             if os.environ.get("PARALLEL_TWINS_DEBUG"):
                 traceback.print_exc()
+            if "preempted (SIGTERM)" in str(exc):  # a rank stopped on SIGTERM: so does the rest
+                break
     rows, xfw, refs = [], [], {}
     for pattern in patterns:
         if pattern == "collectives":  # model-independent

@@ -258,3 +258,82 @@ def test_jax_parallelize_does_not_consume_the_models_arrays():
     assert not np.array_equal(np.asarray(trainer.module().kernel[...]), before)  # the trainer's copy trained
     again = parallelize(model, loss, optax.adamw(1e-2), mesh, "dp", "shard_map")
     assert np.isfinite(again.train_step(x, 2 * x))
+
+
+# --- SIGTERM with --checkpoint-dir: finish the step, save it, exit 143; --resume continues bitwise ---
+
+def _run_json(argv, path):
+    import json
+
+    rc = compare.main([*argv, "--quiet", "--json", str(path)])
+    return rc, json.loads(path.read_text())
+
+
+def test_sigterm_saves_the_step_and_resume_continues_bitwise(tmp_path, monkeypatch, capsys):
+    """JAX in this process (no launch): SIGTERM after step 2 of 4 saves step 2 (not on the
+    --checkpoint-every schedule), exits 143 with one line; --resume runs steps 2-3 and their
+    losses equal an uninterrupted run's bit for bit (same program, same state)."""
+    from shared import preempt
+    from shared.checkpoint import FAULT_ENV
+
+    argv = ["--frameworks", "jax", "--patterns", "dp", "--model", "mlp", "--world-size", "2", "--steps", "4",
+            "--styles", "shard_map", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "100"]
+    try:
+        monkeypatch.setenv(FAULT_ENV, "step=2,signal=TERM")  # this process SIGTERMs itself after step 2
+        rc, stopped = _run_json(argv, tmp_path / "a.json")
+    finally:
+        preempt.reset()  # the default SIGTERM handler again, for the rest of the test session
+    monkeypatch.delenv(FAULT_ENV)
+    assert rc == 143
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "stopped by SIGTERM" in err and "--resume" in err, err
+    assert stopped["ok"] is False and any("preempted (SIGTERM)" in e for e in stopped["errors"])
+    saved = sorted(p.name for p in (tmp_path / "ck").glob("*/step_*"))
+    assert saved == ["step_000002"], saved  # the run in flight, at the step it finished
+    try:
+        rc, resumed = _run_json([*argv, "--resume"], tmp_path / "b.json")
+    finally:
+        preempt.reset()
+    assert rc == 0, resumed["errors"]
+    rc, whole = _run_json(argv[:-4], tmp_path / "c.json")  # no checkpoints: steps 0-3 in one go
+    assert rc == 0
+    key = lambda r: (r["style"], r["variant"])  # noqa: E731
+    first = {key(r): r for r in resumed["runs"] if r.get("start_step") == 2}
+    assert first, [(key(r), r.get("start_step")) for r in resumed["runs"]]
+    for r in whole["runs"]:
+        if key(r) in first:
+            assert first[key(r)]["losses"] == r["losses"][2:]  # bitwise: the same steps from the same state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["step=2,signal=TERM,rank=1", "step=2,signal=TERM,target=parent"])
+def test_sigterm_on_torch_ranks_saves_and_resumes_bitwise(fault, tmp_path, monkeypatch, capsys):
+    """torch, 2 ranks: SIGTERM on rank 1 only (the ranks agree by an all-reduce of the flag), or on
+    the launching process (which passes it to every rank): both ranks finish step 2, save it, stop;
+    exit 143; --resume continues to step 4 bit for bit against an uninterrupted run."""
+    from shared import preempt
+    from shared.checkpoint import FAULT_ENV
+
+    argv = ["--frameworks", "torch", "--patterns", "dp", "--model", "mlp", "--world-size", "2", "--steps", "4",
+            "--styles", "explicit", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "100"]
+    try:
+        monkeypatch.setenv(FAULT_ENV, fault)
+        rc, _ = _run_json(argv, tmp_path / "a.json")
+    finally:
+        preempt.reset()
+    monkeypatch.delenv(FAULT_ENV)
+    assert rc == 143
+    assert "stopped by SIGTERM" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "ck").glob("*/step_*")) == ["step_000002"]
+    try:
+        rc, resumed = _run_json([*argv, "--resume"], tmp_path / "b.json")
+    finally:
+        preempt.reset()
+    assert rc == 0, resumed["errors"]
+    rc, whole = _run_json(argv[:-4], tmp_path / "c.json")
+    assert rc == 0
+    first = {r["variant"]: r for r in resumed["runs"] if r.get("start_step") == 2}
+    assert len(first) == 1, first
+    for r in whole["runs"]:
+        if r["variant"] in first:
+            assert first[r["variant"]]["losses"] == r["losses"][2:]
