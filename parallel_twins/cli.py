@@ -435,7 +435,8 @@ def _main(argv=None) -> int:
     if interrupted:
         saved = [p for p in (args.json, args.markdown) if p and p != "-"]
         print(f"compare.py: interrupted (Ctrl-C) during the {interrupted} runs; {len(rows)} finished rows"
-              + (f" written to {', '.join(saved)}" if saved else " (none saved: no --json)"), file=sys.stderr, flush=True)
+              + (f" written to {', '.join(saved)}" if saved else " (none saved: no --json)"),
+              file=sys.stderr, flush=True)
         return 130
 
     if args.show_collectives:

@@ -135,7 +135,8 @@ class Trainer:
         self.unit_calls: dict[str, tuple[int, int]] | None = None  # zero3 shard_map, traced: (calls, re-gathers)
         self._loss, self._tx = loss, tx
         self.infos = theory.describe(params, self.sharded, self.units)
-        place = lambda specs, tree: {k: jax.device_put(jnp.copy(a), NamedSharding(mesh, specs[k])) for k, a in tree.items()}
+        place = lambda specs, tree: {k: jax.device_put(jnp.copy(a), NamedSharding(mesh, specs[k]))  # a copy:
+                                     for k, a in tree.items()}  # the step donates it, the model keeps its own
         self.param_specs = {k: P(axis) if variant == "zero3" and k in self.sharded else P() for k in params}
         params = place(self.param_specs, params)
         self._build(params)
