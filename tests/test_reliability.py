@@ -77,6 +77,7 @@ def test_the_estimate_counts_processes_and_the_flag_overrides(monkeypatch):
     # --no-resource-check: the check is not called at all
     seen = []
     monkeypatch.setattr(preflight, "check_resources", lambda *a, **k: seen.append(a))
+    monkeypatch.setattr(compare, "simulate_host_devices", lambda n: None)  # not 100000 devices for a later JAX
     assert compare.main(["--world-size", "100000", "--patterns", "collectives", "--no-resource-check",
                          "--frameworks", "torch", "--device", "gpu"]) == 2  # stopped by the GPU check, not by us
     assert seen == []
