@@ -37,6 +37,7 @@ from jax_impl.devices import where as devices_where
 from jax_impl.ledger import comm_by_axis, comm_from_hlo
 from jax_impl.model import to_numpy, tree_bytes
 from jax_impl.parallel.tree import fetch
+from shared import preempt
 from shared.checkpoint import Plan
 from shared.config import Config
 from shared.problem import make_problem
@@ -99,6 +100,16 @@ def trainer_setup(trainer, batch: tuple) -> Setup:
                  moments=moments)
 
 
+def _preempted() -> bool:
+    """Whether SIGTERM came (shared/preempt.py); with several processes, whether it came to any
+    (a process_allgather of the flag, so all stop after the same step)."""
+    if jax.process_count() == 1:
+        return preempt.requested()
+    from jax.experimental import multihost_utils
+
+    return bool(np.max(multihost_utils.process_allgather(np.int32(preempt.requested()))))
+
+
 def train_loop(cfg: Config, setup: Setup) -> Trained:
     s, start = checkpoints.current(), 0  # no session (no --checkpoint-dir): nothing below changes
     if s is not None and s.probe:  # the pattern's layout of a moment (jax_impl/checkpoint.py), nothing run
@@ -128,6 +139,10 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
             checkpoints.fault("step", k + 1, jax.process_index())
             if s.plan.due(k + 1):
                 checkpoints.save(cfg, setup, tuple(state), k + 1, s)
+            if (s.plan.every or s.plan.save_at) and _preempted():  # SIGTERM: stop after this step, saved
+                if not s.plan.due(k + 1):
+                    checkpoints.save(cfg, setup, tuple(state), k + 1, s)
+                raise preempt.Preempted(k + 1)
     state = tuple(state)
     state_bytes = setup.state_bytes(state) if setup.state_bytes else {
         "params": tree_bytes(state[0], per_device=True), "grads": tree_bytes(state[0], per_device=True),

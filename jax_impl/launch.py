@@ -141,10 +141,19 @@ def _why(procs, work: str, first: int) -> str:
     return f"process {first} died with {how}; its last output:\n{tail}"
 
 
-def _stop(procs) -> None:
+def _stop(procs, grace_s: float = 0.0) -> None:
+    """End every process still running: SIGTERM and ``grace_s`` to go (a script's own handlers
+    run), then SIGKILL (a process blocked in a gloo collective ignores nothing else quickly)."""
+    if grace_s > 0:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        end = time.monotonic() + grace_s
+        while time.monotonic() < end and any(p.poll() is None for p in procs):
+            time.sleep(0.05)
     for p in procs:
         if p.poll() is None:
-            p.kill()  # SIGKILL: a process blocked in a gloo collective ignores nothing else quickly
+            p.kill()
     for p in procs:
         p.wait(timeout=10)
 
@@ -154,28 +163,42 @@ _RUN_SCRIPT = ("import os, runpy, sys; from jax_impl.launch import _die_with_par
                "runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
-def run_command(argv: list[str], processes: int, devices_per_process: int, timeout_s: float) -> int:
+def run_command(argv: list[str], processes: int, devices_per_process: int, timeout_s: float,
+                grace_s: float = 2.0) -> int:
     """``python -m jax_impl.launch -n N -d K script.py ARGS…``: N copies of a Python script on this
     machine, each with K CPU devices and the environment a multi-node launch gives one process per
     node. Process 0's output is this command's; the others' stdout is dropped (their stderr shows).
-    Exit status: the first non-zero one (the rest are killed 5 s later), else 0; 124 on timeout."""
+
+    Every process is watched (each poll reads every exit status, not process 0's first): when one
+    ends non-zero, the others get SIGTERM, then SIGKILL ``grace_s`` later, and one line on stderr
+    names the process and its status. Exit status: that process's (128 + signal for a signal), else
+    0; 124 on timeout."""
     coordinator, procs = f"127.0.0.1:{free_port()}", []
     try:
         for i in range(processes):
             procs.append(subprocess.Popen([sys.executable, "-c", _RUN_SCRIPT, *argv], stdin=subprocess.DEVNULL,
                                           stdout=None if i == 0 else subprocess.DEVNULL,
                                           env=child_env(i, processes, devices_per_process, coordinator)))
-        deadline, failed_at = time.monotonic() + timeout_s, None
-        while any(p.poll() is None for p in procs):
-            bad = [p.returncode for p in procs if p.returncode not in (None, 0)]
-            failed_at = failed_at or (time.monotonic() if bad else None)
-            if time.monotonic() > deadline or (failed_at and time.monotonic() > failed_at + 5.0):
-                break
+        deadline = time.monotonic() + timeout_s
+        while True:
+            codes = [p.poll() for p in procs]  # every one, every time
+            failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
+            if failed is not None:
+                code = codes[failed]
+                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+                others = [i for i, c in enumerate(codes) if c is None]
+                _stop(procs, grace_s)
+                print(f"jax_impl.launch: process {failed} of {processes} ended with {how}"
+                      + (f"; stopped processes {others}" if others else ""), file=sys.stderr, flush=True)
+                return code if code > 0 else 128 - code
+            if all(c == 0 for c in codes):
+                return 0
+            if time.monotonic() > deadline:
+                running = [i for i, c in enumerate(codes) if c is None]
+                print(f"jax_impl.launch: timed out after {timeout_s:.0f}s; stopped processes {running}",
+                      file=sys.stderr, flush=True)
+                return 124
             time.sleep(0.05)
-        codes = [p.poll() for p in procs]
-        if any(c is None for c in codes) and not any(c not in (None, 0) for c in codes):
-            return 124  # timed out
-        return next((c if c > 0 else 128 - c for c in codes if c not in (None, 0)), 0)
     finally:
         _stop(procs)
 

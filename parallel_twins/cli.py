@@ -78,8 +78,10 @@ SUBCOMMANDS = """subcommands (each has its own --help):
                      memory, step-time ratios (docs/regression.md)
 
 exit status: 0 every run agrees with its reference (and across frameworks); 1 a parity check or a run
-failed; 2 bad arguments, config or output path (one line, before any process starts); 3 the runs
-finished (table printed, --json written) but a later output could not be written."""
+failed; 2 bad arguments, config, output path, environment or resources (one line, before any process
+starts); 3 the runs finished (table printed, --json written) but a later output could not be written;
+130 Ctrl-C (one line; the rows that finished are written to --json first); 143 SIGTERM with
+--checkpoint-dir (every run saved the step it finished: continue with --resume)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bucket size of the bucketed DP variant")
     add_device(p)
     p.add_argument("--timeout", type=float, default=900.0, metavar="S", help="seconds before a torch launch is ended")
+    p.add_argument("--no-resource-check", action="store_true",
+                   help="start even when --world-size exceeds max(32, 4 × cores) or the memory estimate exceeds "
+                        "the available memory (parallel_twins/preflight.py) (default: refuse)")
     add_json(p, "every run (all columns and more)")
     p.add_argument("--markdown", metavar="PATH",
                    help="write the table, every column, here as Markdown ('-': standard output) (default: none)")
@@ -293,6 +298,13 @@ def make_configs(args):
     return [c for c in cfgs if not c.mesh or c.applies("mesh")]  # the mesh runs the transformer only
 
 
+def _preempted(errors) -> bool:
+    """SIGTERM reached this process, or a rank stopped on one (its Preempted in the errors)."""
+    from shared import preempt
+
+    return preempt.requested() or any("Preempted: preempted (SIGTERM)" in e for e in errors)
+
+
 def default_experts(world: int) -> int:
     """ep's E when --experts is not given: the smallest multiple of the world size that is >= 4
     (ep = world size needs E % N == 0; 4 experts on 1, 2 or 4 ranks, 8 on 8)."""
@@ -307,6 +319,16 @@ def _product(layout) -> int:
 
 
 def main(argv=None) -> int:
+    """compare.py's entry: Ctrl-C anywhere is one line and exit 130 (during the runs, the rows
+    that finished are still written to --json / --markdown first)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("compare.py: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return 130
+
+
+def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         from parallel_twins.bench import bench_main
@@ -330,6 +352,11 @@ def main(argv=None) -> int:
         return diff_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
+        from parallel_twins.preflight import check_environment, check_resources
+
+        check_environment(os.environ)  # a stale RANK/WORLD_SIZE/MASTER_* export, WORLD_SIZE=abc
+        if not args.timeout > 0:
+            raise ValueError(f"--timeout {args.timeout:g}: a number of seconds > 0")
         check_output_path("--json", args.json)
         check_output_path("--markdown", args.markdown)
         check_output_path("--plots", args.plots, directory=True)
@@ -338,6 +365,9 @@ def main(argv=None) -> int:
         baseline = load_results(args.baseline) if args.baseline else None  # a bad file: one line, exit 2
         cfgs = make_configs(args)
         cfg = cfgs[0]
+        if not args.no_resource_check:  # before any rank, process or device exists
+            launched = "RANK" in os.environ or "JAX_NUM_PROCESSES" in os.environ  # this process is one of many
+            check_resources(cfgs, args.frameworks, under_torchrun=launched)
         # --- multi-process JAX (one process per node, or jax_impl/launch.py): join before JAX starts ---
         if all(os.environ.get(k) for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")):
             cfgs = join_jax_processes(args, cfgs)
@@ -352,32 +382,44 @@ def main(argv=None) -> int:
         print(f"compare.py: error: {exc}", file=sys.stderr)
         return 2
     from parallel_twins import report
-    from parallel_twins.runs import collect, planned_runs
+    from parallel_twins.runs import Interrupted, collect, planned_runs
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
     console = report.make_console(quiet=not rank0)
     t0 = time.perf_counter()
-    if args.quiet or not rank0 or not console.is_terminal:  # progress on a terminal only
-        rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, None, args.timeout,
-                                          checkpoint=plan, styles=args.styles)
-    else:
-        from rich.live import Live
+    interrupted = None
+    if plan is not None:  # SIGTERM: every run finishes its step and saves it, then exit 143 (shared/preempt.py)
+        from shared import preempt
 
-        progress = report.Progress(planned_runs(cfgs, args.patterns, args.frameworks, args.styles))
-        with Live(progress, console=console, refresh_per_second=4, transient=True):
-            rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, progress.event,
-                                              args.timeout, checkpoint=plan, styles=args.styles)
+        preempt.install()
+    try:
+        if args.quiet or not rank0 or not console.is_terminal:  # progress on a terminal only
+            rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, None, args.timeout,
+                                              checkpoint=plan, styles=args.styles)
+        else:
+            from rich.live import Live
+
+            progress = report.Progress(planned_runs(cfgs, args.patterns, args.frameworks, args.styles))
+            with Live(progress, console=console, refresh_per_second=4, transient=True):
+                rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device,
+                                                  progress.event, args.timeout, checkpoint=plan, styles=args.styles)
+    except Interrupted as stop:  # Ctrl-C: what finished is written below, then one line, exit 130
+        (rows, xfw, errors, refs), interrupted = stop.results, stop.during
     elapsed = time.perf_counter() - t0
-    ok = report.all_ok(rows, xfw, errors)
+    preempted = plan is not None and _preempted(errors)
+    ok = report.all_ok(rows, xfw, errors) and interrupted is None and not preempted
+    if preempted and not rank0:
+        return 143
     if not rank0:
-        return 0 if ok else 1
+        return 130 if interrupted else 0 if ok else 1
     from shared.provenance import process_layout, provenance, provenance_markdown, stamp
 
     block = provenance(["compare.py", *argv], world_size=cfg.world_size, layout=process_layout(
         args.frameworks, cfg.world_size, args.device, [c.mesh_name for c in cfgs if c.mesh]))
     data = stamp({"config": vars(cfg), "configs": {run_key(c): vars(c) for c in cfgs},
                   "runs": [r.to_json() for r in rows], "cross_framework": xfw,
-                  "errors": errors, "ok": ok, "seconds": elapsed}, block)
+                  "errors": errors, "ok": ok, "seconds": elapsed,
+                  **({"interrupted": interrupted} if interrupted else {})}, block)
     try:  # the results first: nothing printed or drawn below can lose them
         if args.json:
             report.write_json(args.json, data)
@@ -388,6 +430,17 @@ def main(argv=None) -> int:
         late_failure = True
     else:
         late_failure = False
+    if preempted:
+        print(f"compare.py: stopped by SIGTERM: each run saved the step it finished under {args.checkpoint_dir}; "
+              f"{len(rows)} finished rows{' written to ' + args.json if args.json and args.json != '-' else ''}; "
+              "continue with --resume", file=sys.stderr, flush=True)
+        return 143
+    if interrupted:
+        saved = [p for p in (args.json, args.markdown) if p and p != "-"]
+        print(f"compare.py: interrupted (Ctrl-C) during the {interrupted} runs; {len(rows)} finished rows"
+              + (f" written to {', '.join(saved)}" if saved else " (none saved: no --json)"),
+              file=sys.stderr, flush=True)
+        return 130
 
     if args.show_collectives:
         from parallel_twins import report_collectives as shown

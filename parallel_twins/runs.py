@@ -62,13 +62,25 @@ def run_torch(cfgs, patterns, device, timeout_s, progress=None, checkpoint=None,
                   progress=progress)
 
 
-def run_jax(cfgs, patterns, device, progress=None, checkpoint=None, styles=None):
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during ``collect``: ``results`` = (rows, xfw, errors, refs) of every pattern that
+    finished (a framework's whole torch launch, JAX's patterns one by one); ``during`` = the
+    framework that was running."""
+
+    def __init__(self, results, during: str):
+        super().__init__(during)
+        self.results, self.during = results, during
+
+
+def run_jax(cfgs, patterns, device, progress=None, checkpoint=None, styles=None, out=None):
+    """{pattern: the harness's entries}; ``out``: the dict filled as each pattern finishes (what
+    a Ctrl-C keeps)."""
     from jax_impl import harness
     from jax_impl.devices import make_mesh
     from shared.collectives import NAMES
 
     progress = progress or (lambda event: None)
-    out = {}
+    out = {} if out is None else out
     for pattern in patterns:
         if pattern == "collectives":
             from jax_impl import collectives
@@ -117,13 +129,19 @@ def pattern_rows(pattern, framework, entry, other_ref):
 def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, checkpoint=None, styles=None):
     """Run everything; returns (rows, cross-framework reference comparisons, errors,
     {(pattern, model, framework): reference losses}). ``progress(framework, event)`` hears each
-    framework start and each run start and finish."""
+    framework start and each run start and finish. Ctrl-C: ``Interrupted`` carrying the rows of
+    what finished."""
     from shared.results import cross_framework_ok, parity, routing_mismatch, within_floor
     from shared.tolerances import MIXED_CROSS_FRAMEWORK_FACTOR, MIXED_FACTOR
 
-    raw, errors, cfg = {}, [], cfgs[0]
+    raw, errors, cfg, interrupted = {}, [], cfgs[0], None
     models_of = {p: [run_key(c) for c in cfgs_for(cfgs, p)] for p in patterns}  # cp, mesh: the transformer only
+    from shared import preempt
+
     for fw in frameworks:
+        if preempt.requested():  # SIGTERM (with --checkpoint-dir): the runs in flight saved and stopped
+            errors.append(f"{fw}: not run (SIGTERM)")
+            break
         report = (lambda event, fw=fw: progress(fw, event)) if progress else None
         if report:
             report(("framework", fw))
@@ -134,27 +152,36 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
                 raw[fw] = {p: ([r[p] for r in per_rank] if p == "collectives"
                                else dict(zip(models_of[p], per_rank[0][p], strict=True))) for p in patterns}
             else:
-                res = run_jax(cfgs, patterns, device, report, checkpoint, styles)
-                raw[fw] = {p: (res[p] if p == "collectives" else dict(zip(models_of[p], res[p], strict=True)))
-                           for p in patterns}
+                res = {}
+                try:
+                    run_jax(cfgs, patterns, device, report, checkpoint, styles, out=res)
+                finally:  # also on Ctrl-C: the patterns that finished
+                    raw[fw] = {p: (res[p] if p == "collectives" else dict(zip(models_of[p], res[p], strict=True)))
+                               for p in patterns if p in res}
+        except KeyboardInterrupt:
+            interrupted = fw
+            errors.append(f"{fw}: interrupted (Ctrl-C)")
+            break
         except Exception as exc:  # noqa: BLE001 - reported as a failed framework, exit 1
             errors.append(f"{fw}: {type(exc).__name__}: {exc}")
             if os.environ.get("PARALLEL_TWINS_DEBUG"):
                 traceback.print_exc()
+            if "preempted (SIGTERM)" in str(exc):  # a rank stopped on SIGTERM: so does the rest
+                break
     rows, xfw, refs = [], [], {}
     for pattern in patterns:
         if pattern == "collectives":  # model-independent
-            for fw in (f for f in frameworks if f in raw):
+            for fw in (f for f in frameworks if pattern in raw.get(f, {})):
                 rows += collective_rows(fw, cfg, raw[fw][pattern] if fw == "torch" else [raw[fw][pattern]])
             continue
         for model in models_of[pattern]:
-            for fw in (f for f in frameworks if f in raw):
+            for fw in (f for f in frameworks if pattern in raw.get(f, {})):
                 data = raw[fw][pattern][model]
                 refs[pattern, model, fw] = list(data["reference"].losses)
-                other = next((o for o in frameworks if o != fw and o in raw), None)
+                other = next((o for o in frameworks if o != fw and pattern in raw.get(o, {})), None)
                 other_ref = raw[other][pattern][model]["reference"] if other else None
                 rows += pattern_rows(pattern, fw, data, other_ref)
-            if all(fw in raw for fw in FRAMEWORKS):
+            if all(pattern in raw.get(fw, {}) for fw in FRAMEWORKS):
                 t_ref, j_ref = raw["torch"][pattern][model]["reference"], raw["jax"][pattern][model]["reference"]
                 errs, routing = parity(t_ref, j_ref), routing_mismatch(t_ref, j_ref)  # MoE: the same routing
                 if cfg.precision == "mixed":  # vs the two references' floors
@@ -165,4 +192,6 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
                 xfw.append({"pattern": pattern, "model": model, "what": "torch reference vs jax reference",
                             **errs, "ok": agree and routing is None,
                             **({"routing_mismatch": routing} if routing else {})})
+    if interrupted:
+        raise Interrupted((rows, xfw, errors, refs), interrupted)
     return rows, xfw, errors, refs

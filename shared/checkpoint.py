@@ -123,7 +123,8 @@ def fault(phase: str, step: int, rank: int = 0) -> None:
     """Fault injection for the kill tests: with PARALLEL_TWINS_FAULT="step=K,phase=step|save[,rank=R]"
     the process (rank R, default 0) kills itself with SIGKILL — phase "step": once K optimizer steps
     are done, before any save of step K; phase "save": in the middle of saving step K (its files
-    written, its manifest not) — as a crash or a lost node would."""
+    written, its manifest not) — as a crash or a lost node would. ``signal=TERM``: SIGTERM instead
+    (preemption: shared/preempt.py); ``target=parent``: sent to the parent (the launcher) instead."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
@@ -131,7 +132,8 @@ def fault(phase: str, step: int, rank: int = 0) -> None:
     if want.get("phase", "step") == phase and int(want["step"]) == step and int(want.get("rank", 0)) == rank:
         import signal
 
-        os.kill(os.getpid(), signal.SIGKILL)
+        target = os.getppid() if want.get("target") == "parent" else os.getpid()  # parent: the launcher
+        os.kill(target, getattr(signal, f"SIG{want.get('signal', 'KILL')}"))  # signal=TERM: preemption
 
 
 @dataclass(frozen=True)

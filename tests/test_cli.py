@@ -110,6 +110,8 @@ def test_gpu_request_without_gpus_exits_2_before_anything_runs(argv, capsys):
 def test_jax_is_refused_under_torchrun(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # torchrun's mark: not a stale environment
     assert compare.main(["--frameworks", "jax", "--patterns", "dp"]) == 2
     assert "under torchrun" in capsys.readouterr().err
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shared import preempt
 from shared.checkpoint import Plan
 from shared.config import Config
 from shared.problem import make_problem
@@ -150,6 +151,14 @@ def reported_loss(loss: torch.Tensor, how: str, group=None) -> float:
     return total.item()
 
 
+def _preempted(ctx: RankContext) -> bool:
+    """Whether any rank got SIGTERM (shared/preempt.py): one all-reduce (MAX) of a flag, outside
+    the ledger's recording, so all ranks stop after the same step."""
+    flag = torch.tensor([float(preempt.requested())], device=ctx.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
     """Run ``cfg.steps`` steps of ``setup`` on this rank; the ledger records the last one (after
     warm-up: DDP rebuilds its buckets after the first iteration). Step 0 also measures the peak
@@ -191,6 +200,11 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
             ckpt.fault("step", k + 1, ctx.rank)  # the kill test: a rank dies after this step
             if session.plan and session.plan.due(k + 1):
                 ckpt.save(cfg, ctx, setup, k + 1, session)
+            if session.plan and _preempted(ctx):  # SIGTERM on any rank: every rank stops after this step
+                if not session.plan.due(k + 1):
+                    ckpt.save(cfg, ctx, setup, k + 1, session)
+                dist.barrier()  # saved everywhere before any rank reports
+                raise preempt.Preempted(k + 1)
     state = setup.state() if setup.state else {
         "params": tensor_bytes(setup.params), "grads": tensor_bytes(g for g in setup.grads() if g is not None),
         "optimizer": optimizer_state_bytes(setup.optimizer)}
@@ -272,6 +286,8 @@ def run_jobs(ctx: RankContext, jobs: list[tuple], checkpoint: Plan | None = None
     returns {pattern: run_pattern's or run_collectives' answer}. Collectives answer on every rank,
     patterns on rank 0."""
     out: dict[str, object] = {}
+    if checkpoint is not None:
+        preempt.install()  # SIGTERM: finish the step, save, stop (train_loop)
     for pattern, cfgs, *chosen in jobs:
         if pattern == "collectives":
             ctx.progress(("start", "collectives"))

@@ -19,6 +19,7 @@ are started with the ``spawn`` method, which pickles it by name).
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import queue as queue_mod
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shared import preempt
 from shared.env import die_with_parent
 from torch_impl.ledger import AUDIT_ENV, CommLedger
 
@@ -155,6 +157,8 @@ def launch(
     ]
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
+    forward = functools.partial(_forward_sigterm, procs)  # preemption: SIGTERM reaches every rank
+    preempt.forwarders.append(forward)
     try:
         for p in procs:
             p.start()
@@ -179,9 +183,16 @@ def launch(
                 raise LaunchError(_died_first(procs, results) + f"rank {rank} raised:\n{payload}")
             results[rank] = payload
     finally:
+        preempt.forwarders.remove(forward)
         _stop([p for p in procs if p.pid is not None], graceful=len(results) == world_size)
         results_q.close()
     return [results[r] for r in range(world_size)]
+
+
+def _forward_sigterm(procs) -> None:
+    for p in procs:
+        if p.pid is not None and p.exitcode is None:
+            os.kill(p.pid, signal.SIGTERM)
 
 
 def _drain(q, results: dict[int, Any], procs) -> None:

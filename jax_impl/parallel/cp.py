@@ -220,7 +220,8 @@ class Trainer:
         leaves, self._treedef = jax.tree_util.tree_flatten_with_path(state)
         self.keys = [key_of(p) for p, _ in leaves]
         recipe.check(tx, {}, None, "cp", "")  # optax sees the whole replicated {path: array} dict: nothing to probe
-        params = {k: jax.device_put(a, NamedSharding(mesh, P())) for k, (_, a) in zip(self.keys, leaves)}
+        params = {k: jax.device_put(jnp.copy(a), NamedSharding(mesh, P()))  # a copy: the step donates it
+                  for k, (_, a) in zip(self.keys, leaves)}
         self.state, self._loss, self._tx = (params, tx.init(params)), loss, tx
         self.calls: list[tuple[int, int]] | None = None  # per seam call at the last trace: (K elements, itemsize)
         self.step = jax.jit(self._step, donate_argnums=(0, 1))

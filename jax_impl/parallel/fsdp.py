@@ -131,7 +131,8 @@ class Trainer:
         self.unit_calls: dict[str, tuple[int, int]] | None = None  # zero3 shard_map, traced: (calls, re-gathers)
         self._loss, self._tx = loss, tx
         self.infos = theory.describe(params, self.sharded, self.units)
-        place = lambda specs, tree: {k: jax.device_put(a, NamedSharding(mesh, specs[k])) for k, a in tree.items()}
+        place = lambda specs, tree: {k: jax.device_put(jnp.copy(a), NamedSharding(mesh, specs[k]))  # a copy:
+                                     for k, a in tree.items()}  # the step donates it, the model keeps its own
         self.param_specs = {k: P(axis) if variant == "zero3" and k in self.sharded else P() for k in params}
         layout = None if style != "shard_map" or variant == "dp" else (
             recipe.Flat(self.n) if variant == "zero1" else recipe.Rows(self.n, variant))
@@ -360,7 +361,10 @@ def parallelize(model: nnx.Module, loss: Callable, tx: optax.GradientTransformat
                 clip: float | None = None, compute_dtype=None) -> Trainer:
     """A ZeRO ``variant`` of ``model`` over ``mesh``'s ``axis`` in ``style``; see the module docstring.
     ``clip``: global-norm clipping with the true norm (parallel.recipe); ``compute_dtype``: the loss
-    sees the floating Params cast to it (bf16 compute), master weights and optimizer state stay as given."""
+    sees the floating Params cast to it (bf16 compute), master weights and optimizer state stay as given.
+    The trainer trains a COPY of the model's arrays (its jitted step donates them): ``model`` stays
+    usable, with its initial weights, and can be parallelized again; ``trainer.module()`` is the
+    trained model. The copy costs one model's parameters of memory while the trainer is built."""
     recipe.check_clip(clip, "parallelize")
     if variant not in VARIANTS or style not in STYLES:
         raise WrapError(f"unknown variant/style {variant}/{style}: choose a variant from {VARIANTS}, "

@@ -194,7 +194,7 @@ class TypedTrainer:
         self._loss, self._tx, self.stated = loss, tx, Stated(self.mesh)
         self.compiler_options = None
         shard = lambda specs: {k: NamedSharding(self.mesh, s) for k, s in specs.items()}
-        params = {k: jax.device_put(a, shard(self.param_specs)[k]) for k, a in params.items()}
+        params = {k: jax.device_put(jax.numpy.copy(a), shard(self.param_specs)[k]) for k, a in params.items()}
         with jax.set_mesh(self.mesh):
             rows = lambda p: {k: reshard(a, self.row_specs[k]) for k, a in p.items()}
             opt_state = jax.jit(lambda p: tx.init(rows(p)))(params)  # moments typed like the rows

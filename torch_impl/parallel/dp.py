@@ -25,19 +25,46 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _unflatten_dense_tensors
+from torch.utils._python_dispatch import _disable_current_modes
 
 from torch_impl.parallel import recipe, theory
 
 
 def local_batch(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's contiguous 1/N of the rows. Refuses B % N != 0: unequal shards make the mean of
+    the ranks' mean gradients weight rows unequally (and dropping the rest loses them)."""
+    if x.shape[0] % world_size:
+        raise ValueError(f"local_batch: {x.shape[0]} rows do not split evenly over {world_size} ranks; data "
+                         f"parallelism averages per-rank means, so uneven shards train wrongly. Fix: a batch that "
+                         f"is a multiple of {world_size} (drop or pad the last rows)")
     rows = x.shape[0] // world_size
     return x[rank * rows:(rank + 1) * rows]  # (B/dp, …): MLP (B/dp, D), tokens (B/dp, T)
+
+
+def check_even_batch(args, kwargs, group, who: str) -> None:
+    """Refuse (ValueError on every rank alike) local batches of different sizes on the ranks of
+    ``group``: the gradient all-reduce averages per-rank means, which is the global mean only when
+    every rank holds as many rows. The batch is the first tensor argument's dim 0. One all-reduce
+    of two integers, hidden from dispatch modes (the CommLedger does not count it)."""
+    x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+    if x is None:
+        return
+    rows = x.shape[0]
+    t = torch.tensor([rows, -rows], dtype=torch.int64, device=x.device)
+    with _disable_current_modes():  # a check, not the model's communication
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    most, least = int(t[0]), -int(t[1])
+    if most != least:
+        raise ValueError(f"{who}: the ranks' local batches differ ({least} to {most} rows; this rank has {rows}); "
+                         "the averaged gradient would weight rows unequally. Fix: give every rank the same number "
+                         "of rows (drop or pad the last batch, e.g. DistributedSampler(drop_last=True))")
 
 
 # --- naive: the CS336 version -------------------------------------------------------------------
 
 def allreduce_gradients(module: nn.Module, group=None) -> None:
-    """After the whole backward: all-reduce (sum) every gradient, one call per tensor, then /N."""
+    """After the whole backward: all-reduce (sum) every gradient, one call per tensor, then /N.
+    It never sees the batch: equal local batches are the caller's (``local_batch`` refuses B % N)."""
     n = dist.get_world_size(group)
     for p in module.parameters():
         if p.grad is not None:
@@ -50,16 +77,18 @@ def allreduce_gradients(module: nn.Module, group=None) -> None:
 class BucketedDDP(nn.Module):
     """Wrap any module like DDP. Broadcasts rank 0's parameters and buffers; skips frozen
     parameters; a parameter shared by two layers is one tensor, so it is sent once. Call
-    ``finish_gradient_synchronization()`` between ``backward()`` and ``optimizer.step()``."""
+    ``finish_gradient_synchronization()`` between ``backward()`` and ``optimizer.step()``.
+    ``check_batch``: each forward first checks that every rank got as many rows (check_even_batch;
+    torch's DDP does not, and trains wrongly on 3 + 2 rows)."""
 
-    def __init__(self, module: nn.Module, bucket_mb: float = 25.0, group=None):
+    def __init__(self, module: nn.Module, bucket_mb: float = 25.0, group=None, check_batch: bool = True):
         super().__init__()
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         self.module = module  # the only registered child: the wrapper adds no parameters
         self.group, self.world_size = group, dist.get_world_size(group)
         self._infos = theory.describe(module)
-        self.require_sync = True
+        self.require_sync, self.check_batch = True, check_batch
         with torch.no_grad():  # every rank starts from rank 0's weights
             for t in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(t, group=group, group_src=0)
@@ -89,6 +118,8 @@ class BucketedDDP(nn.Module):
         return {"params": params, "flat": flat, "views": views, "ready": 0, "work": None}
 
     def forward(self, *args, **kwargs):
+        if self.check_batch:
+            check_even_batch(args, kwargs, self.group, "BucketedDDP")
         return self.module(*args, **kwargs)
 
     def comm_theory(self) -> dict[str, tuple[int, int]]:
@@ -160,7 +191,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
     reduce-scatter + all-gather (2·Φ·b per group). It cuts tensors apart, which is exact for
     elementwise optimizers (SGD, Adam, AdamW); optimizers with per-tensor statistics (LAMB, Adafactor)
     need a parameter-wise partition instead (round robin, as torch's ZeroRedundancyOptimizer
-    does, at the cost of uneven shards and a broadcast per parameter).
+    does, at the cost of uneven shards and a broadcast per parameter). It never sees the batch:
+    equal local batches are the caller's (``local_batch`` refuses B % N).
 
     Step: ``backward()`` (micro-batches accumulate in p.grad, nothing is sent), optionally
     ``clip_grad_norm_(max_norm)`` (reduce-scatters first, then clips the averaged slices by the

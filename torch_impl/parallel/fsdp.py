@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from torch_impl.parallel import recipe, theory
+from torch_impl.parallel.dp import check_even_batch
 
 
 class Unit:
@@ -166,6 +167,9 @@ class FSDP(nn.Module):
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, group=None):
         super().__init__()
+        if any(isinstance(m, FSDP) for m in module.modules()):
+            raise ValueError("FSDP: this module is already wrapped by FSDP (or holds an FSDP inside); its "
+                             "parameters are shards already. Fix: wrap the plain module once")
         self.module, self.compute_dtype = module, compute_dtype
         self.group = group if group is not None else dist.group.WORLD
         self.n, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -287,6 +291,7 @@ class FSDP(nn.Module):
         return buf.as_strided(h.size, h.stride, h.offset)
 
     def forward(self, *args, **kwargs):
+        check_even_batch(args, kwargs, self.group, "FSDP")  # every rank as many rows (dp.py)
         if self.compute_dtype is not None:
             args = [a.to(self.compute_dtype) if torch.is_floating_point(a) else a for a in args]
         self._fwd_pos, self._seen, self._live, self._saves, self._regathered = 0, [], {}, {}, {}
@@ -390,7 +395,8 @@ class Zero2:
     scattered the moment autograd has accumulated it (a post-accumulate-grad hook), so the full
     gradient never exists all at once; ``params`` (row shards + replicated vectors) go to the
     optimizer; ``all_gather_params()`` after its step puts the updated rows back. Frozen
-    parameters are skipped (no hook, no shard, not in ``params``)."""
+    parameters are skipped (no hook, no shard, not in ``params``). It never sees the batch: equal
+    local batches are the caller's (``dp.local_batch`` refuses B % N)."""
 
     def __init__(self, module: nn.Module, group=None):
         self.module, self.group = module, group if group is not None else dist.group.WORLD

@@ -339,6 +339,10 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel:
     Returns {parameter name: style} (``check_plan``); split parameters carry ``tp_size``, their
     unpadded length along the split dim (``unshard`` / ``full_tensors`` use it)."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
+    if any(getattr(m, "_tp_planned", False) for m in model.modules()) or \
+            any(hasattr(p, "tp_size") for p in model.parameters()):
+        raise PlanError(f"apply_plan: {type(model).__name__} is already planned (its weights are this rank's "
+                        "shards). Fix: apply a plan once, to the full model")
     styles = check_plan(model, plan, n, sequence_parallel, missing_ok)
     enter = SharedEnter(sp_gather if sequence_parallel else CopyToTP.apply, group, shared_f)
     leave = sp_scatter if sequence_parallel else ReduceFromTP.apply
@@ -390,6 +394,7 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel:
             module.register_forward_pre_hook(to_local_ids)
             module.register_forward_hook(
                 lambda m, args, out, mask=mask: leave(out * mask["mine"].unsqueeze(-1), group))
+    model._tp_planned = True  # a second apply_plan: "already planned", not a head-count puzzle
     return styles
 
 

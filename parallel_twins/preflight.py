@@ -1,0 +1,129 @@
+"""Up-front checks compare.py makes before any rank, process or JAX device starts (issue 38): the
+machine can hold the run (processes, memory), and the distributed environment is torchrun's, not
+a stale export. Each refusal is one ValueError line naming what and how to go on. NumPy + stdlib.
+
+    check_environment(os.environ)            # stale RANK/WORLD_SIZE/MASTER_*, WORLD_SIZE=abc
+    check_resources(cfgs, frameworks, device) # --world-size and sizes against cores and memory
+
+The memory figure is an estimate, stated as one: per model copy the parameters, gradients and
+AdamW's two moments (4·Φ·b), twice (the single-device reference and the parallel run), plus the
+activations of one step (below) and ~150 MiB of interpreter and framework per process. torch
+spawns one process per rank; JAX holds every simulated device in this one process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+PROCESS_BYTES = 150 * 2**20  # one Python interpreter with torch or JAX imported, nothing allocated
+MIN_PROCESS_CAP = 32  # ranks allowed on any machine: the test suite's 8 and the docs' 16 fit
+
+
+def process_cap(cores: int | None = None) -> int:
+    """The most ranks/devices allowed: max(32, 4 × CPU cores) (gloo ranks over-subscribed 4×
+    still make progress; 100000 would spawn until the machine stops)."""
+    return max(MIN_PROCESS_CAP, 4 * (cores or os.cpu_count() or 1))
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else the free
+    physical pages from sysconf; None when neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def rank_bytes(cfg) -> int:
+    """One rank's estimate: two model copies' state (4·Φ·b each) plus one step's activations.
+    MLP: 4 tensors of B×D per layer. Transformer: ~16 of B·T×D per block, the attention scores
+    (3 × B·H×T×T per block) and the logits (3 × B·T×V)."""
+    b = np.dtype(cfg.dtype).itemsize
+    state = 2 * 4 * cfg.n_params * b
+    if cfg.model == "mlp":
+        acts = 4 * cfg.batch * cfg.dim * cfg.layers
+    else:
+        tokens = cfg.batch * cfg.seq
+        acts = cfg.layers * (16 * tokens * cfg.dim + 3 * cfg.batch * cfg.heads * cfg.seq * cfg.seq) \
+            + 3 * tokens * cfg.vocab
+    return state + acts * b
+
+
+def estimate(cfgs, frameworks, processes: int) -> int:
+    """Bytes the run's biggest config needs at once (the frameworks run one after the other):
+    torch ``processes`` processes of one rank each, JAX one process of world-size devices."""
+    need = 0
+    for cfg in cfgs:
+        per_rank = rank_bytes(cfg)
+        if "torch" in frameworks:
+            need = max(need, processes * (PROCESS_BYTES + per_rank))
+        if "jax" in frameworks:
+            need = max(need, PROCESS_BYTES + cfg.world_size * per_rank)
+    return need
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_resources(cfgs, frameworks, under_torchrun: bool = False, available: int | None = None,
+                    cores: int | None = None) -> None:
+    """Refuse (ValueError, one line) a world size beyond process_cap() or a run whose estimate
+    exceeds the available memory. Under torchrun this process is one rank of its node."""
+    world = cfgs[0].world_size
+    cap = process_cap(cores)
+    if world > cap and not under_torchrun:
+        raise ValueError(f"--world-size {world}: more ranks than this machine can run "
+                         f"(at most {cap} = max({MIN_PROCESS_CAP}, 4 × {cores or os.cpu_count()} CPU cores)); "
+                         "pass --no-resource-check to start them anyway")
+    available = available_memory() if available is None else available
+    if available is None:
+        return
+    processes = 1 if under_torchrun else world
+    need = estimate(cfgs, frameworks, processes)
+    if need > available:
+        big = max(cfgs, key=rank_bytes)
+        raise ValueError(f"this run needs about {_gib(need)} of memory ({processes} process(es), "
+                         f"{big.model} dim={big.dim} layers={big.layers} batch={big.batch}: "
+                         f"{_gib(rank_bytes(big))} per rank) but {_gib(available)} is available; "
+                         "use smaller sizes or fewer ranks, or pass --no-resource-check")
+
+
+# --- the distributed environment -----------------------------------------------------------------
+
+TORCHRUN_MARKS = ("TORCHELASTIC_RUN_ID",)  # set by torchrun's agent for every worker, never by hand
+RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+             "MASTER_PORT")
+INT_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT",
+            "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def check_environment(env) -> None:
+    """Refuse a distributed environment this process was not started into: RANK/WORLD_SIZE/
+    MASTER_* exported by hand (or left over from a torchrun job) with no torchrun around would
+    wait for peers that never come (905 s, then a DistStoreError). torchrun marks its workers with
+    TORCHELASTIC_RUN_ID; another launcher that sets the rank variables must set it too. Also: each
+    integer variable must be an integer (the message names it)."""
+    for name in INT_VARS:
+        value = env.get(name)
+        if value is not None:
+            try:
+                n = int(value)
+            except ValueError:
+                raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+            if n < 0 or (n == 0 and name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "JAX_NUM_PROCESSES")):
+                raise ValueError(f"environment variable {name}={value!r} is out of range")
+    present = [name for name in RANK_VARS if name in env]
+    if present and not any(env.get(mark) for mark in TORCHRUN_MARKS):
+        raise ValueError(f"{', '.join(f'{n}={env[n]}' for n in present)} set, but this process was not "
+                         "started by torchrun (no TORCHELASTIC_RUN_ID): a stale environment would wait for "
+                         f"ranks that never come; unset {' '.join(present)}, or launch with torchrun")
