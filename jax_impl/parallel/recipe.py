@@ -217,7 +217,7 @@ def check(tx: optax.GradientTransformation, params: dict, layout: Layout | None,
     # eager: each op compiles once per shape and process (~1 s the first time on a small model), then
     # the probe takes milliseconds; jit would compile the whole update again for every new tx
     init, update = tx.init, tx.update
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):  # own process (jax.distributed)
         ref_p = {k: np.asarray(a) for k, a in _bounded(params, layout.n).items()}
         ref_p = {k: a.astype(np.float64 if a.dtype == np.float64 else np.float32) for k, a in ref_p.items()}
         try:
