@@ -50,6 +50,7 @@ from jax_impl.parallel.tree import (
     WrapError,
     choose_units,
     fetch,
+    flat_state,
     key_of,
     param_holders,
     put_child,
@@ -119,10 +120,8 @@ class Trainer:
         self.variant, self.style, self.mesh, self.axis = variant, style, mesh, axis
         self.clip, self.compute_dtype = clip, compute_dtype
         self.n = mesh.shape[axis]
-        self.graphdef, state = nnx.split(model)
-        leaves, self._treedef = jax.tree_util.tree_flatten_with_path(state)
-        self.keys = [key_of(p) for p, _ in leaves]
-        params = {k: a for k, (_, a) in zip(self.keys, leaves)}
+        self.graphdef, self._treedef, params = flat_state(model)
+        self.keys = list(params)
         self.shapes = {k: a.shape for k, a in params.items()}
         self.sharded = {k for k, a in params.items()
                         if variant in ("zero2", "zero3") and rule(a.shape, self.n, variant)}

@@ -36,6 +36,14 @@ def key_of(path) -> str:
     return ".".join(out)
 
 
+def flat_state(model) -> tuple:
+    """``nnx.split(model)`` flattened: (graphdef, treedef, {path: array} in the state's leaf order);
+    ``nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, list(params.values())))`` inverts it."""
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    return graphdef, treedef, {key_of(p): a for p, a in leaves}
+
+
 def rule(shape: tuple[int, ...], n: int, variant: str) -> bool:
     """Is this array split along dim 0 over the axis? zero2/zero3: >= 2 dims; zero1's moments: any."""
     return len(shape) >= (1 if variant == "zero1" else 2) and shape[0] % n == 0

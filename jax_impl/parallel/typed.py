@@ -39,7 +39,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
 from jax_impl.parallel import recipe, theory
-from jax_impl.parallel.tree import WrapError, key_of, rule, shard_rows
+from jax_impl.parallel.tree import WrapError, flat_state, rule, shard_rows
 
 
 def explicit_mesh(mesh) -> Mesh:
@@ -181,10 +181,8 @@ class TypedTrainer:
         self.variant, self.axis, self.mesh = variant, axis, explicit_mesh(mesh)
         self.clip, self.compute_dtype = clip, compute_dtype
         self.n = mesh.shape[axis]
-        self.graphdef, state = nnx.split(model)
-        leaves, self._treedef = jax.tree_util.tree_flatten_with_path(state)
-        self.keys = [key_of(p) for p, _ in leaves]
-        params = {k: a for k, (_, a) in zip(self.keys, leaves)}
+        self.graphdef, self._treedef, params = flat_state(model)
+        self.keys = list(params)
         row = lambda a: P(axis, *[None] * (a.ndim - 1))
         split = lambda a, v: v != "dp" and rule(a.shape, self.n, v)
         self.sharded = {k for k, a in params.items() if variant in ("zero2", "zero3") and split(a, variant)}
