@@ -36,7 +36,8 @@ def dispatch_in_types(cfg, stated: Stated, l: int):
 
     def dispatch(h, top, gates, w_up, w_down):  # h (B·T@ep, D); top, gates (B·T@ep, k); w_* (E@ep, …)
         (bt, d), k, e = h.shape, top.shape[1], w_up.shape[0]
-        h, top, gates = h.reshape(g, c, d), top.reshape(g, c, k), gates.reshape(g, c, k)  # (G@ep, S, …)
+        # (G@ep, S, …): the split axis stated (with G = 1, one device, JAX would put @ep on S instead)
+        h, top, gates = (jnp.reshape(a, (g, c, a.shape[1]), out_sharding=P(AXIS)) for a in (h, top, gates))
         expert, pos = slots(top, e)  # (G@ep, S·k) each
         mask = (jax.nn.one_hot(expert, e, dtype=h.dtype)[..., None]
                 * jax.nn.one_hot(pos, c, dtype=h.dtype)[..., None, :]).reshape(g, c, k, e, c)  # (G, S, k, E, C)

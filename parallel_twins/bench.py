@@ -38,7 +38,7 @@ def build_bench_parser() -> argparse.ArgumentParser:
                description="nccl-tests-style bandwidth sweep of the collectives (time per call, algbw, busbw, "
                            "an α–β fit per op) and each torch rank's matmul FLOP/s.")
     add_frameworks(p)
-    add_world_size(p, 4, "ranks / devices (>= 2)")
+    add_world_size(p, 4, "ranks / devices (1: one device's matmuls and copy only, no collective)")
     p.add_argument("--ops", type=csv_list(BENCH_OPS), default=list(BENCH_OPS), metavar="LIST",
                    help=f"comma list of {', '.join(BENCH_OPS)}")
     p.add_argument("--min-bytes", type=int, default=4 * 1024, help="smallest message (bytes)")
@@ -59,11 +59,16 @@ def build_bench_parser() -> argparse.ArgumentParser:
 def bench_main(argv) -> int:
     try:
         args = build_bench_parser().parse_args(argv)
-        if args.world_size < 2:
-            raise ValueError(f"bench needs world_size >= 2, got {args.world_size}")
-        if args.max_bytes is None:  # GPUs: up to where the bus bandwidth is reached, as nccl-tests sweeps
-            from torch_impl.launch import resolve_device
+        if args.world_size < 1:
+            raise ValueError(f"bench needs world_size >= 1, got {args.world_size}")
+        from torch_impl.launch import resolve_device
 
+        if args.world_size == 1:  # one device (a one-GPU node): nothing to time between devices
+            args.ops, args.frameworks = [], ["torch"]
+            if args.profile and resolve_device(args.device, 1) == "cpu":
+                raise ValueError("--profile at world size 1 needs a GPU (its links come from the GPU's preset); "
+                                 "on CPU give --world-size >= 2 so the collectives are timed")
+        if args.max_bytes is None:  # GPUs: up to where the bus bandwidth is reached, as nccl-tests sweeps
             gpu = "torch" in args.frameworks and resolve_device(args.device, args.world_size) == "cuda"
             args.max_bytes = (256 if gpu else 16) * 1024 * 1024
         if not 0 < args.min_bytes <= args.max_bytes:
@@ -93,7 +98,7 @@ def bench_main(argv) -> int:
     fits = [{"framework": fw, "op": op, **fit} for fw in args.frameworks
             for op, fit in fit_per_op([r for r in results if r["framework"] == fw]).items()]
     compute = {}  # every torch rank multiplying at once: the FLOP/s a rank of a run gets (plan --calibrate)
-    for dtype in [k for k in matmul[0] if k not in ("memcpy", "memory")] if matmul else ():
+    for dtype in [k for k in matmul[0] if k not in ("memcpy", "memory", "name")] if matmul else ():
         compute[dtype] = {n: sorted(r[dtype][n] for r in matmul)[len(matmul) // 2] for n in matmul[0][dtype]}
     memcpy = sorted(r["memcpy"] for r in matmul)[len(matmul) // 2] if matmul else 0.0
     if args.json:  # first: nothing printed below can lose the measurements
@@ -108,7 +113,7 @@ def bench_main(argv) -> int:
 
         efficiency.save(args.profile, efficiency.from_bench(
             {"world_size": args.world_size, "fits": fits, "compute": compute, "results": results}, memcpy,
-            matmul[0].get("memory")))
+            matmul[0].get("memory"), device_name=matmul[0].get("name", "")))
     console = make_console(quiet=args.quiet)
     table = Table(title=f"collective bandwidth, world size {args.world_size} ({args.iters} timed calls per size)")
     for col in ("framework", "op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):
@@ -116,7 +121,10 @@ def bench_main(argv) -> int:
     for r in results:
         table.add_row(r["framework"], r["op"], fmt_bytes(r["size_bytes"]), f"{1e6 * r['time_s']:.1f}",
                       f"{r['algbw'] / 1e9:.3f}", f"{r['busbw'] / 1e9:.3f}")
-    console.print(table)
+    if results:
+        console.print(table)
+    else:
+        console.print("world size 1: no collective timed (one device); the matmuls and the device copy only")
     for fit in fits:
         beta = fit["beta_bytes_per_s"]
         beta_text = f"{beta / 1e9:7.3f} GB/s" if beta != float("inf") else "   n/a (no size dependence measured)"
@@ -125,6 +133,7 @@ def bench_main(argv) -> int:
     for dtype, rates in compute.items():
         console.print(f"torch matmul {dtype:8s} FLOP/s per rank, {args.world_size} at once (median rank): " + ", ".join(
             f"n={n}: {rate / 1e9:.2f} G" for n, rate in rates.items()))
+    console.print(f"device copy (read + write): {memcpy / 1e9:.1f} GB/s")
     return 0
 
 
@@ -150,26 +159,32 @@ def run_bench(frameworks, world_size, ops, sizes, iters, warmup, device, matmul=
 
 def _torch_matmul(ctx, sizes=None, iters=20) -> dict:
     """{dtype: {n: FLOP/s}} of an (n, n) @ (n, n) product on this rank. CPU: n = 32 … 256, the median of
-    ``iters`` timed products; CUDA: n = 256 … 4096 (a GPU's rate is reached only by large matmuls),
-    ``iters`` products back to back between two CUDA events (a host timer per call would measure the
-    launch: 5 µs caps a 256² product near 6.7 TFLOP/s)."""
+    ``iters`` timed products. CUDA: n = 128 … 8192 (float64 to 4096: flat by then), ``iters`` products
+    captured in one CUDA graph and replayed between two CUDA events: the kernels' rate (launched one by
+    one from Python, the host's ~10 µs per launch capped a 1024² bf16 product near 0.2 of an H200's peak)."""
     import torch
 
     cuda = ctx.device.type == "cuda"
-    sizes = sizes or ((256, 1024, 4096) if cuda else (32, 64, 128, 256))
+    sizes = sizes or ((128, 256, 512, 1024, 2048, 4096, 8192) if cuda else (32, 64, 128, 256))
     out = {}
     for dtype in ("float64", "float32") + (("bfloat16",) if cuda else ()):  # a GPU's tensor-core dtype too
         out[dtype] = {}
         for n in sizes:
+            if cuda and dtype == "float64" and n > 4096:
+                continue
             a = torch.randn(n, n, dtype=getattr(torch, dtype), device=ctx.device)
             for _ in range(2):  # warm-up
                 a @ a
-            if cuda:
+            if cuda:  # the kernels alone: ``iters`` products captured in a CUDA graph, replayed between events
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(iters):
+                        a @ a
+                graph.replay()  # warm-up
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 torch.cuda.synchronize(ctx.device)
                 start.record()
-                for _ in range(iters):
-                    a @ a
+                graph.replay()
                 end.record()
                 end.synchronize()
                 seconds = start.elapsed_time(end) / 1e3 / iters
@@ -193,8 +208,9 @@ def _torch_matmul(ctx, sizes=None, iters=20) -> dict:
             torch.cuda.synchronize(ctx.device)
         times.append(time.perf_counter() - t0)
     out["memcpy"] = 2 * src.numel() / sorted(times)[2]
-    if cuda:  # the capacity as the device reports it (the planner's memory)
+    if cuda:  # the capacity as the device reports it (the planner's memory), and its name (the nearest preset)
         out["memory"] = torch.cuda.get_device_properties(ctx.device).total_memory
+        out["name"] = torch.cuda.get_device_name(ctx.device)
     return out
 
 

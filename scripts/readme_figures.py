@@ -39,7 +39,12 @@ BLOCKS = {  # name: the compare.py arguments it shows
     "plan": PLAN,
     "checkpoint": ["checkpoint", "--model", "transformer"],
     "modes": ["--model", "transformer", "--mesh", "fsdp=2,tp=2", "--show-collectives", "mesh"],
+    "gpu": None,  # no run here: rendered from what scripts/gpu_check.sh brought back from a GPU (GPU_DIR)
 }
+# A lent GPU's results, copied from scripts/gpu_check.sh's output folder: the profile, the bench JSON, the log.
+GPU_DIR, GPU_NAME = os.path.join(ROOT, "docs", "gpu"), "h200"
+# float32 with TF32 off runs on the FP32 units, not the tensor cores: H100/H200 SXM datasheets, FP32 67 TFLOP/s.
+FP32_DATASHEET = {"h100": 67e12, "h200": 67e12}
 # The page each block lives in (README.md for a block not named here).
 IN_FILE = {"run": "docs/cli.md", "fsdp": "docs/sharding_modes.md", "mesh": "docs/mesh.md", "ep": "docs/ep.md",
            "plan": "docs/plan.md", "checkpoint": "docs/checkpoint.md", "modes": "docs/sharding_modes.md"}
@@ -105,6 +110,35 @@ def run_block(stdout: str, path: str, seconds: float) -> str:
     return "\n".join(lines)
 
 
+def gpu_block() -> tuple[str, str]:
+    """(body, stamp) of the GPU block: the gpu-marked tests' summary and the single-GPU matmul and copy rates,
+    from GPU_DIR (the check's log, bench JSON and profile), against the preset's datasheet peaks."""
+    from shared import efficiency
+
+    bench = json.load(open(os.path.join(GPU_DIR, f"{GPU_NAME}_bench.json")))
+    prov = bench["provenance"]
+    log = open(os.path.join(GPU_DIR, f"{GPU_NAME}_check_2.txt")).read()
+    tests = next(line for line in log.splitlines() if re.match(r"\d+ (passed|failed)", line))
+    preset = efficiency.preset_of(prov["gpu"]["names"][0])
+    peaks = dict(efficiency.TABLES[preset]["peaks"], tf32=FP32_DATASHEET[preset])  # the FP32 units' rate
+    sizes = sorted({int(n) for rates in bench["compute"].values() for n in rates})
+    lines = [f"pytest -m gpu (compare.py at world size 1, every pattern and style, float32, TF32 off: torch on "
+             f"NCCL, JAX on the GPU): {tests}", "",
+             "matmul n×n×n, TFLOP/s (kernels only: a CUDA graph of 20 products between two events)",
+             f"{'n':>14}" + "".join(f"{n:>8}" for n in sizes) + "   datasheet"]
+    for dtype, key in (("bfloat16", "bf16"), ("float32", "tf32"), ("float64", "fp64")):
+        rates = bench["compute"][dtype]
+        label = {"float32": "float32 ieee"}.get(dtype, dtype)  # TF32 off: the FP32 units
+        lines.append(f"{label:>14}" + "".join(f"{rates[str(n)] / 1e12:8.1f}" if str(n) in rates else f"{'-':>8}"
+                                                for n in sizes) + f"   {peaks[key] / 1e12:g}")
+    lines += ["", f"device copy (read + write): {bench['memcpy'] / 1e9:.0f} GB/s; best bf16 matmul "
+              f"{max(bench['compute']['bfloat16'].values()) / peaks['bf16']:.2f} of the datasheet"]
+    stamp = (f"measured {prov['date'][:10]} on one {prov['gpu']['names'][0]} (driver {prov['gpu']['driver']}), "
+             f"torch {prov['packages']['torch']} (CUDA {prov['cuda']['torch_cuda']}, NCCL {prov['cuda']['nccl']}), "
+             f"jax {prov['packages']['jax']}")
+    return "\n".join(lines), stamp
+
+
 def replace_block(text: str, name: str, body: str, command: str, stamp: str) -> str:
     pattern = re.compile(rf"(<!-- figures:{name} -->\n).*?(<!-- /figures:{name} -->)", re.S)
     if not pattern.search(text):
@@ -136,6 +170,11 @@ def main(argv=None) -> int:
     stamp_base = f"measured {datetime.date.today().isoformat()} on {machine()}"
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only.split(","):
+            if BLOCKS[name] is None:  # the GPU block: from files, no run
+                body, stamp = gpu_block()
+                texts[where[name]] = replace_block(texts[where[name]], name, body,
+                                                   "bash scripts/gpu_check.sh (docs/gpu/)", stamp)
+                continue
             argv_ = [a.format(tmp=tmp) for a in BLOCKS[name]]
             print(f"running compare.py {' '.join(argv_)} …", file=sys.stderr, flush=True)
             out, seconds = run(argv_)

@@ -158,13 +158,24 @@ def load(path: str) -> dict:
     return data
 
 
-def from_bench(bench: dict, memcpy: float | None = None, memory: int | None = None, dtype: str = "") -> dict:
+def preset_of(device_name: str) -> str | None:
+    """The preset a device's reported name belongs to ('NVIDIA H200' -> 'h200'), or None."""
+    name = device_name.lower()
+    if "a100" in name:
+        return "a100-80gb" if "80" in name else "a100-40gb"
+    return next((p for p in ("h200", "h100") if p in name), None)
+
+
+def from_bench(bench: dict, memcpy: float | None = None, memory: int | None = None, dtype: str = "",
+               device_name: str = "") -> dict:
     """A profile from ``compare.py bench``'s measurements on this machine: peaks = the fastest matmul rate
     per dtype (every rank multiplying at once), the matmul table = each size's rate over the fastest
     (``dtype``'s, default bfloat16 where measured (GPUs), else float32; square n×n×n: the smallest side
     is n), HBM copy = ``memcpy`` bytes/s (read + write), ``memory`` the device's capacity (GPUs),
     intra = inter = the α–β fit per op (β as busbw: the algbw fit × nccl-tests' bus factor; one machine;
-    where the fit found no size dependence, the busbw of the op's largest message in ``results``)."""
+    where the fit found no size dependence, the busbw of the op's largest message in ``results``). One device
+    (world size 1) times no collective: its links are the cited ones of the preset ``device_name`` belongs to,
+    and the profile's "cite" says so; a device of no preset is refused."""
     from shared.theory import BUSBW_FACTOR
 
     n = bench["world_size"]
@@ -183,12 +194,23 @@ def from_bench(bench: dict, memcpy: float | None = None, memory: int | None = No
             rows = [r for r in bench.get("results", ()) if r["framework"] == "torch" and r["op"] == f["op"]]
             if rows:  # with α on top errs slow (at most 2× at that size), never fast
                 links[f["op"]] = (f["alpha_s"], max(rows, key=lambda r: r["size_bytes"])["busbw"])
-    if not links:
+    cite = {"all": f"measured on this machine by compare.py bench ({n} ranks)"}
+    intra = inter = links
+    if not links and n == 1:  # one device: no collective to time; the links its preset cites
+        preset = preset_of(device_name)
+        if preset is None:
+            raise ValueError(f"bench --profile at world size 1 measured no collective, and the device "
+                             f"{device_name or 'cpu'!r} matches no GPU preset ({', '.join(TABLES)}) to take the "
+                             "links from: run with --world-size >= 2")
+        intra, inter = TABLES[preset]["intra"], TABLES[preset]["inter"]
+        cite["intra"] = cite["inter"] = f"one device measured: the {preset} preset's cited links (" + \
+            "; ".join(TABLES[preset]["cite"][k] for k in ("intra", "inter")) + ")"
+    elif not links:
         raise ValueError("bench: no torch α–β fits with a finite bandwidth, and no torch rows")
     if "sendrecv" in links:
         links["send"] = links["sendrecv"]
     return {"peaks": {DTYPE_PEAK[dt]: max(r.values()) for dt, r in rates.items()},
             "matmul": tuple((s, rates[dtype][s] / top) for s in sorted(rates[dtype])),
-            "hbm_copy": memcpy or bench.get("memcpy", 0.0), "intra": links, "inter": links,
+            "hbm_copy": memcpy or bench.get("memcpy", 0.0), "intra": intra, "inter": inter,
             **({"memory": int(memory)} if memory else {}),
-            "cite": {"all": f"measured on this machine by compare.py bench ({n} ranks)"}}
+            **({"device": device_name} if device_name else {}), "cite": cite}

@@ -60,3 +60,63 @@ def test_nccl_world_size_1_float32(tmp_path):
 def test_jax_on_gpu_float32(tmp_path):
     code, data = _run(tmp_path, "--device", "gpu", "--frameworks", "jax", "--dtype", "float32")
     assert code == 0, [r for r in data["runs"] if not r["ok"]] or data["errors"]
+
+
+# --- what the first lent GPU found and measured (docs/gpu.md), checked on CPU ----------------------------
+
+
+def test_one_device_profile_takes_its_presets_links():
+    """bench at world size 1 (a one-GPU node) times no collective: the profile's links are the preset's
+    the device's name belongs to, and it says so; a device of no preset is refused."""
+    from shared import efficiency
+
+    bench = {"world_size": 1, "fits": [], "results": [],
+             "compute": {"bfloat16": {"1024": 4e14, "4096": 8e14}, "float32": {"4096": 5e13}}}
+    prof = efficiency.from_bench(bench, memcpy=3.8e12, memory=143771 * 2 ** 20, device_name="NVIDIA H200")
+    assert prof["intra"] == efficiency.TABLES["h200"]["intra"] and prof["inter"] == efficiency.TABLES["h200"]["inter"]
+    assert prof["matmul"] == ((1024, 0.5), (4096, 1.0)) and "h200 preset" in prof["cite"]["intra"]
+    with pytest.raises(ValueError, match="matches no GPU preset"):
+        efficiency.from_bench(bench, device_name="cpu")
+    assert [efficiency.preset_of(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "Tesla T4")] == \
+        ["h100", "a100-40gb", None]
+
+
+def test_bench_profile_at_world_size_1_needs_a_gpu(capsys):
+    from parallel_twins.bench import bench_main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the one-device profile is allowed")
+    assert bench_main(["--world-size", "1", "--device", "cpu", "--profile", "p.json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs a GPU" in err and len(err.splitlines()) == 1, err
+
+
+def test_the_measured_h200_profile_plans(tmp_path, capsys):
+    """The profile the H200 wrote (docs/gpu/) loads and drives the planner."""
+    import os
+
+    from parallel_twins.planner import plan_main
+    from shared import efficiency
+
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "gpu", "h200_profile.json")
+    prof = efficiency.load(path)
+    assert 0.7 < prof["peaks"]["bf16"] / efficiency.TABLES["h200"]["peaks"]["bf16"] < 0.9  # measured 0.82
+    assert plan_main(["--profile", path, "--gpus", "8", "--layers", "8", "--dim", "1024", "--heads", "8",
+                      "--seq", "1024", "--global-batch", "16", "--top", "1"]) == 0
+
+
+def test_bfloat16_runs_pass_the_resource_check():
+    """The pre-check sized a bf16 run with NumPy, which has no bfloat16 (every --dtype bfloat16 run died)."""
+    from parallel_twins import preflight
+    from shared.config import Config
+
+    pure, mixed = Config(dtype="bfloat16"), Config(dtype="bfloat16", precision="mixed")
+    assert preflight.rank_bytes(pure) < preflight.rank_bytes(mixed) < preflight.rank_bytes(Config(dtype="float64"))
+
+
+def test_adamw_loops_per_parameter():
+    """CUDA's foreach AdamW refuses a DTensor plan's mix of DTensor and plain parameters (seen on an H200)."""
+    from shared.config import Config
+    from torch_impl.model import make_optimizer
+
+    assert make_optimizer([torch.nn.Parameter(torch.ones(2))], Config()).defaults["foreach"] is False
