@@ -393,9 +393,11 @@ def _main(argv=None) -> int:
 
         preempt.install()
     try:
-        if args.quiet or not rank0 or not console.is_terminal:  # progress on a terminal only
-            rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, None, args.timeout,
-                                              checkpoint=plan, styles=args.styles)
+        if args.quiet or not rank0 or not console.is_terminal:  # a live line on a terminal; in a log, a plain
+            progress = None if args.quiet or not rank0 else report.Progress(  # line every 30 s of runs (stderr)
+                planned_runs(cfgs, args.patterns, args.frameworks, args.styles)).logger(sys.stderr, every_s=30.0)
+            rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, progress,
+                                              args.timeout, checkpoint=plan, styles=args.styles)
         else:
             from rich.live import Live
 

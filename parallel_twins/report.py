@@ -255,6 +255,18 @@ class Progress:
         eta = "estimating" if left is None else f"about {_clock(left)} left"
         return f"[{min(done, total)}/{total} runs] {self.current} · {_clock(time.perf_counter() - self.t0)} · {eta}"
 
+    def logger(self, stream, every_s: float):
+        """An ``event`` that also writes ``text()`` to ``stream`` when a run finishes ``every_s`` or more after
+        the last line (a log has no live line: a long run is not silent, a short one prints nothing)."""
+        last = [time.perf_counter()]
+
+        def event(framework: str, ev) -> None:
+            self.event(framework, ev)
+            if ev[0] == "done" and time.perf_counter() - last[0] >= every_s:
+                last[0] = time.perf_counter()
+                print(self.text(), file=stream, flush=True)
+        return event
+
     def __rich__(self):
         from rich.text import Text
 

@@ -91,6 +91,19 @@ def test_progress_counts_runs_and_estimates_what_is_left(monkeypatch):
     assert p.text().startswith("[2/5 runs] jax: dp mlp jit/dp") and "left" in p.text()
 
 
+def test_progress_in_a_log_is_a_line_every_30_s_of_runs(monkeypatch):
+    """Piped (CI, a GPU node's script): no live line, so a plain line once a run ends 30 s after the last."""
+    import io
+
+    now, out = [0.0], io.StringIO()
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    event = report.Progress({"torch": 3}).logger(out, every_s=30.0)
+    for t, ev in ((1, ("start", "dp")), (10, ("done", 1)), (31, ("done", 1)), (40, ("done", 1))):
+        now[0] = t
+        event("torch", ev)
+    assert out.getvalue().splitlines() == ["[2/3 runs] torch: dp · 0:31 · about 0:16 left"]
+
+
 @pytest.mark.parametrize("argv", [[], ["bench"]])
 def test_help_lists_subcommands_and_every_default(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
