@@ -405,12 +405,17 @@ def predict(model: Model, layout: Layout, cluster: Cluster, batch: int, b: int =
     if not (fits or time_if_over):
         return Prediction(layout, memory, {}, layout.bubble, {}, 0.0, fits, reason)
     views = [comm(model, layout, s, batch, b, style) for s in stages]
+    if precision == "mixed-fp32-grads":  # the gradients reduced as they are kept: fp32, twice the bf16 bytes
+        views = [fp32_grads(v, layout) for v in views]
     times = [stage_seconds(model, layout, s, batch, v, cluster, b, attention) for s, v in zip(stages, views)]
     slow = max(times, key=lambda x: x["compute_mb"] + x["critical_mb"])
     ticks = M + (S - 1) / layout.virtual  # the slowest stage's micro-batches, plus the fill and drain
     # the data axis' traffic hides behind the backward (2/3 of a micro-batch's compute): every micro-batch's
-    # (DDP buckets, FSDP2 prefetch), the last one's (Megatron's --overlap-grad-reduce), or none
-    hidden = 2 / 3 * slow["compute_mb"] * {"backward": M, "last": 1, "none": 0}[cluster.overlap_mode]
+    # (DDP buckets, FSDP2 prefetch), the last one's (Megatron's --overlap-grad-reduce), or none. ZeRO-3
+    # gathers the next block's weights during the forward as well (FSDP's forward prefetch: Zhao et al.
+    # 2023, arXiv:2304.11277 §3.3; FSDP2's implicit prefetch), so its traffic hides behind the whole compute
+    window = 1.0 if layout.zero == 3 else 2 / 3
+    hidden = window * slow["compute_mb"] * {"backward": M, "last": 1, "none": 0}[cluster.overlap_mode]
     data = max(x["data"] for x in times)
     exposed = max(0.0, data - hidden)
     if data > exposed:  # what hides still takes SMs from the compute it runs beside (Calculon's processor_usage)
@@ -428,6 +433,17 @@ def predict(model: Model, layout: Layout, cluster: Cluster, batch: int, b: int =
                        **{f"compute_{k}": ticks * v for k, v in slow["parts_mb"].items()},
                        **{f"comm_{k}": v for k, v in slow["axes"].items()}},
                       mfu, fits, reason, hfu)
+
+
+def fp32_grads(view: dict, layout: Layout) -> dict:
+    """``view`` with the gradient group's reductions (all-reduce, reduce-scatter) at fp32: twice the bytes
+    of the bf16 gradients the ledgers count (Megatron's fp32 main grads with
+    --accumulate-allreduce-grads-in-fp32; torchtitan's default mixed_precision_reduce = float32)."""
+    label = layout.grad_label or layout.data_axis
+    if label not in view:
+        return view
+    ops = {op: (cnt, 2 * nb if op in ("all_reduce", "reduce_scatter") else nb) for op, (cnt, nb) in view[label].items()}
+    return {**view, label: ops}
 
 
 # --- the search ------------------------------------------------------------------------------------

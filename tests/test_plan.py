@@ -391,27 +391,50 @@ def test_gqa_and_swiglu_by_hand():
 
 
 def test_published_runs_predicted_within_their_error(measured):
-    """Megatron-LM (Narayanan et al. 2021, Table 1: ten GPT sizes on 32–3 072 A100s) and Llama 3 405B
-    (Table 4: three H100 layouts) predicted with the paper's settings pinned (Megatron: ZeRO 0, full
-    recompute, no sp, math attention, dropout, the data-parallel all-reduce after the backward, its eq. 3
-    FLOPs; Llama: ZeRO-3 with sp, FlashAttention, FSDP's traffic under the backward), the micro-batches and
-    v the planner's best, on the cited efficiencies (shared/efficiency.py, none fitted to these runs). The
-    table is printed (docs/plan.md shows it). Asserted, at what the model reaches today (issue 35 asks
-    ≤ 10 % median, ≤ 25 % worst): every published layout fits; the cited figures lower the Megatron rows'
-    median error against the datasheet figures; Megatron median ≤ 12.5 %, worst ≤ 17.5 % (today 10.9 %
-    and 14.2 %; a regression guard, not a target); each Llama row's
-    reported rate lies within 15 % of the prediction at one of v = 1, 2, 4, 8 (Meta does not publish v)."""
-    from shared.published import llama3_rows, markdown, published_rows, summary
+    """Published runs predicted with every published setting pinned and the rest searched (shared/published.py,
+    each row's source beside it; the cited efficiencies of shared/efficiency.py, none fitted to these runs),
+    each in its paper's FLOP convention: Megatron-LM 2021 Table 1 (ten GPT sizes on 32–3 072 A100s), Llama 3
+    Table 4 (405B on 8 192 / 16 384 H100s), Korthikanti et al. 2022 Table 5 (22B–1T, sp + selective and full
+    recompute), MT-NLG 530B (2 240–3 360 A100s), BLOOM 176B (384 A100s), torchtitan's FSDP2 runs (64 A100s).
+    The table is printed (docs/plan.md shows it). Asserted: every published layout fits (best() keeps fitting
+    layouts only and other_rows refuses a run with none); the cited figures lower the Megatron rows' median
+    error against the datasheet figures; and regression guards at what the model reaches today (all rows:
+    median 10.9 %, worst 37.3 %: MT-NLG's DeepSpeed pipeline runs; Megatron median 10.9 %, worst 14.2 %), a
+    margin of ~1.5 points (the search's ties may shift). Issue 35's bounds (median ≤ 10 %, worst ≤ 25 %) are
+    not reached: test_published_runs_within_issue_35s_bounds, strict xfail, turns when they are."""
+    from shared.published import markdown, published_rows, summary
 
     before, after = published_rows(datasheet=True), published_rows()
     for line in (markdown(before, after) + "\n" + summary(after)).splitlines():
         measured(line)
-    assert all(r["prediction"].fits for r in after)  # best() keeps fitting layouts only: every row found one
+    assert all(r["prediction"].fits for r in after) and len(after) == 28
     median = lambda errs: sorted(abs(e) for e in errs)[len(errs) // 2]
-    meg_b = [r["error"] for r in before if r["name"].startswith("Megatron")]
-    meg_a = [r["error"] for r in after if r["name"].startswith("Megatron")]
+    meg_b = [r["error"] for r in before if r["paper"].startswith("Megatron")]
+    meg_a = [r["error"] for r in after if r["paper"].startswith("Megatron")]
     assert median(meg_a) < median(meg_b) - 0.03
     assert median(meg_a) <= 0.125 and all(abs(e) <= 0.175 for e in meg_a)
+    errs = [r["error"] for r in after]
+    assert median(errs) <= 0.125 and max(abs(e) for e in errs) <= 0.40
+    kort = [r["error"] for r in after if r["paper"].startswith("Korthikanti")]
+    assert all(abs(e) <= 0.15 for e in kort)  # both policies: selective + sp, and full recompute
+
+
+@pytest.mark.xfail(strict=True, reason="issue 35 open: MT-NLG (+31..37 %) and one Llama 3 row (+31 % at the "
+                                       "planner's v = 8) lie beyond 25 %; the median is 10.9 %")
+def test_published_runs_within_issue_35s_bounds():
+    """Issue 35's Done-when: median absolute error ≤ 10 % and worst ≤ 25 % over every published run, blind."""
+    from shared.published import published_rows
+
+    errs = sorted(abs(r["error"]) for r in published_rows())
+    median = (errs[(len(errs) - 1) // 2] + errs[len(errs) // 2]) / 2
+    assert median <= 0.10 and errs[-1] <= 0.25
+
+
+def test_llama3_rows_bracket_the_report_over_v():
+    """Meta does not publish v: each Llama 3 row's reported rate lies within 15 % of the prediction at one of
+    v = 1, 2, 4, 8 (docs/plan.md prints the four)."""
+    from shared.published import llama3_rows
+
     per_v = [llama3_rows(vs=(v,)) for v in (1, 2, 4, 8)]
     for i in range(3):
         assert min(abs(rows[i]["error"]) for rows in per_v) < 0.15, per_v[0][i]["name"]
@@ -452,6 +475,15 @@ def test_overlap_modes_tp_overlap_and_fp32_main_grads():
     one = plan.Layout()
     st = plan.state(model, one, 0, 2, precision="mixed-fp32-grads")
     assert sum(st.values()) == 18 * sum(plan.stage_params(model, one, 0)[k] for k in ("units", "vectors"))
+    # fp32 main grads are reduced in fp32: the gradient group's all-reduce carries twice the bf16 bytes
+    fp32 = plan.predict(model, replace(lay, microbatches=1), plan.Cluster.preset("h100", 64, overlap="none"), 512,
+                        precision="mixed-fp32-grads")
+    bf16 = plan.predict(model, replace(lay, microbatches=1), plan.Cluster.preset("h100", 64, overlap="none"), 512)
+    assert fp32.time["comm_dp"] == pytest.approx(2 * bf16.time["comm_dp"], rel=0.01)
+    # ZeRO-3 prefetches the forward's gathers too: its traffic hides behind forward and backward, not the
+    # backward alone (so with traffic between 2/3 and all of the compute, less is exposed than ZeRO-2's would)
+    z3 = plan.predict(model, replace(lay, zero=3), base, 512).time
+    assert z3["exposed_data"] < max(0.0, z3["comm_fsdp"] - 2 / 3 * z3["compute"]) + 0.02 * z3["comm_fsdp"] + 1e-9
     from parallel_twins.planner import parse_pins
 
     assert parse_pins("overlap=last") == {"overlap": "last"}
