@@ -440,6 +440,14 @@ def test_llama3_rows_bracket_the_report_over_v():
         assert min(abs(rows[i]["error"]) for rows in per_v) < 0.15, per_v[0][i]["name"]
 
 
+def test_h100_largest_gemm_efficiency_agrees_with_a_second_measurement():
+    """The H100 preset's largest-GEMM efficiency (h100-gemm: 780 of 989 TFLOP/s) against OpenXLA's measured
+    sm_90 table (xla-sm90: bf16 4096³ at 783.3 TFLOP/s): two public measurements, 0.4 % apart."""
+    top = max(f for _, f in efficiency.TABLES["h100"]["matmul"])
+    assert top == pytest.approx(783.3e12 / 989e12, abs=0.005)
+    assert "xla-sm90" in efficiency.TABLES["h100"]["cite"]["matmul"]
+
+
 def test_flop_conventions_and_hfu():
     """causal < full < megatron; megatron is Narayanan et al.'s eq. 3 exactly for their GPT; HFU counts the
     recomputed forward (and math attention's whole T×T), so HFU > MFU with recomputation."""
