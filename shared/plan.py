@@ -346,9 +346,12 @@ def block_seconds(model: Model, layout: Layout, m: int, cluster: Cluster, b: int
         scores = 2 * heads * T * (1 + model.dropout)  # scale-mask-softmax (and dropout) in and out, per token
     rep = d / t if layout.sp else d
     per_token = 4 * rep + 6 * rep + model.mlp_matrices * f / t + \
-        model.rope * 2 * (d + model.kv_dim) / t + model.dropout * 5 * rep + scores
-    # each memory-bound op streams tensors of about n × (D or D/t) elements: their size sets the bandwidth
-    out["elementwise"] = (2 + fw) * per_token * n * b / cluster.hbm_at(n * rep * b)
+        model.rope * 2 * (d + model.kv_dim) / t + model.dropout * 5 * rep
+    # each memory-bound op streams tensors of about n × (D or D/t) elements (the scores: n × T per head):
+    # their size sets the bandwidth. The scores' softmax and dropout belong to the attention core, which
+    # selective recomputation runs again (``again``) as full recomputation does (Korthikanti et al. 2022 §5)
+    out["elementwise"] = (2 + fw) * per_token * n * b / cluster.hbm_at(n * rep * b) + \
+        (2 + again) * scores * n * b / cluster.hbm_at(n * heads * T * b)
     return out
 
 

@@ -161,8 +161,9 @@ def _gpt(layers: int, dim: int, heads: int, vocab: int = 51200, dropout: bool = 
 #   in causal attention": "full"); FlashAttention (SDPA), FSDP2 prefetch (overlap backward). The rows with
 #   "selective op/layer" checkpointing are left out (torchtitan's per-op and every-other-layer policies are
 #   not the planner's selective); so are the H100 tables of the paper (96 GB HBM2e parts at a 500 W power
-#   limit, and Float8: no preset and no cited FP8 GEMM rate). Their cluster's network is not published:
-#   the a100-80gb preset's (one HDR NIC per GPU).
+#   limit, whose peak "is between SXM and NVL, and we don't know its exact value" (its footnote 2), and
+#   Float8: no preset and no cited FP8 GEMM rate). Their cluster's network is not published: the
+#   a100-80gb preset's (one HDR NIC per GPU).
 # Llama 2 (Touvron et al. 2023, arXiv:2307.09288, Table 1 and the released configs): 13B L 40, D 5120, 40 heads,
 # F 13 824; 70B L 80, D 8192, 64 heads with 8 K/V heads (GQA), F 28 672; V 32 000, T 4096, SwiGLU, RoPE
 _L2_13 = Model(40, 5120, 40, 32000, 4096, ffn_dim=13824, gated=True, rope=True)
