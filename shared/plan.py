@@ -398,7 +398,7 @@ def predict(model: Model, layout: Layout, cluster: Cluster, batch: int, b: int =
     for s in stages:
         st = state(model, layout, s, b, style, precision)
         act = activations(model, layout, s, batch, b, attention)
-        buffers = 2 * stage_params(model, layout, s)["block"] * b if layout.zero == 3 else 0  # gathered + prefetched
+        buffers = zero3_buffers(model, layout, s, b)
         mems.append({**st, "activations": act, "buffers": buffers, "total": sum(st.values()) + act + buffers})
     memory = max(mems, key=lambda x: x["total"])
     fits = memory["total"] <= cluster.usable
@@ -436,6 +436,17 @@ def predict(model: Model, layout: Layout, cluster: Cluster, batch: int, b: int =
                        **{f"compute_{k}": ticks * v for k, v in slow["parts_mb"].items()},
                        **{f"comm_{k}": v for k, v in slow["axes"].items()}},
                       mfu, fits, reason, hfu)
+
+
+def zero3_buffers(model: Model, layout: Layout, stage: int, b: int) -> int:
+    """ZeRO-3's gathered weights on one rank: two blocks (the one in use and the prefetched one); under a
+    pipeline the stage's whole gathered weights, kept while its micro-batches are in flight (Llama 3,
+    arXiv:2407.21783 §3.3.2: "for model weights, we do not reshard after forward computation";
+    torchtitan's FSDP2 with PP: reshard_after_forward=False)."""
+    if layout.zero != 3:
+        return 0
+    sp = stage_params(model, layout, stage)
+    return (sp["units"] + sp["vectors"]) * b if layout.pp > 1 else 2 * sp["block"] * b
 
 
 def fp32_grads(view: dict, layout: Layout) -> dict:
