@@ -286,9 +286,9 @@ class Prediction:
 
 def model_flops(model: Model, batch: int, convention: str = "causal") -> float:
     """A step's model FLOPs (batch × T tokens) in one of FLOPS' conventions. causal: 6 per matmul parameter
-    + causal attention 6·L·T·D per token (each query meets T/2 keys; this planner's MFU column, and
-    torchtitan's); full: attention over all T keys, 12·L·T·D (PaLM, Chowdhery et al. 2022 arXiv:2204.02311
-    App. B; Korthikanti et al. 2022 eq. 7); megatron: full plus the recomputed forward of every block
+    + causal attention 6·L·T·D per token (each query meets T/2 keys; this planner's MFU column); full:
+    attention over all T keys, 12·L·T·D (PaLM, Chowdhery et al. 2022 arXiv:2204.02311 App. B; Korthikanti
+    et al. 2022 eq. 7; torchtitan's get_num_flop_per_token); megatron: full plus the recomputed forward of every block
     (Narayanan et al. 2021 arXiv:2104.04473 eq. 3: 96·B·s·l·h²·(1 + s/6h + V/16lh), what their TFLOP/s count)."""
     if convention not in FLOPS:
         raise ValueError(f"unknown FLOP convention {convention!r}; choose from {', '.join(FLOPS)}")
