@@ -440,7 +440,7 @@ def test_published_runs_within_issue_35s_bounds():
 def test_published_memory_readings_bound_the_plan_from_above(measured):
     """torchtitan's memory readings of its H100 layouts (shared/published_memory.py) against the planner's
     memory per GPU for the same layouts: the planner's is a lower bound (no loss transients, no allocator
-    reserve, no Float8 casts), today 0.51–0.55 of the reading (docs/plan.md). Asserted: below every
+    reserve, no Float8 casts), today 0.51–0.64 of the reading (docs/plan.md). Asserted: below every
     reading, and above 0.45 of it (a regression guard: the model must not lose what it counts)."""
     from shared.published_memory import markdown, memory_rows
 
