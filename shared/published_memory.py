@@ -13,8 +13,8 @@ planner's ZeRO-3 needs a data axis), the interleaved rows (v not published).
 
 The planner's memory is a lower bound of these readings: they include the loss' transient copies of the
 logits (bf16 head output, its fp32 upcast and the fp32 log-softmax: 10 bytes per logit at the forward's
-peak, where the planner keeps 6: the head's output and the fp32 softmax), FSDP2's unsharded gradients under PP, Float8's casts, and what the
-allocator reserves beyond what is live.
+peak, where the planner keeps 6: the head's output and the fp32 softmax), FSDP2's unsharded gradients
+under PP, Float8's casts, and what the allocator reserves beyond what is live.
 """
 
 from __future__ import annotations
