@@ -442,7 +442,8 @@ def zero3_buffers(model: Model, layout: Layout, stage: int, b: int) -> int:
     """ZeRO-3's gathered weights on one rank: two blocks (the one in use and the prefetched one); under a
     pipeline the stage's whole gathered weights, kept while its micro-batches are in flight (Llama 3,
     arXiv:2407.21783 §3.3.2: "for model weights, we do not reshard after forward computation";
-    torchtitan's FSDP2 with PP: reshard_after_forward=False)."""
+    torchtitan's FSDP2 with PP: reshard_after_forward=False). The traffic stays counted per micro-batch, as
+    the repository's runs gather (comm): more than those frameworks send, and hidden behind the compute."""
     if layout.zero != 3:
         return 0
     sp = stage_params(model, layout, stage)
