@@ -137,11 +137,11 @@ def _gpt(layers: int, dim: int, heads: int, vocab: int = 51200, dropout: bool = 
 #   Table 3 (GPT, V = 51 200, s = 2048, A100 80 GB on Selene; data-parallel size 1, micro-batch 4 for 22B
 #   and 1 otherwise) and Table 5 ("present work": sequence parallelism + selective recomputation; MFU
 #   41.5 / 51.4 / 56.0 / 56.3 % of 312 TFLOP/s, counting 72·B·s·l·h²·(1 + s/6h + V/12lh): full attention,
-#   no recomputation, §6.3 — plan.model_flops "full"); pre-FlashAttention (math attention), dropout. v is
+#   no recomputation — plan.model_flops "full"); pre-FlashAttention (math attention), dropout. v is
 #   not published: searched.
 # MT-NLG 530B (Smith et al. 2022, "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B",
-#   arXiv:2201.11990 §2.4 and §3.2): 105 layers, h 20 480, 128 heads, s 2048, batch 1920, tp 8 × pp 35 on
-#   280 / 350 / 420 DGX A100 80 GB nodes (Selene): 60.1 / 50.2 / 44.4 s per iteration = 126 / 121 / 113
+#   arXiv:2201.11990, its 3D-parallelism and throughput sections): 105 layers, h 20 480, 128 heads, s 2048,
+#   batch 1920, tp 8 × pp 35 on 280 / 350 / 420 DGX A100 80 GB nodes (Selene): 60.1 / 50.2 / 44.4 s per iteration = 126 / 121 / 113
 #   TFLOP/s per GPU in Narayanan et al.'s eq. 3 (recomputation counted: "megatron"; checked: 126.0 at 60.1 s);
 #   DeepSpeed's 1F1B pipeline engine (no interleaving: v = 1), micro-batch 1, full activation checkpointing,
 #   the gradient reduction after the pipeline flush (overlap none). GPT-2's BPE padded to 51 200.
@@ -168,7 +168,7 @@ def _gpt(layers: int, dim: int, heads: int, vocab: int = 51200, dropout: bool = 
 # F 13 824; 70B L 80, D 8192, 64 heads with 8 K/V heads (GQA), F 28 672; V 32 000, T 4096, SwiGLU, RoPE
 _L2_13 = Model(40, 5120, 40, 32000, 4096, ffn_dim=13824, gated=True, rope=True)
 _L2_70 = Model(80, 8192, 64, 32000, 4096, kv_heads=8, ffn_dim=28672, gated=True, rope=True)
-_MEG = {"zero": 1, "sp": False, "virtual": 1}  # MT-NLG §3.1: "ZeRO" data parallelism (DeepSpeed's pipeline
+_MEG = {"zero": 1, "sp": False, "virtual": 1}  # MT-NLG: "ZeRO" data parallelism (DeepSpeed's pipeline
 #   engine takes stage 1 only); BLOOM §3.4: ZeRO stage 1
 _KORT = {"zero": 0, "sp": True, "recompute": "selective"}
 _FSDP = {"zero": 3, "sp": False}
