@@ -141,8 +141,9 @@ def _gpt(layers: int, dim: int, heads: int, vocab: int = 51200, dropout: bool = 
 #   not published: searched.
 # MT-NLG 530B (Smith et al. 2022, "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B",
 #   arXiv:2201.11990, its 3D-parallelism and throughput sections): 105 layers, h 20 480, 128 heads, s 2048,
-#   batch 1920, tp 8 × pp 35 on 280 / 350 / 420 DGX A100 80 GB nodes (Selene): 60.1 / 50.2 / 44.4 s per iteration = 126 / 121 / 113
-#   TFLOP/s per GPU in Narayanan et al.'s eq. 3 (recomputation counted: "megatron"; checked: 126.0 at 60.1 s);
+#   batch 1920, tp 8 × pp 35 on 280 / 350 / 420 DGX A100 80 GB nodes (Selene): 60.1 / 50.2 / 44.4 s per
+#   iteration = 126 / 121 / 113 TFLOP/s per GPU in Narayanan et al.'s eq. 3 (recomputation counted:
+#   "megatron"; checked: 126.0 at 60.1 s);
 #   DeepSpeed's 1F1B pipeline engine (no interleaving: v = 1), micro-batch 1, full activation checkpointing,
 #   the gradient reduction after the pipeline flush (overlap none). GPT-2's BPE padded to 51 200.
 # BLOOM 176B (BigScience 2022, arXiv:2211.05100 §3.4: Megatron-DeepSpeed on Jean Zay, 48 nodes × 8 A100
