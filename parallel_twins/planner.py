@@ -82,13 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-overlap", action="store_true",
                    help="tensor-parallel traffic hidden behind the matmuls (async TP; default: on the critical path)")
     p.add_argument("--flops", choices=plan.FLOPS, default="causal",
-                   help="MFU's model FLOPs: causal attention (this planner, torchtitan), full attention (PaLM, "
-                        "Korthikanti eq. 7), megatron (full + the recomputed forward, Narayanan eq. 3)")
+                   help="MFU's model FLOPs: causal attention (this planner's default), full attention "
+                        "(PaLM, Korthikanti eq. 7, torchtitan), megatron (full + the recomputed forward, Narayanan "
+                        "eq. 3)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "float64"), default="bfloat16",
                    help="parameters and activations")
     p.add_argument("--precision", choices=plan.PRECISIONS, default="mixed",
                    help="mixed: bf16 params/grads + fp32 master, m, v (16 bytes/param); mixed-fp32-grads: Megatron's "
-                        "fp32 main grads (18); pure: one dtype (the runs)")
+                        "fp32 main grads (18), reduced in fp32 (twice the bytes); pure: one dtype (the runs)")
     p.add_argument("--style", choices=("builtin", "explicit"), default="builtin",
                    help="torch style whose calls are counted")
     p.add_argument("--attention", choices=("flash", "math"), default="flash",

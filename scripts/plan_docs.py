@@ -1,5 +1,6 @@
-"""Regenerate docs/plan.md's generated blocks: the constants with their sources (shared/efficiency.py) and
-the published comparison (shared/published.py), between their <!-- name:begin --> / <!-- name:end -->
+"""Regenerate docs/plan.md's generated blocks: the constants with their sources (shared/efficiency.py), the
+published comparison (shared/published.py) and the published memory readings (shared/published_memory.py),
+between their <!-- name:begin --> / <!-- name:end -->
 markers.
 
     PYTHONPATH=. python scripts/plan_docs.py            # rewrite docs/plan.md in place
@@ -12,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-from shared import efficiency
+from shared import efficiency, published_memory
 from shared.published import markdown, published_rows, summary, v_sensitivity
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "plan.md"
@@ -40,8 +41,12 @@ def published() -> str:
                       "", "Llama 3's rows with v pinned (Meta does not publish it):", "", v_sensitivity()])
 
 
+def memory() -> str:
+    return published_memory.markdown(published_memory.memory_rows())
+
+
 def render(text: str) -> str:
-    for name, body in (("constants", constants()), ("published", published())):
+    for name, body in (("constants", constants()), ("published", published()), ("memory", memory())):
         pattern = re.compile(rf"(<!-- {name}:begin[^>]*-->\n)(?:.*?\n)?(<!-- {name}:end -->)", re.S)
         if not pattern.search(text):
             raise SystemExit(f"docs/plan.md: no <!-- {name}:begin --> … <!-- {name}:end --> block")

@@ -49,8 +49,13 @@ SOURCES = {
            "theoretical maximum device throughput' on A100",
     "h100-gemm": "gist.github.com/jeromeku/e03df32cb86e89f7cb5f3485c93f99f1: H100 bf16 GEMM 4224×8192×2048, "
                  "780 TFLOP/s (0.79 of 989) at best (max-autotune)",
-    "size-assumed": "no public GEMM sweep by shape found in time: the step table on the smallest side (tile and "
-                    "wave quantization, NVIDIA 'Matrix Multiplication Background' guide §3) is an assumption",
+    "xla-sm90": "OpenXLA's measured GEMM table for sm_90 (H100), xla/service/gpu/model/matmul_interpolator_data.h "
+                "(2025): bf16 4096×4096×4096 at 783.3 TFLOP/s (0.79 of 989), 2048³ at 632, and thin shapes far "
+                "lower (4096×256×2048: 305); its grid stops at 4096 and its small calls carry ~6 µs each, so it "
+                "is not yet the size table (a per-call cost + rate model would be)",
+    "size-assumed": "no public GEMM sweep by shape for training-sized GEMMs (M of 8 K–64 K tokens) found: the step "
+                    "table on the smallest side (tile and wave quantization, NVIDIA 'Matrix Multiplication "
+                    "Background' guide §3) is an assumption; xla-sm90 measures thin GEMMs at 4096 lower still",
     "calculon-mem": "Calculon's system files (Isaev et al. 2023, SC'23; github.com/calculon-ai/calculon "
                     "systems/a100_80g.json and h100_80g_nvl8.json, mem1.MB_efficiency): HBM at 0.90 of the "
                     "datasheet for transfers of 100 MB and more, 0.75 from 10 MB, 0.6 from 1 MB, 0.3 below",
@@ -102,7 +107,7 @@ TABLES = {
              "memory": 81559 * MiB, "matmul": _scaled(SIZE_TABLE, 0.79), "hbm_copy": HBM_COPY * 3.35e12,
              "hbm_table": HBM_TABLE,
              "intra": _H100_LINKS[0], "inter": _H100_LINKS[1], "overlap_cost": OVERLAP_COST,
-             "cite": {"peaks": "h100-datasheet", "memory": "smi-h100", "matmul": "h100-gemm size-assumed",
+             "cite": {"peaks": "h100-datasheet", "memory": "smi-h100", "matmul": "h100-gemm xla-sm90 size-assumed",
                       "hbm_copy": "h100-datasheet calculon-mem", "intra": "nccl-212 alpha-assumed",
                       "inter": "nccl-290 alpha-assumed", "overlap_cost": "calculon-net"}},
     "h200": {"peaks": {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp64": 67e12},
@@ -110,7 +115,7 @@ TABLES = {
              "hbm_table": HBM_TABLE,
              "intra": _H100_LINKS[0], "inter": _H100_LINKS[1], "overlap_cost": OVERLAP_COST,
              # the H200's NVLink and NIC are the H100's (h200-datasheet): the H100's measured figures reused
-             "cite": {"peaks": "h200-datasheet", "memory": "smi-h200", "matmul": "h100-gemm size-assumed",
+             "cite": {"peaks": "h200-datasheet", "memory": "smi-h200", "matmul": "h100-gemm xla-sm90 size-assumed",
                       "hbm_copy": "h200-datasheet calculon-mem", "intra": "nccl-212 alpha-assumed",
                       "inter": "nccl-290 alpha-assumed", "overlap_cost": "calculon-net"}},
 }

@@ -286,9 +286,9 @@ class Prediction:
 
 def model_flops(model: Model, batch: int, convention: str = "causal") -> float:
     """A step's model FLOPs (batch × T tokens) in one of FLOPS' conventions. causal: 6 per matmul parameter
-    + causal attention 6·L·T·D per token (each query meets T/2 keys; this planner's MFU column, and
-    torchtitan's); full: attention over all T keys, 12·L·T·D (PaLM, Chowdhery et al. 2022 arXiv:2204.02311
-    App. B; Korthikanti et al. 2022 eq. 7); megatron: full plus the recomputed forward of every block
+    + causal attention 6·L·T·D per token (each query meets T/2 keys; this planner's MFU column); full:
+    attention over all T keys, 12·L·T·D (PaLM, Chowdhery et al. 2022 arXiv:2204.02311 App. B; Korthikanti
+    et al. 2022 eq. 7; torchtitan's get_num_flop_per_token); megatron: full plus the recomputed forward of every block
     (Narayanan et al. 2021 arXiv:2104.04473 eq. 3: 96·B·s·l·h²·(1 + s/6h + V/16lh), what their TFLOP/s count)."""
     if convention not in FLOPS:
         raise ValueError(f"unknown FLOP convention {convention!r}; choose from {', '.join(FLOPS)}")
@@ -346,9 +346,12 @@ def block_seconds(model: Model, layout: Layout, m: int, cluster: Cluster, b: int
         scores = 2 * heads * T * (1 + model.dropout)  # scale-mask-softmax (and dropout) in and out, per token
     rep = d / t if layout.sp else d
     per_token = 4 * rep + 6 * rep + model.mlp_matrices * f / t + \
-        model.rope * 2 * (d + model.kv_dim) / t + model.dropout * 5 * rep + scores
-    # each memory-bound op streams tensors of about n × (D or D/t) elements: their size sets the bandwidth
-    out["elementwise"] = (2 + fw) * per_token * n * b / cluster.hbm_at(n * rep * b)
+        model.rope * 2 * (d + model.kv_dim) / t + model.dropout * 5 * rep
+    # each memory-bound op streams tensors of about n × (D or D/t) elements (the scores: n × T per head):
+    # their size sets the bandwidth. The scores' softmax and dropout belong to the attention core, which
+    # selective recomputation runs again (``again``) as full recomputation does (Korthikanti et al. 2022 §5)
+    out["elementwise"] = (2 + fw) * per_token * n * b / cluster.hbm_at(n * rep * b) + \
+        (2 + again) * scores * n * b / cluster.hbm_at(n * heads * T * b)
     return out
 
 
@@ -395,7 +398,7 @@ def predict(model: Model, layout: Layout, cluster: Cluster, batch: int, b: int =
     for s in stages:
         st = state(model, layout, s, b, style, precision)
         act = activations(model, layout, s, batch, b, attention)
-        buffers = 2 * stage_params(model, layout, s)["block"] * b if layout.zero == 3 else 0  # gathered + prefetched
+        buffers = zero3_buffers(model, layout, s, b)
         mems.append({**st, "activations": act, "buffers": buffers, "total": sum(st.values()) + act + buffers})
     memory = max(mems, key=lambda x: x["total"])
     fits = memory["total"] <= cluster.usable
@@ -405,12 +408,17 @@ def predict(model: Model, layout: Layout, cluster: Cluster, batch: int, b: int =
     if not (fits or time_if_over):
         return Prediction(layout, memory, {}, layout.bubble, {}, 0.0, fits, reason)
     views = [comm(model, layout, s, batch, b, style) for s in stages]
+    if precision == "mixed-fp32-grads":  # the gradients reduced as they are kept: fp32, twice the bf16 bytes
+        views = [fp32_grads(v, layout) for v in views]
     times = [stage_seconds(model, layout, s, batch, v, cluster, b, attention) for s, v in zip(stages, views)]
     slow = max(times, key=lambda x: x["compute_mb"] + x["critical_mb"])
     ticks = M + (S - 1) / layout.virtual  # the slowest stage's micro-batches, plus the fill and drain
     # the data axis' traffic hides behind the backward (2/3 of a micro-batch's compute): every micro-batch's
-    # (DDP buckets, FSDP2 prefetch), the last one's (Megatron's --overlap-grad-reduce), or none
-    hidden = 2 / 3 * slow["compute_mb"] * {"backward": M, "last": 1, "none": 0}[cluster.overlap_mode]
+    # (DDP buckets, FSDP2 prefetch), the last one's (Megatron's --overlap-grad-reduce), or none. ZeRO-3
+    # gathers the next block's weights during the forward as well (FSDP's forward prefetch: Zhao et al.
+    # 2023, arXiv:2304.11277 §3.3; FSDP2's implicit prefetch), so its traffic hides behind the whole compute
+    window = 1.0 if layout.zero == 3 else 2 / 3
+    hidden = window * slow["compute_mb"] * {"backward": M, "last": 1, "none": 0}[cluster.overlap_mode]
     data = max(x["data"] for x in times)
     exposed = max(0.0, data - hidden)
     if data > exposed:  # what hides still takes SMs from the compute it runs beside (Calculon's processor_usage)
@@ -428,6 +436,29 @@ def predict(model: Model, layout: Layout, cluster: Cluster, batch: int, b: int =
                        **{f"compute_{k}": ticks * v for k, v in slow["parts_mb"].items()},
                        **{f"comm_{k}": v for k, v in slow["axes"].items()}},
                       mfu, fits, reason, hfu)
+
+
+def zero3_buffers(model: Model, layout: Layout, stage: int, b: int) -> int:
+    """ZeRO-3's gathered weights on one rank: two blocks (the one in use and the prefetched one); under a
+    pipeline the stage's whole gathered weights, kept while its micro-batches are in flight (Llama 3,
+    arXiv:2407.21783 §3.3.2: "for model weights, we do not reshard after forward computation";
+    torchtitan's FSDP2 with PP: reshard_after_forward=False). The traffic stays counted per micro-batch, as
+    the repository's runs gather (comm): more than those frameworks send, and hidden behind the compute."""
+    if layout.zero != 3:
+        return 0
+    sp = stage_params(model, layout, stage)
+    return (sp["units"] + sp["vectors"]) * b if layout.pp > 1 else 2 * sp["block"] * b
+
+
+def fp32_grads(view: dict, layout: Layout) -> dict:
+    """``view`` with the gradient group's reductions (all-reduce, reduce-scatter) at fp32: twice the bytes
+    of the bf16 gradients the ledgers count (Megatron's fp32 main grads with
+    --accumulate-allreduce-grads-in-fp32; torchtitan's default mixed_precision_reduce = float32)."""
+    label = layout.grad_label or layout.data_axis
+    if label not in view:
+        return view
+    ops = {op: (cnt, 2 * nb if op in ("all_reduce", "reduce_scatter") else nb) for op, (cnt, nb) in view[label].items()}
+    return {**view, label: ops}
 
 
 # --- the search ------------------------------------------------------------------------------------

@@ -161,16 +161,23 @@ def test_activations_against_the_measured_formula_of_this_implementation():
 
 def test_llama3_405b_published_layout_fits():
     """Llama 3 (Grattafiori et al. 2024, arXiv:2407.21783) Table 4: 16,384 H100 80 GB, TP 8, CP 1, PP 16,
-    DP 128 (FSDP: model, optimizer and gradients sharded, §3.3.2), sequence 8,192, 16 sequences per DP rank
-    per step (M = 16 micro-batches of one sequence), bf16. Here as the repo's model at 128 layers (126 in
-    the paper, whose first and last stage drop a layer each; 128 is the upper bound with equal stages).
-    It fits without recomputation; ZeRO-1 would not (the bf16 weights and gradients, 13 GiB, tip it over)."""
-    model = plan.Model(128, 16384, 128, 128256, 8192)
-    cluster = plan.Cluster(16384, memory=80e9)
-    fsdp = plan.predict(model, plan.Layout(dp=128, tp=8, pp=16, zero=3, microbatches=16, sp=True), cluster, 2048)
+    DP 128 (FSDP: optimizer and gradients sharded, the weights not resharded after the forward, §3.3.2:
+    the stage's gathered weights stay while its micro-batches are in flight), sequence 8,192, 16 sequences
+    per DP rank per step (M = 16 micro-batches of one sequence), bf16; the paper's shape (GQA, SwiGLU,
+    126 layers with one fewer on the first and the last stage), on the H100 as it reports its memory
+    (79.6 GiB, less the 10 % headroom). It fits without recomputation; ZeRO-1 would not (the bf16 weights and
+    gradients of a stage, unsharded, tip it over)."""
+    from shared.published import preset
+
+    model = preset("llama3-405b")
+    cluster = plan.Cluster.preset("h100", 16384)
+    lay = plan.Layout(dp=128, tp=8, pp=16, zero=3, microbatches=16, sp=True, trim=1)
+    fsdp = plan.predict(model, lay, cluster, 2048)
     assert fsdp.fits, fsdp.reason
-    assert fsdp.memory["activations"] > 0.8 * fsdp.memory["total"]  # activations dominate once states are sharded
-    zero1 = plan.predict(model, plan.Layout(dp=128, tp=8, pp=16, zero=1, microbatches=16, sp=True), cluster, 2048)
+    weights = {s: plan.stage_params(model, lay, s) for s in (0, 1, 15)}  # the fullest: a middle stage's 8 blocks
+    assert fsdp.memory["buffers"] in {2 * (w["units"] + w["vectors"]) for w in weights.values()}  # gathered, bf16
+    assert fsdp.memory["activations"] > 0.75 * fsdp.memory["total"]  # activations dominate once states are sharded
+    zero1 = plan.predict(model, replace(lay, zero=1), cluster, 2048)
     assert not zero1.fits
     assert 0.15 < fsdp.mfu < 0.6  # the paper: 38–43 % (interleaved schedule; here 1F1B's 48 % bubble)
 
@@ -391,30 +398,90 @@ def test_gqa_and_swiglu_by_hand():
 
 
 def test_published_runs_predicted_within_their_error(measured):
-    """Megatron-LM (Narayanan et al. 2021, Table 1: ten GPT sizes on 32–3 072 A100s) and Llama 3 405B
-    (Table 4: three H100 layouts) predicted with the paper's settings pinned (Megatron: ZeRO 0, full
-    recompute, no sp, math attention, dropout, the data-parallel all-reduce after the backward, its eq. 3
-    FLOPs; Llama: ZeRO-3 with sp, FlashAttention, FSDP's traffic under the backward), the micro-batches and
-    v the planner's best, on the cited efficiencies (shared/efficiency.py, none fitted to these runs). The
-    table is printed (docs/plan.md shows it). Asserted, at what the model reaches today (issue 35 asks
-    ≤ 10 % median, ≤ 25 % worst): every published layout fits; the cited figures lower the Megatron rows'
-    median error against the datasheet figures; Megatron median ≤ 12.5 %, worst ≤ 17.5 % (today 10.9 %
-    and 14.2 %; a regression guard, not a target); each Llama row's
-    reported rate lies within 15 % of the prediction at one of v = 1, 2, 4, 8 (Meta does not publish v)."""
-    from shared.published import llama3_rows, markdown, published_rows, summary
+    """Published runs predicted with every published setting pinned and the rest searched (shared/published.py,
+    each row's source beside it; the cited efficiencies of shared/efficiency.py, none fitted to these runs),
+    each in its paper's FLOP convention: Megatron-LM 2021 Table 1 (ten GPT sizes on 32–3 072 A100s), Llama 3
+    Table 4 (405B on 8 192 / 16 384 H100s), Korthikanti et al. 2022 Table 5 (22B–1T, sp + selective and full
+    recompute), MT-NLG 530B (2 240–3 360 A100s), BLOOM 176B (384 A100s), torchtitan's FSDP2 runs (64 A100s).
+    The table is printed (docs/plan.md shows it). Asserted: every published layout fits (best() keeps fitting
+    layouts only and other_rows refuses a run with none); the cited figures lower the Megatron rows' median
+    error against the datasheet figures; and regression guards at what the model reaches today (all rows:
+    median 11.2 %, worst 38.0 %: MT-NLG's DeepSpeed pipeline runs; Megatron median 11.2 %, worst 14.7 %), a
+    margin of ~1.5 points (the search's ties may shift). Issue 35's bounds (median ≤ 10 %, worst ≤ 25 %) are
+    not reached: test_published_runs_within_issue_35s_bounds, strict xfail, turns when they are."""
+    from shared.published import markdown, published_rows, summary
 
     before, after = published_rows(datasheet=True), published_rows()
     for line in (markdown(before, after) + "\n" + summary(after)).splitlines():
         measured(line)
-    assert all(r["prediction"].fits for r in after)  # best() keeps fitting layouts only: every row found one
+    assert all(r["prediction"].fits for r in after) and len(after) == 28
     median = lambda errs: sorted(abs(e) for e in errs)[len(errs) // 2]
-    meg_b = [r["error"] for r in before if r["name"].startswith("Megatron")]
-    meg_a = [r["error"] for r in after if r["name"].startswith("Megatron")]
+    meg_b = [r["error"] for r in before if r["paper"].startswith("Megatron")]
+    meg_a = [r["error"] for r in after if r["paper"].startswith("Megatron")]
     assert median(meg_a) < median(meg_b) - 0.03
     assert median(meg_a) <= 0.125 and all(abs(e) <= 0.175 for e in meg_a)
+    errs = [r["error"] for r in after]
+    assert median(errs) <= 0.125 and max(abs(e) for e in errs) <= 0.40
+    kort = [r["error"] for r in after if r["paper"].startswith("Korthikanti")]
+    assert all(abs(e) <= 0.15 for e in kort)  # both policies: selective + sp, and full recompute
+
+
+@pytest.mark.xfail(strict=True, reason="issue 35 open: MT-NLG (+32..38 %) and one Llama 3 row (+31 % at the "
+                                       "planner's v = 8) lie beyond 25 %; the median is 11.2 %")
+def test_published_runs_within_issue_35s_bounds():
+    """Issue 35's Done-when: median absolute error ≤ 10 % and worst ≤ 25 % over every published run, blind."""
+    from shared.published import published_rows
+
+    errs = sorted(abs(r["error"]) for r in published_rows())
+    median = (errs[(len(errs) - 1) // 2] + errs[len(errs) // 2]) / 2
+    assert median <= 0.10 and errs[-1] <= 0.25
+
+
+def test_published_memory_readings_bound_the_plan_from_above(measured):
+    """torchtitan's memory readings of its H100 layouts (shared/published_memory.py) against the planner's
+    memory per GPU for the same layouts: the planner's is a lower bound (no loss transients, no allocator
+    reserve, no Float8 casts), today 0.51–0.64 of the reading (docs/plan.md). Asserted: below every
+    reading, and above 0.45 of it (a regression guard: the model must not lose what it counts)."""
+    from shared.published_memory import markdown, memory_rows
+
+    rows = memory_rows()
+    for line in markdown(rows).splitlines():
+        measured(line)
+    assert all(0.45 < r["ratio"] < 1 for r in rows), [(r["name"], round(r["ratio"], 2)) for r in rows]
+
+
+def test_llama3_rows_bracket_the_report_over_v():
+    """Meta does not publish v: each Llama 3 row's reported rate lies within 15 % of the prediction at one of
+    v = 1, 2, 4, 8 (docs/plan.md prints the four)."""
+    from shared.published import llama3_rows
+
     per_v = [llama3_rows(vs=(v,)) for v in (1, 2, 4, 8)]
     for i in range(3):
         assert min(abs(rows[i]["error"]) for rows in per_v) < 0.15, per_v[0][i]["name"]
+
+
+def test_h100_largest_gemm_efficiency_agrees_with_a_second_measurement():
+    """The H100 preset's largest-GEMM efficiency (h100-gemm: 780 of 989 TFLOP/s) against OpenXLA's measured
+    sm_90 table (xla-sm90: bf16 4096³ at 783.3 TFLOP/s): two public measurements, 0.4 % apart."""
+    top = max(f for _, f in efficiency.TABLES["h100"]["matmul"])
+    assert top == pytest.approx(783.3e12 / 989e12, abs=0.005)
+    assert "xla-sm90" in efficiency.TABLES["h100"]["cite"]["matmul"]
+
+
+def test_selective_recompute_runs_the_softmax_again():
+    """Selective recomputation (math attention) runs the attention core again: QKᵀ and ·V, and the softmax
+    and dropout over the scores, one more forward pass each (Korthikanti et al. 2022 §5); the other
+    memory-bound ops are not recomputed. Under FlashAttention there are no scores in HBM."""
+    model = plan.Model(4, 1024, 16, 32000, 2048, dropout=True)
+    c = plan.Cluster.preset("a100", 8)
+    none, sel = (plan.block_seconds(model, plan.Layout(tp=8, recompute=r), 2, c, attention="math")
+                 for r in ("none", "selective"))
+    n, heads = 2 * 2048, 16 // 8
+    scores_pass = 2 * heads * 2048 * 2 * n * 2 / c.hbm_at(n * heads * 2048 * 2)  # softmax + dropout, in and out
+    assert sel["elementwise"] - none["elementwise"] == pytest.approx(scores_pass)
+    flash = [plan.block_seconds(model, plan.Layout(tp=8, recompute=r), 2, c)["elementwise"]
+             for r in ("none", "selective")]
+    assert flash[0] == flash[1]
 
 
 def test_flop_conventions_and_hfu():
@@ -452,6 +519,15 @@ def test_overlap_modes_tp_overlap_and_fp32_main_grads():
     one = plan.Layout()
     st = plan.state(model, one, 0, 2, precision="mixed-fp32-grads")
     assert sum(st.values()) == 18 * sum(plan.stage_params(model, one, 0)[k] for k in ("units", "vectors"))
+    # fp32 main grads are reduced in fp32: the gradient group's all-reduce carries twice the bf16 bytes
+    fp32 = plan.predict(model, replace(lay, microbatches=1), plan.Cluster.preset("h100", 64, overlap="none"), 512,
+                        precision="mixed-fp32-grads")
+    bf16 = plan.predict(model, replace(lay, microbatches=1), plan.Cluster.preset("h100", 64, overlap="none"), 512)
+    assert fp32.time["comm_dp"] == pytest.approx(2 * bf16.time["comm_dp"], rel=0.01)
+    # ZeRO-3 prefetches the forward's gathers too: its traffic hides behind forward and backward, not the
+    # backward alone (so with traffic between 2/3 and all of the compute, less is exposed than ZeRO-2's would)
+    z3 = plan.predict(model, replace(lay, zero=3), base, 512).time
+    assert z3["exposed_data"] < max(0.0, z3["comm_fsdp"] - 2 / 3 * z3["compute"]) + 0.02 * z3["comm_fsdp"] + 1e-9
     from parallel_twins.planner import parse_pins
 
     assert parse_pins("overlap=last") == {"overlap": "last"}

@@ -108,7 +108,9 @@ def activations(model: Model, layout: Layout, stage: int, batch: int, b: int, at
     """Bytes of activations on one rank of ``stage`` at its peak: min(pp − s, M) micro-batches (1F1B) of
     L/pp blocks (interleaved: Megatron's warm-up count of L/(pp·v)-block chunks) × n = m·T/cp tokens
     (m = B/(dp·M) sequences); with full recompute plus one block's whole set while it is recomputed;
-    the last stage adds the micro-batch's fp32 logits n·V/t (the loss)."""
+    the last stage adds the micro-batch's logits n·V/t at the loss' peak: the head's output (b bytes each)
+    and their fp32 softmax (4), as Megatron's fused vocab-parallel cross-entropy holds them (an unfused
+    log-softmax of an fp32 upcast holds a third copy: a lower bound)."""
     m = batch // (layout.dp * layout.microbatches)
     n = m * model.seq // layout.cp
     # a chunk: the stage's blocks over v (uneven stages: the trimmed stages' chunks a fraction shorter)
@@ -118,5 +120,5 @@ def activations(model: Model, layout: Layout, stage: int, batch: int, b: int, at
     elems = blocks * activation_elements(model, layout, layout.recompute, attention)
     if layout.recompute == "full":
         elems += activation_elements(model, layout, "none", attention)
-    logits = (stage == layout.pp - 1) * n * model.vocab // layout.tp * 4
+    logits = (stage == layout.pp - 1) * n * model.vocab // layout.tp * (4 + b)
     return int(elems * n * b) + logits
