@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="matmuls at the GPU's dense FP8 peak (Transformer Engine; states and activations as --dtype)")
     p.add_argument("--tp-overlap", action="store_true",
                    help="tensor-parallel traffic hidden behind the matmuls (async TP; default: on the critical path)")
+    p.add_argument("--framework", choices=plan.FRAMEWORKS, default="torchtitan",
+                   help="what the training framework sends and waits for beyond this repository's runs "
+                        "(shared/plan_framework.py): torchtitan (these runs' DTensor), megatron (sp all-gathers "
+                        "again in the backward), deepspeed (blocking pipeline p2p, partitioned sends, bf16 grads "
+                        "all-reduced in fp32)")
     p.add_argument("--flops", choices=plan.FLOPS, default="causal",
                    help="MFU's model FLOPs: causal attention (this planner's default), full attention "
                         "(PaLM, Korthikanti eq. 7, torchtitan), megatron (full + the recomputed forward, Narayanan "
@@ -196,7 +201,8 @@ def make_inputs(args):
         dtype = next(dt for dt, key in efficiency.DTYPE_PEAK.items() if key in profile["peaks"])
     cluster = plan.Cluster.preset(args.gpu, args.gpus, dtype, profile, gpus_per_node=args.gpus_per_node,
                                   headroom=args.headroom, matmul="shapes" if shapes else "flat",
-                                  overlap=pins.pop("overlap", True), tp_overlap=args.tp_overlap)
+                                  overlap=pins.pop("overlap", True), tp_overlap=args.tp_overlap,
+                                  framework=args.framework)
     if not shapes:  # flat: every FLOP at one efficiency (0.6 unless given)
         cluster = replace(cluster, efficiency=0.6)
     for where in ("intra", "inter"):  # a link given by hand: one α–β for every op

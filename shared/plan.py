@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from shared import efficiency
+from shared.plan_framework import FRAMEWORKS, check, critical_recv, framework_view  # noqa: F401 - --framework
 from shared.theory import BUSBW_FACTOR
 from shared.theory.dp import zero_state  # noqa: F401 - the formulas the runs are checked against, re-exported:
 from shared.theory.layout import Layout, Model  # noqa: F401   plan.comm is theory.mesh.comm, one form
@@ -126,6 +127,10 @@ class Cluster:
     #                           off by default: Megatron and plain DTensor TP run it on the critical path
     overlap_cost: tuple = (0.0, 0.0)  # (intra, inter): the fraction of an overlapped transfer's time the
     #                                   compute beside it loses (its kernels' SMs; efficiency.OVERLAP_COST)
+    framework: str = "torchtitan"  # what it sends and waits for beyond the ledgers' bytes (shared/plan_framework.py)
+
+    def __post_init__(self):
+        check(self.framework)  # an unknown framework: refused, not run as the default
 
     @classmethod
     def preset(cls, name: str, gpus: int, dtype: str = "bfloat16", profile: dict | None = None, **kw) -> Cluster:
@@ -259,7 +264,8 @@ def comm_time(view: dict, layout: Layout, cluster: Cluster) -> dict[str, float]:
     for label, ops in view.items():
         stride, size = strides[label]
         link = cluster.link(stride, size)
-        out[label] = sum(link.time(op, cnt, nb, size) for op, (cnt, nb) in ops.items() if op != "recv")
+        out[label] = sum(link.time("send" if op == "recv" else op, cnt, nb, size) for op, (cnt, nb) in ops.items()
+                         if op != "recv" or critical_recv(cluster.framework, label))
     return out
 
 
@@ -410,6 +416,9 @@ def predict(model: Model, layout: Layout, cluster: Cluster, batch: int, b: int =
     views = [comm(model, layout, s, batch, b, style) for s in stages]
     if precision == "mixed-fp32-grads":  # the gradients reduced as they are kept: fp32, twice the bf16 bytes
         views = [fp32_grads(v, layout) for v in views]
+    if cluster.framework != "torchtitan":
+        views = [framework_view(v, model, layout, s, batch, b, cluster.framework, precision)
+                 for s, v in zip(stages, views)]
     times = [stage_seconds(model, layout, s, batch, v, cluster, b, attention) for s, v in zip(stages, views)]
     slow = max(times, key=lambda x: x["compute_mb"] + x["critical_mb"])
     ticks = M + (S - 1) / layout.virtual  # the slowest stage's micro-batches, plus the fill and drain

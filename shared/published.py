@@ -169,28 +169,31 @@ def _gpt(layers: int, dim: int, heads: int, vocab: int = 51200, dropout: bool = 
 # F 13 824; 70B L 80, D 8192, 64 heads with 8 K/V heads (GQA), F 28 672; V 32 000, T 4096, SwiGLU, RoPE
 _L2_13 = Model(40, 5120, 40, 32000, 4096, ffn_dim=13824, gated=True, rope=True)
 _L2_70 = Model(80, 8192, 64, 32000, 4096, kv_heads=8, ffn_dim=28672, gated=True, rope=True)
-_MEG = {"zero": 1, "sp": False, "virtual": 1}  # MT-NLG: "ZeRO" data parallelism (DeepSpeed's pipeline
+_MEG = {"zero": 1, "sp": False, "virtual": 1, "pp_scatter": True}  # MT-NLG: "ZeRO" data parallelism (DeepSpeed's pipeline
 #   engine takes stage 1 only); BLOOM §3.4: ZeRO stage 1
 _KORT = {"zero": 0, "sp": True, "recompute": "selective"}
+_MEGATRON = {"framework": "megatron"}  # sp's backward all-gathers again (shared/plan_framework.py)
+_DEEPSPEED = {"overlap": "none", "framework": "deepspeed"}  # the pipeline engine: blocking p2p, partitioned
+#   sends (pipe_partitioned, pp_scatter above), the reduction after the flush (shared/plan_framework.py)
 _FSDP = {"zero": 3, "sp": False}
 _TITAN = {"overlap": "backward", "precision": "mixed-fp32-grads"}  # FSDP2 prefetch; reduce_dtype float32
 _OPA = 4 * 100e9 / 8 / 8  # BLOOM's Jean Zay: 4 × 100 Gb/s Omni-Path per node of 8 GPUs, bytes/s per GPU
 
 OTHER_RUNS = (
     ("Korthikanti 2022 Table 5", "Korthikanti 22B t=8 p=1 8 A100", _gpt(48, 6144, 64), "a100-80gb", 8, 4,
-     {"tp": 8, "pp": 1}, _KORT | {"microbatches": 1}, "math", (1,), "full", 0.415 * 312, {}),
+     {"tp": 8, "pp": 1}, _KORT | {"microbatches": 1}, "math", (1,), "full", 0.415 * 312, _MEGATRON),
     ("Korthikanti 2022 Table 5", "Korthikanti 175B t=8 p=8 64 A100", _gpt(96, 12288, 96), "a100-80gb", 64, 64,
-     {"tp": 8, "pp": 8}, _KORT | {"microbatches": 64}, "math", (1, 2, 3, 4, 6), "full", 0.514 * 312, {}),
+     {"tp": 8, "pp": 8}, _KORT | {"microbatches": 64}, "math", (1, 2, 3, 4, 6), "full", 0.514 * 312, _MEGATRON),
     ("Korthikanti 2022 Table 5", "Korthikanti 530B t=8 p=35 280 A100", _gpt(105, 20480, 128), "a100-80gb", 280,
-     280, {"tp": 8, "pp": 35}, _KORT | {"microbatches": 280}, "math", (1, 3), "full", 0.560 * 312, {}),
+     280, {"tp": 8, "pp": 35}, _KORT | {"microbatches": 280}, "math", (1, 3), "full", 0.560 * 312, _MEGATRON),
     ("Korthikanti 2022 Table 5", "Korthikanti 1T t=8 p=64 512 A100", _gpt(128, 25600, 160), "a100-80gb", 512,
-     512, {"tp": 8, "pp": 64}, _KORT | {"microbatches": 512}, "math", (1, 2), "full", 0.563 * 312, {}),
+     512, {"tp": 8, "pp": 64}, _KORT | {"microbatches": 512}, "math", (1, 2), "full", 0.563 * 312, _MEGATRON),
     # Table 5's "Full Recompute" column: the same runs before this work (tensor parallelism without sp, every
     # block recomputed), 1.42 / 18.13 / 49.05 / 94.42 s against 1.10 / 13.75 / 37.83 / 71.49 s: the MFU above
     # × their ratio (in the same "full" convention: the recomputed forward is not model FLOPs)
     *(("Korthikanti 2022 Table 5", f"Korthikanti {size} full recompute t=8 p={p} {g} A100", m, "a100-80gb", g, g if
        size != "22B" else 4, {"tp": 8, "pp": p}, _KORT | {"sp": False, "recompute": "full", "microbatches": mb},
-       "math", vs, "full", mfu * 312 * new / old, {})
+       "math", vs, "full", mfu * 312 * new / old, _MEGATRON)
       for size, m, p, g, mb, vs, mfu, new, old in (
           ("22B", _gpt(48, 6144, 64), 1, 8, 1, (1,), 0.415, 1.10, 1.42),
           ("175B", _gpt(96, 12288, 96), 8, 64, 64, (1, 2, 3, 4, 6), 0.514, 13.75, 18.13),
@@ -198,11 +201,11 @@ OTHER_RUNS = (
           ("1T", _gpt(128, 25600, 160), 64, 512, 512, (1, 2), 0.563, 71.49, 94.42))),
     *(("MT-NLG 2022", f"MT-NLG 530B t=8 p=35 dp={dp} {280 * dp} A100", _gpt(105, 20480, 128), "a100-80gb",
        280 * dp, 1920, {"tp": 8, "pp": 35}, _MEG | {"recompute": "full", "microbatches": 1920 // dp}, "math",
-       (1,), "megatron", tflops, {"overlap": "none"}) for dp, tflops in ((8, 126), (10, 121), (12, 113))),
+       (1,), "megatron", tflops, _DEEPSPEED) for dp, tflops in ((8, 126), (10, 121), (12, 113))),
     ("BLOOM 2022", "BLOOM 176B t=4 p=12 dp=8 384 A100",
      _gpt(70, 14336, 112, 250880, dropout=False, rope=True), "a100-80gb", 384, 2048, {"tp": 4, "pp": 12},
      _MEG | {"recompute": "full", "microbatches": 128, "trim": 1}, "math", (1,), "megatron", 150,
-     {"overlap": "none", "omnipath": True}),
+     _DEEPSPEED | {"omnipath": True, "precision": "mixed-fp32-grads"}),
     *(("torchtitan 2024", f"torchtitan {name} fsdp=64 T={m.seq} 64 A100", m, "a100-80gb", 64, batch,
        {"tp": 1, "pp": 1}, _FSDP | {"recompute": rc}, "flash", (1,), "full", mfu * 312, _TITAN)
       for name, m, batch, rc, mfu in (("Llama 3 70B", PRESETS["llama3-70b"], 64, "full", 0.517),
@@ -239,7 +242,7 @@ def published_rows(matmul: str = "shapes", efficiency: float | None = None, data
     for params, heads, hidden, layers, t, p, gpus, batch, tflops in MEGATRON_TABLE1:
         model = Model(layers, hidden, heads, 51200, 2048, dropout=True, bias=True, tied=True)
         # Megatron-LM 2021: the gradients all-reduced after the backward (overlap none)
-        cl = cluster("a100-80gb", gpus, datasheet, matmul=matmul, overlap="none",
+        cl = cluster("a100-80gb", gpus, datasheet, matmul=matmul, overlap="none", framework="megatron",
                      **({"efficiency": efficiency} if efficiency else {}))
         per = layers // p
         vs = [v for v in range(1, per + 1) if per % v == 0 and v <= 8] if p > 1 else [1]
