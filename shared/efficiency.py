@@ -62,6 +62,13 @@ SOURCES = {
     "calculon-net": "Calculon's system files (a100_80g.json, h100_80g_nvl8.json, networks[].processor_usage): "
                     "a collective overlapped with compute takes 0.15 of the compute's rate over NVLink, 0.02 over "
                     "the NIC, while it runs",
+    "gpu-h200": "this project's measurement on a lent H200 (docs/gpu/h200_bench.json and h200_profile.json, "
+                "compare.py bench --world-size 1 --device gpu --profile, provenance inside: torch 2.11, CUDA 13.0, "
+                "2026-11-25): bf16 square matmuls under CUDA graphs (kernels only) at 811 TFLOP/s for n = 4096 "
+                "(0.82 of 989), 723 at 2048 and 8192; a device copy at 3.82 TB/s read + write (0.80 of 4.8). The "
+                "squares fall to 375 TFLOP/s at 1024 and 73 at 512, kernels of a few µs whose time is their "
+                "launch: a training GEMM with one side of 512–1024 and the others of thousands is far larger "
+                "and faster, so the measured squares are not the size table (size-assumed stays)",
     "alpha-assumed": "α (per-call latency) has no vendor figure: 5 µs inside a node, 10 µs across, an assumption "
                      "of the order of nccl-tests' small-message times",
 }
@@ -71,6 +78,7 @@ HBM_COPY = 0.9  # "calculon-mem": of the datasheet, transfers >= 100 MB
 OVERLAP_COST = (0.15, 0.02)  # "calculon-net": (intra, inter)
 HBM_TABLE = ((0, 0.3 / 0.9), (10 ** 6, 0.6 / 0.9), (10 ** 7, 0.75 / 0.9), (10 ** 8, 1.0))  # "calculon-mem"
 ALPHA_INTRA, ALPHA_INTER = 5e-6, 10e-6  # "alpha-assumed"
+H200_TOP, H200_COPY = round(810.72e12 / 989e12, 4), 3.8214e12  # "gpu-h200": docs/gpu/h200_bench.json, bf16 4096³; memcpy
 
 
 def _scaled(table, top):
@@ -111,12 +119,14 @@ TABLES = {
                       "hbm_copy": "h100-datasheet calculon-mem", "intra": "nccl-212 alpha-assumed",
                       "inter": "nccl-290 alpha-assumed", "overlap_cost": "calculon-net"}},
     "h200": {"peaks": {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp64": 67e12},
-             "memory": 143771 * MiB, "matmul": _scaled(SIZE_TABLE, 0.79), "hbm_copy": HBM_COPY * 4.8e12,
+             # the largest GEMMs and the copy as this project measured them on an H200 (gpu-h200), the size
+             # table the assumed one: squares understate GEMMs whose other sides are large (gpu-h200)
+             "memory": 143771 * MiB, "matmul": _scaled(SIZE_TABLE, H200_TOP), "hbm_copy": H200_COPY,
              "hbm_table": HBM_TABLE,
              "intra": _H100_LINKS[0], "inter": _H100_LINKS[1], "overlap_cost": OVERLAP_COST,
              # the H200's NVLink and NIC are the H100's (h200-datasheet): the H100's measured figures reused
-             "cite": {"peaks": "h200-datasheet", "memory": "smi-h200", "matmul": "h100-gemm xla-sm90 size-assumed",
-                      "hbm_copy": "h200-datasheet calculon-mem", "intra": "nccl-212 alpha-assumed",
+             "cite": {"peaks": "h200-datasheet", "memory": "smi-h200", "matmul": "gpu-h200 size-assumed",
+                      "hbm_copy": "gpu-h200", "intra": "nccl-212 alpha-assumed",
                       "inter": "nccl-290 alpha-assumed", "overlap_cost": "calculon-net"}},
 }
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from shared import efficiency
-from shared.plan_framework import FRAMEWORKS, check, critical_recv, framework_view  # noqa: F401 - --framework
+from shared.plan_framework import FRAMEWORKS, accumulate_seconds, check, critical_recv, framework_view  # noqa: F401
 from shared.theory import BUSBW_FACTOR
 from shared.theory.dp import zero_state  # noqa: F401 - the formulas the runs are checked against, re-exported:
 from shared.theory.layout import Layout, Model  # noqa: F401   plan.comm is theory.mesh.comm, one form
@@ -420,6 +420,12 @@ def predict(model: Model, layout: Layout, cluster: Cluster, batch: int, b: int =
         views = [framework_view(v, model, layout, s, batch, b, cluster.framework, precision)
                  for s, v in zip(stages, views)]
     times = [stage_seconds(model, layout, s, batch, v, cluster, b, attention) for s, v in zip(stages, views)]
+    for s, x in zip(stages, times):  # the framework's own per-micro-batch work (DeepSpeed's fp32 accumulation)
+        extra = 0.0 if cluster.matmul == "flat" else accumulate_seconds(model, layout, s, cluster.framework,
+                                                                         precision, cluster.hbm_at(1e9))
+        if extra:
+            x["compute_mb"] += extra
+            x["parts_mb"]["accumulate"] = extra
     slow = max(times, key=lambda x: x["compute_mb"] + x["critical_mb"])
     ticks = M + (S - 1) / layout.virtual  # the slowest stage's micro-batches, plus the fill and drain
     # the data axis' traffic hides behind the backward (2/3 of a micro-batch's compute): every micro-batch's

@@ -27,7 +27,12 @@ run was trained by another framework, whose collectives differ in three places t
               parallelism in DeepSpeed PR #1801, 2022) accumulates fp32 gradients and the engine all-reduces
               them whole after the pipeline flush (PipelineEngine._exec_reduce_grads → _bf16_reduce_grads →
               buffered_allreduce_fallback over the fp32 flat buffers; ZeRO-1 then shards only the update):
-              an all-reduce of 4 bytes per gradient element where ZeRO-1's reduce-scatter sends half as much.
+              an all-reduce of 4 bytes per gradient element where ZeRO-1's reduce-scatter sends half as much;
+              the tied embedding's gradient all-reduced between the first and last stage is the fp32 one too
+              (_exec_reduce_tied_grads: weight._hp_grad). And after every micro-batch's backward on every stage
+              but the last, the bf16 gradients are added into the fp32 ones (PipelineEngine._exec_backward_pass
+              → BF16_Optimizer.update_hp_grads: hp_grad.add_(lp.grad.to(float32)) per parameter, two
+              memory-bound kernels: 2 + 4 bytes for the cast, 4 + 4 + 4 for the add = 18 bytes per element).
 """
 
 from __future__ import annotations
@@ -57,6 +62,9 @@ def framework_view(view: dict, model: Model, layout: Layout, stage: int, batch: 
     if framework == "deepspeed" and precision == "mixed-fp32-grads":
         label = layout.grad_label or layout.data_axis
         ops = out.get(label, {})
+        if "all_reduce" in out.get("pp", {}):  # the tied embedding's fp32 gradient
+            cnt, nb = out["pp"]["all_reduce"]
+            out["pp"]["all_reduce"] = (cnt, 2 * nb)
         if layout.zero == 1 and "reduce_scatter" in ops:  # the fp32 gradients all-reduced whole (2 × 2 bytes
             cnt, nb = ops.pop("reduce_scatter")  # of bf16 the ledgers count: plan.fp32_grads doubles it)
             ops["all_reduce"] = (cnt, nb)
@@ -66,3 +74,17 @@ def framework_view(view: dict, model: Model, layout: Layout, stage: int, batch: 
 def critical_recv(framework: str, label: str) -> bool:
     """Whether a receive on axis ``label`` waits on the critical path (DeepSpeed's blocking pipeline recv)."""
     return framework == "deepspeed" and label == "pp"
+
+
+ACCUMULATE_BYTES = 18  # DeepSpeed's update_hp_grads per element: cast (read 2, write 4), add (read 4 + 4, write 4)
+
+
+def accumulate_seconds(model: Model, layout: Layout, stage: int, framework: str, precision: str,
+                       hbm: float) -> float:
+    """Seconds per micro-batch that ``framework`` spends outside the model on ``stage``: DeepSpeed's bf16
+    pipeline adds each micro-batch's bf16 gradients into fp32 ones on every stage but the last
+    (ACCUMULATE_BYTES per element of the stage's parameters on one rank, at ``hbm`` bytes/s)."""
+    if framework != "deepspeed" or precision != "mixed-fp32-grads" or stage == layout.pp - 1:
+        return 0.0
+    sp = stage_params(model, layout, stage)
+    return ACCUMULATE_BYTES * (sp["units"] + sp["vectors"]) / hbm

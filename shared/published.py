@@ -144,8 +144,10 @@ def _gpt(layers: int, dim: int, heads: int, vocab: int = 51200, dropout: bool = 
 #   batch 1920, tp 8 × pp 35 on 280 / 350 / 420 DGX A100 80 GB nodes (Selene): 60.1 / 50.2 / 44.4 s per
 #   iteration = 126 / 121 / 113 TFLOP/s per GPU in Narayanan et al.'s eq. 3 (recomputation counted:
 #   "megatron"; checked: 126.0 at 60.1 s);
-#   DeepSpeed's 1F1B pipeline engine (no interleaving: v = 1), micro-batch 1, full activation checkpointing,
-#   the gradient reduction after the pipeline flush (overlap none). GPT-2's BPE padded to 51 200.
+#   DeepSpeed's 1F1B pipeline engine (no interleaving: v = 1; framework "deepspeed": its blocking p2p and
+#   partitioned sends, shared/plan_framework.py), micro-batch 1, full activation checkpointing, fp16 (its
+#   FP16 ZeRO-1 optimizer: no fp32 gradient accumulation), the gradient reduction after the pipeline flush
+#   (overlap none). GPT-2's BPE padded to 51 200.
 # BLOOM 176B (BigScience 2022, arXiv:2211.05100 §3.4: Megatron-DeepSpeed on Jean Zay, 48 nodes × 8 A100
 #   80 GB; tp 4 × pp 12 × dp 8, ZeRO stage 1, bf16, micro-batch 2, global batch 2048; 70 layers, h 14 336,
 #   112 heads, V 250 880, ALiBi (no position table), biases, the embedding tied; the model card
@@ -153,7 +155,9 @@ def _gpt(layers: int, dim: int, heads: int, vocab: int = 51200, dropout: bool = 
 #   Megatron-DeepSpeed's eq. 3 count with activation checkpointing: "megatron"). DeepSpeed's pipeline:
 #   v = 1; 70 blocks + the embedding and the tied head counted as one layer each on 12 stages (its
 #   "type:transformer|embedding" partition): 5 + 10·6 + 5 blocks, trim = 1. Full recomputation (the
-#   training scripts' --checkpoint-activations). No dropout (176B: hidden and attention dropout 0.0).
+#   training scripts' --checkpoint-activations). No dropout (176B: hidden and attention dropout 0.0). bf16
+#   under DeepSpeed's pipeline: its BF16_Optimizer (fp32 gradients accumulated per micro-batch and
+#   all-reduced whole: precision "mixed-fp32-grads" with framework "deepspeed", shared/plan_framework.py).
 #   Network: 4 Omni-Path 100 Gb/s links per node (§3.4.1) = 6.25 GB/s per GPU, at line rate (no nccl-tests
 #   figure for Omni-Path found: the fast side).
 # torchtitan (Liang et al. 2024, arXiv:2410.06511; the repository's docs/performance.md, 2024): Llama 3 and

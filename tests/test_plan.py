@@ -645,8 +645,8 @@ def test_frameworks_send_what_their_source_sends():
     backward (2 more all-gathers of A per block and micro-batch), which brings sp's gain on Korthikanti et
     al.'s 22B layer (t = 8, micro-batch 4, their Table 4: 3 %, 19.6 → 19.0 ms) from the ~10 % the
     repository's sp would save to a few %; DeepSpeed's blocking pipeline receives wait on the critical path
-    (a middle stage's pp time doubles) and its BF16_Optimizer all-reduces fp32 gradients whole; an unknown
-    framework is refused."""
+    (a middle stage's pp time doubles) and its BF16_Optimizer all-reduces fp32 gradients whole, after adding
+    each micro-batch's bf16 ones into them; an unknown framework is refused."""
     from shared.published import _gpt
 
     m, cl = _gpt(48, 6144, 64), plan.Cluster.preset("a100-80gb", 8)
@@ -671,5 +671,11 @@ def test_frameworks_send_what_their_source_sends():
     view = plan.fp32_grads(plan.comm(m, z1, 0, 8, 2), z1)
     ds_view = plan.framework_view(view, m, z1, 0, 8, 2, "deepspeed", "mixed-fp32-grads")
     assert ds_view["dp"]["all_reduce"] == view["dp"]["reduce_scatter"] and "reduce_scatter" not in ds_view["dp"]
+    # its bf16 pipeline adds each micro-batch's bf16 gradients into fp32 ones on every stage but the last
+    two = plan.Layout(pp=2, microbatches=4)
+    acc = lambda s, prec: plan.accumulate_seconds(m, two, s, "deepspeed", prec, 1e12)
+    first = plan.stage_params(m, two, 0)
+    assert acc(0, "mixed-fp32-grads") == 18 * (first["units"] + first["vectors"]) / 1e12
+    assert acc(1, "mixed-fp32-grads") == 0 == acc(0, "mixed")
     with pytest.raises(ValueError, match="unknown framework"):
         plan.Cluster.preset("h100", 8, framework="jax")
