@@ -406,9 +406,10 @@ def test_published_runs_predicted_within_their_error(measured):
     The table is printed (docs/plan.md shows it). Asserted: every published layout fits (best() keeps fitting
     layouts only and other_rows refuses a run with none); the cited figures lower the Megatron rows' median
     error against the datasheet figures; and regression guards at what the model reaches today (all rows:
-    median 11.2 %, worst 38.0 %: MT-NLG's DeepSpeed pipeline runs; Megatron median 11.2 %, worst 14.7 %), a
-    margin of ~1.5 points (the search's ties may shift). Issue 35's bounds (median ≤ 10 %, worst ≤ 25 %) are
-    not reached: test_published_runs_within_issue_35s_bounds, strict xfail, turns when they are."""
+    median 9.0 %, worst 39.9 %: MT-NLG's DeepSpeed pipeline runs; Megatron median 11.2 %, worst 14.7 %;
+    Korthikanti worst 10.4 %, with Megatron's sp re-gather), a margin of ~1.5 points (the search's ties may
+    shift). Issue 35's worst-case bound (≤ 25 %) is not reached: test_published_runs_within_issue_35s_bounds,
+    strict xfail, turns when it is."""
     from shared.published import markdown, published_rows, summary
 
     before, after = published_rows(datasheet=True), published_rows()
@@ -421,13 +422,13 @@ def test_published_runs_predicted_within_their_error(measured):
     assert median(meg_a) < median(meg_b) - 0.03
     assert median(meg_a) <= 0.125 and all(abs(e) <= 0.175 for e in meg_a)
     errs = [r["error"] for r in after]
-    assert median(errs) <= 0.125 and max(abs(e) for e in errs) <= 0.40
+    assert median(errs) <= 0.105 and max(abs(e) for e in errs) <= 0.415
     kort = [r["error"] for r in after if r["paper"].startswith("Korthikanti")]
-    assert all(abs(e) <= 0.15 for e in kort)  # both policies: selective + sp, and full recompute
+    assert all(abs(e) <= 0.12 for e in kort)  # both policies: selective + sp, and full recompute
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35 open: MT-NLG (+32..38 %) and one Llama 3 row (+31 % at the "
-                                       "planner's v = 8) lie beyond 25 %; the median is 11.2 %")
+@pytest.mark.xfail(strict=True, reason="issue 35 open: MT-NLG (+34..40 %) and one Llama 3 row (+31 % at the "
+                                       "planner's v = 8) lie beyond 25 %; the median is 9.0 %")
 def test_published_runs_within_issue_35s_bounds():
     """Issue 35's Done-when: median absolute error ≤ 10 % and worst ≤ 25 % over every published run, blind."""
     from shared.published import published_rows
