@@ -240,6 +240,9 @@ def make_inputs(args):
         raise ValueError(f"--pin v={v}: {model.layers} layers do not split into pp={want['pp']} × v={v} equal chunks")
     if v > 1 and (model.layers + 2 * trim) % v:
         raise ValueError(f"--pin v={v}: {model.layers} layers do not split into {v} chunks per stage")
+    if v > 1 and cluster.framework == "deepspeed":
+        raise ValueError(f"--pin v={v} with --framework deepspeed: DeepSpeed's pipeline engine runs 1F1B only "
+                         "(TrainSchedule, no interleaving); drop v or choose another --framework")
     if "sp" in pins and pins["sp"] and want.get("tp", 0) == 1:
         raise ValueError("--pin sp=on needs tp > 1, and --layout has tp=1")
     return model, cluster, want, pins
@@ -302,7 +305,8 @@ def plan_main(argv) -> int:
                   f"V={model.vocab} T={model.seq} {mlp}{moe}), global batch {args.global_batch} × "
                   f"{model.seq} tokens, {args.precision} {args.dtype}; {cluster.gpus} GPUs ({cluster.gpus_per_node} "
                   f"per node, {_gib(cluster.memory)} GiB, {cluster.flops / 1e12:.0f} TFLOP/s, matmuls: "
-                  f"{cluster.matmul} × {cluster.efficiency}); "
+                  f"{cluster.matmul} × {cluster.efficiency}"
+                  + ("" if cluster.framework == "torchtitan" else f", as {cluster.framework} runs it") + "); "
                   f"{len(fit) + len(over)} layouts in {seconds:.2f} s: {len(fit)} fit")
     table = Table(title="fastest layouts that fit (1F1B, or interleaved with v chunks per rank)")
     for col in ("#", "layout", "M×m", "v", "ZeRO", "sp", "recompute", "params/grads/opt/act GiB", "total / usable GiB",

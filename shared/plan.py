@@ -534,7 +534,8 @@ def layouts(model: Model, cluster: Cluster, batch: int, recompute=RECOMPUTE, zer
                     sizes = (batch // (d * M),) if batch % (d * M) == 0 else ()
                 else:
                     sizes = tuple(s for s in (1, 2, 4, 8, 16, 32) if batch % (d * s) == 0)
-                vs = (pins["virtual"],) if "virtual" in pins else (1, 2, 4) if p > 1 else (1,)
+                vs = (pins["virtual"],) if "virtual" in pins else (1, 2, 4) if p > 1 and \
+                    cluster.framework != "deepspeed" else (1,)  # DeepSpeed's TrainSchedule: 1F1B only
                 for e in (_divisors(model.experts) if model.moe else [1]):
                     for z in zero:
                         for mbs in sizes:

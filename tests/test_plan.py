@@ -562,6 +562,7 @@ def test_profile_load_refuses_what_it_cannot_use(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--gpu", "b200"], "known: a100-40gb, a100-80gb, h100, h200"),
+    (["--layers", "8", "--pin", "v=2", "--framework", "deepspeed"], "runs 1F1B only"),
     (["--preset", "llama9"], "known: llama3-8b"),
     (["--gpus", "256", "--layout", "fsdp=128,tp=8,pp=16"], "multiply to 16384 GPUs, not --gpus 256"),
     (["--gpus", "256", "--layout", "tp=8,pp=3"], "does not divide --gpus 256"),
@@ -585,10 +586,11 @@ def test_cli_plan_preset_gpu_and_pins(tmp_path):
     out = tmp_path / "plan.json"
     run = subprocess.run([sys.executable, "compare.py", "plan", "--preset", "llama3-8b", "--gpu", "a100-40gb",
                           "--gpus", "64", "--global-batch", "256", "--dtype", "float16",
-                          "--pin", "zero=1,recompute=full,sp=off,v=2", "--json", str(out)],
+                          "--pin", "zero=1,recompute=full,sp=off,v=2", "--framework", "megatron", "--json", str(out)],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert "KV=8" in run.stdout and "SwiGLU F=14336" in run.stdout and "312 TFLOP/s" in run.stdout
+    assert "as megatron runs it" in run.stdout
     data = json.loads(out.read_text())
     assert data["n_fit"] > 0
     assert all((p["zero"], p["recompute"], p["sp"], p["virtual"]) == (1, "full", False, 2) for p in data["fit"])
