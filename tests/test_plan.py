@@ -428,7 +428,7 @@ def test_published_runs_predicted_within_their_error(measured):
 
 
 @pytest.mark.xfail(strict=True, reason="issue 35 open: MT-NLG (+34..40 %) and one Llama 3 row (+31 % at the "
-                                       "planner's v = 8) lie beyond 25 %; the median is 9.0 %")
+                                       "paper's v = 8) lie beyond 25 %; the median is 9.0 %")
 def test_published_runs_within_issue_35s_bounds():
     """Issue 35's Done-when: median absolute error ≤ 10 % and worst ≤ 25 % over every published run, blind."""
     from shared.published import published_rows
@@ -452,8 +452,8 @@ def test_published_memory_readings_bound_the_plan_from_above(measured):
 
 
 def test_llama3_rows_bracket_the_report_over_v():
-    """Meta does not publish v: each Llama 3 row's reported rate lies within 15 % of the prediction at one of
-    v = 1, 2, 4, 8 (docs/plan.md prints the four)."""
+    """Each Llama 3 row's reported rate lies within 15 % of the prediction at one of v = 1, 2, 4, 8
+    (docs/plan.md prints the four; the table pins v = 8, shared.published.LLAMA3_V)."""
     from shared.published import llama3_rows
 
     per_v = [llama3_rows(vs=(v,)) for v in (1, 2, 4, 8)]
