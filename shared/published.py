@@ -123,7 +123,9 @@ def llama3_rows(matmul: str = "shapes", efficiency: float | None = None, vs=(LLA
                      **({"efficiency": efficiency} if efficiency else {}))
         # context parallelism: K|V all-gathered (Meta's, §3.3.2: "we all-gather the key (K) and value (V) tensors")
         pins = {"zero": 3, "sp": True, "trim": 1} | ({"cp_style": "allgather"} if c > 1 else {})
-        pred = best(model, cl, batch, {"tp": t, "pp": p, "cp": c}, pins, "flash", list(vs))
+        # §3.3.2: "FP32 gradient accumulation during backward computation over multiple micro-batches and also
+        # reduce-scatter gradients in FP32 across data parallel workers in FSDP": fp32 gradients
+        pred = best(model, cl, batch, {"tp": t, "pp": p, "cp": c}, pins, "flash", list(vs), "mixed-fp32-grads")
         flops = batch * seq * model.flops_per_token("none")
         got = flops / (pred.time["step"] * gpus) / 1e12
         rows.append({"name": f"Llama 3 405B tp={t} cp={c} pp={p} dp={dp} T={seq} {gpus} H100", "reported": tflops,
