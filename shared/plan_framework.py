@@ -22,7 +22,10 @@ run was trained by another framework, whose collectives differ in three places t
               schedule with blocking pairs costs ≈ 4 transfers per micro-batch, the planner's default 2).
               With tensor parallelism its sends are partitioned (the pipeline config's defaults
               pipe_partitioned = grad_partitioned = True, deepspeed/runtime/config.py: 1/t of the
-              activation per rank, all-gathered over tp on arrival: the planner's ``pp_scatter``).
+              activation per rank, all-gathered over tp on arrival: the planner's ``pp_scatter``), and a
+              stage keeps only its 1/t of the output it sent, all-gathering it again before that
+              micro-batch's backward (PipelineEngine._exec_backward_pass: "Reconstruct if we previously
+              partitioned the output"): one more tp all-gather of A per micro-batch on every stage but the last.
               Under bf16 its BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py, added with bf16 + pipeline
               parallelism in DeepSpeed PR #1801, 2022) accumulates fp32 gradients and the engine all-reduces
               them whole after the pipeline flush (PipelineEngine._exec_reduce_grads → _bf16_reduce_grads →
@@ -59,6 +62,11 @@ def framework_view(view: dict, model: Model, layout: Layout, stage: int, batch: 
         extra = 2 * stage_params(model, layout, stage)["per"] * M
         cnt, nb = out["tp"].get("all_gather", (0, 0))
         out["tp"]["all_gather"] = (cnt + extra, nb + extra * act)
+    if framework == "deepspeed" and layout.pp_scatter and layout.tp > 1 and stage < layout.pp - 1 and "tp" in out:
+        M = layout.microbatches
+        act = batch // (layout.dp * M) * (model.seq // layout.cp) * model.dim * b
+        cnt, nb = out["tp"].get("all_gather", (0, 0))
+        out["tp"]["all_gather"] = (cnt + M, nb + M * act)
     if framework == "deepspeed" and precision == "mixed-fp32-grads":
         label = layout.grad_label or layout.data_axis
         ops = out.get(label, {})

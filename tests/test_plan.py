@@ -670,6 +670,12 @@ def test_frameworks_send_what_their_source_sends():
     ds, tt = (plan.comm_time(middle, pp, plan.Cluster.preset("a100-80gb", 8, framework=fw))["pp"]
               for fw in ("deepspeed", "torchtitan"))
     assert ds == pytest.approx(2 * tt, rel=1e-9)
+    # its partitioned sends: a stage but the last all-gathers its own output again before each backward
+    part = plan.Layout(tp=2, pp=4, microbatches=8, pp_scatter=True)
+    for s_, extra in ((0, 8), (3, 0)):
+        ours = plan.comm(m, part, s_, 16, 2)
+        theirs = plan.framework_view(ours, m, part, s_, 16, 2, "deepspeed", "mixed")
+        assert theirs["tp"]["all_gather"][0] == ours["tp"]["all_gather"][0] + extra
     z1 = plan.Layout(dp=8, zero=1)
     view = plan.fp32_grads(plan.comm(m, z1, 0, 8, 2), z1)
     ds_view = plan.framework_view(view, m, z1, 0, 8, 2, "deepspeed", "mixed-fp32-grads")
