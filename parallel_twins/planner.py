@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what the training framework sends and waits for beyond this repository's runs "
                         "(shared/plan_framework.py): torchtitan (these runs' DTensor), megatron (sp all-gathers "
                         "again in the backward), deepspeed (blocking pipeline p2p, partitioned sends, bf16 grads "
-                        "all-reduced in fp32)")
+                        "all-reduced in fp32) (default: torchtitan)")
     p.add_argument("--flops", choices=plan.FLOPS, default="causal",
                    help="MFU's model FLOPs: causal attention (this planner's default), full attention "
                         "(PaLM, Korthikanti eq. 7, torchtitan), megatron (full + the recomputed forward, Narayanan "
