@@ -78,7 +78,7 @@ HBM_COPY = 0.9  # "calculon-mem": of the datasheet, transfers >= 100 MB
 OVERLAP_COST = (0.15, 0.02)  # "calculon-net": (intra, inter)
 HBM_TABLE = ((0, 0.3 / 0.9), (10 ** 6, 0.6 / 0.9), (10 ** 7, 0.75 / 0.9), (10 ** 8, 1.0))  # "calculon-mem"
 ALPHA_INTRA, ALPHA_INTER = 5e-6, 10e-6  # "alpha-assumed"
-H200_TOP, H200_COPY = round(810.72e12 / 989e12, 4), 3.8214e12  # "gpu-h200": docs/gpu/h200_bench.json, bf16 4096³; memcpy
+H200_TOP, H200_COPY = round(810.72e12 / 989e12, 4), 3.8214e12  # "gpu-h200" (h200_bench.json): bf16 4096³; memcpy
 
 
 def _scaled(table, top):

@@ -9,10 +9,12 @@ run was trained by another framework, whose collectives differ in three places t
               critical path.
   megatron    Megatron-LM's sequence parallelism keeps the *sharded* input of each column-parallel linear
               and all-gathers it again in the backward for the weight gradient (megatron/core/
-              tensor_parallel/layers.py, LinearWithGradAccumulationAndAsyncCommunication.backward: "all-gather
-              is launched asynchronously" into a global buffer, waited on before the weight gradient):
-              two more all-gathers of the block's input per block and micro-batch (before W_qkv and the
-              MLP's first matrix), on the critical path as the planner counts Megatron's other tp traffic.
+              tensor_parallel/layers.py, LinearWithGradAccumulationAndAsyncCommunication.backward: an async
+              all-gather into a global buffer, "scheduled before the input gradient computation" and waited
+              on before the weight gradient): two more all-gathers of the block's input per block and
+              micro-batch (before W_qkv and the MLP's first matrix). Megatron overlaps it with the input
+              gradient's GEMM, as it does its backward tp all-reduce; the planner credits neither (tp traffic
+              on the critical path, ``tp_overlap`` off), and so reproduces Table 4's layer times (docs/plan.md).
               Korthikanti et al. 2022 (arXiv:2205.05198) measure sp's gain on one 22B layer at 3 % (their
               Table 4: 19.6 → 19.0 ms); without the re-gather the planner put it at 10 %.
   deepspeed   DeepSpeed's pipeline engine (deepspeed/runtime/pipe/): TrainSchedule.steps() issues a

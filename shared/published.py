@@ -183,8 +183,8 @@ def _gpt(layers: int, dim: int, heads: int, vocab: int = 51200, dropout: bool = 
 # F 13 824; 70B L 80, D 8192, 64 heads with 8 K/V heads (GQA), F 28 672; V 32 000, T 4096, SwiGLU, RoPE
 _L2_13 = Model(40, 5120, 40, 32000, 4096, ffn_dim=13824, gated=True, rope=True)
 _L2_70 = Model(80, 8192, 64, 32000, 4096, kv_heads=8, ffn_dim=28672, gated=True, rope=True)
-_MEG = {"zero": 1, "sp": False, "virtual": 1, "pp_scatter": True}  # MT-NLG: "ZeRO" data parallelism (DeepSpeed's pipeline
-#   engine takes stage 1 only); BLOOM §3.4: ZeRO stage 1
+_MEG = {"zero": 1, "sp": False, "virtual": 1, "pp_scatter": True}  # MT-NLG: "ZeRO" data parallelism (DeepSpeed's
+#   pipeline engine takes stage 1 only); BLOOM §3.4: ZeRO stage 1; pp_scatter: its partitioned sends
 _KORT = {"zero": 0, "sp": True, "recompute": "selective"}
 _MEGATRON = {"framework": "megatron"}  # sp's backward all-gathers again (shared/plan_framework.py)
 _DEEPSPEED = {"overlap": "none", "framework": "deepspeed"}  # the pipeline engine: blocking p2p, partitioned
