@@ -25,6 +25,8 @@ Per GPU, per training step:
            ``matmul="flat"``: FLOPs at ``efficiency`` × peak), plus tp/cp/ep/pp messages on the critical
            path (α–β per link: t = α + S·busbw_factor/β); the step is (M + (pp − 1)/v) slowest micro-batches
            plus the data axis' traffic not hidden behind the backward pass and the optimizer step.
+  framework  what Megatron's or DeepSpeed's runtime sends and waits for beyond the ledgers' bytes
+           (``Cluster.framework``: shared/plan_framework.py, each from the framework's source).
 """
 
 from __future__ import annotations
