@@ -74,7 +74,8 @@ from torch_impl.parallel.compose_axes import (  # noqa: F401  (ComposeError, che
 from torch_impl.parallel.fsdp import FSDP, average_flat
 from torch_impl.parallel.tp import check_plan, matches, unshard
 
-NOT_DERIVED = "fsdp × pp: the all-gathers and reduce-scatters per micro-batch are not derived (comm_theory omits them)"
+NOT_DERIVED = ("explicit fsdp × pp, and builtin fsdp × pp under 1f1b: the all-gathers and reduce-scatters per "
+               "micro-batch are not derived (comm_theory omits them)")
 
 
 class Trainer:
@@ -114,6 +115,7 @@ class Trainer:
         if self.S > 1 and self.t > 1 and style == "builtin" and self.s == self.S - 1:
             local_logits(self.module)  # the pipeline passes plain tensors; self._loss wraps them again
         self._loss = stage_loss(loss, self.styles, mesh["tp"] if self.t > 1 else None, style)
+        self.schedule_name = schedule
         self.schedule = apply_pp(self.run, self.s, self.S, mesh["pp"], self._loss, self.M, schedule,
                                  scale_grads=self.fsdp is None) if self.S > 1 else None
 
@@ -195,11 +197,12 @@ class Trainer:
         tp (explicit: per micro-batch one g per rowwise module and the embedding, one f per input of
         colwise modules and the head, the vocabulary CE's MAX + SUM; builtin: one f per colwise
         module, loss_parallel's 3), pp (M messages of A per boundary each way), cp (the ring: 3c−2
-        K|V messages per seam call), dp (one flat all-reduce), fsdp without pp (explicit: the FSDP
-        wrapper's own theory; builtin: FSDP2 gathers each unit in forward and again in backward, the
-        root once, and reduce-scatters each once, dim 0 padded to the group size) and the world's
-        (loss, flag). Not derived: fsdp under pp (gathers per micro-batch as the schedule and FSDP's
-        resharding decide): absent from the result, NOT_DERIVED says so."""
+        K|V messages per seam call), dp (one flat all-reduce), fsdp (explicit without pp: the FSDP
+        wrapper's own theory; builtin, GPipe: FSDP2 gathers each unit in every micro-batch's forward
+        and once in backward — the pipeline keeps it unsharded until the last backward — so M + 1
+        times, the root once, and reduce-scatters each once, dim 0 padded to the group size) and the
+        world's (loss, flag). Not derived: explicit fsdp under pp, builtin under 1f1b (where a
+        backward lands between forwards): absent from the result, NOT_DERIVED says so."""
         out: dict[str, dict[str, tuple[int, int]]] = {}
 
         def add(label, op, n, nbytes):
@@ -229,14 +232,14 @@ class Trainer:
             a, k = sum(n * item for n, item in self.last["kv"]), (3 * self.c - 2) * len(self.last["kv"])
             add("cp", "send", k, (3 * self.c - 2) * 2 * a)
             add("cp", "recv", k, (3 * self.c - 2) * 2 * a)
-        if self.data == "fsdp" and self.d > 1 and self.S > 1:
+        if self.data == "fsdp" and self.d > 1 and self.S > 1 and (self.fsdp2 == [] or self.schedule_name != "gpipe"):
             pass  # NOT_DERIVED
         elif self.fsdp is not None:
             for op, (n, nbytes) in self.fsdp.comm_theory().items():
                 add(self.grad_label, op, n, nbytes)
-        elif self.fsdp2:  # a unit: gathered in forward and again in backward; the root once
+        elif self.fsdp2:  # a unit: gathered in each micro-batch's forward and once in backward; the root once
             for path, nbytes, trainable in self.fsdp2:
-                k = 1 if path == "" else 2
+                k = 1 if path == "" else M + 1
                 add(self.grad_label, "all_gather", k, k * nbytes)
                 if trainable:
                     add(self.grad_label, "reduce_scatter", 1, nbytes)
