@@ -74,7 +74,7 @@ def refusal(layout: dict[str, int], style: str) -> str | None:
 
 
 
-# --- wrap-time checks ---------------------------------------------------------------------------
+# --- refusals before anything changes ---------------------------------------------------------------
 
 
 def check_split(root, sp: Split, stages: int) -> int:
@@ -145,7 +145,7 @@ def check_plan(root, sp: Split, plan: dict[str, str], tp: int) -> dict[str, str]
     return out
 
 
-# --- the pieces: a module's flat Params, tp's stand-ins --------------------------------------------
+# --- one piece per axis: pp's flat Params per stage, tp's stand-ins ---------------------------------
 
 
 def resolve(root, path: str):
