@@ -87,8 +87,9 @@ def _one(axes: tuple):
 
 def rules(cfg: Config):
     """(fixture name, shape in the TP layout) -> mesh axes per dim of ONE (unstacked) parameter:
-    tp.TRANSFORMER_RULES when the layout has tp, and under fsdp dim 0 of every ≥2-D array further
-    split over the fsdp(+cp) group (after tp: tp-major, so the gather over fsdp yields the tp shard)."""
+    tp.FIXTURE_PLAN's (parallel.tp.plan_rules) when the layout has tp, and under fsdp dim 0 of every
+    ≥2-D array further split over the fsdp(+cp) group (after tp: tp-major, so the gather over fsdp
+    yields the tp shard)."""
     tp_rule = tp.tp_rules(cfg, "megatron") if "tp" in names(cfg) else (lambda name, shape: P())
     shard = fsdp_axes(cfg)
 

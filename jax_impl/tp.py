@@ -1,11 +1,11 @@
 """Tensor parallelism (TP) in JAX, the runner: every weight matrix split over the mesh axis "tp";
 every device sees the full batch.
 
-A TP layout is a RULES function, ``tp_rules(cfg, variant)(name, shape) -> PartitionSpec`` (the twin
-of torch_impl.tp's plan). Transformer (TRANSFORMER_RULES): wte P("tp", None) (vocab-parallel),
-attn.qkv held as (D, 3, D) and split P(None, None, "tp") (whole heads), attn.o P("tp", None),
-mlp.up P(None, "tp"), mlp.down P("tp", None), head P(None, "tp") (logits never gathered); norms
-and wpe replicated.
+A TP layout is a RULES function, ``tp_rules(cfg, variant)(name, shape) -> PartitionSpec``; the
+transformer's is its module-path plan (FIXTURE_PLAN through parallel.tp.plan_rules, torch's
+vocabulary): wte P("tp", None) (vocab-parallel), attn.qkv held as (D, 3, D) and split
+P(None, None, "tp") (whole heads), attn.o P("tp", None), mlp.up P(None, "tp"), mlp.down P("tp", None),
+head P(None, "tp") (logits never gathered); norms and wpe replicated.
 
 shard_map: Megatron's f = pcast(x, to="varying") (identity fwd, psum bwd) before each column-parallel
 matmul, g = psum (identity bwd) after each row-parallel one and the embedding; the vocab-parallel
@@ -26,7 +26,6 @@ et al. 2022 (arXiv:2205.05198 §4.2.2).
 
 from __future__ import annotations
 
-from fnmatch import fnmatch
 from types import SimpleNamespace
 
 import jax
@@ -40,6 +39,7 @@ from jax_impl import transformer
 from jax_impl.devices import make_mesh
 from jax_impl.harness import Setup, leaves_fixture, train_loop, trainer_setup
 from jax_impl.model import build_model, gelu, inputs, jax_dtype, make_optimizer, output_loss, targets
+from jax_impl.parallel.tp import plan_rules
 from jax_impl.parallel.tree import fetch
 from jax_impl.parallel.typed import InMesh, Stated, explicit_mesh
 from jax_impl.tp_typed import layer_kinds
@@ -54,17 +54,14 @@ VARIANTS = (("shard_map", "allgather"), ("shard_map", "megatron"), ("jit", "allg
             ("typed", "allgather"), ("typed", "megatron"), ("shard_map", "megatron_sp"), ("jit", "megatron_sp"),
             ("typed", "megatron_sp"))
 KERNEL_AXES = {"col": (None, "tp"), "row": ("tp", None)}  # MLP: W_l's columns / rows split over "tp"
-TRANSFORMER_RULES = {
-    "wte.weight": ("tp", None),
-    "blocks.*.attn.qkv.weight": (None, None, "tp"),  # (D, 3, D): whole heads
-    "blocks.*.attn.o.weight": ("tp", None),
-    "blocks.*.mlp.up.weight": (None, "tp"),
-    "blocks.*.mlp.down.weight": ("tp", None),
-    "head.weight": (None, "tp"),
-}
+# The transformer's Megatron plan over the fixture's parameter names (torch's module paths, as
+# torch_impl.transformer.TRANSFORMER_PLAN): parallel.tp.plan_rules makes it the PartitionSpecs of the
+# {name: array} model (W_qkv held (D, 3, D): colwise_heads splits its last dim, whole heads).
+FIXTURE_PLAN = {"wte": "vocab_embed", "blocks.*.attn.qkv": "colwise_heads", "blocks.*.attn.o": "rowwise",
+                "blocks.*.mlp.up": "colwise", "blocks.*.mlp.down": "rowwise", "head": "colwise_vocab"}
 
 
-# TRANSFORMER_RULES as a plan over the project's NNX model (jax_impl.transformer.Transformer), for
+# The same plan over the project's NNX model (jax_impl.transformer.Transformer), for
 # jax_impl.parallel.tp.apply_plan: shard_map/megatron trains through it (``train_plan``).
 TRANSFORMER_PLAN = {"wte": "vocab_embed", "blocks.*.qkv": "colwise_heads", "blocks.*.o": "rowwise",
                     "blocks.*.up": "colwise", "blocks.*.down": "rowwise", "head": "colwise_vocab"}
@@ -86,15 +83,7 @@ def tp_rules(cfg: Config, variant: str):
         kinds = layer_kinds(cfg.layers, variant)
         return lambda name, shape: P(*KERNEL_AXES[kinds[int(name.split(".")[1])]])
 
-    def rules(name, shape):
-        for pattern, axes in TRANSFORMER_RULES.items():
-            parts = name.split(".")
-            if len(parts) == len(pattern.split(".")) and all(map(fnmatch, parts, pattern.split("."))):
-                assert len(axes) == len(shape), (name, shape, axes)
-                return P(*axes)
-        return P()  # replicated: wpe, norm gains
-
-    return rules
+    return plan_rules(FIXTURE_PLAN)
 
 
 def to_layout(params: dict) -> dict:

@@ -5,6 +5,7 @@ reference — plain NNX on one device, the same optimizer and loss."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -34,3 +35,27 @@ def train_single(model, loss, *batch) -> tuple[list[float], dict[str, np.ndarray
         params = optax.apply_updates(params, updates)
         losses.append(float(value))
     return losses, flat(nnx.merge(gdef, params))
+
+
+class Stacked(nnx.Module):
+    """Layers stacked by ``nnx.vmap`` and run by ``nnx.scan`` (Flax's scan-over-layers idiom): ``layers``
+    is ONE nnx.Linear (d -> d) holding a (L, d, d) kernel and an (L, d) bias, passed into the scan."""
+
+    def __init__(self, rngs, d: int = 8, layers: int = 2, out: int = 4):
+        f64 = {"param_dtype": jnp.float64, "dtype": jnp.float64}
+        self.embed = nnx.Linear(d, d, rngs=rngs, **f64)
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return nnx.Linear(d, d, rngs=rngs, **f64)
+
+        self.layers = make(rngs)
+        self.head = nnx.Linear(d, out, rngs=rngs, **f64)
+
+    def __call__(self, x):  # (B, d) -> (B, out)
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def body(layer, h):
+            return jnp.tanh(layer(h))
+
+        return self.head(body(self.layers, self.embed(x)))

@@ -40,11 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.nn.parallel import DistributedDataParallel
 
 from shared.config import Config
 from shared.problem import Problem
@@ -71,11 +68,14 @@ from torch_impl.model import (
     to_fixture,
     torch_dtype,
 )
+from torch_impl.parallel.compose_axes import apply_ddp, apply_fsdp, apply_pp, apply_tp, local_logits, stage_loss
 from torch_impl.parallel.cp import RingCore
 from torch_impl.parallel.fsdp import FSDP, average_flat
-from torch_impl.parallel.tp import apply_dtensor_plan, apply_plan, matches, unshard
-from torch_impl.parallel.tp_ops import VocabParallelCrossEntropy, heads_perm
+from torch_impl.parallel.tp import unshard
+from torch_impl.parallel.tp_ops import heads_perm
 from torch_impl.transformer import TRANSFORMER_PLAN
+
+UNITS = ["blocks.*"]  # FSDP2's units: one all-gather / reduce-scatter group per block (the root: the rest)
 
 STYLES = ("explicit", "builtin")
 # Known, harmless noise of the builtin composition on every rank: FSDP2 wraps the last stage's output
@@ -170,11 +170,8 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
     x, y, pos = local_batch(cfg, problem, lay, ctx.device)
     assert x.shape == y.shape == (M * m, tc), (x.shape, (M * m, tc))
     stage = build_stage(cfg, problem, s, ctx.device)
-    styles, loss_of = {}, loss_fn
-    if t > 1:
-        tp_group = lay.groups["tp"]
-        styles = apply_plan(stage, TRANSFORMER_PLAN, tp_group, missing_ok=True)  # a stage: absent modules
-        loss_of = lambda out, target: VocabParallelCrossEntropy.apply(out, target, tp_group)  # (m, T/c, V/t)
+    styles = apply_tp(stage, TRANSFORMER_PLAN, lay.dm["tp"], "explicit") if t > 1 else {}  # this stage's modules
+    loss_of = stage_loss(loss_fn, styles, lay.dm["tp"] if t > 1 else None, "explicit")  # vocab CE on (m, T/c, V/t)
     if c > 1:
         core = RingCore(cfg.seq, "ring", lay.groups["cp"])
         for block in stage.blocks.values():
@@ -272,42 +269,30 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
     M, m, tc = mesh_micro(cfg)
     x, y, _ = local_batch(cfg, problem, lay, ctx.device)  # (B/d, T): no cp here
     stage = build_stage(cfg, problem, s, ctx.device)
-    styles, parallel_loss = {}, contextlib.nullcontext
+    styles, parallel_loss, tp_mesh = {}, contextlib.nullcontext, dm["tp"] if t > 1 else None
     if t > 1:
-        paths = [path for path, _ in stage.named_modules()]
-        plan = {k: v for k, v in TRANSFORMER_PLAN.items() if any(matches(p, k) for p in paths)}
-        styles = apply_dtensor_plan(stage, plan, dm["tp"])  # W_qkv rows permuted (heads_perm)
+        styles = apply_tp(stage, TRANSFORMER_PLAN, tp_mesh, "builtin")  # W_qkv rows permuted (heads_perm)
         parallel_loss = loss_parallel  # CE over the Shard(-1) logits: 3 all-reduces of (m, T)
         if S > 1 and s == S - 1:  # the pipeline passes plain tensors: local logits out, DTensor again in the loss
-            stage.head.register_forward_hook(lambda mod, args, out: out.to_local())  # (m, T, V/t)
+            local_logits(stage.head)  # (m, T, V/t)
     if cfg.data_axis == "fsdp" and cfg.data_size > 1:
-        for block in stage.blocks.values():
-            fully_shard(block, mesh=dm["fsdp"])  # one all-gather / reduce-scatter group per block
-        fully_shard(stage, mesh=dm["fsdp"])  # root: this stage's embeddings / final norm + head
+        apply_fsdp(stage, dm["fsdp"], UNITS)  # root: this stage's embeddings / final norm + head
     elif hsdp_dp(cfg):  # HSDP: replicated over dp, "sharded" over dp_shard = 1 (DDP fails on DTensors)
-        for block in stage.blocks.values():
-            fully_shard(block, mesh=dm["dp", "dp_shard"])
-        fully_shard(stage, mesh=dm["dp", "dp_shard"])
+        apply_fsdp(stage, dm["dp", "dp_shard"], UNITS)
     elif cfg.data_axis == "dp" and cfg.data_size > 1:
-        stage = DistributedDataParallel(stage, process_group=lay.groups["dp"])  # plain tensors (tp = 1)
+        stage = apply_ddp(stage, lay.groups["dp"])  # plain tensors (tp = 1)
     named = list(stage.named_parameters())
     params = [p for _, p in named]
     opt = make_optimizer(params, cfg)
-
-    def loss_of(out, target):  # the micro-batch's mean CE; a local scalar (the pipeline scales by 1/M)
-        if isinstance(out, torch.Tensor) and t > 1 and not isinstance(out, DTensor):
-            out = DTensor.from_local(out, dm["tp"], [Shard(-1)])  # (m, T, V/t) -> (m, T, V) Shard(-1)
-        loss = loss_fn(out, target)
-        return loss.to_local() if isinstance(loss, DTensor) else loss
+    loss_of = stage_loss(loss_fn, styles, tp_mesh, "builtin")  # the micro-batch's mean CE, a local scalar
 
     schedule = None
-    if S > 1:
+    if S > 1:  # 1F1B, the pipeline scales by 1/M
         meta = lambda shape: torch.empty(shape, dtype=torch_dtype(cfg), device=ctx.device, requires_grad=True)
         act = (m, tc, cfg.dim)
-        pipe_stage = PipelineStage(stage, s, S, ctx.device, group=lay.groups["pp"],
-                                   input_args=x[:m] if s == 0 else meta(act),
-                                   output_args=meta((m, tc, cfg.vocab // t) if s == S - 1 else act))
-        schedule = Schedule1F1B(pipe_stage, M, loss_fn=loss_of, scale_grads=True)
+        schedule = apply_pp(stage, s, S, dm["pp"], loss_of, M, "1f1b", device=ctx.device,
+                            input_args=x[:m] if s == 0 else meta(act),
+                            output_args=meta((m, tc, cfg.vocab // t) if s == S - 1 else act))
 
     def forward_backward() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)

@@ -44,8 +44,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
-from fnmatch import fnmatch
 
 import jax
 import jax.numpy as jnp
@@ -57,58 +55,23 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl.parallel import cp as cp_seam
-from jax_impl.parallel.tree import WrapError, fetch, key_of, param_holders, put_child, submodules
+from jax_impl.parallel.compose_axes import (  # noqa: F401  (AXES, STYLES, ComposeError, Split: this module's API too)
+    AXES,
+    CP_VARIANTS,
+    STYLES,
+    ComposeError,
+    Split,
+    check_plan,
+    check_split,
+    flat,
+    matches,
+    one,
+    refusal,
+    stand_ins,
+)
+from jax_impl.parallel.tp import local_shapes_refusal
+from jax_impl.parallel.tree import fetch, submodules
 from shared.theory import cp_positions
-
-AXES = ("dp", "fsdp", "pp", "cp", "tp")
-CP_VARIANTS = ("ring", "ring_zigzag", "ulysses")  # parallel.cp's seam
-STYLES = ("shard_map", "jit")
-
-
-class ComposeError(WrapError):
-    """A layout, plan or split ``compose`` cannot train exactly: raised before compiling."""
-
-
-@dataclass(frozen=True)
-class Split:
-    """A model's stage split: ``head(block(…block(embed(x))…))`` equals its forward. ``first`` / ``last``:
-    module paths run before / after the blocks; ``blocks``: the path of an nnx.List of identical modules.
-    embed(root, mods, tokens, positions), block(root, layer, h, positions), head(root, mods, h): ``mods``
-    {path: module} with this device's weights; ``root`` the model (read for static attributes only)."""
-    first: tuple[str, ...]
-    blocks: str
-    last: tuple[str, ...]
-    embed: Callable
-    block: Callable
-    head: Callable
-
-
-def _matches(path: str, pattern: str) -> bool:  # "*" = one path segment (parallel.tp's rule)
-    a, b = path.split("."), pattern.split(".")
-    return len(a) == len(b) and all(fnmatch(x, y) for x, y in zip(a, b, strict=True))
-
-
-def _one(axes):
-    axes = tuple(axes)
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
-def refusal(layout: dict[str, int], style: str) -> str | None:
-    """Why ``compose`` refuses this layout in this style, or None."""
-    bad = [a for a in layout if a not in AXES]
-    if bad:
-        return f"compose: unknown axes {bad} in layout {layout}; use {AXES}"
-    if any(not isinstance(n, int) or n < 1 for n in layout.values()):
-        return f"compose: layout sizes must be positive integers, got {layout}"
-    if style == "typed":
-        return ("compose: style 'typed' is refused: a composed step mixes manual collectives (pp's ppermute, "
-                "cp's ring) with sharding-in-types; use style='shard_map' or 'jit'")
-    if style not in STYLES:
-        return f"compose: unknown style {style!r}; use one of {STYLES}"
-    if style == "jit" and layout.get("pp", 1) > 1:
-        return (f"compose: pp={layout['pp']} under jit is refused (the pipeline's schedule is manual); "
-                "use style='shard_map' or drop pp from the layout")
-    return None
 
 
 class Composed:
@@ -139,87 +102,24 @@ class Composed:
         self.mesh = Mesh(np.array(devices[:n]).reshape(tuple(self.layout.values())), tuple(self.layout))
         self.M = microbatches or self.S
         mods, _ = submodules(model)
-        self._check_split(mods)
-        self.rel_plan = self._check_plan(mods, plan or {})
+        self.L = check_split(model, split, self.S)
+        self.rel_plan = check_plan(model, split, plan or {}, self.tp)
         self.units = list(units) if units is not None else None
-        self.block_parts = _flat(mods[f"{split.blocks}.0"])
-        self.parts = {p: _flat(mods[p]) for p in split.first + split.last}
+        self.block_parts = flat(mods[f"{split.blocks}.0"])
+        self.parts = {p: flat(mods[p]) for p in split.first + split.last}
         params, self.specs = self._arrange(mods)
         self.params_ = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(self.mesh, s)), params, self.specs)
         self.opt_state = tx.init(self.params_)
         self._seam_calls, self._chain_checked = 0, False
         self._step = jax.jit(self._step_fn, donate_argnums=(0, 1))
 
-    # --- wrap-time checks ---------------------------------------------------------------------------
-
-    def _check_split(self, mods):
-        sp = self.split
-        _, refs = submodules(self.root)
-        for p in sp.first + sp.last + (sp.blocks,):
-            m = _resolve(self.root, p)
-            if m is not None and refs.get(id(m), 0) > 1:
-                raise ComposeError(f"compose: the module at {p!r} is held in {refs[id(m)]} places (tied); compose "
-                                   "trains each split part's own Params: untie it")
-            if p not in mods:
-                raise ComposeError(f"compose: split path {p!r} is no module of {type(self.root).__name__}; "
-                                   "fix the split")
-        blocks = mods[sp.blocks]
-        if not isinstance(blocks, nnx.List) or not len(blocks):
-            raise ComposeError(f"compose: split.blocks {sp.blocks!r} is a {type(blocks).__name__}, not a non-empty "
-                               "nnx.List of blocks (a scan/vmap-stacked module is not split): hold the blocks in one")
-        self.L = len(blocks)
-        if self.L % self.S:
-            raise ComposeError(f"compose: {self.L} blocks ({sp.blocks}) do not split evenly over pp={self.S}; "
-                               "use a pp size that divides the block count")
-        shapes = lambda m: [(key_of(k), v.shape) for k, v in jax.tree_util.tree_flatten_with_path(
-            nnx.state(m, nnx.Param))[0]]
-        for i in range(1, self.L):
-            if shapes(blocks[i]) != shapes(blocks[0]) or type(blocks[i]) is not type(blocks[0]):
-                raise ComposeError(f"compose: block {sp.blocks}.{i} differs from {sp.blocks}.0 (type or Params); "
-                                   "the blocks are stacked per stage: make them identical or move it to first/last")
-        parts = sp.first + sp.last + tuple(f"{sp.blocks}.{i}" for i in range(self.L))
-        for holder in param_holders(self.root).values():
-            owners = {q for q in parts for h in holder if h == q or h.startswith(q + ".")}
-            if len(owners) != 1:
-                what = "in no module of the split" if not owners else f"shared by {sorted(owners)} (tied)"
-                raise ComposeError(f"compose: a Param of {holder[0]!r} is {what}; compose trains each split part's "
-                                   "own Params: untie it / add its module to split.first or split.last")
-
-    def _check_plan(self, mods, plan) -> dict[str, str]:
-        """The plan as {path inside one block: style}; refuses what compose cannot split exactly."""
-        prefix, out = self.split.blocks + ".", {}
-        for pattern, style in plan.items():
-            hits = [p for p in mods if p and _matches(p, pattern)]
-            if style not in ("colwise", "rowwise"):
-                raise ComposeError(f"compose: plan key {pattern!r} has style {style!r}; compose splits 'colwise' and "
-                                   "'rowwise' only (embedding and head stay replicated): drop it or use parallel.tp")
-            if not hits:
-                raise ComposeError(f"compose: plan key {pattern!r} matches no module ('*' = one segment); fix the key")
-            for p in hits:
-                m = mods[p]
-                if not p.startswith(prefix) or not isinstance(m, nnx.Linear):
-                    raise ComposeError(f"compose: plan key {pattern!r} hits {p!r} ({type(m).__name__}); compose "
-                                       f"splits nnx.Linear modules inside {self.split.blocks} only: drop the key")
-                if style == "rowwise" and m.bias is not None:
-                    raise ComposeError(f"compose: rowwise {p!r} has a bias; compose has no rowwise bias: "
-                                       "use_bias=False")
-                rel = p[len(prefix):].split(".", 1)[1]
-                dim = m.kernel.shape[1 if style == "colwise" else 0]
-                parent = mods[p.rsplit(".", 1)[0]]
-                hd = getattr(parent, "head_dim", None)
-                if dim % self.tp or (hd and (dim // hd) % self.tp):
-                    unit = f"{dim // hd} heads" if hd else f"{dim} features"
-                    raise ComposeError(f"compose: {style} {p!r} has {unit}, not divisible by tp={self.tp}; use a tp "
-                                       "size dividing every planned module's heads / features")
-                out[rel] = style
-        return out
-
     # --- the arrays: blocks stacked (S, L/S, …), the rest as they are, and their specs ------------------
 
     def _unit(self, path: str) -> bool:
         """Is this Param in a ZeRO unit (some prefix of its module path matches a unit glob)?"""
         segs = path.split(".")
-        return self.units is None or any(_matches(".".join(segs[:len(u.split("."))]), u) for u in self.units)
+        return self.units is None or any(matches(".".join(segs[:i]), u) for u in self.units
+                                         for i in range(1, len(segs)))
 
     def _spec(self, path: str, rel: str | None, shape) -> list:
         axes = [None] * len(shape)
@@ -233,13 +133,13 @@ class Composed:
             if local % self.f:
                 raise ComposeError(f"compose: {path} dim 0 = {local} (per tp shard) does not divide by fsdp={self.f}; "
                                    "leave its module out of the units or change fsdp")
-            axes[0] = _one(((axes[0],) if axes[0] else ()) + ("fsdp",))
+            axes[0] = one(((axes[0],) if axes[0] else ()) + ("fsdp",))
         return axes
 
     def _arrange(self, mods):
         sp, S, per = self.split, self.S, self.L // self.S
-        rest = {f"{p}.{k}": v for p in sp.first + sp.last for k, v in _flat(mods[p])[3].items()}
-        layer_states = [_flat(mods[f"{sp.blocks}.{i}"])[3] for i in range(self.L)]
+        rest = {f"{p}.{k}": v for p in sp.first + sp.last for k, v in flat(mods[p])[3].items()}
+        layer_states = [flat(mods[f"{sp.blocks}.{i}"])[3] for i in range(self.L)]
         blocks = {k: jnp.stack([s[k] for s in layer_states]).reshape((S, per) + layer_states[0][k].shape)
                   for k in layer_states[0]}
         stage = "pp" if "pp" in self.layout else None
@@ -255,15 +155,6 @@ class Composed:
         gdef, treedef, keys, _ = parts
         return nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, [flat[k] for k in keys]))
 
-    def _stand_ins(self, layer, f_cache: dict):
-        for rel, style in self.rel_plan.items():
-            parent, key = layer, rel.rsplit(".", 1)
-            for k in key[0].split(".") if len(key) == 2 else ():
-                parent = parent[int(k)] if k.isdigit() else getattr(parent, k)
-            m = getattr(parent, key[-1])
-            put_child(parent, key[-1], _Col(m, f_cache) if style == "colwise" else _Row(m))
-        return layer
-
     def _forward_loss(self, params, tokens, targets, positions, manual: bool):
         """Mean loss over the tokens given: this device's (manual, in shard_map) or all (jit)."""
         sp, S, M = self.split, self.S, self.M
@@ -277,7 +168,7 @@ class Composed:
                   for l in range(next(iter(blocks.values())).shape[0])]
         if manual and self.tp > 1:
             f_cache = {}  # one f per input array (q|k|v, gate|up): one backward psum, Megatron's
-            layers = [self._stand_ins(layer, f_cache) for layer in layers]
+            layers = [stand_ins(layer, self.rel_plan, f_cache) for layer in layers]
 
         def stage(h):
             for layer in layers:
@@ -301,7 +192,7 @@ class Composed:
         return lax.psum(jnp.where(idx == S - 1, loss, 0), "pp")
 
     def _shard_map_loss(self):
-        specs, data, seq = self.specs, _one(self.data), self.seq
+        specs, data, seq = self.specs, one(self.data), self.seq
 
         def gather(a, spec, lead: int, axis: int):  # fsdp: dim 0 of the Param's own dims gathered over "fsdp"
             first = spec[lead] if len(spec) > lead else None
@@ -313,11 +204,16 @@ class Composed:
             rest = {k: gather(a, specs["rest"][k], 0, 0) for k, a in params["rest"].items()}
             ctx = cp_seam._active(self.cp_variant, self.c, self._record) if self.c > 1 else contextlib.nullcontext()
             with ctx:
-                loss = self._forward_loss({"blocks": blocks, "rest": rest}, tokens, targets, positions, True)
+                try:
+                    loss = self._forward_loss({"blocks": blocks, "rest": rest}, tokens, targets, positions, True)
+                except TypeError as e:  # JAX's shape errors on tp-local shards (a head count read from config)
+                    if self.tp == 1:
+                        raise
+                    raise ComposeError("compose " + local_shapes_refusal(e)) from None
             return loss[None]
 
         return jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(data, seq), P(data, seq), P(seq)),
-                             out_specs=P(_one(self.data + ((seq,) if seq else ()))), check_vma=True)
+                             out_specs=P(one(self.data + ((seq,) if seq else ()))), check_vma=True)
 
     def _record(self, _):
         self._seam_calls += 1
@@ -368,7 +264,7 @@ class Composed:
         order = self.check_batch(tokens)  # ring: 0…T−1; ring_zigzag: chunks r and 2c−1−r on device r
         if not self._chain_checked:
             self.check_chain(tokens)
-        rows = NamedSharding(self.mesh, P(_one(self.data), self.seq))
+        rows = NamedSharding(self.mesh, P(one(self.data), self.seq))
         batch = (jax.device_put(jnp.asarray(tokens)[:, order], rows),
                  jax.device_put(jnp.asarray(targets)[:, order], rows),  # the mean loss ignores token order
                  jax.device_put(jnp.asarray(order), NamedSharding(self.mesh, P(self.seq))))
@@ -387,55 +283,6 @@ class Composed:
             a = fetch(a).reshape((self.L,) + a.shape[2:])
             out |= {f"{self.split.blocks}.{i}.{k}": a[i] for i in range(self.L)}
         return out
-
-
-def _resolve(root, path: str):
-    """The module at a dotted path, or None."""
-    m = root
-    for k in path.split("."):
-        try:
-            m = m[int(k)] if k.isdigit() else getattr(m, k)
-        except (AttributeError, IndexError, KeyError, TypeError):
-            return None
-    return m
-
-
-def _flat(module):
-    """(graphdef, treedef, Param keys, {key: array}) of a module: its state flattened by path."""
-    gdef, params, rest = nnx.split(module, nnx.Param, ...)
-    if jax.tree.leaves(rest):
-        raise ComposeError(f"compose: {type(module).__name__} holds state other than nnx.Param; compose trains "
-                           "Params only: make it a Param or a static attribute")
-    gdef, params = nnx.split(module)
-    pairs, treedef = jax.tree_util.tree_flatten_with_path(params)
-    keys = [key_of(p) for p, _ in pairs]
-    return gdef, treedef, keys, dict(zip(keys, (v for _, v in pairs), strict=True))
-
-
-class _Col:
-    """colwise stand-in: f (pcast to varying over "tp": psum of dL/dx in backward; one per input array,
-    shared by the siblings reading it), then the local shard."""
-
-    def __init__(self, m, f_cache: dict):
-        self.m, self.f_cache = m, f_cache
-
-    def __call__(self, x):
-        t = jax.typeof(x)
-        if "tp" in (getattr(getattr(t, "mat", None), "varying", None) or getattr(t, "vma", ())):
-            return self.m(x)
-        if id(x) not in self.f_cache:  # the array kept with its cast: its id stays unique
-            self.f_cache[id(x)] = (x, lax.pcast(x, "tp", to="varying"))
-        return self.m(self.f_cache[id(x)][1])
-
-
-class _Row:
-    """rowwise stand-in: the local shard's partial sums, then g (psum over "tp")."""
-
-    def __init__(self, m):
-        self.m = m
-
-    def __call__(self, x):
-        return lax.psum(self.m(x), "tp")
 
 
 def compose(model: nnx.Module, layout: dict[str, int], loss: Callable, tx: optax.GradientTransformation, *,

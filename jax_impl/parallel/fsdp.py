@@ -181,7 +181,15 @@ class Trainer:
             if any(unit_of(k, [u]) for k in self.sharded):
                 parent, _, name = u.rpartition(".")
                 put_child(mods[parent], name, _Gathering(mods[u], u, self.sharded, self.axis, record))
-        loss = self._loss(model, *batch)
+        try:
+            loss = self._loss(model, *batch)
+        except (TypeError, ValueError) as e:  # a unit handed to a JAX transform (scan / vmap) instead of called
+            if "_Gathering" not in str(e):
+                raise
+            first = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+            raise ShardReadError(f"zero3: a unit was passed into a JAX transform instead of being called ({first}); "
+                                 f"units called so far: {sorted(calls)}. Fix: make the module that runs the transform "
+                                 "the unit (or leave the stack to the root), or style='jit'") from None
         self.unit_calls = calls
         return loss
 

@@ -30,7 +30,7 @@ from flax import nnx
 from jax import lax
 
 from jax_impl.parallel import cp
-from jax_impl.parallel.compose import Split
+from jax_impl.parallel.compose_axes import Split
 from jax_impl.parallel.tree import submodules
 from shared.llama import LlamaShape
 

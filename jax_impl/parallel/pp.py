@@ -43,7 +43,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl.parallel import recipe
-from jax_impl.parallel.tree import WrapError, fetch, key_of, param_holders, submodules
+from jax_impl.parallel.tree import WrapError, fetch, key_of, param_holders, stacked, submodules
 
 AXIS = "pp"
 
@@ -93,6 +93,13 @@ def _check(model, stages: Sequence[Sequence[str]]) -> dict:
                             f"(some: {', '.join(q for q in mods if q)[:200]}); fix the stage list")
         if listed.count(p) > 1:
             raise WrapError(f"pp: {p!r} is listed twice; each module runs in one stage")
+    layered = stacked(model)
+    for p in listed:
+        held = next((q for q in layered if p == q or p.startswith(q + ".")), None)
+        if held is not None:
+            raise WrapError(f"pp: stage module {p!r}: {layered[held]}; the chain calls each listed module on the "
+                            "message, a stacked module runs only inside its parent's nnx.scan. Fix: list the "
+                            "parent that runs the scan (the stack stays in one stage) or unstack it into an nnx.List")
     covered = lambda key: any(key == q or key.startswith(q + ".") for q in listed)
     state = nnx.state(model, nnx.Param)
     missing = [key_of(k) for k, _ in jax.tree_util.tree_flatten_with_path(state)[0] if not covered(key_of(k))]

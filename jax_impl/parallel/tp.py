@@ -30,7 +30,6 @@ from __future__ import annotations
 import difflib
 from collections import Counter
 from collections.abc import Callable
-from fnmatch import fnmatch
 
 import jax
 import jax.numpy as jnp
@@ -42,12 +41,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl.parallel import recipe
-from jax_impl.parallel.tree import fetch, key_of, param_holders, put_child, submodules
+from jax_impl.parallel.tree import fetch, key_of, matches, param_holders, put_child, submodules
 
 STYLES = ("colwise", "colwise_heads", "rowwise", "vocab_embed", "colwise_vocab")
 KIND = {"colwise": nnx.Linear, "colwise_heads": nnx.Linear, "rowwise": nnx.Linear, "colwise_vocab": nnx.Linear,
         "vocab_embed": nnx.Embed}
-SPLIT_DIM = {"colwise": 1, "colwise_heads": 1, "colwise_vocab": 1, "rowwise": 0, "vocab_embed": 0}  # kernel / table
+SPLIT_DIM = {"colwise": -1, "colwise_heads": -1, "colwise_vocab": -1, "rowwise": 0, "vocab_embed": 0}  # kernel / table
 PADDED = ("vocab_embed", "colwise_vocab")
 
 
@@ -55,10 +54,30 @@ class PlanError(ValueError):
     """A plan ``apply_plan`` cannot carry out exactly on this model: what, module path, how to fix."""
 
 
-def matches(path: str, pattern: str) -> bool:
-    """``*`` matches one path segment (parallelize_module's rule)."""
-    a, b = path.split("."), pattern.split(".")
-    return len(a) == len(b) and all(fnmatch(x, y) for x, y in zip(a, b, strict=True))
+def split_dim(style: str, ndim: int) -> int:
+    """The dim a planned array splits: colwise styles the last (a kernel's outputs; a (D, 3, D) held
+    [q|k|v] its heads), rowwise and vocab_embed dim 0; a vector (a colwise bias) dim 0."""
+    return 0 if ndim <= 1 or style is None else SPLIT_DIM[style] % ndim
+
+
+def spec(style: str | None, ndim: int, axis: str = "tp") -> P:
+    """The PartitionSpec of an array the plan gives ``style`` (None: replicated)."""
+    return P() if style is None else P(*[axis if i == split_dim(style, ndim) else None for i in range(ndim)])
+
+
+def plan_rules(plan: dict[str, str], axis: str = "tp") -> Callable[[str, tuple], P]:
+    """The plan as a rule over parameter NAMES ("blocks.0.attn.qkv.weight", its module path + leaf):
+    (name, shape) -> PartitionSpec, for a model held as a {name: array} dict (jax_impl/mesh.py's
+    transformer). The same vocabulary and glob rule as ``apply_plan``; a rowwise bias stays whole."""
+
+    def rule(name: str, shape: tuple) -> P:
+        path, _, leaf = name.rpartition(".")
+        style = next((st for k, st in plan.items() if matches(path, k)), None)
+        if style == "rowwise" and len(shape) == 1 or leaf not in ("weight", "kernel", "embedding", "bias"):
+            style = None
+        return spec(style, len(shape), axis)
+
+    return rule
 
 
 def _refuse(path, m, style, what, fix):
@@ -85,8 +104,8 @@ def planned_modules(model, plan: dict[str, str]) -> list[tuple[str, nnx.Module, 
         if not hits:
             names = [p for p in mods if p]
             close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.5)
-            raise PlanError(f"tp plan: key {pattern!r} ({style}) matches no module of {type(model).__name__} ('*' "
-                            f"matches one path segment). Fix: correct the key (close: {close or names[:6]}) or drop it")
+            raise PlanError(f"tp plan: key {pattern!r} ({style}) matches no module of {type(model).__name__} ('*' = "
+                            f"one segment, '**' any). Fix: correct the key (close: {close or names[:6]}) or drop it")
         for p in hits:
             if p in chosen and chosen[p][0] != style:
                 raise PlanError(f"tp plan: module {p!r} is matched by {chosen[p][1]!r} ({chosen[p][0]}) and by "
@@ -144,6 +163,15 @@ def check_plan(model, plan: dict[str, str], tp: int) -> dict[str, str]:
         if m.bias is not None and style != "rowwise":
             out[f"{path}.bias"] = style
     return out
+
+
+def local_shapes_refusal(e: Exception) -> str:
+    """One line for a forward that failed on tp-local shards (shard_map): the usual causes and fixes."""
+    return (f"tp plan: the model's forward fails on this device's shards ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:120]}): a module reads a head count or width from its config, not from its "
+            "weights (H/tp heads' columns reshaped as H), or a colwise output (out/tp features) reaches a module "
+            "that expects them all. Fix: derive counts from the kernel (q.reshape(b, t, -1, head_dim)), as torch's "
+            "plan does; pair each colwise with the rowwise that consumes it; or leave the module out of the plan")
 
 
 def heads_perm(cols: int, n: int) -> np.ndarray:
@@ -272,8 +300,7 @@ class Trainer:
         self.sizes, self.specs = {}, {}
         for k, (_, a) in zip(self.keys, leaves, strict=True):
             s = self.styles.get(k)
-            d = 0 if a.ndim == 1 else SPLIT_DIM.get(s, 0)  # a colwise bias: dim 0
-            self.specs[k] = P() if s is None else P(*[axis if i == d else None for i in range(a.ndim)])
+            self.specs[k] = spec(s, a.ndim, axis)
         layout = recipe.Whole("optax sees your dict with the vocabulary styles' leaves padded to ⌈V/tp⌉ and "
                               "colwise_heads' columns reordered", self._place, self._unplace, self.n)
         recipe.check(tx, {k: a for k, (_, a) in zip(self.keys, leaves)}, layout, "tp plan",
@@ -294,7 +321,7 @@ class Trainer:
         out, self.sizes = {}, {}
         for k, a in tree.items():
             s = self.styles.get(k)
-            d = 0 if a.ndim == 1 else SPLIT_DIM.get(s, 0)
+            d = split_dim(s, a.ndim)
             if s in PADDED and a.shape[d] % self.n:
                 self.sizes[k] = (d, a.shape[d])
                 a = jnp.pad(a, [(0, -a.shape[d] % self.n if i == d else 0) for i in range(a.ndim)])
@@ -319,6 +346,10 @@ class Trainer:
         _ACTIVE.append(tr)
         try:
             loss = self._loss(model, *batch)
+        except TypeError as e:  # JAX's shape errors: a forward that does not run on the tp-local shards
+            if not shard_map:
+                raise
+            raise PlanError(local_shapes_refusal(e)) from None
         finally:
             _ACTIVE.pop()
         if tr.heads and not tr.ce:

@@ -8,7 +8,7 @@ No torch twin: torch's nn.Module already offers named_modules / named_parameters
 from __future__ import annotations
 
 from collections.abc import Sequence
-from fnmatch import fnmatch
+from fnmatch import fnmatchcase
 
 import jax
 import numpy as np
@@ -76,22 +76,71 @@ def param_holders(model) -> dict[int, list[str]]:
     return held
 
 
+def matches(path: str, pattern: str) -> bool:
+    """THE glob rule of module paths, for ZeRO units and tp / compose plans alike: ``*`` (and fnmatch's
+    ``?``, ``[…]``) within one dot-separated segment; a ``**`` segment matches any number of segments
+    (none included). "blocks.*" is each block, not its submodules; "**.q_proj" every q_proj."""
+    return _match(path.split(".") if path else [], pattern.split("."))
+
+
+def _match(segs: list[str], pats: list[str]) -> bool:
+    if not pats:
+        return not segs
+    if pats[0] == "**":
+        return any(_match(segs[i:], pats[1:]) for i in range(len(segs) + 1))
+    return bool(segs) and fnmatchcase(segs[0], pats[0]) and _match(segs[1:], pats[1:])
+
+
+def _declared(m) -> dict[str, tuple[int, ...]]:
+    """{Param name: the shape its module's own attributes declare}, for flax's common layers."""
+    if isinstance(m, nnx.Linear):
+        return {"kernel": (m.in_features, m.out_features), "bias": (m.out_features,)}
+    if isinstance(m, nnx.Embed):
+        return {"embedding": (m.num_embeddings, m.features)}
+    if isinstance(m, (nnx.LayerNorm, nnx.RMSNorm)):
+        return {"scale": (m.num_features,), "bias": (m.num_features,)}
+    return {}
+
+
+def stacked(model) -> dict[str, str]:
+    """{module path: what shows it} of every module whose Params carry a leading layer axis before the
+    shape its own attributes declare: layers made by ``nnx.vmap`` and run by ``nnx.scan`` (an
+    nnx.Linear (8 → 8) holding a (L, 8, 8) kernel). Such a module is passed into a JAX transform."""
+    out = {}
+    for path, m in submodules(model)[0].items():
+        for name, shape in _declared(m).items():
+            v = getattr(m, name, None)
+            if isinstance(v, nnx.Param) and len(v.shape) == len(shape) + 1 and tuple(v.shape[1:]) == shape:
+                out[path] = (f"{type(m).__name__} {path or '<root>'!r} holds {name} {tuple(v.shape)}, declared "
+                             f"{shape}: stacked layers (nnx.vmap / nnx.scan)")
+                break
+    return out
+
+
 def choose_units(model, units: Sequence[str] | None) -> list[str]:
-    """Unit module paths. Default: the topmost modules holding a Param directly. Patterns are
-    fnmatch globs over module paths ("blocks.*"); the root ("") is not a unit (it gathers the rest)."""
+    """Unit module paths. Default: the topmost modules holding a Param directly, a module of stacked
+    layers (``stacked``) left to its parent. Patterns are module path globs (``matches``: "blocks.*"
+    = each block); the root ("") is not a unit (it gathers the rest)."""
     mods, refs = submodules(model)
+    layered = stacked(model)
     if units is None:
         holders = {p for p, m in mods.items() if p and any(isinstance(c, nnx.Param) for _, c in nnx.iter_children(m))}
         chosen = sorted(p for p in holders if not any(p.startswith(q + ".") for q in holders))
+        chosen = [p for p in chosen if not any(p == q or p.startswith(q + ".") for q in layered)]
     else:
         chosen = []
         for pat in units:
-            hits = [p for p in mods if p and fnmatch(p, pat)]
+            hits = [p for p in mods if p and matches(p, pat)]
             if not hits:
                 raise WrapError(f"zero3: unit pattern {pat!r} matches no submodule of {type(model).__name__} "
                                 f"(modules: {', '.join(p for p in mods if p)[:300]}); fix the pattern")
             chosen += [p for p in hits if p not in chosen]
     for p in chosen:
+        held = next((q for q in layered if p == q or p.startswith(q + ".")), None)
+        if held is not None:
+            raise WrapError(f"zero3: unit {p!r} is (inside) a module of stacked layers: {layered[held]}; it is "
+                            "passed into a JAX transform, where a unit cannot be gathered on call. Fix: leave it out "
+                            "of units (its parent gathers it whole: the default units do), or style='jit'")
         inner = [q for q in chosen if q.startswith(p + ".")]
         if inner:
             raise WrapError(f"zero3: unit {inner[0]!r} is inside unit {p!r}; units must not nest: keep one")

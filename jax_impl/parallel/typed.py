@@ -39,7 +39,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
 from jax_impl.parallel import recipe, theory
-from jax_impl.parallel.tree import WrapError, flat_state, rule, shard_rows
+from jax_impl.parallel.tree import WrapError, flat_state, put_child, rule, shard_rows, submodules
 
 
 def explicit_mesh(mesh) -> Mesh:
@@ -85,6 +85,21 @@ def rows_like(x: jax.Array, new_dims: int = 1) -> P | None:
     if mesh is None or not mesh.axis_names or AxisType.Explicit not in tuple(mesh.axis_types):
         return None
     return P(*sharding.spec, *[None] * new_dims)
+
+
+class _StatedEmbed:
+    """An nnx.Embed under the typed trace: the lookup of dp-split ids has no inferable layout, so its
+    output is stated rows-like the ids (``rows_like``) unless the caller states one; the rest of the
+    module (``attend``, ``embedding``) is the Embed's own."""
+
+    def __init__(self, m: nnx.Embed):
+        self._m = m
+
+    def __call__(self, ids, *args, out_sharding=None, **kwargs):
+        return self._m(ids, *args, out_sharding=out_sharding if out_sharding is not None else rows_like(ids), **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
 
 
 class Stated:
@@ -204,9 +219,15 @@ class TypedTrainer:
         return nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._treedef, [flat[k] for k in self.keys]))
 
     def _batch_loss(self, params: dict, batch: tuple):
-        """zero3: the gather of every row-split param stated here, once, as a reshard to P()."""
+        """zero3: the gather of every row-split param stated here, once, as a reshard to P(). Every
+        nnx.Embed is called through ``_StatedEmbed``: its lookup's layout stated, the model unedited."""
         full = {k: self.stated.reshard(a, P(), k) if self.param_specs[k] != P() else a for k, a in params.items()}
-        return self._loss(self._merge(recipe.cast(full, self.compute_dtype)), *batch)
+        model = self._merge(recipe.cast(full, self.compute_dtype))
+        for path, m in submodules(model)[0].items():
+            if path and isinstance(m, nnx.Embed):
+                parent, _, name = path.rpartition(".")
+                put_child(submodules(model)[0][parent], name, _StatedEmbed(m))
+        return self._loss(model, *batch)
 
     def _step(self, params, opt_state, *batch):
         loss, grads = jax.value_and_grad(self._batch_loss)(params, batch)

@@ -68,7 +68,7 @@ def tp_state_bytes(cfg: Config, variant: str = "megatron") -> dict[str, float]:
 
 # --- tp (transformer) ---
 # Megatron TP of the GPT-style decoder (torch_impl/tp.py TRANSFORMER_PLAN, jax_impl/tp.py
-# TRANSFORMER_RULES): W_qkv (by heads), W_up, head column-parallel; W_o, W_down row-parallel; wte
+# FIXTURE_PLAN): W_qkv (by heads), W_up, head column-parallel; W_o, W_down row-parallel; wte
 # vocab-parallel; wpe and the norm gains replicated. Every rank sees the full batch.
 
 

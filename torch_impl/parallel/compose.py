@@ -4,7 +4,8 @@ The twin: jax_impl/parallel/compose.py. What a model offers: a tp plan (module p
 parallel/tp.py), a stage builder ``stage(model, s, S) -> nn.Module`` (stage 0 takes the tokens, the
 last returns the logits; one module per stage: parallel/llama.py's ``Stage``), FSDP units (module
 path globs) and, under cp, its attention through the cp seam (parallel/cp.py) and a ``positions``
-attribute on the stage module that its position encoding reads.
+attribute on the stage module that its position encoding reads. The steps per axis and the refusals:
+compose_axes.py (torch_impl/mesh.py, the project's own ``--mesh`` runs, calls the same steps).
 
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("fsdp", "pp", "tp"))
     trainer = parallelize(model, mesh, plan=TP_PLAN, stage=Stage, units=["model.layers.*"],
@@ -43,143 +44,38 @@ all-reduce; and one world all-reduce of (loss, refusal flag) per step (bookkeepi
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shared.theory import cp_positions
 from torch_impl.parallel import cp as seam
+from torch_impl.parallel.compose_axes import (  # noqa: F401  (ComposeError, check*: this module's API too)
+    AXES,
+    STYLES,
+    ComposeError,
+    apply_fsdp,
+    apply_pp,
+    apply_tp,
+    check,
+    check_stages,
+    check_vocab,
+    cross_entropy,
+    group_over,
+    local_logits,
+    sizes,
+    stage_loss,
+)
 from torch_impl.parallel.fsdp import FSDP, average_flat
-from torch_impl.parallel.tp import apply_dtensor_plan, apply_plan, check_plan, matches, unshard
-from torch_impl.parallel.tp_ops import VocabParallelCrossEntropy
+from torch_impl.parallel.tp import check_plan, matches, unshard
 
-AXES = ("dp", "fsdp", "pp", "cp", "tp")
-STYLES = ("builtin", "explicit")
-# gathering fsdp × tp weights whole (full_tensor, bookkeeping) takes two all-gathers: harmless, said once per call
-logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-NOT_DERIVED = "fsdp × pp: the all-gathers and reduce-scatters per micro-batch are not derived (comm_theory omits them)"
-
-
-class ComposeError(ValueError):
-    """A layout, style or model that the composition cannot train exactly (raised before any change)."""
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The mean CE over every token: logits (B, T, V), targets (B, T)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def sizes(mesh: DeviceMesh) -> dict[str, int]:
-    return dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape, strict=True))
-
-
-def check(layout: dict[str, int], style: str, loss: Callable, plan: dict | None) -> None:
-    """The refusals that need no process group (one line each)."""
-    if style not in STYLES:
-        raise ComposeError(f"compose: unknown style {style!r}; choose from {STYLES}")
-    bad = [a for a in layout if a not in AXES]
-    if bad:
-        raise ComposeError(f"compose: unknown mesh axes {bad}; name the DeviceMesh's dims from {AXES}")
-    if layout.get("dp", 1) > 1 and layout.get("fsdp", 1) > 1:
-        raise ComposeError("compose: dp and fsdp both > 1 (HSDP) is not composed here; fix: one data axis "
-                           "(dp=N or fsdp=N)")
-    if style == "explicit" and layout.get("tp", 1) > 1 and plan and loss is not cross_entropy:
-        raise ComposeError("compose explicit: tp splits the head's vocabulary, so the loss must be the "
-                           "vocabulary-parallel CE; fix: loss=compose.cross_entropy (or style='builtin')")
-
-
-def check_stages(model: nn.Module, stage: Callable, stages: int) -> None:
-    """Every trainable parameter in exactly one stage (a tie across stages would train two copies apart)."""
-    if stages == 1:
-        return
-    names: dict[int, list[str]] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(repr(n))
-    held: dict[int, int] = {}
-    for s in range(stages):
-        for p in stage(model, s, stages).parameters():
-            if held.setdefault(id(p), s) != s:
-                tied = " = ".join(names.get(id(p), ["?"]))
-                raise ComposeError(f"compose pp: parameter {tied} is held by stages {held[id(p)]} and {s} "
-                                   "(tied): pp would train two copies apart; fix: untie it or put its holders in "
-                                   "one stage")
-    lost = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
-    if lost:
-        raise ComposeError(f"compose pp: {lost[:3]} in no stage (would never train); fix: the stage builder must "
-                           "hold every module the model's forward uses")
-
-
-def check_vocab(model: nn.Module, plan: dict[str, str], tp: int, style: str) -> None:
-    """builtin tp: DTensor shards a vocabulary V % tp != 0 unevenly, which the pipeline's fixed
-    message shapes and the loss's re-wrapping of local logits do not describe: refused."""
-    if style != "builtin" or tp == 1:
-        return
-    for path, m in model.named_modules():
-        style_of = next((st for k, st in plan.items() if path and matches(path, k)), None)
-        if style_of in ("vocab_embed", "colwise_vocab") and m.weight.shape[0] % tp:
-            raise ComposeError(f"compose builtin: {path!r} ({style_of}) has {m.weight.shape[0]} rows, not divisible "
-                               f"by tp={tp}; fix: style='explicit' (pads the vocabulary) or V divisible by tp")
-
-
-def apply_tp(module: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, style: str) -> dict[str, str]:
-    """The plan's entries that name a module of ``module`` (a stage holds some), on mesh["tp"]."""
-    paths = [p for p, _ in module.named_modules()]
-    plan = {k: v for k, v in plan.items() if any(matches(p, k) for p in paths)}
-    if style == "builtin":
-        return apply_dtensor_plan(module, plan, tp_mesh)
-    return apply_plan(module, plan, tp_mesh.get_group(), missing_ok=True)
-
-
-def apply_fsdp(module: nn.Module, mesh: DeviceMesh, units: list[str]) -> list[tuple[str, int, bool]]:
-    """FSDP2: ``fully_shard`` every module matching a unit glob, then the root (torchtitan's order).
-    Returns each group's (path, bytes all-gathered, trainable?), the root last: its (tp-local)
-    parameters with dim 0 padded to a multiple of the mesh size, as FSDP2 shards them."""
-    n = mesh.size()
-    paths = [path for path, _ in module.named_modules() if path and any(matches(path, u) for u in units)]
-    owner = lambda name: next((u for u in paths if name.startswith(u + ".")), "")  # "" = the root's
-    groups: dict[str, list] = {u: [] for u in [*paths, ""]}
-    for name, p in module.named_parameters():  # each parameter once, before any is sharded
-        groups[owner(name)].append(p)
-
-    def nbytes(ps) -> int:
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in ps]
-        return sum(-(-t.shape[0] // n) * n * t[0].numel() * t.element_size() if t.dim() else t.element_size()
-                   for t in local)
-
-    out = [(u, nbytes(ps), any(p.requires_grad for p in ps)) for u, ps in groups.items()]
-    for u in paths:
-        fully_shard(module.get_submodule(u), mesh=mesh)
-    fully_shard(module, mesh=mesh)
-    return out
-
-
-def apply_pp(module: nn.Module, s: int, S: int, pp_mesh: DeviceMesh, loss: Callable, microbatches: int,
-             schedule: str = "gpipe", scale_grads: bool = True):
-    """This stage in ``torch.distributed.pipelining`` (shapes inferred at the first step). scale_grads:
-    the schedule divides the summed micro-batch gradients by M (False: the caller does, after a
-    reduction that fills them later — the explicit FSDP's shards)."""
-    stage = PipelineStage(module, s, S, torch.device("cpu"), group=pp_mesh.get_group())
-    return SCHEDULES[schedule](stage, microbatches, loss_fn=loss, scale_grads=scale_grads)
-
-
-def _group(mesh: DeviceMesh, axes: list[str]):
-    """(sub-mesh, group) over ``axes`` together (flattened when several), or (None, None)."""
-    if not axes:
-        return None, None
-    sub = mesh[axes[0]] if len(axes) == 1 else mesh[tuple(axes)]._flatten("_".join(axes))
-    return sub, sub.get_group()
+NOT_DERIVED = ("explicit fsdp × pp, and builtin fsdp × pp under 1f1b: the all-gathers and reduce-scatters per "
+               "micro-batch are not derived (comm_theory omits them)")
 
 
 class Trainer:
@@ -205,7 +101,7 @@ class Trainer:
                                "(its tokens' global positions); fix: give the module one (parallel/llama.py Stage)")
         self.styles = apply_tp(self.module, plan, mesh["tp"], style) if self.t > 1 and plan else {}
         grad_axes = [a for a in (self.data, "cp") if ax(a) > 1]
-        self.grad_mesh, self.grad_group = _group(mesh, grad_axes)
+        self.grad_mesh, self.grad_group = group_over(mesh, grad_axes)
         self.fsdp, self.fsdp2 = None, []
         if self.data == "fsdp" and self.d > 1:
             if style == "builtin":
@@ -217,19 +113,11 @@ class Trainer:
         self.optimizer = optimizer(self.params)
         self.cp_group, self.cp_variant = (mesh["cp"].get_group() if self.c > 1 else None), cp_variant
         if self.S > 1 and self.t > 1 and style == "builtin" and self.s == self.S - 1:
-            # the pipeline passes plain tensors: local logits (m, T/c, V/t) out, DTensor again in the loss
-            self.module.register_forward_hook(lambda m, a, out: out.to_local() if isinstance(out, DTensor) else out)
+            local_logits(self.module)  # the pipeline passes plain tensors; self._loss wraps them again
+        self._loss = stage_loss(loss, self.styles, mesh["tp"] if self.t > 1 else None, style)
+        self.schedule_name = schedule
         self.schedule = apply_pp(self.run, self.s, self.S, mesh["pp"], self._loss, self.M, schedule,
                                  scale_grads=self.fsdp is None) if self.S > 1 else None
-
-    def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.t > 1 and self.style == "explicit" and "colwise_vocab" in self.styles.values():
-            return VocabParallelCrossEntropy.apply(out, y, self.mesh["tp"].get_group())  # (m, T/c, V/t) logits
-        if self.t > 1 and self.style == "builtin" and "colwise_vocab" in self.styles.values() \
-                and not isinstance(out, DTensor):  # the pipeline's plain local logits
-            out = DTensor.from_local(out, self.mesh["tp"], [Shard(-1)])
-        value = self.loss(out, y)
-        return value.to_local() if isinstance(value, DTensor) else value
 
     def local_batch(self, tokens: torch.Tensor, targets: torch.Tensor):
         """(B, T) each -> this rank's (B/d, T/c) each and their global positions (T/c,)."""
@@ -309,11 +197,12 @@ class Trainer:
         tp (explicit: per micro-batch one g per rowwise module and the embedding, one f per input of
         colwise modules and the head, the vocabulary CE's MAX + SUM; builtin: one f per colwise
         module, loss_parallel's 3), pp (M messages of A per boundary each way), cp (the ring: 3c−2
-        K|V messages per seam call), dp (one flat all-reduce), fsdp without pp (explicit: the FSDP
-        wrapper's own theory; builtin: FSDP2 gathers each unit in forward and again in backward, the
-        root once, and reduce-scatters each once, dim 0 padded to the group size) and the world's
-        (loss, flag). Not derived: fsdp under pp (gathers per micro-batch as the schedule and FSDP's
-        resharding decide): absent from the result, NOT_DERIVED says so."""
+        K|V messages per seam call), dp (one flat all-reduce), fsdp (explicit without pp: the FSDP
+        wrapper's own theory; builtin, GPipe: FSDP2 gathers each unit in every micro-batch's forward
+        and once in backward — the pipeline keeps it unsharded until the last backward — so M + 1
+        times, the root once, and reduce-scatters each once, dim 0 padded to the group size) and the
+        world's (loss, flag). Not derived: explicit fsdp under pp, builtin under 1f1b (where a
+        backward lands between forwards): absent from the result, NOT_DERIVED says so."""
         out: dict[str, dict[str, tuple[int, int]]] = {}
 
         def add(label, op, n, nbytes):
@@ -343,14 +232,14 @@ class Trainer:
             a, k = sum(n * item for n, item in self.last["kv"]), (3 * self.c - 2) * len(self.last["kv"])
             add("cp", "send", k, (3 * self.c - 2) * 2 * a)
             add("cp", "recv", k, (3 * self.c - 2) * 2 * a)
-        if self.data == "fsdp" and self.d > 1 and self.S > 1:
+        if self.data == "fsdp" and self.d > 1 and self.S > 1 and (self.fsdp2 == [] or self.schedule_name != "gpipe"):
             pass  # NOT_DERIVED
         elif self.fsdp is not None:
             for op, (n, nbytes) in self.fsdp.comm_theory().items():
                 add(self.grad_label, op, n, nbytes)
-        elif self.fsdp2:  # a unit: gathered in forward and again in backward; the root once
+        elif self.fsdp2:  # a unit: gathered in each micro-batch's forward and once in backward; the root once
             for path, nbytes, trainable in self.fsdp2:
-                k = 1 if path == "" else 2
+                k = 1 if path == "" else M + 1
                 add(self.grad_label, "all_gather", k, k * nbytes)
                 if trainable:
                     add(self.grad_label, "reduce_scatter", 1, nbytes)

@@ -1,0 +1,209 @@
+"""The composition's refusals and its per-axis pieces for ANY Flax NNX model: what compose.py's
+``Composed`` checks at wrap time and runs inside the step. The twin: torch_impl/parallel/compose_axes.py.
+
+    refusal(layout, style)              an axis, size or style compose cannot run (one line)
+    check_split(model, split, S)        the stage split: tied parts, blocks that are no nnx.List of
+                                        identical modules (a scan/vmap-stacked module is refused), L % S
+    check_plan(model, split, plan, tp)  the tp plan: colwise / rowwise nnx.Linear inside the blocks,
+                                        whole heads, no rowwise bias
+    flat(module)                        (graphdef, treedef, keys, {key: array}): what pp stacks per stage
+    Col / Row, stand_ins                Megatron's f (pcast to varying: psum of dL/dx in backward, one per
+                                        input array) and g (psum over "tp") around the local shard
+
+Module paths match by ONE glob rule (parallel.tree.matches: ``*`` one segment, ``**`` any), shared
+with parallel.tp's plans and parallel.fsdp's units. Collectives: tp's f and g above (2 all-reduces
+of the (m, T/c, D) stream per block forward, 2 backward); the rest: compose.py's docstring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+from flax import nnx
+from jax import lax
+
+from jax_impl.parallel.tree import WrapError, key_of, matches, param_holders, put_child, submodules
+
+AXES = ("dp", "fsdp", "pp", "cp", "tp")
+CP_VARIANTS = ("ring", "ring_zigzag", "ulysses")  # parallel.cp's seam
+STYLES = ("shard_map", "jit")
+
+
+class ComposeError(WrapError):
+    """A layout, plan or split ``compose`` cannot train exactly: raised before compiling."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """A model's stage split: ``head(block(…block(embed(x))…))`` equals its forward. ``first`` / ``last``:
+    module paths run before / after the blocks; ``blocks``: the path of an nnx.List of identical modules.
+    embed(root, mods, tokens, positions), block(root, layer, h, positions), head(root, mods, h): ``mods``
+    {path: module} with this device's weights; ``root`` the model (read for static attributes only)."""
+    first: tuple[str, ...]
+    blocks: str
+    last: tuple[str, ...]
+    embed: Callable
+    block: Callable
+    head: Callable
+
+
+def one(axes):
+    """None, the one axis, or the tuple: a PartitionSpec entry over ``axes``."""
+    axes = tuple(axes)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def refusal(layout: dict[str, int], style: str) -> str | None:
+    """Why ``compose`` refuses this layout in this style, or None."""
+    bad = [a for a in layout if a not in AXES]
+    if bad:
+        return f"compose: unknown axes {bad} in layout {layout}; use {AXES}"
+    if any(not isinstance(n, int) or n < 1 for n in layout.values()):
+        return f"compose: layout sizes must be positive integers, got {layout}"
+    if style == "typed":
+        return ("compose: style 'typed' is refused: a composed step mixes manual collectives (pp's ppermute, "
+                "cp's ring) with sharding-in-types; use style='shard_map' or 'jit'")
+    if style not in STYLES:
+        return f"compose: unknown style {style!r}; use one of {STYLES}"
+    if style == "jit" and layout.get("pp", 1) > 1:
+        return (f"compose: pp={layout['pp']} under jit is refused (the pipeline's schedule is manual); "
+                "use style='shard_map' or drop pp from the layout")
+    return None
+
+
+
+# --- refusals before anything changes ---------------------------------------------------------------
+
+
+def check_split(root, sp: Split, stages: int) -> int:
+    """Refuses a split compose cannot stack per stage (tied parts, a path that is no module, blocks
+    that are no nnx.List of identical modules, a count pp does not divide, a Param outside the
+    split); returns the block count L."""
+    mods, refs = submodules(root)
+    for p in sp.first + sp.last + (sp.blocks,):
+        m = resolve(root, p)
+        if m is not None and refs.get(id(m), 0) > 1:
+            raise ComposeError(f"compose: the module at {p!r} is held in {refs[id(m)]} places (tied); compose "
+                               "trains each split part's own Params: untie it")
+        if p not in mods:
+            raise ComposeError(f"compose: split path {p!r} is no module of {type(root).__name__}; "
+                               "fix the split")
+    blocks = mods[sp.blocks]
+    if not isinstance(blocks, nnx.List) or not len(blocks):
+        raise ComposeError(f"compose: split.blocks {sp.blocks!r} is a {type(blocks).__name__}, not a non-empty "
+                           "nnx.List of blocks (a scan/vmap-stacked module is not split): hold the blocks in one")
+    L = len(blocks)
+    if L % stages:
+        raise ComposeError(f"compose: {L} blocks ({sp.blocks}) do not split evenly over pp={stages}; "
+                           "use a pp size that divides the block count")
+    shapes = lambda m: [(key_of(k), v.shape) for k, v in jax.tree_util.tree_flatten_with_path(
+        nnx.state(m, nnx.Param))[0]]
+    for i in range(1, L):
+        if shapes(blocks[i]) != shapes(blocks[0]) or type(blocks[i]) is not type(blocks[0]):
+            raise ComposeError(f"compose: block {sp.blocks}.{i} differs from {sp.blocks}.0 (type or Params); "
+                               "the blocks are stacked per stage: make them identical or move it to first/last")
+    parts = sp.first + sp.last + tuple(f"{sp.blocks}.{i}" for i in range(L))
+    for holder in param_holders(root).values():
+        owners = {q for q in parts for h in holder if h == q or h.startswith(q + ".")}
+        if len(owners) != 1:
+            what = "in no module of the split" if not owners else f"shared by {sorted(owners)} (tied)"
+            raise ComposeError(f"compose: a Param of {holder[0]!r} is {what}; compose trains each split part's "
+                               "own Params: untie it / add its module to split.first or split.last")
+    return L
+
+def check_plan(root, sp: Split, plan: dict[str, str], tp: int) -> dict[str, str]:
+    """The plan as {path inside one block: style}; refuses what compose cannot split exactly."""
+    mods = submodules(root)[0]
+    prefix, out = sp.blocks + ".", {}
+    for pattern, style in plan.items():
+        hits = [p for p in mods if p and matches(p, pattern)]
+        if style not in ("colwise", "rowwise"):
+            raise ComposeError(f"compose: plan key {pattern!r} has style {style!r}; compose splits 'colwise' and "
+                               "'rowwise' only (embedding and head stay replicated): drop it or use parallel.tp")
+        if not hits:
+            raise ComposeError(f"compose: plan key {pattern!r} matches no module ('*' = one segment, '**' any); "
+                               "fix the key")
+        for p in hits:
+            m = mods[p]
+            if not p.startswith(prefix) or not isinstance(m, nnx.Linear):
+                raise ComposeError(f"compose: plan key {pattern!r} hits {p!r} ({type(m).__name__}); compose "
+                                   f"splits nnx.Linear modules inside {sp.blocks} only: drop the key")
+            if style == "rowwise" and m.bias is not None:
+                raise ComposeError(f"compose: rowwise {p!r} has a bias; compose has no rowwise bias: "
+                                   "use_bias=False")
+            rel = p[len(prefix):].split(".", 1)[1]
+            dim = m.kernel.shape[1 if style == "colwise" else 0]
+            parent = mods[p.rsplit(".", 1)[0]]
+            hd = getattr(parent, "head_dim", None)
+            if dim % tp or (hd and (dim // hd) % tp):
+                unit = f"{dim // hd} heads" if hd else f"{dim} features"
+                raise ComposeError(f"compose: {style} {p!r} has {unit}, not divisible by tp={tp}; use a tp "
+                                   "size dividing every planned module's heads / features")
+            out[rel] = style
+    return out
+
+
+# --- one piece per axis: pp's flat Params per stage, tp's stand-ins ---------------------------------
+
+
+def resolve(root, path: str):
+    """The module at a dotted path, or None."""
+    m = root
+    for k in path.split("."):
+        try:
+            m = m[int(k)] if k.isdigit() else getattr(m, k)
+        except (AttributeError, IndexError, KeyError, TypeError):
+            return None
+    return m
+
+
+def flat(module):
+    """(graphdef, treedef, Param keys, {key: array}) of a module: its state flattened by path."""
+    gdef, params, rest = nnx.split(module, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        raise ComposeError(f"compose: {type(module).__name__} holds state other than nnx.Param; compose trains "
+                           "Params only: make it a Param or a static attribute")
+    gdef, params = nnx.split(module)
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(params)
+    keys = [key_of(p) for p, _ in pairs]
+    return gdef, treedef, keys, dict(zip(keys, (v for _, v in pairs), strict=True))
+
+
+class Col:
+    """colwise stand-in: f (pcast to varying over "tp": psum of dL/dx in backward; one per input array,
+    shared by the siblings reading it), then the local shard."""
+
+    def __init__(self, m, f_cache: dict):
+        self.m, self.f_cache = m, f_cache
+
+    def __call__(self, x):
+        t = jax.typeof(x)
+        if "tp" in (getattr(getattr(t, "mat", None), "varying", None) or getattr(t, "vma", ())):
+            return self.m(x)
+        if id(x) not in self.f_cache:  # the array kept with its cast: its id stays unique
+            self.f_cache[id(x)] = (x, lax.pcast(x, "tp", to="varying"))
+        return self.m(self.f_cache[id(x)][1])
+
+
+class Row:
+    """rowwise stand-in: the local shard's partial sums, then g (psum over "tp")."""
+
+    def __init__(self, m):
+        self.m = m
+
+    def __call__(self, x):
+        return lax.psum(self.m(x), "tp")
+
+
+def stand_ins(layer, rel_plan: dict[str, str], f_cache: dict):
+    """``layer`` (one block, tp-local weights) with every planned Linear behind its tp stand-in."""
+    for rel, style in rel_plan.items():
+        parent, key = layer, rel.rsplit(".", 1)
+        for k in key[0].split(".") if len(key) == 2 else ():
+            parent = parent[int(k)] if k.isdigit() else getattr(parent, k)
+        m = getattr(parent, key[-1])
+        put_child(parent, key[-1], Col(m, f_cache) if style == "colwise" else Row(m))
+    return layer
+

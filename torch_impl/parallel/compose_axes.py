@@ -1,0 +1,191 @@
+"""The N-D composition's steps, one per mesh axis, and its refusals: what compose.py's Trainer runs in
+torchtitan's order for ANY nn.Module, and what torch_impl/mesh.py (the project's own ``--mesh`` runs)
+calls for its transformer. The twin: jax_impl/parallel/compose_axes.py.
+
+    check(layout, style, loss, plan)       refusals that need no process group (ComposeError, one line)
+    check_stages / check_vocab             a parameter in two stages or none; builtin tp of V % tp != 0
+    apply_tp(module, plan, mesh["tp"], style)      the plan's entries naming a module of this stage
+    apply_fsdp(module, data_mesh, units)           FSDP2 per unit + root (a 2-D (dp, shard=1) mesh: HSDP)
+    apply_ddp(module, group)                       DDP over 1-D dp (plain tensors only: DDP takes no DTensor)
+    apply_pp(module, s, S, mesh["pp"], loss, M)    PipelineStage + ScheduleGPipe / Schedule1F1B
+    stage_loss(loss, styles, mesh["tp"], style)    the loss on this stage's (vocabulary-split) logits
+
+Collectives: tp's all-reduces (2 per layer forward, 2 backward; the vocabulary CE's), FSDP2's
+all-gathers and reduce-scatters per unit, DDP's bucketed all-reduces, pp's one message per
+micro-batch and boundary each way (compose.py's docstring counts them per step).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor, Shard
+from torch.nn.parallel import DistributedDataParallel
+
+from torch_impl.parallel.tp import apply_dtensor_plan, apply_plan, matches
+from torch_impl.parallel.tp_ops import VocabParallelCrossEntropy
+
+AXES = ("dp", "fsdp", "pp", "cp", "tp")
+STYLES = ("builtin", "explicit")
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# gathering fsdp × tp weights whole (full_tensor, bookkeeping) takes two all-gathers: harmless, said once per call
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+class ComposeError(ValueError):
+    """A layout, style or model that the composition cannot train exactly (raised before any change)."""
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean CE over every token: logits (B, T, V), targets (B, T)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def sizes(mesh: DeviceMesh) -> dict[str, int]:
+    return dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape, strict=True))
+
+
+# --- refusals before anything changes ---------------------------------------------------------------
+
+
+def check(layout: dict[str, int], style: str, loss: Callable, plan: dict | None) -> None:
+    """The refusals that need no process group (one line each)."""
+    if style not in STYLES:
+        raise ComposeError(f"compose: unknown style {style!r}; choose from {STYLES}")
+    bad = [a for a in layout if a not in AXES]
+    if bad:
+        raise ComposeError(f"compose: unknown mesh axes {bad}; name the DeviceMesh's dims from {AXES}")
+    if layout.get("dp", 1) > 1 and layout.get("fsdp", 1) > 1:
+        raise ComposeError("compose: dp and fsdp both > 1 (HSDP) is not composed here; fix: one data axis "
+                           "(dp=N or fsdp=N)")
+    if style == "explicit" and layout.get("tp", 1) > 1 and plan and loss is not cross_entropy:
+        raise ComposeError("compose explicit: tp splits the head's vocabulary, so the loss must be the "
+                           "vocabulary-parallel CE; fix: loss=compose.cross_entropy (or style='builtin')")
+
+
+def check_stages(model: nn.Module, stage: Callable, stages: int) -> None:
+    """Every trainable parameter in exactly one stage (a tie across stages would train two copies apart)."""
+    if stages == 1:
+        return
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(repr(n))
+    held: dict[int, int] = {}
+    for s in range(stages):
+        for p in stage(model, s, stages).parameters():
+            if held.setdefault(id(p), s) != s:
+                tied = " = ".join(names.get(id(p), ["?"]))
+                raise ComposeError(f"compose pp: parameter {tied} is held by stages {held[id(p)]} and {s} "
+                                   "(tied): pp would train two copies apart; fix: untie it or put its holders in "
+                                   "one stage")
+    lost = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if lost:
+        raise ComposeError(f"compose pp: {lost[:3]} in no stage (would never train); fix: the stage builder must "
+                           "hold every module the model's forward uses")
+
+
+def check_vocab(model: nn.Module, plan: dict[str, str], tp: int, style: str) -> None:
+    """builtin tp: DTensor shards a vocabulary V % tp != 0 unevenly, which the pipeline's fixed
+    message shapes and the loss's re-wrapping of local logits do not describe: refused."""
+    if style != "builtin" or tp == 1:
+        return
+    for path, m in model.named_modules():
+        style_of = next((st for k, st in plan.items() if path and matches(path, k)), None)
+        if style_of in ("vocab_embed", "colwise_vocab") and m.weight.shape[0] % tp:
+            raise ComposeError(f"compose builtin: {path!r} ({style_of}) has {m.weight.shape[0]} rows, not divisible "
+                               f"by tp={tp}; fix: style='explicit' (pads the vocabulary) or V divisible by tp")
+
+
+# --- one step per axis, in torchtitan's order: tp, then the data axis, then pp ----------------------
+
+
+def apply_tp(module: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, style: str) -> dict[str, str]:
+    """The plan's entries that name a module of ``module`` (a stage holds some), on mesh["tp"]."""
+    paths = [p for p, _ in module.named_modules()]
+    plan = {k: v for k, v in plan.items() if any(matches(p, k) for p in paths)}
+    if style == "builtin":
+        return apply_dtensor_plan(module, plan, tp_mesh)
+    return apply_plan(module, plan, tp_mesh.get_group(), missing_ok=True)
+
+
+def local_logits(module: nn.Module) -> None:
+    """builtin tp × pp, last stage: the pipeline passes plain tensors, so ``module``'s DTensor output
+    leaves as its local shard (m, T/c, V/t); ``stage_loss`` wraps it again."""
+    module.register_forward_hook(lambda m, a, out: out.to_local() if isinstance(out, DTensor) else out)
+
+
+def apply_fsdp(module: nn.Module, mesh: DeviceMesh, units: list[str]) -> list[tuple[str, int, bool]]:
+    """FSDP2: ``fully_shard`` every module matching a unit glob, then the root (torchtitan's order);
+    on a 2-D (replicate, shard) mesh this is HSDP. Returns each group's (path, bytes all-gathered,
+    trainable?), the root last: its (tp-local) parameters with dim 0 padded to a multiple of the
+    mesh size, as FSDP2 shards them."""
+    n = mesh.size()
+    paths = [path for path, _ in module.named_modules() if path and any(matches(path, u) for u in units)]
+    owner = lambda name: next((u for u in paths if name.startswith(u + ".")), "")  # "" = the root's
+    groups: dict[str, list] = {u: [] for u in [*paths, ""]}
+    for name, p in module.named_parameters():  # each parameter once, before any is sharded
+        groups[owner(name)].append(p)
+
+    def nbytes(ps) -> int:
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in ps]
+        return sum(-(-t.shape[0] // n) * n * t[0].numel() * t.element_size() if t.dim() else t.element_size()
+                   for t in local)
+
+    out = [(u, nbytes(ps), any(p.requires_grad for p in ps)) for u, ps in groups.items()]
+    for u in paths:
+        fully_shard(module.get_submodule(u), mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    return out
+
+
+def apply_ddp(module: nn.Module, group) -> nn.Module:
+    """torch's DDP over ``group`` (bucketed all-reduces overlapping backward). DDP takes no DTensor
+    weights (its first broadcast fails): with tp, use HSDP (``apply_fsdp`` on a (dp, shard = 1) mesh)."""
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        raise ComposeError("compose: DDP cannot take DTensor (tp-split) weights; fix: HSDP, apply_fsdp on a "
+                           "(dp, dp_shard=1) mesh")
+    return DistributedDataParallel(module, process_group=group)
+
+
+def apply_pp(module: nn.Module, s: int, S: int, pp_mesh: DeviceMesh, loss: Callable, microbatches: int,
+             schedule: str = "gpipe", scale_grads: bool = True, device=None, **shapes):
+    """This stage in ``torch.distributed.pipelining``: shapes inferred at the first step, or given
+    (``input_args`` / ``output_args``, PipelineStage's). scale_grads: the schedule divides the summed
+    micro-batch gradients by M (False: the caller does, after a reduction that fills them later —
+    the explicit FSDP's shards)."""
+    if schedule not in SCHEDULES:
+        raise ComposeError(f"compose pp: unknown schedule {schedule!r}; choose from {tuple(SCHEDULES)}")
+    stage = PipelineStage(module, s, S, device or torch.device("cpu"), group=pp_mesh.get_group(), **shapes)
+    return SCHEDULES[schedule](stage, microbatches, loss_fn=loss, scale_grads=scale_grads)
+
+
+def stage_loss(loss: Callable, styles: dict[str, str], tp_mesh: DeviceMesh | None, style: str) -> Callable:
+    """loss(out, y) on this stage's logits: with the head's vocabulary split over tp (a
+    ``colwise_vocab`` entry), explicit runs the vocabulary-parallel CE on the (m, T/c, V/t) shard;
+    builtin wraps plain local logits (the pipeline's) as a Shard(-1) DTensor for ``loss_parallel``."""
+    vocab = tp_mesh is not None and "colwise_vocab" in styles.values()
+
+    def of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if vocab and style == "explicit":
+            return VocabParallelCrossEntropy.apply(out, y, tp_mesh.get_group())
+        if vocab and not isinstance(out, DTensor):
+            out = DTensor.from_local(out, tp_mesh, [Shard(-1)])
+        value = loss(out, y)
+        return value.to_local() if isinstance(value, DTensor) else value
+
+    return of
+
+
+def group_over(mesh: DeviceMesh, axes: list[str]):
+    """(sub-mesh, group) over ``axes`` together (flattened when several), or (None, None)."""
+    if not axes:
+        return None, None
+    sub = mesh[axes[0]] if len(axes) == 1 else mesh[tuple(axes)]._flatten("_".join(axes))
+    return sub, sub.get_group()
