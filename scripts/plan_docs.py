@@ -38,7 +38,8 @@ def constants() -> str:
 def published() -> str:
     after = published_rows()
     return "\n".join([markdown(published_rows(datasheet=True), after), "", summary(after).replace("\n", "  \n"),
-                      "", "Llama 3's rows with v pinned to each (the table above: v = 8, from §3.3.2's one-layer chunks):", "", v_sensitivity()])
+                      "", "Llama 3's rows with v pinned to each (the table above: v = 8, from §3.3.2's one-layer "
+                      "chunks):", "", v_sensitivity()])
 
 
 def memory() -> str:
