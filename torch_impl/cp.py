@@ -105,7 +105,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for p in params],
         fixture=lambda ts: [to_fixture(model, name, x) for name, x in zip(names, ts, strict=True)],
         params=params, optimizer=opt, loss_reduction="mean", group=group,
-        comm_theory=cp_comm_bytes(cfg, variant) if style == "explicit" else None,
+        comm_theory=cp_comm_bytes(cfg, variant, autocast=True) if style == "explicit" else None,
         extra={"backend": ctx.backend}))
     every = [None] * n  # bookkeeping after training, outside the ledger
     dist.all_gather_object(every, (seen["positions"], core.scores if core else None), group=group)

@@ -119,5 +119,5 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     return train_loop(cfg, ctx, Setup(
         forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for p in params],
         fixture=fixture, params=params, optimizer=opt, loss_reduction="same", group=group,
-        comm_theory=tp_comm_bytes(cfg, variant),
+        comm_theory=tp_comm_bytes(cfg, variant, autocast=True),  # mixed: autocast's bf16
         extra={"plan": plan, "backend": ctx.backend}))
