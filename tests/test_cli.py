@@ -479,3 +479,21 @@ def test_mixed_precision_sweep_four_ranks(tmp_path):
     data = json.loads(out.read_text(), parse_constant=_refuse)
     assert all(r["ok"] and r["precision"] == "mixed" for r in data["runs"])
     assert all(r["extra"]["mixed"]["loss_rel_err_vs_float64"] <= 2e-2 for r in data["runs"])
+
+
+@pytest.mark.slow
+def test_mixed_precision_torch_tp_pp_cp_four_ranks(tmp_path):
+    """torch builds --precision mixed for tp, pp, cp too (JAX refuses them): both models, 4 ranks, 4 steps;
+    every row ok against its floor (shared.tolerances.MIXED_VARIANT_FACTOR for tp and the rings) and its
+    ledger equal to theory in the dtypes autocast sends (tp_comm / cp_comm(autocast=True))."""
+    out = tmp_path / "mixed.json"
+    argv = ["--model", "transformer,mlp", "--precision", "mixed", "--dtype", "bfloat16", "--world-size", "4",
+            "--patterns", "tp,pp,cp", "--frameworks", "torch", "--steps", "4", "--layers", "4", "--dim", "16",
+            "--heads", "4", "--seq", "8", "--vocab", "16", "--batch", "8", "--quiet", "--json", str(out)]
+    assert compare.main(argv) == 0
+    data = json.loads(out.read_text(), parse_constant=_refuse)
+    assert {r["pattern"] for r in data["runs"]} == {"tp", "pp", "cp"}
+    for r in data["runs"]:
+        assert r["ok"] and r["precision"] == "mixed", r
+        assert r["extra"]["mixed"]["loss_rel_err_vs_float64"] <= 2e-2, r
+        assert r["comm_bytes"] == r["comm_bytes_theory"], r

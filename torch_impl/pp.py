@@ -18,6 +18,8 @@ Bubble (theory): (p−1)/(M+p−1); interleaved (p−1)/(v·M+p−1); ZB-H1 a th
 Every stage's order is shared.schedule.order's (asserted).
 builtin: torch.distributed.pipelining on the same ``Stage`` modules (ScheduleGPipe, Schedule1F1B,
 ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble).
+Mixed precision (--precision mixed): float32 stages and AdamW state, the step under autocast; every
+stage hands on float32 (``Stage.out_dtype``), so the messages are 4 bytes per element.
 Papers: GPipe, Huang et al. 2019 (arXiv:1811.06965); PipeDream 1F1B, Narayanan et al. 2019
 (arXiv:1806.03377); ZB-H1, Qi et al. 2024 (arXiv:2401.10241).
 """

@@ -19,6 +19,8 @@ Sequence parallelism (megatron_sp / dtensor_sp; transformer only): between the m
 all-gather): (4L+2) of each of B·T·D·b (Megatron's wire bytes), the loss's, and one all-reduce of
 the SP parameters' partial gradients (shared.theory.tp_sp_comm). Norm activations saved /tp.
 builtin/dtensor issues the same collectives. docs/tp.md has the styles, the refusals and the plans.
+Mixed precision (--precision mixed): float32 shards and AdamW state, the step under autocast; the g's
+after W_o / W_down move their bf16 outputs (2 bytes), the rest float32 (tp_comm_bytes(autocast=True)).
 Papers: Megatron-LM, Shoeybi et al. 2019 (arXiv:1909.08053 §3); sequence parallelism, Korthikanti
 et al. 2022 (arXiv:2205.05198 §4.2.2).
 """
