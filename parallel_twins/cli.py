@@ -295,6 +295,8 @@ def make_configs(args):
         applying = [cfg for cfg in mine if cfg.applies(pattern)]
         for cfg in applying or mine:  # a pattern no requested model has (cp on the MLP): its one-line reason
             cfg.check(pattern)
+            for fw in args.frameworks:  # --precision mixed: built per framework (shared.config.MIXED_PATTERNS)
+                cfg.check_precision(pattern, fw)
     return [c for c in cfgs if not c.mesh or c.applies("mesh")]  # the mesh runs the transformer only
 
 

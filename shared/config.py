@@ -31,8 +31,10 @@ BYTES_PER_ELEMENT = {"float32": 4, "float64": 8, "bfloat16": 2}
 # autocast / FSDP2's MixedPrecisionPolicy, Flax's dtype= with param_dtype=float32.
 PRECISIONS = ("pure", "mixed")
 MIXED_DTYPES = ("bfloat16",)  # float16 would need dynamic loss scaling: not built (DTYPES has no float16)
-# The patterns whose runs (every style) build mixed precision; the others refuse it in Config.check.
-MIXED_PATTERNS = ("dp", "fsdp")
+# The patterns whose runs (every style) build mixed precision, per framework: Config.check refuses a
+# pattern no framework builds it for; Config.check_precision(pattern, framework) the rest, where the
+# framework is known (parallel_twins/cli.py, the harnesses).
+MIXED_PATTERNS = {"torch": ("dp", "fsdp", "tp", "pp", "cp"), "jax": ("dp", "fsdp")}
 
 
 @dataclass(frozen=True)
@@ -228,12 +230,21 @@ class Config:
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
 
+    def check_precision(self, pattern: str, framework: str) -> Config:
+        """Refuse ``--precision mixed`` for a pattern ``framework``'s runs do not build it for (MIXED_PATTERNS)."""
+        mine = MIXED_PATTERNS.get(framework, ())
+        if self.precision == "mixed" and pattern not in (*mine, "collectives"):
+            raise ValueError(f"{pattern}: --precision mixed is built for {', '.join(mine)} only under {framework}; "
+                             f"use --precision pure for {pattern}, or drop {framework} from --frameworks")
+        return self
+
     def check(self, pattern: str) -> Config:
         """Validate what ``pattern`` needs on top of the basic checks; returns self."""
         if pattern not in PATTERNS:
             raise ValueError(f"unknown pattern {pattern!r}; choose from {', '.join(PATTERNS)}")
-        if self.precision == "mixed" and pattern not in MIXED_PATTERNS + ("collectives",):  # collectives: no model
-            raise ValueError(f"{pattern}: --precision mixed is built for {', '.join(MIXED_PATTERNS)} only; "
+        built = list(dict.fromkeys(p for ps in MIXED_PATTERNS.values() for p in ps))  # any framework's
+        if self.precision == "mixed" and pattern not in built + ["collectives"]:  # collectives: no model
+            raise ValueError(f"{pattern}: --precision mixed is built for {', '.join(built)} only; "
                              f"use --precision pure for {pattern}")
         if self.moe and pattern not in EXPERT_PATTERNS:
             raise ValueError(f"{pattern}: the mixture-of-experts transformer runs under ep only "

@@ -36,12 +36,14 @@ ROOT = Path(__file__).resolve().parents[1]
         # mixed precision (issue 34): a 16-bit compute dtype; the patterns it is not built for refuse it
         (["--precision", "mixed"], "precision mixed computes in a 16-bit dtype: give --dtype bfloat16"),
         (["--precision", "mixed", "--dtype", "float32", "--patterns", "dp"], "precision mixed computes in a 16-bit"),
-        (["--precision", "mixed", "--dtype", "bfloat16"], "tp: --precision mixed is built for dp, fsdp only; "
-                                                          "use --precision pure for tp"),
+        # (per framework: torch builds tp, pp, cp too, JAX dp and fsdp only; ep and the mesh neither)
+        (["--precision", "mixed", "--dtype", "bfloat16"], "tp: --precision mixed is built for dp, fsdp only under "
+                                                          "jax; use --precision pure for tp, or drop jax from"),
         (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "dp,pp"], "pp: --precision mixed is built"),
         (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "cp", "--model", "transformer"],
-         "cp: --precision mixed is built for dp, fsdp only"),
-        (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "ep"], "ep: --precision mixed is built"),
+         "cp: --precision mixed is built for dp, fsdp only under jax"),
+        (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "ep", "--frameworks", "torch"],
+         "ep: --precision mixed is built for dp, fsdp, tp, pp, cp only; use --precision pure for ep"),
         (["--precision", "mixed", "--dtype", "bfloat16", "--mesh", "dp=2,tp=2"], "mesh: --precision mixed is built"),
         (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "dp", "--checkpoint-dir", "/tmp"],
          "--checkpoint-dir: --precision mixed is not built for checkpoints; use --precision pure"),
@@ -477,3 +479,21 @@ def test_mixed_precision_sweep_four_ranks(tmp_path):
     data = json.loads(out.read_text(), parse_constant=_refuse)
     assert all(r["ok"] and r["precision"] == "mixed" for r in data["runs"])
     assert all(r["extra"]["mixed"]["loss_rel_err_vs_float64"] <= 2e-2 for r in data["runs"])
+
+
+@pytest.mark.slow
+def test_mixed_precision_torch_tp_pp_cp_four_ranks(tmp_path):
+    """torch builds --precision mixed for tp, pp, cp too (JAX refuses them): both models, 4 ranks, 4 steps;
+    every row ok against its floor (shared.tolerances.MIXED_VARIANT_FACTOR for tp and the rings) and its
+    ledger equal to theory in the dtypes autocast sends (tp_comm / cp_comm(autocast=True))."""
+    out = tmp_path / "mixed.json"
+    argv = ["--model", "transformer,mlp", "--precision", "mixed", "--dtype", "bfloat16", "--world-size", "4",
+            "--patterns", "tp,pp,cp", "--frameworks", "torch", "--steps", "4", "--layers", "4", "--dim", "16",
+            "--heads", "4", "--seq", "8", "--vocab", "16", "--batch", "8", "--quiet", "--json", str(out)]
+    assert compare.main(argv) == 0
+    data = json.loads(out.read_text(), parse_constant=_refuse)
+    assert {r["pattern"] for r in data["runs"]} == {"tp", "pp", "cp"}
+    for r in data["runs"]:
+        assert r["ok"] and r["precision"] == "mixed", r
+        assert r["extra"]["mixed"]["loss_rel_err_vs_float64"] <= 2e-2, r
+        assert r["comm_bytes"] == r["comm_bytes_theory"], r

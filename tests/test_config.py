@@ -85,11 +85,18 @@ def test_frozen():
 
 @pytest.mark.parametrize("pattern", ["tp", "pp", "cp"])
 def test_mixed_precision_is_refused_where_not_built(pattern):
+    """Built per framework (MIXED_PATTERNS): torch runs tp / pp / cp mixed, JAX refuses them; ep and the
+    mesh no framework builds (Config.check)."""
     cfg = Config(model="transformer", world_size=2, heads=2, dim=8, seq=4, vocab=8, batch=4, layers=2,
                  dtype="bfloat16", precision="mixed")
-    with pytest.raises(ValueError, match=f"{pattern}: --precision mixed is built for dp, fsdp only; "
-                                         f"use --precision pure for {pattern}"):
-        cfg.check(pattern)
+    assert cfg.check(pattern).check_precision(pattern, "torch") is cfg
+    with pytest.raises(ValueError, match=f"{pattern}: --precision mixed is built for dp, fsdp only under jax; "
+                                         f"use --precision pure for {pattern}, or drop jax from --frameworks"):
+        cfg.check_precision(pattern, "jax")
+    moe = cfg.replace(experts=2)
+    with pytest.raises(ValueError, match="ep: --precision mixed is built for dp, fsdp, tp, pp, cp only; "
+                                         "use --precision pure for ep"):
+        moe.check("ep")
 
 
 def test_mixed_precision_stores_float32_and_reduces_in_it():

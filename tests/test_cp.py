@@ -26,7 +26,7 @@ from jax_impl.harness import run_pattern as jax_run_pattern
 from jax_impl.parallel.typed import summarize
 from shared.config import Config
 from shared.problem import make_problem
-from shared.results import comm_bytes, cross_framework_ok, parity, within
+from shared.results import comm_bytes, cross_framework_ok, make_result, parity, within
 from shared.theory import cp_attention_scores, cp_comm, cp_comm_bytes, cp_positions
 from torch_impl import cp as torch_cp
 from torch_impl import harness as torch_harness
@@ -44,8 +44,12 @@ def _cfgs(ws: int, dtypes=("float64",)) -> list[Config]:
                    steps=3, dtype=dt) for dt in dtypes]
 
 
+MIXED_VARIANTS = [("explicit", "ring"), ("explicit", "ulysses")]  # ring_zigzag: test_cli's slow torch sweep
+
+
 def _torch_cfgs(ws: int) -> list[Config]:
-    return _cfgs(ws, ("float64", "float32") if ws == 2 else ("float64",))
+    mixed = [_cfgs(ws)[0].replace(dtype="bfloat16", precision="mixed")] if ws == 2 else []  # test_mixed_precision
+    return _cfgs(ws, ("float64", "float32") if ws == 2 else ("float64",)) + mixed
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +58,8 @@ def runs():
     launches (one per world size) run in a thread while this process compiles the JAX steps: the
     ranks mostly start up and wait, XLA compiles on one core."""
     with ThreadPoolExecutor(max_workers=1) as pool:
-        torch_out = pool.submit(lambda: {ws: launch(torch_run_pattern, ws, "cp", _torch_cfgs(ws))[0]
-                                         for ws in WORLD_SIZES})
+        torch_out = pool.submit(lambda: {ws: launch(torch_run_pattern, ws, "cp", _torch_cfgs(ws), {
+            cfg: MIXED_VARIANTS for cfg in _torch_cfgs(ws) if cfg.precision == "mixed"})[0] for ws in WORLD_SIZES})
         # JAX at cp = 4 only (its cp = 2 runs, and temp bytes at a size where activations dominate:
         # the slow test below); torch at both
         jax_out = {ws: jax_run_pattern("cp", _cfgs(ws)) if ws in JAX_WORLD_SIZES else [] for ws in WORLD_SIZES}
@@ -68,6 +72,8 @@ def _all_runs(runs):
         for fw in ("torch", "jax"):
             for entry in runs[ws][fw]:
                 cfg = entry["cfg"]
+                if cfg.precision == "mixed":  # its own test: test_mixed_precision
+                    continue
                 for style, variant, trained in entry["runs"]:
                     yield fw, cfg, style, variant, trained, entry["reference"]
 
@@ -160,6 +166,24 @@ def test_activation_bytes_per_rank(runs):
         bound = (full - b) // n + b + w_o_input
         got = trained.extra["activation_bytes"]
         assert got <= bound < full, (variant, n, cfg.dtype, got, bound, full)
+
+
+def test_mixed_precision(runs):
+    """--precision mixed, torch, ring and ulysses at cp=2: ok against the single-device run under
+    the same autocast within its measured floor × the factor (shared.tolerances; the rings': 32), float32
+    state, and the ledger in the dtype each message has: K|V and ulysses' all-to-alls in bf16, the
+    ring's dK|dV accumulators and the gradient all-reduce in float32 (cp_comm(autocast=True))."""
+    (entry,) = [e for e in runs[2]["torch"] if e["cfg"].precision == "mixed"]
+    cfg = entry["cfg"]
+    assert [(s, v) for s, v, _ in entry["runs"]] == MIXED_VARIANTS
+    for style, variant, trained in entry["runs"]:
+        row = make_result("cp", "torch", style, variant, cfg, trained, entry["reference"])
+        assert row.ok and row.precision == "mixed", (variant, row.extra["mixed"], parity(trained, entry["reference"]))
+        theory = {op: {"count": c, "bytes": b} for op, (c, b) in cp_comm(cfg, variant, autocast=True).items()}
+        assert trained.comm == dict(theory, **({"recv": theory["send"]} if variant in RING else {})), trained.comm
+        assert comm_bytes(trained.comm) == trained.comm_theory < cp_comm_bytes(cfg, variant)  # < all float32
+        phi = cfg.n_params
+        assert trained.state_bytes == {"params": 4 * phi, "grads": 4 * phi, "optimizer": 8 * phi}, trained.state_bytes
 
 
 @pytest.mark.slow

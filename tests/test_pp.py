@@ -21,7 +21,7 @@ from jax_impl import pp_schedules
 from jax_impl.harness import run_pattern as jax_run_pattern
 from parallel_twins.plots_layouts import plot_pipeline_timeline, plot_schedule
 from shared.config import Config
-from shared.results import cross_framework_ok, parity, within
+from shared.results import cross_framework_ok, make_result, parity, within
 from shared.schedule import closed_form_bubble, measured_costs, order, simulate
 from shared.theory import (
     pp_1f1b_permute_bytes,
@@ -99,9 +99,21 @@ def torch_variants(stages: int, rest: bool = False) -> dict[Config, list[tuple[s
     return {cfg: chosen for cfg, chosen in out.items() if chosen}
 
 
+def mixed_configs(stages: int) -> dict[Config, list[tuple[str, str]]]:
+    """--precision mixed (issue 34), torch, S = 2 only: the transformer (v = 2 chunks) under explicit
+    1F1B and builtin interleaved; the MLP (bf16 blocks: its stages cast their output to the float32 of
+    the receive buffers) under explicit GPipe and builtin 1F1B. Every variant: test_cli's slow torch sweep."""
+    if stages != 2:
+        return {}
+    mixed = dict(dtype="bfloat16", precision="mixed")
+    t = transformer_configs(2)[0].replace(virtual_stages=2, **mixed)
+    m = configs(2)[1].replace(virtual_stages=1, **mixed)
+    return {t: [("explicit", "1f1b"), ("builtin", "interleaved")], m: [("explicit", "gpipe"), ("builtin", "1f1b")]}
+
+
 @pytest.fixture(scope="module")
 def torch_out(stages):
-    chosen = torch_variants(stages)
+    chosen = torch_variants(stages) | mixed_configs(stages)
     return launch(torch_run_pattern, stages, "pp", list(chosen), chosen)[0]
 
 
@@ -124,8 +136,10 @@ def jax_1f1b_out(stages):
     return jax_run_pattern("pp", ONE_F_ONE_B_RUNS[stages]()[0], variants=[ONE_F_ONE_B])
 
 
-def runs(out):
+def runs(out, precision: str = "pure"):
     for entry in out:
+        if entry["cfg"].precision != precision:  # the mixed runs: test_mixed_precision
+            continue
         for style, variant, run in entry["runs"]:
             yield entry["cfg"], entry["reference"], style, variant, run
 
@@ -152,6 +166,25 @@ def test_cross_framework(torch_out, jax_out):
             assert cross_framework_ok(parity(run, j_entry["reference"]), t_entry["cfg"].dtype), (style, variant)
         for _, _, style, variant, run in runs([j_entry]):
             assert cross_framework_ok(parity(run, t_entry["reference"]), j_entry["cfg"].dtype), (style, variant)
+
+
+def test_mixed_precision(torch_out, stages):
+    """--precision mixed at S = 2: every run ok against the single-device run under the same autocast
+    within its measured floor × MIXED_FACTOR; the stages exchange float32 (the transformer's residual
+    stream, the MLP's cast outputs: 4 bytes per element, pp_p2p_bytes_per_rank); float32 state."""
+    if stages != 2:
+        pytest.skip("mixed precision runs at S = 2")
+    ran = {(cfg, s, v) for cfg, _, s, v, _ in runs(torch_out, "mixed")}
+    assert ran == {(cfg, s, v) for cfg, chosen in mixed_configs(stages).items() for s, v in chosen}
+    for cfg, ref, style, variant, run in runs(torch_out, "mixed"):
+        row = make_result("pp", "torch", style, variant, cfg, run, ref)
+        assert row.ok and row.precision == "mixed", (cfg.model, variant, row.extra["mixed"], parity(run, ref))
+        v = chunks(variant, cfg)
+        for r, comm in enumerate(run.extra["comm_per_rank"]):
+            expected = {"count": pp_p2p_count_per_rank(cfg, r, v), "bytes": pp_p2p_bytes_per_rank(cfg, r, v)}
+            assert comm == {"send": expected, "recv": expected}, (cfg.model, style, variant, r, comm)
+        assert cfg.bytes_per_element == 4 and run.extra["state_bytes_per_rank"] == [
+            pp_state_bytes(pp_stage_param_count(cfg, s), cfg) for s in range(cfg.world_size)]
 
 
 def test_torch_ledger_point_to_point(torch_out):

@@ -99,3 +99,14 @@ def test_mixed_runs_are_judged_by_the_measured_floor():
     assert not within_floor(parity(halved, ref), ref)
     assert not within_floor(parity(near, ref), Trained(losses=[], grads0=[], params=[]))  # no floor: refused
     assert mixed_tolerance(0.0) == MIXED_FACTOR * MIXED_FLOOR_MIN
+    # torch tp and cp's rings: other programs (MIXED_VARIANT_FACTOR, never below MIXED_PROGRAM_MIN); a
+    # lost 1/N still fails there, and every other pattern / variant keeps MIXED_FACTOR
+    from shared.tolerances import MIXED_PROGRAM_MIN, MIXED_VARIANT_FACTOR, mixed_factor
+
+    assert mixed_factor(variant="tp/megatron") == MIXED_VARIANT_FACTOR["tp"]
+    assert mixed_factor(variant="cp/ring") == MIXED_VARIANT_FACTOR["cp/ring"] > mixed_factor(variant="cp/ulysses")
+    assert mixed_factor(variant="cp/ulysses") == mixed_factor(variant="pp/1f1b") == MIXED_FACTOR
+    assert mixed_tolerance(0.0, variant="tp/megatron") == MIXED_PROGRAM_MIN
+    assert mixed_tolerance(0.0, variant="dp/naive") == MIXED_FACTOR * MIXED_FLOOR_MIN
+    for variant in ("tp/megatron", "cp/ring", "cp/ring_zigzag"):
+        assert not within_floor(parity(halved, ref), ref, variant=variant), variant

@@ -23,7 +23,7 @@ from jax_impl.harness import _reference as jax_reference
 from jax_impl.harness import run_pattern as jax_run_pattern
 from shared.config import Config
 from shared.problem import make_problem, param_names, param_shapes
-from shared.results import comm_bytes, cross_framework_ok, parity, within
+from shared.results import comm_bytes, cross_framework_ok, make_result, parity, within
 from shared.theory import tp_comm, tp_comm_bytes, tp_sp_activation_saving, tp_state_bytes
 from torch_impl import tp as torch_tp
 from torch_impl.harness import run_pattern as torch_run_pattern
@@ -55,6 +55,15 @@ def _transformer(ws: int) -> list[Config]:
                    steps=3, dtype=dt) for dt in dtypes]
 
 
+def _mixed(ws: int) -> list[Config]:
+    """--precision mixed (issue 34): the transformer at tp=2 only, torch only (JAX builds it for dp / fsdp),
+    one variant per style (MIXED_VARIANTS; every variant and the MLP: test_cli's slow torch sweep)."""
+    return [_transformer(2)[0].replace(dtype="bfloat16", precision="mixed")] if ws == 2 else []
+
+
+MIXED_VARIANTS = [("explicit", "megatron"), ("builtin", "dtensor_sp")]
+
+
 # tp=4 under -m slow (suite budget): tp=2 runs every variant, model and dtype; the N-D mesh tests
 # (tests/test_mesh.py) run the Megatron plan again at tp=2 inside 2-D and 3-D layouts.
 @pytest.fixture(scope="module", params=(2, pytest.param(4, marks=pytest.mark.slow)), ids=lambda ws: f"tp{ws}")
@@ -65,7 +74,9 @@ def runs(request):
     # The torch launch runs in a thread while this process compiles the JAX steps (the ranks spend
     # much of their time starting up and waiting on each other).
     with ThreadPoolExecutor(max_workers=1) as pool:
-        torch_out = pool.submit(launch, torch_run_pattern, ws, "tp", _mlp(ws, 4) + _mlp(ws, 3) + _transformer(ws))
+        torch_out = pool.submit(launch, torch_run_pattern, ws, "tp",
+                                _mlp(ws, 4) + _mlp(ws, 3) + _transformer(ws) + _mixed(ws),
+                                {cfg: MIXED_VARIANTS for cfg in _mixed(ws)})  # the others: every variant
         jax_out = (jax_run_pattern("tp", _mlp(ws, 4)) + jax_run_pattern("tp", _mlp(ws, 3), JAX_MEGATRON)
                    + jax_run_pattern("tp", [c for c in _transformer(ws) if c.dtype == "float64"],
                                      JAX_TRANSFORMER[ws]))
@@ -83,6 +94,8 @@ def _all_runs(runs):
         other = {e["cfg"]: e["reference"] for e in runs[other_fw]}
         for entry in runs[fw]:
             cfg = entry["cfg"]
+            if cfg.precision == "mixed":  # its own test: test_mixed_precision
+                continue
             # JAX runs the transformer in float64 only (compile time); torch's float32 transformer
             # still meets JAX's single-device reference (computed once, cached)
             other_ref = other.get(cfg) or jax_reference(cfg, "auto")
@@ -218,7 +231,7 @@ def test_sequence_parallel_activation_memory(runs):
     for fw in ("torch", "jax"):
         for entry in runs[fw]:
             cfg = entry["cfg"]
-            if cfg.model != "transformer":
+            if cfg.model != "transformer" or cfg.precision == "mixed":
                 continue
             got = {(s, v): t.extra for s, v, t in entry["runs"]}
             if fw == "torch":
@@ -283,3 +296,23 @@ def test_bad_sizes_are_rejected_before_any_process():
         jax_tp.train(Config(model="transformer", heads=4), None, "shard_map", "allgather", None)
     with pytest.raises(ValueError, match="megatron_sp"):  # transformer-only: the MLP has no sequence
         jax_tp.train(Config(), None, "shard_map", "megatron_sp", None)
+
+
+def test_mixed_precision(runs):
+    """--precision mixed, torch, the transformer at tp=2 (MIXED_VARIANTS): ok against the single-device run
+    under the same autocast within its measured floor × the tp factor (shared.tolerances), float32
+    state (master weights, grads, AdamW moments), and the ledger in the dtype each collective moves:
+    the g all-reduces of W_o's / W_down's bf16 outputs in 2 bytes, the rest in 4 (tp_comm(autocast=True))."""
+    entries = [e for e in runs["torch"] if e["cfg"].precision == "mixed"]
+    if not entries:
+        pytest.skip("mixed precision runs at tp=2")
+    (entry,) = entries
+    cfg = entry["cfg"]
+    assert [(s, v) for s, v, _ in entry["runs"]] == MIXED_VARIANTS
+    for style, variant, trained in entry["runs"]:
+        row = make_result("tp", "torch", style, variant, cfg, trained, entry["reference"])
+        assert row.ok and row.precision == "mixed", (variant, row.extra["mixed"], parity(trained, entry["reference"]))
+        expected = {op: {"count": c, "bytes": b} for op, (c, b) in tp_comm(cfg, variant, autocast=True).items()}
+        assert trained.comm == expected, (variant, trained.comm)
+        assert comm_bytes(trained.comm) == trained.comm_theory < tp_comm_bytes(cfg, variant)  # < all float32
+        assert trained.state_bytes == {k: int(v) for k, v in tp_state_bytes(cfg, variant).items()}  # 4 bytes

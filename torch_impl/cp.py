@@ -15,6 +15,8 @@ a = B·(T/N)·D·b, one rank's share of K (or Q, V, the residual stream).
                           ``BUILTIN_REFUSAL``)
 
 The replicated weights' gradients: one all-reduce of Φ·b (BucketedDDP, one bucket).
+Mixed precision (--precision mixed): float32 weights and AdamW state, the step under autocast; K|V and
+the all-to-alls move bf16, the ring's dK|dV and the gradient all-reduce float32 (cp_comm(autocast=True)).
 Bytes per step per rank (shared.theory.cp_comm): ring L·(3N−2)·2a + Φ·b; ulysses 8L·a + Φ·b.
 Papers: ring attention, Liu et al. 2023 (arXiv:2310.01889); striped/zigzag, Brandon et al. 2023;
 DeepSpeed-Ulysses, Jacobs et al. 2023 (arXiv:2309.14509).
@@ -105,7 +107,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for p in params],
         fixture=lambda ts: [to_fixture(model, name, x) for name, x in zip(names, ts, strict=True)],
         params=params, optimizer=opt, loss_reduction="mean", group=group,
-        comm_theory=cp_comm_bytes(cfg, variant) if style == "explicit" else None,
+        comm_theory=cp_comm_bytes(cfg, variant, autocast=True) if style == "explicit" else None,
         extra={"backend": ctx.backend}))
     every = [None] * n  # bookkeeping after training, outside the ledger
     dist.all_gather_object(every, (seen["positions"], core.scores if core else None), group=group)

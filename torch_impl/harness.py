@@ -251,7 +251,7 @@ def run_pattern(
     module = importlib.import_module(f"torch_impl.{pattern}")
     out = []
     for cfg in cfgs:
-        cfg.check(pattern)
+        cfg.check(pattern).check_precision(pattern, "torch")
         problem = make_problem(cfg)
         if ctx.rank == 0:
             ctx.progress(("start", f"{pattern} {cfg.model}: single-device reference"))

@@ -18,6 +18,8 @@ Bubble (theory): (p−1)/(M+p−1); interleaved (p−1)/(v·M+p−1); ZB-H1 a th
 Every stage's order is shared.schedule.order's (asserted).
 builtin: torch.distributed.pipelining on the same ``Stage`` modules (ScheduleGPipe, Schedule1F1B,
 ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble).
+Mixed precision (--precision mixed): float32 stages and AdamW state, the step under autocast; every
+stage hands on float32 (``Stage.out_dtype``), so the messages are 4 bytes per element.
 Papers: GPipe, Huang et al. 2019 (arXiv:1811.06965); PipeDream 1F1B, Narayanan et al. 2019
 (arXiv:1806.03377); ZB-H1, Qi et al. 2024 (arXiv:2401.10241).
 """
@@ -88,6 +90,9 @@ class Stage(nn.Module):
         setattr(self, self.stack, nn.ModuleDict({str(l): blocks[l] for l in range(stage * per, (stage + 1) * per)}))
         if self.heads:
             self.normf, self.head = model.normf, model.head
+        # mixed precision: the MLP's blocks compute in bf16 under autocast; every stage hands on (and
+        # receives, its buffers are in the parameters' dtype) float32, as the transformer's residual stream
+        self.out_dtype = next(model.parameters()).dtype
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if self.embeds:  # x: (B/M, T) token ids; ``positions``: their global positions (cp), default arange(T)
@@ -95,7 +100,8 @@ class Stage(nn.Module):
             x = self.wte(x) + self.wpe(positions)  # (B/M, T, D)
         for block in getattr(self, self.stack).values():
             x = block(x)  # (B/M, D) MLP, (B/M, T, D) transformer
-        return self.head(self.normf(x)) if self.heads else x  # last transformer stage: (B/M, T, V) logits
+        out = self.head(self.normf(x)) if self.heads else x  # last transformer stage: (B/M, T, V) logits
+        return out.to(self.out_dtype)  # a no-op unless mixed precision (bf16 -> float32: exact)
 
 
 def build_stage(cfg: Config, problem: Problem, stage: int, device, stages: int | None = None) -> Stage:
@@ -179,7 +185,7 @@ def explicit_step(schedule: str, module: Stage, x: torch.Tensor, y: torch.Tensor
             out = loss_of(out, ys[mb]) / M  # scalar: this micro-batch's share of the full-batch mean
             loss = loss + out.detach()
         else:
-            assert out.shape == shape, (out.shape, shape)
+            assert out.shape == shape and out.dtype == dtype, (out.shape, out.dtype, shape, dtype)  # the recv buffers'
         stash[mb] = (x_in, out)
         peak = max(peak, len(stash))
         timeline.append({"stage": s, "kind": "F", "mb": mb, "start": start, "end": clock()})

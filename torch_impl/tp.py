@@ -19,6 +19,8 @@ Sequence parallelism (megatron_sp / dtensor_sp; transformer only): between the m
 all-gather): (4L+2) of each of B·T·D·b (Megatron's wire bytes), the loss's, and one all-reduce of
 the SP parameters' partial gradients (shared.theory.tp_sp_comm). Norm activations saved /tp.
 builtin/dtensor issues the same collectives. docs/tp.md has the styles, the refusals and the plans.
+Mixed precision (--precision mixed): float32 shards and AdamW state, the step under autocast; the g's
+after W_o / W_down move their bf16 outputs (2 bytes), the rest float32 (tp_comm_bytes(autocast=True)).
 Papers: Megatron-LM, Shoeybi et al. 2019 (arXiv:1909.08053 §3); sequence parallelism, Korthikanti
 et al. 2022 (arXiv:2205.05198 §4.2.2).
 """
@@ -119,5 +121,5 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     return train_loop(cfg, ctx, Setup(
         forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for p in params],
         fixture=fixture, params=params, optimizer=opt, loss_reduction="same", group=group,
-        comm_theory=tp_comm_bytes(cfg, variant),
+        comm_theory=tp_comm_bytes(cfg, variant, autocast=True),  # mixed: autocast's bf16
         extra={"plan": plan, "backend": ctx.backend}))

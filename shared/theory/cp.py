@@ -33,7 +33,7 @@ def cp_chunks(n: int, rank: int, variant: str) -> list[int]:
     return [rank, 2 * n - 1 - rank] if variant == "ring_zigzag" else [rank]
 
 
-def cp_comm(cfg: Config, variant: str) -> dict[str, tuple[int, int]]:
+def cp_comm(cfg: Config, variant: str, autocast: bool = False) -> dict[str, tuple[int, int]]:
     """Per step per rank, op -> (count, payload bytes).
 
     ring / ring_zigzag (Liu et al. 2023): per layer, forward N−1 hops of the K|V block (one message
@@ -43,25 +43,29 @@ def cp_comm(cfg: Config, variant: str) -> dict[str, tuple[int, int]]:
     change the bytes.
     ulysses (Jacobs et al. 2023): per layer 4 all-to-alls forward (q, k, v: sequence-sharded ->
     head-sharded; the output back) and their 4 transposes backward, each of buffer a.
-    Plus the gradient all-reduce, Φ·b (count 1: one flat buffer or one bucket)."""
+    Plus the gradient all-reduce, Φ·b (count 1: one flat buffer or one bucket).
+    ``autocast`` (torch, mixed precision): q, k, v are bf16 matmul outputs: K|V travel and ulysses'
+    all-to-alls move cfg.compute_bytes; the ring's dK|dV accumulators stay float32 (as ring flash
+    attention keeps them), so L·N of its sends move 2a in float32, L·(2N−2) in bf16."""
     n, l, b = cfg.world_size, cfg.layers, cfg.bytes_per_element
-    a = cfg.batch * (cfg.seq // n) * cfg.dim * b
+    c = cfg.compute_bytes if autocast and cfg.precision == "mixed" else b  # q|k|v's dtype
+    a = cfg.batch * (cfg.seq // n) * cfg.dim  # elements
     out = {"all_reduce": (1, cfg.n_params * b)}
     if variant in ("ring", "ring_zigzag"):
         hops = l * (3 * n - 2) if n > 1 else 0
-        out["send"] = (hops, hops * 2 * a)
+        out["send"] = (hops, l * (2 * n - 2) * 2 * a * c + l * n * 2 * a * b if n > 1 else 0)
     elif variant == "ulysses":
-        out["all_to_all"] = (8 * l, 8 * l * a)
+        out["all_to_all"] = (8 * l, 8 * l * a * c)
     else:
         raise ValueError(f"cp: no formula for variant {variant!r}")
     return out
 
 
-def cp_comm_bytes(cfg: Config, variant: str) -> int:
+def cp_comm_bytes(cfg: Config, variant: str, autocast: bool = False) -> int:
     """Payload per step per rank. Wire: a send moves its message once; an all-to-all moves
     a·(N−1)/N; so ring's attention traffic is (3N−2)·2a per layer vs ulysses' 8a·(N−1)/N — ring
     grows with N at fixed a, ulysses does not (but needs H % N == 0)."""
-    return sum(nbytes for _, nbytes in cp_comm(cfg, variant).values())
+    return sum(nbytes for _, nbytes in cp_comm(cfg, variant, autocast).values())
 
 
 def cp_attention_scores(cfg: Config, variant: str) -> list[int]:

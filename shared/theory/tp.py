@@ -15,24 +15,26 @@ from shared.config import Config
 # (B, D) activation or activation-gradient: S = B·D·b. Each function returns op -> (count, bytes).
 
 
-def tp_allgather_comm(cfg: Config) -> dict[str, tuple[int, int]]:
+def tp_allgather_comm(cfg: Config, autocast: bool = False) -> dict[str, tuple[int, int]]:
     """TP with every layer column-parallel (the CS336 seed), per step per rank:
     fwd: L all-gathers of the layer output, L·S; bwd: L−1 reduce-scatters of the partial dL/dx of
     layers 1…L−1, (L−1)·S. The last gather feeds the loss, which every rank computes from the same
-    full output, so its backward is a local slice (no collective); layer 0's input is x (no grad)."""
-    s, l = cfg.batch * cfg.dim * cfg.bytes_per_element, cfg.layers
+    full output, so its backward is a local slice (no collective); layer 0's input is x (no grad).
+    ``autocast`` (torch, mixed precision): every activation and its gradient is bf16 (cfg.compute_bytes)."""
+    s, l = cfg.batch * cfg.dim * _act_bytes(cfg, autocast), cfg.layers
     out = {"all_gather": (l, l * s)}
     if l > 1:
         out["reduce_scatter"] = (l - 1, (l - 1) * s)
     return out
 
 
-def tp_megatron_comm(cfg: Config) -> dict[str, tuple[int, int]]:
+def tp_megatron_comm(cfg: Config, autocast: bool = False) -> dict[str, tuple[int, int]]:
     """Megatron TP (column- then row-parallel pairs), per step per rank:
     all-reduce: ⌊L/2⌋ in fwd (g, after each pair) + ⌈L/2⌉−1 in bwd (f, before each column-parallel
     layer whose input needs a gradient: not layer 0, whose input is x), S each;
-    odd L: the last layer is column-parallel + 1 all-gather of S (its backward is a local slice)."""
-    s, l = cfg.batch * cfg.dim * cfg.bytes_per_element, cfg.layers
+    odd L: the last layer is column-parallel + 1 all-gather of S (its backward is a local slice).
+    ``autocast``: as tp_allgather_comm."""
+    s, l = cfg.batch * cfg.dim * _act_bytes(cfg, autocast), cfg.layers
     n_ar = l // 2 + (l + 1) // 2 - 1
     out = {"all_reduce": (n_ar, n_ar * s)} if n_ar else {}
     if l % 2:
@@ -40,22 +42,29 @@ def tp_megatron_comm(cfg: Config) -> dict[str, tuple[int, int]]:
     return out
 
 
-def tp_comm(cfg: Config, variant: str) -> dict[str, tuple[int, int]]:
+def _act_bytes(cfg: Config, autocast: bool) -> int:
+    """Bytes of one activation element the MLP's collectives move: torch's autocast (mixed precision)
+    computes every Linear, and the GELU after it, in bf16; else the parameters' dtype."""
+    return cfg.compute_bytes if autocast and cfg.precision == "mixed" else cfg.bytes_per_element
+
+
+def tp_comm(cfg: Config, variant: str, autocast: bool = False) -> dict[str, tuple[int, int]]:
     """variant "allgather" or "megatron" (DTensor's Colwise/Rowwise plan is "megatron");
-    "megatron_sp" / "dtensor_sp" (sequence parallel, transformer only): tp_sp_comm."""
+    "megatron_sp" / "dtensor_sp" (sequence parallel, transformer only): tp_sp_comm. ``autocast``: the
+    torch runs' mixed precision, where only the activations autocast computes travel in bf16."""
     if variant == "megatron_sp":
-        return tp_sp_comm(cfg)
+        return tp_sp_comm(cfg, autocast=autocast)
     if variant == "dtensor_sp":  # loss_parallel: 3 all-reduces; one redistribute per SP parameter
-        return tp_sp_comm(cfg, loss_all_reduces=3, param_all_reduces=2 * cfg.layers + 2)
+        return tp_sp_comm(cfg, loss_all_reduces=3, param_all_reduces=2 * cfg.layers + 2, autocast=autocast)
     if cfg.model == "transformer":
-        return tp_transformer_comm(cfg, loss_all_reduces=3 if variant == "dtensor" else 2)
-    return tp_allgather_comm(cfg) if variant == "allgather" else tp_megatron_comm(cfg)
+        return tp_transformer_comm(cfg, loss_all_reduces=3 if variant == "dtensor" else 2, autocast=autocast)
+    return tp_allgather_comm(cfg, autocast) if variant == "allgather" else tp_megatron_comm(cfg, autocast)
 
 
-def tp_comm_bytes(cfg: Config, variant: str) -> int:
+def tp_comm_bytes(cfg: Config, variant: str, autocast: bool = False) -> int:
     """Payload S per step per rank. Wire per rank (ring): all-gather / reduce-scatter S·(N−1)/N,
     all-reduce 2·S·(N−1)/N — allgather (2L−1)·S·(N−1)/N, megatron (even L) (2L−2)·S·(N−1)/N."""
-    return sum(nbytes for _, nbytes in tp_comm(cfg, variant).values())
+    return sum(nbytes for _, nbytes in tp_comm(cfg, variant, autocast).values())
 
 
 def tp_state_bytes(cfg: Config, variant: str = "megatron") -> dict[str, float]:
@@ -72,15 +81,19 @@ def tp_state_bytes(cfg: Config, variant: str = "megatron") -> dict[str, float]:
 # vocab-parallel; wpe and the norm gains replicated. Every rank sees the full batch.
 
 
-def tp_transformer_comm(cfg: Config, loss_all_reduces: int = 2) -> dict[str, tuple[int, int]]:
+def tp_transformer_comm(cfg: Config, loss_all_reduces: int = 2, autocast: bool = False) -> dict[str, tuple[int, int]]:
     """Per step per rank, all all-reduces. Of A = B·T·D·b (the residual stream): per layer 2 fwd
     (g after W_o and W_down) + 2 bwd (f before W_qkv and W_up; layer 0's runs too: the embedding
     output needs a gradient for wte), the embedding's g (fwd) and the head's f (bwd): (4L+2)·A.
     The vocab-parallel cross-entropy (bwd local): max, target logit and Σexp over (B, T), 3·B·T·b
-    in ``loss_all_reduces`` calls: 2 (explicit: the two sums in one (2, B, T)) or 3 (DTensor)."""
-    act, rows, n_act = cfg.batch * cfg.seq * cfg.dim * cfg.bytes_per_element, cfg.batch * cfg.seq * \
-        cfg.bytes_per_element, 4 * cfg.layers + 2
-    return {"all_reduce": (n_act + loss_all_reduces, n_act * act + 3 * rows)}
+    in ``loss_all_reduces`` calls: 2 (explicit: the two sums in one (2, B, T)) or 3 (DTensor).
+    ``autocast`` (torch, mixed precision): the 2L forward g's sum W_o's and W_down's bf16 outputs
+    (2L·A in cfg.compute_bytes); the f's sum gradients of float32 norm outputs, the embedding is
+    float32 and the loss is computed in float32 (as autocast's cross-entropy): those in float32."""
+    tokens, n_act = cfg.batch * cfg.seq, 4 * cfg.layers + 2
+    low = 2 * cfg.layers if autocast and cfg.precision == "mixed" else 0  # the g's of bf16 matmul outputs
+    act = tokens * cfg.dim * ((n_act - low) * cfg.bytes_per_element + low * cfg.compute_bytes)
+    return {"all_reduce": (n_act + loss_all_reduces, act + 3 * tokens * cfg.bytes_per_element)}
 
 
 def tp_transformer_state_bytes(cfg: Config, variant: str = "megatron") -> dict[str, float]:
@@ -101,7 +114,8 @@ def tp_transformer_state_bytes(cfg: Config, variant: str = "megatron") -> dict[s
 # Outside the matmuls (embedding output, norms, residual adds) the activations are (B, T/tp, D).
 
 
-def tp_sp_comm(cfg: Config, loss_all_reduces: int = 2, param_all_reduces: int = 1) -> dict[str, tuple[int, int]]:
+def tp_sp_comm(cfg: Config, loss_all_reduces: int = 2, param_all_reduces: int = 1,
+               autocast: bool = False) -> dict[str, tuple[int, int]]:
     """Per step per rank, op -> (count, payload bytes). A = B·T·D·b.
 
     Megatron's all-reduce after each row-parallel matmul (g) becomes a reduce-scatter along the
@@ -119,11 +133,15 @@ def tp_sp_comm(cfg: Config, loss_all_reduces: int = 2, param_all_reduces: int = 
     (each rank saw T/tp of the tokens): the norm gains (2L+1)·D and wpe T·D (each rank adds its
     own T/tp rows), all-reduced: ((2L+1)·D + T·D)·b in ``param_all_reduces`` calls (torch
     explicit: one flat buffer, as Megatron's sequence-parallel gradient all-reduce; DTensor: one
-    per parameter, 2L+2; JAX: XLA's all-reduce combiner merges the transposes' psums)."""
+    per parameter, 2L+2; JAX: XLA's all-reduce combiner merges the transposes' psums).
+    ``autocast`` (torch, mixed precision): the 2L reduce-scatters of W_o's / W_down's bf16 outputs and
+    their 2L all-gathers backward move cfg.compute_bytes; the rest float32 (as tp_transformer_comm)."""
     b, l = cfg.bytes_per_element, cfg.layers
-    act, n = cfg.batch * cfg.seq * cfg.dim * b, 4 * l + 2
+    tokens, n = cfg.batch * cfg.seq * cfg.dim, 4 * l + 2
+    low = 2 * l if autocast and cfg.precision == "mixed" else 0
+    act = tokens * ((n - low) * b + low * cfg.compute_bytes)  # of each op: n payloads, `low` of them bf16
     sp_params = ((2 * l + 1) * cfg.dim + cfg.seq * cfg.dim) * b
-    return {"all_gather": (n, n * act), "reduce_scatter": (n, n * act),
+    return {"all_gather": (n, act), "reduce_scatter": (n, act),
             "all_reduce": (loss_all_reduces + param_all_reduces, 3 * cfg.batch * cfg.seq * b + sp_params)}
 
 

@@ -284,62 +284,86 @@ def pairs(core: RingCore, src: int):
     return [(a, b, qc == kc) for a, qc in enumerate(mine) for b, kc in enumerate(theirs) if kc <= qc]
 
 
+def _rounding(low: torch.dtype, acc: torch.dtype):
+    """Rounds a float32 probability (or its gradient) to the inputs' dtype and back: what a flash
+    kernel does before multiplying it with V (or K, Q) in low precision. The identity when acc is low."""
+    return (lambda t: t) if acc == low else (lambda t: t.to(low).to(acc))
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention of the local q over every rank's K|V, passed around the ring."""
 
     @staticmethod
     def forward(ctx, q, k, v, core: RingCore):
+        # autocast (mixed precision): q|k|v come in bf16 and travel so; scores, softmax statistics and the
+        # running output in float32, the probabilities rounded to bf16 before their matmul with V (as
+        # SDPA's flash kernels do: the reference's rounding), the output rounded to bf16 once
+        acc = torch.float32 if torch.is_autocast_enabled(q.device.type) else q.dtype
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = RingAttention._forward(q, k, v, core, acc)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.core, ctx.acc = core, acc
+        return out
+
+    @staticmethod
+    def _forward(q, k, v, core: RingCore, acc: torch.dtype):
         n, r, nc = core.n, core.rank, len(cp_chunks(core.n, core.rank, core.variant))
-        qs = q.chunk(nc, dim=2)  # nc × (B, H, c, dh)
+        low = _rounding(q.dtype, acc)
+        qs = q.to(acc).chunk(nc, dim=2)  # nc × (B, H, c, dh)
         out = [torch.zeros_like(x) for x in qs]  # running outputs, normalised
         lse = [torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype, device=x.device) for x in qs]  # (B, H, c)
         kv, core.scores = torch.stack([k, v]), 0  # (2, B, H, T/N, dh): K|V, one message
         for i in range(n):
             nxt, works = ring_exchange(kv, core.group) if i < n - 1 else (None, [])  # before the compute
-            ks, vs = kv[0].chunk(nc, dim=2), kv[1].chunk(nc, dim=2)
+            ks, vs = kv[0].to(acc).chunk(nc, dim=2), kv[1].to(acc).chunk(nc, dim=2)
             for a, b, diag in pairs(core, (r - i) % n):
                 s = scores(qs[a], ks[b], diag)  # (B, H, c, c)
                 core.scores += s.numel()
                 blk_lse = torch.logsumexp(s, dim=-1)  # (B, H, c)
-                blk_out = torch.exp(s - blk_lse.unsqueeze(-1)) @ vs[b]  # (B, H, c, dh)
+                blk_out = low(torch.exp(s - blk_lse.unsqueeze(-1))) @ vs[b]  # (B, H, c, dh)
                 new = torch.logaddexp(lse[a], blk_lse)
                 old_w, blk_w = torch.exp(lse[a] - new).unsqueeze(-1), torch.exp(blk_lse - new).unsqueeze(-1)
                 out[a], lse[a] = old_w * out[a] + blk_w * blk_out, new  # (B, H, c, dh), (B, H, c)
             wait(works)
             kv = nxt
         bsz, h, tl, dh = q.shape
-        lse = torch.cat(lse, dim=2)  # (B, H, T/N)
         # (B, H, T/N, dh) laid out (B, T/N, H, dh) as SDPA's output, so W_o's input is a view of it
         out = q.new_empty(bsz, tl, h, dh).transpose(1, 2).copy_(torch.cat(out, dim=2))
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.core = core
-        return out
+        return out, torch.cat(lse, dim=2)  # (B, H, T/N, dh) in q's dtype, (B, H, T/N) in acc
 
     @staticmethod
     def backward(ctx, dout):  # (B, H, T/N, dh)
         q, k, v, out, lse = ctx.saved_tensors
-        core = ctx.core
+        with torch.autocast(q.device.type, enabled=False):  # acc: float32 under autocast (forward's)
+            dq, dkv = RingAttention._backward(q, k, v, out, lse, dout, ctx.core, ctx.acc)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+    @staticmethod
+    def _backward(q, k, v, out, lse, dout, core: RingCore, acc: torch.dtype):
         n, r, nc, scale = core.n, core.rank, len(cp_chunks(core.n, core.rank, core.variant)), q.shape[-1] ** -0.5
+        low = _rounding(q.dtype, acc)
+        q, out, dout = q.to(acc), out.to(acc), dout.to(acc)
         dq = torch.zeros_like(q)
         qs, dqs, douts = q.chunk(nc, dim=2), dq.chunk(nc, dim=2), dout.chunk(nc, dim=2)
         lses = lse.chunk(nc, dim=2)
         deltas = (dout * out).sum(-1).chunk(nc, dim=2)  # D = rowsum(dout·out): nc × (B, H, c)
-        kv, dkv = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=k.dtype, device=k.device)  # (2, B, H, T/N, dh)
+        # K|V travel in their own dtype, the dK|dV accumulators in acc (autocast: float32, 4 bytes)
+        kv, dkv = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=acc, device=k.device)  # (2, B, H, T/N, dh)
         for i in range(n):
             nxt, works = ring_exchange(kv, core.group) if i < n - 1 else (None, [])
-            ks, vs = kv[0].chunk(nc, dim=2), kv[1].chunk(nc, dim=2)
+            ks, vs = kv[0].to(acc).chunk(nc, dim=2), kv[1].to(acc).chunk(nc, dim=2)
             dks, dvs = dkv[0].chunk(nc, dim=2), dkv[1].chunk(nc, dim=2)  # views: accumulate in place
             for a, b, diag in pairs(core, (r - i) % n):
                 p = torch.exp(scores(qs[a], ks[b], diag) - lses[a].unsqueeze(-1))  # (B, H, c, c) softmax
-                dvs[b].add_(p.transpose(-1, -2) @ douts[a])
-                ds = p * (douts[a] @ vs[b].transpose(-1, -2) - deltas[a].unsqueeze(-1))  # (B, H, c, c)
+                dvs[b].add_(low(p).transpose(-1, -2) @ douts[a])
+                ds = low(p * (douts[a] @ vs[b].transpose(-1, -2) - deltas[a].unsqueeze(-1)))  # (B, H, c, c)
                 dqs[a].add_(ds @ ks[b] * scale)
                 dks[b].add_(ds.transpose(-1, -2) @ qs[a] * scale)
             # dK|dV travel with their block: N hops (one rank: already home)
             dkv, dworks = ring_exchange(dkv, core.group) if n > 1 else (dkv, [])
             wait(works + dworks)
             kv = nxt
-        return dq, dkv[0], dkv[1], None  # the last hop brought my block's dK|dV home
+        return dq, dkv  # the last hop brought my block's dK|dV home
 
 
 # --- ulysses ----------------------------------------------------------------------------------------

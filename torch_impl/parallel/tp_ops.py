@@ -148,10 +148,13 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     then one SUM of (2, B, T): the target logit (found on one rank, zero elsewhere) and Σexp.
     Backward is local: (softmax − onehot) on the own vocab slice, no collective. Every rank holds
     the same width ⌈V/tp⌉ (rank r: ids r·⌈V/tp⌉ …); padding columns must be −inf, as a
-    'colwise_vocab' head makes them (exp(−inf) = 0: out of Σexp and of the gradient)."""
+    'colwise_vocab' head makes them (exp(−inf) = 0: out of Σexp and of the gradient). Under autocast
+    the (bf16) logits are upcast first, as autocast does for F.cross_entropy: its reductions in float32."""
 
     @staticmethod
     def forward(ctx, logits, target, group):
+        if torch.is_autocast_enabled(logits.device.type):  # as F.cross_entropy under autocast: in float32
+            logits = logits.float()  # (its backward hands autograd float32: cast back to the input's dtype)
         v, r = logits.shape[-1], dist.get_rank(group)
         m = logits.amax(dim=-1)  # (B, T)
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
