@@ -45,6 +45,7 @@ from parallel_twins.args import (
     add_frameworks,
     add_json,
     add_quiet,
+    add_recipe,
     add_sizes,
     add_training,
     add_world_size,
@@ -52,6 +53,7 @@ from parallel_twins.args import (
     check_devices,
     check_output_path,
     csv_list,
+    recipe_fields,
     run_key,
     write_output,
 )
@@ -112,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transformer: activation recomputation, full (each block) or selective (the attention "
                         "core)")
     add_training(p)
+    add_recipe(p)
     p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB",
                    help="bucket size of the bucketed DP variant")
     add_device(p)
@@ -182,6 +185,9 @@ def checkpoint_plan(args, cfgs):
     a ValueError: one line, exit 2)."""
     if args.checkpoint_dir is not None and cfgs and cfgs[0].precision != "pure":
         raise ValueError("--checkpoint-dir: --precision mixed is not built for checkpoints; use --precision pure")
+    if args.checkpoint_dir is not None and cfgs and cfgs[0].recipe_active:
+        raise ValueError("--checkpoint-dir: the recipe flags (--clip, --accumulate, --schedule, --decay-mask, --freeze, "
+                         "--recipe) are not built for checkpoints (no schedule state is saved); drop them")
     if args.checkpoint_dir is None:
         if args.resume or args.checkpoint_every is not None or args.keep is not None:
             raise ValueError("--resume, --checkpoint-every and --keep need --checkpoint-dir DIR")
@@ -269,11 +275,12 @@ def make_configs(args):
                          f"{', '.join(f'{format_mesh(m)} ({_product(m)})' for m in layouts)}")
     world = args.world_size if args.world_size is not None else \
         sizes[0] if sizes and "WORLD_SIZE" not in os.environ else default_world_size(args.device)
-    base = Config(world_size=world, layers=args.layers, dim=args.dim, batch=args.batch,
+    base = Config(model=args.model[0], world_size=world, layers=args.layers, dim=args.dim, batch=args.batch,
                   microbatches=args.microbatches, steps=args.steps, seed=args.seed, dtype=args.dtype,
                   precision=args.precision,
                   lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb,
-                  heads=args.heads, seq=args.seq, vocab=args.vocab, virtual_stages=args.virtual_stages)
+                  heads=args.heads, seq=args.seq, vocab=args.vocab, virtual_stages=args.virtual_stages,
+                  **recipe_fields(args))
     if args.experts is not None and "ep" not in args.patterns:
         raise ValueError("--experts/--topk build the mixture-of-experts transformer, which runs under "
                          "--patterns ep only")
