@@ -177,6 +177,20 @@ def check_styles(args, cfgs) -> None:
     args.frameworks = [fw for fw in args.frameworks if runs_any(fw)]  # --styles typed: JAX alone
 
 
+def recipe_notes(args, cfgs) -> list[str]:
+    """The runs the recipe leaves out (shared.recipe.refusal), one line each, printed before anything runs."""
+    from parallel_twins.runs import chosen_variants
+    from shared.recipe import refusals
+
+    every = lambda fw, p, c: [sv for sv in chosen_variants(fw, p, c, None, full=True)
+                              if not args.styles or sv[0] in args.styles]
+    notes = refusals(cfgs, args.patterns, args.frameworks, lambda fw, p, c: every(fw, p, c) if c in cfgs_for(cfgs, p)
+                     else [])
+    for line in notes:
+        print(f"compare.py: note: {line}", file=sys.stderr)
+    return notes
+
+
 def checkpoint_plan(args, cfgs):
     """The runs' shared.checkpoint.Plan (None without --checkpoint-dir). Before any process starts,
     for the runs this invocation makes (and no other folder in DIR): a run folder another process is
@@ -275,7 +289,7 @@ def make_configs(args):
                          f"{', '.join(f'{format_mesh(m)} ({_product(m)})' for m in layouts)}")
     world = args.world_size if args.world_size is not None else \
         sizes[0] if sizes and "WORLD_SIZE" not in os.environ else default_world_size(args.device)
-    base = Config(model=args.model[0], world_size=world, layers=args.layers, dim=args.dim, batch=args.batch,
+    base = Config(world_size=world, layers=args.layers, dim=args.dim, batch=args.batch,
                   microbatches=args.microbatches, steps=args.steps, seed=args.seed, dtype=args.dtype,
                   precision=args.precision,
                   lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb,
@@ -291,6 +305,10 @@ def make_configs(args):
         experts = args.experts if args.experts is not None else default_experts(world)
         cfgs.append(base.replace(model="transformer", experts=experts, topk=args.topk))
     cfgs = [c.replace(recompute=args.recompute) for c in cfgs]  # the MLP refuses all but "none"
+    from shared.recipe import check_freeze
+
+    for c in cfgs:
+        check_freeze(c)  # --freeze: every glob names a parameter of each model, and something still trains
     if "RANK" in os.environ and "jax" in args.frameworks:
         raise ValueError("under torchrun every rank runs this script: use --frameworks torch "
                          "(run the JAX side once, without torchrun)")
@@ -385,6 +403,7 @@ def _main(argv=None) -> int:
         check_devices(args.frameworks, cfg.world_size, args.device)
         plan = checkpoint_plan(args, cfgs)
         check_styles(args, cfgs)
+        notes = recipe_notes(args, cfgs)
     except (ArgumentError, ValueError) as exc:
         print(f"compare.py: error: {exc}", file=sys.stderr)
         return 2

@@ -36,6 +36,7 @@ MIXED_PATTERNS = ("dp", "fsdp")
 # The training recipe (shared/recipe.py: --clip, --accumulate, --schedule, --decay-mask, --freeze, --recipe):
 # the patterns whose runs (every style, both frameworks) apply it exactly; the others refuse it in Config.check.
 RECIPE_PATTERNS = ("dp", "fsdp")
+SCHEDULES = ("constant", "warmup-cosine")  # the lr schedules (shared.recipe.lr_factors)
 
 
 @dataclass(frozen=True)
@@ -146,8 +147,6 @@ class Config:
                 raise ValueError(f"mesh: axis {bad[0][0]}={bad[0][1]} must be a positive size")
 
     def _check_recipe(self) -> None:
-        from shared.recipe import SCHEDULES
-
         if self.clip is not None and (isinstance(self.clip, bool) or not isinstance(self.clip, (int, float))
                                       or not self.clip > 0 or self.clip == float("inf")):
             raise ValueError(f"clip must be a finite max norm > 0 (or None: no clipping), got {self.clip!r}")
@@ -161,28 +160,18 @@ class Config:
         if isinstance(self.freeze, str):
             raise ValueError(f"freeze must be a tuple of parameter-name globs, got the string {self.freeze!r}")
         object.__setattr__(self, "freeze", tuple(self.freeze))  # lists -> tuples (hashable: the reference cache)
-        if self.freeze:
-            from shared.problem import param_names
-            from shared.recipe import is_frozen
-
-            names = param_names(self)
-            for glob in self.freeze:
-                if not any(is_frozen(n, (glob,)) for n in names):
-                    shown = ", ".join(names) if len(names) <= 6 else f"{', '.join(names[:4])}, …, {names[-1]}"
-                    raise ValueError(f"freeze: {glob!r} matches no parameter of the {self.model} (its names: {shown})")
-            if all(is_frozen(n, self.freeze) for n in names):
-                raise ValueError(f"freeze: {','.join(self.freeze)} freezes every parameter of the {self.model}: "
-                                 "nothing would train")
+        bad = [g for g in self.freeze if not isinstance(g, str) or not g]
+        if bad:  # whether each glob names a parameter: shared.recipe.check_freeze (it knows the names)
+            raise ValueError(f"freeze: every entry is a parameter-name glob (a non-empty string), got {bad[0]!r}")
         if self.recipe_active and self.precision == "mixed":
             raise ValueError("the recipe flags (--clip, --accumulate, --schedule, --decay-mask, --freeze, --recipe) "
                              "are not built with --precision mixed: use --precision pure")
 
     @property
     def recipe_active(self) -> bool:
-        """Does a run train more than the textbook step (shared.recipe.active)?"""
-        from shared.recipe import active
-
-        return active(self)
+        """Does a run train more than the textbook step (plain AdamW, one pass, constant lr)?"""
+        return (self.clip is not None or self.accumulate > 1 or self.schedule != "constant" or self.decay_mask
+                or bool(self.freeze))
 
     def axis(self, name: str) -> int:
         """The size of mesh axis ``name`` (1 when the layout does not name it)."""
