@@ -90,6 +90,25 @@ def loss_fn(cfg: Config, paths: dict[str, str]):
     return loss
 
 
+def dict_loss(cfg: Config, loss):
+    """The recipe around a loss over a {fixture name: array} dict (cp): ``loss(params, tokens, y, pos)``
+    -> (mean, reported). Frozen entries behind stop_gradient; --accumulate K: K groups of B/K whole
+    sequences (dim 0, never split over the devices), the means and the reported values averaged."""
+    k = cfg.accumulate
+
+    def out(params, tokens, y, *rest):
+        params = {n: jax.lax.stop_gradient(a) if is_frozen(n, cfg.freeze) else a for n, a in params.items()}
+        if k == 1:
+            return loss(params, tokens, y, *rest)
+        mean = reported = 0.0
+        for t, yy in zip(jnp.split(tokens, k), jnp.split(y, k)):
+            m, r = loss(params, t, yy, *rest)
+            mean, reported = mean + m / k, reported + r / k
+        return mean, reported
+
+    return out
+
+
 def parallelized(cfg: Config, problem, mesh, variant: str, style: str):
     """The project's model through ``parallelize`` with the recipe: its optimizer, loss and clip."""
     from jax_impl.model import build_model

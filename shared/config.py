@@ -35,7 +35,7 @@ MIXED_DTYPES = ("bfloat16",)  # float16 would need dynamic loss scaling: not bui
 MIXED_PATTERNS = ("dp", "fsdp")
 # The training recipe (shared/recipe.py: --clip, --accumulate, --schedule, --decay-mask, --freeze, --recipe):
 # the patterns whose runs (every style, both frameworks) apply it exactly; the others refuse it in Config.check.
-RECIPE_PATTERNS = ("dp", "fsdp")
+RECIPE_PATTERNS = ("dp", "fsdp", "cp")
 SCHEDULES = ("constant", "warmup-cosine")  # the lr schedules (shared.recipe.lr_factors)
 
 
@@ -333,7 +333,9 @@ class Config:
             return [("experts", n, "every rank owns E/ep whole experts"),
                     ("batch", n, "every rank routes B/ep sequences (EP inside DP)")]
         if pattern == "cp":
-            return [("seq", n, "every rank holds T/cp tokens of every sequence"),
+            parts = [("batch", "accumulate", "every micro-batch takes B/accumulate whole sequences")] \
+                if self.accumulate > 1 else []
+            return parts + [("seq", n, "every rank holds T/cp tokens of every sequence"),
                     ("seq", "zigzag_chunks", "ring_zigzag: rank r takes chunks r and 2·cp−1−r"),
                     ("heads", n, "ulysses: the all-to-all hands every rank H/cp whole heads")]
         return []
