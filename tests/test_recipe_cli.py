@@ -17,7 +17,7 @@ from shared.schema import check as check_schema
 # clip 0.05 beside the preset: binding at every step at these sizes (the gradient's norm is ~1), so a wrong
 # norm would move the parameters; 2 micro-batches per rank and step.
 TINY = ["--model", "transformer", "--world-size", "2", "--layers", "2", "--dim", "8", "--heads", "2", "--seq", "4",
-        "--vocab", "8", "--batch", "8", "--steps", "3", "--patterns", "dp,fsdp", "--recipe", "llama", "--clip", "0.05",
+        "--vocab", "8", "--batch", "8", "--steps", "3", "--patterns", "dp,fsdp,cp", "--recipe", "llama", "--clip", "0.05",
         "--accumulate", "2", "--quiet"]
 RECIPE = {"clip": 0.05, "accumulate": 2, "schedule": "warmup-cosine", "decay_mask": True, "freeze": []}
 TENSORS = 16  # the tiny transformer's parameter tensors (L=2): wte, wpe, 6 per block, normf, head
@@ -37,7 +37,7 @@ def _rows(tmp_path, framework, extra=()):
 
 def test_recipe_torch_dp_fsdp(tmp_path):
     rows = _rows(tmp_path, "torch")
-    assert len(rows) == 7
+    assert len(rows) == 10  # dp 4, fsdp 3, cp 3 (context_parallel needs CUDA)
     b = 8  # float64
     # accumulation: ONE reduction per optimizer step (no_sync / one all-reduce after the last backward)
     assert rows["explicit", "naive"]["comm"]["all_reduce"]["count"] == TENSORS  # one per tensor, once, not K×
@@ -55,6 +55,8 @@ def test_recipe_torch_dp_fsdp(tmp_path):
     fsdp2 = rows["builtin", "fsdp2"]["comm"]  # set_requires_gradient_sync: one reduce-scatter per group
     assert fsdp2["reduce_scatter"]["count"] == 3  # two blocks and the root
     assert fsdp2["all_reduce"] == {"count": 1, "bytes": TENSORS * b}  # torch's DTensor norm: the stacked norms
+    for variant in ("ring", "ring_zigzag", "ulysses"):  # cp: one bucket all-reduce per step; the norm is local
+        assert rows["explicit", variant]["comm"]["all_reduce"]["count"] == 1
     for r in rows.values():
         assert r["comm_bytes"] == r["comm_bytes_theory"], r  # shared/theory prices the recipe
 
@@ -65,7 +67,7 @@ def test_recipe_jax_dp_fsdp(tmp_path, capsys):
     rows = _rows(tmp_path, "jax", ["--styles", "shard_map"])
     assert ("shard_map", "zero1") not in rows  # a mask on one flat vector: left out, said before the runs
     assert "jax shard_map/zero1 left out" in capsys.readouterr().err
-    assert set(rows) == {("shard_map", "dp"), ("shard_map", "zero2"), ("shard_map", "zero3")}
+    assert set(rows) == {("shard_map", v) for v in ("dp", "zero2", "zero3", "ring", "ring_zigzag", "ulysses")}
     b, phi = 8, Config(model="transformer", layers=2, dim=8, heads=2, seq=4, vocab=8).n_params
     # the K micro-batches' gradients summed, then ONE reduction; the whole gradient's norm is local (dp)
     assert rows["shard_map", "dp"]["comm"] == {"all_reduce": {"count": 1, "bytes": phi * b}}
@@ -73,12 +75,17 @@ def test_recipe_jax_dp_fsdp(tmp_path, capsys):
     assert zero2["reduce_scatter"]["count"] == UNITS and zero2["all_reduce"]["count"] == 1  # the norm rides along
     zero3 = rows["shard_map", "zero3"]["comm"]  # each micro-batch's gathers transpose to reduce-scatters: K×
     assert zero3["reduce_scatter"]["count"] == 2 * UNITS
-    for r in rows.values():
-        assert r["comm_bytes"] == r["comm_bytes_theory"], r
+    for (_, variant), r in rows.items():
+        if variant in ("ring", "ring_zigzag", "ulysses"):  # each micro-batch's shard_map psums its gradient:
+            assert r["comm"]["all_reduce"]["bytes"] == 2 * phi * b  # XLA fuses them into one op of K·Φ·b
+            assert r["comm_bytes_theory"] is None  # not modelled
+        else:
+            assert r["comm_bytes"] == r["comm_bytes_theory"], r
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--recipe", "llama", "--patterns", "tp"], "tp: the recipe flags"),
+    (["--accumulate", "3", "--patterns", "cp", "--model", "transformer", "--batch", "8"], "cp (transformer): batch=8"),
     (["--clip", "1", "--patterns", "pp", "--model", "mlp"], "pp: the recipe flags"),
     (["--freeze", "nothing.*", "--patterns", "dp", "--model", "mlp"], "freeze: 'nothing.*' matches no parameter"),
     (["--freeze", "layers.*", "--patterns", "dp", "--model", "mlp"], "freezes every parameter"),
@@ -110,9 +117,9 @@ def test_recipe_pieces():
 def test_recipe_sweep_four_ranks_both_models_frozen(tmp_path):
     """The wider sweep: 4 ranks, both models, 4 steps, parts of each model frozen, both frameworks, and
     cross-framework agreement of the two recipe references."""
-    for model, freeze in (("transformer", "wte.*,blocks.0.*"), ("mlp", "layers.0.*")):
+    for model, freeze, patterns in (("transformer", "wte.*,blocks.0.*", "dp,fsdp,cp"), ("mlp", "layers.0.*", "dp,fsdp")):
         out = tmp_path / f"{model}.json"
-        argv = ["--model", model, "--world-size", "4", "--patterns", "dp,fsdp", "--steps", "4", "--layers", "4",
+        argv = ["--model", model, "--world-size", "4", "--patterns", patterns, "--steps", "4", "--layers", "4",
                 "--dim", "16", "--heads", "4", "--seq", "8", "--vocab", "16", "--batch", "16", "--recipe", "llama",
                 "--clip", "0.05", "--accumulate", "2", "--freeze", freeze, "--quiet", "--json", str(out)]
         assert compare.main(argv) == 0
@@ -120,7 +127,7 @@ def test_recipe_sweep_four_ranks_both_models_frozen(tmp_path):
         assert data["runs"] and all(r["ok"] and r["xfw_ok"] for r in data["runs"])
         assert all(x["ok"] for x in data["cross_framework"])
         for r in data["runs"]:  # --freeze: the bytes are not modelled where XLA / FSDP drop frozen reductions
-            if r["framework"] == "jax" or r["variant"] in ("zero3", "fsdp2"):
+            if r["framework"] == "jax" or r["variant"] in ("zero3", "fsdp2") or r["pattern"] == "cp":
                 assert r["comm_bytes_theory"] is None, r
             elif r["style"] == "explicit":
                 assert r["comm_bytes"] == r["comm_bytes_theory"], r
