@@ -34,12 +34,12 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_impl import recipe
 from jax_impl.devices import make_mesh, xla_platform
 from jax_impl.harness import Setup, leaves_fixture, train_loop
-from jax_impl import recipe
 from jax_impl.model import inputs, jax_dtype, output_loss, targets
-from jax_impl.parallel.recipe import scale_by_norm, sumsq
 from jax_impl.parallel.cp import AXIS, chunk_pairs, ring_core
+from jax_impl.parallel.recipe import scale_by_norm, sumsq
 from jax_impl.parallel.typed import InMesh, Stated, explicit_mesh
 from jax_impl.transformer import apply, attention, block, embed, head
 from shared.config import Config

@@ -200,8 +200,8 @@ def checkpoint_plan(args, cfgs):
     if args.checkpoint_dir is not None and cfgs and cfgs[0].precision != "pure":
         raise ValueError("--checkpoint-dir: --precision mixed is not built for checkpoints; use --precision pure")
     if args.checkpoint_dir is not None and cfgs and cfgs[0].recipe_active:
-        raise ValueError("--checkpoint-dir: the recipe flags (--clip, --accumulate, --schedule, --decay-mask, --freeze, "
-                         "--recipe) are not built for checkpoints (no schedule state is saved); drop them")
+        raise ValueError("--checkpoint-dir: the recipe flags (--clip, --accumulate, --schedule, --decay-mask, "
+                         "--freeze, --recipe) are not built for checkpoints (no schedule state is saved); drop them")
     if args.checkpoint_dir is None:
         if args.resume or args.checkpoint_every is not None or args.keep is not None:
             raise ValueError("--resume, --checkpoint-every and --keep need --checkpoint-dir DIR")
@@ -403,7 +403,7 @@ def _main(argv=None) -> int:
         check_devices(args.frameworks, cfg.world_size, args.device)
         plan = checkpoint_plan(args, cfgs)
         check_styles(args, cfgs)
-        notes = recipe_notes(args, cfgs)
+        recipe_notes(args, cfgs)
     except (ArgumentError, ValueError) as exc:
         print(f"compare.py: error: {exc}", file=sys.stderr)
         return 2

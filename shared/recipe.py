@@ -19,7 +19,6 @@ from __future__ import annotations
 import fnmatch
 import math
 
-
 from shared.config import SCHEDULES  # noqa: F401  (re-exported: the CLI's choices)
 
 PRESETS = {"llama": {"clip": 1.0, "schedule": "warmup-cosine", "decay_mask": True}}

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from shared.recipe import describe as describe_recipe
-
 from shared.tolerances import (
     CROSS_FRAMEWORK_FACTOR,
     MIXED_CROSS_FRAMEWORK_FACTOR,

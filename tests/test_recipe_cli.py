@@ -17,8 +17,8 @@ from shared.schema import check as check_schema
 # clip 0.05 beside the preset: binding at every step at these sizes (the gradient's norm is ~1), so a wrong
 # norm would move the parameters; 2 micro-batches per rank and step.
 TINY = ["--model", "transformer", "--world-size", "2", "--layers", "2", "--dim", "8", "--heads", "2", "--seq", "4",
-        "--vocab", "8", "--batch", "8", "--steps", "3", "--patterns", "dp,fsdp,cp", "--recipe", "llama", "--clip", "0.05",
-        "--accumulate", "2", "--quiet"]
+        "--vocab", "8", "--batch", "8", "--steps", "3", "--patterns", "dp,fsdp,cp", "--recipe", "llama",
+        "--clip", "0.05", "--accumulate", "2", "--quiet"]
 RECIPE = {"clip": 0.05, "accumulate": 2, "schedule": "warmup-cosine", "decay_mask": True, "freeze": []}
 TENSORS = 16  # the tiny transformer's parameter tensors (L=2): wte, wpe, 6 per block, normf, head
 UNITS = 11  # its >= 2-D ones (ZeRO's units); the other 5 are the norm gains (the replicated vectors)
@@ -117,7 +117,8 @@ def test_recipe_pieces():
 def test_recipe_sweep_four_ranks_both_models_frozen(tmp_path):
     """The wider sweep: 4 ranks, both models, 4 steps, parts of each model frozen, both frameworks, and
     cross-framework agreement of the two recipe references."""
-    for model, freeze, patterns in (("transformer", "wte.*,blocks.0.*", "dp,fsdp,cp"), ("mlp", "layers.0.*", "dp,fsdp")):
+    for model, freeze, patterns in (("transformer", "wte.*,blocks.0.*", "dp,fsdp,cp"),
+                                    ("mlp", "layers.0.*", "dp,fsdp")):
         out = tmp_path / f"{model}.json"
         argv = ["--model", model, "--world-size", "4", "--patterns", patterns, "--steps", "4", "--layers", "4",
                 "--dim", "16", "--heads", "4", "--seq", "8", "--vocab", "16", "--batch", "16", "--recipe", "llama",

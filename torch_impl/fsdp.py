@@ -136,7 +136,8 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
                          "grads": tensor_bytes(p.grad for p in zero2.params if p.grad is not None),
                          "optimizer": optimizer_state_bytes(opt)}
         whole = dict(model.named_parameters())  # frozen ones are not in zero2.params: the model's, zero gradient
-        fill = lambda none: lambda ts: fixture(full)([dict(zip(zero2.names, ts)).get(nm, none(whole[nm])) for nm in names])
+        fill = lambda none: lambda ts: fixture(full)([dict(zip(zero2.names, ts)).get(nm, none(whole[nm]))
+                                                      for nm in names])
         return train_loop(cfg, ctx, Setup(forward_backward, update, lambda: [p.grad for p in zero2.params],
                                           fill(lambda p: p), zero2.params, opt, comm_theory, group=group,
                                           state=state, extra={"shard": "dim 0 of each ≥2-D parameter"},

@@ -154,7 +154,8 @@ def fixture_weights(model: nn.Module) -> list[np.ndarray]:
 
 def fixture_grads(model: nn.Module) -> list[np.ndarray]:
     """Every parameter's gradient in the fixture orientation; a frozen one (no gradient) as zeros."""
-    return [to_fixture(model, n, torch.zeros_like(p) if p.grad is None else p.grad) for n, p in model.named_parameters()]
+    return [to_fixture(model, n, torch.zeros_like(p) if p.grad is None else p.grad)
+            for n, p in model.named_parameters()]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

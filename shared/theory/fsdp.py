@@ -108,7 +108,8 @@ def fsdp_comm(cfg: Config, variant: str, cast_gather: bool = False, gathers: int
     return {"all_gather": (gathers * n_ag, gathers * (2 * l * block + root) * gb), "reduce_scatter": (n_rs, (l * block + root) * b)}
 
 
-def fsdp_comm_bytes(cfg: Config, variant: str, cast_gather: bool = False, gathers: int = 1, reduces: int = 1) -> int:
+def fsdp_comm_bytes(cfg: Config, variant: str, cast_gather: bool = False, gathers: int = 1,
+                    reduces: int = 1) -> int:
     return sum(nbytes for _, nbytes in fsdp_comm(cfg, variant, cast_gather, gathers, reduces).values())
 
 
