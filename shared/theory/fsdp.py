@@ -105,7 +105,8 @@ def fsdp_comm(cfg: Config, variant: str, cast_gather: bool = False, gathers: int
     block = d * d if cfg.model == "mlp" else 12 * d * d + 2 * d
     root = cfg.n_params - l * block
     n_ag, n_rs = 2 * l + (root > 0), l + (root > 0)
-    return {"all_gather": (gathers * n_ag, gathers * (2 * l * block + root) * gb), "reduce_scatter": (n_rs, (l * block + root) * b)}
+    return {"all_gather": (gathers * n_ag, gathers * (2 * l * block + root) * gb),
+            "reduce_scatter": (n_rs, (l * block + root) * b)}
 
 
 def fsdp_comm_bytes(cfg: Config, variant: str, cast_gather: bool = False, gathers: int = 1,
