@@ -115,12 +115,12 @@ def test_recipe_pieces():
 
 @pytest.mark.slow
 def test_recipe_sweep_four_ranks_both_models_frozen(tmp_path):
-    """The wider sweep: 4 ranks, both models, 4 steps, parts of each model frozen, both frameworks, and
-    cross-framework agreement of the two recipe references."""
-    for model, freeze, patterns in (("transformer", "wte.*,blocks.0.*", "dp,fsdp,cp"),
-                                    ("mlp", "layers.0.*", "dp,fsdp")):
+    """The wider sweep: every style, parts of each model frozen (the transformer on 4 ranks, the MLP on 2),
+    both frameworks, and cross-framework agreement of the two recipe references."""
+    for model, freeze, patterns, world in (("transformer", "wte.*,blocks.0.*", "dp,fsdp,cp", "4"),
+                                           ("mlp", "layers.0.*", "dp,fsdp", "2")):
         out = tmp_path / f"{model}.json"
-        argv = ["--model", model, "--world-size", "4", "--patterns", patterns, "--steps", "4", "--layers", "4",
+        argv = ["--model", model, "--world-size", world, "--patterns", patterns, "--steps", "3", "--layers", "4",
                 "--dim", "16", "--heads", "4", "--seq", "8", "--vocab", "16", "--batch", "16", "--recipe", "llama",
                 "--clip", "0.05", "--accumulate", "2", "--freeze", freeze, "--quiet", "--json", str(out)]
         assert compare.main(argv) == 0
