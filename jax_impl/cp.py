@@ -34,10 +34,12 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_impl import recipe
 from jax_impl.devices import make_mesh, xla_platform
 from jax_impl.harness import Setup, leaves_fixture, train_loop
-from jax_impl.model import inputs, jax_dtype, make_optimizer, output_loss, targets
+from jax_impl.model import inputs, jax_dtype, output_loss, targets
 from jax_impl.parallel.cp import AXIS, chunk_pairs, ring_core
+from jax_impl.parallel.recipe import scale_by_norm, sumsq
 from jax_impl.parallel.typed import InMesh, Stated, explicit_mesh
 from jax_impl.transformer import apply, attention, block, embed, head
 from shared.config import Config
@@ -125,7 +127,8 @@ def shard_map_loss(cfg: Config, variant: str, mesh):
     attn = ulysses_attention if variant == "ulysses" else ring_attention(variant, cfg.world_size)
 
     def local(params, tokens, y, pos):
-        assert tokens.shape == y.shape == (cfg.batch, cfg.seq // cfg.world_size), tokens.shape  # (B, T/N)
+        # (B/K, T/N): --accumulate K hands it one group of whole sequences
+        assert tokens.shape == y.shape == (cfg.batch // cfg.accumulate, cfg.seq // cfg.world_size), tokens.shape
         logits = apply(params, tokens, cfg.head_dim, pos, attn=attn)  # (B, T/N, V)
         return output_loss(logits, y)[None]
 
@@ -162,16 +165,17 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     seq = NamedSharding(mesh, P(None, AXIS))
     batch = (jax.device_put(inputs(cfg, problem)[:, order], seq), jax.device_put(targets(cfg, problem)[:, order], seq),
              jax.device_put(jnp.asarray(order, jnp.int32), NamedSharding(mesh, P(AXIS))))
-    tx = make_optimizer(cfg)
+    tx = recipe.optimizer(cfg, {k: k for k in names})  # the recipe (jax_impl/recipe.py): keyed by fixture names
     # (differentiated, reported): shard_map differentiates the mean of the local losses and reports
     # the (N,) vector (the mean itself is never computed: no all-reduce); jit its global mean
     to_loss = cp_typed.loss_for(cfg, stated, variant) if typed else seq_sharded_loss(cfg, mesh) if style == "jit" else \
         shard_map_loss(cfg, variant, mesh)
-    loss_of = lambda p, *b: (lambda v: (jnp.mean(v), v))(to_loss(p, *b))
+    loss_of = recipe.dict_loss(cfg, lambda p, *b: (lambda v: (jnp.mean(v), v))(to_loss(p, *b)))
 
     def step(params, opt_state, *batch):
         (_, loss), grads = jax.value_and_grad(loss_of, has_aux=True)(params, *batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        clipped = grads if cfg.clip is None else scale_by_norm(grads, sumsq(grads), cfg.clip)  # replicated: whole
+        updates, opt_state = tx.update(clipped, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, grads
 
     fixture = partial(leaves_fixture, names=names)
@@ -183,7 +187,8 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
         step=InMesh(jax.jit(stated.traced(step), donate_argnums=(0, 1)), mesh) if typed else
         jax.jit(step, donate_argnums=(0, 1)), state=(params, tx.init(params)), batch=batch,
         grads_fixture=fixture, params_fixture=lambda state: fixture(state[0]),
-        comm_theory=cp_comm_bytes(cfg, variant) + typed * cfg.bytes_per_element  # typed: + the loss's all-reduce
+        comm_theory=None if cfg.freeze or cfg.accumulate > 1 else  # the recipe's: not modelled (docs/recipe.md)
+        cp_comm_bytes(cfg, variant) + typed * cfg.bytes_per_element  # typed: + the loss's all-reduce
         if style == "shard_map" or variant == "ulysses" else
         sum(nbytes for _, nbytes in seq_sharded_comm(cfg, xla_platform(mesh)).values()), extra=extra,
         compiler_options=cpu_options(mesh, variant)))

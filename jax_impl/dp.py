@@ -26,17 +26,34 @@ Papers: PyTorch DDP, Li et al. 2020 (arXiv:2006.15704); ZeRO, Rajbhandari et al.
 
 from __future__ import annotations
 
+from jax_impl import recipe
 from jax_impl.devices import make_mesh
 from jax_impl.harness import train_loop, trainer_setup
-from jax_impl.model import build_model, inputs, make_optimizer, model_loss, targets
-from jax_impl.parallel.fsdp import parallelize
+from jax_impl.model import inputs, targets
 from shared.config import Config
 from shared.problem import Problem
+from shared.recipe import refusal
 from shared.results import Trained
 from shared.theory import dp_comm_bytes, zero1_comm_bytes
 
 VARIANTS = (("shard_map", "dp"), ("jit", "dp"), ("typed", "dp"), ("shard_map", "zero1"), ("jit", "zero1"),
             ("typed", "zero1"))
+
+
+def variants(cfg: Config) -> tuple:
+    """VARIANTS, less those that cannot apply cfg's recipe exactly (shared.recipe.refusal says why)."""
+    return tuple(v for v in VARIANTS if refusal("jax", "dp", *v, cfg) is None)
+
+
+def comm_theory(cfg: Config, style: str, variant: str) -> int | None:
+    """shared.theory's bytes with the recipe: + the norm's scalar all-reduce (zero1: the slices are
+    sharded; dp holds the whole gradient). --accumulate K: shard_map reduces the summed gradient once; jit
+    and typed: XLA reduces each micro-batch's gradient (measured K×; not modelled: None). --freeze: None
+    (XLA drops the frozen gradients' reductions)."""
+    if cfg.freeze or (cfg.accumulate > 1 and style != "shard_map"):
+        return None
+    base = zero1_comm_bytes(cfg) if variant == "zero1" else dp_comm_bytes(cfg)
+    return base + recipe.clip_bytes(cfg, variant, style)
 
 
 def mesh_for(cfg: Config, device: str = "auto"):
@@ -52,10 +69,10 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
         raise ValueError(f"mesh has dp={mesh.shape['dp']} devices, cfg.world_size={cfg.world_size}")
     y = targets(cfg, problem)  # None | (B, T)
     raw = tuple(a for a in (inputs(cfg, problem), y) if a is not None)
-    trainer = parallelize(build_model(cfg, problem), model_loss, make_optimizer(cfg), mesh, variant, style)
+    trainer = recipe.parallelized(cfg, problem, mesh, variant, style)  # + --clip, --accumulate, masks, schedule
     batch = trainer.shard_batch(*raw)  # rows split over 'dp' on the trainer's mesh (typed: Explicit axes)
     setup = trainer_setup(trainer, batch)
-    setup.comm_theory = zero1_comm_bytes(cfg) if variant == "zero1" else dp_comm_bytes(cfg)
+    setup.comm_theory = comm_theory(cfg, style, variant)
     setup.extra = {"local_batch": cfg.batch // cfg.world_size}
     if style == "typed":  # the layout changes the program states, read from the types at trace time
         setup.extra["stated"] = trainer.stated.entries

@@ -28,18 +28,36 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jax_impl import recipe
 from jax_impl.devices import make_mesh
 from jax_impl.harness import train_loop, trainer_setup
-from jax_impl.model import build_model, inputs, jax_dtype, make_optimizer, model_loss, targets, tree_bytes
-from jax_impl.parallel.fsdp import cpu_options, parallelize  # noqa: F401  (cpu_options: cp, mesh cite it)
+from jax_impl.model import inputs, jax_dtype, targets, tree_bytes
+from jax_impl.parallel.fsdp import cpu_options  # noqa: F401  (cpu_options: cp, mesh cite it)
 from jax_impl.transformer import Rules
 from shared.config import Config
 from shared.problem import Problem
+from shared.recipe import refusal
 from shared.results import Trained
 from shared.theory import fsdp_comm_bytes
 
 VARIANTS = (("shard_map", "zero3"), ("shard_map", "zero2"), ("jit", "zero3"), ("jit", "zero2"), ("typed", "zero3"),
             ("typed", "zero2"))
+
+
+def variants(cfg: Config) -> tuple:
+    """VARIANTS, less those that cannot apply cfg's recipe exactly (shared.recipe.refusal says why)."""
+    return tuple(v for v in VARIANTS if refusal("jax", "fsdp", *v, cfg) is None)
+
+
+def comm_theory(cfg: Config, style: str, variant: str) -> int | None:
+    """shared.theory's bytes with the recipe: + the norm's scalar (it rides in the vectors' psum under
+    shard_map). --accumulate K: shard_map zero3 gathers per micro-batch and reduce-scatters each gather's
+    gradient (K× both: the transpose of every all-gather); zero2 reduces the summed gradient once; jit and
+    typed: XLA reduces each micro-batch's gradient (measured K×; not modelled: None). --freeze: None."""
+    if cfg.freeze or (cfg.accumulate > 1 and style != "shard_map"):
+        return None
+    k = cfg.accumulate if variant == "zero3" else 1
+    return fsdp_comm_bytes(cfg, variant, gathers=k, reduces=k) + recipe.clip_bytes(cfg, variant, style)
 
 
 def mesh_for(cfg: Config, device: str = "auto"):
@@ -78,10 +96,10 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     cfg.check("fsdp")
     y = targets(cfg, problem)  # None | (B, T)
     raw = tuple(a for a in (inputs(cfg, problem), y) if a is not None)
-    trainer = parallelize(build_model(cfg, problem), model_loss, make_optimizer(cfg), mesh, variant, style)
+    trainer = recipe.parallelized(cfg, problem, mesh, variant, style)  # + --clip, --accumulate, masks, schedule
     batch = trainer.shard_batch(*raw)  # rows split over 'dp' on the trainer's mesh (typed: Explicit axes)
     setup = trainer_setup(trainer, batch)
-    setup.comm_theory = fsdp_comm_bytes(cfg, variant)
+    setup.comm_theory = comm_theory(cfg, style, variant)
     setup.state_bytes = lambda state: state_bytes(cfg, problem, variant, *state)
     setup.extra = {"shard": "dim 0 of each ≥2-D parameter (rows of W)"}
     if style == "typed":  # the layout changes the program states, read from the types at trace time

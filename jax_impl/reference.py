@@ -15,19 +15,21 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
+from jax_impl import recipe
 from jax_impl.model import (
     build_model,
     fetch,
     inputs,
-    make_optimizer,
     output_loss,
     params_of,
     targets,
     to_numpy,
     tree_bytes,
 )
+from jax_impl.parallel.recipe import clip_by_global_norm
 from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
@@ -37,8 +39,13 @@ def train(cfg: Config, problem: Problem, device=None, split: int = 1) -> Trained
     device = device or jax.devices()[0]
     with jax.default_device(device):
         model = build_model(cfg, problem)
-        opt = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+        paths = recipe.fixture_paths(model)  # the recipe (jax_impl/recipe.py): schedule, masks, frozen, K, clip
+        tx = recipe.optimizer(cfg, paths)
+        if cfg.clip is not None:  # torch's clip_grad_norm_ formula (optax's own differs at ~1e-6)
+            tx = optax.chain(clip_by_global_norm(cfg.clip), tx)
+        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
         x, y = inputs(cfg, problem), targets(cfg, problem)  # (B, D) | (B, T), None | (B, T)
+        batch_loss = recipe.loss_fn(cfg, paths)
 
         def moe_loss(m):  # (mean CE + Σ_l aux_l, load (L, B, E))
             logits, aux, load = m(x)
@@ -46,7 +53,7 @@ def train(cfg: Config, problem: Problem, device=None, split: int = 1) -> Trained
 
         @nnx.jit
         def step(model, opt, x, y):
-            loss, grads = nnx.value_and_grad(lambda m: output_loss(m(x), y))(model)
+            loss, grads = nnx.value_and_grad(lambda m: batch_loss(m, *(x,) if y is None else (x, y)))(model)
             opt.update(model, grads)
             return loss, grads
 

@@ -96,6 +96,43 @@ def add_training(p, steps=5, steps_help="optimizer steps per run") -> None:
                    help="AdamW weight decay (torch's default)")
 
 
+def add_recipe(p) -> None:
+    """The training recipe (shared/recipe.py, docs/recipe.md "In compare.py"; dp, fsdp, cp): every flag off by
+    default."""
+    from shared.recipe import PRESETS, SCHEDULES
+
+    p.add_argument("--recipe", choices=sorted(PRESETS), default=None,
+                   help="a preset of the flags below; llama = --clip 1.0 --schedule warmup-cosine --decay-mask "
+                        "(a flag given beside it wins) (default: none)")
+    p.add_argument("--clip", type=float, default=None, metavar="NORM",
+                   help="clip the gradient by its GLOBAL norm (torch's clip_grad_norm_ formula, every layout) "
+                        "(default: none)")
+    p.add_argument("--accumulate", type=int, default=None, metavar="K",
+                   help="micro-batches per optimizer step; the gradient reduction runs once per step where the "
+                        "pattern can skip it (default: 1)")
+    p.add_argument("--schedule", choices=SCHEDULES, default=None,
+                   help="learning-rate schedule: warmup-cosine = linear warm-up over a quarter of the steps, then a "
+                        "cosine down to 10%% of --lr (default: constant)")
+    p.add_argument("--decay-mask", action="store_true", default=None,
+                   help="weight decay on matrices only (>= 2 dims), none on the norm gains (default: every parameter)")
+    p.add_argument("--freeze", default=None, metavar="GLOBS",
+                   help="comma list of parameter-name globs not trained, e.g. 'wte.*,blocks.0.*' (names as "
+                        "torch's named_parameters) (default: none)")
+
+
+def recipe_fields(args) -> dict:
+    """The Config fields of the recipe flags: the preset's, then each flag given (it wins)."""
+    from shared.recipe import PRESETS, parse_globs
+
+    out = dict(PRESETS[args.recipe]) if getattr(args, "recipe", None) else {}
+    for name in ("clip", "accumulate", "schedule", "decay_mask"):
+        if getattr(args, name, None) is not None:
+            out[name] = getattr(args, name)
+    if getattr(args, "freeze", None) is not None:
+        out["freeze"] = parse_globs(args.freeze)
+    return out
+
+
 def add_device(p) -> None:
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="gpu: NCCL and JAX on GPUs, or refuse; cpu: gloo and simulated devices; auto: GPUs when "

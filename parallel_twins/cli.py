@@ -45,6 +45,7 @@ from parallel_twins.args import (
     add_frameworks,
     add_json,
     add_quiet,
+    add_recipe,
     add_sizes,
     add_training,
     add_world_size,
@@ -52,6 +53,7 @@ from parallel_twins.args import (
     check_devices,
     check_output_path,
     csv_list,
+    recipe_fields,
     run_key,
     write_output,
 )
@@ -112,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transformer: activation recomputation, full (each block) or selective (the attention "
                         "core)")
     add_training(p)
+    add_recipe(p)
     p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB",
                    help="bucket size of the bucketed DP variant")
     add_device(p)
@@ -174,6 +177,20 @@ def check_styles(args, cfgs) -> None:
     args.frameworks = [fw for fw in args.frameworks if runs_any(fw)]  # --styles typed: JAX alone
 
 
+def recipe_notes(args, cfgs) -> list[str]:
+    """The runs the recipe leaves out (shared.recipe.refusal), one line each, printed before anything runs."""
+    from parallel_twins.runs import chosen_variants
+    from shared.recipe import refusals
+
+    every = lambda fw, p, c: [sv for sv in chosen_variants(fw, p, c, None, full=True)
+                              if not args.styles or sv[0] in args.styles]
+    notes = refusals(cfgs, args.patterns, args.frameworks, lambda fw, p, c: every(fw, p, c) if c in cfgs_for(cfgs, p)
+                     else [])
+    for line in notes:
+        print(f"compare.py: note: {line}", file=sys.stderr)
+    return notes
+
+
 def checkpoint_plan(args, cfgs):
     """The runs' shared.checkpoint.Plan (None without --checkpoint-dir). Before any process starts,
     for the runs this invocation makes (and no other folder in DIR): a run folder another process is
@@ -182,6 +199,9 @@ def checkpoint_plan(args, cfgs):
     a ValueError: one line, exit 2)."""
     if args.checkpoint_dir is not None and cfgs and cfgs[0].precision != "pure":
         raise ValueError("--checkpoint-dir: --precision mixed is not built for checkpoints; use --precision pure")
+    if args.checkpoint_dir is not None and cfgs and cfgs[0].recipe_active:
+        raise ValueError("--checkpoint-dir: the recipe flags (--clip, --accumulate, --schedule, --decay-mask, "
+                         "--freeze, --recipe) are not built for checkpoints (no schedule state is saved); drop them")
     if args.checkpoint_dir is None:
         if args.resume or args.checkpoint_every is not None or args.keep is not None:
             raise ValueError("--resume, --checkpoint-every and --keep need --checkpoint-dir DIR")
@@ -273,7 +293,8 @@ def make_configs(args):
                   microbatches=args.microbatches, steps=args.steps, seed=args.seed, dtype=args.dtype,
                   precision=args.precision,
                   lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb,
-                  heads=args.heads, seq=args.seq, vocab=args.vocab, virtual_stages=args.virtual_stages)
+                  heads=args.heads, seq=args.seq, vocab=args.vocab, virtual_stages=args.virtual_stages,
+                  **recipe_fields(args))
     if args.experts is not None and "ep" not in args.patterns:
         raise ValueError("--experts/--topk build the mixture-of-experts transformer, which runs under "
                          "--patterns ep only")
@@ -284,6 +305,10 @@ def make_configs(args):
         experts = args.experts if args.experts is not None else default_experts(world)
         cfgs.append(base.replace(model="transformer", experts=experts, topk=args.topk))
     cfgs = [c.replace(recompute=args.recompute) for c in cfgs]  # the MLP refuses all but "none"
+    from shared.recipe import check_freeze
+
+    for c in cfgs:
+        check_freeze(c)  # --freeze: every glob names a parameter of each model, and something still trains
     if "RANK" in os.environ and "jax" in args.frameworks:
         raise ValueError("under torchrun every rank runs this script: use --frameworks torch "
                          "(run the JAX side once, without torchrun)")
@@ -380,6 +405,7 @@ def _main(argv=None) -> int:
         check_devices(args.frameworks, cfg.world_size, args.device)
         plan = checkpoint_plan(args, cfgs)
         check_styles(args, cfgs)
+        recipe_notes(args, cfgs)
     except (ArgumentError, ValueError) as exc:
         print(f"compare.py: error: {exc}", file=sys.stderr)
         return 2

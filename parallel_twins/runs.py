@@ -16,13 +16,14 @@ import traceback
 from parallel_twins.args import FRAMEWORKS, cfgs_for, run_key
 
 
-def chosen_variants(framework, pattern, cfg, styles=None) -> list[tuple[str, str]]:
+def chosen_variants(framework, pattern, cfg, styles=None, full=False) -> list[tuple[str, str]]:
     """The (style, variant)s ``framework`` runs of ``pattern`` on ``cfg``, as its harness chooses them
-    (the module's variants(cfg), else VARIANTS), only those of ``styles`` when given (--styles)."""
+    (the module's variants(cfg), else VARIANTS), only those of ``styles`` when given (--styles).
+    ``full``: VARIANTS, before variants(cfg) leaves any out."""
     import importlib
 
     module = importlib.import_module(f"{'torch_impl' if framework == 'torch' else 'jax_impl'}.{pattern}")
-    every = list(getattr(module, "variants", lambda c: module.VARIANTS)(cfg))
+    every = list(module.VARIANTS if full else getattr(module, "variants", lambda c: module.VARIANTS)(cfg))
     return [sv for sv in every if styles is None or sv[0] in styles]
 
 

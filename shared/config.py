@@ -35,6 +35,10 @@ MIXED_DTYPES = ("bfloat16",)  # float16 would need dynamic loss scaling: not bui
 # pattern no framework builds it for; Config.check_precision(pattern, framework) the rest, where the
 # framework is known (parallel_twins/cli.py, the harnesses).
 MIXED_PATTERNS = {"torch": ("dp", "fsdp", "tp", "pp", "cp"), "jax": ("dp", "fsdp")}
+# The training recipe (shared/recipe.py: --clip, --accumulate, --schedule, --decay-mask, --freeze, --recipe):
+# the patterns whose runs (every style, both frameworks) apply it exactly; the others refuse it in Config.check.
+RECIPE_PATTERNS = ("dp", "fsdp", "cp")
+SCHEDULES = ("constant", "warmup-cosine")  # the lr schedules (shared.recipe.lr_factors)
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,13 @@ class Config:
     recompute: str = "none"
     # PRECISIONS: "mixed" = float32 master weights, gradients, optimizer state and reductions; compute in dtype.
     precision: str = "pure"
+    # The recipe (shared/recipe.py): global-norm clipping (None: off), micro-batches per optimizer step,
+    # the lr schedule, weight decay on matrices only, fixture-name globs of frozen parameters.
+    clip: float | None = None
+    accumulate: int = 1
+    schedule: str = "constant"
+    decay_mask: bool = False
+    freeze: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("world_size", "layers", "dim", "batch", "microbatches", "steps", "heads", "seq", "vocab",
@@ -121,6 +132,7 @@ class Config:
                 raise ValueError(f"experts: the {self.model} has no MoE layers (use --model transformer)")
             if self.topk > self.experts:
                 raise ValueError(f"topk={self.topk} > experts={self.experts} (every token picks topk distinct experts)")
+        self._check_recipe()
         if self.mesh:
             object.__setattr__(self, "mesh", tuple((str(a), int(n)) for a, n in self.mesh))  # lists -> tuples
             names = [a for a, _ in self.mesh]
@@ -135,6 +147,33 @@ class Config:
             bad = [(a, n) for a, n in self.mesh if n < 1]
             if bad:
                 raise ValueError(f"mesh: axis {bad[0][0]}={bad[0][1]} must be a positive size")
+
+    def _check_recipe(self) -> None:
+        if self.clip is not None and (isinstance(self.clip, bool) or not isinstance(self.clip, (int, float))
+                                      or not self.clip > 0 or self.clip == float("inf")):
+            raise ValueError(f"clip must be a finite max norm > 0 (or None: no clipping), got {self.clip!r}")
+        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise ValueError(f"accumulate must be a positive integer (micro-batches per optimizer step), "
+                             f"got {self.accumulate!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if not isinstance(self.decay_mask, bool):
+            raise ValueError(f"decay_mask must be True or False, got {self.decay_mask!r}")
+        if isinstance(self.freeze, str):
+            raise ValueError(f"freeze must be a tuple of parameter-name globs, got the string {self.freeze!r}")
+        object.__setattr__(self, "freeze", tuple(self.freeze))  # lists -> tuples (hashable: the reference cache)
+        bad = [g for g in self.freeze if not isinstance(g, str) or not g]
+        if bad:  # whether each glob names a parameter: shared.recipe.check_freeze (it knows the names)
+            raise ValueError(f"freeze: every entry is a parameter-name glob (a non-empty string), got {bad[0]!r}")
+        if self.recipe_active and self.precision == "mixed":
+            raise ValueError("the recipe flags (--clip, --accumulate, --schedule, --decay-mask, --freeze, --recipe) "
+                             "are not built with --precision mixed: use --precision pure")
+
+    @property
+    def recipe_active(self) -> bool:
+        """Does a run train more than the textbook step (plain AdamW, one pass, constant lr)?"""
+        return (self.clip is not None or self.accumulate > 1 or self.schedule != "constant" or self.decay_mask
+                or bool(self.freeze))
 
     def axis(self, name: str) -> int:
         """The size of mesh axis ``name`` (1 when the layout does not name it)."""
@@ -179,6 +218,11 @@ class Config:
     @property
     def head_dim(self) -> int:
         return self.dim // self.heads
+
+    @property
+    def ranks_accumulate(self) -> int:
+        """world_size · accumulate: the data patterns' equal parts of the batch."""
+        return self.world_size * self.accumulate
 
     @property
     def zigzag_chunks(self) -> int:
@@ -246,6 +290,9 @@ class Config:
         if self.precision == "mixed" and pattern not in built + ["collectives"]:  # collectives: no model
             raise ValueError(f"{pattern}: --precision mixed is built for {', '.join(built)} only; "
                              f"use --precision pure for {pattern}")
+        if self.recipe_active and pattern not in RECIPE_PATTERNS + ("collectives",):  # collectives: no model
+            raise ValueError(f"{pattern}: the recipe flags (--clip, --accumulate, --schedule, --decay-mask, --freeze, "
+                             f"--recipe) are built for {', '.join(RECIPE_PATTERNS)} only; drop them for {pattern}")
         if self.moe and pattern not in EXPERT_PATTERNS:
             raise ValueError(f"{pattern}: the mixture-of-experts transformer runs under ep only "
                              f"(drop --experts, or use --patterns ep)")
@@ -276,6 +323,8 @@ class Config:
         """What ``pattern`` splits on this model: (size, divided by, why) for every split."""
         n, mlp = "world_size", self.model == "mlp"
         batch = ("batch", n, "every rank takes an equal slice of the global batch")
+        if self.accumulate > 1 and pattern in ("dp", "fsdp"):
+            batch = ("batch", "ranks_accumulate", "every rank cuts its rows into accumulate equal micro-batches")
         if pattern == "dp":
             return [batch]
         if pattern == "fsdp":
@@ -295,7 +344,9 @@ class Config:
             return [("experts", n, "every rank owns E/ep whole experts"),
                     ("batch", n, "every rank routes B/ep sequences (EP inside DP)")]
         if pattern == "cp":
-            return [("seq", n, "every rank holds T/cp tokens of every sequence"),
+            parts = [("batch", "accumulate", "every micro-batch takes B/accumulate whole sequences")] \
+                if self.accumulate > 1 else []
+            return parts + [("seq", n, "every rank holds T/cp tokens of every sequence"),
                     ("seq", "zigzag_chunks", "ring_zigzag: rank r takes chunks r and 2·cp−1−r"),
                     ("heads", n, "ulysses: the all-to-all hands every rank H/cp whole heads")]
         return []

@@ -221,13 +221,17 @@ def _times(old_runs, new_runs, factor: float) -> list[Finding]:
     return out
 
 
+# Config fields added after files were written: their value in a file that predates them.
+ADDED = {"precision": "pure", "clip": None, "accumulate": 1, "schedule": "constant", "decay_mask": False, "freeze": []}
+
+
 def _configs(old: dict, new: dict) -> list[Finding]:
     a, b = old.get("configs") or {"": old.get("config") or {}}, new.get("configs") or {"": new.get("config") or {}}
     changes: dict[tuple, list[str]] = {}
     for run in sorted(set(a) & set(b)):
         for field in sorted(set(a[run]) | set(b[run])):
-            if field == "precision" and {a[run].get(field), b[run].get(field)} <= {None, "pure"}:
-                continue  # a file that predates the field trained "pure"
+            if field in ADDED and a[run].get(field, ADDED[field]) == b[run].get(field, ADDED[field]):
+                continue  # a file that predates the field trained with its default (pure, plain AdamW)
             if a[run].get(field) != b[run].get(field):
                 seen = (field, json.dumps(a[run].get(field)), json.dumps(b[run].get(field)))
                 changes.setdefault(seen, []).append(run)

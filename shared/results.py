@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from shared.recipe import describe as describe_recipe
 from shared.tolerances import (
     CROSS_FRAMEWORK_FACTOR,
     MIXED_CROSS_FRAMEWORK_FACTOR,
@@ -188,6 +189,7 @@ class RunResult:
     devices: list[str] = field(default_factory=list)
     fallback: str | None = None
     start_step: int = 0  # resumed from a checkpoint of this step: ``losses`` are those of the steps it ran
+    recipe: dict[str, Any] | None = None  # shared.recipe.describe: what the step applied (None: plain AdamW)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -253,6 +255,7 @@ def make_result(
         devices=list(run.where.get("devices", [])),
         fallback=run.where.get("fallback"),
         start_step=run.start_step,
+        recipe=describe_recipe(cfg) if hasattr(cfg, "accumulate") else None,
         **errors,
     )
 

@@ -35,6 +35,7 @@ from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
 from shared.theory import cp_comm_bytes, cp_positions
+from torch_impl import recipe
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import build_model, inputs, loss_fn, make_optimizer, targets, to_fixture
@@ -89,8 +90,9 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         pos = torch.arange(t, device=ctx.device)  # (T,)
         # shards (and head-tail reorders) the buffers in place for the block, restores them after
         sharded = lambda: context_parallel(mesh, buffers=[tokens, y, pos], buffer_seq_dims=[1, 1, 0])
+    recipe.freeze_(model, cfg)  # the recipe (torch_impl/recipe.py): before the wrapper, as dp
     net = BucketedDDP(model, cfg.bucket_mb, group)  # one bucket: one all-reduce of Φ·b per step
-    opt = make_optimizer(net.parameters(), cfg)
+    opt = make_optimizer(recipe.param_groups(model.named_parameters(), cfg), cfg)
     names, params = [name for name, _ in model.named_parameters()], list(model.parameters())
 
     def forward_backward() -> torch.Tensor:
@@ -98,16 +100,17 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         with sharded():
             assert tokens.shape == y.shape == (b, t // n) and pos.shape == (t // n,), (tokens.shape, pos.shape)
             seen.setdefault("positions", pos.tolist())
-            loss = loss_fn(net(tokens, pos), y)  # mean CE over this rank's B·T/N tokens
-            loss.backward()
+            # mean CE over this rank's B·T/N tokens; --accumulate K: K groups of B/K sequences, reduced once
+            loss = recipe.accumulate(cfg, tokens, y, lambda ts, ys: loss_fn(net(ts, pos), ys), net.no_sync)
         net.finish_gradient_synchronization()  # replicated weights' gradients averaged over cp
         return loss
 
     trained = train_loop(cfg, ctx, Setup(
-        forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for p in params],
+        forward_backward=forward_backward, grads=lambda: [p.grad for p in params],
+        update=recipe.stepper(opt, cfg, net.clip_grad_norm_),  # the averaged gradient is whole: a local norm
         fixture=lambda ts: [to_fixture(model, name, x) for name, x in zip(names, ts, strict=True)],
         params=params, optimizer=opt, loss_reduction="mean", group=group,
-        comm_theory=cp_comm_bytes(cfg, variant, autocast=True) if style == "explicit" else None,
+        comm_theory=cp_comm_bytes(cfg, variant, autocast=True) if style == "explicit" and not cfg.freeze else None,
         extra={"backend": ctx.backend}))
     every = [None] * n  # bookkeeping after training, outside the ledger
     dist.all_gather_object(every, (seen["positions"], core.scores if core else None), group=group)

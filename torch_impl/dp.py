@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
+from torch_impl import recipe
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
@@ -65,27 +66,30 @@ def make_setup(cfg: Config, problem: Problem, style: str, variant: str, ctx: Ran
     assert x.shape[0] == cfg.batch // n, x.shape
     names = [name for name, _ in model.named_parameters()]
     params = list(model.parameters())
-    net, sync = model, lambda: None
+    recipe.freeze_(model, cfg)  # before any wrapper: frozen parameters get no hook, bucket or slice
+    groups = recipe.param_groups(model.named_parameters(), cfg)  # --decay-mask: matrices / vectors
+    net, sync, quiet, clip = model, lambda: None, None, recipe.local_clip(params)
     if variant == "naive":
-        opt = make_optimizer(params, cfg)
+        opt = make_optimizer(groups, cfg)
         sync = lambda: allreduce_gradients(model, group)
     elif variant == "bucketed":
         net = BucketedDDP(model, cfg.bucket_mb, group)
-        opt, sync = make_optimizer(net.parameters(), cfg), net.finish_gradient_synchronization
+        opt, sync, quiet, clip = make_optimizer(groups, cfg), net.finish_gradient_synchronization, net.no_sync, \
+            net.clip_grad_norm_
     elif variant == "zero1":
-        opt = Zero1Optimizer(params, torch.optim.AdamW, group, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+        opt = Zero1Optimizer(groups, torch.optim.AdamW, group, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=cfg.eps, weight_decay=cfg.weight_decay)
-        sync = opt.reduce_gradients  # the reduce-scatter: grads() then reads this rank's slice
+        sync, clip = opt.reduce_gradients, opt.clip_grad_norm_  # reduce-scatter; then the slices' global norm
     else:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         net = DistributedDataParallel(model, device_ids=device_ids, process_group=group,
                                       bucket_cap_mb=cfg.bucket_mb)
-        opt = make_optimizer(net.parameters(), cfg)
+        opt, quiet = make_optimizer(groups, cfg), net.no_sync
 
     def forward_backward() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(net(x), y)  # local mean over this rank's B/dp rows (· T positions)
-        loss.backward()
+        # local mean over this rank's B/dp rows (· T positions); --accumulate K: K parts, reduced once
+        loss = recipe.accumulate(cfg, x, y, lambda xs, ys: loss_fn(net(xs), ys), quiet)
         sync()  # gradients averaged over ranks (zero1: this rank's averaged slice)
         return loss
 
@@ -94,24 +98,34 @@ def make_setup(cfg: Config, problem: Problem, style: str, variant: str, ctx: Ran
 
     zero1 = variant == "zero1"
     theory = opt.comm_theory() if zero1 else net.comm_theory() if variant == "bucketed" else dp_comm(model)
+    # + the norm's scalar all-reduce (zero1: the slices are sharded; the others hold the whole gradient)
+    extra_bytes = recipe.clip_bytes(cfg) if zero1 else 0
     buckets = [b["flat"] for b in getattr(net, "buckets", [])]
-    state = lambda: {"params": tensor_bytes([opt.flat] if zero1 else params),  # zero1: flat, padded
+    state = lambda: {"params": tensor_bytes(opt.flats if zero1 else params),  # zero1: flat, padded
                      "grads": tensor_bytes(buckets or params),  # bucketed: p.grad are bucket views
                      "optimizer": optimizer_state_bytes(opt.local if zero1 else opt)}
     return Setup(
         forward_backward=forward_backward,
-        update=opt.update if zero1 else opt.step,  # zero1: AdamW on the slice + all-gather
-        grads=(lambda: [opt.shard.grad]) if zero1 else (lambda: [p.grad for p in params]),
+        # clip, AdamW (zero1: on the slice + all-gather), the schedule
+        update=recipe.stepper(opt, cfg, clip),
+        grads=(lambda: [s.grad for s in opt.shards]) if zero1 else (lambda: [p.grad for p in params]),
         fixture=fixture,
-        grads_fixture=(lambda g: fixture(opt.gather_flat(g[0]))) if zero1 else None,
+        grads_fixture=(lambda g: fixture(zero1_grads(opt, params, g))) if zero1 else None,
         params=params,
         optimizer=opt,
-        comm_theory=comm_bytes(theory),  # from the model wrapped (= shared.theory's on ours)
+        comm_theory=comm_bytes(theory) + extra_bytes,  # from the model wrapped (= shared.theory's on ours)
         loss_reduction="mean",  # equal shards: the mean of local means is the global mean
         group=group,
         state=state,
         extra={"local_batch": cfg.batch // n, "bucket_bytes": [tensor_bytes([b]) for b in buckets]},
     )
+
+
+def zero1_grads(opt: Zero1Optimizer, params, slices) -> list[torch.Tensor]:
+    """ZeRO-1's averaged gradient slices (one per param group) gathered back into one tensor per
+    parameter, in ``params`` order; a frozen parameter (in no group) as zeros."""
+    full = {id(p): g for i, s in enumerate(slices) for p, g in zip(opt.param_lists[i], opt.gather_flat(s, i))}
+    return [full.get(id(p), torch.zeros_like(p)) for p in params]
 
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankContext) -> Trained:

@@ -26,6 +26,8 @@ Papers: ZeRO, Rajbhandari et al. 2020 (arXiv:1910.02054); FSDP, Zhao et al. 2023
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -35,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from shared.config import Config
 from shared.problem import Problem
 from shared.theory import fsdp_comm_bytes
+from torch_impl import recipe
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
@@ -42,7 +45,6 @@ from torch_impl.model import (
     build_model,
     inputs,
     loss_fn,
-    make_optimizer,
     optimizer_state_bytes,
     targets,
     tensor_bytes,
@@ -95,56 +97,76 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     mixed = cfg.precision == "mixed"  # zero3 and fsdp2 cast the float32 shards to bf16 before the gather
     comm_theory = fsdp_comm_bytes(cfg, variant, cast_gather=mixed)
 
+    recipe.freeze_(model, cfg)  # before wrapping: frozen parameters are gathered, never reduce-scattered
     if variant == "zero3":
         fsdp = FSDP(model, compute_dtype=TORCH_DTYPES[cfg.dtype] if mixed else None, group=group)
         params = [p for _, p in fsdp.module.named_parameters()]  # shards + replicated vectors
-        opt = make_optimizer(params, cfg)
+        opt = recipe.optimizer(fsdp.module.named_parameters(), cfg)  # shards keep the names, stay >= 2-D
+        if cfg.accumulate > 1:  # every micro-batch gathers again: K times the all-gathers
+            comm_theory = fsdp_comm_bytes(cfg, variant, cast_gather=mixed, gathers=cfg.accumulate)
+        comm_theory += recipe.clip_bytes(cfg)  # the norm: the shards' squares all-reduced
 
         def forward_backward():
             opt.zero_grad(set_to_none=True)
-            loss = loss_fn(fsdp(x), y)  # mean over this rank's B/N rows
-            loss.backward()
+            loss = recipe.accumulate(cfg, x, y, lambda xs, ys: loss_fn(fsdp(xs), ys), fsdp.no_sync)
             fsdp.finish_gradient_synchronization()
-            return loss.detach()
+            return loss
 
-        return train_loop(cfg, ctx, Setup(forward_backward, opt.step, lambda: [p.grad for p in params],
-                                          fixture(fsdp.full_tensor), params, opt, comm_theory, group=group,
+        update = recipe.stepper(opt, cfg, fsdp.clip_grad_norm_)
+        return train_loop(cfg, ctx, Setup(forward_backward, update, lambda: [p.grad for p in params],
+                                          fixture(fsdp.full_tensor), params, opt,
+                                          None if cfg.freeze else comm_theory, group=group,  # frozen: not modelled
                                           extra={"shard": "dim 0 of each ≥2-D parameter (Linear: columns of W)"}))
     if variant == "zero2":
         zero2 = Zero2(model, group)
-        comm_theory = comm_bytes(zero2.comm_theory())  # = shared.theory's on our models
+        comm_theory = comm_bytes(zero2.comm_theory()) + recipe.clip_bytes(cfg)  # = shared.theory's on our models
         params = model.parameters()
-        opt = make_optimizer(zero2.params, cfg)
+        opt = recipe.optimizer(zero2.named_parameters(), cfg)  # row shards (>= 2-D) and the vectors
 
         def forward_backward():
             opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            loss.backward()
+            loss = recipe.accumulate(cfg, x, y, lambda xs, ys: loss_fn(model(xs), ys), zero2.no_sync)
             zero2.finish_gradient_synchronization()
-            return loss.detach()
+            return loss
 
-        def update():
-            opt.step()
-            zero2.all_gather_params()
+        update = recipe.stepper(opt, cfg, zero2.clip_grad_norm_, zero2.all_gather_params)
 
         full = lambda nm, t: gather_full(zero2.units[nm], t, group) if nm in zero2.units else t.detach()
         state = lambda: {"params": tensor_bytes(model.parameters()),
                          "grads": tensor_bytes(p.grad for p in zero2.params if p.grad is not None),
                          "optimizer": optimizer_state_bytes(opt)}
+        whole = dict(model.named_parameters())  # frozen ones are not in zero2.params: the model's, zero gradient
+        fill = lambda none: lambda ts: fixture(full)([dict(zip(zero2.names, ts)).get(nm, none(whole[nm]))
+                                                      for nm in names])
         return train_loop(cfg, ctx, Setup(forward_backward, update, lambda: [p.grad for p in zero2.params],
-                                          fixture(full), zero2.params, opt, comm_theory, group=group,
-                                          state=state, extra={"shard": "dim 0 of each ≥2-D parameter"}))
+                                          fill(lambda p: p), zero2.params, opt, comm_theory, group=group,
+                                          state=state, extra={"shard": "dim 0 of each ≥2-D parameter"},
+                                          grads_fixture=fill(torch.zeros_like)))
     model = fsdp2_model(model, ctx, cfg)
     params = list(model.parameters())  # DTensors, Shard(0)
-    opt = make_optimizer(params, cfg)
+    opt = recipe.optimizer(model.named_parameters(), cfg)
+    if cfg.accumulate > 1:
+        comm_theory = fsdp_comm_bytes(cfg, variant, cast_gather=mixed, gathers=cfg.accumulate)
+    # torch's clip_grad_norm_ over the DTensors: ONE all-reduce of the stacked per-tensor norms (a vector)
+    comm_theory += recipe.clip_bytes(cfg, groups=sum(p.requires_grad for p in params))
+
+    @contextlib.contextmanager
+    def quiet():  # FSDP2's accumulation: no reduce-scatter for this backward
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
 
     def forward_backward():
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        loss.backward()  # FSDP2 reduce-scatters with the mean over ranks: no / N here
-        return loss.detach()
+        # FSDP2 reduce-scatters with the mean over ranks: no / N here
+        return recipe.accumulate(cfg, x, y, lambda xs, ys: loss_fn(model(xs), ys), quiet)
+
+    update = recipe.stepper(opt, cfg, lambda c: torch.nn.utils.clip_grad_norm_(
+        [p for p in params if p.requires_grad], c))
 
     full = lambda nm, t: t.full_tensor() if isinstance(t, DTensor) else t.detach()
-    return train_loop(cfg, ctx, Setup(forward_backward, opt.step, lambda: [p.grad for p in params],
-                                      fixture(full), params, opt, comm_theory, group=group,
+    return train_loop(cfg, ctx, Setup(forward_backward, update, lambda: [p.grad for p in params],
+                                      fixture(full), params, opt, None if cfg.freeze else comm_theory, group=group,
                                       extra={"shard": "dim 0 of each parameter (DTensor Shard(0))"}))

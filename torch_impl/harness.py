@@ -186,7 +186,8 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
             with meter.recording() if k == start else contextlib.nullcontext(), autocast(cfg, ctx.device):
                 loss = setup.forward_backward()  # mixed precision: under autocast (float32 params and grads)
             if k == 0:
-                grads0 = [g.detach().clone() for g in setup.grads()]  # local; gathered below
+                grads0 = [torch.zeros_like(setup.params[i]) if g is None else g.detach().clone()  # local; gathered
+                          for i, g in enumerate(setup.grads())]  # below; a frozen parameter (no gradient): zeros
             setup.update()
             loss.item()  # waits for the device, so the step time is real on GPU too
             step_times.append(time.perf_counter() - t0)

@@ -156,7 +156,9 @@ def fixture_weights(model: nn.Module) -> list[np.ndarray]:
 
 
 def fixture_grads(model: nn.Module) -> list[np.ndarray]:
-    return [to_fixture(model, n, p.grad) for n, p in model.named_parameters()]
+    """Every parameter's gradient in the fixture orientation; a frozen one (no gradient) as zeros."""
+    return [to_fixture(model, n, torch.zeros_like(p) if p.grad is None else p.grad)
+            for n, p in model.named_parameters()]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
+from torch_impl import recipe
 from torch_impl.model import (
     TORCH_DTYPES,
     autocast,
@@ -27,7 +28,6 @@ from torch_impl.model import (
     fixture_weights,
     inputs,
     loss_fn,
-    make_optimizer,
     optimizer_state_bytes,
     targets,
     tensor_bytes,
@@ -39,7 +39,9 @@ def train(cfg: Config, problem: Problem, device="cpu", split: int = 1, casts: st
     the float input cast to the compute dtype first, as FSDP2's MixedPrecisionPolicy (param_dtype=bf16)
     and FSDP(compute_dtype=bf16) do (the gradient of each cast is the float32 parameter's)."""
     model = build_model(cfg, problem, device)
-    opt = make_optimizer(model.parameters(), cfg)
+    recipe.freeze_(model, cfg)  # the recipe (torch_impl/recipe.py): frozen globs, decay mask, schedule, clip, K
+    opt = recipe.optimizer(model.named_parameters(), cfg)
+    update = recipe.stepper(opt, cfg, recipe.local_clip(model.parameters()))
     x, y = inputs(cfg, problem, device), targets(cfg, problem, device)  # (B, D) | (B, T), None | (B, T)
     if cfg.precision == "mixed" and casts == "params":
         low = TORCH_DTYPES[cfg.dtype]
@@ -58,6 +60,8 @@ def train(cfg: Config, problem: Problem, device="cpu", split: int = 1, casts: st
                     part = loss_fn(net(xs), ys) / split
                     part.backward()
                 loss = loss + part.detach()
+        elif cfg.accumulate > 1:  # K micro-batches, loss / K each (the recipe's accumulation)
+            loss = recipe.accumulate(cfg, x, y, lambda xs, ys: loss_fn(net(xs), ys))
         else:
             with autocast(cfg, device):
                 loss = loss_fn(net(x), y)
@@ -67,7 +71,7 @@ def train(cfg: Config, problem: Problem, device="cpu", split: int = 1, casts: st
                 loss.backward()
         if step == 0:
             grads0 = fixture_grads(model)
-        opt.step()
+        update()  # clip (torch's clip_grad_norm_: the whole model is here), AdamW, the schedule
         losses.append(loss.item())  # .item() syncs, so the step time is real on GPU too
         step_times.append(time.perf_counter() - t0)
     params = list(model.parameters())

@@ -70,7 +70,8 @@ def fsdp_regathered(cfg: Config) -> list[str]:
     return [n for n in units if n not in skip]
 
 
-def fsdp_comm(cfg: Config, variant: str, cast_gather: bool = False) -> dict[str, tuple[int, int]]:
+def fsdp_comm(cfg: Config, variant: str, cast_gather: bool = False, gathers: int = 1,
+              reduces: int = 1) -> dict[str, tuple[int, int]]:
     """op -> (count, payload bytes) per step per rank, for any model (MLP: equal to zero3_comm /
     zero2_comm; it has no vectors, so no all-reduce).
     zero3: all-gather every unit (fwd) + every fsdp_regathered unit (bwd), reduce-scatter every
@@ -80,7 +81,10 @@ def fsdp_comm(cfg: Config, variant: str, cast_gather: bool = False) -> dict[str,
     fsdp2: fully_shard per block + root, one flat group each (vectors inside): every block
            gathered fwd and again bwd, 1 reduce-scatter per block; the root's group (transformer:
            wte, wpe, normf, head; MLP: empty) gathered once — the root keeps it from forward to
-           backward (reshard_after_forward=False) — and reduce-scattered once: 3Φb − Φ_root·b."""
+           backward (reshard_after_forward=False) — and reduce-scattered once: 3Φb − Φ_root·b.
+    ``gathers`` (zero3, fsdp2 under accumulation: K micro-batches, the reductions skipped on all but the
+    last): every micro-batch's forward and backward gather again, K× the all-gathers, one reduction;
+    ``reduces``: K× the reduce-scatters (JAX zero3/shard_map: the transpose of every gather)."""
     b = cfg.bytes_per_element  # the reduce dtype's (mixed precision: float32)
     # the all-gathers' element: the compute dtype where the weights are cast before the gather (FSDP2's
     # MixedPrecisionPolicy, torch FSDP(compute_dtype=…) under mixed precision: ``cast_gather``), else b
@@ -89,8 +93,9 @@ def fsdp_comm(cfg: Config, variant: str, cast_gather: bool = False) -> dict[str,
     out: dict[str, tuple[int, int]] = {}
     if variant in ("zero2", "zero3"):
         gathered = list(units) + (fsdp_regathered(cfg) if variant == "zero3" else [])
-        out["all_gather"] = (len(gathered), sum(units[n] for n in gathered) * gb)
-        out["reduce_scatter"] = (len(units), sum(units.values()) * b)
+        k = gathers if variant == "zero3" else 1  # zero2 gathers the updated rows once, after the step
+        out["all_gather"] = (k * len(gathered), k * sum(units[n] for n in gathered) * gb)
+        out["reduce_scatter"] = (reduces * len(units), reduces * sum(units.values()) * b)
         if vectors:
             out["all_reduce"] = (1, sum(vectors.values()) * b)
         return out
@@ -100,11 +105,13 @@ def fsdp_comm(cfg: Config, variant: str, cast_gather: bool = False) -> dict[str,
     block = d * d if cfg.model == "mlp" else 12 * d * d + 2 * d
     root = cfg.n_params - l * block
     n_ag, n_rs = 2 * l + (root > 0), l + (root > 0)
-    return {"all_gather": (n_ag, (2 * l * block + root) * gb), "reduce_scatter": (n_rs, (l * block + root) * b)}
+    return {"all_gather": (gathers * n_ag, gathers * (2 * l * block + root) * gb),
+            "reduce_scatter": (n_rs, (l * block + root) * b)}
 
 
-def fsdp_comm_bytes(cfg: Config, variant: str, cast_gather: bool = False) -> int:
-    return sum(nbytes for _, nbytes in fsdp_comm(cfg, variant, cast_gather).values())
+def fsdp_comm_bytes(cfg: Config, variant: str, cast_gather: bool = False, gathers: int = 1,
+                    reduces: int = 1) -> int:
+    return sum(nbytes for _, nbytes in fsdp_comm(cfg, variant, cast_gather, gathers, reduces).values())
 
 
 def fsdp_state_bytes(cfg: Config, variant: str) -> dict[str, float]:

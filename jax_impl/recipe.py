@@ -1,0 +1,134 @@
+"""The recipe of compare.py's own runs in JAX (shared/recipe.py says what each flag means), the twin of
+torch_impl/recipe.py: the optax transformation, the loss and the clipping that the single-device
+reference and every runner share, so that they apply it the same way.
+
+    paths = fixture_paths(model)        {NNX path ("blocks.0.qkv.kernel"): fixture name ("blocks.0.attn.qkv.weight")}
+    tx = optimizer(cfg, paths)          AdamW; the lr schedule (the same float64 table as torch's LambdaLR);
+                                        the decay mask (>= 2 dims, never a frozen leaf)
+    loss = loss_fn(cfg, paths)          the project's loss, frozen Params behind stop_gradient (their gradient
+                                        is zero, as torch's requires_grad=False leaves none), K micro-batches
+    trainer = parallelize(..., clip=cfg.clip)   the TRUE global norm in every layout (jax_impl.parallel.recipe)
+
+Accumulation: the loss is Σ_k loss(part k) / K over K equal parts of each device's rows (under jit and
+typed the global batch is cut as (devices, K, rows) so no row moves between devices); its gradient is
+the sum of the K parts', reduced ONCE per step (one pmean / reduce-scatter of the summed gradient:
+the ledger shows one reduction, not K). The parts are traced in sequence into one program.
+Frozen leaves: a zero gradient and no decay, so AdamW leaves them bitwise unchanged.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jax_impl.model import model_loss, named_params
+from jax_impl.parallel.tree import flat_state, key_of
+from shared.config import Config
+from shared.recipe import is_frozen, lr_factors
+
+
+def fixture_paths(model) -> dict[str, str]:
+    """{NNX state path: fixture name} of the project's model (matched by array identity)."""
+    by_id = {id(a): k for k, a in flat_state(model)[2].items()}
+    return {by_id[id(a)]: name for name, a in named_params(model).items()}
+
+
+def frozen_paths(cfg: Config, paths: dict[str, str]) -> set[str]:
+    return {p for p, name in paths.items() if is_frozen(name, cfg.freeze)}
+
+
+def learning_rate(cfg: Config):
+    """cfg.lr, or the schedule: lr · lr_factors[count] (the table torch's LambdaLR reads)."""
+    if cfg.schedule == "constant":
+        return cfg.lr
+    table = jnp.asarray([cfg.lr * f for f in lr_factors(cfg.schedule, cfg.steps)])
+    return lambda count: table[jnp.minimum(count, cfg.steps - 1)]
+
+
+def optimizer(cfg: Config, paths: dict[str, str]) -> optax.GradientTransformation:
+    """AdamW with torch semantics (jax_impl.model.make_optimizer), the schedule and the decay mask."""
+    frozen = frozen_paths(cfg, paths)
+    mask = None
+    if cfg.decay_mask or frozen:
+        def mask(tree):  # a {path: array} dict (the wrappers) or an nnx.State (the reference): paths either way
+            return jax.tree_util.tree_map_with_path(
+                lambda p, a: (a.ndim >= 2 or not cfg.decay_mask) and key_of(p) not in frozen, tree)
+    return optax.adamw(learning_rate(cfg), b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                       mask=mask)
+
+
+def part(a: jax.Array, k: int, parts: int, rows: int) -> jax.Array:
+    """Micro-batch ``k`` of ``parts``: rows k·r … (k+1)·r of every device's block of ``a`` (r = rows)."""
+    return a.reshape(a.shape[0] // (parts * rows), parts, rows, *a.shape[1:])[:, k].reshape(-1, *a.shape[1:])
+
+
+def loss_fn(cfg: Config, paths: dict[str, str]):
+    """``loss(model, *batch)`` for parallelize: the project's model_loss with the frozen Params' gradient
+    stopped and cfg.accumulate micro-batches."""
+    frozen, k = frozen_paths(cfg, paths), cfg.accumulate
+    rows = cfg.batch // (cfg.world_size * k)  # one device's rows per micro-batch
+
+    def stopped(model):
+        if not frozen:
+            return model
+        graphdef, state = nnx.split(model)
+        state = jax.tree_util.tree_map_with_path(lambda p, a: jax.lax.stop_gradient(a) if key_of(p) in frozen else a,
+                                                 state)
+        return nnx.merge(graphdef, state)
+
+    def loss(model, *batch):
+        model = stopped(model)
+        if k == 1:
+            return model_loss(model, *batch)
+        total = 0.0
+        for i in range(k):
+            total = total + model_loss(model, *(part(a, i, k, rows) for a in batch)) / k
+        return total
+
+    return loss
+
+
+def dict_loss(cfg: Config, loss):
+    """The recipe around a loss over a {fixture name: array} dict (cp): ``loss(params, tokens, y, pos)``
+    -> (mean, reported). Frozen entries behind stop_gradient; --accumulate K: K groups of B/K whole
+    sequences (dim 0, never split over the devices), the means and the reported values averaged."""
+    k = cfg.accumulate
+
+    def out(params, tokens, y, *rest):
+        params = {n: jax.lax.stop_gradient(a) if is_frozen(n, cfg.freeze) else a for n, a in params.items()}
+        if k == 1:
+            return loss(params, tokens, y, *rest)
+        mean = reported = 0.0
+        for t, yy in zip(jnp.split(tokens, k), jnp.split(y, k)):
+            m, r = loss(params, t, yy, *rest)
+            mean, reported = mean + m / k, reported + r / k
+        return mean, reported
+
+    return out
+
+
+def parallelized(cfg: Config, problem, mesh, variant: str, style: str):
+    """The project's model through ``parallelize`` with the recipe: its optimizer, loss and clip."""
+    from jax_impl.model import build_model
+    from jax_impl.parallel.fsdp import parallelize
+
+    model = build_model(cfg, problem)
+    paths = fixture_paths(model)
+    return parallelize(model, loss_fn(cfg, paths), optimizer(cfg, paths), mesh, variant, style, clip=cfg.clip)
+
+
+def clip_bytes(cfg: Config, variant: str, style: str) -> int:
+    """The norm's collectives per step per device. dp: none (every device holds the whole gradient).
+    shard_map zero1/2/3: one scalar all-reduced (zero2/3 carry it as one more element of the vectors'
+    psum). jit and typed: XLA all-reduces each sharded leaf's sum of squares on its own (measured): one
+    scalar per leaf the layout splits (parallel.tree.rule)."""
+    if cfg.clip is None or variant == "dp":
+        return 0
+    if style == "shard_map":
+        return cfg.bytes_per_element
+    from jax_impl.parallel.tree import rule
+    from shared.problem import param_shapes
+
+    return cfg.bytes_per_element * sum(rule(s, cfg.world_size, variant) for s in param_shapes(cfg).values())
