@@ -280,14 +280,23 @@ def test_compute_dtype_under_tp():
     assert gap(got, single(adamw(), dtype=jnp.float32)) <= TOL32
 
 
+def mapped_loss(m, x, y):  # a map over the state that returns every leaf as it is (a freeze written by hand
+    gdef, state = nnx.split(m)  # would stop_gradient some): zero3's units are not in that state
+    return loss(nnx.merge(gdef, jax.tree.map(lambda a: a, state)), x, y)
+
+
 @pytest.mark.parametrize("make", [
     lambda: apply_plan(Tiny(), PLAN, cast_loss, adamw(), make_mesh(N, "tp")),
-    lambda: parallelize(Tiny(), cast_loss, adamw(), make_mesh(N, "dp"), "zero3", "shard_map")], ids=["tp", "zero3"])
+    lambda: parallelize(Tiny(), cast_loss, adamw(), make_mesh(N, "dp"), "zero3", "shard_map"),
+    lambda: parallelize(Tiny(), mapped_loss, adamw(), make_mesh(N, "dp"), "zero3", "shard_map")],
+    ids=["tp", "zero3", "zero3-identity"])
 def test_a_loss_that_casts_the_model_itself_is_refused_with_the_fix(make):
     """tp's split modules and zero3's units are stand-ins in the traced model, not arrays: the user's
     tree map over the state reaches them (it crashed: no attribute 'astype'; zero3: a ShardReadError
-    whose cause did not apply). Refused at the first trace, before any update, naming compute_dtype=."""
-    with pytest.raises((PlanError, ShardReadError), match=r"'hid.lin' as if it were an array.*compute_dtype="):
+    whose cause did not apply). A map that returns them unchanged trained a frozen unit on, silently
+    (zero3: nnx.split itself is refused now). Refused at the first trace, before any update, naming
+    compute_dtype=."""
+    with pytest.raises((PlanError, ShardReadError), match=r"'hid.lin'.*compute_dtype="):
         make().train_step(*data())
 
 

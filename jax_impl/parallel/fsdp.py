@@ -74,6 +74,20 @@ class _Gathering:
 
     def __init__(self, unit: nnx.Module, path: str, sharded: set[str], axis: str, record: Callable):
         self._unit, self._path, self._sharded, self._axis, self._record = unit, path, sharded, axis, record
+        self._armed = False  # set once it is in the model: from then on, reading the state refuses
+
+    def _flatten(self):
+        """A pytree of nothing while it is being put in place; then a refusal. The loss split or mapped
+        the model's state (nnx.split / nnx.state / jax.tree over it): the unit's weights are not in that
+        state (row blocks behind this stand-in), so a cast, a stop_gradient or an L2 term over it would
+        silently miss them (a frozen unit trained on: seen)."""
+        if not self._armed:
+            return (), None
+        raise ShardReadError(
+            f"zero3: the loss read the model's state (nnx.split / nnx.state / a tree map) where unit "
+            f"{self._path!r} stands in for its row blocks, so that state misses its weights. Fix: compute_dtype= "
+            "for casts, freeze and mask through the optimizer (optax.multi_transform, mask=), an L2 term through "
+            "weight_decay, or style='jit' / 'typed' (the whole model is traced there)")
 
     def __call__(self, *args, **kwargs):
         self._record(self._path, args)
@@ -94,6 +108,9 @@ class _Gathering:
         raise ShardReadError(
             f"zero3: {name!r} of unit {self._path!r} ({type(self._unit).__name__}) was read by its parent instead "
             f"of calling the unit; there it is a row block. Make the reader the unit: units=[<the parent's path>]")
+
+
+jax.tree_util.register_pytree_node(_Gathering, _Gathering._flatten, lambda aux, children: None)
 
 
 def cpu_options(mesh, style: str, variant: str) -> dict | None:
@@ -180,7 +197,8 @@ class Trainer:
         for u in self.units:
             if any(unit_of(k, [u]) for k in self.sharded):
                 parent, _, name = u.rpartition(".")
-                put_child(mods[parent], name, _Gathering(mods[u], u, self.sharded, self.axis, record))
+                put_child(mods[parent], name, stand_in := _Gathering(mods[u], u, self.sharded, self.axis, record))
+                stand_in._armed = True
         try:
             loss = self._loss(model, *batch)
         except (TypeError, ValueError) as e:  # a unit handed to a JAX transform (scan / vmap) instead of called
