@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-
 PROCESS_BYTES = 150 * 2**20  # one Python interpreter with torch or JAX imported, nothing allocated
 MIN_PROCESS_CAP = 32  # ranks allowed on any machine: the test suite's 8 and the docs' 16 fit
 
@@ -47,7 +45,7 @@ def rank_bytes(cfg) -> int:
     """One rank's estimate: two model copies' state (4·Φ·b each) plus one step's activations.
     MLP: 4 tensors of B×D per layer. Transformer: ~16 of B·T×D per block, the attention scores
     (3 × B·H×T×T per block) and the logits (3 × B·T×V)."""
-    b = np.dtype(cfg.dtype).itemsize
+    b = max(cfg.bytes_per_element, cfg.compute_bytes)  # (np.dtype("bfloat16") is unknown without ml_dtypes)
     state = 2 * 4 * cfg.n_params * b
     if cfg.model == "mlp":
         acts = 4 * cfg.batch * cfg.dim * cfg.layers

@@ -31,8 +31,16 @@ BYTES_PER_ELEMENT = {"float32": 4, "float64": 8, "bfloat16": 2}
 # autocast / FSDP2's MixedPrecisionPolicy, Flax's dtype= with param_dtype=float32.
 PRECISIONS = ("pure", "mixed")
 MIXED_DTYPES = ("bfloat16",)  # float16 would need dynamic loss scaling: not built (DTYPES has no float16)
-# The patterns whose runs (every style) build mixed precision; the others refuse it in Config.check.
-MIXED_PATTERNS = ("dp", "fsdp")
+# The patterns whose runs (every style) build mixed precision, per framework; the others refuse it in
+# Config.check (which names the framework, or without one takes what every framework builds).
+MIXED_PATTERNS = {"torch": ("dp", "fsdp"), "jax": ("dp", "fsdp", "tp", "pp", "cp")}
+
+
+def mixed_patterns(framework: str | None = None) -> tuple[str, ...]:
+    """The patterns ``framework`` runs under --precision mixed (None: those every framework runs)."""
+    if framework is not None:
+        return MIXED_PATTERNS[framework]
+    return tuple(p for p in PATTERNS if all(p in built for built in MIXED_PATTERNS.values()))
 
 
 @dataclass(frozen=True)
@@ -228,12 +236,17 @@ class Config:
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
 
-    def check(self, pattern: str) -> Config:
-        """Validate what ``pattern`` needs on top of the basic checks; returns self."""
+    def check(self, pattern: str, framework: str | None = None) -> Config:
+        """Validate what ``pattern`` needs on top of the basic checks; returns self. ``framework``
+        ("torch" | "jax"; None: every framework) decides what --precision mixed is built for."""
         if pattern not in PATTERNS:
             raise ValueError(f"unknown pattern {pattern!r}; choose from {', '.join(PATTERNS)}")
-        if self.precision == "mixed" and pattern not in MIXED_PATTERNS + ("collectives",):  # collectives: no model
-            raise ValueError(f"{pattern}: --precision mixed is built for {', '.join(MIXED_PATTERNS)} only; "
+        built = mixed_patterns(framework)
+        if self.precision == "mixed" and pattern not in built + ("collectives",):  # collectives: no model
+            where = f" in {framework}" if framework else ""
+            others = [fw for fw, pats in MIXED_PATTERNS.items() if pattern in pats and fw != framework]
+            hint = f" (built in {', '.join(others)}: --frameworks {','.join(others)})" if others else ""
+            raise ValueError(f"{pattern}: --precision mixed is built{where} for {', '.join(built)} only{hint}; "
                              f"use --precision pure for {pattern}")
         if self.moe and pattern not in EXPERT_PATTERNS:
             raise ValueError(f"{pattern}: the mixture-of-experts transformer runs under ep only "

@@ -36,11 +36,13 @@ ROOT = Path(__file__).resolve().parents[1]
         # mixed precision (issue 34): a 16-bit compute dtype; the patterns it is not built for refuse it
         (["--precision", "mixed"], "precision mixed computes in a 16-bit dtype: give --dtype bfloat16"),
         (["--precision", "mixed", "--dtype", "float32", "--patterns", "dp"], "precision mixed computes in a 16-bit"),
-        (["--precision", "mixed", "--dtype", "bfloat16"], "tp: --precision mixed is built for dp, fsdp only; "
-                                                          "use --precision pure for tp"),
+        (["--precision", "mixed", "--dtype", "bfloat16"], "tp: --precision mixed is built in torch for dp, fsdp only "
+                                                          "(built in jax: --frameworks jax); use --precision pure for tp"),
         (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "dp,pp"], "pp: --precision mixed is built"),
         (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "cp", "--model", "transformer"],
-         "cp: --precision mixed is built for dp, fsdp only"),
+         "cp: --precision mixed is built in torch for dp, fsdp only"),
+        (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "ep", "--frameworks", "jax"],
+         "ep: --precision mixed is built in jax for dp, fsdp, tp, pp, cp only; use --precision pure for ep"),
         (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "ep"], "ep: --precision mixed is built"),
         (["--precision", "mixed", "--dtype", "bfloat16", "--mesh", "dp=2,tp=2"], "mesh: --precision mixed is built"),
         (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "dp", "--checkpoint-dir", "/tmp"],

@@ -85,11 +85,19 @@ def test_frozen():
 
 @pytest.mark.parametrize("pattern", ["tp", "pp", "cp"])
 def test_mixed_precision_is_refused_where_not_built(pattern):
+    """Per framework (shared.config.MIXED_PATTERNS): JAX builds tp, pp, cp; torch (and a check that names no
+    framework: what every framework builds) refuses them, naming the framework that has them."""
     cfg = Config(model="transformer", world_size=2, heads=2, dim=8, seq=4, vocab=8, batch=4, layers=2,
                  dtype="bfloat16", precision="mixed")
-    with pytest.raises(ValueError, match=f"{pattern}: --precision mixed is built for dp, fsdp only; "
-                                         f"use --precision pure for {pattern}"):
+    with pytest.raises(ValueError, match=f"{pattern}: --precision mixed is built in torch for dp, fsdp only "
+                                         rf"\(built in jax: --frameworks jax\); use --precision pure for {pattern}"):
+        cfg.check(pattern, "torch")
+    with pytest.raises(ValueError, match=f"{pattern}: --precision mixed is built for dp, fsdp only"):
         cfg.check(pattern)
+    assert cfg.check(pattern, "jax") is cfg
+    with pytest.raises(ValueError, match="mesh: --precision mixed is built in jax for dp, fsdp, tp, pp, cp only; "
+                                         "use --precision pure for mesh"):
+        cfg.replace(mesh=(("dp", 1), ("tp", 2))).check("mesh", "jax")
 
 
 def test_mixed_precision_stores_float32_and_reduces_in_it():

@@ -43,13 +43,16 @@ def cp_comm(cfg: Config, variant: str) -> dict[str, tuple[int, int]]:
     change the bytes.
     ulysses (Jacobs et al. 2023): per layer 4 all-to-alls forward (q, k, v: sequence-sharded ->
     head-sharded; the output back) and their 4 transposes backward, each of buffer a.
-    Plus the gradient all-reduce, Φ·b (count 1: one flat buffer or one bucket)."""
+    Plus the gradient all-reduce, Φ·b (count 1: one flat buffer or one bucket).
+    Mixed precision: a (K, V, Q, the stream and their gradients) in the compute dtype (cfg.compute_bytes),
+    the ring's travelling dK|dV (summed over the hops: float32 accumulators) and Φ in the reduce dtype."""
     n, l, b = cfg.world_size, cfg.layers, cfg.bytes_per_element
-    a = cfg.batch * (cfg.seq // n) * cfg.dim * b
+    a = cfg.batch * (cfg.seq // n) * cfg.dim * cfg.compute_bytes
     out = {"all_reduce": (1, cfg.n_params * b)}
     if variant in ("ring", "ring_zigzag"):
         hops = l * (3 * n - 2) if n > 1 else 0
-        out["send"] = (hops, hops * 2 * a)
+        grads = l * n if n > 1 else 0  # of them, dK|dV's: a · b / compute_bytes each half
+        out["send"] = (hops, (hops - grads) * 2 * a + grads * 2 * a * b // cfg.compute_bytes)
     elif variant == "ulysses":
         out["all_to_all"] = (8 * l, 8 * l * a)
     else:

@@ -13,6 +13,9 @@ from shared.config import Config
 
 # Tensor parallelism (Megatron-LM). Every rank sees the full batch; every collective moves one
 # (B, D) activation or activation-gradient: S = B·D·b. Each function returns op -> (count, bytes).
+# b of an activation is the compute dtype's (cfg.compute_bytes: bf16 under mixed precision); the loss's
+# reductions (its logits in float32 under mixed precision) and parameter gradients use the reduce
+# dtype's (cfg.bytes_per_element); the two are equal under --precision pure.
 
 
 def tp_allgather_comm(cfg: Config) -> dict[str, tuple[int, int]]:
@@ -20,7 +23,7 @@ def tp_allgather_comm(cfg: Config) -> dict[str, tuple[int, int]]:
     fwd: L all-gathers of the layer output, L·S; bwd: L−1 reduce-scatters of the partial dL/dx of
     layers 1…L−1, (L−1)·S. The last gather feeds the loss, which every rank computes from the same
     full output, so its backward is a local slice (no collective); layer 0's input is x (no grad)."""
-    s, l = cfg.batch * cfg.dim * cfg.bytes_per_element, cfg.layers
+    s, l = cfg.batch * cfg.dim * cfg.compute_bytes, cfg.layers
     out = {"all_gather": (l, l * s)}
     if l > 1:
         out["reduce_scatter"] = (l - 1, (l - 1) * s)
@@ -32,7 +35,7 @@ def tp_megatron_comm(cfg: Config) -> dict[str, tuple[int, int]]:
     all-reduce: ⌊L/2⌋ in fwd (g, after each pair) + ⌈L/2⌉−1 in bwd (f, before each column-parallel
     layer whose input needs a gradient: not layer 0, whose input is x), S each;
     odd L: the last layer is column-parallel + 1 all-gather of S (its backward is a local slice)."""
-    s, l = cfg.batch * cfg.dim * cfg.bytes_per_element, cfg.layers
+    s, l = cfg.batch * cfg.dim * cfg.compute_bytes, cfg.layers
     n_ar = l // 2 + (l + 1) // 2 - 1
     out = {"all_reduce": (n_ar, n_ar * s)} if n_ar else {}
     if l % 2:
@@ -78,8 +81,8 @@ def tp_transformer_comm(cfg: Config, loss_all_reduces: int = 2) -> dict[str, tup
     output needs a gradient for wte), the embedding's g (fwd) and the head's f (bwd): (4L+2)·A.
     The vocab-parallel cross-entropy (bwd local): max, target logit and Σexp over (B, T), 3·B·T·b
     in ``loss_all_reduces`` calls: 2 (explicit: the two sums in one (2, B, T)) or 3 (DTensor)."""
-    act, rows, n_act = cfg.batch * cfg.seq * cfg.dim * cfg.bytes_per_element, cfg.batch * cfg.seq * \
-        cfg.bytes_per_element, 4 * cfg.layers + 2
+    act, rows, n_act = cfg.batch * cfg.seq * cfg.dim * cfg.compute_bytes, cfg.batch * cfg.seq * \
+        cfg.bytes_per_element, 4 * cfg.layers + 2  # the loss's rows: its logits in the reduce dtype
     return {"all_reduce": (n_act + loss_all_reduces, n_act * act + 3 * rows)}
 
 
@@ -121,7 +124,7 @@ def tp_sp_comm(cfg: Config, loss_all_reduces: int = 2, param_all_reduces: int = 
     explicit: one flat buffer, as Megatron's sequence-parallel gradient all-reduce; DTensor: one
     per parameter, 2L+2; JAX: XLA's all-reduce combiner merges the transposes' psums)."""
     b, l = cfg.bytes_per_element, cfg.layers
-    act, n = cfg.batch * cfg.seq * cfg.dim * b, 4 * l + 2
+    act, n = cfg.batch * cfg.seq * cfg.dim * cfg.compute_bytes, 4 * l + 2  # activations: the compute dtype
     sp_params = ((2 * l + 1) * cfg.dim + cfg.seq * cfg.dim) * b
     return {"all_gather": (n, n * act), "reduce_scatter": (n, n * act),
             "all_reduce": (loss_all_reduces + param_all_reduces, 3 * cfg.batch * cfg.seq * b + sp_params)}
