@@ -18,6 +18,9 @@ devices' keys and values. a = B·(T/N)·D·b: one device's share of K (or Q, V, 
 
 The replicated weights' gradients: summed over "cp" by the transpose of their invariant -> varying
 cast, an all-reduce of Φ·b. Bytes per step: shared.theory.cp_comm.
+Mixed precision (--precision mixed): the float32 weights made device-varying, then cast to bf16 inside
+the loss (their all-reduce stays float32); K, V, Q and the stream travel in bf16; attention, the ring's
+accumulators and its travelling dK|dV in float32; the logits to the loss in float32.
 Papers: ring attention, Liu et al. 2023 (arXiv:2310.01889); striped/zigzag, Brandon et al. 2023;
 DeepSpeed-Ulysses, Jacobs et al. 2023 (arXiv:2309.14509).
 """

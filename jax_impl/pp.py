@@ -18,6 +18,9 @@ sharding constraint; XLA turns it into permutes (the ledger counts them).
   shard_map  lax.ppermute over ``pp``; variants 1f1b, zb (ZB-H1), interleaved: torch's orders,
              per-micro-batch jax.vjp on a tick clock
   jit        the stages vmapped over a leading (S,) axis sharded over ``pp``
+Mixed precision (--precision mixed): float32 stacked weights and optax state, each stage's cast to bf16
+inside the loss (1F1B / ZB / interleaved: the schedule differentiates the bf16 copies and sums every
+micro-batch's gradient in float32); the messages travel in bf16, the loss in float32.
 Papers: GPipe, Huang et al. 2019 (arXiv:1811.06965); GSPMD, Xu et al. 2021 (arXiv:2105.04663);
 ZB-H1, Qi et al. 2024 (arXiv:2401.10241).
 """

@@ -20,6 +20,9 @@ Sequence parallelism (megatron_sp; transformer only): the stream is (B, T/tp, D)
 (bwd psum_scatter), g -> psum_scatter (bwd all_gather): (4L+2) of each of B·T·D·b, the loss's, and
 ((2L+1)·D + T·D)·b for the replicated gains and wpe (shared.theory.tp_sp_comm).
 What jit and typed issued: the ledger, docs/tp.md.
+Mixed precision (--precision mixed): float32 weights and optax state, cast to bf16 inside the loss
+(model.to_compute), the logits to the loss in float32; activations (f, g) travel in bf16, the loss's
+reductions and megatron_sp's replicated-weight gradients in float32; attention computed in float32.
 Papers: Megatron-LM, Shoeybi et al. 2019 (arXiv:1909.08053 §3); sequence parallelism, Korthikanti
 et al. 2022 (arXiv:2205.05198 §4.2.2).
 """

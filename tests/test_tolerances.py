@@ -99,3 +99,13 @@ def test_mixed_runs_are_judged_by_the_measured_floor():
     assert not within_floor(parity(halved, ref), ref)
     assert not within_floor(parity(near, ref), Trained(losses=[], grads0=[], params=[]))  # no floor: refused
     assert mixed_tolerance(0.0) == MIXED_FACTOR * MIXED_FLOOR_MIN
+
+
+def test_mixed_layout_factor_and_program_minimum():
+    """tp and cp's ring round where the reference does not, by construction (shared/tolerances.py): their
+    factor is MIXED_LAYOUT_FACTOR's, keyed by pattern or variant; tp's tolerance never below one program's."""
+    from shared.tolerances import MIXED_FACTOR, MIXED_LAYOUT_FACTOR, MIXED_PROGRAM_MIN, mixed_tolerance
+
+    assert mixed_tolerance(1e-3, "shard_map", layout=("cp", "ring")) == MIXED_LAYOUT_FACTOR["ring"] * 1e-3
+    assert mixed_tolerance(1e-3, "shard_map", layout=("cp", "ulysses")) == MIXED_FACTOR * 1e-3
+    assert mixed_tolerance(1e-6, "jit", layout=("tp", "megatron")) == MIXED_PROGRAM_MIN
