@@ -36,8 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
         # mixed precision (issue 34): a 16-bit compute dtype; the patterns it is not built for refuse it
         (["--precision", "mixed"], "precision mixed computes in a 16-bit dtype: give --dtype bfloat16"),
         (["--precision", "mixed", "--dtype", "float32", "--patterns", "dp"], "precision mixed computes in a 16-bit"),
-        (["--precision", "mixed", "--dtype", "bfloat16"], "tp: --precision mixed is built in torch for dp, fsdp only "
-                                                          "(built in jax: --frameworks jax); use --precision pure for tp"),
+        (["--precision", "mixed", "--dtype", "bfloat16"],
+         "tp: --precision mixed is built in torch for dp, fsdp only (built in jax: --frameworks jax); "
+         "use --precision pure for tp"),
         (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "dp,pp"], "pp: --precision mixed is built"),
         (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "cp", "--model", "transformer"],
          "cp: --precision mixed is built in torch for dp, fsdp only"),
