@@ -480,3 +480,19 @@ def test_mixed_precision_sweep_four_ranks(tmp_path):
     data = json.loads(out.read_text(), parse_constant=_refuse)
     assert all(r["ok"] and r["precision"] == "mixed" for r in data["runs"])
     assert all(r["extra"]["mixed"]["loss_rel_err_vs_float64"] <= 2e-2 for r in data["runs"])
+
+
+@pytest.mark.slow
+def test_mixed_precision_jax_tp_pp_cp_sweep(tmp_path):
+    """JAX's mixed precision beyond dp / fsdp: every style and variant of tp, pp and cp, both models where
+    the pattern applies (cp: the transformer), 4 devices; every shard_map ledger equal to its theory."""
+    out = tmp_path / "mixed.json"
+    argv = ["--model", "transformer,mlp", "--precision", "mixed", "--dtype", "bfloat16", "--world-size", "4",
+            "--frameworks", "jax", "--patterns", "tp,pp,cp", "--steps", "3", "--layers", "4", "--dim", "16",
+            "--heads", "4", "--seq", "8", "--vocab", "16", "--batch", "8", "--quiet", "--json", str(out)]
+    assert compare.main(argv) == 0
+    data = json.loads(out.read_text(), parse_constant=_refuse)
+    assert {r["pattern"] for r in data["runs"]} == {"tp", "pp", "cp"}
+    assert all(r["ok"] and r["precision"] == "mixed" for r in data["runs"])
+    assert all(r["extra"]["mixed"]["loss_rel_err_vs_float64"] <= 2e-2 for r in data["runs"])
+    assert all(r["comm_bytes"] == r["comm_bytes_theory"] for r in data["runs"] if r["style"] == "shard_map")
