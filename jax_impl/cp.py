@@ -18,6 +18,9 @@ devices' keys and values. a = B·(T/N)·D·b: one device's share of K (or Q, V, 
 
 The replicated weights' gradients: summed over "cp" by the transpose of their invariant -> varying
 cast, an all-reduce of Φ·b. Bytes per step: shared.theory.cp_comm.
+Mixed precision (--precision mixed): the float32 weights made device-varying, then cast to bf16 inside
+the loss (their all-reduce stays float32); K, V, Q and the stream travel in bf16; attention, the ring's
+accumulators and its travelling dK|dV in float32; the logits to the loss in float32.
 Papers: ring attention, Liu et al. 2023 (arXiv:2310.01889); striped/zigzag, Brandon et al. 2023;
 DeepSpeed-Ulysses, Jacobs et al. 2023 (arXiv:2309.14509).
 """
@@ -35,9 +38,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl import recipe
-from jax_impl.devices import make_mesh, xla_platform
+from jax_impl.devices import make_mesh, wire_config, xla_platform
 from jax_impl.harness import Setup, leaves_fixture, train_loop
-from jax_impl.model import inputs, jax_dtype, output_loss, targets
+from jax_impl.model import inputs, jax_dtype, output_loss, targets, to_compute, to_loss
 from jax_impl.parallel.cp import AXIS, chunk_pairs, ring_core
 from jax_impl.parallel.recipe import scale_by_norm, sumsq
 from jax_impl.parallel.typed import InMesh, Stated, explicit_mesh
@@ -113,7 +116,7 @@ def seq_sharded_comm(cfg: Config, platform: str = "cpu") -> dict[str, tuple[int 
     and runs ReduceScatterCreator / AllReduceReassociate, so on "cuda" neither the counts nor the
     kinds are kept: one entry, ``"any": (None, the same total bytes)``, and the verdict compares bytes
     (not yet measured on a GPU: docs/gpu.md)."""
-    act, b = cfg.batch * cfg.seq * cfg.dim * cfg.bytes_per_element, cfg.bytes_per_element
+    act, b = cfg.batch * cfg.seq * cfg.dim * cfg.compute_bytes, cfg.bytes_per_element  # K, V: the compute dtype
     cpu = {"all_gather": (2 * cfg.layers, 2 * cfg.layers * act),
            "all_reduce": (None, cfg.n_params * b + 2 * cfg.layers * act + b)}  # count: XLA's combiner
     return cpu if platform == "cpu" else {"any": (None, sum(nbytes for _, nbytes in cpu.values()))}
@@ -123,14 +126,19 @@ def seq_sharded_comm(cfg: Config, platform: str = "cpu") -> dict[str, tuple[int 
 
 
 def shard_map_loss(cfg: Config, variant: str, mesh):
-    """loss(params, tokens, targets, positions) -> (N,) local mean cross-entropies."""
+    """loss(params, tokens, targets, positions) -> (N,) local mean cross-entropies. Mixed precision:
+    the replicated float32 weights made device-varying, THEN cast to bf16 (model.to_compute), so the
+    transpose's gradient psum runs in float32; the logits go to the loss in float32."""
     attn = ulysses_attention if variant == "ulysses" else ring_attention(variant, cfg.world_size)
+    mixed = cfg.precision == "mixed"
 
     def local(params, tokens, y, pos):
         # (B/K, T/N): --accumulate K hands it one group of whole sequences
         assert tokens.shape == y.shape == (cfg.batch // cfg.accumulate, cfg.seq // cfg.world_size), tokens.shape
+        if mixed:
+            params = to_compute(cfg, jax.tree.map(lambda a: lax.pcast(a, AXIS, to="varying"), params))
         logits = apply(params, tokens, cfg.head_dim, pos, attn=attn)  # (B, T/N, V)
-        return output_loss(logits, y)[None]
+        return output_loss(to_loss(cfg, logits), y)[None]
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, AXIS), P(None, AXIS), P(AXIS)),
                          out_specs=P(AXIS), check_vma=True)
@@ -141,10 +149,11 @@ def seq_sharded_loss(cfg: Config, mesh):
     pin = lambda x: lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, AXIS, None)))
 
     def loss(params, tokens, y, pos):
+        params = to_compute(cfg, params)  # mixed precision: bf16 inside the loss
         x = pin(embed(params, tokens, pos))  # (B, T, D), T split
         for l in range(cfg.layers):
             x = pin(block(params, l, x, cfg.head_dim))
-        return output_loss(head(params, x), y)
+        return output_loss(to_loss(cfg, head(params, x)), y)
     return loss
 
 
@@ -153,7 +162,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
 
     if (style, variant) not in VARIANTS:
         raise ValueError(f"cp: unknown style/variant {style}/{variant}; choose from {VARIANTS}")
-    cfg.check("cp")
+    cfg.check("cp", "jax")
     if mesh.shape[AXIS] != cfg.world_size:
         raise ValueError(f"mesh has cp={mesh.shape[AXIS]} devices, cfg.world_size={cfg.world_size}")
     typed = style == "typed"  # sharding in types: an Explicit-axes copy of the mesh (jax_impl/cp_typed.py)
@@ -183,12 +192,13 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     if style == "shard_map":
         extra["attention_scores"] = attention_scores(cfg, variant)
         assert extra["attention_scores"] == cp_attention_scores(cfg, variant), extra["attention_scores"]
+    wire = wire_config(cfg, mesh)  # mixed precision: bf16 activations (XLA:CPU sends them in float32)
     return train_loop(cfg, Setup(
         step=InMesh(jax.jit(stated.traced(step), donate_argnums=(0, 1)), mesh) if typed else
         jax.jit(step, donate_argnums=(0, 1)), state=(params, tx.init(params)), batch=batch,
         grads_fixture=fixture, params_fixture=lambda state: fixture(state[0]),
         comm_theory=None if cfg.freeze or cfg.accumulate > 1 else  # the recipe's: not modelled (docs/recipe.md)
-        cp_comm_bytes(cfg, variant) + typed * cfg.bytes_per_element  # typed: + the loss's all-reduce
+        cp_comm_bytes(wire, variant) + typed * wire.bytes_per_element  # typed: + the loss's all-reduce
         if style == "shard_map" or variant == "ulysses" else
-        sum(nbytes for _, nbytes in seq_sharded_comm(cfg, xla_platform(mesh)).values()), extra=extra,
+        sum(nbytes for _, nbytes in seq_sharded_comm(wire, xla_platform(mesh)).values()), extra=extra,
         compiler_options=cpu_options(mesh, variant)))

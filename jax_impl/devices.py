@@ -77,6 +77,17 @@ def xla_platform(mesh) -> str:
     return where(mesh.devices.flat)["platform"]
 
 
+def wire_config(cfg, mesh):
+    """The Config whose element sizes a step on ``mesh`` puts on the wire, for its shared.theory bytes.
+    Mixed precision on the CPU: XLA:CPU runs bf16 collectives in float32 (jax_impl/ledger.py; measured:
+    a bf16 ppermute / psum compiles to an f32 collective-permute / all-reduce), so the activations that
+    the program sends in bf16 (theory: cfg.compute_bytes) move 4 bytes per element there, as the float32
+    master gradients do: the float32 run's theory. Elsewhere (GPU keeps bf16 on the wire): ``cfg``."""
+    if getattr(cfg, "precision", "pure") == "mixed" and xla_platform(mesh) == "cpu":
+        return cfg.replace(dtype=cfg.param_dtype, precision="pure")
+    return cfg
+
+
 def where(devs) -> dict:
     """Where a program runs, for Trained.where: {"platform": "cpu" | "cuda", "backend": None,
     "devices": ["cuda:0", …], "fallback": the auto fallback line when it ran on the CPU}."""

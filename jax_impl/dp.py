@@ -62,7 +62,7 @@ def mesh_for(cfg: Config, device: str = "auto"):
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:
     """The project's model through the public API (parallel.fsdp.parallelize), run by the one loop."""
-    cfg.check("dp")
+    cfg.check("dp", "jax")
     if (style, variant) not in VARIANTS:
         raise ValueError(f"dp: unknown style/variant {style}/{variant}; choose from {VARIANTS}")
     if mesh.shape["dp"] != cfg.world_size:

@@ -184,7 +184,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     if (style, variant) not in VARIANTS:
         raise ValueError(f"ep: unknown style/variant {style}/{variant}; choose from {VARIANTS}"
                          + (f" ({RAGGED_REFUSAL})" if variant == "ragged" else ""))
-    cfg.check("ep")
+    cfg.check("ep", "jax")
     if mesh.shape[AXIS] != cfg.world_size:
         raise ValueError(f"mesh has ep={mesh.shape[AXIS]} devices, cfg.world_size={cfg.world_size}")
     from jax_impl import ep_typed

@@ -93,7 +93,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     """The project's model through the public API (parallel.fsdp.parallelize), run by the one loop."""
     if (style, variant) not in VARIANTS:
         raise ValueError(f"fsdp: unknown jax variant {style}/{variant}; choose from {VARIANTS}")
-    cfg.check("fsdp")
+    cfg.check("fsdp", "jax")
     y = targets(cfg, problem)  # None | (B, T)
     raw = tuple(a for a in (inputs(cfg, problem), y) if a is not None)
     trainer = recipe.parallelized(cfg, problem, mesh, variant, style)  # + --clip, --accumulate, masks, schedule

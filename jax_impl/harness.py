@@ -35,7 +35,7 @@ from jax_impl import reference, transformer
 from jax_impl.devices import devices
 from jax_impl.devices import where as devices_where
 from jax_impl.ledger import comm_by_axis, comm_from_hlo
-from jax_impl.model import to_numpy, tree_bytes
+from jax_impl.model import compiler_options, to_numpy, tree_bytes
 from jax_impl.parallel.tree import fetch
 from shared import preempt
 from shared.checkpoint import Plan
@@ -117,7 +117,7 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
     if s is not None and (s.mu is not None or s.plan.every or s.plan.save_at):
         checkpoints.check_layout(setup, s.what)  # refused before training, not at the first save
     compiled = setup.step.lower(*setup.state, *setup.batch).compile(  # outside the timed loop
-        compiler_options=setup.compiler_options)
+        compiler_options=compiler_options(cfg, setup.compiler_options))  # mixed: no excess precision (model.py)
     if s is not None and s.mu is not None:  # resumed: the same program as from step 0, its state placed as
         placed = compiled.input_shardings[0][:len(setup.state)]  # that program takes it (as at step K)
         setup.state, start = checkpoints.restore(setup, s.start, s.mu, s.nu, s.what, placed), s.start
@@ -190,7 +190,7 @@ def run_pattern(
     progress = progress or (lambda event: None)
     out = []
     for cfg in cfgs:
-        cfg.check(pattern)
+        cfg.check(pattern, "jax")
         problem = make_problem(cfg)
         progress(("start", f"{pattern} {cfg.model}: single-device reference"))
         ref = _reference(cfg, device)

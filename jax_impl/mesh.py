@@ -265,7 +265,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     if typed:
         mesh = explicit_mesh(mesh)
         stated = Stated(mesh)
-    cfg.check("mesh")
+    cfg.check("mesh", "jax")
     assert dict(mesh.shape) == dict(cfg.mesh), (mesh.shape, cfg.mesh)
     order, shapes = param_names(cfg), param_shapes(cfg)
     tree = pp.split(tp.to_layout(problem.params), cfg.axis("pp"))  # blocks (S, L/S, …), slots (S, …)

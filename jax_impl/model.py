@@ -40,6 +40,38 @@ def compute_dtype(cfg: Config):
     return JAX_DTYPES[cfg.dtype]
 
 
+# Mixed precision: XLA may keep a bf16 value in float32 between fused ops ("excess precision", on by
+# default), so where a program rounds to bf16 depends on how XLA fused THAT program: the same math
+# rounded differently per program (measured: pp 1F1B's step-0 gradients 2.7e-2 from the reference,
+# 5x the split-batch floor). Off, every bf16 op rounds where the program says, and a sharded step
+# whose rows are computed by the same ops IS the split-batch run (pp 1F1B, M = 2: bit for bit).
+MIXED_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+
+
+def compiler_options(cfg: Config, options: dict | None = None) -> dict | None:
+    """The XLA options a step of ``cfg`` compiles with: ``options`` (a pattern's own), plus
+    MIXED_COMPILER_OPTIONS under mixed precision (the reference's steps and every pattern's alike)."""
+    if cfg.precision != "mixed":
+        return options
+    return {**(options or {}), **MIXED_COMPILER_OPTIONS}
+
+
+def to_compute(cfg: Config, tree):
+    """Mixed precision in a hand-written step (tp, pp, cp: the {name: array} forwards): every floating
+    leaf of ``tree`` cast to the compute dtype inside the loss, as Flax's ``dtype=`` does in the modules,
+    so the gradient flows back through the cast to the float32 master weights. Pure: ``tree`` as it is."""
+    if cfg.precision != "mixed":
+        return tree
+    dtype = compute_dtype(cfg)
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def to_loss(cfg: Config, out: jax.Array) -> jax.Array:
+    """The model's output as the loss takes it: mixed precision hands it over in the master dtype
+    (float32), as the Flax models' ``logits_dtype`` / ``out_dtype`` do; pure: as it is."""
+    return out.astype(jax_dtype(cfg)) if cfg.precision == "mixed" else out
+
+
 def forward(params: Sequence[jax.Array] | dict, x: jax.Array) -> jax.Array:
     """The MLP over a list [W_0, …] or a {name: W} dict (layer order)."""
     for w in (params.values() if isinstance(params, dict) else params):  # w: (D, D)

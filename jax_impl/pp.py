@@ -18,6 +18,9 @@ sharding constraint; XLA turns it into permutes (the ledger counts them).
   shard_map  lax.ppermute over ``pp``; variants 1f1b, zb (ZB-H1), interleaved: torch's orders,
              per-micro-batch jax.vjp on a tick clock
   jit        the stages vmapped over a leading (S,) axis sharded over ``pp``
+Mixed precision (--precision mixed): float32 stacked weights and optax state, each stage's cast to bf16
+inside the loss (1F1B / ZB / interleaved: the schedule differentiates the bf16 copies and sums every
+micro-batch's gradient in float32); the messages travel in bf16, the loss in float32.
 Papers: GPipe, Huang et al. 2019 (arXiv:1811.06965); GSPMD, Xu et al. 2021 (arXiv:2105.04663);
 ZB-H1, Qi et al. 2024 (arXiv:2401.10241).
 """
@@ -25,6 +28,7 @@ ZB-H1, Qi et al. 2024 (arXiv:2401.10241).
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +38,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl import pp_schedules, transformer
-from jax_impl.devices import make_mesh
+from jax_impl.devices import make_mesh, wire_config
 from jax_impl.harness import Setup, train_loop
-from jax_impl.model import gelu, inputs, jax_dtype, make_optimizer, output_loss, targets, to_numpy
+from jax_impl.model import gelu, inputs, jax_dtype, make_optimizer, output_loss, targets, to_compute, to_loss, to_numpy
 from shared.config import Config
 from shared.problem import Problem, param_names
 from shared.results import Trained
@@ -192,17 +196,21 @@ def circular(stage, inp: jax.Array, stages: int) -> jax.Array:
     return jnp.stack(outs)
 
 
-def shard_map_loss(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head_dim: int) -> jax.Array:
+def shard_map_loss(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head_dim: int, cast=None,
+                   out=None) -> jax.Array:
     """Full-batch loss of the circular pipeline; params from ``split`` sharded over pp, xs (M, B/M, …)
-    micro-batched inputs, ys (M, B/M, T) targets or None."""
+    micro-batched inputs, ys (M, B/M, T) targets or None. Mixed precision: ``cast(tree)`` the stage's
+    parameters and inputs to the compute dtype, ``out(a)`` the outputs to the loss's (model.to_compute,
+    model.to_loss; None: as they are)."""
+    cast, out = cast or (lambda a: a), out or (lambda a: a)
     S = mesh.shape["pp"]
 
     def body(params, xs, ys):
-        local = jax.tree.map(lambda a: a[0], params)  # this stage's slice: blocks (L/S, …), slots (…)
+        local = cast(jax.tree.map(lambda a: a[0], params))  # this stage's slice: blocks (L/S, …), slots (…)
         assert all(a.shape[0] == 1 for a in jax.tree.leaves(params)), "one stage per device"
-        inp = embed(local["first"], xs)  # (M, B/M, D) / (M, B/M, T, D): real on stage 0 only
+        inp = embed(local["first"], cast(xs))  # (M, B/M, D) / (M, B/M, T, D): real on stage 0 only
         outs = circular(lambda x: stage_blocks(local["blocks"], x, head_dim), inp, S)
-        loss = output_loss(head(local["last"], outs), ys)  # mean over M equal micro-batches
+        loss = output_loss(out(head(local["last"], outs)), ys)  # mean over M equal micro-batches
         return lax.psum(jnp.where(lax.axis_index("pp") == S - 1, loss, 0), "pp")  # the last stage's, everywhere
 
     # Differentiated OUTSIDE shard_map (jax.grad of this function): the gradient of the
@@ -212,26 +220,29 @@ def shard_map_loss(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head
 
 
 def shard_map_scheduled(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head_dim: int,
-                        schedule: str = "1f1b", virtual: int = 1, info=None):
+                        schedule: str = "1f1b", virtual: int = 1, info=None, cast=None, out=None):
     """(loss, grads) of a schedule by hand (jax_impl/pp_schedules.py: 1f1b, zb, interleaved): the gradient
     is computed inside the schedule, micro-batch by micro-batch (no jax.grad over it); params, xs, ys
     as above (interleaved: blocks laid out by ``chunked``, device s's v chunks in its row); ``info``
-    gets the stash sizes (pp_schedules.run)."""
+    gets the stash sizes (pp_schedules.run). Mixed precision (``cast``, ``out`` as shard_map_loss): the
+    schedule runs on the stage's bf16 copies and sums each micro-batch's gradient into float32."""
     S, M = mesh.shape["pp"], xs.shape[0]
+    cast, out = cast or (lambda a: a), out or (lambda a: a)
 
     def body(params, xs, ys):
         s = lax.axis_index("pp")
 
         def stage_fn(local, x, mb, c):  # mb through chunk c: + embedding on virtual stage 0, + head, loss on the last
             if c == 0:
-                x = jnp.where(s == 0, embed(local["first"], xs[mb][None])[0], x)  # (B/M, D) / (B/M, T, D)
+                x = jnp.where(s == 0, embed(local["first"], cast(xs[mb][None]))[0], x)  # (B/M, D) / (B/M, T, D)
             y = stage_blocks(local["blocks"], x, head_dim)
             if c < virtual - 1:
-                return y, lax.pcast(jnp.zeros((), y.dtype), "pp", to="varying")  # no loss off the last chunk
-            loss = output_loss(head(local["last"], y), None if ys is None else ys[mb]) / M  # share of the mean
+                return y, lax.pcast(out(jnp.zeros((), y.dtype)), "pp", to="varying")  # no loss off the last chunk
+            loss = output_loss(out(head(local["last"], y)), None if ys is None else ys[mb]) / M  # share of the mean
             return y, jnp.where(s == S - 1, loss, 0)
 
-        local = jax.tree.map(lambda a: a[0], params)  # this stage's slice: blocks (L/S, …), slots (…)
+        master = jax.tree.map(lambda a: a[0], params)  # this stage's slice: blocks (L/S, …), slots (…)
+        local = cast(master)  # mixed: the bf16 copies the schedule differentiates (their grads summed in float32)
         # blocks as lists of per-layer weights: a weight the vjp keeps is then the input itself, not
         # a slice of the stack, and pp_schedules leaves it out of the per-micro-batch stash; chunk c takes
         # layers c·n … (c+1)·n − 1 of the row (n = L/(S·v)), chunk 0 the embedding, chunk v−1 the head
@@ -239,8 +250,9 @@ def shard_map_scheduled(params: dict, xs: jax.Array, ys: jax.Array | None, mesh,
         chunks = [{"first": local["first"] if c == 0 else {}, "last": local["last"] if c == virtual - 1 else {},
                    "blocks": {k: list(w[c * n:(c + 1) * n]) for k, w in local["blocks"].items()}}
                   for c in range(virtual)]
-        message = jax.eval_shape(lambda: embed(local["first"], xs[:1])[0])  # (B/M, D) / (B/M, T, D)
-        loss, grads = pp_schedules.run(stage_fn, chunks, message, S, M, schedule, virtual, info)
+        message = jax.eval_shape(lambda: embed(local["first"], cast(xs[:1]))[0])  # (B/M, D) / (B/M, T, D)
+        grad_dtype = jax.tree.leaves(master)[0].dtype
+        loss, grads = pp_schedules.run(stage_fn, chunks, message, S, M, schedule, virtual, info, grad_dtype)
         grads = {"first": grads[0]["first"], "last": grads[-1]["last"],
                  "blocks": {k: jnp.stack([w for g in grads for w in g["blocks"][k]])  # (L/S, …)
                             for k in local["blocks"]}}
@@ -273,23 +285,29 @@ def jit_circular(stage, inp: jax.Array, pin) -> jax.Array:
     return pin(jnp.stack(outs, axis=1))  # (S, M, B/M, …)
 
 
-def jit_loss(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head_dim: int) -> jax.Array:
-    """The same schedule written on whole arrays; the (S,) stage axis is sharded over pp."""
+def jit_loss(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head_dim: int, cast=None,
+             out=None) -> jax.Array:
+    """The same schedule written on whole arrays; the (S,) stage axis is sharded over pp (``cast``,
+    ``out``: as shard_map_loss)."""
     S = mesh.shape["pp"]
+    cast, out = cast or (lambda a: a), out or (lambda a: a)
+    params, xs = cast(params), cast(xs)
     by_stage = NamedSharding(mesh, P("pp"))
     is_last = np.arange(S) == S - 1
     inp = jax.vmap(embed, in_axes=(0, None))(params["first"], xs) if params["first"] else \
         jnp.broadcast_to(xs, (S,) + xs.shape)  # (S, M, B/M, …): stage 0's inputs, real in row 0 only
     stage = lambda x: jax.vmap(stage_blocks, in_axes=(0, 0, None))(params["blocks"], x, head_dim)
     outs = jit_circular(stage, inp, lambda a: lax.with_sharding_constraint(a, by_stage))  # (S, M, B/M, …)
-    losses = jax.vmap(lambda last, o: output_loss(head(last, o), ys))(params["last"], outs)  # (S,)
+    losses = jax.vmap(lambda last, o: output_loss(out(head(last, o)), ys))(params["last"], outs)  # (S,)
     return jnp.sum(jnp.where(is_last, losses, 0))  # the last stage's: kept (S,)-sharded, [S − 1] would gather
 
 
 def make_step(cfg: Config, style: str, mesh, tx, variant: str = "circular", info: dict | None = None):
-    loss_of = shard_map_loss if style == "shard_map" else jit_loss
+    mixed = {"cast": partial(to_compute, cfg), "out": partial(to_loss, cfg)}  # identities unless --precision mixed
+    loss_of = partial(shard_map_loss if style == "shard_map" else jit_loss, **mixed)
     grad_of = jax.value_and_grad(loss_of) if variant == "circular" else \
-        lambda *args: shard_map_scheduled(*args, variant, cfg.virtual_stages if variant == "interleaved" else 1, info)
+        lambda *args: shard_map_scheduled(*args, variant, cfg.virtual_stages if variant == "interleaved" else 1, info,
+                                          **mixed)
 
     def step(params, opt_state, xs, ys):
         loss, grads = grad_of(params, xs, ys, mesh, cfg.head_dim)  # grads like params
@@ -302,7 +320,7 @@ def make_step(cfg: Config, style: str, mesh, tx, variant: str = "circular", info
 def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:
     if style == "typed":
         raise ValueError(f"pp: the typed style (sharding in types) is refused: {TYPED_REFUSAL}")
-    cfg.check("pp")
+    cfg.check("pp", "jax")
     by_hand = variant in BY_HAND
     S, M, v = cfg.world_size, cfg.microbatches, cfg.virtual_stages if variant == "interleaved" else 1
     names = [interleaved_name(n, cfg.layers, S, v) for n in param_names(cfg)]  # v = 1: the fixture's
@@ -326,11 +344,12 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
                   # the closed form (F = B = W); ZB-H1's needs M ≥ S, below it the simulator's
                   "bubble_theory": simulate("zb", S, M).bubble if variant == "zb" and M < S else
                   closed_form_bubble(variant, S, M, v)}
+    wire = wire_config(cfg, mesh)  # mixed precision: bf16 messages (XLA:CPU sends them in float32)
     setup = Setup(
         step=make_step(cfg, style, mesh, tx, variant, extra), state=(params, opt_state), batch=(xs, ys),
         grads_fixture=lambda grads: unsplit(grads, names), params_fixture=lambda state: unsplit(state[0], names),
-        comm_theory=(pp_ticks_permute_bytes(cfg, variant, v) if by_hand else pp_circular_permute_bytes(cfg, style))
-        + cfg.bytes_per_element,  # + the loss all-reduce
+        comm_theory=(pp_ticks_permute_bytes(wire, variant, v) if by_hand else pp_circular_permute_bytes(wire, style))
+        + wire.bytes_per_element,  # + the loss all-reduce (float32 under mixed precision)
         extra=extra,
     )
     return train_loop(cfg, setup)

@@ -157,14 +157,16 @@ def plan(stages: int, microbatches: int, schedule: str = "1f1b", virtual: int = 
 
 
 def run(stage_fn, params: list[dict], message_type: jax.ShapeDtypeStruct, stages: int, microbatches: int,
-        schedule: str = "1f1b", virtual: int = 1, info: dict | None = None):
+        schedule: str = "1f1b", virtual: int = 1, info: dict | None = None, grad_dtype=None):
     """``schedule`` inside a shard_map over "pp". ``stage_fn(params, x, mb, chunk) -> (y, loss)``:
     model chunk ``chunk`` (static) of this device run forward on micro-batch ``mb`` (a traced index)
     from ``x``, the activation received from the previous virtual stage (zeros on virtual stage 0,
     which embeds instead); ``y`` the activation for the next (shaped ``message_type``), ``loss``
     this micro-batch's share of the loss (0 off the last virtual stage). ``params``: this device's
     chunks, one tree each. Returns (this device's summed loss, its gradients, one tree per chunk).
-    ``info``, if given, receives the stash's sizes when this is traced (bytes per micro-batch, device)."""
+    ``info``, if given, receives the stash's sizes when this is traced (bytes per micro-batch, device).
+    ``grad_dtype``: what the gradients are summed over the micro-batches in (mixed precision: the float32
+    master dtype, ``params`` the bf16 copies; default: the params' own dtype)."""
     p, v, zb = plan(stages, microbatches, schedule, virtual), virtual, schedule == "zb"
     assert len(params) == v, (len(params), v)
     s = lax.axis_index("pp")
@@ -204,7 +206,7 @@ def run(stage_fn, params: list[dict], message_type: jax.ShapeDtypeStruct, stages
                  "stash_bytes": slots * (per_mb + zb * msg_bytes), "inbox_bytes": (p.inbox_slots + 1) * msg_bytes}
     state = {"stash": {d: varying(jnp.zeros((slots, width[d]), d)) for d in dtypes},
              "inbox": varying(jnp.zeros((p.inbox_slots + 1,) + zeros.shape, zeros.dtype)),  # (K + 1, B/M, …)
-             "grads": jax.tree.map(lambda a: varying(jnp.zeros(a.shape, a.dtype)), params),
+             "grads": jax.tree.map(lambda a: varying(jnp.zeros(a.shape, grad_dtype or a.dtype)), params),
              "loss": varying(jnp.zeros((), loss_type.dtype))}
     if zb:  # B's incoming gradient, by stash slot, for W
         state["cotangents"] = varying(jnp.zeros((slots,) + zeros.shape, zeros.dtype))  # (slots, B/M, …)
@@ -233,7 +235,7 @@ def run(stage_fn, params: list[dict], message_type: jax.ShapeDtypeStruct, stages
 
     def accumulate(state, c, dparams):
         grads = list(state["grads"])
-        grads[c] = jax.tree.map(jnp.add, grads[c], dparams)
+        grads[c] = jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads[c], dparams)
         return state | {"grads": grads}
 
     def idle(c, state, params, mb, slot, read):

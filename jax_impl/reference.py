@@ -10,6 +10,7 @@ measured floor: shared/tolerances.py).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -21,6 +22,7 @@ from flax import nnx
 from jax_impl import recipe
 from jax_impl.model import (
     build_model,
+    compiler_options,
     fetch,
     inputs,
     output_loss,
@@ -51,13 +53,11 @@ def train(cfg: Config, problem: Problem, device=None, split: int = 1) -> Trained
             logits, aux, load = m(x)
             return output_loss(logits, y) + aux, load
 
-        @nnx.jit
         def step(model, opt, x, y):
             loss, grads = nnx.value_and_grad(lambda m: batch_loss(m, *(x,) if y is None else (x, y)))(model)
             opt.update(model, grads)
             return loss, grads
 
-        @nnx.jit
         def split_step(model, opt, x, y):  # the batch in `split` equal parts, gradients added (dense only)
             parts = zip(jnp.split(x, split), [None] * split if y is None else jnp.split(y, split))
             loss, grads = 0.0, None
@@ -67,24 +67,33 @@ def train(cfg: Config, problem: Problem, device=None, split: int = 1) -> Trained
             opt.update(model, grads)
             return loss, grads
 
-        @nnx.jit
         def moe_step(model, opt, x, y):
             (loss, load), grads = nnx.value_and_grad(moe_loss, has_aux=True)(model)
             opt.update(model, grads)
             return loss, grads, load
 
+        graphdef, state = nnx.split((model, opt))
+
+        @functools.partial(jax.jit, compiler_options=compiler_options(cfg))  # mixed: no excess precision
+        def pure(state, x, y):  # the chosen step on the split (model, optimizer) state
+            model, opt = nnx.merge(graphdef, state)
+            out = (moe_step if cfg.moe else split_step if split > 1 else step)(model, opt, x, y)
+            return nnx.state((model, opt)), out
+
         losses, step_times, grads0, loads = [], [], None, []
         for k in range(cfg.steps):
             t0 = time.perf_counter()
+            state, out = pure(state, x, y)
             if cfg.moe:
-                loss, grads, load = moe_step(model, opt, x, y)
+                loss, grads, load = out
                 loads.append(np.asarray(fetch(load), np.int64))  # (L, B, E)
             else:
-                loss, grads = (split_step if split > 1 else step)(model, opt, x, y)
+                loss, grads = out
             losses.append(float(loss))  # float() waits for the device
             step_times.append(time.perf_counter() - t0)
             if k == 0:  # grads: an nnx.State shaped like the model: read it through the same names
                 grads0 = [to_numpy(g) for g in params_of(nnx.merge(nnx.graphdef(model), grads))]
+        nnx.update((model, opt), state)
     params = params_of(model)
     return Trained(
         losses=losses,

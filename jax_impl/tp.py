@@ -20,12 +20,16 @@ Sequence parallelism (megatron_sp; transformer only): the stream is (B, T/tp, D)
 (bwd psum_scatter), g -> psum_scatter (bwd all_gather): (4L+2) of each of B·T·D·b, the loss's, and
 ((2L+1)·D + T·D)·b for the replicated gains and wpe (shared.theory.tp_sp_comm).
 What jit and typed issued: the ledger, docs/tp.md.
+Mixed precision (--precision mixed): float32 weights and optax state, cast to bf16 inside the loss
+(model.to_compute), the logits to the loss in float32; activations (f, g) travel in bf16, the loss's
+reductions and megatron_sp's replicated-weight gradients in float32; attention computed in float32.
 Papers: Megatron-LM, Shoeybi et al. 2019 (arXiv:1909.08053 §3); sequence parallelism, Korthikanti
 et al. 2022 (arXiv:2205.05198 §4.2.2).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import jax
@@ -36,9 +40,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl import transformer
-from jax_impl.devices import make_mesh
+from jax_impl.devices import make_mesh, wire_config
 from jax_impl.harness import Setup, leaves_fixture, train_loop, trainer_setup
-from jax_impl.model import build_model, gelu, inputs, jax_dtype, make_optimizer, output_loss, targets
+from jax_impl.model import (
+    build_model,
+    gelu,
+    inputs,
+    jax_dtype,
+    make_optimizer,
+    output_loss,
+    targets,
+    to_compute,
+    to_loss,
+)
 from jax_impl.parallel.tp import plan_rules
 from jax_impl.parallel.tree import fetch
 from jax_impl.parallel.typed import InMesh, Stated, explicit_mesh
@@ -164,25 +178,27 @@ def attend(qkv: jax.Array, head_dim: int) -> jax.Array:
     """Causal attention from qkv (B, T, 3, h·dh) -> (B, T, h·dh): transformer.attention's math with
     q|k|v on their own axis, so under jit the heads axis stays split (no (3, D) merge)."""
     b, t = qkv.shape[:2]
+    dt, qkv = qkv.dtype, transformer.wide(qkv)  # 16-bit: the core in float32 (transformer.wide)
     q, k, v = (qkv[:, :, i].reshape(b, t, -1, head_dim) for i in range(3))  # (B, T, h, dh)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(head_dim, q.dtype))  # (B, h, T, T)
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
     probs = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, -1)  # (B, T, h·dh)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, -1).astype(dt)  # (B, T, h·dh)
 
 
 # --- the forwards: one transformer for both styles, the ops say what f / g are ------------------------
 
 
-def transformer_forward(p: dict, tokens: jax.Array, y: jax.Array, head_dim: int, ops) -> jax.Array:
+def transformer_forward(p: dict, tokens: jax.Array, y: jax.Array, head_dim: int, ops, out=lambda a: a) -> jax.Array:
     """The loss over the TP layout. shard_map: local shapes, ops = explicit collectives; jit:
-    global shapes, ops = sharding constraints."""
+    global shapes, ops = sharding constraints. ``out``: the logits as the loss takes them (mixed
+    precision: float32, model.to_loss)."""
     t = tokens.shape[1]
     x = ops.embed(p["wte.weight"], tokens) + ops.positions(p["wpe.weight"], t)  # (B, T, D); SP: (B, T/tp, D)
     layers = sum(1 for k in p if k.endswith("attn.qkv.weight"))
     for l in range(layers):
         x = block_forward(lambda n, l=l: p[f"blocks.{l}.{n}.weight"], x, head_dim, ops)
-    return ops.loss(head_logits(p, x, ops), y)
+    return ops.loss(out(head_logits(p, x, ops)), y)
 
 
 def block_forward(w, x: jax.Array, head_dim: int, ops, attn=attend) -> jax.Array:
@@ -245,16 +261,17 @@ def mlp_forward_megatron(shards: list[jax.Array], x: jax.Array) -> jax.Array:
     return x
 
 
-def mlp_jit_loss(mesh, kinds: list[str], variant: str):
+def mlp_jit_loss(mesh, kinds: list[str], variant: str, cast=lambda a: a, out=lambda a: a):
     """Activations: P() after every gathered / row-parallel layer, P(None, "tp") after a column
-    layer that feeds a row layer (Megatron keeps it split: no gather)."""
+    layer that feeds a row layer (Megatron keeps it split: no gather). ``cast``, ``out``: loss_for's."""
     specs = [P() if variant == "allgather" or k == "row" or l == len(kinds) - 1 else P(None, "tp")
              for l, k in enumerate(kinds)]
 
     def loss(p, x):
+        p, x = cast(p), cast(x)
         for w, spec in zip((p[f"layers.{l}.linear.weight"] for l in range(len(kinds))), specs, strict=True):
             x = lax.with_sharding_constraint(gelu(x @ w), NamedSharding(mesh, spec))  # (B, D)
-        return output_loss(x)
+        return output_loss(out(x))
 
     return loss
 
@@ -265,18 +282,25 @@ def mlp_jit_loss(mesh, kinds: list[str], variant: str):
 def loss_for(cfg: Config, style: str, variant: str, mesh, specs: dict):
     """loss(params, *batch). shard_map: differentiated OUTSIDE it, so JAX transposes the whole
     shard_map (all_gather -> psum_scatter, pcast -> psum, psum -> identity) and the replicated
-    parameters' gradients stay invariant (taken inside, they would be summed over devices)."""
+    parameters' gradients stay invariant (taken inside, they would be summed over devices).
+    Mixed precision: the parameters (and the MLP's input) cast to bf16 inside the loss, the output
+    handed to the loss in float32 (model.to_compute / to_loss); megatron_sp's replicated gains and
+    wpe are made device-varying BEFORE the cast, so their gradients' psum runs in float32."""
+    cast, out = partial(to_compute, cfg), partial(to_loss, cfg)
     if cfg.model == "mlp":
         if style == "jit":
-            return mlp_jit_loss(mesh, layer_kinds(cfg.layers, variant), variant)
+            return mlp_jit_loss(mesh, layer_kinds(cfg.layers, variant), variant, cast, out)
         forward = mlp_forward_allgather if variant == "allgather" else mlp_forward_megatron
-        local = lambda p, x: output_loss(forward([p[k] for k in specs], x))  # full output: no collective
-        return jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_vma=True)
+        local = lambda p, x: output_loss(out(forward([p[k] for k in specs], x)))  # full output: no collective
+        return jax.shard_map(lambda p, x: local(cast(p), cast(x)), mesh=mesh, in_specs=(specs, P()), out_specs=P(),
+                             check_vma=True)
     sp = variant == "megatron_sp"
     if style == "jit":
-        return lambda p, tok, y: transformer_forward(p, tok, y, cfg.head_dim, jit_ops(mesh, sp))
+        return lambda p, tok, y: transformer_forward(cast(p), tok, y, cfg.head_dim, jit_ops(mesh, sp), out)
     ops = SHARD_MAP_SP_OPS if sp else SHARD_MAP_OPS
-    local = lambda p, tok, y: transformer_forward(p, tok, y, cfg.head_dim, ops)
+    vary = (lambda p: {k: lax.pcast(a, "tp", to="varying") if specs[k] == P() else a for k, a in p.items()}) \
+        if sp and cfg.precision == "mixed" else (lambda p: p)  # SP: every replicated weight meets split tokens
+    local = lambda p, tok, y: transformer_forward(cast(vary(p)), tok, y, cfg.head_dim, ops, out)
     return jax.shard_map(local, mesh=mesh, in_specs=(specs, P(), P()), out_specs=P(), check_vma=True)
 
 
@@ -288,7 +312,7 @@ def train_plan(cfg: Config, problem: Problem, style: str, mesh) -> Trained:
     loss = lambda model, tokens, y: cross_entropy(model(tokens), y)
     trainer = apply_plan(build_model(cfg, problem), TRANSFORMER_PLAN, loss, make_optimizer(cfg), mesh, style)
     setup = trainer_setup(trainer, trainer.replicate(inputs(cfg, problem), targets(cfg, problem)))
-    setup.comm_theory = tp_comm_bytes(cfg, "megatron")
+    setup.comm_theory = tp_comm_bytes(wire_config(cfg, mesh), "megatron")
     setup.extra = {"rules": {k: str(s) for k, s in trainer.specs.items()}, "plan": TRANSFORMER_PLAN}
     return train_loop(cfg, setup)
 
@@ -298,7 +322,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
 
     if (style, variant) not in variants(cfg):
         raise ValueError(f"tp: unknown variant {style}/{variant} for the {cfg.model}; choose from {variants(cfg)}")
-    cfg.check("tp")
+    cfg.check("tp", "jax")
     if cfg.model == "transformer" and variant == "megatron" and style in PLAN_STYLES and not cfg.moe:
         return train_plan(cfg, problem, style, mesh)
     typed = style == "typed"  # sharding in types: an Explicit-axes copy of the mesh (jax_impl/tp_typed.py)
@@ -334,4 +358,4 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     return train_loop(cfg, Setup(
         step=InMesh(jax.jit(stated.traced(step)), mesh) if typed else jax.jit(step), state=state, batch=batch,
         grads_fixture=fixture, params_fixture=lambda state: fixture(state[0]),
-        comm_theory=tp_comm_bytes(cfg, variant), extra=extra))
+        comm_theory=tp_comm_bytes(wire_config(cfg, mesh), variant), extra=extra))

@@ -32,12 +32,14 @@ nearest.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_impl import transformer
-from jax_impl.model import gelu, output_loss
+from jax_impl.model import gelu, output_loss, to_compute, to_loss
 from jax_impl.parallel.typed import Stated
 from jax_impl.transformer import rms_norm
 
@@ -100,11 +102,12 @@ def layer_kinds(layers: int, variant: str) -> list[str]:
 def attend(qkv: jax.Array, head_dim: int) -> jax.Array:
     """tp.attend's math on (B, T, 3, D@tp): the heads axis inherits the split (h@tp), no statement."""
     b, t = qkv.shape[:2]
+    dt, qkv = qkv.dtype, transformer.wide(qkv)  # 16-bit: the core in float32 (transformer.wide)
     q, k, v = (qkv[:, :, i].reshape(b, t, -1, head_dim) for i in range(3))  # (B, T, h@tp, dh)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(head_dim, q.dtype))
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
     probs = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, -1)  # (B, T, D@tp)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, -1).astype(dt)  # (B, T, D@tp)
 
 
 def block(w, l: int, x, head_dim: int, ops: TypedOps):
@@ -134,23 +137,25 @@ def vocab_parallel_ce(logits, y, ops: TypedOps):
     return jnp.mean(jnp.log(jnp.exp(shifted).sum(axis=-1)) - picked)
 
 
-def transformer_loss(head_dim: int, ops: TypedOps, gather=lambda p: p):
-    """``gather(p) -> p``: the weights as the tp layout wants them (mesh_typed: fsdp's reshards)."""
+def transformer_loss(head_dim: int, ops: TypedOps, gather=lambda p: p, cast=lambda p: p, out=lambda a: a):
+    """``gather(p) -> p``: the weights as the tp layout wants them (mesh_typed: fsdp's reshards);
+    ``cast``, ``out``: mixed precision's (model.to_compute, model.to_loss)."""
     def loss(p, tokens, y):
-        p = gather(p)
+        p = cast(gather(p))
         x = ops.embed(p["wte.weight"], tokens) + ops.positions(p["wpe.weight"], tokens.shape[1])
         layers = sum(1 for k in p if k.endswith("attn.qkv.weight"))
         for l in range(layers):
             x = block(lambda n, l=l: p[f"blocks.{l}.{n}.weight"], l, x, head_dim, ops)
         h = ops.full(rms_norm(x, p["normf.weight"]), "normf output")
-        return vocab_parallel_ce(ops.column("btd,dv->btv", h, p["head.weight"], "head"), y, ops)
+        return vocab_parallel_ce(out(ops.column("btd,dv->btv", h, p["head.weight"], "head")), y, ops)
     return loss
 
 
-def mlp_loss(layers: int, variant: str, ops: TypedOps):
+def mlp_loss(layers: int, variant: str, ops: TypedOps, cast=lambda p: p, out=lambda a: a):
     kinds = layer_kinds(layers, variant)
 
     def loss(p, x):
+        p, x = cast(p), cast(x)
         ws = [p[f"layers.{l}.linear.weight"] for l in range(layers)]
         for l, (w, kind) in enumerate(zip(ws, kinds, strict=True)):
             name = f"layers.{l}"
@@ -160,12 +165,15 @@ def mlp_loss(layers: int, variant: str, ops: TypedOps):
             x = gelu(ops.column("bd,df->bf", x, w, name))  # (B, D@tp)
             if variant == "allgather" or l == layers - 1:  # no row layer follows: gather it
                 x = ops.st.reshard(x, P(), f"{name} output")
-        return output_loss(x)
+        return output_loss(out(x))
     return loss
 
 
 def loss_for(cfg, variant: str, stated: Stated):
-    ops = TypedOps(stated, sequence_parallel=variant == "megatron_sp")
+    """Mixed precision: the weights (and the MLP's input) cast to bf16 inside the loss, the output to
+    the loss in float32 (model.to_compute / to_loss)."""
+    ops, cast, out = TypedOps(stated, sequence_parallel=variant == "megatron_sp"), partial(to_compute, cfg), \
+        partial(to_loss, cfg)
     if cfg.model == "mlp":
-        return mlp_loss(cfg.layers, variant, ops)
-    return transformer_loss(cfg.head_dim, ops)
+        return mlp_loss(cfg.layers, variant, ops, cast, out)
+    return transformer_loss(cfg.head_dim, ops, cast=cast, out=out)

@@ -88,18 +88,29 @@ def fixture_init(params: dict[str, np.ndarray], name: str, rules: Rules | None):
     return nnx.with_partitioning(init, axes) if axes is not None else init
 
 
+def wide(x: jax.Array) -> jax.Array:
+    """Mixed precision's attention core: 16-bit q, k, v computed on in float32 — scores, softmax and the
+    P·V sums, as flash attention's accumulators and torch autocast's float32 softmax — and every
+    attention here (the reference's, tp's, cp's ring and ulysses, typed) rounds its output to bf16 once,
+    so the sharded cores differ from the reference by float32 round-off, not by where bf16 rounds
+    (the ring merges partial softmaxes: in bf16 it sat at 11x the split-batch floor). float32 / 64: x."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
 def attention(qkv: jax.Array, head_dim: int) -> jax.Array:
     """qkv (B, T, 3·h·dh) for h local heads -> causal attention output (B, T, h·dh), heads in order.
 
     Written out rather than ``jax.nn.dot_product_attention``: its XLA path computes the logits
     with ``preferred_element_type=float32``, which caps float64 runs at ~1e-7 (measured 2e-7 vs
-    torch's SDPA); this is the same math in the run's dtype."""
+    torch's SDPA); this is the same math in the run's dtype. 16-bit compute: the core in float32
+    (``wide``), its output rounded back once."""
     b, t, _ = qkv.shape
+    dt, qkv = qkv.dtype, wide(qkv)
     q, k, v = (a.reshape(b, t, -1, head_dim) for a in jnp.split(qkv, 3, axis=-1))  # (B, T, h, dh)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(head_dim, q.dtype))  # (B, h, T, T)
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # key k visible from query q iff k <= q
     probs = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, -1)  # (B, T, h·dh)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, -1).astype(dt)  # (B, T, h·dh)
 
 
 # --- mixture of experts: routing, the experts, the balancing loss ------------------------------------
@@ -245,7 +256,17 @@ def named_params(model: Transformer) -> dict[str, jax.Array]:
 
 
 def rms_norm(x: jax.Array, g: jax.Array) -> jax.Array:
+    if jnp.finfo(x.dtype).bits < 32:  # 16-bit compute (mixed precision): nnx.RMSNorm's own roundings
+        return rms_norm16(x, g)
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + RMS_EPS) * g
+
+
+def rms_norm16(x: jax.Array, g: jax.Array) -> jax.Array:
+    """nnx.RMSNorm(dtype=bf16) step for step: the mean square in float32, x·(rsqrt·g) in float32, the
+    result rounded once to x's dtype (the hand-written forwards then round where the Flax reference does)."""
+    wide = x.astype(jnp.float32)
+    mul = jax.lax.rsqrt(jnp.mean(wide * wide, axis=-1, keepdims=True) + RMS_EPS) * g.astype(jnp.float32)
+    return (x * mul).astype(x.dtype)
 
 
 def embed(params: dict, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:

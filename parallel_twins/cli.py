@@ -319,9 +319,8 @@ def make_configs(args):
             [base.replace(model=m) for m in args.model]  # --patterns mesh without --mesh: its one-line reason
         applying = [cfg for cfg in mine if cfg.applies(pattern)]
         for cfg in applying or mine:  # a pattern no requested model has (cp on the MLP): its one-line reason
-            cfg.check(pattern)
-            for fw in args.frameworks:  # --precision mixed: built per framework (shared.config.MIXED_PATTERNS)
-                cfg.check_precision(pattern, fw)
+            for fw in args.frameworks:  # what --precision mixed is built for differs per framework
+                cfg.check(pattern, fw)
     return [c for c in cfgs if not c.mesh or c.applies("mesh")]  # the mesh runs the transformer only
 
 

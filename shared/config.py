@@ -31,14 +31,20 @@ BYTES_PER_ELEMENT = {"float32": 4, "float64": 8, "bfloat16": 2}
 # autocast / FSDP2's MixedPrecisionPolicy, Flax's dtype= with param_dtype=float32.
 PRECISIONS = ("pure", "mixed")
 MIXED_DTYPES = ("bfloat16",)  # float16 would need dynamic loss scaling: not built (DTYPES has no float16)
-# The patterns whose runs (every style) build mixed precision, per framework: Config.check refuses a
-# pattern no framework builds it for; Config.check_precision(pattern, framework) the rest, where the
-# framework is known (parallel_twins/cli.py, the harnesses).
-MIXED_PATTERNS = {"torch": ("dp", "fsdp", "tp", "pp", "cp"), "jax": ("dp", "fsdp")}
+# The patterns whose runs (every style) build mixed precision, per framework; the others refuse it in
+# Config.check (which names the framework, or without one takes what every framework builds).
+MIXED_PATTERNS = {"torch": ("dp", "fsdp", "tp", "pp", "cp"), "jax": ("dp", "fsdp", "tp", "pp", "cp")}
 # The training recipe (shared/recipe.py: --clip, --accumulate, --schedule, --decay-mask, --freeze, --recipe):
 # the patterns whose runs (every style, both frameworks) apply it exactly; the others refuse it in Config.check.
 RECIPE_PATTERNS = ("dp", "fsdp", "cp")
 SCHEDULES = ("constant", "warmup-cosine")  # the lr schedules (shared.recipe.lr_factors)
+
+
+def mixed_patterns(framework: str | None = None) -> tuple[str, ...]:
+    """The patterns ``framework`` runs under --precision mixed (None: those every framework runs)."""
+    if framework is not None:
+        return MIXED_PATTERNS[framework]
+    return tuple(p for p in PATTERNS if all(p in built for built in MIXED_PATTERNS.values()))
 
 
 @dataclass(frozen=True)
@@ -275,20 +281,20 @@ class Config:
         return dataclasses.replace(self, **changes)
 
     def check_precision(self, pattern: str, framework: str) -> Config:
-        """Refuse ``--precision mixed`` for a pattern ``framework``'s runs do not build it for (MIXED_PATTERNS)."""
-        mine = MIXED_PATTERNS.get(framework, ())
-        if self.precision == "mixed" and pattern not in (*mine, "collectives"):
-            raise ValueError(f"{pattern}: --precision mixed is built for {', '.join(mine)} only under {framework}; "
-                             f"use --precision pure for {pattern}, or drop {framework} from --frameworks")
-        return self
+        """``check`` for one framework's runs (what --precision mixed is built for differs by framework)."""
+        return self.check(pattern, framework)
 
-    def check(self, pattern: str) -> Config:
-        """Validate what ``pattern`` needs on top of the basic checks; returns self."""
+    def check(self, pattern: str, framework: str | None = None) -> Config:
+        """Validate what ``pattern`` needs on top of the basic checks; returns self. ``framework``
+        ("torch" | "jax"; None: every framework) decides what --precision mixed is built for."""
         if pattern not in PATTERNS:
             raise ValueError(f"unknown pattern {pattern!r}; choose from {', '.join(PATTERNS)}")
-        built = list(dict.fromkeys(p for ps in MIXED_PATTERNS.values() for p in ps))  # any framework's
-        if self.precision == "mixed" and pattern not in built + ["collectives"]:  # collectives: no model
-            raise ValueError(f"{pattern}: --precision mixed is built for {', '.join(built)} only; "
+        built = mixed_patterns(framework)
+        if self.precision == "mixed" and pattern not in built + ("collectives",):  # collectives: no model
+            where = f" in {framework}" if framework else ""
+            others = [fw for fw, pats in MIXED_PATTERNS.items() if pattern in pats and fw != framework]
+            hint = f" (built in {', '.join(others)}: --frameworks {','.join(others)})" if others else ""
+            raise ValueError(f"{pattern}: --precision mixed is built{where} for {', '.join(built)} only{hint}; "
                              f"use --precision pure for {pattern}")
         if self.recipe_active and pattern not in RECIPE_PATTERNS + ("collectives",):  # collectives: no model
             raise ValueError(f"{pattern}: the recipe flags (--clip, --accumulate, --schedule, --decay-mask, --freeze, "

@@ -130,7 +130,7 @@ def mixed_extra(ref: Trained, split: Trained, float64: Trained) -> dict[str, Any
 
 
 def within_floor(errors: dict[str, float], *refs: Trained, factor: float = 1.0, style: str | None = None,
-                 program: bool = False, variant: str | None = None) -> bool:
+                 program: bool = False, layout: tuple = ()) -> bool:
     """Every error within ``factor`` × the mixed tolerance of the largest floor of ``refs``
     (shared.tolerances.mixed_tolerance, for ``style`` and ``variant``, "pattern/variant"; ``program``:
     another framework's program). A
@@ -138,19 +138,19 @@ def within_floor(errors: dict[str, float], *refs: Trained, factor: float = 1.0, 
     floors = [r.extra.get("floor") for r in refs]
     if any(f is None for f in floors):
         return False
-    return all(e <= factor * mixed_tolerance(max(f[k] for f in floors), style, program, variant)
+    return all(e <= factor * mixed_tolerance(max(f[k] for f in floors), style, program, layout)
                for k, e in errors.items())
 
 
-def mixed_report(run: Trained, ref: Trained, style: str | None = None, variant: str | None = None) -> dict[str, Any]:
+def mixed_report(run: Trained, ref: Trained, style: str | None = None, layout: tuple = ()) -> dict[str, Any]:
     """The row's extra for a mixed run: the floor it was judged by, the tolerances, and how far its
     losses are from the float64 run's (reported, not asserted: the issue's bar is 2e-2 relative)."""
     floor = ref.extra.get("floor", {})
     f64 = ref.extra.get("float64_losses")
     errors = parity(run, ref)
     ratio = max((errors[k] / max(v, MIXED_FLOOR_MIN) for k, v in floor.items()), default=None)
-    return {"floor": floor, "tolerance": {k: mixed_tolerance(v, style, variant=variant) for k, v in floor.items()},
-            "floor_ratio": ratio,  # the worst error / its floor (mixed_factor allows up to that)
+    return {"floor": floor, "tolerance": {k: mixed_tolerance(v, style, layout=layout) for k, v in floor.items()},
+            "floor_ratio": ratio,  # the worst error / its floor (MIXED_FACTOR allows up to that)
             "loss_rel_err_vs_float64": rel_err(run.losses, f64[run.start_step:]) if f64 else None}
 
 
@@ -222,11 +222,11 @@ def make_result(
     extra = run.extra if routing is None else {**run.extra, "routing_mismatch": routing}
     mixed = getattr(cfg, "precision", "pure") == "mixed"
     if mixed:  # judged against the reference's measured floor (shared/tolerances.py), not a dtype constant
-        where = f"{pattern}/{variant}"  # tp, cp's rings: a larger factor (shared.tolerances.MIXED_VARIANT_FACTOR)
-        extra = {**extra, "mixed": mixed_report(run, ref, style, where)}
-        ok = within_floor(errors, ref, style=style, variant=where) and routing is None
+        layout = (pattern, variant)  # shared.tolerances.MIXED_LAYOUT_FACTOR
+        extra = {**extra, "mixed": mixed_report(run, ref, style, layout)}
+        ok = within_floor(errors, ref, style=style, layout=layout) and routing is None
         xfw_ok = (within_floor(xfw, ref, other_ref, factor=MIXED_CROSS_FRAMEWORK_FACTOR / MIXED_FACTOR, style=style,
-                               program=True, variant=where) and xfw_routing is None
+                               program=True, layout=layout) and xfw_routing is None
                   if xfw else None)
     else:
         ok = within(errors, cfg.dtype, steps=cfg.steps) and routing is None

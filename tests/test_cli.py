@@ -36,14 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
         # mixed precision (issue 34): a 16-bit compute dtype; the patterns it is not built for refuse it
         (["--precision", "mixed"], "precision mixed computes in a 16-bit dtype: give --dtype bfloat16"),
         (["--precision", "mixed", "--dtype", "float32", "--patterns", "dp"], "precision mixed computes in a 16-bit"),
-        # (per framework: torch builds tp, pp, cp too, JAX dp and fsdp only; ep and the mesh neither)
-        (["--precision", "mixed", "--dtype", "bfloat16"], "tp: --precision mixed is built for dp, fsdp only under "
-                                                          "jax; use --precision pure for tp, or drop jax from"),
-        (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "dp,pp"], "pp: --precision mixed is built"),
-        (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "cp", "--model", "transformer"],
-         "cp: --precision mixed is built for dp, fsdp only under jax"),
-        (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "ep", "--frameworks", "torch"],
-         "ep: --precision mixed is built for dp, fsdp, tp, pp, cp only; use --precision pure for ep"),
+        # (per framework, shared.config.MIXED_PATTERNS: both build dp, fsdp, tp, pp, cp; ep and the mesh neither)
+        (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "ep", "--frameworks", "jax"],
+         "ep: --precision mixed is built in jax for dp, fsdp, tp, pp, cp only; use --precision pure for ep"),
+        (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "ep"], "ep: --precision mixed is built"),
         (["--precision", "mixed", "--dtype", "bfloat16", "--mesh", "dp=2,tp=2"], "mesh: --precision mixed is built"),
         (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "dp", "--checkpoint-dir", "/tmp"],
          "--checkpoint-dir: --precision mixed is not built for checkpoints; use --precision pure"),
@@ -482,18 +478,24 @@ def test_mixed_precision_sweep_four_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_mixed_precision_torch_tp_pp_cp_four_ranks(tmp_path):
-    """torch builds --precision mixed for tp, pp, cp too (JAX refuses them): both models, 4 ranks, 4 steps;
-    every row ok against its floor (shared.tolerances.MIXED_VARIANT_FACTOR for tp and the rings) and its
-    ledger equal to theory in the dtypes autocast sends (tp_comm / cp_comm(autocast=True))."""
+def test_mixed_precision_tp_pp_cp_both_frameworks(tmp_path):
+    """--precision mixed beyond dp / fsdp, both frameworks in one run: every style and variant of tp, pp and
+    cp, both models where the pattern applies (cp: the transformer), 4 ranks / devices; every row ok against
+    its floor (shared.tolerances.MIXED_LAYOUT_FACTOR for tp and the rings), within 2e-2 of float64
+    training, and its ledger equal to theory in the dtypes it sends (torch: every style, autocast's mix;
+    JAX: shard_map, every activation 16-bit)."""
     out = tmp_path / "mixed.json"
     argv = ["--model", "transformer,mlp", "--precision", "mixed", "--dtype", "bfloat16", "--world-size", "4",
-            "--patterns", "tp,pp,cp", "--frameworks", "torch", "--steps", "4", "--layers", "4", "--dim", "16",
-            "--heads", "4", "--seq", "8", "--vocab", "16", "--batch", "8", "--quiet", "--json", str(out)]
+            "--patterns", "tp,pp,cp", "--steps", "3", "--layers", "4", "--dim", "32",
+            "--heads", "4", "--seq", "16", "--vocab", "64", "--batch", "16", "--quiet", "--json", str(out)]
+    # (D=16 T=8 V=16 B=8: JAX pp 1F1B's loss at step 2 sat at 12.7x its split-batch floor, gradients at 0.45x:
+    # one split sample's loss floor is noise at that size; D=32 T=16 V=64 B=16: 1.9x, docs/recipe.md)
     assert compare.main(argv) == 0
     data = json.loads(out.read_text(), parse_constant=_refuse)
-    assert {r["pattern"] for r in data["runs"]} == {"tp", "pp", "cp"}
+    assert {(r["pattern"], r["framework"]) for r in data["runs"]} == {(p, f) for p in ("tp", "pp", "cp")
+                                                                      for f in ("torch", "jax")}
     for r in data["runs"]:
         assert r["ok"] and r["precision"] == "mixed", r
         assert r["extra"]["mixed"]["loss_rel_err_vs_float64"] <= 2e-2, r
-        assert r["comm_bytes"] == r["comm_bytes_theory"], r
+        if r["framework"] == "torch" or r["style"] == "shard_map":
+            assert r["comm_bytes"] == r["comm_bytes_theory"], r

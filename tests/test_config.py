@@ -83,20 +83,20 @@ def test_frozen():
         Config().dim = 8  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("pattern", ["tp", "pp", "cp"])
+@pytest.mark.parametrize("pattern", ["ep", "mesh"])
 def test_mixed_precision_is_refused_where_not_built(pattern):
-    """Built per framework (MIXED_PATTERNS): torch runs tp / pp / cp mixed, JAX refuses them; ep and the
-    mesh no framework builds (Config.check)."""
+    """Per framework (shared.config.MIXED_PATTERNS): both build dp, fsdp, tp, pp, cp; ep and the mesh
+    neither (one line, naming the framework when the check has one)."""
     cfg = Config(model="transformer", world_size=2, heads=2, dim=8, seq=4, vocab=8, batch=4, layers=2,
                  dtype="bfloat16", precision="mixed")
-    assert cfg.check(pattern).check_precision(pattern, "torch") is cfg
-    with pytest.raises(ValueError, match=f"{pattern}: --precision mixed is built for dp, fsdp only under jax; "
-                                         f"use --precision pure for {pattern}, or drop jax from --frameworks"):
-        cfg.check_precision(pattern, "jax")
-    moe = cfg.replace(experts=2)
-    with pytest.raises(ValueError, match="ep: --precision mixed is built for dp, fsdp, tp, pp, cp only; "
-                                         "use --precision pure for ep"):
-        moe.check("ep")
+    for built in ("tp", "pp", "cp"):
+        assert cfg.check(built) is cfg.check(built, "torch") is cfg.check(built, "jax") is cfg
+    odd = cfg.replace(experts=2) if pattern == "ep" else cfg.replace(mesh=(("dp", 1), ("tp", 2)))
+    for fw in (None, "torch", "jax"):
+        where = f" in {fw}" if fw else ""
+        with pytest.raises(ValueError, match=f"{pattern}: --precision mixed is built{where} for dp, fsdp, tp, pp, "
+                                             f"cp only; use --precision pure for {pattern}"):
+            odd.check(pattern, fw)
 
 
 def test_mixed_precision_stores_float32_and_reduces_in_it():

@@ -303,3 +303,27 @@ def test_a_loss_that_casts_the_model_itself_is_refused_with_the_fix(make):
 def test_a_loss_that_casts_the_model_itself_where_the_model_is_whole():
     got = run(parallelize(Tiny(), cast_loss, adamw(), make_mesh(N, "dp"), "zero2", "shard_map"))
     assert gap(got, single(adamw(), loss=cast_loss)) <= TOL32
+
+
+def test_compute_dtype_under_pp():
+    """pipeline(..., compute_dtype=): every stage computes from its Params cast inside the step, the
+    packed master weights and their per-micro-batch gradients summed in the master dtype."""
+    trainer = pipeline(Tiny(), STAGES, mse, adamw(), make_mesh(N, "pp"), microbatches=2, compute_dtype=jnp.float32)
+    got = run(trainer)
+    assert {a.dtype for a in got.values()} == {np.dtype("float64")} and trainer.state[0].dtype == np.float64
+    assert gap(got, single(adamw(), dtype=jnp.float32)) <= TOL32
+
+
+def test_compute_dtype_under_cp_ring():
+    """context_parallel(..., compute_dtype=): the replicated Params made device-varying, then cast, so the
+    gradient all-reduce is in the master dtype (the ledger: Φ·8 bytes)."""
+    rng = np.random.default_rng(2)
+    tokens, targets = rng.integers(0, 7, (2, 4)).astype(np.int32), rng.integers(0, 7, (2, 4)).astype(np.int32)
+    trainer = cp.context_parallel(Seq(), seq_loss, adamw(), make_mesh(N, "cp"), "ring", compute_dtype=jnp.float32)
+    got = run(trainer, (tokens, targets))
+    assert {a.dtype for a in got.values()} == {np.dtype("float64")}
+    want = single(adamw(), dtype=jnp.float32, loss=seq_loss, make=Seq, batch=(tokens, targets, jnp.arange(4)))
+    assert gap(got, want) <= TOL32
+    phi = sum(a.size for a in got.values())
+    comm = comm_from_hlo(trainer._compiled.as_text())
+    assert comm["all_reduce"]["bytes"] == 8 * phi  # float64 master gradients reduced, not the float32 copies

@@ -17,7 +17,10 @@ transpose of the invariant -> varying cast: an all-reduce of Φ·b.
 A model that never calls the seam is refused at the first trace; one that routes only some attention
 layers through it cannot be detected: route every attention through it.
 Recipe (parallel/recipe.py, docs/recipe.md): optax sees the whole replicated {path: array} dict
-(masks, labels, optax's own clipping exact); ``clip=max_norm`` clips with torch's formula.
+(masks, labels, optax's own clipping exact); ``clip=max_norm`` clips with torch's formula;
+``compute_dtype=jnp.bfloat16`` casts the Params inside the step (made device-varying first, so the
+gradient all-reduce stays in the master dtype); 16-bit attention is computed in float32 (the ring's
+accumulators and its travelling dK|dV too), its output rounded back once.
 Papers: ring attention, Liu et al. 2023 (arXiv:2310.01889); DeepSpeed-Ulysses, Jacobs et al. 2023
 (arXiv:2309.14509).
 """
@@ -53,11 +56,13 @@ class SeamError(ValueError):
 
 def causal(q, k, v):
     """Causal attention (B, T, H, dh) -> (B, T, H, dh) in the inputs' dtype (not
-    jax.nn.dot_product_attention: its logits are float32, which caps float64 parity at ~1e-7)."""
-    t = q.shape[1]
+    jax.nn.dot_product_attention: its logits are float32, which caps float64 parity at ~1e-7). 16-bit
+    inputs: computed in float32, the output rounded back once (as the ring's accumulators)."""
+    t, dt = q.shape[1], q.dtype
+    q, k, v = (a.astype(jnp.promote_types(dt, jnp.float32)) for a in (q, k, v))
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))  # (B, H, T, T)
     p = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf), axis=-1)
-    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v).astype(dt)
 
 
 # --- which chunk pairs each (device, hop) computes: ONE function for the body and the report ----------
@@ -148,31 +153,34 @@ def ring_core(variant: str, n: int):
         return core_fwd(q, k, v)[0]
 
     def core_fwd(q, k, v):  # (B, H, T/N, dh) each
-        c = q.shape[2] // m
-        kv = jnp.stack([k, v])  # (2, B, H, T/N, dh): K|V travel as one message
-        out, lse = [jnp.zeros_like(x) for x in chunks(q)], [jnp.full(q.shape[:2] + (c,), -jnp.inf, q.dtype)] * m
+        c, wide = q.shape[2] // m, jnp.promote_types(q.dtype, jnp.float32)  # bf16 in: float32 accumulators
+        kv = jnp.stack([k, v])  # (2, B, H, T/N, dh): K|V travel as one message (in q's dtype)
+        out, lse = [jnp.zeros(x.shape, wide) for x in chunks(q)], [jnp.full(q.shape[:2] + (c,), -jnp.inf, wide)] * m
         for hop in range(n):
             incoming = send(kv) if hop < n - 1 else None  # next block's transfer first, then compute
-            out, lse = on_schedule(n, hop, variant, partial(_fwd_pairs, c=c), out, lse, chunks(q), kv)
+            out, lse = on_schedule(n, hop, variant, partial(_fwd_pairs, c=c), out, lse, chunks(q.astype(wide)),
+                                   kv.astype(wide))
             kv = incoming
-        out, lse = jnp.concatenate(out, axis=2), jnp.concatenate(lse, axis=2)  # (B, H, T/N, dh), (B, H, T/N)
+        out, lse = jnp.concatenate(out, axis=2).astype(q.dtype), jnp.concatenate(lse, axis=2)  # (B, H, T/N, dh)
         return out, (q, k, v, out, lse)
 
     def core_bwd(res, dout):
         q, k, v, out, lse = res
+        dt, wide = q.dtype, lse.dtype  # bf16 in: the gradients summed, and dK|dV sent, in float32
+        q, out, dout = q.astype(wide), out.astype(wide), dout.astype(wide)
         c, delta = q.shape[2] // m, jnp.sum(dout * out, axis=-1)  # (B, H, T/N)
         # The barrier keeps XLA from CSE-ing this rotation with the forward one (same op on the same
         # K|V): merged, the step sends N−1 fewer messages per layer but keeps every received block
         # alive from forward to backward, the memory ring attention's backward exists to avoid
         # (XLA:CPU drops barriers before CSE: cpu_options).
         kv, dq = jnp.stack(lax.optimization_barrier((k, v))), [jnp.zeros_like(x) for x in chunks(q)]
-        dkv = jnp.zeros_like(kv)  # (2, B, H, T/N, dh): dK|dV of the block held, travels with it
+        dkv = jnp.zeros(kv.shape, wide)  # (2, B, H, T/N, dh): dK|dV of the block held, travels with it
         for hop in range(n):
             incoming = send(kv) if hop < n - 1 else None
-            dq, dkv = on_schedule(n, hop, variant, partial(_bwd_pairs, c=c), dq, dkv, chunks(q), kv,
+            dq, dkv = on_schedule(n, hop, variant, partial(_bwd_pairs, c=c), dq, dkv, chunks(q), kv.astype(wide),
                                   chunks(dout), chunks(lse), chunks(delta))
             dkv, kv = send(dkv) if n > 1 else dkv, incoming  # hop n−1: dK|dV arrive at their owner
-        return jnp.concatenate(dq, axis=2), dkv[0], dkv[1]
+        return jnp.concatenate(dq, axis=2).astype(dt), dkv[0].astype(dt), dkv[1].astype(dt)
 
     core.defvjp(core_fwd, core_bwd)
     return core
@@ -214,8 +222,9 @@ class Trainer:
     """``context_parallel``'s result: ``step(params, opt_state, *batch, positions)``, ``state``,
     ``train_step(*batch)`` (B, T) arrays -> mean loss, ``module()``, ``comm_theory()``."""
 
-    def __init__(self, model, loss, tx, mesh, style, variant, clip=None):
+    def __init__(self, model, loss, tx, mesh, style, variant, clip=None, compute_dtype=None):
         self.style, self.variant, self.mesh, self.n, self.clip = style, variant, mesh, mesh.shape[AXIS], clip
+        self.compute_dtype = compute_dtype
         self.graphdef, state = nnx.split(model)
         leaves, self._treedef = jax.tree_util.tree_flatten_with_path(state)
         self.keys = [key_of(p) for p, _ in leaves]
@@ -233,11 +242,14 @@ class Trainer:
     def _losses(self, params, *batch):
         """(differentiated, reported): shard_map — the mean of the (N,) local means, and the vector."""
         if self.style == "jit":
-            value = self._loss(self._merge(params), *batch)
+            value = self._loss(self._merge(recipe.cast(params, self.compute_dtype)), *batch)
             return value, value
         calls = []
 
         def local(params, *batch):
+            if self.compute_dtype is not None:  # varying BEFORE the cast: the gradients' psum in the master dtype
+                params = recipe.cast({k: lax.pcast(a, AXIS, to="varying") for k, a in params.items()},
+                                     self.compute_dtype)
             with _active(self.variant, self.n, lambda k: calls.append((k.size, k.dtype.itemsize))):
                 value = self._loss(self._merge(params), *batch)
             if not calls:
@@ -294,13 +306,19 @@ class Trainer:
         n, a = self.n, sum(size * b for size, b in self.calls)  # Σ over calls of one device's K bytes
         if self.variant == "ulysses":
             return out | {"all_to_all": (8 * len(self.calls), 8 * a)}
-        return out | {"collective_permute": ((3 * n - 2) * len(self.calls), (3 * n - 2) * 2 * a)} if n > 1 else out
+        # dK|dV travel in float32 when K is 16-bit (the ring's accumulators): n of the 3n − 2 hops
+        wide = sum(size * max(b, 4) for size, b in self.calls)
+        return out | {"collective_permute": ((3 * n - 2) * len(self.calls), (2 * n - 2) * 2 * a + n * 2 * wide)} \
+            if n > 1 else out
 
 
 def context_parallel(model: nnx.Module, loss: Callable, tx: optax.GradientTransformation, mesh,
-                     variant: str = "ring", style: str | None = None, *, clip: float | None = None) -> Trainer:
+                     variant: str = "ring", style: str | None = None, *, clip: float | None = None,
+                     compute_dtype=None) -> Trainer:
     """Context parallelism over ``mesh``'s "cp" axis for a model with the seam (module docstring).
-    ``clip``: global-norm clipping, torch's formula (parallel.recipe); optax sees the whole tree."""
+    ``clip``: global-norm clipping, torch's formula (parallel.recipe); optax sees the whole tree.
+    ``compute_dtype``: the loss sees every floating Param cast to it inside the step (master weights,
+    their gradients, the gradient all-reduce and optax's state stay in the Params' dtype)."""
     recipe.check_clip(clip, "cp")
     style = style or ("jit" if variant == "seq_sharded" else "shard_map")
     if (style, variant) not in VARIANTS:
@@ -312,4 +330,4 @@ def context_parallel(model: nnx.Module, loss: Callable, tx: optax.GradientTransf
         raise WrapError(f"{type(model).__name__} holds state other than nnx.Param: context_parallel trains Params "
                         "only; build it without BatchNorm / Dropout RNG state")
     mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-    return Trainer(model, loss, tx, mesh, style, variant, clip)
+    return Trainer(model, loss, tx, mesh, style, variant, clip, compute_dtype)

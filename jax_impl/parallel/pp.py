@@ -26,7 +26,9 @@ of one message, plus the all-reduce of the (S,) per-stage losses' sum (one eleme
 The optimizer sees the packed (S, Φ_max) array, not the model's tree: ``recipe.check`` refuses, before
 anything compiles, a ``tx`` that would update otherwise (masks, multi_transform labels: no paths in a
 packed row). Global-norm clipping is exact (the whole packed gradient; padding zero): ``clip=max_norm``
-uses torch's formula (parallel/recipe.py, docs/recipe.md).
+uses torch's formula (parallel/recipe.py, docs/recipe.md). ``compute_dtype=jnp.bfloat16``: the stages
+compute in bf16 from the float32 packed master (cast inside each micro-batch's stage call), the
+messages travel in bf16, the loss is summed in the master dtype.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ AXIS = "pp"
 class Stage:
     """One stage: its modules (path, graphdef, treedef, shapes) packed into one flat vector."""
 
-    def __init__(self, model, paths: Sequence[str], mods: dict):
-        self.paths, self.parts = list(paths), []
+    def __init__(self, model, paths: Sequence[str], mods: dict, compute_dtype=None):
+        self.paths, self.parts, self.compute_dtype = list(paths), [], compute_dtype
         for p in self.paths:
             gdef, state = nnx.split(mods[p])
             leaves, treedef = jax.tree_util.tree_flatten(state)
@@ -66,13 +68,17 @@ class Stage:
         flat = jnp.concatenate([jnp.ravel(a).astype(dtype) for a in self.values] + [jnp.zeros(0, dtype)])
         return jnp.pad(flat, (0, length - self.size))  # (Φ_max,)
 
-    def modules(self, flat: jax.Array) -> list:
-        """The stage's modules holding the parameters read from ``flat`` (Φ_max,)."""
+    def modules(self, flat: jax.Array, cast: bool = True) -> list:
+        """The stage's modules holding the parameters read from ``flat`` (Φ_max,), the floating ones in
+        ``compute_dtype`` where given and ``cast`` (the cast inside the step: the gradient flows back to
+        ``flat``); ``cast=False``: in their own dtypes (the trained model)."""
         out, at = [], 0
         for gdef, treedef, shapes in self.parts:
             leaves = []
             for shape, dtype in shapes:
                 n = int(np.prod(shape))
+                if cast and self.compute_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+                    dtype = self.compute_dtype
                 leaves.append(flat[at:at + n].reshape(shape).astype(dtype))
                 at += n
             out.append(nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, leaves)))
@@ -119,13 +125,14 @@ class Trainer:
     """``pipeline``'s result: ``step(params, opt_state, xs, *ys)``, ``state``, ``train_step(x, *y)``,
     ``module()``, ``comm_theory()``."""
 
-    def __init__(self, model, stages, loss, tx, mesh, microbatches, clip=None):
+    def __init__(self, model, stages, loss, tx, mesh, microbatches, clip=None, compute_dtype=None):
         self.model, self.loss, self.tx, self.mesh, self.m, self.clip = model, loss, tx, mesh, microbatches, clip
         self.n = mesh.shape[AXIS]
         if len(stages) != self.n:
             raise WrapError(f"pp: {len(stages)} stages for a mesh with pp={self.n}: give one module list per device")
         mods = _check(model, stages)
-        self.stages = [Stage(model, paths, mods) for paths in stages]
+        self.stages = [Stage(model, paths, mods, compute_dtype) for paths in stages]
+        self.compute_dtype = compute_dtype
         dtype = jnp.result_type(*[a.dtype for s in self.stages for a in s.values])
         self.length = max(s.size for s in self.stages)
         recipe.check(tx, {k: a for s in self.stages for k, a in zip(s.keys, s.values)}, self._layout(dtype), "pp",
@@ -181,7 +188,8 @@ class Trainer:
         if len(set(shapes[:-1])) > 1:
             raise WrapError(f"pp: the stage boundaries carry different activations {shapes[:-1]}: a pipeline sends one "
                             "message shape; move the modules that change it into the first or the last stage")
-        whole = self.model(x)
+        whole = self.model(x) if self.compute_dtype is None else \
+            nnx.merge(*_cast_state(nnx.split(self.model), self.compute_dtype))(x)  # the chain's casts
         if whole.shape != h.shape or not bool(jnp.all(whole == h)):
             raise WrapError("pp: the chain of the stages' modules does not give model(x) (the model's forward does "
                             "more than call them in this order): list every module its forward calls, in order")
@@ -221,7 +229,8 @@ class Trainer:
         def run(flat, x, h, *y):
             out = stage(flat, x if i == 0 else h)
             if i == S - 1:  # the loss on the last stage; it sends nothing meaningful
-                return lax.pcast(jnp.zeros(msg.shape, msg.dtype), AXIS, to="varying"), self.loss(out, *y)
+                loss = self.loss(out, *y).astype(flat.dtype)  # (compute_dtype: a 16-bit loss summed in float32)
+                return lax.pcast(jnp.zeros(msg.shape, msg.dtype), AXIS, to="varying"), loss
             return out, lax.pcast(jnp.zeros((), flat.dtype), AXIS, to="varying")
         return run
 
@@ -240,7 +249,7 @@ class Trainer:
         model = nnx.merge(gdef, state)
         mods = submodules(model)[0]
         for stage, row in zip(self.stages, flat):
-            for path, trained in zip(stage.paths, stage.modules(jnp.asarray(row))):
+            for path, trained in zip(stage.paths, stage.modules(jnp.asarray(row), cast=False)):
                 nnx.update(mods[path], nnx.state(trained))
         return model
 
@@ -252,10 +261,19 @@ class Trainer:
         return {"collective_permute": (k, k * b), "all_reduce": (1, self.state[0].dtype.itemsize)}
 
 
+def _cast_state(split, dtype):
+    """(graphdef, state) with the state's floating arrays in ``dtype``."""
+    gdef, state = split
+    return gdef, jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, state)
+
+
 def pipeline(model: nnx.Module, stages: Sequence[Sequence[str]], loss: Callable, tx: optax.GradientTransformation,
-             mesh, microbatches: int = 4, *, clip: float | None = None) -> Trainer:
+             mesh, microbatches: int = 4, *, clip: float | None = None, compute_dtype=None) -> Trainer:
     """GPipe over ``mesh``'s "pp" axis for a model whose forward is the chain ``stages`` lists.
-    ``clip``: global-norm clipping (torch's formula, parallel.recipe) of the whole packed gradient."""
+    ``clip``: global-norm clipping (torch's formula, parallel.recipe) of the whole packed gradient.
+    ``compute_dtype``: every stage computes with its floating Params cast to it inside the step (the
+    messages then travel in that dtype); the packed master weights, their gradients (summed over the
+    micro-batches in the master dtype: one cast per micro-batch) and optax's state stay as they are."""
     recipe.check_clip(clip, "pp")
     if AXIS not in mesh.shape:
         raise WrapError(f"the mesh has axes {tuple(mesh.shape)}, no {AXIS!r}: make one with axis name 'pp'")
@@ -263,4 +281,4 @@ def pipeline(model: nnx.Module, stages: Sequence[Sequence[str]], loss: Callable,
     if jax.tree.leaves(rest):
         raise WrapError(f"{type(model).__name__} holds state other than nnx.Param: pipeline trains Params only")
     mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-    return Trainer(model, stages, loss, tx, mesh, microbatches, clip)
+    return Trainer(model, stages, loss, tx, mesh, microbatches, clip, compute_dtype)

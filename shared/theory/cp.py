@@ -44,11 +44,12 @@ def cp_comm(cfg: Config, variant: str, autocast: bool = False) -> dict[str, tupl
     ulysses (Jacobs et al. 2023): per layer 4 all-to-alls forward (q, k, v: sequence-sharded ->
     head-sharded; the output back) and their 4 transposes backward, each of buffer a.
     Plus the gradient all-reduce, Φ·b (count 1: one flat buffer or one bucket).
-    ``autocast`` (torch, mixed precision): q, k, v are bf16 matmul outputs: K|V travel and ulysses'
-    all-to-alls move cfg.compute_bytes; the ring's dK|dV accumulators stay float32 (as ring flash
-    attention keeps them), so L·N of its sends move 2a in float32, L·(2N−2) in bf16."""
+    Mixed precision: q, k, v are 16-bit matmul outputs in both frameworks (torch's ``autocast``, JAX's
+    cast): K|V travel and ulysses' all-to-alls move cfg.compute_bytes; the ring's dK|dV accumulators stay
+    float32 (as ring flash attention keeps them), so L·N of its sends move 2a in the reduce dtype,
+    L·(2N−2) in the compute dtype; Φ in the reduce dtype."""
     n, l, b = cfg.world_size, cfg.layers, cfg.bytes_per_element
-    c = cfg.compute_bytes if autocast and cfg.precision == "mixed" else b  # q|k|v's dtype
+    c = cfg.compute_bytes  # q|k|v's dtype (``autocast``: the same; kept for the torch callers)
     a = cfg.batch * (cfg.seq // n) * cfg.dim  # elements
     out = {"all_reduce": (1, cfg.n_params * b)}
     if variant in ("ring", "ring_zigzag"):

@@ -12,6 +12,9 @@ from __future__ import annotations
 from shared.config import Config
 from shared.theory.layout import Layout
 
+# Every message is one activation (or its gradient) in the compute dtype, b = cfg.compute_bytes (bf16
+# under mixed precision; the reduce dtype's cfg.bytes_per_element under pure: the same).
+
 
 def pp_p2p_bytes(cfg: Config, virtual: int = 1) -> int:
     """Pipeline, whole pipeline per step: per stage boundary and micro-batch one activation
@@ -20,7 +23,7 @@ def pp_p2p_bytes(cfg: Config, virtual: int = 1) -> int:
     Interleaved, v chunks per rank: S·v − 1 boundaries between virtual stages, every one
     between ranks when S > 1: 2·(S·v − 1)·B·D·b."""
     boundaries = cfg.world_size * virtual - 1 if cfg.world_size > 1 else 0
-    return 2 * boundaries * pp_activation_elements(cfg) * cfg.bytes_per_element
+    return 2 * boundaries * pp_activation_elements(cfg) * cfg.compute_bytes
 
 
 def pp_bubble_fraction(stages: int, microbatches: int) -> float:
@@ -35,7 +38,7 @@ def pp_p2p_bytes_per_rank(cfg: Config, rank: int, virtual: int = 1) -> int:
     Summed over ranks: pp_p2p_bytes. Interleaved (``virtual`` = v chunks, virtual stage c·S + s):
     pp_p2p_count_per_rank(…, v) messages of (B/M)·D·b: (2v − [s = 0] − [s = S−1])·B·D·b."""
     return pp_p2p_count_per_rank(cfg, rank, virtual) * pp_activation_elements(cfg) // cfg.microbatches \
-        * cfg.bytes_per_element
+        * cfg.compute_bytes
 
 
 def pp_p2p_count_per_rank(cfg: Config, rank: int, virtual: int = 1) -> int:
@@ -65,7 +68,7 @@ def pp_circular_permute_bytes(cfg: Config, style: str = "shard_map") -> int:
     """Payload per device per step of the circular pipeline, each permute counted with its
     message (B/M, D): count·(B/M)·D·b (shard_map: 2·(M + S − 2)·(B/M)·D·b); transformer
     messages are (B/M, T, D)."""
-    mb_bytes = pp_activation_elements(cfg) // cfg.microbatches * cfg.bytes_per_element
+    mb_bytes = pp_activation_elements(cfg) // cfg.microbatches * cfg.compute_bytes
     return pp_circular_permute_count(cfg, style) * mb_bytes
 
 
@@ -88,7 +91,7 @@ def pp_1f1b_permute_bytes(cfg: Config) -> int:
     """Payload per device per step of JAX's 1F1B: pp_1f1b_permute_count messages of one
     micro-batch's activation (B/M)·D·b (transformer (B/M)·T·D·b); + b for the loss all-reduce
     is counted by the caller, as for the circular pipeline."""
-    return pp_1f1b_permute_count(cfg) * (pp_activation_elements(cfg) // cfg.microbatches * cfg.bytes_per_element)
+    return pp_1f1b_permute_count(cfg) * (pp_activation_elements(cfg) // cfg.microbatches * cfg.compute_bytes)
 
 
 def pp_ticks_permute_count(cfg: Config, schedule: str = "1f1b", virtual: int = 1) -> int:
@@ -114,7 +117,7 @@ def pp_ticks_permute_count(cfg: Config, schedule: str = "1f1b", virtual: int = 1
 def pp_ticks_permute_bytes(cfg: Config, schedule: str = "1f1b", virtual: int = 1) -> int:
     """Payload per device per step: pp_ticks_permute_count messages of one micro-batch's activation
     (B/M)·D·b (transformer (B/M)·T·D·b); the loss's all-reduce (b) is the caller's."""
-    mb_bytes = pp_activation_elements(cfg) // cfg.microbatches * cfg.bytes_per_element
+    mb_bytes = pp_activation_elements(cfg) // cfg.microbatches * cfg.compute_bytes
     return pp_ticks_permute_count(cfg, schedule, virtual) * mb_bytes
 
 

@@ -13,6 +13,9 @@ from shared.config import Config
 
 # Tensor parallelism (Megatron-LM). Every rank sees the full batch; every collective moves one
 # (B, D) activation or activation-gradient: S = B·D·b. Each function returns op -> (count, bytes).
+# b of an activation is the compute dtype's (cfg.compute_bytes: bf16 under mixed precision); the loss's
+# reductions (its logits in float32 under mixed precision) and parameter gradients use the reduce
+# dtype's (cfg.bytes_per_element); the two are equal under --precision pure.
 
 
 def tp_allgather_comm(cfg: Config, autocast: bool = False) -> dict[str, tuple[int, int]]:
@@ -20,8 +23,8 @@ def tp_allgather_comm(cfg: Config, autocast: bool = False) -> dict[str, tuple[in
     fwd: L all-gathers of the layer output, L·S; bwd: L−1 reduce-scatters of the partial dL/dx of
     layers 1…L−1, (L−1)·S. The last gather feeds the loss, which every rank computes from the same
     full output, so its backward is a local slice (no collective); layer 0's input is x (no grad).
-    ``autocast`` (torch, mixed precision): every activation and its gradient is bf16 (cfg.compute_bytes)."""
-    s, l = cfg.batch * cfg.dim * _act_bytes(cfg, autocast), cfg.layers
+    ``autocast`` (torch, mixed precision): every activation and its gradient is bf16 too."""
+    s, l = cfg.batch * cfg.dim * cfg.compute_bytes, cfg.layers
     out = {"all_gather": (l, l * s)}
     if l > 1:
         out["reduce_scatter"] = (l - 1, (l - 1) * s)
@@ -34,18 +37,12 @@ def tp_megatron_comm(cfg: Config, autocast: bool = False) -> dict[str, tuple[int
     layer whose input needs a gradient: not layer 0, whose input is x), S each;
     odd L: the last layer is column-parallel + 1 all-gather of S (its backward is a local slice).
     ``autocast``: as tp_allgather_comm."""
-    s, l = cfg.batch * cfg.dim * _act_bytes(cfg, autocast), cfg.layers
+    s, l = cfg.batch * cfg.dim * cfg.compute_bytes, cfg.layers
     n_ar = l // 2 + (l + 1) // 2 - 1
     out = {"all_reduce": (n_ar, n_ar * s)} if n_ar else {}
     if l % 2:
         out["all_gather"] = (1, s)
     return out
-
-
-def _act_bytes(cfg: Config, autocast: bool) -> int:
-    """Bytes of one activation element the MLP's collectives move: torch's autocast (mixed precision)
-    computes every Linear, and the GELU after it, in bf16; else the parameters' dtype."""
-    return cfg.compute_bytes if autocast and cfg.precision == "mixed" else cfg.bytes_per_element
 
 
 def tp_comm(cfg: Config, variant: str, autocast: bool = False) -> dict[str, tuple[int, int]]:
@@ -87,11 +84,12 @@ def tp_transformer_comm(cfg: Config, loss_all_reduces: int = 2, autocast: bool =
     output needs a gradient for wte), the embedding's g (fwd) and the head's f (bwd): (4L+2)·A.
     The vocab-parallel cross-entropy (bwd local): max, target logit and Σexp over (B, T), 3·B·T·b
     in ``loss_all_reduces`` calls: 2 (explicit: the two sums in one (2, B, T)) or 3 (DTensor).
-    ``autocast`` (torch, mixed precision): the 2L forward g's sum W_o's and W_down's bf16 outputs
-    (2L·A in cfg.compute_bytes); the f's sum gradients of float32 norm outputs, the embedding is
-    float32 and the loss is computed in float32 (as autocast's cross-entropy): those in float32."""
+    Mixed precision: JAX casts every parameter (every activation in cfg.compute_bytes); ``autocast``
+    (torch): the 2L forward g's sum W_o's and W_down's bf16 outputs (2L·A in cfg.compute_bytes); the f's
+    sum gradients of float32 norm outputs, the embedding is float32 and the loss is computed in float32
+    (as autocast's cross-entropy): those in float32. The loss's rows: the reduce dtype in both."""
     tokens, n_act = cfg.batch * cfg.seq, 4 * cfg.layers + 2
-    low = 2 * cfg.layers if autocast and cfg.precision == "mixed" else 0  # the g's of bf16 matmul outputs
+    low = 2 * cfg.layers if autocast and cfg.precision == "mixed" else n_act  # payloads in the compute dtype
     act = tokens * cfg.dim * ((n_act - low) * cfg.bytes_per_element + low * cfg.compute_bytes)
     return {"all_reduce": (n_act + loss_all_reduces, act + 3 * tokens * cfg.bytes_per_element)}
 
@@ -138,8 +136,8 @@ def tp_sp_comm(cfg: Config, loss_all_reduces: int = 2, param_all_reduces: int = 
     their 2L all-gathers backward move cfg.compute_bytes; the rest float32 (as tp_transformer_comm)."""
     b, l = cfg.bytes_per_element, cfg.layers
     tokens, n = cfg.batch * cfg.seq * cfg.dim, 4 * l + 2
-    low = 2 * l if autocast and cfg.precision == "mixed" else 0
-    act = tokens * ((n - low) * b + low * cfg.compute_bytes)  # of each op: n payloads, `low` of them bf16
+    low = 2 * l if autocast and cfg.precision == "mixed" else n  # payloads in the compute dtype (JAX: all)
+    act = tokens * ((n - low) * b + low * cfg.compute_bytes)  # of each op: n payloads, `low` of them 16-bit
     sp_params = ((2 * l + 1) * cfg.dim + cfg.seq * cfg.dim) * b
     return {"all_gather": (n, act), "reduce_scatter": (n, act),
             "all_reduce": (loss_all_reduces + param_all_reduces, 3 * cfg.batch * cfg.seq * b + sp_params)}
