@@ -408,7 +408,7 @@ def _main(argv=None) -> int:
     elapsed = time.perf_counter() - t0
     preempted = plan is not None and _preempted(errors)
     ok = report.all_ok(rows, xfw, errors) and interrupted is None and not preempted
-    if preempted and not rank0:
+    if preempted and (not rank0 or os.environ.get("JAX_PROCESS_ID", "0") != "0"):  # process 0 says it
         return 143
     if not rank0:
         return 130 if interrupted else 0 if ok else 1
