@@ -193,7 +193,15 @@ def check_devices(frameworks, world_size: int, device: str) -> None:
     if "jax" in frameworks and "RANK" not in os.environ:
         from jax_impl.devices import devices
 
-        devices(world_size, device)
+        try:
+            devices(world_size, device)
+        except RuntimeError as exc:  # JAX_PLATFORMS=bogus, or a platform this machine cannot start
+            if "Unable to initialize backend" not in str(exc):
+                raise
+            name = f"environment variable JAX_PLATFORMS={os.environ['JAX_PLATFORMS']!r}" \
+                if os.environ.get("JAX_PLATFORMS") else "JAX"
+            raise ValueError(f"{name}: {str(exc).splitlines()[0].split(' (set JAX_PLATFORMS')[0].rstrip('.')}; unset it, "
+                             "or set JAX_PLATFORMS=cpu") from None
     if "torch" in frameworks:
         from torch_impl.launch import resolve_device
 

@@ -127,3 +127,59 @@ def check_environment(env) -> None:
         raise ValueError(f"{', '.join(f'{n}={env[n]}' for n in present)} set, but this process was not "
                          "started by torchrun (no TORCHELASTIC_RUN_ID): a stale environment would wait for "
                          f"ranks that never come; unset {' '.join(present)}, or launch with torchrun")
+
+
+# --- JAX's environment: JAX_PLATFORMS and XLA_FLAGS, before JAX starts ---------------------------
+
+GPU_PLATFORMS = ("gpu", "cuda")  # what the driver query below can answer for (ROCm: JAX's own error)
+SAFE_XLA_FLAGS = ("xla_force_host_platform_device_count", "xla_backend_optimization_level")  # this project's
+
+
+def check_jax_environment(env, gpus=None, probe=None) -> None:
+    """Refuse (ValueError, one line naming the variable) what would otherwise abort or raise inside
+    JAX: JAX_PLATFORMS=gpu|cuda on a machine whose driver shows no GPU (``gpus``: the count, default
+    shared.env.local_gpu_count()); an XLA_FLAGS word that is not a --flag (XLA then reads the whole
+    value as a file name) or a flag XLA does not know (XLA:CPU aborts the process with a C++ log
+    line). A flag other than this project's own is tried first in a child interpreter (``probe``:
+    flags -> None or XLA's complaint; a second or so, only then). An unknown JAX_PLATFORMS name is
+    caught where JAX starts (args.check_devices)."""
+    platforms = [p.strip() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    wants_gpu = [p for p in platforms if p.lower() in GPU_PLATFORMS]
+    if wants_gpu:  # JAX starts every platform listed
+        if gpus is None:
+            from shared.env import local_gpu_count
+
+            gpus = local_gpu_count()
+        if gpus == 0:
+            raise ValueError(f"environment variable JAX_PLATFORMS={env['JAX_PLATFORMS']!r}: this machine has no "
+                             "GPU the CUDA driver shows; unset it, or set JAX_PLATFORMS=cpu")
+    flags = env.get("XLA_FLAGS", "").split()
+    bad = [word for word in flags if not word.startswith("--") or len(word) < 3]
+    if bad:
+        raise ValueError(f"environment variable XLA_FLAGS={env['XLA_FLAGS']!r}: {bad[0]!r} is not a --flag "
+                         "(XLA would read the whole value as a file name); use --name=value words")
+    unusual = [word for word in flags if word[2:].split("=", 1)[0] not in SAFE_XLA_FLAGS]
+    if unusual:
+        complaint = (probe or probe_xla_flags)(env["XLA_FLAGS"])
+        if complaint:
+            raise ValueError(f"environment variable XLA_FLAGS={env['XLA_FLAGS']!r}: {complaint} (XLA would abort); "
+                             "fix or remove that flag")
+
+
+def probe_xla_flags(flags: str, timeout_s: float = 120.0) -> str | None:
+    """Start XLA:CPU with ``flags`` in a child interpreter: None when it starts, else XLA's own
+    complaint (its last log line about XLA_FLAGS, without the log prefix)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    try:
+        done = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"], env=env, timeout=timeout_s,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return None  # not XLA_FLAGS' fault that we know of: let the run say what happens
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.strip().splitlines()
+    line = next((x for x in reversed(lines) if "XLA_FLAGS" in x), lines[-1] if lines else f"exit {done.returncode}")
+    return line.split("] ", 1)[1] if "] " in line else line.strip()

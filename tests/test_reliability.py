@@ -9,6 +9,8 @@ import pytest
 
 from parallel_twins import cli as compare
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 # --- the JAX launcher watches every process -----------------------------------------------------
 
 _DIE_ON_1 = """
@@ -116,6 +118,37 @@ def test_a_bad_environment_variable_is_named(clean_env, capsys, name, value, say
 @pytest.mark.parametrize("value", ["-1", "0", "nan"])
 def test_a_timeout_not_positive_is_refused(value, capsys):
     assert f"--timeout {value}" in _one_line_exit_2(["--timeout", value, "--patterns", "dp"], capsys)
+
+
+def test_jax_environment_mistakes_are_named_before_jax_starts(monkeypatch):
+    """JAX_PLATFORMS=gpu with no GPU, XLA_FLAGS that is not --flags or names a flag XLA does not know:
+    each used to be JAX's traceback or a C++ abort; now one line naming the variable."""
+    from parallel_twins.preflight import check_jax_environment, probe_xla_flags
+
+    probe = lambda flags: "Unknown flag in XLA_FLAGS: --xla_nope=1" if "nope" in flags else None  # noqa: E731
+    for platforms in ("gpu", "cpu,cuda"):
+        with pytest.raises(ValueError, match=f"JAX_PLATFORMS='{platforms}': this machine has no GPU"):
+            check_jax_environment({"JAX_PLATFORMS": platforms}, gpus=0, probe=probe)
+    check_jax_environment({"JAX_PLATFORMS": "gpu"}, gpus=1, probe=probe)  # a GPU: JAX's to start
+    with pytest.raises(ValueError, match="XLA_FLAGS='garbage': 'garbage' is not a --flag"):
+        check_jax_environment({"XLA_FLAGS": "garbage"}, probe=probe)
+    with pytest.raises(ValueError, match="XLA_FLAGS=.*Unknown flag in XLA_FLAGS: --xla_nope=1 .XLA would abort"):
+        check_jax_environment({"XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_nope=1"}, probe=probe)
+    check_jax_environment({"XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}, probe=lambda f: pytest.fail(f))  # no probe
+    # the real probe: XLA's own words, from a child that aborts (not this process)
+    assert probe_xla_flags("--xla_bogus_flag=1") == "Unknown flag in XLA_FLAGS: --xla_bogus_flag=1"
+
+
+def test_an_unknown_jax_platform_is_one_line(tmp_path):
+    """JAX_PLATFORMS=bogus: JAX's RuntimeError where it starts (args.check_devices) becomes one line, exit 2."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="bogus", PYTHONPATH=_ROOT)
+    done = subprocess.run([sys.executable, "compare.py", "--frameworks", "jax", "--patterns", "dp", "--model", "mlp",
+                           "--world-size", "2"], cwd=_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("compare.py: error: environment variable JAX_PLATFORMS='bogus': "), done.stderr
 
 
 # --- data-parallel wrappers refuse uneven batches; library misuse is one line (one 2-rank launch) ---
@@ -343,7 +376,6 @@ def test_sigterm_on_torch_ranks_saves_and_resumes_bitwise(fault, tmp_path, monke
 
 # --- restarts: a rank killed under torchrun --max-restarts, a JAX process killed, SIGTERM to the JAX launcher ---
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _launched(cmd, tmp_path, name, fault=None, timeout=300):
