@@ -107,6 +107,18 @@ def add_json(p, what: str) -> None:
                    help=f"write {what} here as JSON ('-': standard output) (default: none)")
 
 
+def add_resource_check(p) -> None:
+    """--no-resource-check: skip the up-front ranks / memory estimate (parallel_twins/preflight.py)."""
+    p.add_argument("--no-resource-check", action="store_true",
+                   help="start even when --world-size exceeds max(32, 4 × cores) or the memory estimate exceeds "
+                        "the available memory (parallel_twins/preflight.py) (default: refuse)")
+
+
+def launched() -> bool:
+    """This process is one rank / process of a launch (torchrun, a multi-process JAX launch)."""
+    return "RANK" in os.environ or "JAX_NUM_PROCESSES" in os.environ
+
+
 def add_quiet(p, what: str = "no progress line (it is shown on a terminal only)") -> None:
     p.add_argument("--quiet", action="store_true", help=what)
 

@@ -3,12 +3,19 @@ machine can hold the run (processes, memory), and the distributed environment is
 a stale export. Each refusal is one ValueError line naming what and how to go on. NumPy + stdlib.
 
     check_environment(os.environ)            # stale RANK/WORLD_SIZE/MASTER_*, WORLD_SIZE=abc
-    check_resources(cfgs, frameworks, device) # --world-size and sizes against cores and memory
+    check_jax_environment(os.environ)        # JAX_PLATFORMS=gpu without one, a bad XLA_FLAGS
+    check_resources(cfgs, frameworks)        # --world-size and sizes against cores and memory
+    check_bench_resources(frameworks, world, max_bytes, iters)   # compare.py bench's sweep
 
 The memory figure is an estimate, stated as one: per model copy the parameters, gradients and
 AdamW's two moments (4·Φ·b), twice (the single-device reference and the parallel run), plus the
 activations of one step (below) and ~150 MiB of interpreter and framework per process. torch
 spawns one process per rank; JAX holds every simulated device in this one process.
+
+The subcommands: ``bench`` checks its ranks and its messages (check_bench_resources), ``checkpoint``
+its model as the main command does (check_resources), each with --no-resource-check; ``plan``
+needs no check: it sizes a cluster on paper (no process, no device, no model is made), so 100000
+GPUs or dim=200000 cost it a second; ``diff`` and ``doctor`` read files and probe what is there.
 """
 
 from __future__ import annotations
@@ -80,22 +87,54 @@ def check_resources(cfgs, frameworks, under_torchrun: bool = False, available: i
     """Refuse (ValueError, one line) a world size beyond process_cap() or a run whose estimate
     exceeds the available memory. Under torchrun this process is one rank of its node."""
     world = cfgs[0].world_size
+    check_processes(world, under_torchrun, cores)
+    processes = 1 if under_torchrun else world
+    big = max(cfgs, key=rank_bytes)
+    check_memory(estimate(cfgs, frameworks, processes), available,
+                 f"{processes} process(es), {big.model} dim={big.dim} layers={big.layers} batch={big.batch}: "
+                 f"{_gib(rank_bytes(big))} per rank", "use smaller sizes or fewer ranks")
+
+
+def check_processes(world: int, launched: bool = False, cores: int | None = None) -> None:
+    """--world-size beyond process_cap() (not when this process is one rank of a launch)."""
     cap = process_cap(cores)
-    if world > cap and not under_torchrun:
+    if world > cap and not launched:
         raise ValueError(f"--world-size {world}: more ranks than this machine can run "
                          f"(at most {cap} = max({MIN_PROCESS_CAP}, 4 × {cores or os.cpu_count()} CPU cores)); "
                          "pass --no-resource-check to start them anyway")
+
+
+def check_memory(need: int, available: int | None, detail: str, fix: str) -> None:
+    """``need`` bytes against ``available`` (default: available_memory(); unknown: no check)."""
     available = available_memory() if available is None else available
-    if available is None:
-        return
-    processes = 1 if under_torchrun else world
-    need = estimate(cfgs, frameworks, processes)
-    if need > available:
-        big = max(cfgs, key=rank_bytes)
-        raise ValueError(f"this run needs about {_gib(need)} of memory ({processes} process(es), "
-                         f"{big.model} dim={big.dim} layers={big.layers} batch={big.batch}: "
-                         f"{_gib(rank_bytes(big))} per rank) but {_gib(available)} is available; "
-                         "use smaller sizes or fewer ranks, or pass --no-resource-check")
+    if available is not None and need > available:
+        raise ValueError(f"this run needs about {_gib(need)} of memory ({detail}) but {_gib(available)} is "
+                         f"available; {fix}, or pass --no-resource-check")
+
+
+def bench_bytes(frameworks, world: int, max_bytes: int, iters: int, processes: int) -> int:
+    """compare.py bench's host memory at its largest message S: a torch rank holds its input and
+    output (≤ 2·S) and gloo's staging (≤ S) in its own process; JAX holds, per device, the input
+    and the ``iters`` outputs dispatched back to back (≤ (iters + 2)·S) in this one process."""
+    need = 0
+    if "torch" in frameworks:
+        need = processes * (PROCESS_BYTES + 3 * max_bytes)
+    if "jax" in frameworks:
+        need = max(need, PROCESS_BYTES + world * (iters + 2) * max_bytes)
+    return need
+
+
+def check_bench_resources(frameworks, world: int, max_bytes: int, iters: int, on_gpu: bool = False,
+                          launched: bool = False, available: int | None = None, cores: int | None = None) -> None:
+    """compare.py bench's up-front check (the main command's, for a sweep): ranks against the
+    cores; on CPU, the messages against the memory (on GPUs they live in device memory: the
+    processes alone are checked)."""
+    check_processes(world, launched, cores)
+    if not on_gpu:
+        processes = 1 if launched else world
+        check_memory(bench_bytes(frameworks, world, max_bytes, iters, processes), available,
+                     f"{processes} process(es), messages up to {_gib(max_bytes)}, {iters} iterations",
+                     "lower --max-bytes or --iters, or use fewer ranks")
 
 
 # --- the distributed environment -----------------------------------------------------------------

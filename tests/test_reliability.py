@@ -85,6 +85,38 @@ def test_the_estimate_counts_processes_and_the_flag_overrides(monkeypatch):
     assert seen == []
 
 
+@pytest.mark.parametrize("argv,says", [
+    (["bench", "--world-size", "100000"], "--world-size 100000: more ranks"),
+    (["bench", "--world-size", "2", "--max-bytes", str(10**11)], "messages up to 93.1 GiB"),
+    (["checkpoint", "--dim", "200000"], "mlp dim=200000"),
+])
+def test_the_subcommands_check_ranks_and_memory_up_front(argv, says, capsys):
+    """bench and checkpoint make the main command's check (plan makes nothing: it sizes on paper)."""
+    cmd = f"compare.py {argv[0]}: error: "
+    err = _one_line_exit_2(argv, capsys)
+    assert err.startswith(cmd) and says in err and "--no-resource-check" in err, err
+
+
+def test_the_subcommands_override_flag_skips_the_check(monkeypatch):
+    from parallel_twins import preflight
+
+    seen = []
+    monkeypatch.setattr(preflight, "check_bench_resources", lambda *a, **k: seen.append(a))
+    monkeypatch.setattr(preflight, "check_resources", lambda *a, **k: seen.append(a))
+    assert compare.main(["bench", "--world-size", "100000", "--no-resource-check", "--frameworks", "torch",
+                         "--device", "gpu"]) == 2  # stopped by the GPU check, after the check we skipped
+    assert seen == []
+    from parallel_twins import checkpoint_matrix
+
+    monkeypatch.setattr(checkpoint_matrix, "simulate_host_devices", lambda n: None)
+    monkeypatch.setattr(checkpoint_matrix, "matrix", lambda *a: ([], {}))  # no saves: what runs before them
+    assert compare.main(["checkpoint", "--dim", "200000", "--no-resource-check", "--quiet"]) == 0
+    assert seen == []
+    assert compare.main(["checkpoint", "--quiet"]) == 0 and len(seen) == 1  # without the flag: checked
+    assert preflight.bench_bytes(["torch"], 4, 2**20, 10, 4) == 4 * (preflight.PROCESS_BYTES + 3 * 2**20)
+    assert preflight.bench_bytes(["jax"], 4, 2**20, 10, 4) == preflight.PROCESS_BYTES + 4 * 12 * 2**20
+
+
 # --- up-front: the distributed environment -------------------------------------------------------
 
 @pytest.fixture
