@@ -510,3 +510,21 @@ def test_jax_processes_killed_then_preempted_resume_bitwise(tmp_path):
     rc, whole, err = _launched(run, tmp_path, "whole")
     assert rc == 0, err[-3000:]
     _continues_bitwise(resumed, whole, stopped if stopped < 8 else 6)
+
+
+# --- the verdict of a long pure run: the references measure a floor (shared/tolerances.py) -----------
+
+def test_a_long_pure_run_is_judged_by_the_floor_its_reference_measures(tmp_path, monkeypatch):
+    """Past PURE_FLOOR_STEPS the JAX reference also trains with the batch split in two; each row carries
+    that floor and the tolerance it gave. PURE_FLOOR_STEPS lowered to 3 so a 4-step run is "long" (seed 11:
+    a config no other test caches a reference for)."""
+    from shared import results
+
+    monkeypatch.setattr(results, "PURE_FLOOR_STEPS", 3)
+    rc, data = _run_json(["--frameworks", "jax", "--patterns", "dp", "--model", "mlp", "--world-size", "2",
+                          "--steps", "4", "--seed", "11", "--styles", "shard_map"], tmp_path / "long.json")
+    assert rc == 0, data["errors"]
+    for row in data["runs"]:
+        floor = row["extra"]["pure_floor"]
+        assert floor["floor"]["max_rel_err_loss"] < 1e-14  # 4 steps: rounding only
+        assert floor["tolerance"]["max_rel_err_param"] >= 1e-12
