@@ -92,9 +92,8 @@ CROSS_FRAMEWORK_FACTOR = 2.0
 # at 1.1e-15 and passes either way. The transformer has ~1e-16 between two sharded variants up to
 # step 200, then grows exponentially once its loss nears its floor (2.8e-13 at 300, 1e-9 at 500,
 # 1.9e-7 at 599), and reaches 9.5e-4 against the single-device run. That is chaotic amplification:
-# no growth law separates it from a bug at that length, so such a run still FAILs. Its verdict
-# needs a measured floor (the reference against itself with the batch split), not yet run by
-# compare.py (docs/reliability.md). A bug is not hidden: the step-0 gradients keep the one-step
+# no growth law separates it from a bug at that length, so runs past PURE_FLOOR_STEPS are judged by
+# a measured floor instead (below; docs/reliability.md). A bug is not hidden: the step-0 gradients keep the one-step
 # tolerance (one step, nothing accumulates), and a wrong averaging factor (x2, x0.5) moves them by
 # 50-100%. In the parameters alone (a resumed run has no step-0 gradients), AdamW's near
 # scale-invariance leaves only eps to see the factor: 3e-7 after 3 steps and 3.5e-6 after 600
