@@ -32,7 +32,9 @@ The coordinator port: the parent binds port 0, reads the port the OS gave and cl
 (JAX's coordinator binds it itself; the window in between is the only race). A process that
 raises writes its traceback, one that dies is seen by its exit code: either way the others are
 killed at once and ``LaunchError`` carries the traceback. Children get SIGKILL when the parent
-dies (PR_SET_PDEATHSIG), so nothing is orphaned; the whole launch ends after ``timeout_s``.
+dies (PR_SET_PDEATHSIG), so nothing is orphaned; the whole launch ends after ``timeout_s``. The
+command form passes SIGTERM on to every process and waits for them to save (preemption:
+``run_command``).
 """
 
 from __future__ import annotations

@@ -212,8 +212,8 @@ def check_devices(frameworks, world_size: int, device: str) -> None:
                 raise
             name = f"environment variable JAX_PLATFORMS={os.environ['JAX_PLATFORMS']!r}" \
                 if os.environ.get("JAX_PLATFORMS") else "JAX"
-            raise ValueError(f"{name}: {str(exc).splitlines()[0].split(' (set JAX_PLATFORMS')[0].rstrip('.')}; unset it, "
-                             "or set JAX_PLATFORMS=cpu") from None
+            why = str(exc).splitlines()[0].split(" (set JAX_PLATFORMS")[0].rstrip(".")
+            raise ValueError(f"{name}: {why}; unset it, or set JAX_PLATFORMS=cpu") from None
     if "torch" in frameworks:
         from torch_impl.launch import resolve_device
 

@@ -131,8 +131,14 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
     {(pattern, model, framework): reference losses}). ``progress(framework, event)`` hears each
     framework start and each run start and finish. Ctrl-C: ``Interrupted`` carrying the rows of
     what finished."""
-    from shared.results import (cross_framework_ok, losses_within_floor, parity, pure_floor, routing_mismatch,
-                                within_floor)
+    from shared.results import (
+        cross_framework_ok,
+        losses_within_floor,
+        parity,
+        pure_floor,
+        routing_mismatch,
+        within_floor,
+    )
     from shared.tolerances import CROSS_FRAMEWORK_FACTOR, MIXED_CROSS_FRAMEWORK_FACTOR, MIXED_FACTOR
 
     raw, errors, cfg, interrupted = {}, [], cfgs[0], None

@@ -138,8 +138,8 @@ def test_long_pure_runs_pass_by_the_measured_floor_and_a_wrong_reduction_fails(c
         assert not within(parity(run, ref), "float64", steps=600, floor=floor), name  # the step-0 gradients
         assert not losses_within_floor(run, "float64", 1.0, ref), name  # the losses, step by step
         first = type(run)(losses=run.losses[:3], grads0=[], params=[])  # its first 3 steps alone fail too
-        assert not losses_within_floor(first, "float64", 1.0, type(ref)(losses=ref.losses[:3], grads0=[], params=[],
-                                                                          extra={"floor_losses": ref.extra["floor_losses"]}))
+        head = type(ref)(losses=ref.losses[:3], grads0=[], params=[], extra={"floor_losses": ref.extra["floor_losses"]})
+        assert not losses_within_floor(first, "float64", 1.0, head), name
     # resumed at step 2 (no step-0 gradients): its first steps, still within a tiny floor, fail it
     resumed = type(ref)(losses=chaotic["sum"].losses[2:], grads0=[], params=chaotic["sum"].params, start_step=2)
     assert not losses_within_floor(resumed, "float64", 1.0, ref)
