@@ -160,11 +160,11 @@ def losses_within_floor(run: Trained, dtype: str, factor: float = 1.0, *refs: Tr
     if not envelopes or not run.losses:
         return True
     k0, ref = run.start_step, refs[0]
-    mine = np.asarray(ref.losses[k0:], np.float64)
-    scale = max(float(np.max(np.abs(mine))), np.finfo(np.float64).tiny)
-    errs = np.abs(np.asarray(run.losses, np.float64) - mine) / scale
-    if errs.shape != mine.shape:
+    mine, losses = np.asarray(ref.losses[k0:], np.float64), np.asarray(run.losses, np.float64)
+    if losses.shape != mine.shape:
         return False
+    scale = max(float(np.max(np.abs(mine))), np.finfo(np.float64).tiny)
+    errs = np.abs(losses - mine) / scale
     return all(err <= factor * max(tolerance(dtype, k0 + k + 1), PURE_FLOOR_FACTOR * max(e[k0 + k] for e in envelopes))
                for k, err in enumerate(errs))
 
