@@ -1,6 +1,6 @@
 """Up-front checks compare.py makes before any rank, process or JAX device starts (issue 38): the
 machine can hold the run (processes, memory), and the distributed environment is torchrun's, not
-a stale export. Each refusal is one ValueError line naming what and how to go on. NumPy + stdlib.
+a stale export. Each refusal is one ValueError line naming what and how to go on. Stdlib only.
 
     check_environment(os.environ)            # stale RANK/WORLD_SIZE/MASTER_*, WORLD_SIZE=abc
     check_jax_environment(os.environ)        # JAX_PLATFORMS=gpu without one, a bad XLA_FLAGS
@@ -21,8 +21,6 @@ GPUs or dim=200000 cost it a second; ``diff`` and ``doctor`` read files and prob
 from __future__ import annotations
 
 import os
-
-import numpy as np
 
 PROCESS_BYTES = 150 * 2**20  # one Python interpreter with torch or JAX imported, nothing allocated
 MIN_PROCESS_CAP = 32  # ranks allowed on any machine: the test suite's 8 and the docs' 16 fit
@@ -50,12 +48,16 @@ def available_memory() -> int | None:
         return None
 
 
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def rank_bytes(cfg) -> int:
     """One rank's estimate: two model copies' state (4·Φ·b each) plus one step's activations.
     MLP: 4 tensors of B×D per layer. Transformer: ~16 of B·T×D per block, the attention scores
-    (3 × B·H×T×T per block) and the logits (3 × B·T×V)."""
-    b = np.dtype(cfg.dtype).itemsize
-    state = 2 * 4 * cfg.n_params * b
+    (3 × B·H×T×T per block) and the logits (3 × B·T×V). Mixed precision: the state in float32, the
+    activations in the compute dtype."""
+    b = ITEMSIZE[cfg.dtype]  # bfloat16 is no NumPy dtype until ml_dtypes (JAX) is imported
+    state = 2 * 4 * cfg.n_params * (4 if getattr(cfg, "precision", "pure") == "mixed" else b)
     if cfg.model == "mlp":
         acts = 4 * cfg.batch * cfg.dim * cfg.layers
     else:
