@@ -41,7 +41,7 @@ from shared import preempt
 from shared.checkpoint import Plan
 from shared.config import Config
 from shared.problem import make_problem
-from shared.results import Trained, mixed_extra
+from shared.results import Trained, floor_extra, mixed_extra, needs_floor
 
 
 @dataclass
@@ -175,6 +175,8 @@ def _cached_reference(cfg: Config, device: str):
         ref.extra.update(mixed_extra(ref, reference.train(cfg, make_problem(cfg), one, split=2),
                                      reference.train(cfg.replace(dtype="float64", precision="pure"),
                                                      make_problem(cfg), one)))
+    elif needs_floor(cfg):  # a long pure run: its measured floor, the batch split in two (shared/tolerances.py)
+        ref.extra.update(floor_extra(ref, reference.train(cfg, make_problem(cfg), one, split=2)))
     return ref
 
 

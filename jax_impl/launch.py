@@ -32,7 +32,9 @@ The coordinator port: the parent binds port 0, reads the port the OS gave and cl
 (JAX's coordinator binds it itself; the window in between is the only race). A process that
 raises writes its traceback, one that dies is seen by its exit code: either way the others are
 killed at once and ``LaunchError`` carries the traceback. Children get SIGKILL when the parent
-dies (PR_SET_PDEATHSIG), so nothing is orphaned; the whole launch ends after ``timeout_s``.
+dies (PR_SET_PDEATHSIG), so nothing is orphaned; the whole launch ends after ``timeout_s``. The
+command form passes SIGTERM on to every process and waits for them to save (preemption:
+``run_command``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -55,6 +58,7 @@ from shared.env import die_with_parent
 DEFAULT_TIMEOUT_S = 300.0
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
+TERM = 128 + signal.SIGTERM  # 143: a process that stopped on SIGTERM (shared/preempt.py)
 
 
 class LaunchError(RuntimeError):
@@ -164,7 +168,7 @@ _RUN_SCRIPT = ("import os, runpy, sys; from jax_impl.launch import _die_with_par
 
 
 def run_command(argv: list[str], processes: int, devices_per_process: int, timeout_s: float,
-                grace_s: float = 2.0) -> int:
+                grace_s: float = 2.0, term_grace_s: float = 60.0) -> int:
     """``python -m jax_impl.launch -n N -d K script.py ARGS…``: N copies of a Python script on this
     machine, each with K CPU devices and the environment a multi-node launch gives one process per
     node. Process 0's output is this command's; the others' stdout is dropped (their stderr shows).
@@ -172,8 +176,19 @@ def run_command(argv: list[str], processes: int, devices_per_process: int, timeo
     Every process is watched (each poll reads every exit status, not process 0's first): when one
     ends non-zero, the others get SIGTERM, then SIGKILL ``grace_s`` later, and one line on stderr
     names the process and its status. Exit status: that process's (128 + signal for a signal), else
-    0; 124 on timeout."""
-    coordinator, procs = f"127.0.0.1:{free_port()}", []
+    0; 124 on timeout.
+
+    SIGTERM to this launcher (preemption, as torchrun's agent does it), or a process that exits 143
+    (it got one), is passed on to every process; they then have ``term_grace_s`` to finish their
+    step, save and exit (compare.py with --checkpoint-dir: 143) before SIGKILL. The launch exits
+    143; a process failing otherwise meanwhile ends the others as above."""
+    coordinator, procs, termed = f"127.0.0.1:{free_port()}", [], {}
+
+    def forward(signum, frame) -> None:  # recorded here, passed on by the loop below (to every process)
+        termed.setdefault("at", time.monotonic())
+
+    previous = signal.signal(signal.SIGTERM, forward) if threading.current_thread() is threading.main_thread() \
+        else None
     try:
         for i in range(processes):
             procs.append(subprocess.Popen([sys.executable, "-c", _RUN_SCRIPT, *argv], stdin=subprocess.DEVNULL,
@@ -183,14 +198,28 @@ def run_command(argv: list[str], processes: int, devices_per_process: int, timeo
         while True:
             codes = [p.poll() for p in procs]  # every one, every time
             failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
+            if failed is not None and _status(codes[failed]) == TERM:  # one process preempted: all are
+                termed.setdefault("at", time.monotonic())
+            if termed:  # preempted: every process finishes its step, saves and exits; wait for all of them
+                if not termed.get("sent"):
+                    termed["sent"] = True
+                    for p in procs:
+                        if p.poll() is None:
+                            p.send_signal(signal.SIGTERM)
+                failed = next((i for i, c in enumerate(codes) if c is not None and _status(c) not in (0, TERM)),
+                              None)  # a failure other than the stop itself ends the others as below
+                if failed is None:
+                    if all(c is not None for c in codes) or time.monotonic() > termed["at"] + term_grace_s:
+                        return _after_sigterm(procs, codes, processes)
+                    time.sleep(0.05)
+                    continue
             if failed is not None:
                 code = codes[failed]
-                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
                 others = [i for i, c in enumerate(codes) if c is None]
                 _stop(procs, grace_s)
-                print(f"jax_impl.launch: process {failed} of {processes} ended with {how}"
+                print(f"jax_impl.launch: process {failed} of {processes} ended with {_how(code)}"
                       + (f"; stopped processes {others}" if others else ""), file=sys.stderr, flush=True)
-                return code if code > 0 else 128 - code
+                return _status(code)
             if all(c == 0 for c in codes):
                 return 0
             if time.monotonic() > deadline:
@@ -201,6 +230,29 @@ def run_command(argv: list[str], processes: int, devices_per_process: int, timeo
             time.sleep(0.05)
     finally:
         _stop(procs)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _how(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+
+
+def _status(code: int) -> int:
+    return code if code >= 0 else 128 - code
+
+
+def _after_sigterm(procs, codes, processes: int) -> int:
+    """The launch's status once SIGTERM was passed on and no process failed otherwise: 143 when a
+    process stopped on it (exit 143, or killed by the SIGTERM itself), 0 when all had finished; a
+    process still running after the grace is killed and named (137)."""
+    late = [i for i, c in enumerate(codes) if c is None]
+    _stop(procs)
+    if late:
+        print(f"jax_impl.launch: SIGTERM passed on; processes {late} of {processes} did not stop in time "
+              "(killed)", file=sys.stderr, flush=True)
+        return 128 + signal.SIGKILL
+    return TERM if any(_status(c) == TERM for c in codes) else 0
 
 
 # --- in the child ---------------------------------------------------------------------------

@@ -144,6 +144,18 @@ def add_json(p, what: str) -> None:
                    help=f"write {what} here as JSON ('-': standard output) (default: none)")
 
 
+def add_resource_check(p) -> None:
+    """--no-resource-check: skip the up-front ranks / memory estimate (parallel_twins/preflight.py)."""
+    p.add_argument("--no-resource-check", action="store_true",
+                   help="start even when --world-size exceeds max(32, 4 × cores) or the memory estimate exceeds "
+                        "the available memory (parallel_twins/preflight.py) (default: refuse)")
+
+
+def launched() -> bool:
+    """This process is one rank / process of a launch (torchrun, a multi-process JAX launch)."""
+    return "RANK" in os.environ or "JAX_NUM_PROCESSES" in os.environ
+
+
 def add_quiet(p, what: str = "no progress line (it is shown on a terminal only)") -> None:
     p.add_argument("--quiet", action="store_true", help=what)
 
@@ -230,7 +242,15 @@ def check_devices(frameworks, world_size: int, device: str) -> None:
     if "jax" in frameworks and "RANK" not in os.environ:
         from jax_impl.devices import devices
 
-        devices(world_size, device)
+        try:
+            devices(world_size, device)
+        except RuntimeError as exc:  # JAX_PLATFORMS=bogus, or a platform this machine cannot start
+            if "Unable to initialize backend" not in str(exc):
+                raise
+            name = f"environment variable JAX_PLATFORMS={os.environ['JAX_PLATFORMS']!r}" \
+                if os.environ.get("JAX_PLATFORMS") else "JAX"
+            why = str(exc).splitlines()[0].split(" (set JAX_PLATFORMS")[0].rstrip(".")
+            raise ValueError(f"{name}: {why}; unset it, or set JAX_PLATFORMS=cpu") from None
     if "torch" in frameworks:
         from torch_impl.launch import resolve_device
 

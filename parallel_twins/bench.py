@@ -13,6 +13,7 @@ per op. With torch it also measures the matmul FLOP/s each rank gets while every
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -24,10 +25,12 @@ from parallel_twins.args import (
     add_frameworks,
     add_json,
     add_quiet,
+    add_resource_check,
     add_world_size,
     check_devices,
     check_output_path,
     csv_list,
+    launched,
 )
 from shared.collectives import BENCH_OPS  # NumPy only: safe before JAX starts
 from shared.env import simulate_host_devices
@@ -53,6 +56,7 @@ def build_bench_parser() -> argparse.ArgumentParser:
                    help="write what this machine achieves (matmul rates by size, busbw per op, memcpy) as the "
                         "table compare.py plan --profile reads (shared/efficiency.py) (default: none)")
     add_quiet(p, "print nothing (with --json: the measurements go there only)")
+    add_resource_check(p)
     return p
 
 
@@ -79,6 +83,16 @@ def bench_main(argv) -> int:
         check_output_path("--profile", args.profile)
         if args.profile and "torch" not in args.frameworks:
             raise ValueError("--profile needs the torch framework (it measures the matmuls and the copies)")
+        if "jax" in args.frameworks:
+            from parallel_twins.preflight import check_jax_environment
+
+            check_jax_environment(os.environ)
+        if not args.no_resource_check:  # before any rank, process or device exists (parallel_twins/preflight.py)
+            from parallel_twins.preflight import check_bench_resources
+            from shared.env import local_gpu_count
+
+            check_bench_resources(args.frameworks, args.world_size, args.max_bytes, args.iters,
+                                  on_gpu=args.device != "cpu" and local_gpu_count() > 0, launched=launched())
         simulate_host_devices(args.world_size)  # before JAX starts
         check_devices(args.frameworks, args.world_size, args.device)
     except (ArgumentError, ValueError) as exc:

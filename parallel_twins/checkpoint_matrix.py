@@ -26,10 +26,12 @@ from parallel_twins.args import (
     add_frameworks,
     add_json,
     add_quiet,
+    add_resource_check,
     add_sizes,
     add_training,
     add_world_size,
     check_output_path,
+    launched,
 )
 from shared.config import MODELS
 from shared.env import simulate_host_devices
@@ -145,6 +147,7 @@ def matrix_main(argv) -> int:
     p.add_argument("--dir", metavar="DIR", help="keep the checkpoints here (default: a temporary folder)")
     add_json(p, "the rows")
     add_quiet(p, "no progress lines")
+    add_resource_check(p)
     try:
         args = p.parse_args(argv)
         from shared.config import Config
@@ -162,6 +165,13 @@ def matrix_main(argv) -> int:
         for fw in frameworks:
             for pattern, *_, w in LAYOUTS[fw].values():
                 cfg.replace(world_size=w or cfg.world_size).check(pattern)
+        from parallel_twins.preflight import check_jax_environment, check_resources
+
+        if "jax" in frameworks:
+            check_jax_environment(os.environ)
+        if not args.no_resource_check:  # the main command's estimate, at the largest layout's world size
+            worlds = {w or cfg.world_size for fw in frameworks for *_, w in LAYOUTS[fw].values()}
+            check_resources([cfg.replace(world_size=max(worlds))], frameworks, under_torchrun=launched())
     except (ArgumentError, ValueError) as exc:
         print(f"compare.py checkpoint: error: {exc}", file=sys.stderr)
         return 2

@@ -378,9 +378,11 @@ def _main(argv=None) -> int:
         return diff_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
-        from parallel_twins.preflight import check_environment, check_resources
+        from parallel_twins.preflight import check_environment, check_jax_environment, check_resources
 
         check_environment(os.environ)  # a stale RANK/WORLD_SIZE/MASTER_* export, WORLD_SIZE=abc
+        if "jax" in args.frameworks:  # before JAX starts: JAX_PLATFORMS=gpu without one, a bad XLA_FLAGS
+            check_jax_environment(os.environ)
         if not args.timeout > 0:
             raise ValueError(f"--timeout {args.timeout:g}: a number of seconds > 0")
         check_output_path("--json", args.json)
@@ -437,7 +439,7 @@ def _main(argv=None) -> int:
     elapsed = time.perf_counter() - t0
     preempted = plan is not None and _preempted(errors)
     ok = report.all_ok(rows, xfw, errors) and interrupted is None and not preempted
-    if preempted and not rank0:
+    if preempted and (not rank0 or os.environ.get("JAX_PROCESS_ID", "0") != "0"):  # process 0 says it
         return 143
     if not rank0:
         return 130 if interrupted else 0 if ok else 1

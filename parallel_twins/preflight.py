@@ -1,14 +1,21 @@
 """Up-front checks compare.py makes before any rank, process or JAX device starts (issue 38): the
 machine can hold the run (processes, memory), and the distributed environment is torchrun's, not
-a stale export. Each refusal is one ValueError line naming what and how to go on. NumPy + stdlib.
+a stale export. Each refusal is one ValueError line naming what and how to go on. Stdlib only.
 
     check_environment(os.environ)            # stale RANK/WORLD_SIZE/MASTER_*, WORLD_SIZE=abc
-    check_resources(cfgs, frameworks, device) # --world-size and sizes against cores and memory
+    check_jax_environment(os.environ)        # JAX_PLATFORMS=gpu without one, a bad XLA_FLAGS
+    check_resources(cfgs, frameworks)        # --world-size and sizes against cores and memory
+    check_bench_resources(frameworks, world, max_bytes, iters)   # compare.py bench's sweep
 
 The memory figure is an estimate, stated as one: per model copy the parameters, gradients and
 AdamW's two moments (4·Φ·b), twice (the single-device reference and the parallel run), plus the
 activations of one step (below) and ~150 MiB of interpreter and framework per process. torch
 spawns one process per rank; JAX holds every simulated device in this one process.
+
+The subcommands: ``bench`` checks its ranks and its messages (check_bench_resources), ``checkpoint``
+its model as the main command does (check_resources), each with --no-resource-check; ``plan``
+needs no check: it sizes a cluster on paper (no process, no device, no model is made), so 100000
+GPUs or dim=200000 cost it a second; ``diff`` and ``doctor`` read files and probe what is there.
 """
 
 from __future__ import annotations
@@ -41,10 +48,14 @@ def available_memory() -> int | None:
         return None
 
 
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def rank_bytes(cfg) -> int:
     """One rank's estimate: two model copies' state (4·Φ·b each) plus one step's activations.
     MLP: 4 tensors of B×D per layer. Transformer: ~16 of B·T×D per block, the attention scores
-    (3 × B·H×T×T per block) and the logits (3 × B·T×V)."""
+    (3 × B·H×T×T per block) and the logits (3 × B·T×V). Mixed precision: the state in float32, the
+    activations in the compute dtype."""
     b = cfg.compute_bytes  # bfloat16 is no NumPy dtype: the project's byte table (shared.config)
     state = 2 * 4 * cfg.n_params * cfg.bytes_per_element  # mixed precision: float32 master state
     if cfg.model == "mlp":
@@ -78,22 +89,54 @@ def check_resources(cfgs, frameworks, under_torchrun: bool = False, available: i
     """Refuse (ValueError, one line) a world size beyond process_cap() or a run whose estimate
     exceeds the available memory. Under torchrun this process is one rank of its node."""
     world = cfgs[0].world_size
+    check_processes(world, under_torchrun, cores)
+    processes = 1 if under_torchrun else world
+    big = max(cfgs, key=rank_bytes)
+    check_memory(estimate(cfgs, frameworks, processes), available,
+                 f"{processes} process(es), {big.model} dim={big.dim} layers={big.layers} batch={big.batch}: "
+                 f"{_gib(rank_bytes(big))} per rank", "use smaller sizes or fewer ranks")
+
+
+def check_processes(world: int, launched: bool = False, cores: int | None = None) -> None:
+    """--world-size beyond process_cap() (not when this process is one rank of a launch)."""
     cap = process_cap(cores)
-    if world > cap and not under_torchrun:
+    if world > cap and not launched:
         raise ValueError(f"--world-size {world}: more ranks than this machine can run "
                          f"(at most {cap} = max({MIN_PROCESS_CAP}, 4 × {cores or os.cpu_count()} CPU cores)); "
                          "pass --no-resource-check to start them anyway")
+
+
+def check_memory(need: int, available: int | None, detail: str, fix: str) -> None:
+    """``need`` bytes against ``available`` (default: available_memory(); unknown: no check)."""
     available = available_memory() if available is None else available
-    if available is None:
-        return
-    processes = 1 if under_torchrun else world
-    need = estimate(cfgs, frameworks, processes)
-    if need > available:
-        big = max(cfgs, key=rank_bytes)
-        raise ValueError(f"this run needs about {_gib(need)} of memory ({processes} process(es), "
-                         f"{big.model} dim={big.dim} layers={big.layers} batch={big.batch}: "
-                         f"{_gib(rank_bytes(big))} per rank) but {_gib(available)} is available; "
-                         "use smaller sizes or fewer ranks, or pass --no-resource-check")
+    if available is not None and need > available:
+        raise ValueError(f"this run needs about {_gib(need)} of memory ({detail}) but {_gib(available)} is "
+                         f"available; {fix}, or pass --no-resource-check")
+
+
+def bench_bytes(frameworks, world: int, max_bytes: int, iters: int, processes: int) -> int:
+    """compare.py bench's host memory at its largest message S: a torch rank holds its input and
+    output (≤ 2·S) and gloo's staging (≤ S) in its own process; JAX holds, per device, the input
+    and the ``iters`` outputs dispatched back to back (≤ (iters + 2)·S) in this one process."""
+    need = 0
+    if "torch" in frameworks:
+        need = processes * (PROCESS_BYTES + 3 * max_bytes)
+    if "jax" in frameworks:
+        need = max(need, PROCESS_BYTES + world * (iters + 2) * max_bytes)
+    return need
+
+
+def check_bench_resources(frameworks, world: int, max_bytes: int, iters: int, on_gpu: bool = False,
+                          launched: bool = False, available: int | None = None, cores: int | None = None) -> None:
+    """compare.py bench's up-front check (the main command's, for a sweep): ranks against the
+    cores; on CPU, the messages against the memory (on GPUs they live in device memory: the
+    processes alone are checked)."""
+    check_processes(world, launched, cores)
+    if not on_gpu:
+        processes = 1 if launched else world
+        check_memory(bench_bytes(frameworks, world, max_bytes, iters, processes), available,
+                     f"{processes} process(es), messages up to {_gib(max_bytes)}, {iters} iterations",
+                     "lower --max-bytes or --iters, or use fewer ranks")
 
 
 # --- the distributed environment -----------------------------------------------------------------
@@ -125,3 +168,59 @@ def check_environment(env) -> None:
         raise ValueError(f"{', '.join(f'{n}={env[n]}' for n in present)} set, but this process was not "
                          "started by torchrun (no TORCHELASTIC_RUN_ID): a stale environment would wait for "
                          f"ranks that never come; unset {' '.join(present)}, or launch with torchrun")
+
+
+# --- JAX's environment: JAX_PLATFORMS and XLA_FLAGS, before JAX starts ---------------------------
+
+GPU_PLATFORMS = ("gpu", "cuda")  # what the driver query below can answer for (ROCm: JAX's own error)
+SAFE_XLA_FLAGS = ("xla_force_host_platform_device_count", "xla_backend_optimization_level")  # this project's
+
+
+def check_jax_environment(env, gpus=None, probe=None) -> None:
+    """Refuse (ValueError, one line naming the variable) what would otherwise abort or raise inside
+    JAX: JAX_PLATFORMS=gpu|cuda on a machine whose driver shows no GPU (``gpus``: the count, default
+    shared.env.local_gpu_count()); an XLA_FLAGS word that is not a --flag (XLA then reads the whole
+    value as a file name) or a flag XLA does not know (XLA:CPU aborts the process with a C++ log
+    line). A flag other than this project's own is tried first in a child interpreter (``probe``:
+    flags -> None or XLA's complaint; a second or so, only then). An unknown JAX_PLATFORMS name is
+    caught where JAX starts (args.check_devices)."""
+    platforms = [p.strip() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    wants_gpu = [p for p in platforms if p.lower() in GPU_PLATFORMS]
+    if wants_gpu:  # JAX starts every platform listed
+        if gpus is None:
+            from shared.env import local_gpu_count
+
+            gpus = local_gpu_count()
+        if gpus == 0:
+            raise ValueError(f"environment variable JAX_PLATFORMS={env['JAX_PLATFORMS']!r}: this machine has no "
+                             "GPU the CUDA driver shows; unset it, or set JAX_PLATFORMS=cpu")
+    flags = env.get("XLA_FLAGS", "").split()
+    bad = [word for word in flags if not word.startswith("--") or len(word) < 3]
+    if bad:
+        raise ValueError(f"environment variable XLA_FLAGS={env['XLA_FLAGS']!r}: {bad[0]!r} is not a --flag "
+                         "(XLA would read the whole value as a file name); use --name=value words")
+    unusual = [word for word in flags if word[2:].split("=", 1)[0] not in SAFE_XLA_FLAGS]
+    if unusual:
+        complaint = (probe or probe_xla_flags)(env["XLA_FLAGS"])
+        if complaint:
+            raise ValueError(f"environment variable XLA_FLAGS={env['XLA_FLAGS']!r}: {complaint} (XLA would abort); "
+                             "fix or remove that flag")
+
+
+def probe_xla_flags(flags: str, timeout_s: float = 120.0) -> str | None:
+    """Start XLA:CPU with ``flags`` in a child interpreter: None when it starts, else XLA's own
+    complaint (its last log line about XLA_FLAGS, without the log prefix)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    try:
+        done = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"], env=env, timeout=timeout_s,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return None  # not XLA_FLAGS' fault that we know of: let the run say what happens
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.strip().splitlines()
+    line = next((x for x in reversed(lines) if "XLA_FLAGS" in x), lines[-1] if lines else f"exit {done.returncode}")
+    return line.split("] ", 1)[1] if "] " in line else line.strip()

@@ -132,8 +132,15 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
     {(pattern, model, framework): reference losses}). ``progress(framework, event)`` hears each
     framework start and each run start and finish. Ctrl-C: ``Interrupted`` carrying the rows of
     what finished."""
-    from shared.results import cross_framework_ok, parity, routing_mismatch, within_floor
-    from shared.tolerances import MIXED_CROSS_FRAMEWORK_FACTOR, MIXED_FACTOR
+    from shared.results import (
+        cross_framework_ok,
+        losses_within_floor,
+        parity,
+        pure_floor,
+        routing_mismatch,
+        within_floor,
+    )
+    from shared.tolerances import CROSS_FRAMEWORK_FACTOR, MIXED_CROSS_FRAMEWORK_FACTOR, MIXED_FACTOR
 
     raw, errors, cfg, interrupted = {}, [], cfgs[0], None
     models_of = {p: [run_key(c) for c in cfgs_for(cfgs, p)] for p in patterns}  # cp, mesh: the transformer only
@@ -189,7 +196,8 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
                     agree = within_floor(errs, t_ref, j_ref, factor=MIXED_CROSS_FRAMEWORK_FACTOR / MIXED_FACTOR,
                                          program=True)
                 else:
-                    agree = cross_framework_ok(errs, cfg.dtype, cfg.steps)
+                    agree = cross_framework_ok(errs, cfg.dtype, cfg.steps, pure_floor(t_ref, j_ref)) \
+                        and losses_within_floor(j_ref, cfg.dtype, CROSS_FRAMEWORK_FACTOR, t_ref, j_ref)
                 xfw.append({"pattern": pattern, "model": model, "what": "torch reference vs jax reference",
                             **errs, "ok": agree and routing is None,
                             **({"routing_mismatch": routing} if routing else {})})

@@ -124,11 +124,15 @@ def fault(phase: str, step: int, rank: int = 0) -> None:
     the process (rank R, default 0) kills itself with SIGKILL — phase "step": once K optimizer steps
     are done, before any save of step K; phase "save": in the middle of saving step K (its files
     written, its manifest not) — as a crash or a lost node would. ``signal=TERM``: SIGTERM instead
-    (preemption: shared/preempt.py); ``target=parent``: sent to the parent (the launcher) instead."""
+    (preemption: shared/preempt.py); ``target=parent``: sent to the parent (the launcher) instead.
+    ``restart=N``: only in torchrun's restart N (TORCHELASTIC_RESTART_COUNT, 0 the first attempt),
+    so a group that torchrun --max-restarts starts again does not die again."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
     want = dict(kv.split("=", 1) for kv in spec.split(","))
+    if "restart" in want and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != want["restart"]:
+        return
     if want.get("phase", "step") == phase and int(want["step"]) == step and int(want.get("rank", 0)) == rank:
         import signal
 

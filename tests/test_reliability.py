@@ -9,6 +9,8 @@ import pytest
 
 from parallel_twins import cli as compare
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 # --- the JAX launcher watches every process -----------------------------------------------------
 
 _DIE_ON_1 = """
@@ -83,6 +85,38 @@ def test_the_estimate_counts_processes_and_the_flag_overrides(monkeypatch):
     assert seen == []
 
 
+@pytest.mark.parametrize("argv,says", [
+    (["bench", "--world-size", "100000"], "--world-size 100000: more ranks"),
+    (["bench", "--world-size", "2", "--max-bytes", str(10**11)], "messages up to 93.1 GiB"),
+    (["checkpoint", "--dim", "200000"], "mlp dim=200000"),
+])
+def test_the_subcommands_check_ranks_and_memory_up_front(argv, says, capsys):
+    """bench and checkpoint make the main command's check (plan makes nothing: it sizes on paper)."""
+    cmd = f"compare.py {argv[0]}: error: "
+    err = _one_line_exit_2(argv, capsys)
+    assert err.startswith(cmd) and says in err and "--no-resource-check" in err, err
+
+
+def test_the_subcommands_override_flag_skips_the_check(monkeypatch):
+    from parallel_twins import preflight
+
+    seen = []
+    monkeypatch.setattr(preflight, "check_bench_resources", lambda *a, **k: seen.append(a))
+    monkeypatch.setattr(preflight, "check_resources", lambda *a, **k: seen.append(a))
+    assert compare.main(["bench", "--world-size", "100000", "--no-resource-check", "--frameworks", "torch",
+                         "--device", "gpu"]) == 2  # stopped by the GPU check, after the check we skipped
+    assert seen == []
+    from parallel_twins import checkpoint_matrix
+
+    monkeypatch.setattr(checkpoint_matrix, "simulate_host_devices", lambda n: None)
+    monkeypatch.setattr(checkpoint_matrix, "matrix", lambda *a: ([], {}))  # no saves: what runs before them
+    assert compare.main(["checkpoint", "--dim", "200000", "--no-resource-check", "--quiet"]) == 0
+    assert seen == []
+    assert compare.main(["checkpoint", "--quiet"]) == 0 and len(seen) == 1  # without the flag: checked
+    assert preflight.bench_bytes(["torch"], 4, 2**20, 10, 4) == 4 * (preflight.PROCESS_BYTES + 3 * 2**20)
+    assert preflight.bench_bytes(["jax"], 4, 2**20, 10, 4) == preflight.PROCESS_BYTES + 4 * 12 * 2**20
+
+
 # --- up-front: the distributed environment -------------------------------------------------------
 
 @pytest.fixture
@@ -116,6 +150,37 @@ def test_a_bad_environment_variable_is_named(clean_env, capsys, name, value, say
 @pytest.mark.parametrize("value", ["-1", "0", "nan"])
 def test_a_timeout_not_positive_is_refused(value, capsys):
     assert f"--timeout {value}" in _one_line_exit_2(["--timeout", value, "--patterns", "dp"], capsys)
+
+
+def test_jax_environment_mistakes_are_named_before_jax_starts(monkeypatch):
+    """JAX_PLATFORMS=gpu with no GPU, XLA_FLAGS that is not --flags or names a flag XLA does not know:
+    each used to be JAX's traceback or a C++ abort; now one line naming the variable."""
+    from parallel_twins.preflight import check_jax_environment, probe_xla_flags
+
+    probe = lambda flags: "Unknown flag in XLA_FLAGS: --xla_nope=1" if "nope" in flags else None  # noqa: E731
+    for platforms in ("gpu", "cpu,cuda"):
+        with pytest.raises(ValueError, match=f"JAX_PLATFORMS='{platforms}': this machine has no GPU"):
+            check_jax_environment({"JAX_PLATFORMS": platforms}, gpus=0, probe=probe)
+    check_jax_environment({"JAX_PLATFORMS": "gpu"}, gpus=1, probe=probe)  # a GPU: JAX's to start
+    with pytest.raises(ValueError, match="XLA_FLAGS='garbage': 'garbage' is not a --flag"):
+        check_jax_environment({"XLA_FLAGS": "garbage"}, probe=probe)
+    with pytest.raises(ValueError, match="XLA_FLAGS=.*Unknown flag in XLA_FLAGS: --xla_nope=1 .XLA would abort"):
+        check_jax_environment({"XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_nope=1"}, probe=probe)
+    check_jax_environment({"XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}, probe=lambda f: pytest.fail(f))  # no probe
+    # the real probe: XLA's own words, from a child that aborts (not this process)
+    assert probe_xla_flags("--xla_bogus_flag=1") == "Unknown flag in XLA_FLAGS: --xla_bogus_flag=1"
+
+
+def test_an_unknown_jax_platform_is_one_line(tmp_path):
+    """JAX_PLATFORMS=bogus: JAX's RuntimeError where it starts (args.check_devices) becomes one line, exit 2."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="bogus", PYTHONPATH=_ROOT)
+    done = subprocess.run([sys.executable, "compare.py", "--frameworks", "jax", "--patterns", "dp", "--model", "mlp",
+                           "--world-size", "2"], cwd=_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("compare.py: error: environment variable JAX_PLATFORMS='bogus': "), done.stderr
 
 
 # --- data-parallel wrappers refuse uneven batches; library misuse is one line (one 2-rank launch) ---
@@ -339,3 +404,21 @@ def test_sigterm_on_torch_ranks_saves_and_resumes_bitwise(fault, tmp_path, monke
     for r in whole["runs"]:
         if r["variant"] in first:
             assert first[r["variant"]]["losses"] == r["losses"][2:]
+
+
+# --- the verdict of a long pure run: the references measure a floor (shared/tolerances.py) -----------
+
+def test_a_long_pure_run_is_judged_by_the_floor_its_reference_measures(tmp_path, monkeypatch):
+    """Past PURE_FLOOR_STEPS the JAX reference also trains with the batch split in two; each row carries
+    that floor and the tolerance it gave. PURE_FLOOR_STEPS lowered to 3 so a 4-step run is "long" (seed 11:
+    a config no other test caches a reference for)."""
+    from shared import results
+
+    monkeypatch.setattr(results, "PURE_FLOOR_STEPS", 3)
+    rc, data = _run_json(["--frameworks", "jax", "--patterns", "dp", "--model", "mlp", "--world-size", "2",
+                          "--steps", "4", "--seed", "11", "--styles", "shard_map"], tmp_path / "long.json")
+    assert rc == 0, data["errors"]
+    for row in data["runs"]:
+        floor = row["extra"]["pure_floor"]
+        assert floor["floor"]["max_rel_err_loss"] < 1e-14  # 4 steps: rounding only
+        assert floor["tolerance"]["max_rel_err_param"] >= 1e-12

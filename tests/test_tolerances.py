@@ -120,3 +120,61 @@ def test_mixed_layout_factor_and_program_minimum():
     assert mixed_tolerance(1e-3, "shard_map", layout=("cp", "ring")) == MIXED_LAYOUT_FACTOR["ring"] * 1e-3
     assert mixed_tolerance(1e-3, "shard_map", layout=("cp", "ulysses")) == MIXED_FACTOR * 1e-3
     assert mixed_tolerance(1e-6, "jit", layout=("tp", "megatron")) == MIXED_PROGRAM_MIN
+
+
+# --- long pure runs: a measured floor (the reference against itself with the batch split in two) ------
+
+def _trained(out, steps):
+    from shared.results import Trained
+
+    losses, g0, params = out[steps]
+    return Trained(losses=losses, grads0=g0, params=params)
+
+
+@pytest.fixture(scope="module")
+def chaotic():
+    """The simulation at lr 0.3: rounding is amplified exponentially (the split run reaches 1e-2 in the
+    parameters after 600 steps, far past the growth law's 1e-7 ceiling), as compare.py's transformer
+    does near its loss floor. The sharded runs: the batch in 4 and 8 parts (other sums than the floor's
+    2); the wrong ones: summed not averaged, averaged twice, and 3 uneven parts averaged as if even."""
+    return {name: _trained(_train(600, *args, lr=0.3), 600) for name, args in
+            {"ref": (1,), "floor": (2,), "4": (4,), "8": (8,), "sum": (2, 2.0), "half": (2, 0.5),
+             "uneven": (3,)}.items()}
+
+
+def test_long_pure_runs_pass_by_the_measured_floor_and_a_wrong_reduction_fails(chaotic):
+    from shared.results import floor_extra, losses_within_floor, parity, pure_floor
+
+    ref = chaotic["ref"]
+    ref.extra.update(floor_extra(ref, chaotic["floor"]))
+    floor = pure_floor(ref)
+    assert floor["max_rel_err_param"] > 1e-3  # chaos: no growth law separates this from a bug
+    for name in ("4", "8"):  # correct code: fails the growth law, passes by the floor
+        errors = parity(chaotic[name], ref)
+        assert not within(errors, "float64", steps=600), name
+        assert within(errors, "float64", steps=600, floor=floor), (name, errors, floor)
+        assert losses_within_floor(chaotic[name], "float64", 1.0, ref), name
+    for name in ("sum", "half", "uneven"):  # a wrong reduction: fails on its first steps, floor or not
+        run = chaotic[name]
+        assert not within(parity(run, ref), "float64", steps=600, floor=floor), name  # the step-0 gradients
+        assert not losses_within_floor(run, "float64", 1.0, ref), name  # the losses, step by step
+        first = type(run)(losses=run.losses[:3], grads0=[], params=[])  # its first 3 steps alone fail too
+        head = type(ref)(losses=ref.losses[:3], grads0=[], params=[], extra={"floor_losses": ref.extra["floor_losses"]})
+        assert not losses_within_floor(first, "float64", 1.0, head), name
+    # resumed at step 2 (no step-0 gradients): its first steps, still within a tiny floor, fail it
+    resumed = type(ref)(losses=chaotic["sum"].losses[2:], grads0=[], params=chaotic["sum"].params, start_step=2)
+    assert not losses_within_floor(resumed, "float64", 1.0, ref)
+    assert max(ref.extra["floor_losses"][:10]) < 1e-12  # the floor there is rounding, not chaos
+
+
+def test_short_runs_measure_no_floor():
+    from shared.config import Config
+    from shared.results import Trained, losses_within_floor, needs_floor
+    from shared.tolerances import PURE_FLOOR_STEPS, floor_tolerance
+
+    assert not needs_floor(Config(steps=PURE_FLOOR_STEPS)) and needs_floor(Config(steps=PURE_FLOOR_STEPS + 1))
+    assert not needs_floor(Config(steps=600, precision="mixed", dtype="bfloat16"))  # mixed: its own floor
+    assert floor_tolerance("float64", 600, None) == tolerance("float64", 600)
+    assert floor_tolerance("float64", 600, 0.0) == tolerance("float64", 600)  # never below the growth law
+    run = Trained(losses=[1.0], grads0=[], params=[])
+    assert losses_within_floor(run, "float64", 1.0, Trained(losses=[2.0], grads0=[], params=[]))  # no floor: within's

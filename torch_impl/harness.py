@@ -32,7 +32,7 @@ from shared import preempt
 from shared.checkpoint import Plan
 from shared.config import Config
 from shared.problem import make_problem
-from shared.results import Trained, mixed_extra
+from shared.results import Trained, floor_extra, mixed_extra, needs_floor
 from torch_impl import checkpoint as ckpt
 from torch_impl import reference
 from torch_impl.launch import RankContext
@@ -237,6 +237,8 @@ def _cached_reference(cfg: Config, device: str, casts: str = "autocast"):
         ref.extra.update(mixed_extra(ref, reference.train(cfg, make_problem(cfg), device, split=2, casts=casts),
                                      reference.train(cfg.replace(dtype="float64", precision="pure"),
                                                      make_problem(cfg), device)))
+    elif needs_floor(cfg):  # a long pure run: its measured floor, the batch split in two (shared/tolerances.py)
+        ref.extra.update(floor_extra(ref, reference.train(cfg, make_problem(cfg), device, split=2)))
     return ref
 
 

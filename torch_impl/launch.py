@@ -322,13 +322,28 @@ def _rank_main(rank, world_size, port, fn, args, kind, results_q, timeout_s, thr
     os._exit(status)
 
 
+def _torchrun_store(world_size: int, timeout_s: float):
+    """torchrun's agent store for this attempt, or None (init_process_group's env:// then). The
+    agent keeps one TCPStore across a --max-restarts restart (TORCHELASTIC_USE_AGENT_STORE=True),
+    so a restarted group would read the dead group's gloo addresses and fail to connect (or hang):
+    pytorch/pytorch#135712. Each attempt gets its own key prefix, TORCHELASTIC_RESTART_COUNT, which
+    every worker of a one-node torchrun shares. Several nodes: their counts can differ (a healthy
+    node restarts without counting), so set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 there (rank 0
+    then hosts a fresh store each attempt, and this returns None)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, False,
+                          timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"parallel_twins/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def _join_torchrun(fn, world_size, args, kind, timeout_s, progress=None, fallback=None) -> list[Any]:
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world_size:
         raise ValueError(f"torchrun started {env_world} ranks but world_size={world_size} was asked for")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if not dist.is_initialized():
-        ctx = _init(rank, env_world, local_rank, kind, timeout_s)
+        ctx = _init(rank, env_world, local_rank, kind, timeout_s, store=_torchrun_store(env_world, timeout_s))
     else:
         device = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
         ctx = RankContext(rank, env_world, local_rank, device, dist.get_backend(), CommLedger(env_world))
