@@ -136,7 +136,9 @@ def fault(phase: str, step: int, rank: int = 0) -> None:
     if want.get("phase", "step") == phase and int(want["step"]) == step and int(want.get("rank", 0)) == rank:
         import signal
 
-        target = os.getppid() if want.get("target") == "parent" else os.getpid()  # parent: the launcher
+        # parent: the launcher (torch_impl.launch names itself: its ranks are a forkserver's children)
+        launcher = int(os.environ.get("PARALLEL_TWINS_LAUNCHER_PID", os.getppid()))
+        target = launcher if want.get("target") == "parent" else os.getpid()
         os.kill(target, getattr(signal, f"SIG{want.get('signal', 'KILL')}"))  # signal=TERM: preemption
 
 

@@ -191,9 +191,11 @@ def test_killing_a_worker_ends_the_whole_job_quickly(measured):
         deadline = time.monotonic() + 120
         ranks = []
         while time.monotonic() < deadline and len(ranks) < 2:
-            # ranks are the spawned python children (the resource tracker is one more child)
-            ranks = [p for p in _children(proc.pid)
-                     if "spawn_main" in _cmdline(p) and "resource_tracker" not in _cmdline(p)]
+            # ranks are the children of the launch's forkserver (torch_impl.launch; spawned children of the
+            # job under PARALLEL_TWINS_START_METHOD=spawn; the resource tracker is one more child)
+            kids = _children(proc.pid)
+            ranks = [p for k in kids if "forkserver" in _cmdline(k) for p in _children(k)] + [
+                p for p in kids if "spawn_main" in _cmdline(p) and "resource_tracker" not in _cmdline(p)]
             time.sleep(0.2)
         assert len(ranks) == 2, "ranks never started"
         time.sleep(3.0)  # let them get into training

@@ -2,7 +2,8 @@
 own framework and of the other one, the per-axis ledger against shared.theory on EVERY rank, and the
 per-rank state bytes against shared.theory.
 
-torch: ONE launch per world size (module-scoped fixtures, names prefixed torch_): at 4 ranks the six
+torch: ONE launch per world size (module-scoped fixtures, names prefixed torch_; JAX is imported
+inside the functions that use it: the ranks import this module): at 4 ranks the six
 2-D layouts (float64, both styles where builtin runs) + fsdp=2,tp=2 in float32; at 8 ranks the
 3-D layouts (slow: 8 gloo ranks on 2 cores). steps=3: the ledger records the last step, and DDP
 (builtin dp without tp) rebuilds its buckets in the second step's forward (two small broadcasts), so
@@ -20,8 +21,6 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import init_device_mesh
 from typed_expect import mesh_ledger, stated_kinds
 
-from jax_impl.harness import _reference as jax_reference
-from jax_impl.mesh_typed import refusal as typed_refusal
 from shared import plan, schedule
 from shared.config import Config, parse_mesh
 from shared.results import comm_bytes, cross_framework_ok, parity, within
@@ -106,6 +105,8 @@ def _check_variants(entries):
 
 
 def _check_parity(entries):
+    from jax_impl.harness import _reference as jax_reference
+
     for cfg, style, variant, trained, ref in _runs(entries):
         # within: float64 1e-12 (sums reordered over ranks: ~1e-15 seen), float32 5e-5 (shared.tolerances)
         errors = parity(trained, ref)
@@ -339,8 +340,20 @@ def test_jax_mesh_matches_torch_per_layout(jax_runs, torch_runs_4):
     assert compared >= 1
 
 
+def _jax_slow_layouts() -> dict:
+    """Every layout × style the default run (JAX_LAYOUTS) leaves out: the default tier runs those."""
+    from jax_impl.mesh_typed import refusal as typed_refusal
+
+    default = {(layout, s) for rows in JAX_LAYOUTS.values() for layout, styles in rows for s in styles}
+    out = {}
+    for ws, layouts in JAX_SLOW_LAYOUTS.items():
+        for layout in layouts:
+            styles = ("shard_map", "jit") + (("typed",) if typed_refusal(mesh_cfg(ws, layout)) is None else ())
+            rest = tuple(s for s in styles if (layout, s) not in default)
+            out[ws] = out.get(ws, ()) + (((layout, rest),) if rest else ())
+    return out
+
+
 @pytest.mark.slow
 def test_jax_mesh_every_layout():
-    _check_jax(_jax_run({ws: tuple((layout, ("shard_map", "jit") + (("typed",) if typed_refusal(mesh_cfg(ws, layout))
-                                                                     is None else ())) for layout in layouts)
-                         for ws, layouts in JAX_SLOW_LAYOUTS.items()}))
+    _check_jax(_jax_run(_jax_slow_layouts()))

@@ -4,7 +4,7 @@
 
 ``fn(ctx, *args)`` runs on every rank with a ``RankContext`` (rank, world size, device, the
 default process group and a communication ledger). It must be a module-level function (ranks
-are started with the ``spawn`` method, which pickles it by name).
+are forked from a forkserver (``_start_method``), which pickles it by name).
 
 - CPU: N processes, gloo. GPU node: one process per GPU, NCCL, ``torch.cuda.set_device``.
 - Under ``torchrun`` (RANK / WORLD_SIZE / LOCAL_RANK set) this process *is* a rank: it joins
@@ -142,14 +142,14 @@ def launch(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = _start_method()
     results_q = ctx.Queue()
     threads = max(1, (os.cpu_count() or 1) // world_size)
     procs = [
         ctx.Process(
             target=_rank_main,
             args=(rank, world_size, store.port, fn, args, kind, results_q, timeout_s, threads, progress is not None,
-                  fallback),
+                  fallback, dict(os.environ, PARALLEL_TWINS_LAUNCHER_PID=str(os.getpid()))),
             daemon=True,
             name=f"rank{rank}",
         )
@@ -187,6 +187,25 @@ def launch(
         _stop([p for p in procs if p.pid is not None], graceful=len(results) == world_size)
         results_q.close()
     return [results[r] for r in range(world_size)]
+
+
+# What a forkserver imports once, before it forks any rank (a rank unpickles ``fn`` and imports the rest).
+PRELOAD = ["torch_impl.launch", "torch_impl.harness"]
+START_METHOD_ENV = "PARALLEL_TWINS_START_METHOD"
+
+
+@functools.cache
+def _start_method():
+    """Ranks are forked from a forkserver that imported torch and the harness once (per launching
+    process), not spawned: a spawned rank imports them anew (seconds of CPU per rank), which
+    dominated short launches. Like spawn, the forkserver is a fresh interpreter (no threads, no CUDA,
+    nothing of the caller's state inherited); each rank gets the caller's sys.path, working folder
+    and (_rank_main) environment of the moment, as spawn would.
+    PARALLEL_TWINS_START_METHOD=spawn starts every rank afresh instead (where forkserver is missing)."""
+    ctx = mp.get_context(os.environ.get(START_METHOD_ENV, "forkserver"))
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def _forward_sigterm(procs) -> None:
@@ -294,7 +313,10 @@ def _gather_devices(device: torch.device, world_size: int) -> list[str]:
 
 
 def _rank_main(rank, world_size, port, fn, args, kind, results_q, timeout_s, threads, listened=False,
-               fallback=None) -> None:
+               fallback=None, environ=None) -> None:
+    if environ is not None:  # the launching process's environment now, not the forkserver's at its start
+        os.environ.clear()
+        os.environ.update(environ)
     die_with_parent()
     torch.set_num_threads(threads)
     try:
