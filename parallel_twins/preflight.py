@@ -48,9 +48,6 @@ def available_memory() -> int | None:
         return None
 
 
-ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
-
-
 def rank_bytes(cfg) -> int:
     """One rank's estimate: two model copies' state (4·Φ·b each) plus one step's activations.
     MLP: 4 tensors of B×D per layer. Transformer: ~16 of B·T×D per block, the attention scores
