@@ -181,7 +181,8 @@ def test_mixed_precision(runs):
         assert row.ok and row.precision == "mixed", (variant, row.extra["mixed"], parity(trained, entry["reference"]))
         theory = {op: {"count": c, "bytes": b} for op, (c, b) in cp_comm(cfg, variant, autocast=True).items()}
         assert trained.comm == dict(theory, **({"recv": theory["send"]} if variant in RING else {})), trained.comm
-        assert comm_bytes(trained.comm) == trained.comm_theory < cp_comm_bytes(cfg, variant)  # < all float32
+        assert comm_bytes(trained.comm) == trained.comm_theory < cp_comm_bytes(  # < all float32
+            cfg.replace(precision="pure", dtype="float32"), variant)
         phi = cfg.n_params
         assert trained.state_bytes == {"params": 4 * phi, "grads": 4 * phi, "optimizer": 8 * phi}, trained.state_bytes
 

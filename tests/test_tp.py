@@ -314,5 +314,6 @@ def test_mixed_precision(runs):
         assert row.ok and row.precision == "mixed", (variant, row.extra["mixed"], parity(trained, entry["reference"]))
         expected = {op: {"count": c, "bytes": b} for op, (c, b) in tp_comm(cfg, variant, autocast=True).items()}
         assert trained.comm == expected, (variant, trained.comm)
-        assert comm_bytes(trained.comm) == trained.comm_theory < tp_comm_bytes(cfg, variant)  # < all float32
+        assert comm_bytes(trained.comm) == trained.comm_theory < tp_comm_bytes(  # < all float32
+            cfg.replace(precision="pure", dtype="float32"), variant)
         assert trained.state_bytes == {k: int(v) for k, v in tp_state_bytes(cfg, variant).items()}  # 4 bytes

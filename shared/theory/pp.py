@@ -12,8 +12,10 @@ from __future__ import annotations
 from shared.config import Config
 from shared.theory.layout import Layout
 
-# Every message is one activation (or its gradient) in the compute dtype, b = cfg.compute_bytes (bf16
-# under mixed precision; the reduce dtype's cfg.bytes_per_element under pure: the same).
+# Every message is one activation (or its gradient). JAX's (circular, 1F1B, ticks) in the compute dtype,
+# b = cfg.compute_bytes (its mixed runs cast every parameter: bf16); torch's (pp_p2p_bytes*) in
+# cfg.bytes_per_element (under autocast the transformer's residual stream is float32, the MLP's stage
+# outputs are cast to it: Stage.out_dtype). Under pure the two are the same.
 
 
 def pp_p2p_bytes(cfg: Config, virtual: int = 1) -> int:
@@ -23,7 +25,7 @@ def pp_p2p_bytes(cfg: Config, virtual: int = 1) -> int:
     Interleaved, v chunks per rank: S·v − 1 boundaries between virtual stages, every one
     between ranks when S > 1: 2·(S·v − 1)·B·D·b."""
     boundaries = cfg.world_size * virtual - 1 if cfg.world_size > 1 else 0
-    return 2 * boundaries * pp_activation_elements(cfg) * cfg.compute_bytes
+    return 2 * boundaries * pp_activation_elements(cfg) * cfg.bytes_per_element  # torch: float32 boundaries
 
 
 def pp_bubble_fraction(stages: int, microbatches: int) -> float:
@@ -38,7 +40,7 @@ def pp_p2p_bytes_per_rank(cfg: Config, rank: int, virtual: int = 1) -> int:
     Summed over ranks: pp_p2p_bytes. Interleaved (``virtual`` = v chunks, virtual stage c·S + s):
     pp_p2p_count_per_rank(…, v) messages of (B/M)·D·b: (2v − [s = 0] − [s = S−1])·B·D·b."""
     return pp_p2p_count_per_rank(cfg, rank, virtual) * pp_activation_elements(cfg) // cfg.microbatches \
-        * cfg.compute_bytes
+        * cfg.bytes_per_element
 
 
 def pp_p2p_count_per_rank(cfg: Config, rank: int, virtual: int = 1) -> int:
