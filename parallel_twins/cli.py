@@ -182,6 +182,8 @@ def recipe_notes(args, cfgs) -> list[str]:
     from parallel_twins.runs import chosen_variants
     from shared.recipe import refusals
 
+    if not any(cfg.recipe_active for cfg in cfgs):  # plain AdamW: nothing is left out
+        return []
     every = lambda fw, p, c: [sv for sv in chosen_variants(fw, p, c, None, full=True)
                               if not args.styles or sv[0] in args.styles]
     notes = refusals(cfgs, args.patterns, args.frameworks, lambda fw, p, c: every(fw, p, c) if c in cfgs_for(cfgs, p)

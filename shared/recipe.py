@@ -99,6 +99,10 @@ def refusal(framework: str, pattern: str, style: str, variant: str, cfg) -> str 
         return (f"{pattern}: jax shard_map/zero3 left out: with --freeze the loss stops the frozen Params' gradient "
                 "over the model's state, where zero3/shard_map's gathering units stand in as objects (not arrays); "
                 "jit/zero3, typed/zero3 and shard_map zero2 apply it")
+    if framework == "jax" and style == "typed" and cfg.freeze and cfg.model == "transformer":
+        return (f"{pattern}: jax typed left out: with --freeze the loss stops the frozen Params' gradient over the "
+                "model's state, where typed's stated embedding lookup stands in as an object (not arrays); "
+                "jit and shard_map apply it")
     return None
 
 

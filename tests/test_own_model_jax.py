@@ -161,6 +161,19 @@ def test_typed_refuses_a_forward_it_cannot_type():
         trainer.train_step(*batch())
 
 
+def test_typed_refuses_a_loss_that_maps_the_state():
+    """typed calls each nnx.Embed through a stand-in (its lookup's layout stated): a loss that splits and
+    maps the model's state (a hand-written freeze, an identity) would miss the table — a frozen table
+    trained on, parameters ~1e307 off (seen). Refused at the first trace, naming the fix."""
+    def mapped(model, tokens, targets):
+        gdef, state = nnx.split(model)
+        return ce(nnx.merge(gdef, jax.tree.map(lambda a: a, state)), tokens, targets)
+
+    trainer = parallelize(foreign(), mapped, adamw(), make_mesh(N, "dp"), "dp", "typed")
+    with pytest.raises(WrapError, match=r"^typed: the loss read the model's state .*style='jit'"):
+        trainer.train_step(*batch())
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_shard_map_ledger_equals_the_theory_from_the_model(variant):
     """What XLA put in the step, op by op, against model_theory from the parameters wrapped

@@ -120,7 +120,7 @@ def test_recipe_sweep_four_ranks_both_models_frozen(tmp_path):
     for model, freeze, patterns, world in (("transformer", "wte.*,blocks.0.*", "dp,fsdp,cp", "4"),
                                            ("mlp", "layers.0.*", "dp,fsdp", "2")):
         out = tmp_path / f"{model}.json"
-        argv = ["--model", model, "--world-size", world, "--patterns", patterns, "--steps", "3", "--layers", "4",
+        argv = ["--model", model, "--world-size", world, "--patterns", patterns, "--steps", "3", "--layers", "2",
                 "--dim", "16", "--heads", "4", "--seq", "8", "--vocab", "16", "--batch", "16", "--recipe", "llama",
                 "--clip", "0.05", "--accumulate", "2", "--freeze", freeze, "--quiet", "--json", str(out)]
         assert compare.main(argv) == 0

@@ -93,13 +93,28 @@ class _StatedEmbed:
     module (``attend``, ``embedding``) is the Embed's own."""
 
     def __init__(self, m: nnx.Embed):
-        self._m = m
+        self._m, self._armed = m, False  # armed once in the model: from then on, reading the state refuses
+
+    def _flatten(self):
+        """A pytree of nothing while it is put in place; then a refusal: the loss split or mapped the model's
+        state (nnx.split / nnx.state / jax.tree over it), where the Embed's table is behind this stand-in,
+        so a stop_gradient or a cast over that state would silently miss it (a frozen table trained on)."""
+        if not self._armed:
+            return (), None
+        raise WrapError(
+            "typed: the loss read the model's state (nnx.split / nnx.state / a tree map), where the typed step "
+            "calls each nnx.Embed through a stand-in that states its lookup's layout, so that state misses the "
+            "table. Fix: freeze and mask through the optimizer (optax.multi_transform, mask=), compute_dtype= "
+            "for casts, or style='jit'")
 
     def __call__(self, ids, *args, out_sharding=None, **kwargs):
         return self._m(ids, *args, out_sharding=out_sharding if out_sharding is not None else rows_like(ids), **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._m, name)
+
+
+jax.tree_util.register_pytree_node(_StatedEmbed, _StatedEmbed._flatten, lambda aux, children: None)
 
 
 class Stated:
@@ -226,7 +241,8 @@ class TypedTrainer:
         for path, m in submodules(model)[0].items():
             if path and isinstance(m, nnx.Embed):
                 parent, _, name = path.rpartition(".")
-                put_child(submodules(model)[0][parent], name, _StatedEmbed(m))
+                put_child(submodules(model)[0][parent], name, stand_in := _StatedEmbed(m))
+                stand_in._armed = True
         return self._loss(model, *batch)
 
     def _step(self, params, opt_state, *batch):
