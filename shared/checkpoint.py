@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shared import preempt
 from shared.checkpoint_io import (  # noqa: F401
     GROUPS,
     CheckpointError,
@@ -140,6 +141,12 @@ def fault(phase: str, step: int, rank: int = 0) -> None:
         launcher = int(os.environ.get("PARALLEL_TWINS_LAUNCHER_PID", os.getppid()))
         target = launcher if want.get("target") == "parent" else os.getpid()
         os.kill(target, getattr(signal, f"SIG{want.get('signal', 'KILL')}"))  # signal=TERM: preemption
+        if target != os.getpid() and signal.getsignal(signal.SIGTERM) is preempt._handler:
+            # the launcher passes SIGTERM back to this rank: wait for it, so the ranks' agreement after
+            # this step sees it (else a busy machine lets the ranks run a step more before it lands)
+            deadline = time.monotonic() + 60
+            while not preempt.requested() and time.monotonic() < deadline:
+                time.sleep(0.01)
 
 
 @dataclass(frozen=True)
