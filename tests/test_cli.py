@@ -470,34 +470,21 @@ def test_mixed_precision_dp_fsdp_both_frameworks(tmp_path):
 
 
 @pytest.mark.slow
-def test_mixed_precision_sweep_four_ranks(tmp_path):
-    """The wider sweep: both models, 4 ranks, 4 steps (every pattern mixed precision is built for)."""
+def test_mixed_precision_every_pattern_both_frameworks(tmp_path):
+    """Issue 34's command (--precision mixed on the transformer, dp, fsdp, tp, pp, cp), both frameworks in one
+    run, 4 ranks / devices: every style and variant; every row ok against its floor
+    (shared.tolerances.MIXED_LAYOUT_FACTOR for tp and the rings), within 2e-2 of float64 training, and its
+    ledger equal to theory in the dtypes it sends (torch: every style, autocast's mix; JAX: shard_map, every
+    activation 16-bit). The MLP's mixed runs: the default tier (dp, fsdp) and tests/test_mixed_*.py."""
     out = tmp_path / "mixed.json"
-    argv = ["--model", "transformer,mlp", "--precision", "mixed", "--dtype", "bfloat16", "--world-size", "4",
-            "--patterns", "dp,fsdp", "--steps", "4", "--layers", "4", "--dim", "16", "--heads", "4", "--seq", "8",
-            "--vocab", "16", "--batch", "8", "--quiet", "--json", str(out)]
-    assert compare.main(argv) == 0
-    data = json.loads(out.read_text(), parse_constant=_refuse)
-    assert all(r["ok"] and r["precision"] == "mixed" for r in data["runs"])
-    assert all(r["extra"]["mixed"]["loss_rel_err_vs_float64"] <= 2e-2 for r in data["runs"])
-
-
-@pytest.mark.slow
-def test_mixed_precision_tp_pp_cp_both_frameworks(tmp_path):
-    """--precision mixed beyond dp / fsdp, both frameworks in one run: every style and variant of tp, pp and
-    cp, both models where the pattern applies (cp: the transformer), 4 ranks / devices; every row ok against
-    its floor (shared.tolerances.MIXED_LAYOUT_FACTOR for tp and the rings), within 2e-2 of float64
-    training, and its ledger equal to theory in the dtypes it sends (torch: every style, autocast's mix;
-    JAX: shard_map, every activation 16-bit)."""
-    out = tmp_path / "mixed.json"
-    argv = ["--model", "transformer,mlp", "--precision", "mixed", "--dtype", "bfloat16", "--world-size", "4",
-            "--patterns", "tp,pp,cp", "--steps", "3", "--layers", "4", "--dim", "32",
+    argv = ["--model", "transformer", "--precision", "mixed", "--dtype", "bfloat16", "--world-size", "4",
+            "--patterns", "dp,fsdp,tp,pp,cp", "--steps", "3", "--layers", "4", "--dim", "32",
             "--heads", "4", "--seq", "16", "--vocab", "64", "--batch", "16", "--quiet", "--json", str(out)]
     # (D=16 T=8 V=16 B=8: JAX pp 1F1B's loss at step 2 sat at 12.7x its split-batch floor, gradients at 0.45x:
     # one split sample's loss floor is noise at that size; D=32 T=16 V=64 B=16: 1.9x, docs/recipe.md)
     assert compare.main(argv) == 0
     data = json.loads(out.read_text(), parse_constant=_refuse)
-    assert {(r["pattern"], r["framework"]) for r in data["runs"]} == {(p, f) for p in ("tp", "pp", "cp")
+    assert {(r["pattern"], r["framework"]) for r in data["runs"]} == {(p, f) for p in ("dp", "fsdp", "tp", "pp", "cp")
                                                                       for f in ("torch", "jax")}
     for r in data["runs"]:
         assert r["ok"] and r["precision"] == "mixed", r
