@@ -250,7 +250,10 @@ def test_every_pattern_resumes_bitwise(tmp_path, pattern, cfg):
 
     module = importlib.import_module(f"jax_impl.{pattern}")
     every = getattr(module, "variants", lambda c: module.VARIANTS)(cfg)
-    resumed_bitwise(tmp_path, pattern, cfg, [sv for sv in every if sv[0] != "typed"])
+    chosen = [sv for sv in every if sv[0] != "typed"]
+    if pattern == "pp" and cfg.model == "transformer":  # the MLP row resumes every schedule; here three (budget)
+        chosen = [("shard_map", "circular"), ("jit", "circular"), ("shard_map", "1f1b")]
+    resumed_bitwise(tmp_path, pattern, cfg, chosen)
 
 
 @pytest.mark.slow
