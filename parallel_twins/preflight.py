@@ -170,7 +170,8 @@ def check_environment(env) -> None:
 # --- JAX's environment: JAX_PLATFORMS and XLA_FLAGS, before JAX starts ---------------------------
 
 GPU_PLATFORMS = ("gpu", "cuda")  # what the driver query below can answer for (ROCm: JAX's own error)
-SAFE_XLA_FLAGS = ("xla_force_host_platform_device_count", "xla_backend_optimization_level")  # this project's
+SAFE_XLA_FLAGS = ("xla_force_host_platform_device_count", "xla_backend_optimization_level",  # this project's
+                  "xla_cpu_use_fusion_emitters")  # (the last two: tests/conftest.py's compile-time savers)
 
 
 def check_jax_environment(env, gpus=None, probe=None) -> None:

@@ -62,8 +62,8 @@ HEAVY_FIRST = {
     "slow": ("test_checkpoint_jax", "test_pp", "test_cli", "test_recompute", "test_checkpoint_xfw",
              "test_gpu_readiness", "test_mesh", "test_checkpoint_torch", "test_recipe_cli", "test_restarts",
              "test_examples", "test_multiprocess", "test_cp", "test_compose_jax"),
-    "default": ("test_cli", "test_recipe_jax", "test_own_model_jax", "test_pp", "test_dp", "test_tp_plan_jax",
-                "test_tp", "test_recipe_cli", "test_mesh"),
+    "default": ("test_cli", "test_pp", "test_recipe_cli", "test_recipe_jax", "test_dp", "test_mesh",
+                "test_own_model_jax", "test_tp_plan_jax", "test_compose_jax", "test_tp"),
 }
 
 
