@@ -59,9 +59,9 @@ def pytest_terminal_summary(terminalreporter):
 # collection order, so a heavy module collected last would run alone at the end. Re-measure with
 # ``pytest [-m slow] --durations=0`` when a module grows; the rest keep their order.
 HEAVY_FIRST = {
-    "slow": ("test_checkpoint_jax", "test_pp", "test_cli", "test_recompute", "test_checkpoint_xfw",
-             "test_gpu_readiness", "test_mesh", "test_checkpoint_torch", "test_recipe_cli", "test_restarts",
-             "test_examples", "test_multiprocess", "test_cp", "test_compose_jax"),
+    "slow": ("test_cli", "test_checkpoint_jax", "test_pp", "test_recompute", "test_checkpoint_xfw",
+             "test_gpu_readiness", "test_checkpoint_torch", "test_compose_jax", "test_examples", "test_mesh",
+             "test_restarts", "test_multiprocess"),
     "default": ("test_cli", "test_pp", "test_recipe_cli", "test_recipe_jax", "test_dp", "test_mesh",
                 "test_own_model_jax", "test_tp_plan_jax", "test_compose_jax", "test_tp"),
 }

@@ -4,9 +4,8 @@ memory, and the DDP-like behaviour of the bucketed wrapper (broadcast on wrap, f
 parameters, no_sync accumulation, no extra parameters). One torch launch per world size runs
 everything (MLP and transformer, float64 and float32). XLA compiles each transformer step for
 ~4 CPU-seconds, so the default run takes the JAX transformer at world size 4 in float64 (and the
-JAX float32 reference, for torch's cross-framework check; the JAX transformer trains in float32 in
-tests/test_tp.py, whose tp=2 runs take every dtype); ``-m slow`` adds the bucketed-vs-DDP step time
-(measured and reported, not asserted).
+JAX float32 reference, for torch's cross-framework check); ``-m slow`` adds the JAX transformer in
+float32 at world size 2, and the bucketed-vs-DDP step time (measured and reported, not asserted).
 
 Kept free of JAX imports at module level: spawned torch ranks import this module.
 """
@@ -293,6 +292,18 @@ def check_state_bytes(entries):
 def test_state_bytes(torch_out, jax_out, ws):
     check_state_bytes(torch_out(ws)[0][0] + jax_out(ws))
 
+
+@pytest.mark.slow
+def test_jax_transformer_in_float32(torch_out):
+    """The JAX transformer in float32 at world size 2, against torch's (float64 at 2 and float32 at 4
+    prove no more than the default's float64 at 4 and this)."""
+    from jax_impl.harness import run_pattern as jax_run_pattern
+
+    for j in jax_run_pattern("dp", make_cfgs(2, "transformer", ("float32",))):
+        t = _entry(torch_out(2)[0][0], j["cfg"].dtype, "transformer")
+        check_parity(t, j, j["reference"], 2)
+        check_ledger(t, j)
+        check_state_bytes([j])
 
 # --- speed: the bucketed wrapper against DistributedDataParallel --------------------------------
 
