@@ -90,8 +90,10 @@ MIXED_PROGRAM_LAYOUTS = ("tp", "ring", "ring_zigzag")
 # float32) round in different places, so the two references differ by more than either's floor:
 # transformer 2.0x (loss), 3.1x (gradients), 2.1x (parameters) the larger floor, a run against the other
 # framework's reference up to 3.3x; the MLP's forward differs by 5e-3 in the step-0 loss (MIXED_PROGRAM_MIN
-# below). MIXED_FACTOR's 8 × the larger floor, never below MIXED_PROGRAM_MIN.
-MIXED_CROSS_FRAMEWORK_FACTOR = 8.0
+# below). At L=2 D=32 T=16 V=64 B=16 on 2 ranks the parameters after 3 steps reach 8.9x (4.2e-2 against a
+# floor of 4.7e-3: AdamW's whole-lr moves of near-zero gradient entries, rounded at other places), the
+# gradients 5.3x: 16 × the larger floor, never below MIXED_PROGRAM_MIN (a lost 1/N, >= 50%, stays beyond).
+MIXED_CROSS_FRAMEWORK_FACTOR = 16.0
 
 
 def mixed_factor(style: str | None = None, layout: tuple = ()) -> float:
