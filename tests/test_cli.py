@@ -462,7 +462,7 @@ def _check_mixed(data, cfg_world=2):
 def test_mixed_precision_dp_fsdp_both_frameworks(tmp_path):
     """--precision mixed (issue 34): float32 master weights, bf16 compute; torch autocast (FSDP2 through
     MixedPrecisionPolicy, explicit zero3 casting before the gather), JAX float32 params cast in the step."""
-    # explicit, builtin and shard_map in the default tier (jit and typed: the slow four-rank sweep; issue 37's budget)
+    # explicit, builtin and shard_map in the default tier (jit and typed: the slow sweep, 4 ranks; issue 37's budget)
     data = _mixed_rows(tmp_path, "dp,fsdp", ["--steps", "2", "--styles", "explicit,builtin,shard_map"])
     _check_mixed(data)
     fsdp2 = next(r for r in data["runs"] if r["variant"] == "fsdp2")
@@ -475,9 +475,9 @@ def test_mixed_precision_every_pattern_both_frameworks(tmp_path):
     run, 4 ranks / devices: every style and variant; every row ok against its floor
     (shared.tolerances.MIXED_LAYOUT_FACTOR for tp and the rings), within 2e-2 of float64 training, and its
     ledger equal to theory in the dtypes it sends (torch: every style, autocast's mix; JAX: shard_map, every
-    activation 16-bit). The MLP's mixed runs: the default tier (dp, fsdp) and tests/test_mixed_*.py."""
+    activation 16-bit). The MLP too, where the pattern applies (cp: the transformer only)."""
     out = tmp_path / "mixed.json"
-    argv = ["--model", "transformer", "--precision", "mixed", "--dtype", "bfloat16", "--world-size", "4",
+    argv = ["--model", "transformer,mlp", "--precision", "mixed", "--dtype", "bfloat16", "--world-size", "4",
             "--patterns", "dp,fsdp,tp,pp,cp", "--steps", "3", "--layers", "4", "--dim", "32",
             "--heads", "4", "--seq", "16", "--vocab", "64", "--batch", "16", "--quiet", "--json", str(out)]
     # (D=16 T=8 V=16 B=8: JAX pp 1F1B's loss at step 2 sat at 12.7x its split-batch floor, gradients at 0.45x:

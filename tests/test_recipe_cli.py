@@ -114,7 +114,7 @@ def test_recipe_pieces():
 
 
 @pytest.mark.slow
-def test_recipe_sweep_four_ranks_both_models_frozen(tmp_path):
+def test_recipe_sweep_both_models_frozen(tmp_path):
     """The wider sweep: every style, parts of each model frozen (2 ranks), both frameworks, and
     cross-framework agreement of the two recipe references: the transformer's dp and fsdp (its cp: the
     default tier's TINY runs), the MLP's dp (its fsdp units are the transformer's kind; issue 37's budget)."""
