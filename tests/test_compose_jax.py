@@ -197,7 +197,9 @@ def test_eight_devices_equal_single_device(layout, style, units, variant):
 @pytest.mark.slow  # fsdp × tp × pp in a fresh interpreter, as a user runs it: ~30 s
 def test_example_json(tmp_path):
     path = tmp_path / "out.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # the script asks for its own devices; the suite's compile-time flags (tests/conftest.py) stay
+    flags = [w for w in os.environ.get("XLA_FLAGS", "").split() if not w.startswith("--xla_force_host_platform")]
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags)}
     done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "compose_jax.py"), "--layout",
                            "fsdp=2,tp=2,pp=2", "--json", str(path)], capture_output=True, text=True, env=env,
                           timeout=300, cwd=ROOT)

@@ -13,7 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_example(name: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script asks for its own devices
+    # the script asks for its own devices; the suite's compile-time flags (tests/conftest.py) stay
+    flags = [w for w in os.environ.get("XLA_FLAGS", "").split() if not w.startswith("--xla_force_host_platform")]
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags)}
     done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name)], capture_output=True, text=True,
                           env=env, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
