@@ -39,6 +39,11 @@ def install() -> bool:
     return True
 
 
+def installed() -> bool:
+    """Whether this process's SIGTERM handler is the one ``install`` set."""
+    return signal.getsignal(signal.SIGTERM) is _handler
+
+
 def requested() -> bool:
     return _state["requested"]
 
