@@ -141,7 +141,7 @@ def fault(phase: str, step: int, rank: int = 0) -> None:
         launcher = int(os.environ.get("PARALLEL_TWINS_LAUNCHER_PID", os.getppid()))
         target = launcher if want.get("target") == "parent" else os.getpid()
         os.kill(target, getattr(signal, f"SIG{want.get('signal', 'KILL')}"))  # signal=TERM: preemption
-        if target != os.getpid() and preempt.installed():
+        if target != os.getpid() and want.get("signal") == "TERM" and preempt.installed():
             # the launcher passes SIGTERM back to this rank: wait for it, so the ranks' agreement after
             # this step sees it (else a busy machine lets the ranks run a step more before it lands)
             deadline = time.monotonic() + 60
