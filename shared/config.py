@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-DTYPES = ("float32", "float64", "bfloat16")
+DTYPES = ("float32", "float64", "bfloat16", "float16")
 PATTERNS = ("collectives", "dp", "fsdp", "tp", "pp", "cp", "ep", "mesh")
 SEQUENCE_PATTERNS = ("cp",)  # patterns that split the sequence: the transformer only
 # Expert parallelism runs the mixture-of-experts transformer (Config.experts > 0), and only it does:
@@ -25,26 +25,35 @@ MODELS = ("mlp", "transformer")
 # Activation recomputation (the transformer): keep every activation, keep only each block's input and
 # recompute the block in backward, or recompute only the attention core (Korthikanti et al. 2022).
 RECOMPUTE = ("none", "full", "selective")
-BYTES_PER_ELEMENT = {"float32": 4, "float64": 8, "bfloat16": 2}
+BYTES_PER_ELEMENT = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 # Precision: "pure" trains everything in ``dtype``; "mixed" keeps parameters, gradients, optimizer state
 # and gradient reductions in float32 (master weights) and computes in ``dtype`` (bfloat16): torch's
 # autocast / FSDP2's MixedPrecisionPolicy, Flax's dtype= with param_dtype=float32.
 PRECISIONS = ("pure", "mixed")
-MIXED_DTYPES = ("bfloat16",)  # float16 would need dynamic loss scaling: not built (DTYPES has no float16)
+# float16 (5 exponent bits: gradients below 6e-8 flush to zero) trains only under mixed precision, with
+# dynamic loss scaling (shared/recipe.py LOSS_SCALE: torch's GradScaler defaults; the skip decision agreed
+# by every rank / device); a pure float16 run is refused.
+MIXED_DTYPES = ("bfloat16", "float16")
 # The patterns whose runs (every style) build mixed precision, per framework; the others refuse it in
 # Config.check (which names the framework, or without one takes what every framework builds).
 MIXED_PATTERNS = {"torch": ("dp", "fsdp", "tp", "pp", "cp"), "jax": ("dp", "fsdp", "tp", "pp", "cp")}
+# The patterns whose runs build --dtype float16 (mixed, with dynamic loss scaling), per framework.
+FLOAT16_PATTERNS = {
+    "torch": (),
+    "jax": (),
+}
 # The training recipe (shared/recipe.py: --clip, --accumulate, --schedule, --decay-mask, --freeze, --recipe):
 # the patterns whose runs (every style, both frameworks) apply it exactly; the others refuse it in Config.check.
 RECIPE_PATTERNS = ("dp", "fsdp", "cp")
 SCHEDULES = ("constant", "warmup-cosine")  # the lr schedules (shared.recipe.lr_factors)
 
 
-def mixed_patterns(framework: str | None = None) -> tuple[str, ...]:
-    """The patterns ``framework`` runs under --precision mixed (None: those every framework runs)."""
+def mixed_patterns(framework: str | None = None, dtype: str = "bfloat16") -> tuple[str, ...]:
+    """The patterns ``framework`` runs under --precision mixed in ``dtype`` (None: those every framework runs)."""
+    table = FLOAT16_PATTERNS if dtype == "float16" else MIXED_PATTERNS
     if framework is not None:
-        return MIXED_PATTERNS[framework]
-    return tuple(p for p in PATTERNS if all(p in built for built in MIXED_PATTERNS.values()))
+        return table[framework]
+    return tuple(p for p in PATTERNS if all(p in built for built in table.values()))
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,9 @@ class Config:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.dtype == "float16" and self.precision != "mixed":
+            raise ValueError("float16 trains only under --precision mixed (float32 master weights, dynamic loss "
+                             "scaling): add --precision mixed, or use --dtype bfloat16 / float32")
         if self.precision == "mixed" and self.dtype not in MIXED_DTYPES:
             raise ValueError(f"precision mixed computes in a 16-bit dtype: give --dtype {' or '.join(MIXED_DTYPES)} "
                              f"(got {self.dtype}; float32 master weights are kept either way)")
@@ -289,13 +301,16 @@ class Config:
         ("torch" | "jax"; None: every framework) decides what --precision mixed is built for."""
         if pattern not in PATTERNS:
             raise ValueError(f"unknown pattern {pattern!r}; choose from {', '.join(PATTERNS)}")
-        built = mixed_patterns(framework)
+        built = mixed_patterns(framework, self.dtype)
         if self.precision == "mixed" and pattern not in built + ("collectives",):  # collectives: no model
             where = f" in {framework}" if framework else ""
-            others = [fw for fw, pats in MIXED_PATTERNS.items() if pattern in pats and fw != framework]
+            table = FLOAT16_PATTERNS if self.dtype == "float16" else MIXED_PATTERNS
+            others = [fw for fw, pats in table.items() if pattern in pats and fw != framework]
             hint = f" (built in {', '.join(others)}: --frameworks {','.join(others)})" if others else ""
-            raise ValueError(f"{pattern}: --precision mixed is built{where} for {', '.join(built)} only{hint}; "
-                             f"use --precision pure for {pattern}")
+            what = "--precision mixed --dtype float16" if self.dtype == "float16" else "--precision mixed"
+            fix = "--dtype bfloat16" if self.dtype == "float16" else "--precision pure"
+            which = ", ".join(built) + " only" if built else "no pattern yet"
+            raise ValueError(f"{pattern}: {what} is built{where} for {which}{hint}; use {fix} for {pattern}")
         if self.recipe_active and pattern not in RECIPE_PATTERNS + ("collectives",):  # collectives: no model
             raise ValueError(f"{pattern}: the recipe flags (--clip, --accumulate, --schedule, --decay-mask, --freeze, "
                              f"--recipe) are built for {', '.join(RECIPE_PATTERNS)} only; drop them for {pattern}")

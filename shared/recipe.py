@@ -23,6 +23,12 @@ from shared.config import SCHEDULES  # noqa: F401  (re-exported: the CLI's choic
 
 PRESETS = {"llama": {"clip": 1.0, "schedule": "warmup-cosine", "decay_mask": True}}
 MIN_LR_RATIO = 0.1  # the cosine ends at 10% of the peak learning rate (Llama 2, Touvron et al. 2023)
+# Dynamic loss scaling for float16 (Micikevicius et al. 2018, "Mixed Precision Training"): the loss is
+# multiplied by ``scale`` before backward and the gradients divided by it before the optimizer; a step
+# whose gradients hold an inf or NaN anywhere (on ANY rank / device: the flag is reduced with max) is
+# skipped (no optimizer step, no schedule step) and the scale multiplied by ``backoff``; after
+# ``interval`` finite steps in a row it is multiplied by ``growth``. torch.amp.GradScaler's defaults.
+LOSS_SCALE = {"init": 2.0**16, "growth": 2.0, "backoff": 0.5, "interval": 2000}
 
 
 def warmup_steps(steps: int) -> int:

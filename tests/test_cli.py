@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
     [
         (["--patterns", "dp,moe"], "'dp,moe': choose from collectives, dp, fsdp, tp, pp, cp"),
         (["--frameworks", "mxnet"], "choose from torch, jax"),
-        (["--dtype", "float16"], "invalid choice: 'float16'"),
+        (["--dtype", "float16"], "float16 trains only under --precision mixed"),
+        (["--dtype", "float16", "--precision", "mixed", "--patterns", "ep"], "ep: --precision mixed --dtype float16 is built"),
         (["--steps", "0"], "steps must be a positive integer, got 0"),
         (["--patterns", "dp", "--world-size", "3", "--batch", "16"], "dp: batch=16 is not divisible by world_size=3"),
         (["--patterns", "tp", "--dim", "30", "--model", "mlp"], "tp: dim=30 is not divisible by world_size=4"),
