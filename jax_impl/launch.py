@@ -305,4 +305,6 @@ if __name__ == "__main__":
     ns = parser.parse_args()
     if not ns.script:
         parser.error("give the script to run, e.g. compare.py --frameworks jax")
+    if ns.processes < 1 or ns.devices_per_process < 1 or not ns.timeout > 0:
+        parser.error("-n and -d must be >= 1 and --timeout > 0")
     sys.exit(run_command(ns.script, ns.processes, ns.devices_per_process, ns.timeout))

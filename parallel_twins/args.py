@@ -17,6 +17,7 @@ import argparse
 import os
 import stat
 import sys
+import tempfile
 
 from shared.config import DTYPES, PRECISIONS
 
@@ -175,8 +176,10 @@ def check_output_path(flag: str, path: str | None, directory: bool = False) -> N
         if os.path.exists(path):
             if not os.path.isdir(path):
                 raise ValueError(f"{flag} {path}: exists and is not a folder")
-            if not os.access(path, os.W_OK):
-                raise ValueError(f"{flag} {path}: the folder is not writable")
+            try:  # os.access is not enough: root "may" write /proc, whose files cannot be created
+                tempfile.TemporaryFile(dir=path).close()
+            except OSError as exc:
+                raise ValueError(f"{flag} {path}: the folder is not writable ({exc.strerror})") from None
             return
         parent = path
         while not os.path.exists(parent):

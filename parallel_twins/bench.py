@@ -115,19 +115,23 @@ def bench_main(argv) -> int:
     for dtype in [k for k in matmul[0] if k not in ("memcpy", "memory", "name")] if matmul else ():
         compute[dtype] = {n: sorted(r[dtype][n] for r in matmul)[len(matmul) // 2] for n in matmul[0][dtype]}
     memcpy = sorted(r["memcpy"] for r in matmul)[len(matmul) // 2] if matmul else 0.0
-    if args.json:  # first: nothing printed below can lose the measurements
-        from shared.provenance import process_layout, provenance, stamp
+    failed = None  # a result file that could not be written (full disk, read-only): one line, exit 1, table kept
+    try:
+        if args.json:  # first: nothing printed below can lose the measurements
+            from shared.provenance import process_layout, provenance, stamp
 
-        block = provenance(["compare.py", "bench", *argv], world_size=args.world_size,
-                           layout=process_layout(args.frameworks, args.world_size, args.device))
-        write_json(args.json, stamp({"world_size": args.world_size, "results": results, "fits": fits,
-                                     "compute": compute, "memcpy": memcpy}, block))
-    if args.profile:
-        from shared import efficiency
+            block = provenance(["compare.py", "bench", *argv], world_size=args.world_size,
+                               layout=process_layout(args.frameworks, args.world_size, args.device))
+            write_json(args.json, stamp({"world_size": args.world_size, "results": results, "fits": fits,
+                                         "compute": compute, "memcpy": memcpy}, block))
+        if args.profile:
+            from shared import efficiency
 
-        efficiency.save(args.profile, efficiency.from_bench(
-            {"world_size": args.world_size, "fits": fits, "compute": compute, "results": results}, memcpy,
-            matmul[0].get("memory"), device_name=matmul[0].get("name", "")))
+            efficiency.save(args.profile, efficiency.from_bench(
+                {"world_size": args.world_size, "fits": fits, "compute": compute, "results": results}, memcpy,
+                matmul[0].get("memory"), device_name=matmul[0].get("name", "")))
+    except OSError as exc:
+        failed = f"compare.py bench: could not write the results: {exc}"
     console = make_console(quiet=args.quiet)
     table = Table(title=f"collective bandwidth, world size {args.world_size} ({args.iters} timed calls per size)")
     for col in ("framework", "op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):
@@ -148,6 +152,9 @@ def bench_main(argv) -> int:
         console.print(f"torch matmul {dtype:8s} FLOP/s per rank, {args.world_size} at once (median rank): " + ", ".join(
             f"n={n}: {rate / 1e9:.2f} G" for n, rate in rates.items()))
     console.print(f"device copy (read + write): {memcpy / 1e9:.1f} GB/s")
+    if failed:
+        print(failed, file=sys.stderr)
+        return 1
     return 0
 
 

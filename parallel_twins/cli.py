@@ -62,6 +62,7 @@ from shared.config import MODELS, PATTERNS, RECOMPUTE, format_mesh, parse_mesh
 from shared.env import simulate_host_devices
 
 STYLES = ("explicit", "builtin", "shard_map", "typed", "jit")  # torch's two, JAX's three
+MAX_TIMEOUT_S = 7 * 24 * 3600  # --timeout: a week at most (torch takes it as a C int of milliseconds)
 
 
 def _layouts(text: str) -> list[tuple[tuple[str, int], ...]]:
@@ -385,8 +386,8 @@ def _main(argv=None) -> int:
         check_environment(os.environ)  # a stale RANK/WORLD_SIZE/MASTER_* export, WORLD_SIZE=abc
         if "jax" in args.frameworks:  # before JAX starts: JAX_PLATFORMS=gpu without one, a bad XLA_FLAGS
             check_jax_environment(os.environ)
-        if not args.timeout > 0:
-            raise ValueError(f"--timeout {args.timeout:g}: a number of seconds > 0")
+        if not 0 < args.timeout <= MAX_TIMEOUT_S:  # c10d's timeout is a C int of ms (1e300: OverflowError)
+            raise ValueError(f"--timeout {args.timeout:g}: a number of seconds > 0 and <= {MAX_TIMEOUT_S} (a week)")
         check_output_path("--json", args.json)
         check_output_path("--markdown", args.markdown)
         check_output_path("--plots", args.plots, directory=True)

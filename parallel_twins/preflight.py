@@ -158,7 +158,8 @@ def check_environment(env) -> None:
                 n = int(value)
             except ValueError:
                 raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
-            if n < 0 or (n == 0 and name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "JAX_NUM_PROCESSES")):
+            if n < 0 or (n == 0 and name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "JAX_NUM_PROCESSES")) or (
+                    name == "MASTER_PORT" and n > 65535):
                 raise ValueError(f"environment variable {name}={value!r} is out of range")
     present = [name for name in RANK_VARS if name in env]
     if present and not any(env.get(mark) for mark in TORCHRUN_MARKS):

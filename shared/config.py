@@ -9,6 +9,7 @@ offending values, so the CLI can print one line and exit 2 before any process st
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -117,17 +118,17 @@ class Config:
         if self.precision == "mixed" and self.dtype not in MIXED_DTYPES:
             raise ValueError(f"precision mixed computes in a 16-bit dtype: give --dtype {' or '.join(MIXED_DTYPES)} "
                              f"(got {self.dtype}; float32 master weights are kept either way)")
-        if not self.lr > 0:  # `not x > 0` also refuses NaN
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:  # `not x > 0` also refuses NaN
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if not self.eps > 0:
-            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if not 0 < self.eps < math.inf:
+            raise ValueError(f"eps must be a finite number > 0, got {self.eps}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
-        if not self.weight_decay >= 0:  # also refuses NaN
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.weight_decay < math.inf:  # also refuses NaN
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
         if self.model not in MODELS:

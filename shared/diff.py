@@ -51,11 +51,18 @@ class Finding:
     new: Any = None
 
 
+MAX_RESULT_BYTES = 256 * 2**20  # a result file of thousands of rows is a few MB; /dev/zero would never end
+
+
 def load(path: str) -> dict:
-    """A compare.py --json file, checked enough to be compared (BadInput otherwise)."""
+    """A compare.py --json file, checked enough to be compared (BadInput otherwise). A pipe (``<(…)``)
+    is read like a file; more than MAX_RESULT_BYTES is refused without reading on."""
     try:
-        with open(path) as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read(MAX_RESULT_BYTES + 1)
+        if len(raw) > MAX_RESULT_BYTES:
+            raise BadInput(path, f"more than {MAX_RESULT_BYTES // 2**20} MiB: not a compare.py --json result")
+        data = json.loads(raw.decode("utf-8"))
     except FileNotFoundError:
         raise BadInput(path, "no such file") from None
     except (OSError, UnicodeDecodeError) as exc:

@@ -140,16 +140,30 @@ def test_a_stale_torchrun_environment_is_named_in_one_line(clean_env, capsys):
 
 @pytest.mark.parametrize("name,value,says", [("WORLD_SIZE", "abc", "WORLD_SIZE='abc' is not an integer"),
                                              ("JAX_PROCESS_ID", "x", "JAX_PROCESS_ID='x'"),
-                                             ("WORLD_SIZE", "0", "WORLD_SIZE='0' is out of range")])
+                                             ("WORLD_SIZE", "0", "WORLD_SIZE='0' is out of range"),
+                                             ("MASTER_PORT", "99999", "MASTER_PORT='99999' is out of range")])
 def test_a_bad_environment_variable_is_named(clean_env, capsys, name, value, says):
     clean_env.setenv(name, value)
     clean_env.setenv("TORCHELASTIC_RUN_ID", "x")
     assert says in _one_line_exit_2(["--patterns", "dp"], capsys)
 
 
-@pytest.mark.parametrize("value", ["-1", "0", "nan"])
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "1e300"])  # 1e300: was an OverflowError in a rank
 def test_a_timeout_not_positive_is_refused(value, capsys):
-    assert f"--timeout {value}" in _one_line_exit_2(["--timeout", value, "--patterns", "dp"], capsys)
+    assert f"--timeout {float(value):g}" in _one_line_exit_2(["--timeout", value, "--patterns", "dp"], capsys)
+
+
+def test_held_out_paths_are_refused_in_one_line(capsys, tmp_path):
+    """Held-out hostile inputs (second audit): a checkpoint folder nothing can be created in (/proc: os.access
+    said yes to root, then a CheckpointError traceback in a rank); a --baseline that never ends (/dev/zero:
+    read until the machine ran out of memory, killed at 42 s)."""
+    import os
+
+    if os.path.isdir("/proc"):
+        assert "/proc: the folder is not writable" in _one_line_exit_2(
+            ["--patterns", "dp", "--frameworks", "torch", "--checkpoint-dir", "/proc"], capsys)
+    if os.path.exists("/dev/zero"):
+        assert "more than 256 MiB" in _one_line_exit_2(["--patterns", "dp", "--baseline", "/dev/zero"], capsys)
 
 
 def test_jax_environment_mistakes_are_named_before_jax_starts(monkeypatch):
@@ -422,3 +436,13 @@ def test_a_long_pure_run_is_judged_by_the_floor_its_reference_measures(tmp_path,
         floor = row["extra"]["pure_floor"]
         assert floor["floor"]["max_rel_err_loss"] < 1e-14  # 4 steps: rounding only
         assert floor["tolerance"]["max_rel_err_param"] >= 1e-12
+
+
+def test_jax_launch_refuses_zero_processes():
+    """`python -m jax_impl.launch -n 0 -- compare.py` exited 0 having run nothing (held-out audit)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "jax_impl.launch", "-n", "0", "--", "compare.py"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "-n and -d must be >= 1" in done.stderr, done.stderr
