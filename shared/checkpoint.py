@@ -343,7 +343,7 @@ def _read_manifest(path: str) -> tuple[str, dict]:
             raise CheckpointError(f"{mpath}: {size} bytes: not a manifest of this project")
         with os.fdopen(fd, "rb") as f:
             info = json.loads(f.read())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested past Python's stack
         if isinstance(exc, CheckpointError):
             raise
         raise CheckpointError(f"{mpath}: unreadable manifest ({exc})") from None
@@ -466,7 +466,7 @@ def read_safetensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         raise CheckpointError(f"{path}: header of {n} bytes past the end of the file: truncated")
     try:
         header = json.loads(blob[8:8 + n])
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path}: unreadable header ({exc})") from None
     meta, out, data = header.pop("__metadata__", {}) or {}, {}, memoryview(blob)[8 + n:]
     for name, h in header.items():
@@ -493,7 +493,7 @@ def read_dcp(folder: str) -> dict[str, np.ndarray]:
         arrays, meta = read_safetensors(path)
         try:
             info = json.loads(meta.get("DCP_SHARDING_INFO", "{}"))
-        except ValueError:
+        except (ValueError, RecursionError):
             raise CheckpointError(f"{path}: unreadable DCP_SHARDING_INFO") from None
         for key, a in arrays.items():
             offset = info.get(key, {}).get("saved_offsets", [0] * a.ndim)

@@ -69,6 +69,8 @@ def load(path: str) -> dict:
         raise BadInput(path, f"cannot read it: {exc}") from None
     except json.JSONDecodeError as exc:
         raise BadInput(path, f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise BadInput(path, "JSON nested deeper than Python's stack: not a compare.py --json result") from None
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
         raise BadInput(path, "not a compare.py --json result (no list 'runs' at the top level)")
     for i, run in enumerate(data["runs"]):

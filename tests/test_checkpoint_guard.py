@@ -136,6 +136,14 @@ def test_a_16_gb_sparse_file_is_refused_at_once(ckpt, tmp_path):
     assert time.perf_counter() - t0 < 2.0
 
 
+def test_a_manifest_nested_past_the_stack_is_one_line(ckpt):
+    """Held-out: 100 000 nested brackets made json raise RecursionError, a traceback in every rank."""
+    with open(os.path.join(ckpt, "manifest.json"), "w") as f:
+        f.write("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="unreadable manifest"):
+        verify(ckpt, CFG)
+
+
 def test_an_edited_step_or_writer_refused(ckpt):
     mpath = os.path.join(ckpt, "manifest.json")
     info = json.load(open(mpath))
