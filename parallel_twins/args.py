@@ -186,6 +186,10 @@ def check_output_path(flag: str, path: str | None, directory: bool = False) -> N
             parent = os.path.dirname(parent)
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             raise ValueError(f"{flag} {path}: cannot create it: {parent} is not a writable folder")
+        try:  # root "may" write /proc, where nothing can be created
+            tempfile.TemporaryFile(dir=parent).close()
+        except OSError as exc:
+            raise ValueError(f"{flag} {path}: cannot create it in {parent} ({exc.strerror})") from None
         return
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path}: is a folder; give a file name")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -539,6 +540,14 @@ def test_profile_load_refuses_what_it_cannot_use(tmp_path):
     path.write_text(json.dumps({"peaks": {"fp64": 1e9}, "matmul": [[32, 1.0]], "hbm_copy": 1e9}))
     with pytest.raises(ValueError, match="missing intra, inter"):
         efficiency.load(str(path))
+    # held-out: /dev/zero was read forever; /etc/passwd and a folder were json's / the OS's words, no path
+    for bad, says in (("/dev/zero", "more than 64 MiB"), (str(tmp_path), "cannot read it")):
+        if os.path.exists(bad):
+            with pytest.raises(ValueError, match=says):
+                efficiency.load(bad)
+    (tmp_path / "text").write_text("root:x:0:0")
+    with pytest.raises(ValueError, match="not JSON"):
+        efficiency.load(str(tmp_path / "text"))
     good = {"peaks": {"fp64": 1e9}, "matmul": [[32, 0.5], [64, 1.0]], "hbm_copy": 1e9,
             "intra": {"all_reduce": [1e-4, 1e8]}, "inter": {"all_reduce": [1e-4, 1e8]}}
     efficiency.save(str(path), good)

@@ -162,6 +162,8 @@ def test_held_out_paths_are_refused_in_one_line(capsys, tmp_path):
     if os.path.isdir("/proc"):
         assert "/proc: the folder is not writable" in _one_line_exit_2(
             ["--patterns", "dp", "--frameworks", "torch", "--checkpoint-dir", "/proc"], capsys)
+        assert "cannot create it in /proc" in _one_line_exit_2(  # was exit 3 after every run, plots lost
+            ["--patterns", "dp", "--frameworks", "torch", "--plots", "/proc/nope"], capsys)
     if os.path.exists("/dev/zero"):
         assert "more than 256 MiB" in _one_line_exit_2(["--patterns", "dp", "--baseline", "/dev/zero"], capsys)
 
