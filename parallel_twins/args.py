@@ -91,7 +91,8 @@ def add_training(p, steps=5, steps_help="optimizer steps per run") -> None:
                    help="parameters, activations and optimizer state (--precision mixed: the compute dtype)")
     p.add_argument("--precision", choices=PRECISIONS, default="pure",
                    help="pure: everything in --dtype; mixed: float32 master weights, gradients, optimizer state "
-                        "and gradient reductions, compute in --dtype bfloat16")
+                        "and gradient reductions, compute in --dtype bfloat16 (or float16, with dynamic loss "
+                        "scaling)")
     p.add_argument("--lr", type=float, default=1e-3, metavar="LR", help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.01, metavar="WD",
                    help="AdamW weight decay (torch's default)")
