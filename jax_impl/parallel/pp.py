@@ -23,12 +23,11 @@ stages are different programs).
          t − s and the message moves s → s+1 (``ppermute``); bubbles compute on stale inputs and are masked
          to zero (zero value, zero gradient). Backward: jax.grad of the unrolled schedule, every shift
          transposed: all M micro-batches' residuals live at once.
-  1f1b   jax_impl/pp_schedules.run, the runner's 1F1B by hand: 2·(M + S − 1) unit ticks, F(mb) = jax.vjp of
-         the stage's switch, its residuals stashed until B(mb) pulls the incoming gradient back and sends
-         dx to s−1; at most min(S − s, M) micro-batches stashed on stage s. SPMD: every device allocates
-         min(S, M) slots, each the size of the switch's residuals (all stages' activations, merged by type,
-         and the stage's weight slices), so the saving shows once M is a few times S
-         (tests/test_pp_seam_jax.py measures it).
+  1f1b   jax_impl/pp_schedules.run, the runner's 1F1B by hand, one program per stage: 2·(M + S − 1) unit
+         ticks; F(mb) = jax.vjp of stage s with respect to its weights (read from the packed row outside
+         the vjp, so not stashed), its residuals stashed until B(mb) pulls the incoming gradient back,
+         through the read into the packed row, and sends dx to s−1. At most min(S − s, M) micro-batches
+         stashed on stage s; SPMD: every device allocates min(S, M) slots of the largest stage's residuals.
 Collectives per step per device: collective-permutes of one message — GPipe 2·(M + S − 2), 1F1B one per tick
 in which some stage sends (M + 2 at S = 2, 2·(M + S − 1) − 1 at S ≥ 3) — plus the all-reduce of the (S,)
 per-stage losses' sum (one element per device).
@@ -81,24 +80,34 @@ class Stage:
         flat = jnp.concatenate([jnp.ravel(a).astype(dtype) for a in self.values] + [jnp.zeros(0, dtype)])
         return jnp.pad(flat, (0, length - self.size))  # (Φ_max,)
 
-    def modules(self, flat: jax.Array, cast: bool = True) -> list:
-        """The stage's modules holding the parameters read from ``flat`` (Φ_max,), the floating ones in
+    def leaves(self, flat: jax.Array, cast: bool = True) -> list[list[jax.Array]]:
+        """Per module, its parameter arrays read from ``flat`` (Φ_max,), the floating ones in
         ``compute_dtype`` where given and ``cast`` (the cast inside the step: the gradient flows back to
         ``flat``); ``cast=False``: in their own dtypes (the trained model)."""
         out, at = [], 0
-        for gdef, treedef, shapes in self.parts:
-            leaves = []
+        for _, _, shapes in self.parts:
+            out.append([])
             for shape, dtype in shapes:
                 n = int(np.prod(shape))
                 if cast and self.compute_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
                     dtype = self.compute_dtype
-                leaves.append(flat[at:at + n].reshape(shape).astype(dtype))
+                out[-1].append(flat[at:at + n].reshape(shape).astype(dtype))
                 at += n
-            out.append(nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, leaves)))
         return out
 
+    def modules(self, flat: jax.Array, cast: bool = True) -> list:
+        """The stage's modules holding the parameters read from ``flat`` (``leaves``)."""
+        return self.assemble(self.leaves(flat, cast))
+
+    def assemble(self, leaves: list[list[jax.Array]]) -> list:
+        return [nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, ls))
+                for (gdef, treedef, _), ls in zip(self.parts, leaves)]
+
     def __call__(self, flat, h):
-        for m in self.modules(flat):
+        return self.apply(self.leaves(flat), h)
+
+    def apply(self, leaves, h):
+        for m in self.assemble(leaves):
             h = m(h)
         return h
 
@@ -243,20 +252,26 @@ class Trainer:
                              check_vma=True)(params, xs, *ys)
 
     def _scheduled(self, params, xs, *ys):
-        """(S,) losses and the packed gradient of 1F1B by hand (jax_impl/pp_schedules.run): per micro-batch
-        jax.vjp of this device's stage (``lax.switch`` on the device index, as GPipe), stashed until its B."""
-        S, M, branches = self.n, self.m, [self._branch(i, self.n) for i in range(self.n)]
+        """(S,) losses and the packed gradient of 1F1B by hand (jax_impl/pp_schedules.run): device s's F is
+        jax.vjp of stage s with respect to its weights (read from the packed row outside the vjp: they are
+        not stashed), its residuals stashed until its B; the gradient pulled back into the packed row."""
+        S, M, msg = self.n, self.m, self.message
 
         def body(flat, xs, *ys):
-            s = lax.axis_index(AXIS)
+            def program(i):
+                stage = self.stages[i]
 
-            def stage_fn(flat, h, mb, c):  # micro-batch mb (traced) from message h; the loss's share on S−1
-                at = lambda a: lax.dynamic_index_in_dim(a, mb, keepdims=False)
-                out, loss = lax.switch(s, branches, flat, at(xs), h, *[at(y) for y in ys])
-                return out, loss / M  # the mean over M equal micro-batches
+                def fn(leaves, h, mb, c):  # micro-batch mb (traced) from message h; the loss's share on S−1
+                    at = lambda a: lax.dynamic_index_in_dim(a, mb, keepdims=False)
+                    out = stage.apply(leaves, at(xs) if i == 0 else h)
+                    if i < S - 1:
+                        return out, lax.pcast(jnp.zeros((), flat.dtype), AXIS, to="varying")
+                    loss = self.loss(out, *[at(y) for y in ys]).astype(flat.dtype) / M  # mean over M micro-batches
+                    return lax.pcast(jnp.zeros(msg.shape, msg.dtype), AXIS, to="varying"), loss
+                return fn, stage.leaves
 
-            loss, grads = pp_schedules.run(stage_fn, [flat[0]], self.message, S, M, "1f1b", 1, self.stash,
-                                           flat.dtype)
+            loss, grads = pp_schedules.run(None, [flat[0]], msg, S, M, "1f1b", 1, self.stash, flat.dtype,
+                                           [program(i) for i in range(S)])
             return loss[None], grads[0][None]
         return jax.shard_map(body, mesh=self.mesh, in_specs=(P(AXIS), P(), *[P()] * len(ys)),
                              out_specs=(P(AXIS), P(AXIS)), check_vma=True)(params, xs, *ys)
