@@ -324,7 +324,7 @@ def user_moe(ctx):
             refused.append(str(e))
     return {"loss_err": max_err(_mean(losses, ctx), ref_losses), "grad_err": max_err(full_of(grads), ref_grads),
             "param_err": max_err(full_of(full(model)), full(ref)), "local": tuple(model.experts.w1.shape),
-            "ledger": ctx.ledger.summary(), "counts": d.c, "refused": refused}
+            "ledger": ctx.ledger.summary(), "theory": d.comm_theory(), "counts": d.c, "refused": refused}
 
 
 def rank_checks(ctx):
@@ -361,7 +361,7 @@ def test_expert_parallel_trains_a_user_moe_like_one_process(result, measured):
     """Gradients of the first step, losses and params after 3 AdamW steps equal one process's (1e-12: see
     the module docstring); the ledger: per step ONE all-gather of the (N, E) int64 counts, 2 all-to-alls
     forward + their reverse in backward of k·n rows out and the received rows in, ONE flat all-reduce of
-    the other gradients."""
+    the other gradients. The Dispatcher's comm_theory() says the same from its routing."""
     r = result["moe"]
     measured(f"ep user MoE, N=2, E=4, k=2: loss {r['loss_err']:.1e}, step-0 grads {r['grad_err']:.1e}, "
              f"params {r['param_err']:.1e}; counts {r['counts']}")
@@ -375,6 +375,7 @@ def test_expert_parallel_trains_a_user_moe_like_one_process(result, measured):
     assert ledger.pop("all_gather") == (1, 2 * 4 * 8), ledger  # (N·E,) int64
     assert ledger.pop("all_reduce") == (1, (6 + 6 + 6 * 4) * b), ledger  # LayerNorm + router
     assert ledger == {"all_to_all": (4, 2 * (sent + got) * dim * b)}, ledger
+    assert ledger_of(r["ledger"]) == r["theory"] | {"all_reduce": (1, (6 + 6 + 6 * 4) * b)}, r
 
 
 def test_wrappers_refuse_split_experts(result):

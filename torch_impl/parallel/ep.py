@@ -105,7 +105,16 @@ class Dispatcher:
         back = torch.cat([out[i * n + src] for src in range(n) for i in range(per)])  # by source again
         combined = self.all_to_all(back, recv, send, self.group)  # (k·n, D): my rows, sorted order
         assert combined.shape == rows.shape, (combined.shape, rows.shape)
+        self.row_bytes = rows.shape[1] * rows.element_size()
         return combined
+
+    def comm_theory(self) -> dict[str, tuple[int, int]]:
+        """The last call's collectives on this rank, with its backward: the counts' all-gather ((N·E,)
+        int64), the dispatch and combine all-to-alls and their reverses, each moving the rows this rank
+        sends plus those it receives (its k·n rows and the rows for its experts)."""
+        sent = sum(self.c[self.rank])
+        got = sum(self.c[src][e] for src in range(self.n) for e in self.mine)
+        return {"all_gather": (1, self.n * self.num_experts * 8), "all_to_all": (4, 2 * (sent + got) * self.row_bytes)}
 
 
 # --- a user's MoE layer: expert_parallel on the module holding the stacked experts ----------------------
@@ -160,7 +169,8 @@ def expert_parallel(experts: nn.Module, group=None, style: str = "explicit") -> 
     exchanges the counts (one all-gather), sends every row to its expert's owner, runs the local
     experts and brings the rows back (all-to-all each way, backward the reverse): the output equals
     the unsplit module's on the same rows. Returns the Dispatcher: ``.global_counts(counts)`` gives the
-    (E,) counts over every rank (a balancing loss equal to one device's). After backward, call
+    (E,) counts over every rank (a balancing loss equal to one device's), ``.comm_theory()`` the last
+    call's collectives. After backward, call
     ``finish_gradients(model, group)``; the wrappers (BucketedDDP, Zero1/2, FSDP) refuse the split
     parameters (averaging them would mix different experts)."""
     group = group if group is not None else dist.group.WORLD
