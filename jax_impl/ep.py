@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jax_impl.devices import make_mesh, xla_platform
 from jax_impl.harness import Setup, leaves_fixture, train_loop
 from jax_impl.model import inputs, jax_dtype, make_optimizer, output_loss, targets
+from jax_impl.parallel import ep as seam
 from jax_impl.parallel.ep import AXIS, slots
 from jax_impl.parallel.typed import InMesh, Stated, explicit_mesh
 from jax_impl.transformer import Rules, apply_moe, combine, experts
@@ -70,20 +71,14 @@ def rules(cfg: Config) -> Rules:
 
 
 def capacity_dispatch(cfg: Config):
-    """The ``dispatch`` seam of jax_impl.transformer.moe for one shard_map device."""
-    n_dev, c = cfg.world_size, ep_capacity(cfg)
+    """The ``dispatch`` seam of jax_impl.transformer.moe for one shard_map device: the library's
+    ``parallel.ep.dispatch`` (the (E, C, D) buffer, C = n, ONE all_to_all each way), one expert at a time."""
+    c = ep_capacity(cfg)
+    one = lambda w, rows: experts(w["w_up"][None], w["w_down"][None], rows[None])[0]  # (R, D) through one expert
 
     def dispatch(h, top, gates, w_up, w_down):  # h (n, D); top, gates (n, k); w_* (E/N, …) mine
-        (n, d), k, e_loc = h.shape, top.shape[1], w_up.shape[0]
-        e = e_loc * n_dev
-        assert n == c and w_up.shape == (e_loc, d, 4 * d), (h.shape, w_up.shape)
-        expert, pos = slots(top, e)  # (n·k,) each
-        buf = jnp.zeros((e, c, d), h.dtype).at[expert, pos].set(h[jnp.arange(n * k) // k])  # (E, C, D)
-        buf = lax.all_to_all(buf.reshape(n_dev, e_loc, c, d), AXIS, 0, 0, tiled=True)  # (N src, E/N, C, D)
-        rows = buf.transpose(1, 0, 2, 3).reshape(e_loc, n_dev * c, d)  # (E/N, N·C, D): each expert's rows
-        y = experts(w_up, w_down, rows).reshape(e_loc, n_dev, c, d).transpose(1, 0, 2, 3)  # (N dst, E/N, C, D)
-        y = lax.all_to_all(y, AXIS, 0, 0, tiled=True).reshape(e, c, d)  # (E, C, D): my assignments' outputs
-        return combine(gates, y[expert, pos].reshape(n, k, d))  # (n, D)
+        assert h.shape[0] == c and w_up.shape[1:] == (h.shape[1], 4 * h.shape[1]), (h.shape, w_up.shape)
+        return combine(gates, seam.dispatch(one, {"w_up": w_up, "w_down": w_down}, h, top))  # (n, D)
     return dispatch
 
 

@@ -45,6 +45,9 @@ min(2·(S−s−1) + (v−1)·S + 1, v·M) (micro-batch, chunk)s of 1/v the laye
 program for all devices, so every device allocates the largest stage's stash slots (and the
 inbox's), where torch's stage s allocates only what it uses; and every device's F runs the
 embedding and the head on its (zero, unless stage 0 / S−1) slots, whose residuals are stashed too.
+``run(..., programs=)``: stages that are different programs (jax_impl/parallel/pp.py's seam), each op a
+branch per (kind, chunk, stage), differentiated with respect to the stage's weights as read from the
+device's parameters (left out of the stash) and pulled back through that read.
 
 Communication per step, every device: collective-permutes of one micro-batch's activation
 ((B/M, D) MLP, (B/M, T, D) transformer), one per tick with a sender:
@@ -157,7 +160,7 @@ def plan(stages: int, microbatches: int, schedule: str = "1f1b", virtual: int = 
 
 
 def run(stage_fn, params: list[dict], message_type: jax.ShapeDtypeStruct, stages: int, microbatches: int,
-        schedule: str = "1f1b", virtual: int = 1, info: dict | None = None, grad_dtype=None):
+        schedule: str = "1f1b", virtual: int = 1, info: dict | None = None, grad_dtype=None, programs=None):
     """``schedule`` inside a shard_map over "pp". ``stage_fn(params, x, mb, chunk) -> (y, loss)``:
     model chunk ``chunk`` (static) of this device run forward on micro-batch ``mb`` (a traced index)
     from ``x``, the activation received from the previous virtual stage (zeros on virtual stage 0,
@@ -166,40 +169,51 @@ def run(stage_fn, params: list[dict], message_type: jax.ShapeDtypeStruct, stages
     chunks, one tree each. Returns (this device's summed loss, its gradients, one tree per chunk).
     ``info``, if given, receives the stash's sizes when this is traced (bytes per micro-batch, device).
     ``grad_dtype``: what the gradients are summed over the micro-batches in (mixed precision: the float32
-    master dtype, ``params`` the bf16 copies; default: the params' own dtype)."""
+    master dtype, ``params`` the bf16 copies; default: the params' own dtype).
+    ``programs``: stages that are different programs (jax_impl/parallel/pp.py's seam), one ``(fn, view)``
+    per device: device s runs ``fn(view(params[c]), x, mb, chunk)``, differentiated with respect to what
+    ``view`` returns (its leaves, the stage's weights, are then left out of the stash) and pulled back
+    through ``view`` into ``params``; each op a branch of its own, so a stash slot holds one stage's
+    residuals, not every stage's. None: ``stage_fn`` on every device, ``params`` as they are."""
     p, v, zb = plan(stages, microbatches, schedule, virtual), virtual, schedule == "zb"
     assert len(params) == v, (len(params), v)
+    assert programs is None or len(programs) == stages, (len(programs), stages)
+    progs = list(programs) if programs is not None else [(stage_fn, None)]
+    program_of = np.arange(stages) if programs is not None else np.zeros(stages, np.int64)  # device -> program
     s = lax.axis_index("pp")
     varying = lambda a: lax.pcast(a, "pp", to="varying")
     mine = lambda a: jnp.asarray(a)[s]  # this device's entry of an (S,) table row
 
-    def forward(c, params, x, mb):
+    def forward(c, g, params, x, mb):
         """F: -> (y, loss, the vjp's leaves that are not weights), {leaf index: weight index}."""
-        (y, loss), vjp = jax.vjp(lambda q, a: stage_fn(q, a, mb, c), params, x)
+        fn, view = progs[g]
+        q = params if view is None else view(params)
+        (y, loss), vjp = jax.vjp(lambda q, a: fn(q, a, mb, c), q, x)
         leaves, treedef = jax.tree.flatten(vjp)
-        ids = {id(w): i for i, w in enumerate(jax.tree.leaves(params))}
+        ids = {id(w): i for i, w in enumerate(jax.tree.leaves(q))}
         shared = {j: ids[id(leaf)] for j, leaf in enumerate(leaves) if id(leaf) in ids}
         return (y, loss, [a for j, a in enumerate(leaves) if j not in shared]), (treedef, shared)
 
     zeros = jnp.zeros(message_type.shape, message_type.dtype)  # (B/M, D) / (B/M, T, D)
-    probes = []  # per chunk: the residuals' structure, from a trace that computes nothing (eval_shape)
+    probes = {}  # per (chunk, program): the residuals' structure, from a trace that computes nothing (eval_shape)
     for c in range(v):
-        probe = {}
+        for g in range(len(progs)):
+            probe = {}
 
-        def probed(params, x, mb, c=c, probe=probe):
-            out, probe["meta"] = forward(c, params, x, mb)
-            return out
+            def probed(params, x, mb, c=c, g=g, probe=probe):
+                out, probe["meta"] = forward(c, g, params, x, mb)
+                return out
 
-        # typed as in the branches (device-varying x and mb), or the vjp would transpose a pcast into a psum
-        _, loss_type, res = jax.eval_shape(probed, params[c], varying(zeros), mine(np.zeros(stages, np.int32)))
-        probes.append((res, *probe["meta"]))
+            # typed as in the branches (device-varying x and mb), or the vjp would transpose a pcast into a psum
+            _, loss_type, res = jax.eval_shape(probed, params[c], varying(zeros), mine(np.zeros(stages, np.int32)))
+            probes[c, g] = (res, *probe["meta"])
     # the stash: per dtype one (slots, n) buffer, a micro-batch's residuals raveled into one row
     # (two buffers, not one per leaf: the unrolled ticks would copy every leaf's buffer around);
     # n the largest chunk's (chunk 0 adds the embedding's residuals, chunk v−1 the head's)
-    dtypes = sorted({r.dtype.name for res, *_ in probes for r in res})
-    width = {d: max(sum(r.size for r in res if r.dtype.name == d) for res, *_ in probes) for d in dtypes}
+    dtypes = sorted({r.dtype.name for res, *_ in probes.values() for r in res})
+    width = {d: max(sum(r.size for r in res if r.dtype.name == d) for res, *_ in probes.values()) for d in dtypes}
     slots = max(p.peak_in_flight)  # the busiest stage's, allocated on every device (SPMD)
-    per_mb = max(sum(r.size * r.dtype.itemsize for r in res) for res, *_ in probes)  # weights left out
+    per_mb = max(sum(r.size * r.dtype.itemsize for r in res) for res, *_ in probes.values())  # weights left out
     msg_bytes = message_type.size * message_type.dtype.itemsize
     if info is not None:  # zb also keeps each stashed micro-batch's incoming gradient until W
         info |= {"stash_bytes_per_microbatch": per_mb + zb * msg_bytes, "stash_slots": slots,
@@ -219,52 +233,56 @@ def run(stage_fn, params: list[dict], message_type: jax.ShapeDtypeStruct, stages
     def take(state, slot):  # the inbox message at a table slot; zeros where the table says −1
         return jnp.where(slot >= 0, lax.dynamic_index_in_dim(state["inbox"], slot, keepdims=False), 0)
 
-    def pull(c, state, params, slot, cotangent):
+    def pull(c, g, state, params, slot, cotangent):
         """Rebuild chunk c's vjp from stash slot ``slot`` and pull ``cotangent`` back: (dparams, dx)."""
-        res, treedef, shared = probes[c]
+        view = progs[g][1]
+        q, through = (params, None) if view is None else jax.vjp(view, params)
+        res, treedef, shared = probes[c, g]
         rows = {d: lax.dynamic_index_in_dim(b, slot, keepdims=False) for d, b in state["stash"].items()}
         offset, kept = dict.fromkeys(dtypes, 0), []
         for r in res:
             d = r.dtype.name
             kept.append(lax.dynamic_slice_in_dim(rows[d], offset[d], r.size).reshape(r.shape))
             offset[d] += r.size
-        kept, weights = iter(kept), jax.tree.leaves(params)
+        kept, weights = iter(kept), jax.tree.leaves(q)
         leaves = [weights[shared[j]] if j in shared else next(kept) for j in range(treedef.num_leaves)]
         dloss = varying(jnp.ones((), loss_type.dtype))  # d(loss)/d(loss): the last stage's seed
-        return jax.tree.unflatten(treedef, leaves)((cotangent, dloss))
+        dq, dx = jax.tree.unflatten(treedef, leaves)((cotangent, dloss))
+        return (dq if through is None else through(dq)[0]), dx
 
     def accumulate(state, c, dparams):
         grads = list(state["grads"])
         grads[c] = jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads[c], dparams)
         return state | {"grads": grads}
 
-    def idle(c, state, params, mb, slot, read):
+    def idle(c, g, state, params, mb, slot, read):
         return state, varying(zeros)
 
-    def fwd(c, state, params, mb, slot, read):
-        (y, loss, leaves), (_, again) = forward(c, params[c], take(state, read), mb)
-        assert again == probes[c][2], (again, probes[c][2])  # the weights sit where the probe found them
+    def fwd(c, g, state, params, mb, slot, read):
+        (y, loss, leaves), (_, again) = forward(c, g, params[c], take(state, read), mb)
+        assert again == probes[c, g][2], (again, probes[c, g][2])  # the weights sit where the probe found them
         stash = {d: lax.dynamic_update_index_in_dim(state["stash"][d], row, slot, 0) for d, row in pack(leaves).items()}
         return state | {"stash": stash, "loss": state["loss"] + loss}, y
 
-    def bwd(c, state, params, mb, slot, read):
+    def bwd(c, g, state, params, mb, slot, read):
         dy = take(state, read)
-        dparams, dx = pull(c, state, params[c], slot, dy)
+        dparams, dx = pull(c, g, state, params[c], slot, dy)
         if zb:  # B: dx only (dparams unused: XLA drops that half); W needs dy later
             return state | {"cotangents": lax.dynamic_update_index_in_dim(state["cotangents"], dy, slot, 0)}, dx
         return accumulate(state, c, dparams), dx
 
-    def wgt(c, state, params, mb, slot, read):  # zb's W: dW only (dx unused), nothing sent
+    def wgt(c, g, state, params, mb, slot, read):  # zb's W: dW only (dx unused), nothing sent
         dy = lax.dynamic_index_in_dim(state["cotangents"], slot, keepdims=False)  # what B(mb) received
-        dparams, _ = pull(c, state, params[c], slot, dy)
+        dparams, _ = pull(c, g, state, params[c], slot, dy)
         return accumulate(state, c, dparams), varying(zeros)
 
     run_op = {IDLE: idle, FWD: fwd, BWD: bwd, WGT: wgt}
     for t in range(len(p.grid)):  # Python loop: every permute is in the HLO, each tick's tables static
-        ops = sorted({(int(k), int(c) if k != IDLE else 0) for k, c in zip(p.kind[t], p.chunk[t])})
-        branches = [functools.partial(run_op[k], c) for k, c in ops]  # only what some device runs at t
-        index = mine(np.array([ops.index((k, c if k != IDLE else 0)) for k, c in zip(p.kind[t], p.chunk[t])],
-                              np.int32))
+        keys = [(int(k), int(c), int(g)) if k != IDLE else (IDLE, 0, 0)
+                for k, c, g in zip(p.kind[t], p.chunk[t], program_of)]  # per device: (kind, chunk, program)
+        ops = sorted(set(keys))
+        branches = [functools.partial(run_op[k], c, g) for k, c, g in ops]  # only what some device runs at t
+        index = mine(np.array([ops.index(key) for key in keys], np.int32))
         state, out = lax.switch(index, branches, state, params, mine(p.mb[t]), mine(p.stash[t]), mine(p.read[t]))
         assert out.shape == zeros.shape, (out.shape, zeros.shape)  # y on or dx back: one activation
         for pairs, slots in zip(p.pairs[t], p.write[t]):  # non-receivers get zeros, written to the spare slot K

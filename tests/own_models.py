@@ -5,7 +5,8 @@ test_tp_plan.py): float64, small, each with what real models bring.
 N = 2). ``TPMLP``: LayerNorm, a biased colwise/rowwise pair. ``TinyLlama``: separate q, k, v, o; SwiGLU
 gate, up, down; RMSNorm; an untied head; V = 25, not divisible by 2; padding_idx on rank 1's half
 (``LLAMA_PLAN`` splits it Megatron's way). ``TiedReader``: a parent reading a child's weight
-(F.linear(h, self.emb.weight)), the tying idiom FSDP must refuse. And the rank code both launches
+(F.linear(h, self.emb.weight)), the tying idiom FSDP must refuse. ``UserMoE``: a top-k mixture of experts
+whose ``StackedExperts`` hold (E, …) weights (expert parallelism's seam). And the rank code both launches
 (test_own_model_torch.py, test_llama_torch.py) train with: ``train``, ``full``, ``max_err``, ``ce``.
 """
 
@@ -119,6 +120,43 @@ class TiedReader(nn.Module):
 
     def forward(self, tokens):
         return F.linear(self.norm(self.emb(tokens)), self.emb.weight)  # (B, T, 11)
+
+
+class StackedExperts(nn.Module):
+    """E experts' weights stacked (E, …), called torchtitan's way: rows grouped by expert and an (E,) int
+    tensor of rows per expert; it loops over its own dim 0 (so E/N experts take E/N counts)."""
+
+    def __init__(self, experts: int = 4, dim: int = 6, hidden: int = 5):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(experts, dim, hidden, dtype=DT) * 0.4)
+        self.b1 = nn.Parameter(torch.randn(experts, hidden, dtype=DT) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(experts, hidden, dim, dtype=DT) * 0.4)
+
+    def forward(self, x, counts):  # (Σ counts, D), (E,) -> (Σ counts, D)
+        return torch.cat([F.silu(rows @ w1 + b1) @ w2
+                          for rows, w1, b1, w2 in zip(x.split(counts.tolist()), self.w1, self.b1, self.w2)])
+
+
+class UserMoE(nn.Module):
+    """A user's top-k mixture-of-experts layer with a residual: LayerNorm, a router, gates renormalised
+    over the top k, the assignments sorted by expert for ``experts``, un-sorted and gate-weighted."""
+
+    def __init__(self, experts: int = 4, topk: int = 2, dim: int = 6):
+        super().__init__()
+        self.e, self.k = experts, topk
+        self.norm = nn.LayerNorm(dim, dtype=DT)
+        self.router = nn.Linear(dim, experts, bias=False, dtype=DT)
+        self.experts = StackedExperts(experts, dim)
+
+    def forward(self, x):  # (B, T, D)
+        h = self.norm(x).reshape(-1, x.shape[-1])  # (n, D)
+        top_p, top_i = F.softmax(self.router(h), dim=-1).topk(self.k, dim=-1)  # (n, k)
+        gates = top_p / top_p.sum(-1, keepdim=True)
+        flat = top_i.reshape(-1)  # (n·k,): assignment j = token j // k
+        order = torch.argsort(flat, stable=True)
+        y = self.experts(h[order // self.k], torch.bincount(flat, minlength=self.e))  # (n·k, D), by expert
+        out = torch.empty_like(y).index_copy(0, order, y).reshape(h.shape[0], self.k, -1)  # (n, k, D)
+        return x + (gates.unsqueeze(-1) * out).sum(1).reshape(x.shape)
 
 
 def made(fn, *args, seed=0, **kw):

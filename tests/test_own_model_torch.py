@@ -32,6 +32,7 @@ from own_models import (
     T,
     TiedReader,
     TinyLlama,
+    UserMoE,
     V,
     adamw,
     ce,
@@ -54,8 +55,8 @@ from shared.theory import (
 )
 from torch_impl.launch import launch
 from torch_impl.model import empty_model
+from torch_impl.parallel import cp, ep, pp, tp, tp_ops
 from torch_impl.parallel import theory as mt
-from torch_impl.parallel import tp, tp_ops
 from torch_impl.parallel.dp import BucketedDDP, Zero1Optimizer
 from torch_impl.parallel.fsdp import FSDP, ShardReadError, Zero2
 
@@ -292,11 +293,46 @@ def fsdp_on_project_models(ctx):
     return out
 
 
+def user_moe(ctx):
+    """ep.expert_parallel on UserMoE's StackedExperts (E = 4, k = 2): EP inside DP (each rank routes its
+    half of the sequences: uneven all-to-alls) against the whole batch on one process; then the wrappers
+    refuse the split experts."""
+    x = made(torch.randn, 4, 3, 6, dtype=DT, seed=5)
+    ref = made(UserMoE)
+    ref_losses, ref_grads = train(lambda: ref(x).pow(2).mean(), list(ref.parameters()),
+                                  grads0=lambda: {n: p.grad.clone() for n, p in ref.named_parameters()})
+    model, n = made(UserMoE), ctx.world_size
+    d = ep.expert_parallel(model.experts, ctx.group)
+    mine = x.chunk(n)[ctx.rank]
+
+    def whole(t):  # this rank's (E/N, …) experts -> (E, …), rank order = expert order
+        out = t.new_empty((n * t.shape[0], *t.shape[1:]))
+        torch.distributed.all_gather_single(out, t.detach().contiguous(), group=ctx.group)
+        return out
+    full_of = lambda ts: {k: whole(t) if k.startswith("experts.") else t for k, t in ts.items()}
+    losses, grads = train(lambda: model(mine).pow(2).mean(), list(model.parameters()),
+                          lambda: ep.finish_gradients(model, ctx.group), ctx.ledger,
+                          grads0=lambda: {k: p.grad.clone() for k, p in model.named_parameters()})
+    refused = []
+    for wrap in (BucketedDDP, FSDP, Zero2, lambda m: Zero1Optimizer(m.parameters(), torch.optim.AdamW),
+                 lambda m: tp.apply_plan(m, {"router": "colwise"}, ctx.group),
+                 lambda m: pp.pipeline(m, [["norm"], ["router", "experts"]], ce, adamw, ctx.group),
+                 lambda m: cp.context_parallel(m, ce, adamw, ctx.group)):
+        try:
+            wrap(model)
+        except ep.ExpertError as e:
+            refused.append(str(e))
+    return {"loss_err": max_err(_mean(losses, ctx), ref_losses), "grad_err": max_err(full_of(grads), ref_grads),
+            "param_err": max_err(full_of(full(model)), full(ref)), "local": tuple(model.experts.w1.shape),
+            "ledger": ctx.ledger.summary(), "theory": d.comm_theory(), "counts": d.c, "refused": refused}
+
+
 def rank_checks(ctx):
     out = {"vocab": vocab_smallest(ctx), "tp_mlp": tp_mlp(ctx), "tp_mlp_sp": tp_mlp(ctx, sequence_parallel=True),
            "llama": llama(ctx), "llama_unshared": llama(ctx, shared_f=False, steps_only=True),
            "dtensor_tied": dtensor_tied_llama(ctx), "refuse": apply_plan_refuses_first(ctx), "dp": data_parallel(ctx),
-           "tied_reader": fsdp_tied_reader(ctx), "project": fsdp_on_project_models(ctx)}
+           "tied_reader": fsdp_tied_reader(ctx), "project": fsdp_on_project_models(ctx),
+           "moe": user_moe(ctx)}
     return out if ctx.rank == 0 else None
 
 
@@ -316,6 +352,50 @@ def plugged_in(phi_bytes: int) -> dict[str, int]:
 
 
 # --- tensor parallelism ------------------------------------------------------------------------------
+
+
+# --- expert parallelism on a user's MoE layer --------------------------------------------------------------
+
+
+def test_expert_parallel_trains_a_user_moe_like_one_process(result, measured):
+    """Gradients of the first step, losses and params after 3 AdamW steps equal one process's (1e-12: see
+    the module docstring); the ledger: per step ONE all-gather of the (N, E) int64 counts, 2 all-to-alls
+    forward + their reverse in backward of k·n rows out and the received rows in, ONE flat all-reduce of
+    the other gradients. The Dispatcher's comm_theory() says the same from its routing."""
+    r = result["moe"]
+    measured(f"ep user MoE, N=2, E=4, k=2: loss {r['loss_err']:.1e}, step-0 grads {r['grad_err']:.1e}, "
+             f"params {r['param_err']:.1e}; counts {r['counts']}")
+    assert r["loss_err"] <= TOL and r["grad_err"] <= TOL and r["param_err"] <= TOL, r
+    assert r["local"] == (2, 6, 5), r  # E/N = 2 of 4 experts on each rank
+    c, rank, k, dim, b = r["counts"], 0, 2, 6, 8  # rank 0's view; float64
+    sent = sum(c[rank])  # k·n rows: 2 sequences × 3 tokens × k
+    got = sum(c[src][e] for src in range(2) for e in range(2))  # rows for my experts 0, 1
+    assert sent == 2 * 3 * k, c
+    ledger = ledger_of(r["ledger"])
+    assert ledger.pop("all_gather") == (1, 2 * 4 * 8), ledger  # (N·E,) int64
+    assert ledger.pop("all_reduce") == (1, (6 + 6 + 6 * 4) * b), ledger  # LayerNorm + router
+    assert ledger == {"all_to_all": (4, 2 * (sent + got) * dim * b)}, ledger
+    assert ledger_of(r["ledger"]) == r["theory"] | {"all_reduce": (1, (6 + 6 + 6 * 4) * b)}, r
+
+
+def test_wrappers_refuse_split_experts(result):
+    """Every wrapper and seam that would treat a split expert parameter as whole refuses it, in one line."""
+    msgs = result["moe"]["refused"]
+    assert all("holds this rank's experts only" in m for m in msgs), msgs
+    assert [m.split(":")[0] for m in msgs] == ["BucketedDDP", "FSDP", "Zero2", "Zero1Optimizer", "apply_plan",
+                                               "pipeline", "context_parallel"], msgs
+
+
+@pytest.mark.parametrize("case", ["not divisible", "mixed leading dims", "no parameter"])
+def test_expert_parallel_refuses_what_it_cannot_split(case):
+    module = {"not divisible": lambda: made(UserMoE, experts=3).experts,
+              "mixed leading dims": lambda: made(UserMoE),  # the whole layer: the router is (E, D), the norm (D,)
+              "no parameter": lambda: nn.ReLU()}[case]()
+    match = {"not divisible": "3 experts are not divisible by the group's 2 ranks",
+             "mixed leading dims": "must all be stacked \\(E, …\\) on dim 0",
+             "no parameter": "holds no parameter"}[case]
+    with pytest.raises(ep.ExpertError, match=match):
+        ep.check_experts(module, 2)
 
 
 def test_vocab_parallel_any_vocabulary(result):

@@ -1,11 +1,12 @@
 """Pipeline parallelism for a Flax NNX model the project does not own (issue 24, JAX), through the
-stage-split seam: module paths per stage, GPipe over "pp" (jax_impl/parallel/pp.py).
+stage-split seam: module paths per stage, GPipe or 1F1B over "pp" (jax_impl/parallel/pp.py).
 
 ``Chain`` (defined here, float64): an embedding, two different blocks (a biased GELU MLP with
 LayerNorm; a gated tanh block with a bare matrix Param), a final LayerNorm and an untied head — the
-two stages share no code. 3 AdamW steps at S = 2, M = 4 micro-batches against single-device training
-from the same weights. Tolerance 1e-12 (float64): the loss is a mean of per-micro-batch means
-(equal sizes: the full-batch mean re-associated), ~1e-16 relative per op; three orders of margin.
+two stages share no code. 3 AdamW steps at S = 2, M = 4 micro-batches, under both schedules, against
+single-device training from the same weights. Tolerance 1e-12 (float64): the loss is a mean of
+per-micro-batch means (equal sizes: the full-batch mean re-associated; 1F1B sums the micro-batches'
+gradients in another order), ~1e-16 relative per op; three orders of margin.
 """
 
 from __future__ import annotations
@@ -96,23 +97,62 @@ def data():
 
 
 
-def test_gpipe_trains_a_foreign_chain_like_one_device(measured):
+PERMUTES = {"gpipe": 2 * (M + S - 2), "1f1b": M + 2}  # 1F1B at S = 2: 2·(M+S−1) ticks, M − 2 of them shared
+
+
+def _compiled(trainer, x, y):
+    return trainer.step.lower(*trainer.state, *trainer.shard_batch(x, y)).compile()
+
+
+def test_gpipe_and_1f1b_train_a_foreign_chain_like_one_device(measured):
+    """Both schedules against one single-device run (and so against each other: the same sums in
+    another order); each compiled program's collectives equal comm_theory()."""
     model, (x, y) = Chain(nnx.Rngs(0)), data()
     ref_losses, ref = train_single(model, lambda m, x, y: ce(m(x), y), x, y)
+    runs, temp = {}, {}
+    for schedule in ("gpipe", "1f1b"):
+        trainer = pipeline(Chain(nnx.Rngs(0)), STAGES, ce, adamw(), make_mesh(S, "pp"), microbatches=M,
+                           schedule=schedule)
+        losses = [trainer.train_step(x, y) for _ in range(STEPS)]
+        got = runs[schedule] = flat(trainer.module())
+        loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        param_err = max(float(np.max(np.abs(got[k] - ref[k]))) for k in ref)
+        compiled = _compiled(trainer, x, y)
+        temp[schedule] = compiled.memory_analysis().temp_size_in_bytes  # XLA's scratch: the activations live there
+        measured(f"{schedule} S={S} M={M}: loss {loss_err:.1e}, params {param_err:.1e}; XLA temp {temp[schedule]} B")
+        assert loss_err <= TOL and param_err <= TOL, (schedule, loss_err, param_err)
 
-    trainer = pipeline(Chain(nnx.Rngs(0)), STAGES, ce, adamw(), make_mesh(S, "pp"), microbatches=M)
-    losses = [trainer.train_step(x, y) for _ in range(STEPS)]
-    got = flat(trainer.module())
-    loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    param_err = max(float(np.max(np.abs(got[k] - ref[k]))) for k in ref)
-    measured(f"gpipe S={S} M={M}: loss {loss_err:.1e}, params {param_err:.1e}")
-    assert loss_err <= TOL and param_err <= TOL, (loss_err, param_err)
+        ledger = comm_from_hlo(compiled.as_text())
+        theory = trainer.comm_theory()
+        k = PERMUTES[schedule]
+        assert theory["collective_permute"] == (k, k * (B // M) * T * D * 8), theory
+        assert ledger["collective_permute"] == dict(zip(("count", "bytes"), theory["collective_permute"])), ledger
+        assert ledger["all_reduce"] == dict(zip(("count", "bytes"), theory["all_reduce"])), ledger
+        if schedule == "1f1b":  # at most S micro-batches' activations per stage (GPipe: all M)
+            assert trainer.stash["stash_slots"] == min(S, M) < M, trainer.stash
+    diff = max(float(np.max(np.abs(runs["gpipe"][k] - runs["1f1b"][k]))) for k in ref)
+    assert diff <= TOL, diff
+    assert temp["1f1b"] < temp["gpipe"], temp  # 2 stashed micro-batches of one stage vs all 4 (measured: 0.6×)
 
-    ledger = comm_from_hlo(trainer.step.lower(*trainer.state, *trainer.shard_batch(x, y)).compile().as_text())
-    theory = trainer.comm_theory()
-    assert theory["collective_permute"] == (2 * (M + S - 2), 2 * (M + S - 2) * (B // M) * T * D * 8)
-    assert ledger["collective_permute"] == dict(zip(("count", "bytes"), theory["collective_permute"])), ledger
 
+@pytest.mark.slow
+def test_1f1b_activation_memory_stays_flat_in_microbatches(measured):
+    """XLA's temp bytes per device (compiled.memory_analysis(), where the activations live), micro-batches
+    of 2 rows of 64 tokens (the activations, not the weights, dominate): GPipe's grow with M (jax.grad
+    keeps every micro-batch's residuals), 1F1B's stay (min(S, M) stash slots) and are the smaller.
+    Compiled only."""
+    rng, temp = np.random.default_rng(0), {}
+    for m in (4, 8):
+        x, y = rng.integers(0, V, (2, 2 * m, 64)).astype(np.int32)  # B = 2·M rows, T = 64
+        for schedule in ("gpipe", "1f1b"):
+            trainer = pipeline(Chain(nnx.Rngs(0)), STAGES, ce, adamw(), make_mesh(S, "pp"), microbatches=m,
+                               schedule=schedule)
+            temp[schedule, m] = _compiled(trainer, x, y).memory_analysis().temp_size_in_bytes
+    measured(f"XLA temp bytes, S={S}, 2x64-token micro-batches: "
+             + ", ".join(f"{s} M={m}: {b}" for (s, m), b in sorted(temp.items())))
+    assert temp["gpipe", 8] > 1.5 * temp["gpipe", 4], temp  # GPipe: ~ linear in M
+    assert temp["1f1b", 8] < 1.1 * temp["1f1b", 4], temp  # 1F1B: flat in M (the same two stash slots)
+    assert temp["1f1b", 4] < temp["gpipe", 4] and temp["1f1b", 8] < temp["gpipe", 8], temp
 
 REFUSALS = {
     "not the chain": (lambda: (Skips(nnx.Rngs(0)), STAGES), "does not give model"),
@@ -122,6 +162,7 @@ REFUSALS = {
                           "Param 'norm.bias' is in no stage"),
     "tied across stages": (lambda: (Tied(nnx.Rngs(0)), STAGES), "different stages \\(tied\\)"),
     "stage count": (lambda: (Chain(nnx.Rngs(0)), [STAGES[0] + STAGES[1]]), "1 stages for a mesh with pp=2"),
+    "unknown schedule": (lambda: (Chain(nnx.Rngs(0)), STAGES), "unknown schedule 'zb'"),
     "another boundary": (lambda: (Chain(nnx.Rngs(0)), [["embed"], ["mlp", "gated", "norm", "head"]]), None),
 }
 
@@ -139,5 +180,7 @@ def test_refusals_before_training(case):
     if message is None:  # a valid split at another boundary: accepted
         assert pipeline(model, stages, ce, adamw(), make_mesh(S, "pp"), microbatches=M).shard_batch(*data())
         return
+    schedule = "zb" if case == "unknown schedule" else "gpipe"
     with pytest.raises(WrapError, match=message):
-        pipeline(model, stages, ce, adamw(), make_mesh(S, "pp"), microbatches=M).shard_batch(*data())
+        pipeline(model, stages, ce, adamw(), make_mesh(S, "pp"), microbatches=M, schedule=schedule).shard_batch(
+            *data())

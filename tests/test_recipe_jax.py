@@ -223,8 +223,9 @@ def test_tp_clip_and_frozen_parts(style):
 STAGES = [["inp", "hid"], ["norm", "out"]]
 
 
-def test_pp_clip():
-    got = run(pipeline(Tiny(), STAGES, mse, adamw(), make_mesh(N, "pp"), microbatches=2, clip=CLIP))
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp_clip(schedule):
+    got = run(pipeline(Tiny(), STAGES, mse, adamw(), make_mesh(N, "pp"), microbatches=2, clip=CLIP, schedule=schedule))
     assert gap(got, single(adamw(), clip=CLIP)) <= TOL
 
 
@@ -305,10 +306,13 @@ def test_a_loss_that_casts_the_model_itself_where_the_model_is_whole():
     assert gap(got, single(adamw(), loss=cast_loss)) <= TOL32
 
 
-def test_compute_dtype_under_pp():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_compute_dtype_under_pp(schedule):
     """pipeline(..., compute_dtype=): every stage computes from its Params cast inside the step, the
-    packed master weights and their per-micro-batch gradients summed in the master dtype."""
-    trainer = pipeline(Tiny(), STAGES, mse, adamw(), make_mesh(N, "pp"), microbatches=2, compute_dtype=jnp.float32)
+    packed master weights and their per-micro-batch gradients summed in the master dtype (1F1B: each
+    micro-batch's pulled back through the cast into the packed row)."""
+    trainer = pipeline(Tiny(), STAGES, mse, adamw(), make_mesh(N, "pp"), microbatches=2, compute_dtype=jnp.float32,
+                       schedule=schedule)
     got = run(trainer)
     assert {a.dtype for a in got.values()} == {np.dtype("float64")} and trainer.state[0].dtype == np.float64
     assert gap(got, single(adamw(), dtype=jnp.float32)) <= TOL32

@@ -1,13 +1,31 @@
 """Expert parallelism's generic pieces, shared by the ep runner (jax_impl/ep.py: capacity all-to-all
 in shard_map, GShard einsums under jit) and its typed twin (jax_impl/ep_typed.py): the mesh axis and
 ``slots``, which turns each token's top-k expert choice into (expert, position-in-expert) pairs,
-the indices both dispatches scatter tokens by.
+the indices both dispatches scatter tokens by. And ``dispatch``, the twin of torch_impl/parallel/ep.py's
+``expert_parallel``: the token exchange for YOUR mixture-of-experts layer, inside a shard_map over "ep".
+
+    out = dispatch(expert_fn, w_local, h, top)   # (n, k, D): each assignment's expert output
+    y = jnp.einsum("nk,nkd->nd", gates, out)     # your combine
+
+Sharded: device r holds experts [r·E/N, (r+1)·E/N) of every stacked (E, …) weight (in_specs P("ep")) and
+n tokens of the batch (P("ep")); the router and the rest are the caller's (replicated: P()). Static
+shapes, so capacity C = n (nothing dropped: a token picks an expert at most once): each device scatters
+its k·n assignments into an (E, C, D) buffer, ONE all_to_all sends each expert's rows to its owner, the
+local experts run (``expert_fn`` vmapped over E/N), ONE all_to_all brings them back; autodiff
+transposes each. Per call: 4 all-to-alls (2 forward, 2 backward) of E·C·D·b per device, whatever the
+routing (E/k× the routed rows: the padding, shared.theory.ep_padding). ``global_counts``: the psum of
+the (E,) counts, for a balancing loss equal to one device's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
+from jax import lax
+
+from jax_impl.parallel.tree import WrapError
 
 AXIS = "ep"
 
@@ -18,3 +36,35 @@ def slots(top: jax.Array, experts_total: int) -> tuple[jax.Array, jax.Array]:
     expert = top.reshape(top.shape[:-2] + (-1,))  # (…, S·k)
     hits = jax.nn.one_hot(expert, experts_total, dtype=jnp.int32)  # (…, S·k, E)
     return expert, jnp.sum((jnp.cumsum(hits, axis=-2) - 1) * hits, axis=-1)  # (…, S·k)
+
+
+def dispatch(expert_fn: Callable, weights, h: jax.Array, top: jax.Array, axis: str = AXIS) -> jax.Array:
+    """Inside a shard_map over ``axis``: this device's tokens h (n, D) and their top-k experts ``top``
+    (n, k) ints in [0, E) (distinct per token, as lax.top_k gives) -> (n, k, D') each assignment's
+    expert output, equal to ``expert_fn(weights[e], h[i:i+1])`` on one device. ``weights``: a pytree of
+    this device's stacked (E/N, …) expert weights; ``expert_fn(w, rows (R, D)) -> (R, D')`` one expert
+    (w its slice, no expert dim); rows that carry no token are zeros and their outputs dropped."""
+    leaves = jax.tree.leaves(weights)
+    lead = {a.shape[0] if a.ndim else None for a in leaves}
+    if not leaves or len(lead) != 1 or None in lead:
+        raise WrapError(f"ep.dispatch: the expert weights must be stacked (E/N, …) on dim 0 (this device's "
+                        f"experts), leading dims {sorted(map(str, lead))}; keep the router outside ``weights``")
+    if h.ndim != 2 or top.ndim != 2 or top.shape[0] != h.shape[0]:
+        raise WrapError(f"ep.dispatch: h must be (n, D) and top (n, k), got {h.shape} and {top.shape}: flatten "
+                        "(B, T) to n rows first")
+    (n, d), k, local, world = h.shape, top.shape[1], lead.pop(), lax.axis_size(axis)
+    e, c = local * world, n  # capacity: every local token may pick the same expert, at most once
+    expert, pos = slots(top[None], e)  # (1, n·k) each
+    expert, pos = expert[0], pos[0]
+    buf = jnp.zeros((e, c, d), h.dtype).at[expert, pos].set(h[jnp.arange(n * k) // k])  # (E, C, D)
+    buf = lax.all_to_all(buf.reshape(world, local, c, d), axis, 0, 0, tiled=True)  # (N src, E/N, C, D)
+    rows = buf.transpose(1, 0, 2, 3).reshape(local, world * c, d)  # (E/N, N·C, D): each local expert's rows
+    y = jax.vmap(expert_fn)(weights, rows)  # (E/N, N·C, D')
+    y = y.reshape(local, world, c, -1).transpose(1, 0, 2, 3)  # (N dst, E/N, C, D')
+    y = lax.all_to_all(y, axis, 0, 0, tiled=True).reshape(e, c, -1)  # (E, C, D'): my assignments' outputs
+    return y[expert, pos].reshape(n, k, -1)
+
+
+def global_counts(top: jax.Array, experts_total: int, axis: str = AXIS) -> jax.Array:
+    """(E,) assignments per expert over every device's tokens (one psum), for the balancing loss."""
+    return lax.psum(jnp.sum(jax.nn.one_hot(top.reshape(-1), experts_total, dtype=jnp.int32), axis=0), axis)

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (GPipe) for ANY Flax NNX model that offers a stage split: the twin of
+"""Pipeline parallelism (GPipe, 1F1B) for ANY Flax NNX model that offers a stage split: the twin of
 torch_impl/parallel/pp.py. jax_impl/pp.py has the pattern (the circular SPMD pipeline, 1F1B, ZB-H1 by hand) for the
 project's stacked blocks; here the stages may differ in everything but the message between them.
 
@@ -12,16 +12,25 @@ a mean over the micro-batch's rows.
 
     trainer = pipeline(model, stages, loss, optax.adamw(...), mesh, microbatches=4)   # axis "pp"
     loss_value = trainer.train_step(x, y)
+    pipeline(..., schedule="1f1b")   # at most min(S, M) micro-batches' activations per stage, not M
 
 Sharded: each stage's Params flattened into ONE vector, zero-padded to the longest stage's length,
 stacked (S, Φ_max) and split over "pp": device s holds stage s's parameters and AdamW moments (the
 padding is zero, gets zero gradients and stays zero under AdamW, which is elementwise). The batch is
-cut into M micro-batches, replicated. Schedule: the circular GPipe of jax_impl/pp.py — M + S − 1 iterations;
-in iteration t device s runs its stage (``lax.switch`` on the device index: the stages are different
-programs) on micro-batch t − s, and the message moves s → s+1 (``ppermute``); bubbles compute on
-stale inputs and are masked to zero (zero value, zero gradient). Backward: jax.grad of the unrolled
-schedule (GPipe order), every shift transposed. Per step per device: 2·(M + S − 2) collective-permutes
-of one message, plus the all-reduce of the (S,) per-stage losses' sum (one element per device).
+cut into M micro-batches, replicated. Device s runs its stage by ``lax.switch`` on the device index (the
+stages are different programs).
+  gpipe  the circular GPipe of jax_impl/pp.py — M + S − 1 iterations; in iteration t device s runs micro-batch
+         t − s and the message moves s → s+1 (``ppermute``); bubbles compute on stale inputs and are masked
+         to zero (zero value, zero gradient). Backward: jax.grad of the unrolled schedule, every shift
+         transposed: all M micro-batches' residuals live at once.
+  1f1b   jax_impl/pp_schedules.run, the runner's 1F1B by hand, one program per stage: 2·(M + S − 1) unit
+         ticks; F(mb) = jax.vjp of stage s with respect to its weights (read from the packed row outside
+         the vjp, so not stashed), its residuals stashed until B(mb) pulls the incoming gradient back,
+         through the read into the packed row, and sends dx to s−1. At most min(S − s, M) micro-batches
+         stashed on stage s; SPMD: every device allocates min(S, M) slots of the largest stage's residuals.
+Collectives per step per device: collective-permutes of one message — GPipe 2·(M + S − 2), 1F1B one per tick
+in which some stage sends (M + 2 at S = 2, 2·(M + S − 1) − 1 at S ≥ 3) — plus the all-reduce of the (S,)
+per-stage losses' sum (one element per device).
 
 The optimizer sees the packed (S, Φ_max) array, not the model's tree: ``recipe.check`` refuses, before
 anything compiles, a ``tx`` that would update otherwise (masks, multi_transform labels: no paths in a
@@ -29,6 +38,7 @@ packed row). Global-norm clipping is exact (the whole packed gradient; padding z
 uses torch's formula (parallel/recipe.py, docs/recipe.md). ``compute_dtype=jnp.bfloat16``: the stages
 compute in bf16 from the float32 packed master (cast inside each micro-batch's stage call), the
 messages travel in bf16, the loss is summed in the master dtype.
+Papers: GPipe, Huang et al. 2019 (arXiv:1811.06965); 1F1B, Narayanan et al. 2021 (arXiv:2104.04473).
 """
 
 from __future__ import annotations
@@ -44,10 +54,12 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_impl import pp_schedules
 from jax_impl.parallel import recipe
 from jax_impl.parallel.tree import WrapError, fetch, key_of, param_holders, stacked, submodules
 
 AXIS = "pp"
+SCHEDULES = ("gpipe", "1f1b")
 
 
 class Stage:
@@ -68,24 +80,34 @@ class Stage:
         flat = jnp.concatenate([jnp.ravel(a).astype(dtype) for a in self.values] + [jnp.zeros(0, dtype)])
         return jnp.pad(flat, (0, length - self.size))  # (Φ_max,)
 
-    def modules(self, flat: jax.Array, cast: bool = True) -> list:
-        """The stage's modules holding the parameters read from ``flat`` (Φ_max,), the floating ones in
+    def leaves(self, flat: jax.Array, cast: bool = True) -> list[list[jax.Array]]:
+        """Per module, its parameter arrays read from ``flat`` (Φ_max,), the floating ones in
         ``compute_dtype`` where given and ``cast`` (the cast inside the step: the gradient flows back to
         ``flat``); ``cast=False``: in their own dtypes (the trained model)."""
         out, at = [], 0
-        for gdef, treedef, shapes in self.parts:
-            leaves = []
+        for _, _, shapes in self.parts:
+            out.append([])
             for shape, dtype in shapes:
                 n = int(np.prod(shape))
                 if cast and self.compute_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
                     dtype = self.compute_dtype
-                leaves.append(flat[at:at + n].reshape(shape).astype(dtype))
+                out[-1].append(flat[at:at + n].reshape(shape).astype(dtype))
                 at += n
-            out.append(nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, leaves)))
         return out
 
+    def modules(self, flat: jax.Array, cast: bool = True) -> list:
+        """The stage's modules holding the parameters read from ``flat`` (``leaves``)."""
+        return self.assemble(self.leaves(flat, cast))
+
+    def assemble(self, leaves: list[list[jax.Array]]) -> list:
+        return [nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, ls))
+                for (gdef, treedef, _), ls in zip(self.parts, leaves)]
+
     def __call__(self, flat, h):
-        for m in self.modules(flat):
+        return self.apply(self.leaves(flat), h)
+
+    def apply(self, leaves, h):
+        for m in self.assemble(leaves):
             h = m(h)
         return h
 
@@ -125,9 +147,11 @@ class Trainer:
     """``pipeline``'s result: ``step(params, opt_state, xs, *ys)``, ``state``, ``train_step(x, *y)``,
     ``module()``, ``comm_theory()``."""
 
-    def __init__(self, model, stages, loss, tx, mesh, microbatches, clip=None, compute_dtype=None):
+    def __init__(self, model, stages, loss, tx, mesh, microbatches, clip=None, compute_dtype=None, schedule="gpipe"):
         self.model, self.loss, self.tx, self.mesh, self.m, self.clip = model, loss, tx, mesh, microbatches, clip
         self.n = mesh.shape[AXIS]
+        self.schedule = schedule if self.n > 1 else "gpipe"  # one stage: no pipeline, nothing to order
+        self.stash = {}  # 1f1b: the stash's sizes (pp_schedules.run), filled when the step is traced
         if len(stages) != self.n:
             raise WrapError(f"pp: {len(stages)} stages for a mesh with pp={self.n}: give one module list per device")
         mods = _check(model, stages)
@@ -196,9 +220,13 @@ class Trainer:
         self.message = shapes[0] if self.n > 1 else None
 
     def _step(self, params, opt_state, xs, *ys):
-        def total(params):
-            return jnp.sum(self._losses(params, xs, *ys))  # the last stage's; the others' are 0
-        value, grads = jax.value_and_grad(total)(params)
+        if self.schedule == "gpipe":
+            def total(params):
+                return jnp.sum(self._losses(params, xs, *ys))  # the last stage's; the others' are 0
+            value, grads = jax.value_and_grad(total)(params)
+        else:  # 1F1B: the gradient is computed inside the schedule
+            losses, grads = self._scheduled(params, xs, *ys)
+            value = jnp.sum(losses)
         clipped = grads if self.clip is None else recipe.scale_by_norm(grads, recipe.sumsq(grads), self.clip)
         updates, opt_state = self.tx.update(clipped, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value, grads
@@ -222,6 +250,31 @@ class Trainer:
             return total[None]
         return jax.shard_map(body, mesh=self.mesh, in_specs=(P(AXIS), P(), *[P()] * len(ys)), out_specs=P(AXIS),
                              check_vma=True)(params, xs, *ys)
+
+    def _scheduled(self, params, xs, *ys):
+        """(S,) losses and the packed gradient of 1F1B by hand (jax_impl/pp_schedules.run): device s's F is
+        jax.vjp of stage s with respect to its weights (read from the packed row outside the vjp: they are
+        not stashed), its residuals stashed until its B; the gradient pulled back into the packed row."""
+        S, M, msg = self.n, self.m, self.message
+
+        def body(flat, xs, *ys):
+            def program(i):
+                stage = self.stages[i]
+
+                def fn(leaves, h, mb, c):  # micro-batch mb (traced) from message h; the loss's share on S−1
+                    at = lambda a: lax.dynamic_index_in_dim(a, mb, keepdims=False)
+                    out = stage.apply(leaves, at(xs) if i == 0 else h)
+                    if i < S - 1:
+                        return out, lax.pcast(jnp.zeros((), flat.dtype), AXIS, to="varying")
+                    loss = self.loss(out, *[at(y) for y in ys]).astype(flat.dtype) / M  # mean over M micro-batches
+                    return lax.pcast(jnp.zeros(msg.shape, msg.dtype), AXIS, to="varying"), loss
+                return fn, stage.leaves
+
+            loss, grads = pp_schedules.run(None, [flat[0]], msg, S, M, "1f1b", 1, self.stash, flat.dtype,
+                                           [program(i) for i in range(S)])
+            return loss[None], grads[0][None]
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(P(AXIS), P(), *[P()] * len(ys)),
+                             out_specs=(P(AXIS), P(AXIS)), check_vma=True)(params, xs, *ys)
 
     def _branch(self, i: int, S: int):
         stage, msg = self.stages[i], self.message
@@ -254,10 +307,15 @@ class Trainer:
         return model
 
     def comm_theory(self) -> dict[str, tuple[int, int]]:
-        """2·(M + S − 2) permutes of one message per device (none at S = 1), the losses' all-reduce."""
+        """Permutes of one message per device (none at S = 1), the losses' all-reduce. GPipe: 2·(M + S − 2);
+        1F1B: one per tick in which some stage sends (2·(M+S−1) ticks, F to s+1 and B to s−1 in ONE permute):
+        all but the last at S ≥ 3 (stage 0's last B sends nothing), M + 2 at S = 2 (stage 0's F ticks and
+        stage 1's B ticks coincide M − 2 times), 2·(S − 1) at M = 1 (shared.theory.pp_1f1b_permute_count)."""
         if self.message is None:
             return {}
-        k, b = 2 * (self.m + self.n - 2), int(np.prod(self.message.shape)) * self.message.dtype.itemsize
+        S, M, b = self.n, self.m, int(np.prod(self.message.shape)) * self.message.dtype.itemsize
+        k = 2 * (M + S - 2) if self.schedule == "gpipe" else \
+            2 * (S - 1) if M == 1 else M + 2 if S == 2 else 2 * (M + S - 1) - 1
         return {"collective_permute": (k, k * b), "all_reduce": (1, self.state[0].dtype.itemsize)}
 
 
@@ -268,12 +326,15 @@ def _cast_state(split, dtype):
 
 
 def pipeline(model: nnx.Module, stages: Sequence[Sequence[str]], loss: Callable, tx: optax.GradientTransformation,
-             mesh, microbatches: int = 4, *, clip: float | None = None, compute_dtype=None) -> Trainer:
-    """GPipe over ``mesh``'s "pp" axis for a model whose forward is the chain ``stages`` lists.
+             mesh, microbatches: int = 4, *, schedule: str = "gpipe", clip: float | None = None,
+             compute_dtype=None) -> Trainer:
+    """GPipe (or 1F1B) over ``mesh``'s "pp" axis for a model whose forward is the chain ``stages`` lists.
     ``clip``: global-norm clipping (torch's formula, parallel.recipe) of the whole packed gradient.
     ``compute_dtype``: every stage computes with its floating Params cast to it inside the step (the
     messages then travel in that dtype); the packed master weights, their gradients (summed over the
     micro-batches in the master dtype: one cast per micro-batch) and optax's state stay as they are."""
+    if schedule not in SCHEDULES:
+        raise WrapError(f"pp: unknown schedule {schedule!r}; choose from {SCHEDULES}")
     recipe.check_clip(clip, "pp")
     if AXIS not in mesh.shape:
         raise WrapError(f"the mesh has axes {tuple(mesh.shape)}, no {AXIS!r}: make one with axis name 'pp'")
@@ -281,4 +342,4 @@ def pipeline(model: nnx.Module, stages: Sequence[Sequence[str]], loss: Callable,
     if jax.tree.leaves(rest):
         raise WrapError(f"{type(model).__name__} holds state other than nnx.Param: pipeline trains Params only")
     mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-    return Trainer(model, stages, loss, tx, mesh, microbatches, clip, compute_dtype)
+    return Trainer(model, stages, loss, tx, mesh, microbatches, clip, compute_dtype, schedule)

@@ -71,6 +71,7 @@ from torch_impl.parallel.compose_axes import (  # noqa: F401  (ComposeError, che
     sizes,
     stage_loss,
 )
+from torch_impl.parallel.ep import refuse_split_experts
 from torch_impl.parallel.fsdp import FSDP, average_flat
 from torch_impl.parallel.tp import check_plan, matches, unshard
 
@@ -277,6 +278,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, plan: dict[str, str] | No
     """dp|fsdp × pp × cp × tp on ``mesh`` (dims named from AXES) for ``model``: the module docstring.
     ``optimizer(params)`` builds the optimizer over this rank's (sharded) trainable parameters."""
     check(sizes(mesh), style, loss, plan)
+    refuse_split_experts(model.named_parameters(), "compose")
     if sizes(mesh).get("pp", 1) > 1 and stage is None:
         raise ComposeError("compose: pp > 1 needs stage=(model, s, S) -> nn.Module (e.g. parallel/llama.py Stage)")
     if cp != "ring":

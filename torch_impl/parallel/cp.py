@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from shared.theory import cp_chunks, cp_positions
 from torch_impl.parallel import recipe
+from torch_impl.parallel.ep import refuse_split_experts
 from torch_impl.parallel.tp_ops import Transposed
 
 VARIANTS = ("ring", "ring_zigzag", "ulysses")
@@ -226,6 +227,7 @@ def context_parallel(model: nn.Module, loss: Callable, optimizer: Callable, grou
         raise SeamError(f"cp: unknown variant {variant!r}; choose from {VARIANTS}")
     if not dist.is_initialized():
         raise SeamError("cp: no process group: run under torch_impl.launch.launch or torchrun")
+    refuse_split_experts(model.named_parameters(), "context_parallel")
     group = group or dist.group.WORLD
     n = dist.get_world_size(group)
     if any(isinstance(m, nn.Dropout) and m.p and m.training for m in model.modules()):

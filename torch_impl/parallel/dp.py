@@ -28,6 +28,7 @@ from torch._utils import _unflatten_dense_tensors
 from torch.utils._python_dispatch import _disable_current_modes
 
 from torch_impl.parallel import recipe, theory
+from torch_impl.parallel.ep import refuse_split_experts
 
 
 def local_batch(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -66,6 +67,7 @@ def allreduce_gradients(module: nn.Module, group=None) -> None:
     """After the whole backward: all-reduce (sum) every gradient, one call per tensor, then /N.
     It never sees the batch: equal local batches are the caller's (``local_batch`` refuses B % N)."""
     n = dist.get_world_size(group)
+    refuse_split_experts(module.named_parameters(), "allreduce_gradients")
     for p in module.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad, group=group)  # same shape as p, summed over ranks
@@ -85,6 +87,7 @@ class BucketedDDP(nn.Module):
         super().__init__()
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        refuse_split_experts(module.named_parameters(), "BucketedDDP")
         self.module = module  # the only registered child: the wrapper adds no parameters
         self.group, self.world_size = group, dist.get_world_size(group)
         self._infos = theory.describe(module)
@@ -209,6 +212,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
             ps = g["params"]
             g["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
         self.param_lists = [[p for p in g["params"] if p.requires_grad] for g in groups]
+        refuse_split_experts(((f"params[{i}]", p) for ps in self.param_lists for i, p in enumerate(ps)),
+                             "Zero1Optimizer")
         self.params = [p for ps in self.param_lists for p in ps]
         if not self.params:
             raise ValueError("Zero1Optimizer: no trainable parameter was given (none, or all frozen). Fix: pass "

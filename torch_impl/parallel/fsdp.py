@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from torch_impl.parallel import recipe, theory
 from torch_impl.parallel.dp import check_even_batch
+from torch_impl.parallel.ep import refuse_split_experts
 
 
 class Unit:
@@ -170,6 +171,7 @@ class FSDP(nn.Module):
         if any(isinstance(m, FSDP) for m in module.modules()):
             raise ValueError("FSDP: this module is already wrapped by FSDP (or holds an FSDP inside); its "
                              "parameters are shards already. Fix: wrap the plain module once")
+        refuse_split_experts(module.named_parameters(), "FSDP")
         self.module, self.compute_dtype = module, compute_dtype
         self.group = group if group is not None else dist.group.WORLD
         self.n, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -399,6 +401,7 @@ class Zero2:
     local batches are the caller's (``dp.local_batch`` refuses B % N)."""
 
     def __init__(self, module: nn.Module, group=None):
+        refuse_split_experts(module.named_parameters(), "Zero2")
         self.module, self.group = module, group if group is not None else dist.group.WORLD
         self.n, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.names, self.params, self.units, self._pending = [], [], {}, []

@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from torch_impl.parallel import recipe
+from torch_impl.parallel.ep import refuse_split_experts
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -195,5 +196,6 @@ def pipeline(model: nn.Module, stages: Sequence[Sequence[str]], loss: Callable, 
         raise StageError(f"pp: unknown schedule {schedule!r}; choose from {tuple(SCHEDULES)}")
     if not dist.is_initialized():
         raise StageError("pp: no process group: run under torch_impl.launch.launch or torchrun")
+    refuse_split_experts(model.named_parameters(), "pipeline")
     return Trainer(model, [list(s) for s in stages], loss, optimizer, group or dist.group.WORLD, microbatches,
                    schedule)

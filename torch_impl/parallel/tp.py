@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torch_impl.parallel import recipe
+from torch_impl.parallel.ep import refuse_split_experts
 from torch_impl.parallel.tp_ops import (
     CopyToTP,
     GatherColumns,
@@ -338,6 +339,7 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel:
     share one f (SharedEnter). ``missing_ok``: keys matching nothing are allowed (pipeline stages).
     Returns {parameter name: style} (``check_plan``); split parameters carry ``tp_size``, their
     unpadded length along the split dim (``unshard`` / ``full_tensors`` use it)."""
+    refuse_split_experts(model.named_parameters(), "apply_plan")
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     if any(getattr(m, "_tp_planned", False) for m in model.modules()) or \
             any(hasattr(p, "tp_size") for p in model.parameters()):
