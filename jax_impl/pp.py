@@ -1,5 +1,5 @@
 """Pipeline parallelism in JAX, the runner: the circular (SPMD) pipeline, trained by autodiff of the
-schedule, and 1F1B / ZB-H1 / interleaved by hand (jax_impl/pp_schedules.py).
+schedule, and 1F1B / ZB-H1 / interleaved by hand (jax_impl/parallel/pp_schedules.py).
 
 Sharded: the blocks, stacked (S, L/S, …) over the ``pp`` axis (device s: blocks s·L/S … (s+1)·L/S − 1,
 their grads and AdamW state). The embeddings and the head are stacked (S, …) too, one slot per
@@ -37,10 +37,11 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl import pp_schedules, transformer
+from jax_impl import transformer
 from jax_impl.devices import make_mesh, wire_config
 from jax_impl.harness import Setup, train_loop
 from jax_impl.model import gelu, inputs, jax_dtype, make_optimizer, output_loss, targets, to_compute, to_loss, to_numpy
+from jax_impl.parallel import pp_schedules
 from shared.config import Config
 from shared.problem import Problem, param_names
 from shared.results import Trained
@@ -57,7 +58,7 @@ from shared.theory import (
 
 VARIANTS = (("shard_map", "circular"), ("jit", "circular"), ("shard_map", "1f1b"), ("shard_map", "zb"),
             ("shard_map", "interleaved"))
-BY_HAND = ("1f1b", "zb", "interleaved")  # jax_impl/pp_schedules.py
+BY_HAND = ("1f1b", "zb", "interleaved")  # jax_impl/parallel/pp_schedules.py
 # Sharding in types ("typed", JAX's Explicit axes; jax_impl/parallel/typed.py) cannot say the pipeline's shift:
 # jit's schedule with reshard(·, P('pp')) for the constraints fails at jnp.roll over the (S,) stage
 # axis (jax 0.10.2). The shift that can be typed, reshard(a, P()) -> roll -> reshard(·, P('pp')), is
@@ -221,7 +222,7 @@ def shard_map_loss(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head
 
 def shard_map_scheduled(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head_dim: int,
                         schedule: str = "1f1b", virtual: int = 1, info=None, cast=None, out=None):
-    """(loss, grads) of a schedule by hand (jax_impl/pp_schedules.py: 1f1b, zb, interleaved): the gradient
+    """(loss, grads) of a schedule by hand (jax_impl/parallel/pp_schedules.py: 1f1b, zb, interleaved): the gradient
     is computed inside the schedule, micro-batch by micro-batch (no jax.grad over it); params, xs, ys
     as above (interleaved: blocks laid out by ``chunked``, device s's v chunks in its row); ``info``
     gets the stash sizes (pp_schedules.run). Mixed precision (``cast``, ``out`` as shard_map_loss): the

@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 
 from jax_impl import pp as jax_pp
-from jax_impl import pp_schedules
 from jax_impl.harness import run_pattern as jax_run_pattern
+from jax_impl.parallel import pp_schedules
 from parallel_twins.plots_layouts import plot_pipeline_timeline, plot_schedule
 from shared.config import Config
 from shared.results import cross_framework_ok, make_result, parity, within
@@ -122,7 +122,7 @@ def jax_out(stages):
     return jax_run_pattern("pp", configs(stages, jax=True), variants=CIRCULAR)
 
 
-# JAX 1F1B by hand (jax_impl/pp_schedules.py) compiles its own, longer unrolled schedule (2·(M+S−1) ticks
+# JAX 1F1B by hand (jax_impl/parallel/pp_schedules.py) compiles its own, longer unrolled schedule (2·(M+S−1) ticks
 # of F/B branches): by default the MLP at S = 4, M = 6 > S (warm-up, steady state, cool-down all
 # present), float64 (~3 s); S = 2 (the MLP ~1.5 s, the transformer ~11 s with its JAX reference),
 # S = 3, float32 and the transformer under -m slow. tests/test_cli.py's JSON contract runs the JAX
@@ -302,7 +302,7 @@ def test_jax_1f1b_rest(torch_out, stages):
     test_jax_1f1b(torch_out, jax_run_pattern("pp", ONE_F_ONE_B_RUNS[stages]()[1], variants=[ONE_F_ONE_B]))
 
 
-# JAX ZB-H1 and interleaved 1F1B by hand (the same machinery, jax_impl/pp_schedules.py), by default the
+# JAX ZB-H1 and interleaved 1F1B by hand (the same machinery, jax_impl/parallel/pp_schedules.py), by default the
 # float64 MLP at S = 2: interleaved at M = 4, v = 2 (configs(2)[1], as torch's default launch runs
 # it: ~2.5 s, compiling 18 unrolled ticks) and zb at M = 2 (~1.5 s; torch's zb at that config is
 # tests/test_cli.py's); every config of configs(S) (zb; interleaved where M % S == 0) and S = 4 at

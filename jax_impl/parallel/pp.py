@@ -23,7 +23,7 @@ stages are different programs).
          t − s and the message moves s → s+1 (``ppermute``); bubbles compute on stale inputs and are masked
          to zero (zero value, zero gradient). Backward: jax.grad of the unrolled schedule, every shift
          transposed: all M micro-batches' residuals live at once.
-  1f1b   jax_impl/pp_schedules.run, the runner's 1F1B by hand, one program per stage: 2·(M + S − 1) unit
+  1f1b   jax_impl/parallel/pp_schedules.run, the runner's 1F1B by hand, one program per stage: 2·(M + S − 1) unit
          ticks; F(mb) = jax.vjp of stage s with respect to its weights (read from the packed row outside
          the vjp, so not stashed), its residuals stashed until B(mb) pulls the incoming gradient back,
          through the read into the packed row, and sends dx to s−1. At most min(S − s, M) micro-batches
@@ -54,8 +54,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl import pp_schedules
-from jax_impl.parallel import recipe
+from jax_impl.parallel import pp_schedules, recipe
 from jax_impl.parallel.tree import WrapError, fetch, key_of, param_holders, stacked, submodules
 
 AXIS = "pp"
@@ -252,7 +251,7 @@ class Trainer:
                              check_vma=True)(params, xs, *ys)
 
     def _scheduled(self, params, xs, *ys):
-        """(S,) losses and the packed gradient of 1F1B by hand (jax_impl/pp_schedules.run): device s's F is
+        """(S,) losses and the packed gradient of 1F1B by hand (jax_impl/parallel/pp_schedules.run): device s's F is
         jax.vjp of stage s with respect to its weights (read from the packed row outside the vjp: they are
         not stashed), its residuals stashed until its B; the gradient pulled back into the packed row."""
         S, M, msg = self.n, self.m, self.message

@@ -75,7 +75,7 @@ def pp_circular_permute_bytes(cfg: Config, style: str = "shard_map") -> int:
 
 
 def pp_1f1b_permute_count(cfg: Config) -> int:
-    """JAX 1F1B by hand (jax_impl/pp_schedules.py), collective-permutes per step on every device: one
+    """JAX 1F1B by hand (jax_impl/parallel/pp_schedules.py), collective-permutes per step on every device: one
     per tick in which some device sends (F sends s → s+1, B sends s → s−1, in ONE permute whose
     pairs are the tick's senders). Unit ticks, 2·(M+S−1) in all: stage s runs F(i) at s+i for
     i < min(S−s, M), F(S−s+j) at 2S−s+2j, B(j) at 2S−1−s+2j. M = 1: the F chain then the B chain,
@@ -97,7 +97,7 @@ def pp_1f1b_permute_bytes(cfg: Config) -> int:
 
 
 def pp_ticks_permute_count(cfg: Config, schedule: str = "1f1b", virtual: int = 1) -> int:
-    """JAX's schedules by hand (jax_impl/pp_schedules.py: 1f1b, zb, interleaved), collective-permutes per
+    """JAX's schedules by hand (jax_impl/parallel/pp_schedules.py: 1f1b, zb, interleaved), collective-permutes per
     step on every device, from shared.schedule's unit-cost timeline (f = b = 1; w = 1 under zb, 0
     otherwise: every op at an integer tick): one per tick in which some op sends — F on virtual
     stage k < S·v − 1 to k+1, B on k > 0 to k−1; W never — and a second where two of the tick's
