@@ -298,6 +298,8 @@ def test_refuses_a_mesh_without_the_axis_and_an_unknown_style():
         apply_plan(BiasedMLP(nnx.Rngs(0)), MLP_PLAN, mse, adamw(), make_mesh(N, "dp"))
     with pytest.raises(PlanError, match="unknown style 'pjit'"):
         apply_plan(BiasedMLP(nnx.Rngs(0)), MLP_PLAN, mse, adamw(), make_mesh(N, "tp"), style="pjit")
+    with pytest.raises(PlanError, match="style 'typed' is not built for a plan: .* Fix: style='shard_map' or 'jit'"):
+        apply_plan(BiasedMLP(nnx.Rngs(0)), MLP_PLAN, mse, adamw(), make_mesh(N, "tp"), style="typed")
 
 
 def test_refuses_non_param_state():

@@ -416,6 +416,10 @@ def apply_plan(model, plan: dict[str, str], loss: Callable, tx: optax.GradientTr
     whole padded tree, probed first (parallel.recipe.check). ``compute_dtype``: the loss sees the floating
     Params cast to it (bf16 compute); master weights and optimizer state stay as given."""
     recipe.check_clip(clip, "tp plan")
+    if style == "typed":  # issue 33: refused, not built (the project's own transformer has it: jax_impl/tp_typed.py)
+        raise PlanError("tp plan: style 'typed' is not built for a plan: under Explicit axes every rowwise product "
+                        "contracts a split dim, whose result layout JAX cannot infer, so each planned module's call "
+                        "would need an out_sharding the plan cannot add to your code. Fix: style='shard_map' or 'jit'")
     if style not in ("shard_map", "jit"):
         raise PlanError(f"tp plan: unknown style {style!r}. Fix: 'shard_map' or 'jit'")
     if axis not in mesh.shape:
