@@ -285,7 +285,7 @@ def bubble_stats(timeline: list[dict], stages: int) -> dict:
 
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankContext) -> Trained:
-    cfg.check("pp")
+    cfg.check("pp", "torch")
     S, s, M = ctx.world_size, ctx.rank, cfg.microbatches
     assert cfg.world_size == S, (cfg.world_size, S)
     v = cfg.virtual_stages if variant == "interleaved" else 1  # chunk c = virtual stage c·S + s

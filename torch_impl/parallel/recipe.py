@@ -177,14 +177,18 @@ class LossScaler:
     ``unscale_`` divides the gradients of ``optimizer``'s params (``grads=`` other tensors, e.g. a
     wrapper's shards) in place; a Zero1Optimizer's reduce-scatter is done first if not yet.
     ``reduce=False``: a local decision (one process: a reference run). ``skipped``: the last
-    ``update``'s step was skipped; ``skipped_steps``: how many so far."""
+    ``update``'s step was skipped; ``skipped_steps``: how many so far. ``share`` N: each rank's loss
+    is a local mean whose gradients the wrapper AVERAGES over N ranks (dp, FSDP, cp): ``scale`` then
+    multiplies by scale/N and ``unscale_`` by N/scale (exact for N a power of 2), so each rank's
+    float16 gradients have one process's magnitude — the same overflows as the single-device run
+    (with scale alone they are N× larger: an overflow one process does not see)."""
 
     def __init__(self, group=None, init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, reduce: bool = True):
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, reduce: bool = True, share: int = 1):
         if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0 and growth_interval >= 1 and init_scale > 0):
             raise ValueError(f"LossScaler: needs growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1, "
                              f"init_scale > 0 (got {growth_factor}, {backoff_factor}, {growth_interval}, {init_scale})")
-        self.group, self.reduce = group, reduce
+        self.group, self.reduce, self.share = group, reduce, share
         self._scale, self.growth, self.backoff, self.interval = float(init_scale), growth_factor, backoff_factor, \
             growth_interval
         self._tracker, self._found = 0, {}  # finite steps in a row; id(optimizer) -> agreed found-inf
@@ -194,8 +198,8 @@ class LossScaler:
         return self._scale
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` · scale (backward of it gives the scaled gradients)."""
-        return loss * self._scale
+        """``loss`` · scale (/ share; backward of it gives the scaled gradients)."""
+        return loss * (self._scale / self.share)
 
     @torch.no_grad()
     def unscale_(self, optimizer=None, grads: Iterable[torch.Tensor | None] | None = None) -> bool:
@@ -211,7 +215,7 @@ class LossScaler:
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads if g is not None]
         device = local[0].device if local else torch.device("cpu")
         found = torch.zeros(1, dtype=torch.float32, device=device)
-        inv = torch.full((1,), 1.0 / self._scale, dtype=torch.float32, device=device)  # a power of 2: exact
+        inv = torch.full((1,), self.share / self._scale, dtype=torch.float32, device=device)  # 2^k: exact
         by_kind: dict = {}
         for g in local:
             by_kind.setdefault((g.device, g.dtype), []).append(g)
