@@ -518,6 +518,20 @@ def ledger_counts(ctx):
         got, want = ledger.summary(), w.comm_theory()
         out[name] = {op: (got.get(op, {}).get("count"), want.get(op, (None,))[0])
                      for op in ("reduce_scatter", "all_reduce")}
+    # a LossScaler's found-inf flag: one more all-reduce of 4 bytes (recipe.scaler_comm), here under Zero2
+    model = build()
+    z, scaler, ledger = fsdp.Zero2(model), recipe.LossScaler(ctx.group), CommLedger(2)
+    opt = adamw(groups(z.named_parameters()))
+    with ledger.recording():
+        for i, (x, y) in enumerate(local_parts(ctx.rank)):
+            with z.no_sync() if i < K - 1 else _null():
+                scaler.scale(F.mse_loss(model(x), y) / K).backward()
+        z.finish_gradient_synchronization()
+        scaler.unscale_(opt)
+        z.clip_grad_norm_(MAX_NORM)
+    got, want = ledger.summary(), recipe.add_comm(z.comm_theory(), recipe.scaler_comm())
+    out["zero2_scaled"] = {op: ((got.get(op, {}).get("count"), got.get(op, {}).get("bytes")), want.get(op))
+                           for op in ("reduce_scatter", "all_reduce")}
     return out
 
 
@@ -670,6 +684,14 @@ def test_refusals(results, case, words):
     for rank in results:
         msg = rank["refusals"][case]
         assert all(w in msg for w in words), msg
+
+
+def test_ledger_counts_the_scalers_flag(results):
+    """Zero2 + LossScaler: the recorded reduce-scatters and all-reduces (count, bytes) are comm_theory plus
+    recipe.scaler_comm: the norm's scalar and the found-inf flag (4 bytes), one all-reduce each."""
+    for op, (got, want) in results[0]["ledger"]["zero2_scaled"].items():
+        assert got == tuple(want), (op, got, want)
+    assert results[0]["ledger"]["zero2_scaled"]["all_reduce"][1][0] >= 2  # the vectors' + norm + flag
 
 
 @pytest.mark.parametrize("wrapper", ["fsdp", "zero2", "ddp"])
