@@ -22,13 +22,16 @@ gradients (shards, slices, a stage's), so an overflow may show on one rank only:
 is all-reduced (MAX) over the group that shards them (default: the world) — ONE all-reduce of one
 float32 (4 bytes; ``scaler_comm``) per step — and every rank skips the same steps (the optimizer and
 the LR schedule not stepped), as FSDP's ShardedGradScaler does. DTensor gradients (FSDP2, DTensor TP)
-are unscaled on their local tensors, so DTensor adds no collective of its own. Why not torch's:
-torch.amp.GradScaler reduces nothing itself; DTensor's handler of its unscale kernel
-(torch/distributed/tensor/_dispatch.py ``found_inf_reduce_handler``, torch 2.13) all-reduces the flag
-over the mesh of the FIRST gradient of each (device, dtype) list and only if that one is not
-Replicate: a DTensor TP plan whose first gradient is a replicated bias checks locally, and plain
-tensors (ZeRO, our TP, pp stages) are never agreed. ShardedGradScaler agrees over a process group,
-but on DTensors that handler adds a second reduction; ours is one rule for every layout.
+are unscaled on their local tensors, so DTensor adds no collective of its own. Ours everywhere, not
+torch's, because (torch 2.13, checked on 2 gloo ranks with an inf on rank 1 only): torch.amp.GradScaler
+reduces nothing itself — DTensor's handler of its unscale kernel (torch/distributed/tensor/_dispatch.py
+``found_inf_reduce_handler``) all-reduces the flag over the mesh of the FIRST gradient of each (device,
+dtype) list, and only if that one is not Replicate. So it agrees under FSDP2 (every gradient Shard(0))
+and a DTensor plan whose first gradient is sharded, but NOT when a replicated gradient (a rowwise bias)
+comes first: rank 0 stepped at scale 2^16 while rank 1 skipped; plain tensors (ZeRO, our TP, pp stages)
+are never agreed. ShardedGradScaler agrees over its process group in all three DTensor cases, and both
+crash on apply_dtensor_plan's mix of DTensor and plain parameters ("got mixed torch.Tensor and
+DTensor"). One rule for every layout: ours.
 """
 
 from __future__ import annotations
