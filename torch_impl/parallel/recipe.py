@@ -166,6 +166,13 @@ def add_comm(comm: dict[str, tuple[int, int]], more: dict[str, tuple[int, int]])
     return out
 
 
+def _flag_device(group) -> torch.device:
+    """Where a rank without gradients keeps its flag: the device its backend reduces (NCCL: the GPU)."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class LossScaler:
     """torch.amp.GradScaler's dynamic loss scaling with the skip decision agreed over ``group``::
 
@@ -216,7 +223,7 @@ class LossScaler:
                 optimizer.reduce_gradients()  # Zero1Optimizer: the averaged slices are the gradients
             grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads if g is not None]
-        device = local[0].device if local else torch.device("cpu")
+        device = local[0].device if local else _flag_device(self.group)
         found = torch.zeros(1, dtype=torch.float32, device=device)
         inv = torch.full((1,), self.share / self._scale, dtype=torch.float32, device=device)  # 2^k: exact
         by_kind: dict = {}
