@@ -720,3 +720,29 @@ def test_float16_overflow_on_one_rank_skips_everywhere(results, case):
     for rank in results:
         _, (unchanged, scale, skipped) = rank["f16"][case]
         assert (unchanged, scale, skipped) == (True, 2.0**15, 1), (case, unchanged, scale, skipped)
+
+
+def test_runners_stepper_skips_on_an_overflow():
+    """compare.py's runners (torch_impl/recipe.py): with --dtype float16, ``stepper`` unscales with the
+    run's LossScaler and, on an inf, skips AdamW and ``after`` (e.g. ZeRO-2's all-gather): parameters
+    and optimizer state untouched, the scale halved; the next finite step steps. One process."""
+    from shared.config import Config
+    from torch_impl import recipe as run_recipe
+
+    cfg = Config(dtype="float16", precision="mixed", steps=2)
+    model = build16()
+    opt = adamw(model.parameters())
+    scaler, after = run_recipe.loss_scaler(cfg, reduce=False), []
+    update = run_recipe.stepper(opt, cfg, after=lambda: after.append(1), scaler=scaler)
+    x, y = data16()
+    before = [p.detach().clone() for p in model.parameters()]
+    run_recipe.backward(F.mse_loss(model(x), y), scaler)
+    model.head.weight.grad[0, 0] = math.inf
+    update()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and not opt.state and not after
+    assert (scaler.get_scale(), scaler.skipped_steps, scaler.skipped) == (2.0**15, 1, True)
+    opt.zero_grad(set_to_none=True)
+    run_recipe.backward(F.mse_loss(model(x), y), scaler)
+    update()
+    head = dict(zip(dict(model.named_parameters()), before))["head.weight"]
+    assert not torch.equal(head, model.head.weight) and after == [1] and not scaler.skipped
