@@ -334,10 +334,10 @@ def verdict_lines(rows, xfw, errors, frameworks, elapsed: float, console) -> boo
         console.print(f"cross-framework {x['pattern']} ({x['model']}): torch vs jax reference, max rel err "
                       f"{max(x['max_rel_err_loss'], x['max_rel_err_grad'], x['max_rel_err_param']):.1e} "
                       f"({'ok' if x['ok'] else 'FAIL'})", highlight=False)
-    for r in rows:  # MoE: a run that routed a token unlike its reference (a float32 near-tie) says where
-        if r.extra.get("routing_mismatch"):
-            console.print(f"[bold red]{r.pattern} {r.framework} {r.style}/{r.variant}[/]: "
-                          f"{r.extra['routing_mismatch']}")
+    for r in rows:  # MoE: a run that routed a token unlike its reference (a float32 near-tie) says where;
+        for key in ("routing_mismatch", "skip_mismatch"):  # float16: a run that skipped other steps, too
+            if r.extra.get(key):
+                console.print(f"[bold red]{r.pattern} {r.framework} {r.style}/{r.variant}[/]: {r.extra[key]}")
     for x in xfw:
         if x.get("routing_mismatch"):
             console.print(f"[bold red]cross-framework {x['pattern']} ({x['model']})[/]: {x['routing_mismatch']}")

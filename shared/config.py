@@ -40,7 +40,7 @@ MIXED_DTYPES = ("bfloat16", "float16")
 MIXED_PATTERNS = {"torch": ("dp", "fsdp", "tp", "pp", "cp"), "jax": ("dp", "fsdp", "tp", "pp", "cp")}
 # The patterns whose runs build --dtype float16 (mixed, with dynamic loss scaling), per framework.
 FLOAT16_PATTERNS = {
-    "torch": (),
+    "torch": ("dp", "fsdp", "cp", "tp", "pp"),
     "jax": (),
 }
 # The training recipe (shared/recipe.py: --clip, --accumulate, --schedule, --decay-mask, --freeze, --recipe):

@@ -47,9 +47,12 @@ def _cfgs(ws: int, dtypes=("float64",)) -> list[Config]:
 MIXED_VARIANTS = [("explicit", "ring"), ("explicit", "ulysses")]  # ring_zigzag: test_cli's slow torch sweep
 
 
+F16_VARIANTS = [("explicit", "ring")]  # float16 (loss scaling): test_float16
+
+
 def _torch_cfgs(ws: int) -> list[Config]:
-    mixed = [_cfgs(ws)[0].replace(dtype="bfloat16", precision="mixed")] if ws == 2 else []  # test_mixed_precision
-    return _cfgs(ws, ("float64", "float32") if ws == 2 else ("float64",)) + mixed
+    mixed = [_cfgs(ws)[0].replace(dtype=dt, precision="mixed") for dt in ("bfloat16", "float16")] if ws == 2 else []
+    return _cfgs(ws, ("float64", "float32") if ws == 2 else ("float64",)) + mixed  # mixed: test_mixed_precision
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,8 @@ def runs():
     ranks mostly start up and wait, XLA compiles on one core."""
     with ThreadPoolExecutor(max_workers=1) as pool:
         torch_out = pool.submit(lambda: {ws: launch(torch_run_pattern, ws, "cp", _torch_cfgs(ws), {
-            cfg: MIXED_VARIANTS for cfg in _torch_cfgs(ws) if cfg.precision == "mixed"})[0] for ws in WORLD_SIZES})
+            cfg: F16_VARIANTS if cfg.dtype == "float16" else MIXED_VARIANTS
+            for cfg in _torch_cfgs(ws) if cfg.precision == "mixed"})[0] for ws in WORLD_SIZES})
         # JAX at cp = 4 only (its cp = 2 runs, and temp bytes at a size where activations dominate:
         # the slow test below); torch at both
         jax_out = {ws: jax_run_pattern("cp", _cfgs(ws)) if ws in JAX_WORLD_SIZES else [] for ws in WORLD_SIZES}
@@ -173,7 +177,7 @@ def test_mixed_precision(runs):
     the same autocast within its measured floor × the factor (shared.tolerances; the rings': 32), float32
     state, and the ledger in the dtype each message has: K|V and ulysses' all-to-alls in bf16, the
     ring's dK|dV accumulators and the gradient all-reduce in float32 (cp_comm(autocast=True))."""
-    (entry,) = [e for e in runs[2]["torch"] if e["cfg"].precision == "mixed"]
+    (entry,) = [e for e in runs[2]["torch"] if e["cfg"].dtype == "bfloat16"]
     cfg = entry["cfg"]
     assert [(s, v) for s, v, _ in entry["runs"]] == MIXED_VARIANTS
     for style, variant, trained in entry["runs"]:
@@ -185,6 +189,21 @@ def test_mixed_precision(runs):
             cfg.replace(precision="pure", dtype="float32"), variant)
         phi = cfg.n_params
         assert trained.state_bytes == {"params": 4 * phi, "grads": 4 * phi, "optimizer": 8 * phi}, trained.state_bytes
+
+
+def test_float16(runs):
+    """--precision mixed --dtype float16, torch ring at cp=2: dynamic loss scaling (share=cp: each rank's
+    local mean scaled by scale/cp); ok against the single-device float16 run (the same scaler) within its
+    floor × the ring factor, the same skipped steps and scale, and the ledger: + one 4-byte all-reduce
+    (the found-inf flag) on top of the bf16 layout's bytes."""
+    (entry,) = [e for e in runs[2]["torch"] if e["cfg"].dtype == "float16"]
+    cfg, ref = entry["cfg"], entry["reference"]
+    assert [(s, v) for s, v, _ in entry["runs"]] == F16_VARIANTS
+    for style, variant, trained in entry["runs"]:
+        row = make_result("cp", "torch", style, variant, cfg, trained, ref)
+        assert row.ok and row.dtype == "float16", (variant, row.extra["mixed"], parity(trained, ref))
+        assert trained.extra["skipped_steps"] == ref.extra["skipped_steps"] and "loss_scale" in trained.extra
+        assert comm_bytes(trained.comm) == trained.comm_theory == cp_comm_bytes(cfg, variant, autocast=True) + 4
 
 
 @pytest.mark.slow

@@ -149,9 +149,19 @@ def wrapper_checks(ctx) -> dict:
     return out
 
 
+# float16 (mixed, dynamic loss scaling), inside the world-size-2 launch: the tiny MLP, ZeRO-1 (the found-inf
+# flag over the slices) and DDP (torch's own wrapper, our scaler around it)
+F16 = Config(world_size=2, layers=2, dim=8, batch=4, steps=3, dtype="float16", precision="mixed")
+F16_VARIANTS = [("explicit", "zero1"), ("builtin", "ddp")]
+
+
 def _torch_rank(ctx, cfgs: list[Config]):
     runs = run_pattern(ctx, "dp", cfgs)
-    return runs, (wrapper_checks(ctx) if ctx.world_size == 2 else None)
+    if ctx.world_size != 2:
+        return runs, None
+    checks = wrapper_checks(ctx)
+    checks["float16"] = run_pattern(ctx, "dp", [F16], F16_VARIANTS)  # rank 0's answer (None elsewhere)
+    return runs, checks
 
 
 # --- one launch per world size, one JAX run per world size -------------------------------------
@@ -392,6 +402,24 @@ def test_zero1_wraps_any_optimizer_with_padding(torch_out):
     for _, c in torch_out(2):
         assert c["zero1_param_err"] <= FLOAT64
         assert c["zero1_state_bytes"] == 28 * 8  # SGD momentum for ceil(55 / 2) elements
+
+
+def test_float16_loss_scaling(torch_out):
+    """--precision mixed --dtype float16: ok against the single-device float16 run (the same LossScaler)
+    within its measured floor; the same skipped steps and final scale; the ledger: + one 4-byte
+    all-reduce (the found-inf flag, agreed over the ranks) on top of bf16's float32 reductions."""
+    from shared.results import make_result
+
+    (entry,) = torch_out(2)[0][1]["float16"]
+    ref = entry["reference"]
+    assert [(s, v) for s, v, _ in entry["runs"]] == F16_VARIANTS
+    for style, variant, run in entry["runs"]:
+        row = make_result("dp", "torch", style, variant, F16, run, ref)
+        assert row.ok, (variant, row.extra["mixed"])
+        assert (run.extra["skipped_steps"], run.extra["loss_scale"]) == (ref.extra["skipped_steps"],
+                                                                        ref.extra["loss_scale"]), run.extra
+        assert comm_bytes(run.comm) == run.comm_theory, (variant, run.comm, run.comm_theory)
+        assert run.comm["all_reduce"]["count"] == (2 if variant == "ddp" else 1), run.comm  # + the flag
 
 
 def test_bad_input():

@@ -40,12 +40,19 @@ def jax_configs(world_size: int) -> list[Config]:
 def results(request):
     """One torch launch and one JAX run per world size: every variant × both models × both dtypes."""
     cfgs = configs(request.param)
-    torch_out = launch(torch_run_pattern, request.param, "fsdp", cfgs)[0]
+    f16 = {F16: F16_VARIANTS} if request.param == 2 else {}  # float16: its own test, test_float16_loss_scaling
+    torch_out = launch(torch_run_pattern, request.param, "fsdp", cfgs + list(f16), f16)[0]
     cfgs = jax_configs(request.param)  # typed on the MLP only (suite budget; model-generic steps)
     untyped = [sv for sv in JAX_VARIANTS if sv[0] != "typed"]
     jax_out = jax_run_pattern("fsdp", [c for c in cfgs if c.model == "mlp"]) + \
         jax_run_pattern("fsdp", [c for c in cfgs if c.model != "mlp"], untyped)
     return {"torch": torch_out, "jax": jax_out}
+
+
+# float16 (mixed, dynamic loss scaling) at N = 2: the tiny MLP under zero3 (FSDP(compute_dtype=float16): casts
+# before the gather) and fsdp2 (MixedPrecisionPolicy(float16, float32): DTensor gradients unscaled locally)
+F16 = Config(world_size=2, layers=2, dim=8, batch=4, steps=3, dtype="float16", precision="mixed")
+F16_VARIANTS = [("explicit", "zero3"), ("builtin", "fsdp2")]
 
 
 def all_runs(results):
@@ -57,6 +64,8 @@ def all_runs(results):
     for fw, other in (("torch", "jax"), ("jax", "torch")):
         for entry in results[fw]:
             cfg = entry["cfg"]
+            if cfg.precision == "mixed":  # test_float16_loss_scaling
+                continue
             other_ref = refs[other].get(cfg) or jax_reference(cfg, "auto")
             for style, variant, run in entry["runs"]:
                 yield fw, cfg, style, variant, run, entry["reference"], other_ref
@@ -139,3 +148,23 @@ def test_indivisible_sizes_fail_before_any_process_starts(changes):
 def test_transformer_needs_even_row_blocks():
     with pytest.raises(ValueError, match="vocab=30 is not divisible by world_size=4"):
         Config(world_size=4, **{**TRANSFORMER, "vocab": 30}).check("fsdp")
+
+
+def test_float16_loss_scaling(results):
+    """--precision mixed --dtype float16 at N = 2: ok against the single-device float16 run (the same
+    LossScaler and casts) within its measured floor; the same skipped steps and final scale; the ledger
+    equal to theory with the found-inf flag's 4-byte all-reduce."""
+    from shared.results import make_result
+
+    entries = [e for e in results["torch"] if e["cfg"] == F16]
+    if not entries:
+        pytest.skip("float16 runs at N = 2")
+    (entry,) = entries
+    assert [(s, v) for s, v, _ in entry["runs"]] == F16_VARIANTS
+    for style, variant, run in entry["runs"]:
+        ref = entry.get("references", {}).get(variant, entry["reference"])  # zero3 / fsdp2: the casts they make
+        row = make_result("fsdp", "torch", style, variant, F16, run, ref)
+        assert row.ok, (variant, row.extra["mixed"])
+        assert (run.extra["skipped_steps"], run.extra["loss_scale"]) == (ref.extra["skipped_steps"],
+                                                                        ref.extra["loss_scale"]), run.extra
+        assert comm_bytes(run.comm) == run.comm_theory, (variant, run.comm, run.comm_theory)

@@ -102,13 +102,16 @@ def torch_variants(stages: int, rest: bool = False) -> dict[Config, list[tuple[s
 def mixed_configs(stages: int) -> dict[Config, list[tuple[str, str]]]:
     """--precision mixed (issue 34), torch, S = 2 only: the transformer (v = 2 chunks) under explicit
     1F1B and builtin interleaved; the MLP (bf16 blocks: its stages cast their output to the float32 of
-    the receive buffers) under explicit GPipe and builtin 1F1B. Every variant: test_cli's slow torch sweep."""
+    the receive buffers) under explicit GPipe and builtin 1F1B; the MLP in float16 (loss scaling) under explicit
+    1F1B. Every variant: test_cli's slow torch sweep."""
     if stages != 2:
         return {}
     mixed = dict(dtype="bfloat16", precision="mixed")
     t = transformer_configs(2)[0].replace(virtual_stages=2, **mixed)
     m = configs(2)[1].replace(virtual_stages=1, **mixed)
-    return {t: [("explicit", "1f1b"), ("builtin", "interleaved")], m: [("explicit", "gpipe"), ("builtin", "1f1b")]}
+    f16 = m.replace(dtype="float16")  # float16 with dynamic loss scaling (torch_impl/recipe.loss_scaler)
+    return {t: [("explicit", "1f1b"), ("builtin", "interleaved")], m: [("explicit", "gpipe"), ("builtin", "1f1b")],
+            f16: [("explicit", "1f1b")]}
 
 
 @pytest.fixture(scope="module")
@@ -180,9 +183,13 @@ def test_mixed_precision(torch_out, stages):
         row = make_result("pp", "torch", style, variant, cfg, run, ref)
         assert row.ok and row.precision == "mixed", (cfg.model, variant, row.extra["mixed"], parity(run, ref))
         v = chunks(variant, cfg)
+        f16 = {"all_reduce": {"count": 1, "bytes": 4}} if cfg.dtype == "float16" else {}  # the found-inf flag
         for r, comm in enumerate(run.extra["comm_per_rank"]):
             expected = {"count": pp_p2p_count_per_rank(cfg, r, v), "bytes": pp_p2p_bytes_per_rank(cfg, r, v)}
-            assert comm == {"send": expected, "recv": expected}, (cfg.model, style, variant, r, comm)
+            assert comm == {"send": expected, "recv": expected, **f16}, (cfg.model, style, variant, r, comm)
+        if f16:  # the reference's skipped steps (make_result requires them) and the scale, recorded
+            assert run.extra["skipped_steps"] == ref.extra["skipped_steps"] == 0, run.extra
+            assert run.extra["loss_scale"] == ref.extra["loss_scale"] == 2.0**16, run.extra
         assert cfg.bytes_per_element == 4 and run.extra["state_bytes_per_rank"] == [
             pp_state_bytes(pp_stage_param_count(cfg, s), cfg) for s in range(cfg.world_size)]
 

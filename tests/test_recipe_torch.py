@@ -1,5 +1,6 @@
 """A real training recipe under every torch wrapper and plan of torch_impl/parallel/, against the same
-recipe on one process (issue 34): global-norm clipping (binding every step), AdamW with a decay mask
+recipe on one process (issue 34): float16 with dynamic loss scaling (recipe.LossScaler, the skip agreed:
+a forced overflow on one rank), global-norm clipping (binding every step), AdamW with a decay mask
 (param groups: matrices decay, vectors not), a frozen layer, LambdaLR warmup + cosine, and 2
 micro-batches accumulated per step. Float64, 3 steps, ONE launch at world size 2 for every case
 (cases and refusals run inside it); models of this file's own (Net: a residual MLP chain; Attn: a
@@ -18,9 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from torch_impl.launch import launch
-from torch_impl.parallel import cp, dp, fsdp, pp, tp
+from torch_impl.parallel import cp, dp, fsdp, pp, recipe, tp
 
 STEPS, LR, WD, MAX_NORM, WARM, K = 3, 1e-2, 0.1, 0.05, 2, 2  # K: micro-batches accumulated per step
 TOL = 1e-12  # see the module docstring
@@ -287,6 +289,211 @@ class _Positioned(nn.Module):
         return self.m(tokens, torch.arange(T))
 
 
+# --- float16: dynamic loss scaling (recipe.LossScaler) under every wrapper, the skip agreed ------------
+# float32 master weights, the forward and backward under autocast to float16, the recipe above (clip,
+# decay mask, frozen layer, warmup-cosine, K micro-batches). At step FORCED one element of RANK 1's
+# local gradient (its shard, slice or stage) is set to inf before unscale_: every rank must skip that
+# step (parameters bit-identical, the scale halved, the schedule not stepped). The reference (one
+# process) forces its own inf at the same step, so its parameters are comparable after 3 steps.
+
+FORCED = 1
+# Tolerance: a factor × the MEASURED floor (f16_cases: the reference against itself with the batch in
+# 2K micro-batches of 2 rows, each rank's parts; 9.1e-5 absolute on the parameters after 3 steps: AdamW
+# turns float16 rounding of near-zero gradient entries into whole-lr moves). ddp, zero1, zero2, fsdp,
+# fsdp2 and pp ARE that split run (measured 1.0x, bit for bit). tp and dtensor round each rank's
+# row-parallel partial sum in float16 where one process rounds the whole dot product once (another
+# program, as for bf16: shared/tolerances.py MIXED_LAYOUT_FACTOR): measured 7.8x (tp) and 3.8x (dtensor),
+# so 16 there. A lost 1/N, a dropped rank's gradient or a step taken on one rank only moves the parameters
+# by ~lr = 1e-2 (>= 100x the floor).
+# cp's ring (Attn, its own floor: 2K micro-batches of one sequence) attends block by block, another
+# program too: 11.2x measured (bf16: 25x), so 32 as MIXED_LAYOUT_FACTOR["ring"].
+F16_FACTOR = {"tp": 16.0, "dtensor": 16.0, "cp_ring": 32.0}
+
+
+class Forced(recipe.LossScaler):
+    """LossScaler that sets one element of this rank's first local gradient to inf at step FORCED
+    (on ``forced_rank`` only; None: on every process, the reference)."""
+
+    def __init__(self, group=None, forced_rank=1, reduce=True):
+        super().__init__(group, reduce=reduce)
+        self.k, self.forced_rank = 0, forced_rank
+
+    def unscale_(self, optimizer=None, grads=None):
+        if grads is None:
+            if hasattr(optimizer, "reduce_gradients") and not optimizer._reduced:
+                optimizer.reduce_gradients()
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
+        if self.k == FORCED and self.forced_rank in (None, dist.get_rank()):
+            g = next(g for g in grads if g is not None)
+            (g.to_local() if isinstance(g, DTensor) else g).view(-1)[0] = math.inf
+        return super().unscale_(optimizer, grads)
+
+    def update(self):
+        super().update()
+        self.k += 1
+
+
+def _local(p):
+    return (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+
+
+def f16(x):
+    return torch.autocast("cpu", dtype=torch.float16)
+
+
+def train16(model, opt, parts, scaler, params, sync=lambda: None, clip=None, no_sync=None, after=None,
+            loss=F.mse_loss):
+    """STEPS of the recipe in float16 with ``scaler``. Returns (parameters unchanged over the forced
+    step, final scale, skipped steps)."""
+    sched, unchanged = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), None
+    for k in range(STEPS):
+        before = [_local(p) for p in params] if k == FORCED else None
+        opt.zero_grad(set_to_none=True)
+        for i, (x, y) in enumerate(parts):
+            with no_sync() if no_sync is not None and i < len(parts) - 1 else _null(), f16(x):
+                scaler.scale(loss(model(x), y) / len(parts)).backward()
+        sync()
+        scaler.unscale_(opt)  # before clipping: the clip sees the true gradients
+        if clip is not None:
+            clip(MAX_NORM)
+        else:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], MAX_NORM)
+        if scaler.step(opt) is not None:
+            if after is not None:
+                after()
+            sched.step()
+        scaler.update()
+        if before is not None:
+            unchanged = all(torch.equal(a, _local(p)) for a, p in zip(before, params))
+    return unchanged, scaler.get_scale(), scaler.skipped_steps
+
+
+def build16():
+    return build().float()
+
+
+def data16(rows=slice(None)):
+    x, y = data()
+    return x[rows].float(), y[rows].float()
+
+
+def reference16(parts: int):
+    """One process, float16 casts, the same forced overflow; ``parts`` micro-batches of the batch."""
+    model, (x, y) = build16(), data16()
+    out = train16(model, adamw(groups(model.named_parameters())), list(zip(x.chunk(parts), y.chunk(parts))),
+                  Forced(forced_rank=None, reduce=False), list(model.parameters()))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, out
+
+
+def f16_parts(rank):
+    x, y = data16(slice(rank * B // 2, (rank + 1) * B // 2))
+    return list(zip(x.chunk(K), y.chunk(K)))
+
+
+def f16_cases(ctx, reduce=True):
+    """name -> (error vs the reference / its floor, (unchanged, scale, skipped)) per wrapper."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ref, _ = reference16(K)
+    split, _ = reference16(2 * K)  # the floor: the batch in 2K micro-batches (each rank's rows and parts)
+    floor = max(max(float((split[n] - ref[n]).abs().max()) for n in ref), 1e-6)  # >= float32 rounding of O(1)
+    scaler = lambda: Forced(ctx.group, reduce=reduce)  # noqa: E731
+    err = lambda got: max(float((got[n].detach() - ref[n]).abs().max()) for n in got) / floor  # noqa: E731
+    out, mine = {}, f16_parts(ctx.rank)
+
+    net = dp.BucketedDDP(build16(), bucket_mb=1e-4)
+    r = train16(net, adamw(groups(net.module.named_parameters())), mine, scaler(), list(net.module.parameters()),
+                net.finish_gradient_synchronization, net.clip_grad_norm_, net.no_sync)
+    out["ddp"] = err(dict(net.module.named_parameters())), r
+
+    model = build16()
+    opt = dp.Zero1Optimizer(groups(model.named_parameters()), torch.optim.AdamW, lr=LR, foreach=False)
+    r = train16(model, opt, mine, scaler(), list(model.parameters()), clip=opt.clip_grad_norm_)
+    out["zero1"] = err(dict(model.named_parameters())), r
+    model = build16()
+    z = fsdp.Zero2(model)
+    r = train16(model, adamw(groups(z.named_parameters())), mine, scaler(), [p for _, p in z.named_parameters()],
+                z.finish_gradient_synchronization, z.clip_grad_norm_, z.no_sync, z.all_gather_params)
+    out["zero2"] = err(dict(model.named_parameters())), r
+
+    w = fsdp.FSDP(build16())
+    r = train16(w, adamw(groups(w.module.named_parameters())), mine, scaler(), list(w.module.parameters()),
+                w.finish_gradient_synchronization, w.clip_grad_norm_, w.no_sync)
+    out["fsdp"] = err(w.full_state_dict()), r
+
+    model, mesh = build16(), init_device_mesh("cpu", (2,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    r = train16(model, adamw(groups(model.named_parameters())), mine, scaler(), list(model.parameters()))
+    out["fsdp2"] = err({n: p.full_tensor() for n, p in model.named_parameters()}), r
+
+    x, y = data16()
+    whole = list(zip(x.chunk(K), y.chunk(K)))
+    model = build16()
+    styles = tp.apply_plan(model, PLAN, ctx.group)
+    r = train16(model, adamw(groups(model.named_parameters())), whole, scaler(), list(model.parameters()),
+                clip=lambda m: tp.clip_grad_norm_(model, m, ctx.group))
+    out["tp"] = err(tp.full_tensors(model, styles, ctx.group)), r
+
+    model = build16()
+    tp.apply_dtensor_plan(model, PLAN, init_device_mesh("cpu", (2,)))
+    r = train16(model, adamw(groups(model.named_parameters())), whole, scaler(), list(model.parameters()),
+                clip=lambda m: tp.clip_grad_norm_(model, m))
+    out["dtensor"] = err({n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.named_parameters()}), r
+
+    model = build16()
+    trainer = pp.pipeline(model, [["inp", "blocks.0"], ["blocks.1", "head"]], F.mse_loss,
+                          lambda ps: adamw(groups([(str(i), p) for i, p in enumerate(ps)])), ctx.group, microbatches=2)
+    sched, s, unchanged = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lr_lambda), scaler(), None
+    for k in range(STEPS):
+        before = [_local(p) for p in trainer.named_parameters().values()]
+        with f16(x):
+            trainer.train_step(x, y, accumulate=K, max_norm=MAX_NORM, scaler=s)
+        if not s.skipped:
+            sched.step()
+        if k == FORCED:
+            unchanged = all(torch.equal(a, p) for a, p in zip(before, trainer.named_parameters().values()))
+    full = [None] * 2
+    dist.all_gather_object(full, {n: p.detach() for n, p in trainer.named_parameters().items()}, group=ctx.group)
+    out["pp"] = err({n: p for f in full for n, p in f.items()}), (unchanged, s.get_scale(), s.skipped_steps)
+    out["cp_ring"] = f16_cp(ctx, scaler())
+    return out
+
+
+def f16_cp(ctx, s):
+    """The cp seam (ring): (error vs its one-process reference / that reference's floor (2K parts),
+    (unchanged, scale, skipped))."""
+    ref, floor, (toks, tgts) = f16_attn_reference(K), f16_attn_reference(2 * K), attn_data()
+    model = build_attn().float()
+    trainer = cp.context_parallel(model, attn_loss, lambda ps: adamw(groups([(str(i), p) for i, p in enumerate(ps)])),
+                                  ctx.group, "ring")
+    sched, unchanged = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lr_lambda), None
+    for k in range(STEPS):
+        before = [_local(p) for p in model.parameters()]
+        with f16(toks):
+            trainer.train_step(toks, tgts, accumulate=K, max_norm=MAX_NORM, scaler=s)
+        if not s.skipped:
+            sched.step()
+        if k == FORCED:
+            unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    want = dict(ref.named_parameters())
+    floor = max(float((p - want[n]).abs().max()) for n, p in floor.named_parameters())
+    return max(float((p - want[n]).abs().max()) for n, p in model.named_parameters()) / max(floor, 1e-6), \
+        (unchanged, s.get_scale(), s.skipped_steps)
+
+
+def f16_attn_reference(parts: int):
+    """Attn on one process, float16 casts, the forced overflow; ``parts`` micro-batches per step."""
+    toks, tgts = attn_data()
+    ref = build_attn().float()
+    train16(_Positioned(ref), adamw(groups(ref.named_parameters())), list(zip(toks.chunk(parts), tgts.chunk(parts))),
+            Forced(forced_rank=None, reduce=False), [],
+            loss=lambda o, y: F.cross_entropy(o.reshape(-1, V), y.reshape(-1)))
+    return ref
+
+
 # --- the ledger: one reduction per optimizer step under no_sync, the norm's one scalar all-reduce ---------
 
 
@@ -311,6 +518,20 @@ def ledger_counts(ctx):
         got, want = ledger.summary(), w.comm_theory()
         out[name] = {op: (got.get(op, {}).get("count"), want.get(op, (None,))[0])
                      for op in ("reduce_scatter", "all_reduce")}
+    # a LossScaler's found-inf flag: one more all-reduce of 4 bytes (recipe.scaler_comm), here under Zero2
+    model = build()
+    z, scaler, ledger = fsdp.Zero2(model), recipe.LossScaler(ctx.group), CommLedger(2)
+    opt = adamw(groups(z.named_parameters()))
+    with ledger.recording():
+        for i, (x, y) in enumerate(local_parts(ctx.rank)):
+            with z.no_sync() if i < K - 1 else _null():
+                scaler.scale(F.mse_loss(model(x), y) / K).backward()
+        z.finish_gradient_synchronization()
+        scaler.unscale_(opt)
+        z.clip_grad_norm_(MAX_NORM)
+    got, want = ledger.summary(), recipe.add_comm(z.comm_theory(), recipe.scaler_comm())
+    out["zero2_scaled"] = {op: ((got.get(op, {}).get("count"), got.get(op, {}).get("bytes")), want.get(op))
+                           for op in ("reduce_scatter", "all_reduce")}
     return out
 
 
@@ -402,6 +623,10 @@ def everything(ctx):
         except Exception as e:
             out[f"cp_{variant}"] = f"{type(e).__name__}: {e}"
         dist.barrier()
+    try:
+        out["f16"] = f16_cases(ctx)
+    except Exception as e:
+        out["f16"] = f"{type(e).__name__}: {e}"
     out["ledger"] = ledger_counts(ctx)
     out["refusals"] = refusals(ctx)
     return out
@@ -461,9 +686,63 @@ def test_refusals(results, case, words):
         assert all(w in msg for w in words), msg
 
 
+def test_ledger_counts_the_scalers_flag(results):
+    """Zero2 + LossScaler: the recorded reduce-scatters and all-reduces (count, bytes) are comm_theory plus
+    recipe.scaler_comm: the norm's scalar and the found-inf flag (4 bytes), one all-reduce each."""
+    for op, (got, want) in results[0]["ledger"]["zero2_scaled"].items():
+        assert got == tuple(want), (op, got, want)
+    assert results[0]["ledger"]["zero2_scaled"]["all_reduce"][1][0] >= 2  # the vectors' + norm + flag
+
+
 @pytest.mark.parametrize("wrapper", ["fsdp", "zero2", "ddp"])
 def test_ledger_one_reduction_per_step(results, wrapper):
     """K micro-batches under no_sync(): the ledger's reduce-scatters / all-reduces are those of ONE step
     (comm_theory's), the norm's scalar all-reduce included (fsdp, zero2: comm_theory adds it once clipped)."""
     for op, (got, want) in results[0]["ledger"][wrapper].items():
         assert got == want, (wrapper, op, got, want)
+
+
+F16_CASES = ["ddp", "zero1", "zero2", "fsdp", "fsdp2", "tp", "dtensor", "pp", "cp_ring"]
+
+
+@pytest.mark.parametrize("case", F16_CASES)
+def test_float16_matches_one_process(results, case):
+    """float16 + LossScaler: within F16_FACTOR (8 unless listed) × the measured floor of the reference."""
+    for rank in results:
+        assert not isinstance(rank["f16"], str), rank["f16"]
+        ratio, _ = rank["f16"][case]  # the error / the floor
+        assert ratio <= F16_FACTOR.get(case, 8.0), (case, ratio)
+
+
+@pytest.mark.parametrize("case", F16_CASES)
+def test_float16_overflow_on_one_rank_skips_everywhere(results, case):
+    """Rank 1 alone sees an inf: every rank skips that step (parameters bit-identical, scale halved once)."""
+    for rank in results:
+        _, (unchanged, scale, skipped) = rank["f16"][case]
+        assert (unchanged, scale, skipped) == (True, 2.0**15, 1), (case, unchanged, scale, skipped)
+
+
+def test_runners_stepper_skips_on_an_overflow():
+    """compare.py's runners (torch_impl/recipe.py): with --dtype float16, ``stepper`` unscales with the
+    run's LossScaler and, on an inf, skips AdamW and ``after`` (e.g. ZeRO-2's all-gather): parameters
+    and optimizer state untouched, the scale halved; the next finite step steps. One process."""
+    from shared.config import Config
+    from torch_impl import recipe as run_recipe
+
+    cfg = Config(dtype="float16", precision="mixed", steps=2)
+    model = build16()
+    opt = adamw(model.parameters())
+    scaler, after = run_recipe.loss_scaler(cfg, reduce=False), []
+    update = run_recipe.stepper(opt, cfg, after=lambda: after.append(1), scaler=scaler)
+    x, y = data16()
+    before = [p.detach().clone() for p in model.parameters()]
+    run_recipe.backward(F.mse_loss(model(x), y), scaler)
+    model.head.weight.grad[0, 0] = math.inf
+    update()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and not opt.state and not after
+    assert (scaler.get_scale(), scaler.skipped_steps, scaler.skipped) == (2.0**15, 1, True)
+    opt.zero_grad(set_to_none=True)
+    run_recipe.backward(F.mse_loss(model(x), y), scaler)
+    update()
+    head = dict(zip(dict(model.named_parameters()), before))["head.weight"]
+    assert not torch.equal(head, model.head.weight) and after == [1] and not scaler.skipped

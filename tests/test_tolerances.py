@@ -112,6 +112,33 @@ def test_mixed_runs_are_judged_by_the_measured_floor():
         assert not within_floor(parity(halved, ref), ref, layout=layout), layout
 
 
+def test_float16_a_different_skip_fails_and_program_parameters_get_the_float16_factor():
+    """float16 (dynamic loss scaling): a run that skipped other steps than its reference FAILS with one line
+    saying so, whatever its errors; the same skips pass. Other programs' parameters (tp, the rings) get
+    MIXED_FLOAT16_PARAM_FACTOR, their gradients do not (a lost 1/N still fails)."""
+    from shared.config import Config
+    from shared.results import Trained, make_result, parity, within_floor
+    from shared.tolerances import MIXED_FLOAT16_PARAM_FACTOR, MIXED_LAYOUT_FACTOR, mixed_tolerance
+
+    rng = np.random.default_rng(0)
+    g, w = [rng.standard_normal((4, 4))], [rng.standard_normal((4, 4))]
+    floor = {"max_rel_err_loss": 1e-5, "max_rel_err_grad": 5e-4, "max_rel_err_param": 5e-4}
+    ref = Trained(losses=[1.0], grads0=g, params=w, extra={"floor": floor, "skipped_steps": 0, "loss_scale": 2.0**16})
+    cfg = Config(dtype="float16", precision="mixed", steps=1)
+    same = Trained(losses=[1.0], grads0=g, params=w, extra={"skipped_steps": 0, "loss_scale": 2.0**16})
+    assert make_result("dp", "torch", "explicit", "naive", cfg, same, ref).ok
+    other = Trained(losses=[1.0], grads0=g, params=w, extra={"skipped_steps": 1, "loss_scale": 2.0**15})
+    row = make_result("dp", "torch", "explicit", "naive", cfg, other, ref)
+    assert not row.ok and "skipped 1 step(s) where the single-device reference skipped 0" in row.extra["skip_mismatch"]
+    tp = ("tp", "megatron")
+    assert mixed_tolerance(5e-4, layout=tp, dtype="float16", quantity="max_rel_err_param") == \
+        MIXED_FLOAT16_PARAM_FACTOR * MIXED_LAYOUT_FACTOR["tp"] * 5e-4
+    assert mixed_tolerance(5e-4, layout=("dp", "naive"), dtype="float16", quantity="max_rel_err_param") == \
+        mixed_tolerance(5e-4, layout=("dp", "naive"))  # the split run itself: no extra factor
+    halved = Trained(losses=[1.0], grads0=[g[0] * 2], params=w)
+    assert not within_floor(parity(halved, ref), ref, layout=tp, dtype="float16")
+
+
 def test_mixed_layout_factor_and_program_minimum():
     """tp and cp's ring round where the reference does not, by construction (shared/tolerances.py): their
     factor is MIXED_LAYOUT_FACTOR's, keyed by pattern or variant; tp's tolerance never below one program's."""

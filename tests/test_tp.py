@@ -58,10 +58,12 @@ def _transformer(ws: int) -> list[Config]:
 def _mixed(ws: int) -> list[Config]:
     """--precision mixed (issue 34): the transformer at tp=2 only, torch only (JAX builds it for dp / fsdp),
     one variant per style (MIXED_VARIANTS; every variant and the MLP: test_cli's slow torch sweep)."""
-    return [_transformer(2)[0].replace(dtype="bfloat16", precision="mixed")] if ws == 2 else []
+    return [_transformer(2)[0].replace(dtype=dt, precision="mixed") for dt in ("bfloat16", "float16")] if ws == 2 \
+        else []  # float16 (loss scaling): one variant, F16_VARIANTS
 
 
 MIXED_VARIANTS = [("explicit", "megatron"), ("builtin", "dtensor_sp")]
+F16_VARIANTS = [("builtin", "dtensor")]
 
 
 # tp=4 under -m slow (suite budget): tp=2 runs every variant, model and dtype; the N-D mesh tests
@@ -76,7 +78,8 @@ def runs(request):
     with ThreadPoolExecutor(max_workers=1) as pool:
         torch_out = pool.submit(launch, torch_run_pattern, ws, "tp",
                                 _mlp(ws, 4) + _mlp(ws, 3) + _transformer(ws) + _mixed(ws),
-                                {cfg: MIXED_VARIANTS for cfg in _mixed(ws)})  # the others: every variant
+                                {cfg: F16_VARIANTS if cfg.dtype == "float16" else MIXED_VARIANTS
+                                 for cfg in _mixed(ws)})  # the others: every variant
         jax_out = (jax_run_pattern("tp", _mlp(ws, 4)) + jax_run_pattern("tp", _mlp(ws, 3), JAX_MEGATRON)
                    + jax_run_pattern("tp", [c for c in _transformer(ws) if c.dtype == "float64"],
                                      JAX_TRANSFORMER[ws]))
@@ -306,13 +309,23 @@ def test_mixed_precision(runs):
     entries = [e for e in runs["torch"] if e["cfg"].precision == "mixed"]
     if not entries:
         pytest.skip("mixed precision runs at tp=2")
-    (entry,) = entries
-    cfg = entry["cfg"]
-    assert [(s, v) for s, v, _ in entry["runs"]] == MIXED_VARIANTS
+    for entry in entries:
+        _check_mixed(entry)
+
+
+def _check_mixed(entry):
+    """bf16 (MIXED_VARIANTS) or float16 (F16_VARIANTS: + the found-inf flag's 4-byte all-reduce, the
+    reference's skipped steps)."""
+    cfg, f16 = entry["cfg"], entry["cfg"].dtype == "float16"
+    assert [(s, v) for s, v, _ in entry["runs"]] == (F16_VARIANTS if f16 else MIXED_VARIANTS)
     for style, variant, trained in entry["runs"]:
         row = make_result("tp", "torch", style, variant, cfg, trained, entry["reference"])
         assert row.ok and row.precision == "mixed", (variant, row.extra["mixed"], parity(trained, entry["reference"]))
         expected = {op: {"count": c, "bytes": b} for op, (c, b) in tp_comm(cfg, variant, autocast=True).items()}
+        if f16:  # the found-inf flag: one more all-reduce of one float32; the reference's skips
+            ar = expected.get("all_reduce", {"count": 0, "bytes": 0})
+            expected["all_reduce"] = {"count": ar["count"] + 1, "bytes": ar["bytes"] + 4}
+            assert trained.extra["skipped_steps"] == entry["reference"].extra["skipped_steps"], trained.extra
         assert trained.comm == expected, (variant, trained.comm)
         assert comm_bytes(trained.comm) == trained.comm_theory < tp_comm_bytes(  # < all float32
             cfg.replace(precision="pure", dtype="float32"), variant)

@@ -17,6 +17,7 @@ a = B·(T/N)·D·b, one rank's share of K (or Q, V, the residual stream).
 The replicated weights' gradients: one all-reduce of Φ·b (BucketedDDP, one bucket).
 Mixed precision (--precision mixed): float32 weights and AdamW state, the step under autocast; K|V and
 the all-to-alls move bf16, the ring's dK|dV and the gradient all-reduce float32 (cp_comm(autocast=True)).
+float16: the same with dynamic loss scaling (torch_impl/recipe.loss_scaler), + one 4-byte all-reduce.
 Bytes per step per rank (shared.theory.cp_comm): ring L·(3N−2)·2a + Φ·b; ulysses 8L·a + Φ·b.
 Papers: ring attention, Liu et al. 2023 (arXiv:2310.01889); striped/zigzag, Brandon et al. 2023;
 DeepSpeed-Ulysses, Jacobs et al. 2023 (arXiv:2309.14509).
@@ -70,7 +71,7 @@ def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
 def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankContext) -> Trained:
     if (style, variant) not in VARIANTS:
         raise ValueError(f"cp: unknown style/variant {style}/{variant}; choose from {VARIANTS}")
-    cfg.check("cp")
+    cfg.check("cp", "torch")
     if style == "builtin" and not builtin_available(cfg):
         raise ValueError(BUILTIN_REFUSAL + f" (here: backend {dist.get_backend() if dist.is_initialized() else None},"
                          f" {cfg.dtype})")
@@ -93,6 +94,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     recipe.freeze_(model, cfg)  # the recipe (torch_impl/recipe.py): before the wrapper, as dp
     net = BucketedDDP(model, cfg.bucket_mb, group)  # one bucket: one all-reduce of Φ·b per step
     opt = make_optimizer(recipe.param_groups(model.named_parameters(), cfg), cfg)
+    scaler = recipe.loss_scaler(cfg, group, share=n)  # float16: the skip agreed over cp; local means averaged
     names, params = [name for name, _ in model.named_parameters()], list(model.parameters())
 
     def forward_backward() -> torch.Tensor:
@@ -101,17 +103,19 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
             assert tokens.shape == y.shape == (b, t // n) and pos.shape == (t // n,), (tokens.shape, pos.shape)
             seen.setdefault("positions", pos.tolist())
             # mean CE over this rank's B·T/N tokens; --accumulate K: K groups of B/K sequences, reduced once
-            loss = recipe.accumulate(cfg, tokens, y, lambda ts, ys: loss_fn(net(ts, pos), ys), net.no_sync)
+            loss = recipe.accumulate(cfg, tokens, y, lambda ts, ys: loss_fn(net(ts, pos), ys), net.no_sync,
+                                     scaler)
         net.finish_gradient_synchronization()  # replicated weights' gradients averaged over cp
         return loss
 
     trained = train_loop(cfg, ctx, Setup(
         forward_backward=forward_backward, grads=lambda: [p.grad for p in params],
-        update=recipe.stepper(opt, cfg, net.clip_grad_norm_),  # the averaged gradient is whole: a local norm
+        update=recipe.stepper(opt, cfg, net.clip_grad_norm_, scaler=scaler),  # the averaged gradient: a local norm
         fixture=lambda ts: [to_fixture(model, name, x) for name, x in zip(names, ts, strict=True)],
         params=params, optimizer=opt, loss_reduction="mean", group=group,
-        comm_theory=cp_comm_bytes(cfg, variant, autocast=True) if style == "explicit" and not cfg.freeze else None,
-        extra={"backend": ctx.backend}))
+        comm_theory=cp_comm_bytes(cfg, variant, autocast=True) + recipe.scaler_bytes(cfg)
+        if style == "explicit" and not cfg.freeze else None,
+        extra={"backend": ctx.backend}, scaler=scaler))
     every = [None] * n  # bookkeeping after training, outside the ledger
     dist.all_gather_object(every, (seen["positions"], core.scores if core else None), group=group)
     trained.extra["positions"] = [p for p, _ in every]

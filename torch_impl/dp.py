@@ -18,7 +18,8 @@ DDP Φ·b; zero1 2·Φ·b (the same wire traffic as one all-reduce: ZeRO-1 saves
 The loss is averaged over ranks after the recorded step, outside the ledger.
 
 Mixed precision (--precision mixed): float32 parameters, gradients and AdamW state, the step under
-autocast (bf16 matmuls); every reduction moves the float32 gradients (4 bytes per element).
+autocast (bf16 / float16 matmuls); every reduction moves the float32 gradients (4 bytes per element).
+float16: dynamic loss scaling (torch_impl/recipe.loss_scaler), + one 4-byte all-reduce of the found-inf flag.
 The wrappers live in torch_impl/parallel/dp.py; this runner builds the project's models around them
 (make_setup) and runs them through harness.train_loop.
 Papers: PyTorch DDP, Li et al. 2020 (arXiv:2006.15704); ZeRO, Rajbhandari et al. 2020 (arXiv:1910.02054).
@@ -55,7 +56,7 @@ VARIANTS = (("explicit", "naive"), ("explicit", "bucketed"), ("explicit", "zero1
 
 def make_setup(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankContext) -> Setup:
     """One dp variant's step on this rank, for any model (the loop: torch_impl.harness.train_loop)."""
-    cfg.check("dp")
+    cfg.check("dp", "torch")
     if (style, variant) not in VARIANTS:
         raise ValueError(f"dp: unknown style/variant {style}/{variant}; choose from {VARIANTS}")
     n, group = ctx.world_size, ctx.group
@@ -69,6 +70,7 @@ def make_setup(cfg: Config, problem: Problem, style: str, variant: str, ctx: Ran
     recipe.freeze_(model, cfg)  # before any wrapper: frozen parameters get no hook, bucket or slice
     groups = recipe.param_groups(model.named_parameters(), cfg)  # --decay-mask: matrices / vectors
     net, sync, quiet, clip = model, lambda: None, None, recipe.local_clip(params)
+    scaler = recipe.loss_scaler(cfg, group, share=n)  # float16: the skip agreed; local means averaged over n
     if variant == "naive":
         opt = make_optimizer(groups, cfg)
         sync = lambda: allreduce_gradients(model, group)
@@ -89,7 +91,7 @@ def make_setup(cfg: Config, problem: Problem, style: str, variant: str, ctx: Ran
     def forward_backward() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
         # local mean over this rank's B/dp rows (· T positions); --accumulate K: K parts, reduced once
-        loss = recipe.accumulate(cfg, x, y, lambda xs, ys: loss_fn(net(xs), ys), quiet)
+        loss = recipe.accumulate(cfg, x, y, lambda xs, ys: loss_fn(net(xs), ys), quiet, scaler)
         sync()  # gradients averaged over ranks (zero1: this rank's averaged slice)
         return loss
 
@@ -99,7 +101,7 @@ def make_setup(cfg: Config, problem: Problem, style: str, variant: str, ctx: Ran
     zero1 = variant == "zero1"
     theory = opt.comm_theory() if zero1 else net.comm_theory() if variant == "bucketed" else dp_comm(model)
     # + the norm's scalar all-reduce (zero1: the slices are sharded; the others hold the whole gradient)
-    extra_bytes = recipe.clip_bytes(cfg) if zero1 else 0
+    extra_bytes = (recipe.clip_bytes(cfg) if zero1 else 0) + recipe.scaler_bytes(cfg)  # + float16's found-inf flag
     buckets = [b["flat"] for b in getattr(net, "buckets", [])]
     state = lambda: {"params": tensor_bytes(opt.flats if zero1 else params),  # zero1: flat, padded
                      "grads": tensor_bytes(buckets or params),  # bucketed: p.grad are bucket views
@@ -107,7 +109,7 @@ def make_setup(cfg: Config, problem: Problem, style: str, variant: str, ctx: Ran
     return Setup(
         forward_backward=forward_backward,
         # clip, AdamW (zero1: on the slice + all-gather), the schedule
-        update=recipe.stepper(opt, cfg, clip),
+        update=recipe.stepper(opt, cfg, clip, scaler=scaler),
         grads=(lambda: [s.grad for s in opt.shards]) if zero1 else (lambda: [p.grad for p in params]),
         fixture=fixture,
         grads_fixture=(lambda g: fixture(zero1_grads(opt, params, g))) if zero1 else None,
@@ -118,6 +120,7 @@ def make_setup(cfg: Config, problem: Problem, style: str, variant: str, ctx: Ran
         group=group,
         state=state,
         extra={"local_batch": cfg.batch // n, "bucket_bytes": [tensor_bytes([b]) for b in buckets]},
+        scaler=scaler,
     )
 
 

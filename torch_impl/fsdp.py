@@ -18,7 +18,8 @@ builtin/fsdp2   ``fully_shard`` per block and on the root: per block an all-gath
 Mixed precision (--precision mixed): float32 shards and AdamW state, the step under autocast;
 zero3 ``FSDP(compute_dtype=bf16)`` and fsdp2 ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=float32)`` cast before the all-gather (2-byte gathers, 4-byte reductions; their reference
-makes the same casts: MIXED_CASTS); zero2 gathers and reduces float32.
+makes the same casts: MIXED_CASTS); zero2 gathers and reduces float32. float16: the same with dynamic
+loss scaling (torch_impl/recipe.loss_scaler; DTensor gradients unscaled locally), + one 4-byte all-reduce.
 Gradient scale: each rank differentiates its local mean; the reduce-scatter sums the N gradients,
 then / N. docs/fsdp.md has the hooks, the refusals (ShardReadError) and the "bit for bit" check.
 Papers: ZeRO, Rajbhandari et al. 2020 (arXiv:1910.02054); FSDP, Zhao et al. 2023 (arXiv:2304.11277).
@@ -83,7 +84,7 @@ def fsdp2_model(model: nn.Module, ctx: RankContext, cfg: Config | None = None) -
 def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankContext):
     if (style, variant) not in VARIANTS:
         raise ValueError(f"fsdp: unknown torch variant {style}/{variant}; choose from {VARIANTS}")
-    cfg.check("fsdp")
+    cfg.check("fsdp", "torch")
     n, group, rows = ctx.world_size, ctx.group, cfg.batch // ctx.world_size
     mine = slice(ctx.rank * rows, (ctx.rank + 1) * rows)
     x, y = inputs(cfg, problem, ctx.device)[mine], targets(cfg, problem, ctx.device)  # (B/N, D) | (B/N, T)
@@ -98,38 +99,42 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     comm_theory = fsdp_comm_bytes(cfg, variant, cast_gather=mixed)
 
     recipe.freeze_(model, cfg)  # before wrapping: frozen parameters are gathered, never reduce-scattered
+    scaler = recipe.loss_scaler(cfg, group, share=n)  # float16: the skip agreed (4 bytes); local means averaged
+    comm_theory += recipe.scaler_bytes(cfg)
     if variant == "zero3":
         fsdp = FSDP(model, compute_dtype=TORCH_DTYPES[cfg.dtype] if mixed else None, group=group)
         params = [p for _, p in fsdp.module.named_parameters()]  # shards + replicated vectors
         opt = recipe.optimizer(fsdp.module.named_parameters(), cfg)  # shards keep the names, stay >= 2-D
         if cfg.accumulate > 1:  # every micro-batch gathers again: K times the all-gathers
-            comm_theory = fsdp_comm_bytes(cfg, variant, cast_gather=mixed, gathers=cfg.accumulate)
+            comm_theory = fsdp_comm_bytes(cfg, variant, cast_gather=mixed, gathers=cfg.accumulate) + \
+                recipe.scaler_bytes(cfg)
         comm_theory += recipe.clip_bytes(cfg)  # the norm: the shards' squares all-reduced
 
         def forward_backward():
             opt.zero_grad(set_to_none=True)
-            loss = recipe.accumulate(cfg, x, y, lambda xs, ys: loss_fn(fsdp(xs), ys), fsdp.no_sync)
+            loss = recipe.accumulate(cfg, x, y, lambda xs, ys: loss_fn(fsdp(xs), ys), fsdp.no_sync, scaler)
             fsdp.finish_gradient_synchronization()
             return loss
 
-        update = recipe.stepper(opt, cfg, fsdp.clip_grad_norm_)
+        update = recipe.stepper(opt, cfg, fsdp.clip_grad_norm_, scaler=scaler)
         return train_loop(cfg, ctx, Setup(forward_backward, update, lambda: [p.grad for p in params],
                                           fixture(fsdp.full_tensor), params, opt,
                                           None if cfg.freeze else comm_theory, group=group,  # frozen: not modelled
-                                          extra={"shard": "dim 0 of each ≥2-D parameter (Linear: columns of W)"}))
+                                          extra={"shard": "dim 0 of each ≥2-D parameter (Linear: columns of W)"},
+                                          scaler=scaler))
     if variant == "zero2":
         zero2 = Zero2(model, group)
-        comm_theory = comm_bytes(zero2.comm_theory()) + recipe.clip_bytes(cfg)  # = shared.theory's on our models
+        comm_theory = comm_bytes(zero2.comm_theory()) + recipe.clip_bytes(cfg) + recipe.scaler_bytes(cfg)
         params = model.parameters()
         opt = recipe.optimizer(zero2.named_parameters(), cfg)  # row shards (>= 2-D) and the vectors
 
         def forward_backward():
             opt.zero_grad(set_to_none=True)
-            loss = recipe.accumulate(cfg, x, y, lambda xs, ys: loss_fn(model(xs), ys), zero2.no_sync)
+            loss = recipe.accumulate(cfg, x, y, lambda xs, ys: loss_fn(model(xs), ys), zero2.no_sync, scaler)
             zero2.finish_gradient_synchronization()
             return loss
 
-        update = recipe.stepper(opt, cfg, zero2.clip_grad_norm_, zero2.all_gather_params)
+        update = recipe.stepper(opt, cfg, zero2.clip_grad_norm_, zero2.all_gather_params, scaler)
 
         full = lambda nm, t: gather_full(zero2.units[nm], t, group) if nm in zero2.units else t.detach()
         state = lambda: {"params": tensor_bytes(model.parameters()),
@@ -141,12 +146,13 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         return train_loop(cfg, ctx, Setup(forward_backward, update, lambda: [p.grad for p in zero2.params],
                                           fill(lambda p: p), zero2.params, opt, comm_theory, group=group,
                                           state=state, extra={"shard": "dim 0 of each ≥2-D parameter"},
-                                          grads_fixture=fill(torch.zeros_like)))
+                                          grads_fixture=fill(torch.zeros_like), scaler=scaler))
     model = fsdp2_model(model, ctx, cfg)
     params = list(model.parameters())  # DTensors, Shard(0)
     opt = recipe.optimizer(model.named_parameters(), cfg)
     if cfg.accumulate > 1:
-        comm_theory = fsdp_comm_bytes(cfg, variant, cast_gather=mixed, gathers=cfg.accumulate)
+        comm_theory = fsdp_comm_bytes(cfg, variant, cast_gather=mixed, gathers=cfg.accumulate) + \
+            recipe.scaler_bytes(cfg)
     # torch's clip_grad_norm_ over the DTensors: ONE all-reduce of the stacked per-tensor norms (a vector)
     comm_theory += recipe.clip_bytes(cfg, groups=sum(p.requires_grad for p in params))
 
@@ -161,12 +167,12 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     def forward_backward():
         opt.zero_grad(set_to_none=True)
         # FSDP2 reduce-scatters with the mean over ranks: no / N here
-        return recipe.accumulate(cfg, x, y, lambda xs, ys: loss_fn(model(xs), ys), quiet)
+        return recipe.accumulate(cfg, x, y, lambda xs, ys: loss_fn(model(xs), ys), quiet, scaler)
 
     update = recipe.stepper(opt, cfg, lambda c: torch.nn.utils.clip_grad_norm_(
-        [p for p in params if p.requires_grad], c))
+        [p for p in params if p.requires_grad], c), scaler=scaler)
 
     full = lambda nm, t: t.full_tensor() if isinstance(t, DTensor) else t.detach()
     return train_loop(cfg, ctx, Setup(forward_backward, update, lambda: [p.grad for p in params],
                                       fixture(full), params, opt, None if cfg.freeze else comm_theory, group=group,
-                                      extra={"shard": "dim 0 of each parameter (DTensor Shard(0))"}))
+                                      extra={"shard": "dim 0 of each parameter (DTensor Shard(0))"}, scaler=scaler))

@@ -60,6 +60,9 @@ class Setup:
         tensor_bytes(grads()), optimizer_state_bytes(optimizer).
     before_step: called before every step, outside the timer and the ledger (e.g. a barrier
         that gives every rank's pipeline timeline a common start).
+    scaler: --dtype float16: the run's LossScaler (torch_impl/recipe.loss_scaler), which
+        ``forward_backward`` scales by and ``update`` unscales / skips with; the loop records its final
+        scale and skipped steps (``extra["loss_scale"]``, ``extra["skipped_steps"]``).
     """
 
     forward_backward: Callable[[], torch.Tensor]
@@ -75,6 +78,7 @@ class Setup:
     before_step: Callable[[], None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     grads_fixture: Callable[[list[torch.Tensor]], list[np.ndarray]] | None = None
+    scaler: Any = None
 
 
 class _Saved:
@@ -186,7 +190,8 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
             with meter.recording() if k == start else contextlib.nullcontext(), autocast(cfg, ctx.device):
                 loss = setup.forward_backward()  # mixed precision: under autocast (float32 params and grads)
             if k == 0:
-                grads0 = [torch.zeros_like(setup.params[i]) if g is None else g.detach().clone()  # local; gathered
+                unscale = 1.0 if setup.scaler is None else setup.scaler.get_scale() / setup.scaler.share  # float16
+                grads0 = [torch.zeros_like(setup.params[i]) if g is None else g.detach() / unscale  # local; gathered
                           for i, g in enumerate(setup.grads())]  # below; a frozen parameter (no gradient): zeros
             setup.update()
             loss.item()  # waits for the device, so the step time is real on GPU too
@@ -210,6 +215,8 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
         "params": tensor_bytes(setup.params), "grads": tensor_bytes(g for g in setup.grads() if g is not None),
         "optimizer": optimizer_state_bytes(setup.optimizer)}
     extra = dict(setup.extra, activation_bytes=meter.peak)
+    if setup.scaler is not None:  # float16: the check requires the reference's skipped steps
+        extra.update(loss_scale=setup.scaler.get_scale(), skipped_steps=setup.scaler.skipped_steps)
     if by_axis is not None:
         extra["comm_by_axis"] = by_axis  # {axis label: {op: {"count", "bytes"}}} of the last step
     if ctx.ledger.audit_device is not None:
@@ -254,7 +261,7 @@ def run_pattern(
     module = importlib.import_module(f"torch_impl.{pattern}")
     out = []
     for cfg in cfgs:
-        cfg.check(pattern).check_precision(pattern, "torch")
+        cfg.check(pattern, "torch")  # what --precision mixed (and its dtype) is built for in torch
         problem = make_problem(cfg)
         if ctx.rank == 0:
             ctx.progress(("start", f"{pattern} {cfg.model}: single-device reference"))

@@ -23,7 +23,8 @@ from shared.config import Config
 from shared.problem import Problem
 from torch_impl.transformer import MoE, Transformer
 
-TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}  # float16: mixed precision only (a LossScaler: torch_impl/recipe.py)
 
 
 def torch_dtype(cfg: Config) -> torch.dtype:
@@ -32,7 +33,7 @@ def torch_dtype(cfg: Config) -> torch.dtype:
 
 
 def autocast(cfg: Config, device) -> contextlib.AbstractContextManager:
-    """Mixed precision's compute: ``torch.autocast`` to ``cfg.dtype`` (bfloat16) around the forward and
+    """Mixed precision's compute: ``torch.autocast`` to ``cfg.dtype`` (bfloat16 / float16) around the forward and
     backward of one step — matmuls in bf16, reductions (softmax, norms, the loss) in float32, the
     gradients of the float32 parameters in float32. Pure precision: nothing."""
     if cfg.precision != "mixed":

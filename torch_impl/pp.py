@@ -19,7 +19,8 @@ Every stage's order is shared.schedule.order's (asserted).
 builtin: torch.distributed.pipelining on the same ``Stage`` modules (ScheduleGPipe, Schedule1F1B,
 ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble).
 Mixed precision (--precision mixed): float32 stages and AdamW state, the step under autocast; every
-stage hands on float32 (``Stage.out_dtype``), so the messages are 4 bytes per element.
+stage hands on float32 (``Stage.out_dtype``), so the messages are 4 bytes per element. float16: the last
+stage's loss scaled (torch_impl/recipe.loss_scaler), + one 4-byte all-reduce of the found-inf flag.
 Papers: GPipe, Huang et al. 2019 (arXiv:1811.06965); PipeDream 1F1B, Narayanan et al. 2019
 (arXiv:1806.03377); ZB-H1, Qi et al. 2024 (arXiv:2401.10241).
 """
@@ -48,6 +49,7 @@ from shared.results import Trained
 from shared.schedule import closed_form_bubble, measured_costs, simulate
 from shared.schedule import order as schedule_order
 from shared.theory import pp_p2p_bytes_per_rank, pp_stage_param_count, pp_state_bytes
+from torch_impl import recipe
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
@@ -238,7 +240,8 @@ def explicit_step(schedule: str, module: Stage, x: torch.Tensor, y: torch.Tensor
     return loss, clock.resolve(timeline), peak
 
 
-def make_builtin(variant: str, chunks: list[Stage], cfg: Config, ctx: RankContext, x: torch.Tensor):
+def make_builtin(variant: str, chunks: list[Stage], cfg: Config, ctx: RankContext, x: torch.Tensor,
+                 loss_of=loss_fn):
     """torch.distributed.pipelining's stages (one per chunk: virtual stage c·S + rank) and schedule.
     The schedule calls loss_fn(out, target) once per micro-batch and (scale_grads=True) divides the
     summed gradients by M afterwards: loss_fn is the micro-batch mean (MLP mean(y²) against a zero
@@ -256,8 +259,8 @@ def make_builtin(variant: str, chunks: list[Stage], cfg: Config, ctx: RankContex
     # Schedule1F1B raises ValueError for M < S (torch 2.13): ScheduleGPipe runs instead (same
     # gradients; stages s > S − M stash M micro-batches, not S − s); extra["builtin_schedule"] says so.
     cls = Schedule1F1B if variant == "1f1b" and M >= S else ScheduleGPipe
-    mlp_target = lambda out, target: loss_fn(out - target)  # mean(y²): the target is zeros
-    loss = mlp_target if cfg.model == "mlp" else loss_fn
+    mlp_target = lambda out, target: loss_of(out - target)  # mean(y²): the target is zeros
+    loss = mlp_target if cfg.model == "mlp" else loss_of
     if variant in ("interleaved", "zb"):  # multi-stage schedules take the list (zb: one stage per rank = ZB-H1)
         multi = ScheduleInterleaved1F1B if variant == "interleaved" else ScheduleInterleavedZeroBubble
         return multi(stages, M, loss_fn=loss, scale_grads=True)
@@ -285,7 +288,7 @@ def bubble_stats(timeline: list[dict], stages: int) -> dict:
 
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankContext) -> Trained:
-    cfg.check("pp")
+    cfg.check("pp", "torch")
     S, s, M = ctx.world_size, ctx.rank, cfg.microbatches
     assert cfg.world_size == S, (cfg.world_size, S)
     v = cfg.virtual_stages if variant == "interleaved" else 1  # chunk c = virtual stage c·S + s
@@ -293,20 +296,24 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     named = [(c, name, p) for c, chunk in enumerate(chunks) for name, p in chunk.named_parameters()]
     opt = make_optimizer([p for *_, p in named], cfg)
     x, y = inputs(cfg, problem, ctx.device), targets(cfg, problem, ctx.device)  # (B, D) / (B, T), (B, T)
-    schedule = make_builtin(variant, chunks, cfg, ctx, x) if style == "builtin" else None
+    # float16: the last stage's loss scaled (the whole batch's mean: no share), the skip agreed over the stages
+    scaler = recipe.loss_scaler(cfg, ctx.group)
+    factor = lambda: 1.0 if scaler is None else scaler.get_scale()  # noqa: E731
+    scaled = lambda out, t=None: loss_fn(out, t) * factor() if scaler is not None else loss_fn(out, t)  # noqa: E731
+    schedule = make_builtin(variant, chunks, cfg, ctx, x, scaled) if style == "builtin" else None
     last_step = {}  # the explicit schedule's timeline and peak stash of the latest step
 
     def forward_backward() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
         if style == "builtin":
-            return builtin_step(schedule, cfg, ctx, x, y)
+            return builtin_step(schedule, cfg, ctx, x, y) / factor()
         if variant == "interleaved":
             loss, last_step["timeline"], last_step["peak"] = interleaved_step(
-                chunks, x, y, cfg, ctx, time.perf_counter(), activation(cfg))
+                chunks, x, y, cfg, ctx, time.perf_counter(), activation(cfg), loss_of=scaled)
         else:
             loss, last_step["timeline"], last_step["peak"] = explicit_step(
-                variant, chunks[0], x, y, cfg, ctx, time.perf_counter())
-        return loss
+                variant, chunks[0], x, y, cfg, ctx, time.perf_counter(), loss_of=scaled)
+        return loss / factor()  # float16: the scaled losses' sum, unscaled (a power of 2: exact)
 
     def fixture(tensors: list[torch.Tensor]) -> list:
         """Every stage's arrays (fixture orientation), gathered; virtual-stage order = fixture order."""
@@ -318,10 +325,12 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         return [a for k in range(S * v) for a in every[k % S][k // S]]  # virtual stage k: rank k % S, chunk k // S
 
     setup = Setup(
-        forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for *_, p in named],
+        forward_backward=forward_backward, grads=lambda: [p.grad for *_, p in named],
+        update=opt.step if scaler is None else recipe.stepper(opt, cfg, scaler=scaler),  # float16: unscale, skip
         fixture=fixture, params=[p for *_, p in named], optimizer=opt,
-        comm_theory=pp_p2p_bytes_per_rank(cfg, s, v), loss_reduction=f"src:{S - 1}",
+        comm_theory=pp_p2p_bytes_per_rank(cfg, s, v) + recipe.scaler_bytes(cfg), loss_reduction=f"src:{S - 1}",
         before_step=dist.barrier,  # a common start for every stage's timeline
+        scaler=scaler,
     )
     trained = train_loop(cfg, ctx, setup)
 
@@ -332,7 +341,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     trained.extra.update({
         "losses_per_rank": [e["losses"] for e in every],
         "comm_per_rank": [e["comm"] for e in every],
-        "comm_theory_per_rank": [pp_p2p_bytes_per_rank(cfg, r, v) for r in range(S)],
+        "comm_theory_per_rank": [pp_p2p_bytes_per_rank(cfg, r, v) + recipe.scaler_bytes(cfg) for r in range(S)],
         "state_bytes_per_rank": [e["state"] for e in every],  # uneven: embeddings on 0, head on S−1
         "state_bytes_theory_per_rank": [pp_state_bytes(pp_stage_param_count(cfg, r), cfg) for r in range(S)],
         "loss_broadcast_bytes": cfg.bytes_per_element,  # per step, outside the ledger

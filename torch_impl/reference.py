@@ -2,7 +2,8 @@
 
 Every parallel implementation is checked against this run (same fixture, same steps). Mixed precision
 (cfg.precision "mixed"): float32 parameters and AdamW state, the forward and backward under
-``torch.autocast`` to bfloat16 — the casts every mixed run makes. ``split=2`` trains the same run with
+``torch.autocast`` to bfloat16 / float16 — the casts every mixed run makes; float16 with the runs' dynamic
+loss scaling (torch_impl/recipe.loss_scaler, a local skip decision: one process). ``split=2`` trains the same run with
 each step's batch cut in two halves whose gradients are added (the mixed runs' measured floor:
 shared/tolerances.py).
 """
@@ -41,7 +42,8 @@ def train(cfg: Config, problem: Problem, device="cpu", split: int = 1, casts: st
     model = build_model(cfg, problem, device)
     recipe.freeze_(model, cfg)  # the recipe (torch_impl/recipe.py): frozen globs, decay mask, schedule, clip, K
     opt = recipe.optimizer(model.named_parameters(), cfg)
-    update = recipe.stepper(opt, cfg, recipe.local_clip(model.parameters()))
+    scaler = recipe.loss_scaler(cfg, reduce=False)  # float16: the same scaling, skips and scale as the runs
+    update = recipe.stepper(opt, cfg, recipe.local_clip(model.parameters()), scaler=scaler)
     x, y = inputs(cfg, problem, device), targets(cfg, problem, device)  # (B, D) | (B, T), None | (B, T)
     if cfg.precision == "mixed" and casts == "params":
         low = TORCH_DTYPES[cfg.dtype]
@@ -58,19 +60,19 @@ def train(cfg: Config, problem: Problem, device="cpu", split: int = 1, casts: st
             for xs, ys in zip(x.chunk(split), [None] * split if y is None else y.chunk(split)):
                 with autocast(cfg, device):
                     part = loss_fn(net(xs), ys) / split
-                    part.backward()
+                    recipe.backward(part, scaler)
                 loss = loss + part.detach()
         elif cfg.accumulate > 1:  # K micro-batches, loss / K each (the recipe's accumulation)
-            loss = recipe.accumulate(cfg, x, y, lambda xs, ys: loss_fn(net(xs), ys))
+            loss = recipe.accumulate(cfg, x, y, lambda xs, ys: loss_fn(net(xs), ys), scaler=scaler)
         else:
             with autocast(cfg, device):
                 loss = loss_fn(net(x), y)
                 if cfg.moe:  # + the balancing loss of every MoE layer; its routing: (L, B, E) counts
                     loss = loss + aux_loss(model)
                     loads.append(expert_load(model))
-                loss.backward()
-        if step == 0:
-            grads0 = fixture_grads(model)
+                recipe.backward(loss, scaler)
+        if step == 0:  # float16: the true (unscaled) gradients; a power of 2, exact
+            grads0 = [g / (scaler.get_scale() if scaler else 1.0) for g in fixture_grads(model)]
         update()  # clip (torch's clip_grad_norm_: the whole model is here), AdamW, the schedule
         losses.append(loss.item())  # .item() syncs, so the step time is real on GPU too
         step_times.append(time.perf_counter() - t0)
@@ -85,5 +87,6 @@ def train(cfg: Config, problem: Problem, device="cpu", split: int = 1, casts: st
             "grads": tensor_bytes(params),
             "optimizer": optimizer_state_bytes(opt),
         },
-        extra={"expert_load": np.stack(loads)} if cfg.moe else {},  # (steps, L, B, E) int64
+        extra=({"expert_load": np.stack(loads)} if cfg.moe else {})  # (steps, L, B, E) int64
+        | ({"loss_scale": scaler.get_scale(), "skipped_steps": scaler.skipped_steps} if scaler else {}),
     )

@@ -21,6 +21,7 @@ the SP parameters' partial gradients (shared.theory.tp_sp_comm). Norm activation
 builtin/dtensor issues the same collectives. docs/tp.md has the styles, the refusals and the plans.
 Mixed precision (--precision mixed): float32 shards and AdamW state, the step under autocast; the g's
 after W_o / W_down move their bf16 outputs (2 bytes), the rest float32 (tp_comm_bytes(autocast=True)).
+float16: the same with dynamic loss scaling (torch_impl/recipe.loss_scaler), + one 4-byte all-reduce.
 Papers: Megatron-LM, Shoeybi et al. 2019 (arXiv:1909.08053 §3); sequence parallelism, Korthikanti
 et al. 2022 (arXiv:2205.05198 §4.2.2).
 """
@@ -38,6 +39,7 @@ from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
 from shared.theory import tp_comm_bytes
+from torch_impl import recipe
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import build_model, inputs, is_transposed, loss_fn, make_optimizer, mlp_plan, targets, to_fixture
@@ -68,7 +70,7 @@ def plan_for(cfg: Config, variant: str) -> dict[str, str]:
 def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankContext) -> Trained:
     if (style, variant) not in variants(cfg):
         raise ValueError(f"tp: unknown variant {style}/{variant} for the {cfg.model}; choose from {variants(cfg)}")
-    cfg.check("tp")
+    cfg.check("tp", "torch")
     n, group, transformer, sp = ctx.world_size, ctx.group, cfg.model == "transformer", variant in SP_VARIANTS
     plan = plan_for(cfg, variant)
     model = build_model(cfg, problem, ctx.device)
@@ -97,12 +99,13 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
             expect[SHARD_DIM[styles[name]]] //= n  # e.g. attn.qkv (3D/tp, D), mlp.down (D, 4D/tp), wte (V/tp, D)
         assert list((p.to_local() if hasattr(p, "to_local") else p).shape) == expect, (name, p.shape, expect)
     opt = make_optimizer(params, cfg)
+    scaler = recipe.loss_scaler(cfg, group)  # float16: loss scaling, the skip agreed over tp (4 bytes)
 
     def forward_backward():
         opt.zero_grad(set_to_none=True)
         with parallel_loss():
             loss = loss_of(model(x))  # logits (B, T, V/tp) stay split; MLP: the full (B, D) output
-            loss.backward()
+            recipe.backward(loss, scaler)
         if partial and style == "explicit":
             reduce_sequence_grads(partial, group)
         elif partial:  # DTensor leaves their .grad Partial(sum): reduce once (else every AdamW op that
@@ -119,7 +122,8 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         return out
 
     return train_loop(cfg, ctx, Setup(
-        forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for p in params],
+        forward_backward=forward_backward, grads=lambda: [p.grad for p in params],
+        update=opt.step if scaler is None else recipe.stepper(opt, cfg, scaler=scaler),  # float16: unscale, skip
         fixture=fixture, params=params, optimizer=opt, loss_reduction="same", group=group,
-        comm_theory=tp_comm_bytes(cfg, variant, autocast=True),  # mixed: autocast's bf16
-        extra={"plan": plan, "backend": ctx.backend}))
+        comm_theory=tp_comm_bytes(cfg, variant, autocast=True) + recipe.scaler_bytes(cfg),  # mixed: autocast's bf16
+        extra={"plan": plan, "backend": ctx.backend}, scaler=scaler))

@@ -164,11 +164,14 @@ class Trainer:
     def _core(self, t: int):
         return UlyssesCore(t, self.group) if self.variant == "ulysses" else RingCore(t, self.variant, self.group)
 
-    def train_step(self, *batch, accumulate: int = 1, max_norm: float | None = None) -> float:
+    def train_step(self, *batch, accumulate: int = 1, max_norm: float | None = None,
+                   scaler: recipe.LossScaler | None = None) -> float:
         """One optimizer step on the (B, T) batch. ``accumulate`` K: K backward passes over B/K rows
         each (losses scaled by 1/K), ONE gradient all-reduce after the last. ``max_norm``: clip by
         the global norm — after the all-reduce every rank holds the whole mean gradient, so it is
-        the local norm (no communication)."""
+        the local norm (no communication). ``scaler`` (float16 under autocast): the loss scaled, the
+        gradients unscaled after the all-reduce, the step skipped on every rank when the flag (all-reduced
+        over the group) says some rank saw an inf / NaN; ``scaler.update()`` done here."""
         b = batch[0].shape[0]
         if accumulate < 1 or b % accumulate:
             raise SeamError(f"cp: accumulate={accumulate} must be >= 1 and divide the batch dim 0 ({b})")
@@ -184,7 +187,7 @@ class Trainer:
                 raise SeamError("the model never called cp.attention (torch_impl.parallel.cp): each rank would "
                                 "attend within its own T/N tokens. Route its attention through it (transformers: "
                                 f"attn_implementation={NAME!r} after cp.register())")
-            part_loss.backward()
+            (part_loss if scaler is None else scaler.scale(part_loss)).backward()
             value = value + part_loss.detach()
         self.calls = seen.calls  # every part's seam calls: comm_theory counts the step's
         grads = [p.grad for p in self.params]
@@ -201,15 +204,22 @@ class Trainer:
             if g is not None:
                 g.copy_(flat[at:at + p.numel()].view_as(g))
             at += p.numel()
+        self.scaled = scaler is not None
+        if scaler is not None and scaler.unscale_(self.optimizer, grads):
+            scaler.update()  # an inf / NaN on some rank: every rank skips (no clip, no step)
+            return float(flat[-2])
         if max_norm is not None:
             self.norm = recipe.clip_([], grads, max_norm, self.group, self.params[0].dtype, reduce=False)
         self.optimizer.step()
+        if scaler is not None:
+            scaler.update()
         return float(flat[-2])
 
     def comm_theory(self) -> dict[str, tuple[int, int]]:
         """op -> (count, bytes) per step per rank from the seam calls the last step saw, and (Φ + 2)·b."""
         b = self.params[0].element_size()
         out = {"all_reduce": (1, (sum(p.numel() for p in self.params) + 2) * b)}
+        out = recipe.add_comm(out, recipe.scaler_comm(getattr(self, "scaled", False)))  # the found-inf flag
         if not self.calls or self.n == 1:
             return out
         a = sum(size * item for size, item in self.calls)  # Σ over calls of one rank's K bytes

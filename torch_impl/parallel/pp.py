@@ -10,6 +10,7 @@ over the micro-batch's rows, on the last stage's output.
     trainer = pipeline(model, stages, loss, lambda ps: torch.optim.AdamW(ps), group, microbatches=4)
     loss_value = trainer.train_step(x, y)   # the full batch on every rank; the loss on every rank
     trainer.train_step(x, y, accumulate=2, max_norm=1.0)  # 2 batches of B/2 per step, clipped by the global norm
+    trainer.train_step(x, y, scaler=recipe.LossScaler(group))  # float16 under autocast: loss scaling, skip agreed
 
 Sharded: stage s's parameters, gradients and optimizer state on rank s; the batch cut into M
 micro-batches (inputs read by stage 0, targets by stage S−1); ``scale_grads=True`` divides the
@@ -70,9 +71,10 @@ def check_stages(model: nn.Module, stages: Sequence[Sequence[str]], world_size: 
 
 
 @torch.no_grad()
-def check_chain(model: nn.Module, stages: list[list[nn.Module]], x: torch.Tensor) -> list[torch.Size]:
+def check_chain(model: nn.Module, stages: list[list[nn.Module]], x: torch.Tensor, dtypes: bool = False):
     """Run the chain on ``x`` (one micro-batch); refuse if it is not model(x) or the messages differ.
-    Returns every stage's output shape."""
+    Returns every stage's output shape (``dtypes``: and the list of their dtypes: under autocast the
+    compute dtype's)."""
     h, shapes = x, []
     for modules in stages:
         for m in modules:
@@ -85,7 +87,7 @@ def check_chain(model: nn.Module, stages: list[list[nn.Module]], x: torch.Tensor
     if not isinstance(whole, torch.Tensor) or whole.shape != h.shape or not torch.equal(whole, h):
         raise StageError("pp: the chain of the stages' modules does not give model(x) (the model's forward does "
                          "more than call them in this order): list every module its forward calls, in order")
-    return [s for s, _ in shapes]
+    return ([s for s, _ in shapes], [d for _, d in shapes]) if dtypes else [s for s, _ in shapes]
 
 
 class Trainer:
@@ -104,6 +106,7 @@ class Trainer:
         self.optimizer = optimizer([p for p in self.mine.parameters() if p.requires_grad])
         self.schedule, self.message = None, None  # built at the first step, from the checked chain
         self.clipped = False  # the last step clipped: one more all-reduce in comm_theory
+        self.scaled, self._scale = False, 1.0  # the last step's loss scaler (its flag: one more all-reduce)
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         return {f"{path}.{k}": p for path in self.paths[self.rank]
@@ -117,15 +120,17 @@ class Trainer:
     def _build(self, x: torch.Tensor, y: torch.Tensor) -> None:
         first = self._split(x)
         self._split(y)
-        shapes = check_chain(self.model, self.modules, first)
-        dt = next(self.mine.parameters()).dtype
-        meta = lambda shape: torch.empty(shape, dtype=dt, device=x.device, requires_grad=True)
+        shapes, dts = check_chain(self.model, self.modules, first, dtypes=True)
+        dt = dts[0]
+        meta = lambda shape, d: torch.empty(shape, dtype=d, device=x.device, requires_grad=True)
         s, last = self.rank, self.n - 1
         stage = PipelineStage(self.mine, s, self.n, x.device, group=self.group,
-                              input_args=first if s == 0 else meta(shapes[s - 1]), output_args=meta(shapes[s]))
+                              input_args=first if s == 0 else meta(shapes[s - 1], dts[s - 1]),
+                              output_args=meta(shapes[s], dts[s]))
         if self.kind == "1f1b" and self.m < self.n:
             raise StageError(f"pp: 1f1b needs microbatches >= stages ({self.m} < {self.n}); use gpipe")
-        self.schedule = SCHEDULES[self.kind](stage, self.m, loss_fn=self.loss, scale_grads=True)
+        scaled = lambda out, y: self.loss(out, y) * self._scale  # noqa: E731  (a loss scaler's; else · 1.0)
+        self.schedule = SCHEDULES[self.kind](stage, self.m, loss_fn=scaled, scale_grads=True)
         self.message = (shapes[0], dt) if self.n > 1 else None
         self._last = dist.get_global_rank(self.group, last)
 
@@ -137,14 +142,21 @@ class Trainer:
             self.schedule.step(*args, target=y, losses=losses)  # M micro-batch means
             return torch.stack(losses).mean().detach()
         self.schedule.step(*args)
-        return torch.zeros((), dtype=self.message[1], device=x.device)
+        return torch.zeros((), dtype=self._dtype(), device=x.device)
+
+    def _dtype(self) -> torch.dtype:
+        """The parameters' (and the loss's, its broadcast's, the norm's) dtype."""
+        return next(self.mine.parameters()).dtype
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, accumulate: int = 1,
-                   max_norm: float | None = None) -> float:
+                   max_norm: float | None = None, scaler: recipe.LossScaler | None = None) -> float:
         """One optimizer step on the batch (x, y). ``accumulate`` K: the batch is cut into K equal
         parts along dim 0, each run through the schedule (M micro-batches each) and the K gradients
         averaged (the full batch's mean; the K runs' messages are K× one run's). ``max_norm``: clip
-        by the global norm (the stages' squares summed over the group: one scalar all-reduce)."""
+        by the global norm (the stages' squares summed over the group: one scalar all-reduce).
+        ``scaler`` (float16 under autocast): the loss scaled, this stage's gradients unscaled before
+        clipping, the step skipped on every stage when any stage overflowed (``scaler.update()`` done
+        here; ``scaler.skipped`` says whether to step an LR schedule)."""
         if accumulate < 1 or x.shape[0] % accumulate or y.shape[0] % accumulate:
             raise StageError(f"pp: accumulate={accumulate} must be >= 1 and divide the batch dim 0 ({x.shape[0]})")
         xs, ys = x.chunk(accumulate), y.chunk(accumulate)
@@ -155,6 +167,7 @@ class Trainer:
             raise StageError(f"pp: the stages were built for parts of {self._rows} rows (batch / accumulate); this "
                              f"step's are {xs[0].shape[0]}: keep batch / accumulate fixed across steps")
         self.optimizer.zero_grad(set_to_none=True)
+        self.scaled, self._scale = scaler is not None, 1.0 if scaler is None else scaler.get_scale()
         params = [p for p in self.mine.parameters() if p.requires_grad]
         sums, values = [None] * len(params), []
         for xi, yi in zip(xs, ys):
@@ -167,14 +180,18 @@ class Trainer:
         if accumulate > 1:
             for p, g in zip(params, sums):
                 p.grad = None if g is None else g.div_(accumulate)
-        value = torch.stack(values).mean()
+        value = torch.stack(values).mean() / self._scale
         if self.n > 1:
             dist.broadcast(value, self._last, group=self.group)
+        if scaler is not None and scaler.unscale_(self.optimizer, [p.grad for p in params]):
+            scaler.update()  # an inf / NaN on some stage: every stage skips (no clip, no step)
+            return float(value)
         self.clipped = max_norm is not None
         if self.clipped:
-            self.norm = recipe.clip_([p.grad for p in params], [], max_norm, self.group, self.message[1]
-                                     if self.message else params[0].dtype)
+            self.norm = recipe.clip_([p.grad for p in params], [], max_norm, self.group, self._dtype())
         self.optimizer.step()
+        if scaler is not None:
+            scaler.update()
         return float(value)
 
     def comm_theory(self) -> dict[str, tuple[int, int]]:
@@ -184,8 +201,9 @@ class Trainer:
         shape, dt = self.message
         b = shape.numel() * dt.itemsize
         k = self.m * ((self.rank < self.n - 1) + (self.rank > 0))
-        out = {"send": (k, k * b), "recv": (k, k * b), "broadcast": (1, dt.itemsize)}
-        return out | (recipe.clip_comm(dt.itemsize) if self.clipped else {})
+        out = {"send": (k, k * b), "recv": (k, k * b), "broadcast": (1, self._dtype().itemsize)}
+        out = out | (recipe.clip_comm(self._dtype().itemsize) if self.clipped else {})
+        return recipe.add_comm(out, recipe.scaler_comm(self.scaled))  # the found-inf flag: one more all-reduce
 
 
 def pipeline(model: nn.Module, stages: Sequence[Sequence[str]], loss: Callable, optimizer: Callable, group=None,

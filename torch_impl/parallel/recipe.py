@@ -6,6 +6,7 @@ writes per wrapper for clipping, decay masks, frozen parameters, schedules and a
     total = clip_(sharded, replicated, max_norm, group)   # the hand-written layouts
     total = clip_dtensor_(params, max_norm)               # DTensors (FSDP2, DTensor TP) + plain tensors
     refuse_stale(params_by_name, wrapper, fix)           # an optimizer over parameters a wrapper replaced
+    scaler = LossScaler(group)                            # float16: dynamic loss scaling, the skip AGREED
 
 The global norm: ‖g‖ = sqrt(Σ_ranks Σ_{sharded} g² + Σ_{replicated} g²) — the sums of squares of the
 local shards all-reduced over the group that shards them, a parameter replicated over that group
@@ -14,6 +15,23 @@ local shards all-reduced over the group that shards them, a parameter replicated
 stage's parameters are "sharded" over the pp group). Then torch's formula: every gradient times
 min(1, max_norm / (‖g‖ + 1e-6)). Collective: ONE all-reduce of a scalar per group (b bytes;
 ``clip_comm``), which the ledger records as it records every c10d call.
+
+Dynamic loss scaling (float16; Micikevicius et al. 2018): ``LossScaler`` has torch.amp.GradScaler's
+API (scale, unscale_, step, update, get_scale) and defaults. Sharded, each rank unscales only ITS
+gradients (shards, slices, a stage's), so an overflow may show on one rank only: the found-inf flag
+is all-reduced (MAX) over the group that shards them (default: the world) — ONE all-reduce of one
+float32 (4 bytes; ``scaler_comm``) per step — and every rank skips the same steps (the optimizer and
+the LR schedule not stepped), as FSDP's ShardedGradScaler does. DTensor gradients (FSDP2, DTensor TP)
+are unscaled on their local tensors, so DTensor adds no collective of its own. Ours everywhere, not
+torch's, because (torch 2.13, checked on 2 gloo ranks with an inf on rank 1 only): torch.amp.GradScaler
+reduces nothing itself — DTensor's handler of its unscale kernel (torch/distributed/tensor/_dispatch.py
+``found_inf_reduce_handler``) all-reduces the flag over the mesh of the FIRST gradient of each (device,
+dtype) list, and only if that one is not Replicate. So it agrees under FSDP2 (every gradient Shard(0))
+and a DTensor plan whose first gradient is sharded, but NOT when a replicated gradient (a rowwise bias)
+comes first: rank 0 stepped at scale 2^16 while rank 1 skipped; plain tensors (ZeRO, our TP, pp stages)
+are never agreed. ShardedGradScaler agrees over its process group in all three DTensor cases, and both
+crash on apply_dtensor_plan's mix of DTensor and plain parameters ("got mixed torch.Tensor and
+DTensor"). One rule for every layout: ours.
 """
 
 from __future__ import annotations
@@ -129,3 +147,118 @@ def refuse_stale(stale: dict[str, torch.Tensor], wrapper: str, fix: str) -> None
                         f"gradient and would silently not train. Fix: {fix}")
 
     register_optimizer_step_pre_hook(hook)
+
+
+# --- dynamic loss scaling (float16) ---------------------------------------------------------------
+
+
+def scaler_comm(applied: bool = True) -> dict[str, tuple[int, int]]:
+    """The found-inf flag's collective per optimizer step per rank: one all-reduce of one float32."""
+    return {"all_reduce": (1, 4)} if applied else {}
+
+
+def add_comm(comm: dict[str, tuple[int, int]], more: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """Two comm_theory tables added op by op."""
+    out = dict(comm)
+    for op, (k, b) in more.items():
+        k0, b0 = out.get(op, (0, 0))
+        out[op] = (k0 + k, b0 + b)
+    return out
+
+
+def _flag_device(group) -> torch.device:
+    """Where a rank without gradients keeps its flag: the device its backend reduces (NCCL: the GPU)."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class LossScaler:
+    """torch.amp.GradScaler's dynamic loss scaling with the skip decision agreed over ``group``::
+
+        scaler = LossScaler(group)                 # init 2**16, growth 2, backoff 0.5, interval 2000
+        scaler.scale(loss).backward()              # per micro-batch
+        wrapper.finish_gradient_synchronization()  # the wrapper's reduction, as without scaling
+        scaler.unscale_(opt)                       # true gradients; found-inf all-reduced (MAX)
+        wrapper.clip_grad_norm_(1.0)               # optional: clips the true gradients
+        if scaler.step(opt) is not None: sched.step()   # None: skipped on EVERY rank
+        scaler.update()                            # backoff after a skip, growth after ``interval``
+
+    ``unscale_`` divides the gradients of ``optimizer``'s params (``grads=`` other tensors, e.g. a
+    wrapper's shards) in place; a Zero1Optimizer's reduce-scatter is done first if not yet.
+    ``reduce=False``: a local decision (one process: a reference run). ``skipped``: the last
+    ``update``'s step was skipped; ``skipped_steps``: how many so far. ``share`` N: each rank's loss
+    is a local mean whose gradients the wrapper AVERAGES over N ranks (dp, FSDP, cp): ``scale`` then
+    multiplies by scale/N and ``unscale_`` by N/scale (exact for N a power of 2), so each rank's
+    float16 gradients have one process's magnitude — the same overflows as the single-device run
+    (with scale alone they are N× larger: an overflow one process does not see)."""
+
+    def __init__(self, group=None, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, reduce: bool = True, share: int = 1):
+        if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0 and growth_interval >= 1 and init_scale > 0):
+            raise ValueError(f"LossScaler: needs growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1, "
+                             f"init_scale > 0 (got {growth_factor}, {backoff_factor}, {growth_interval}, {init_scale})")
+        self.group, self.reduce, self.share = group, reduce, share
+        self._scale, self.growth, self.backoff, self.interval = float(init_scale), growth_factor, backoff_factor, \
+            growth_interval
+        self._tracker, self._found = 0, {}  # finite steps in a row; id(optimizer) -> agreed found-inf
+        self.skipped, self.skipped_steps = False, 0
+
+    def get_scale(self) -> float:
+        return self._scale
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` · scale (/ share; backward of it gives the scaled gradients)."""
+        return loss * (self._scale / self.share)
+
+    @torch.no_grad()
+    def unscale_(self, optimizer=None, grads: Iterable[torch.Tensor | None] | None = None) -> bool:
+        """Divide this rank's gradients by the scale; returns the AGREED found-inf (any rank, any
+        gradient). Call once per step, on every rank of the group, after the gradient reduction."""
+        key = id(optimizer)
+        if key in self._found:
+            raise RuntimeError("LossScaler.unscale_: already called for this optimizer since the last update()")
+        if grads is None:
+            if hasattr(optimizer, "reduce_gradients") and not getattr(optimizer, "_reduced", True):
+                optimizer.reduce_gradients()  # Zero1Optimizer: the averaged slices are the gradients
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads if g is not None]
+        device = local[0].device if local else _flag_device(self.group)
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        inv = torch.full((1,), self.share / self._scale, dtype=torch.float32, device=device)  # 2^k: exact
+        by_kind: dict = {}
+        for g in local:
+            by_kind.setdefault((g.device, g.dtype), []).append(g)
+        for (dev, _), gs in by_kind.items():
+            f = torch.zeros(1, dtype=torch.float32, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, f, inv.to(dev))  # torch's kernel: g *= inv
+            found = torch.maximum(found, f.to(device))
+        if self.reduce and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)  # every rank: the same decision
+        self._found[key] = bool(found.item())
+        return self._found[key]
+
+    def step(self, optimizer, *args, **kwargs):
+        """``optimizer.step()`` unless a gradient anywhere was inf/NaN (then None: skipped everywhere)."""
+        if id(optimizer) not in self._found:
+            self.unscale_(optimizer)
+        return None if self._found[id(optimizer)] else (optimizer.step(*args, **kwargs) or True)
+
+    def update(self) -> None:
+        """After a skip: scale · backoff, count reset; after ``interval`` finite steps: scale · growth."""
+        self.skipped = any(self._found.values())
+        self._found = {}
+        if self.skipped:
+            self._scale, self._tracker = self._scale * self.backoff, 0
+            self.skipped_steps += 1
+        else:
+            self._tracker += 1
+            if self._tracker == self.interval:
+                self._scale, self._tracker = self._scale * self.growth, 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self._scale, "growth_tracker": self._tracker, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._scale, self._tracker = float(state["scale"]), int(state["growth_tracker"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
