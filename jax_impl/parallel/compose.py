@@ -55,6 +55,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl.parallel import cp as cp_seam
+from jax_impl.parallel import theory
 from jax_impl.parallel.compose_axes import (  # noqa: F401  (AXES, STYLES, ComposeError, Split: this module's API too)
     AXES,
     CP_VARIANTS,
@@ -109,8 +110,11 @@ class Composed:
         self.parts = {p: flat(mods[p]) for p in split.first + split.last}
         params, self.specs = self._arrange(mods)
         self.params_ = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(self.mesh, s)), params, self.specs)
-        self.opt_state = tx.init(self.params_)
-        self._seam_calls, self._chain_checked = 0, False
+        replicated = NamedSharding(self.mesh, P())  # optax's scalars (count) too: else step 2 compiles again
+        self.opt_state = jax.tree.map(lambda a: a if isinstance(getattr(a, "sharding", None), NamedSharding) else
+                                      jax.device_put(a, replicated), tx.init(self.params_))
+        self._trace: dict | None = None  # the last trace's seam calls, stream and loss: comm_theory
+        self._chain_checked = False
         self._step = jax.jit(self._step_fn, donate_argnums=(0, 1))
 
     # --- the arrays: blocks stacked (S, L/S, …), the rest as they are, and their specs ------------------
@@ -175,11 +179,12 @@ class Composed:
                 h = sp.block(self.root, layer, h, positions)
             return h
 
-        if S == 1:
-            out = stage(sp.embed(self.root, parts, tokens, positions))
-            return self.loss(sp.head(self.root, parts, out), targets)
-        m = rows // M
         h0 = sp.embed(self.root, parts, tokens, positions)  # (rows, T, D): stage 0's input
+        if manual and self._trace is not None:  # one micro-batch's stream: comm_theory's A
+            self._trace["stream"] = (h0.shape if S == 1 else (rows // M,) + h0.shape[1:], h0.dtype.itemsize)
+        if S == 1:
+            return self.loss(sp.head(self.root, parts, stage(h0)), targets)
+        m = rows // M
         h0 = h0.reshape((M, m) + h0.shape[1:])
         idx, state, outs = lax.axis_index("pp"), jnp.zeros_like(h0[0]), []
         for t in range(M + S - 1):  # stage s runs micro-batch t − s (GPipe); bubbles run on zeros, unused
@@ -202,6 +207,7 @@ class Composed:
         def body(params, tokens, targets, positions):  # blocks (1, L/S, …) -> (L/S, …)
             blocks = {k: gather(a[0], specs["blocks"][k], 2, 1) for k, a in params["blocks"].items()}
             rest = {k: gather(a, specs["rest"][k], 0, 0) for k, a in params["rest"].items()}
+            self._trace = {"seam": [], "stream": ((), 0), "loss": 0}
             ctx = cp_seam._active(self.cp_variant, self.c, self._record) if self.c > 1 else contextlib.nullcontext()
             with ctx:
                 try:
@@ -210,13 +216,14 @@ class Composed:
                     if self.tp == 1:
                         raise
                     raise ComposeError("compose " + local_shapes_refusal(e)) from None
+            self._trace["loss"] = loss.dtype.itemsize
             return loss[None]
 
         return jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(data, seq), P(data, seq), P(seq)),
                              out_specs=P(one(self.data + ((seq,) if seq else ()))), check_vma=True)
 
-    def _record(self, _):
-        self._seam_calls += 1
+    def _record(self, key):
+        self._trace["seam"].append((key.size, key.dtype.itemsize))
 
     def _step_fn(self, params, opt_state, tokens, targets, positions):
         if self.style == "shard_map":
@@ -260,21 +267,47 @@ class Composed:
                                f"{type(self.root).__name__}(x); fix the split's embed / block / head")
         self._chain_checked = True
 
-    def train_step(self, tokens, targets) -> float:
+    def _batch(self, tokens, targets) -> tuple:
         order = self.check_batch(tokens)  # ring: 0…T−1; ring_zigzag: chunks r and 2c−1−r on device r
+        rows = NamedSharding(self.mesh, P(one(self.data), self.seq))
+        return (jax.device_put(jnp.asarray(tokens)[:, order], rows),
+                jax.device_put(jnp.asarray(targets)[:, order], rows),  # the mean loss ignores token order
+                jax.device_put(jnp.asarray(order), NamedSharding(self.mesh, P(self.seq))))
+
+    def compiled_text(self, tokens, targets) -> str:
+        """The compiled step's HLO for this batch (the program train_step runs; jit's cache: no recompile
+        after a step), for jax_impl.ledger.comm_by_axis."""
+        return self._step.lower(self.params_, self.opt_state, *self._batch(tokens, targets)).compile().as_text()
+
+    def train_step(self, tokens, targets) -> float:
+        batch = self._batch(tokens, targets)
         if not self._chain_checked:
             self.check_chain(tokens)
-        rows = NamedSharding(self.mesh, P(one(self.data), self.seq))
-        batch = (jax.device_put(jnp.asarray(tokens)[:, order], rows),
-                 jax.device_put(jnp.asarray(targets)[:, order], rows),  # the mean loss ignores token order
-                 jax.device_put(jnp.asarray(order), NamedSharding(self.mesh, P(self.seq))))
-        if self.style == "shard_map" and self.c > 1 and not self._seam_calls:  # trace once: the seam used?
+        if self.style == "shard_map" and self.c > 1 and not (self._trace or {}).get("seam"):  # the seam used?
             self._step.trace(self.params_, self.opt_state, *batch)
-            if not self._seam_calls:
+            if not self._trace["seam"]:
                 raise cp_seam.SeamError("compose: cp > 1 but the model never called parallel.cp.attention: its "
                                     "attention would see its own T/cp tokens only; route attention through the seam")
         self.params_, self.opt_state, loss = self._step(self.params_, self.opt_state, *batch)
         return float(loss)
+
+    def comm_theory(self) -> dict[str, dict[str, tuple[int, int]]] | None:
+        """{axis label: {op: (count, payload bytes)}} per step and device of the shard_map step, derived
+        from the arrays as placed (shapes, dtypes, specs), the plan, the layout, M and the last trace (one
+        micro-batch's stream, the seam's calls, the loss's dtype): parallel.theory.compose_comm. Equals
+        jax_impl.ledger.comm_by_axis of the compiled step (tests/test_compose_jax.py). jit: None, XLA
+        picks the collectives (as mesh_comm_jax has no formula for jit with fsdp or cp)."""
+        if self.style != "shard_map":
+            return None
+        if self._trace is None:
+            raise ComposeError("compose: comm_theory needs the batch's shape: run one train_step first")
+        shape, b = self._trace["stream"]
+        calls, widths = theory.tp_widths(self.rel_plan, self.block_parts[3]) if self.tp > 1 else (0, 0)
+        placed = theory.placed(self.params_, self.specs, self.layout, self.split.first)
+        return theory.compose_comm(self.layout, placed, microbatches=self.M,
+                                   tp_call=(calls, int(np.prod(shape[:-1])) * b * widths),
+                                   stream=int(np.prod(shape)) * b, seam=self._trace["seam"],
+                                   cp_variant=self.cp_variant, loss=self._trace["loss"])
 
     def params(self) -> dict[str, np.ndarray]:
         """{NNX Param path: global NumPy array} of the model as trained (blocks unstacked)."""
