@@ -26,13 +26,21 @@ The mesh: axes in the layout's order, device id row-major (innermost last). Per 
 shard_map: one body over the whole mesh returns each (data, cp) coordinate's mean loss; the step
 differentiates their mean OUTSIDE the body, so replicated weights' gradients are summed by the
 transposes of the invariant -> varying casts (check_vma inserts them at each use). Per step and device
-(A = one micro-batch's (m, T/c, D) message, I = M + S − 1 iterations, every local block runs I times):
-tp 2 all-reduces of A per block call forward (after o, down) + 2 backward (the shared f of q|k|v and
-gate|up); pp 2·(M + S − 2) permutes of A (+ the (1,) loss psum); cp the ring's 3c − 2 permutes of K|V per
-attention call (parallel.cp); fsdp one all-gather + one reduce-scatter per sharded array; dp / cp the
-replicated arrays' gradient all-reduces. jit: the same arrays under NamedShardings, the plain forward
-(no pp: refused), XLA picks the collectives. typed: refused (see ``refusal``). Papers: Narayanan et al.
-2021 (PTD-P, arXiv:2104.04473); torchtitan (Liang et al. 2024, arXiv:2410.06511).
+(``comm_theory()``, by the ledger's axis labels; A = one micro-batch's (m, T/c, D) stream in bytes, I =
+M + S − 1 iterations, 1 without pp, every local block runs I times): tp per block call an all-reduce
+after each rowwise module (forward) and of each colwise parent's input (backward f, shared by its
+children), A each at the stream's width — Llama: o, down; q|k|v, gate|up; pp 2·(M + S − 2) permutes of A;
+cp the ring's 3c − 2 permutes of K|V (2·m·T/c·(D/t)·b) per attention call (parallel.cp); fsdp one
+all-gather + one reduce-scatter per split array, S = the device's gathered (tp-local) layers; and per
+group of axes ONE all-reduce (XLA's combiner merges the independent psums): every array's gradient summed
+over the data / cp (/ pp) axes it is not split on, once per USE (the blocks' gains I·L/S times, the first
+and last modules' once), the embedding's output over pp once per iteration (I·A: it meets the pipeline's
+pp-varying state), and the losses' scalars (pp's psum, the data × cp mean). Derived for modules called
+once per block / step on the stream (a norm on a tp-split activation, a Param used twice, or a tx with
+its own reductions (global-norm clipping) is not in it). jit: the same arrays under NamedShardings, the
+plain forward (no pp: refused), XLA picks the collectives (comm_theory() is None, as the mesh runner has
+no formula for jit with fsdp or cp). typed: refused (see ``refusal``). Papers: Narayanan et al. 2021
+(PTD-P, arXiv:2104.04473); torchtitan (Liang et al. 2024, arXiv:2410.06511).
 
 Refused before compiling (``ComposeError``, one line: what, which axes, fix): an unknown axis or style,
 pp under jit or typed, sizes that do not divide (rows, sequence, layers, heads, features, dim 0 under

@@ -16,6 +16,10 @@ shared.theory's formulas (tests/test_own_model_jax.py checks both).
     zero3  per row-split param an all-gather per call of its unit (+ one per re-gather: a call whose
            input is not the data, not an Embed's) and a reduce-scatter per call; the root's
            row-split params one each; ONE all-reduce of the vectors
+
+``compose_comm``: parallel.compose's shard_map step per mesh axis (its own docstring and compose's), from
+its arrays as placed (``placed``), the plan's widths (``tp_widths``) and the last trace; ``seam_comm``:
+parallel.cp's seam, shared with cp.Trainer.
 """
 
 from __future__ import annotations
