@@ -123,7 +123,13 @@ class Composed:
                                       jax.device_put(a, replicated), tx.init(self.params_))
         self._trace: dict | None = None  # the last trace's seam calls, stream and loss: comm_theory
         self._chain_checked = False
-        self._step = jax.jit(self._step_fn, donate_argnums=(0, 1))
+        # XLA:CPU drops the seam's optimization barrier before CSE, which then merges the ring's backward
+        # K|V rotation into the forward's (2c − 1 permutes per call, not 3c − 2; the blocks kept from forward to
+        # backward): a ring step compiles without CSE on CPU, as parallel.cp.Trainer's (jax_impl.cp.cpu_options)
+        cpu_ring = style == "shard_map" and self.c > 1 and cp_variant != "ulysses" and \
+            self.mesh.devices.flat[0].platform == "cpu"
+        self._step = jax.jit(self._step_fn, donate_argnums=(0, 1),
+                             compiler_options={"xla_disable_hlo_passes": "cse"} if cpu_ring else None)
 
     # --- the arrays: blocks stacked (S, L/S, …), the rest as they are, and their specs ------------------
 
