@@ -25,7 +25,8 @@ The mesh: axes in the layout's order, device id row-major (innermost last). Per 
 
 shard_map: one body over the whole mesh returns each (data, cp) coordinate's mean loss; the step
 differentiates their mean OUTSIDE the body, so replicated weights' gradients are summed by the
-transposes of the invariant -> varying casts (check_vma inserts them at each use). Per step and device
+transposes of the invariant -> varying casts: the body casts every array ONCE over the axes its inputs
+vary on (else check_vma casts at each use: one psum per layer and pipeline iteration). Per step and device
 (``comm_theory()``, by the ledger's axis labels; A = one micro-batch's (m, T/c, D) stream in bytes, I =
 M + S − 1 iterations, 1 without pp, every local block runs I times): tp per block call an all-reduce
 after each rowwise module (forward) and of each colwise parent's input (backward f, shared by its
@@ -33,11 +34,10 @@ children), A each at the stream's width — Llama: o, down; q|k|v, gate|up; pp 2
 cp the ring's 3c − 2 permutes of K|V (2·m·T/c·(D/t)·b) per attention call (parallel.cp); fsdp one
 all-gather + one reduce-scatter per split array, S = the device's gathered (tp-local) layers; and per
 group of axes ONE all-reduce (XLA's combiner merges the independent psums): every array's gradient summed
-over the data / cp (/ pp) axes it is not split on, once per USE (the blocks' gains I·L/S times, the first
-and last modules' once), the embedding's output over pp once per iteration (I·A: it meets the pipeline's
-pp-varying state), and the losses' scalars (pp's psum, the data × cp mean). Derived for modules called
-once per block / step on the stream (a norm on a tp-split activation, a Param used twice, or a tx with
-its own reductions (global-norm clipping) is not in it). jit: the same arrays under NamedShardings, the
+once over the data / cp (/ pp) axes it is not split on, the embedding's output over pp (M·A: it meets the
+pipeline's pp-varying state), and the losses' scalars (pp's psum, the data × cp mean). Derived where
+the unplanned modules read tp-replicated activations (a norm on a tp-split one adds tp psums) and the
+tx has no reductions of its own (global-norm clipping adds them). jit: the same arrays under NamedShardings, the
 plain forward (no pp: refused), XLA picks the collectives (comm_theory() is None, as the mesh runner has
 no formula for jit with fsdp or cp). typed: refused (see ``refusal``). Papers: Narayanan et al. 2021
 (PTD-P, arXiv:2104.04473); torchtitan (Liang et al. 2024, arXiv:2410.06511).
@@ -81,6 +81,12 @@ from jax_impl.parallel.compose_axes import (  # noqa: F401  (AXES, STYLES, Compo
 from jax_impl.parallel.tp import local_shapes_refusal
 from jax_impl.parallel.tree import fetch, submodules
 from shared.theory import cp_positions
+
+
+def varying(x) -> tuple:
+    """The mesh axes ``x`` varies over inside shard_map (check_vma's type)."""
+    t = jax.typeof(x)
+    return tuple(getattr(getattr(t, "mat", None), "varying", None) or getattr(t, "vma", ()))
 
 
 class Composed:
@@ -200,6 +206,8 @@ class Composed:
             return self.loss(sp.head(self.root, parts, stage(h0)), targets)
         m = rows // M
         h0 = h0.reshape((M, m) + h0.shape[1:])
+        if manual and "pp" not in varying(h0):  # varying over pp once: its cotangent summed once
+            h0 = lax.pcast(h0, "pp", to="varying")
         idx, state, outs = lax.axis_index("pp"), jnp.zeros_like(h0[0]), []
         for t in range(M + S - 1):  # stage s runs micro-batch t − s (GPipe); bubbles run on zeros, unused
             out = stage(jnp.where(idx == 0, h0[min(t, M - 1)], state))
@@ -218,9 +226,21 @@ class Composed:
             has = first == "fsdp" or (isinstance(first, tuple) and "fsdp" in first)
             return lax.all_gather(a, "fsdp", axis=axis, tiled=True) if has else a
 
+        def vary(a, axes):
+            missing = tuple(x for x in self.layout if x in axes and x not in varying(a))
+            return lax.pcast(a, missing, to="varying") if missing else a
+
+        data_axes, stage = self.data, {"pp"} if "pp" in self.layout else set()
+
         def body(params, tokens, targets, positions):  # blocks (1, L/S, …) -> (L/S, …)
             blocks = {k: gather(a[0], specs["blocks"][k], 2, 1) for k, a in params["blocks"].items()}
             rest = {k: gather(a, specs["rest"][k], 0, 0) for k, a in params["rest"].items()}
+            # every array varying ONCE over the axes its inputs vary on (data, cp; pp after the first modules):
+            # the cast's transpose sums its gradient once per step, not once per use (per layer and iteration)
+            sees = set(data_axes + ((seq,) if seq else ()))
+            blocks = {k: vary(a, sees | stage) for k, a in blocks.items()}
+            rest = {k: vary(a, sees | (set() if any(k.startswith(p + ".") for p in self.split.first) else stage))
+                    for k, a in rest.items()}
             self._trace = {"seam": [], "stream": ((), 0), "loss": 0}
             ctx = cp_seam._active(self.cp_variant, self.c, self._record) if self.c > 1 else contextlib.nullcontext()
             with ctx:

@@ -156,11 +156,11 @@ def compose_comm(layout: dict[str, int], arrays: list[Placed], *, microbatches: 
     module, f per colwise input); ``stream`` one micro-batch's (m, T/c, D) bytes (the stage message);
     ``seam`` the attention calls of one trace; ``loss`` the loss's itemsize.
 
-    Gradients of the arrays not split on an axis the data varies on (dp / fsdp, cp; pp after the first
-    stage) are psummed per USE (check_vma casts at each use; its transpose sums there): blocks' I·layers
-    uses, the first and last modules' one; pp also sums the embedding's output per iteration (I·stream:
-    it meets the pipeline's pp-varying state), and the last stage's loss; dp / fsdp / cp sum the loss
-    mean. XLA's all-reduce combiner merges all of these per group into ONE all-reduce (a tuple: they are
+    Every array is cast to varying once over the axes its inputs vary on that it is not split on (dp /
+    fsdp, cp; pp but for the first modules): the cast's transpose psums its gradient once per step, the
+    array as this device holds it (gathered over fsdp). pp also sums the embedding's output once (M·stream:
+    the micro-batches meet the pipeline's pp-varying state) and the last stage's loss; dp / fsdp / cp sum
+    the loss mean. XLA's all-reduce combiner merges these per group into ONE all-reduce (a tuple: they are
     independent); tp's g / f chain through the blocks and stay one each. fsdp: one all-gather and one
     reduce-scatter (its transpose) of every array split over "fsdp", bytes the device's gathered layers."""
     big = [a for a, n in layout.items() if n > 1]
@@ -181,8 +181,7 @@ def compose_comm(layout: dict[str, int], arrays: list[Placed], *, microbatches: 
     layers = max((p.layers for p in arrays if p.part == "blocks"), default=0)
     for p in arrays:
         varying = data | ({"pp"} if p.part != "first" and S > 1 else set())
-        uses = I * p.layers if p.part == "blocks" else 1
-        psum(varying - p.axes, uses * p.use_bytes)
+        psum(varying - p.axes, p.layers * p.use_bytes)
         if "fsdp" in p.axes:
             add("fsdp", "all_gather", 1, p.layers * p.use_bytes)
             add("fsdp", "reduce_scatter", 1, p.layers * p.use_bytes)
@@ -190,7 +189,7 @@ def compose_comm(layout: dict[str, int], arrays: list[Placed], *, microbatches: 
         add("tp", "all_reduce", I * layers * tp_call[0], I * layers * tp_call[1])
     if S > 1:
         add("pp", "collective_permute", 2 * (microbatches + S - 2), 2 * (microbatches + S - 2) * stream)
-        psum({"pp"}, I * stream + loss)  # the embedding's output per iteration, the last stage's loss
+        psum({"pp"}, microbatches * stream + loss)  # the embedding's output, the last stage's loss
     psum(data, loss)  # the mean over the data / cp coordinates' losses
     for op, (n, nbytes) in seam_comm(seam, layout.get("cp", 1), cp_variant).items():
         add("cp", op, n, nbytes)
