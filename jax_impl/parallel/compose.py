@@ -77,16 +77,11 @@ from jax_impl.parallel.compose_axes import (  # noqa: F401  (AXES, STYLES, Compo
     one,
     refusal,
     stand_ins,
+    varying,
 )
 from jax_impl.parallel.tp import local_shapes_refusal
 from jax_impl.parallel.tree import fetch, submodules
 from shared.theory import cp_positions
-
-
-def varying(x) -> tuple:
-    """The mesh axes ``x`` varies over inside shard_map (check_vma's type)."""
-    t = jax.typeof(x)
-    return tuple(getattr(getattr(t, "mat", None), "varying", None) or getattr(t, "vma", ()))
 
 
 class Composed:
