@@ -18,8 +18,11 @@ heads, F 64, T 16), float64, rows = 8, steps = 3, weights seed 0, batch seed 0, 
 mean cross-entropy of the logits over B × T; AdamW lr = 1e-3, b1 = 0.9, b2 = 0.999, eps = 1e-8,
 weight_decay = 0.01 on every parameter (optax.adamw: eps added to sqrt(v̂), eps_root = 0, decoupled decay
 lr·wd·p of the pre-step p — torch.optim.AdamW's update, to rounding). Writes {"framework": "jax", "layout",
-"style", "losses", "reference_losses", "max_abs_param_diff"}; exit 0 only when every loss and parameter
-matches the single-device run to <= 1e-12 relative (float64 reorders sums over shards: ~1e-15).
+"style", "losses", "reference_losses", "max_abs_param_diff", "max_rel_loss_diff", "comm"} (the last: the
+compiled step's collectives per mesh axis (jax_impl.ledger.comm_by_axis) beside the composition's theory
+(trainer.comm_theory(); None under jit, XLA's choice), op -> [count, bytes]: one SPMD program, the same on
+every device, where torch writes one per rank); exit 0 only when every loss and parameter matches the
+single-device run to <= 1e-12 relative (float64 reorders sums over shards: ~1e-15).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from flax import nnx  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)  # float64 parity
 
+from jax_impl import ledger  # noqa: E402
 from jax_impl.parallel import llama  # noqa: E402
 from jax_impl.parallel.compose import ComposeError, compose  # noqa: E402
 from jax_impl.parallel.tree import key_of  # noqa: E402
@@ -86,6 +90,9 @@ def run(layout: dict[str, int], style: str = "shard_map", steps: int = STEPS, un
     trainer = compose(llama.from_numpy(w, shape), layout, cross_entropy, adamw(), plan=llama.PLAN,
                       split=llama.SPLIT, style=style, units=units, cp_variant=cp_variant)
     losses = [trainer.train_step(tokens, targets) for _ in range(steps)]
+    by_axis = ledger.comm_by_axis(trainer.compiled_text(tokens, targets), trainer.mesh)  # jit's cache: no recompile
+    comm = {"ledger": {a: {op: (v["count"], v["bytes"]) for op, v in ops.items()} for a, ops in by_axis.items()},
+            "theory": trainer.comm_theory()}
     ref_losses, ref = single_device(llama.from_numpy(w, shape), jnp.asarray(tokens), jnp.asarray(targets), steps)
     got = trainer.params()
     assert set(got) == set(ref), set(got) ^ set(ref)
@@ -95,7 +102,7 @@ def run(layout: dict[str, int], style: str = "shard_map", steps: int = STEPS, un
     return {"framework": "jax", "layout": layout, "style": style, "cp_variant": cp_variant, "losses": losses,
             "reference_losses": ref_losses,
             "max_abs_param_diff": diff, "max_rel_loss_diff": loss_rel,
-            "exact": bool(loss_rel <= TOL and diff <= TOL * scale)}
+            "exact": bool(loss_rel <= TOL and diff <= TOL * scale), "comm": comm}
 
 
 def parse_layout(text: str) -> dict[str, int]:
@@ -121,7 +128,9 @@ def main(argv=None) -> int:
     except ComposeError as e:  # refused before compiling: one line
         print(e, file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "comm"}, indent=1))
+    if result["comm"]["theory"] is not None:
+        print(f"theory per axis == ledger (one SPMD program): {result['comm']['theory'] == result['comm']['ledger']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

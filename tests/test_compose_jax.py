@@ -2,6 +2,7 @@
 transformers' LlamaForCausalLM (one process: torch for this test only), and examples/compose_jax.py's
 composed runs equal its single-device run. Default tier: the parity, a 4-device 2-axis layout, the
 refusals; slow: the 8-device layouts (fsdp × tp × pp, dp × tp × cp) and the example as a user runs it.
+Every shard_map run also checks Composed.comm_theory() against the compiled step's ledger per mesh axis.
 
 Tolerances: 1e-13 on logits / 1e-12 on losses and parameters, relative: float64 throughout, the shards
 only reorder sums (measured ~1e-15); float32 anywhere would show as ~1e-7.
@@ -98,15 +99,31 @@ def test_transformers_float32_casts_are_why_it_is_patched(monkeypatch):
     assert 1e-10 < gap < 1e-5
 
 
+def assert_theory_is_the_ledger(out):
+    """Composed.comm_theory() == jax_impl.ledger.comm_by_axis of the compiled step, axis by axis, op by op
+    (count and bytes; one SPMD program: every device alike). jit: no theory (XLA picks)."""
+    comm = out["comm"]
+    if out["style"] == "jit":
+        assert comm["theory"] is None and comm["ledger"], comm
+        return
+    ledger, theory = ({a: {op: tuple(v) for op, v in ops.items()} for a, ops in c.items()}
+                      for c in (comm["ledger"], comm["theory"]))  # JSON turns the pairs into lists
+    assert set(ledger) == set(theory), (out["layout"], ledger, theory)
+    for axis, ops in ledger.items():
+        assert theory[axis] == ops, (out["layout"], axis, ops, theory[axis])
+
+
 def test_two_axes_equal_single_device(monkeypatch):
     """fsdp=2 × tp=2 on 4 simulated devices, shard_map, 3 AdamW steps; and the same 3 steps of
-    transformers' Llama (float64-patched) with torch.optim.AdamW give the same losses."""
+    transformers' Llama (float64-patched) with torch.optim.AdamW give the same losses. The step's
+    collectives per axis equal the composition's theory."""
     import torch
 
     from shared.llama import LlamaShape, batch
 
     out = example().run({"fsdp": 2, "tp": 2}, "shard_map")
     assert out["exact"], out  # 1e-12 relative (example.TOL): measured ~1e-15
+    assert_theory_is_the_ledger(out)
     assert len(out["losses"]) == 3 and out["max_rel_loss_diff"] <= 1e-12
     model, _ = hf_model(monkeypatch, float64=True)
     s = LlamaShape()
@@ -150,6 +167,8 @@ def test_refusals(monkeypatch):
     with pytest.raises(ComposeError, match="tied"):
         compose(tied, {"dp": 2}, ex.cross_entropy, ex.adamw(), split=llama.SPLIT)
     trainer = make({"dp": 2})
+    with pytest.raises(ComposeError, match="run one train_step first"):  # the theory needs the batch's shape
+        trainer.comm_theory()
     with pytest.raises(ComposeError, match="rows do not split"):
         trainer.check_batch(np.zeros((3, 16), np.int64))
     tokens, targets = batch(LlamaShape(), 8, 0)
@@ -192,6 +211,7 @@ def test_specs():
 def test_eight_devices_equal_single_device(layout, style, units, variant):
     out = example().run(layout, style, units=units, cp_variant=variant)
     assert out["exact"], out  # 1e-12 relative: measured ~1e-15
+    assert_theory_is_the_ledger(out)
 
 
 @pytest.mark.slow  # fsdp × tp × pp in a fresh interpreter, as a user runs it: ~30 s
@@ -208,3 +228,5 @@ def test_example_json(tmp_path):
     assert out["framework"] == "jax" and out["layout"] == {"fsdp": 2, "tp": 2, "pp": 2}
     assert set(out) >= {"losses", "reference_losses", "max_abs_param_diff"}
     assert out["exact"] and out["max_rel_loss_diff"] <= 1e-12, out  # exit 0 says the same
+    assert_theory_is_the_ledger(out)  # fsdp × tp × pp: gathers, Megatron, GPipe's permutes, per-use sums
+    assert "theory per axis == ledger (one SPMD program): True" in done.stdout

@@ -25,14 +25,22 @@ The mesh: axes in the layout's order, device id row-major (innermost last). Per 
 
 shard_map: one body over the whole mesh returns each (data, cp) coordinate's mean loss; the step
 differentiates their mean OUTSIDE the body, so replicated weights' gradients are summed by the
-transposes of the invariant -> varying casts (check_vma inserts them at each use). Per step and device
-(A = one micro-batch's (m, T/c, D) message, I = M + S − 1 iterations, every local block runs I times):
-tp 2 all-reduces of A per block call forward (after o, down) + 2 backward (the shared f of q|k|v and
-gate|up); pp 2·(M + S − 2) permutes of A (+ the (1,) loss psum); cp the ring's 3c − 2 permutes of K|V per
-attention call (parallel.cp); fsdp one all-gather + one reduce-scatter per sharded array; dp / cp the
-replicated arrays' gradient all-reduces. jit: the same arrays under NamedShardings, the plain forward
-(no pp: refused), XLA picks the collectives. typed: refused (see ``refusal``). Papers: Narayanan et al.
-2021 (PTD-P, arXiv:2104.04473); torchtitan (Liang et al. 2024, arXiv:2410.06511).
+transposes of the invariant -> varying casts: the body casts every array ONCE over the axes its inputs
+vary on (else check_vma casts at each use: one psum per layer and pipeline iteration). Per step and device
+(``comm_theory()``, by the ledger's axis labels; A = one micro-batch's (m, T/c, D) stream in bytes, I =
+M + S − 1 iterations, 1 without pp, every local block runs I times): tp per block call an all-reduce
+after each rowwise module (forward) and of each colwise parent's input (backward f, shared by its
+children), A each at the stream's width — Llama: o, down; q|k|v, gate|up; pp 2·(M + S − 2) permutes of A;
+cp the ring's 3c − 2 permutes of K|V (2·m·T/c·(D/t)·b) per attention call (parallel.cp); fsdp one
+all-gather + one reduce-scatter per split array, S = the device's gathered (tp-local) layers; and per
+group of axes ONE all-reduce (XLA's combiner merges the independent psums): every array's gradient summed
+once over the data / cp (/ pp) axes it is not split on, the embedding's output over pp (M·A: it meets the
+pipeline's pp-varying state), and the losses' scalars (pp's psum, the data × cp mean). Derived where
+the unplanned modules read tp-replicated activations (a norm on a tp-split one adds tp psums) and the
+tx has no reductions of its own (global-norm clipping adds them). jit: the same arrays under NamedShardings, the
+plain forward (no pp: refused), XLA picks the collectives (comm_theory() is None, as the mesh runner has
+no formula for jit with fsdp or cp). typed: refused (see ``refusal``). Papers: Narayanan et al. 2021
+(PTD-P, arXiv:2104.04473); torchtitan (Liang et al. 2024, arXiv:2410.06511).
 
 Refused before compiling (``ComposeError``, one line: what, which axes, fix): an unknown axis or style,
 pp under jit or typed, sizes that do not divide (rows, sequence, layers, heads, features, dim 0 under
@@ -55,6 +63,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl.parallel import cp as cp_seam
+from jax_impl.parallel import theory
 from jax_impl.parallel.compose_axes import (  # noqa: F401  (AXES, STYLES, ComposeError, Split: this module's API too)
     AXES,
     CP_VARIANTS,
@@ -68,6 +77,7 @@ from jax_impl.parallel.compose_axes import (  # noqa: F401  (AXES, STYLES, Compo
     one,
     refusal,
     stand_ins,
+    varying,
 )
 from jax_impl.parallel.tp import local_shapes_refusal
 from jax_impl.parallel.tree import fetch, submodules
@@ -109,9 +119,18 @@ class Composed:
         self.parts = {p: flat(mods[p]) for p in split.first + split.last}
         params, self.specs = self._arrange(mods)
         self.params_ = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(self.mesh, s)), params, self.specs)
-        self.opt_state = tx.init(self.params_)
-        self._seam_calls, self._chain_checked = 0, False
-        self._step = jax.jit(self._step_fn, donate_argnums=(0, 1))
+        replicated = NamedSharding(self.mesh, P())  # optax's scalars (count) too: else step 2 compiles again
+        self.opt_state = jax.tree.map(lambda a: a if isinstance(getattr(a, "sharding", None), NamedSharding) else
+                                      jax.device_put(a, replicated), tx.init(self.params_))
+        self._trace: dict | None = None  # the last trace's seam calls, stream and loss: comm_theory
+        self._chain_checked = False
+        # XLA:CPU drops the seam's optimization barrier before CSE, which then merges the ring's backward
+        # K|V rotation into the forward's (2c − 1 permutes per call, not 3c − 2; the blocks kept from forward to
+        # backward): a ring step compiles without CSE on CPU, as parallel.cp.Trainer's (jax_impl.cp.cpu_options)
+        cpu_ring = style == "shard_map" and self.c > 1 and cp_variant != "ulysses" and \
+            self.mesh.devices.flat[0].platform == "cpu"
+        self._step = jax.jit(self._step_fn, donate_argnums=(0, 1),
+                             compiler_options={"xla_disable_hlo_passes": "cse"} if cpu_ring else None)
 
     # --- the arrays: blocks stacked (S, L/S, …), the rest as they are, and their specs ------------------
 
@@ -175,12 +194,15 @@ class Composed:
                 h = sp.block(self.root, layer, h, positions)
             return h
 
-        if S == 1:
-            out = stage(sp.embed(self.root, parts, tokens, positions))
-            return self.loss(sp.head(self.root, parts, out), targets)
-        m = rows // M
         h0 = sp.embed(self.root, parts, tokens, positions)  # (rows, T, D): stage 0's input
+        if manual and self._trace is not None:  # one micro-batch's stream: comm_theory's A
+            self._trace["stream"] = (h0.shape if S == 1 else (rows // M,) + h0.shape[1:], h0.dtype.itemsize)
+        if S == 1:
+            return self.loss(sp.head(self.root, parts, stage(h0)), targets)
+        m = rows // M
         h0 = h0.reshape((M, m) + h0.shape[1:])
+        if manual and "pp" not in varying(h0):  # varying over pp once: its cotangent summed once
+            h0 = lax.pcast(h0, "pp", to="varying")
         idx, state, outs = lax.axis_index("pp"), jnp.zeros_like(h0[0]), []
         for t in range(M + S - 1):  # stage s runs micro-batch t − s (GPipe); bubbles run on zeros, unused
             out = stage(jnp.where(idx == 0, h0[min(t, M - 1)], state))
@@ -199,9 +221,22 @@ class Composed:
             has = first == "fsdp" or (isinstance(first, tuple) and "fsdp" in first)
             return lax.all_gather(a, "fsdp", axis=axis, tiled=True) if has else a
 
+        def vary(a, axes):
+            missing = tuple(x for x in self.layout if x in axes and x not in varying(a))
+            return lax.pcast(a, missing, to="varying") if missing else a
+
+        data_axes, stage = self.data, {"pp"} if "pp" in self.layout else set()
+
         def body(params, tokens, targets, positions):  # blocks (1, L/S, …) -> (L/S, …)
             blocks = {k: gather(a[0], specs["blocks"][k], 2, 1) for k, a in params["blocks"].items()}
             rest = {k: gather(a, specs["rest"][k], 0, 0) for k, a in params["rest"].items()}
+            # every array varying ONCE over the axes its inputs vary on (data, cp; pp after the first modules):
+            # the cast's transpose sums its gradient once per step, not once per use (per layer and iteration)
+            sees = set(data_axes + ((seq,) if seq else ()))
+            blocks = {k: vary(a, sees | stage) for k, a in blocks.items()}
+            rest = {k: vary(a, sees | (set() if any(k.startswith(p + ".") for p in self.split.first) else stage))
+                    for k, a in rest.items()}
+            self._trace = {"seam": [], "stream": ((), 0), "loss": 0}
             ctx = cp_seam._active(self.cp_variant, self.c, self._record) if self.c > 1 else contextlib.nullcontext()
             with ctx:
                 try:
@@ -210,13 +245,14 @@ class Composed:
                     if self.tp == 1:
                         raise
                     raise ComposeError("compose " + local_shapes_refusal(e)) from None
+            self._trace["loss"] = loss.dtype.itemsize
             return loss[None]
 
         return jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(data, seq), P(data, seq), P(seq)),
                              out_specs=P(one(self.data + ((seq,) if seq else ()))), check_vma=True)
 
-    def _record(self, _):
-        self._seam_calls += 1
+    def _record(self, key):
+        self._trace["seam"].append((key.size, key.dtype.itemsize))
 
     def _step_fn(self, params, opt_state, tokens, targets, positions):
         if self.style == "shard_map":
@@ -260,21 +296,47 @@ class Composed:
                                f"{type(self.root).__name__}(x); fix the split's embed / block / head")
         self._chain_checked = True
 
-    def train_step(self, tokens, targets) -> float:
+    def _batch(self, tokens, targets) -> tuple:
         order = self.check_batch(tokens)  # ring: 0…T−1; ring_zigzag: chunks r and 2c−1−r on device r
+        rows = NamedSharding(self.mesh, P(one(self.data), self.seq))
+        return (jax.device_put(jnp.asarray(tokens)[:, order], rows),
+                jax.device_put(jnp.asarray(targets)[:, order], rows),  # the mean loss ignores token order
+                jax.device_put(jnp.asarray(order), NamedSharding(self.mesh, P(self.seq))))
+
+    def compiled_text(self, tokens, targets) -> str:
+        """The compiled step's HLO for this batch (the program train_step runs; jit's cache: no recompile
+        after a step), for jax_impl.ledger.comm_by_axis."""
+        return self._step.lower(self.params_, self.opt_state, *self._batch(tokens, targets)).compile().as_text()
+
+    def train_step(self, tokens, targets) -> float:
+        batch = self._batch(tokens, targets)
         if not self._chain_checked:
             self.check_chain(tokens)
-        rows = NamedSharding(self.mesh, P(one(self.data), self.seq))
-        batch = (jax.device_put(jnp.asarray(tokens)[:, order], rows),
-                 jax.device_put(jnp.asarray(targets)[:, order], rows),  # the mean loss ignores token order
-                 jax.device_put(jnp.asarray(order), NamedSharding(self.mesh, P(self.seq))))
-        if self.style == "shard_map" and self.c > 1 and not self._seam_calls:  # trace once: the seam used?
+        if self.style == "shard_map" and self.c > 1 and not (self._trace or {}).get("seam"):  # the seam used?
             self._step.trace(self.params_, self.opt_state, *batch)
-            if not self._seam_calls:
+            if not self._trace["seam"]:
                 raise cp_seam.SeamError("compose: cp > 1 but the model never called parallel.cp.attention: its "
                                     "attention would see its own T/cp tokens only; route attention through the seam")
         self.params_, self.opt_state, loss = self._step(self.params_, self.opt_state, *batch)
         return float(loss)
+
+    def comm_theory(self) -> dict[str, dict[str, tuple[int, int]]] | None:
+        """{axis label: {op: (count, payload bytes)}} per step and device of the shard_map step, derived
+        from the arrays as placed (shapes, dtypes, specs), the plan, the layout, M and the last trace (one
+        micro-batch's stream, the seam's calls, the loss's dtype): parallel.theory.compose_comm. Equals
+        jax_impl.ledger.comm_by_axis of the compiled step (tests/test_compose_jax.py). jit: None, XLA
+        picks the collectives (as mesh_comm_jax has no formula for jit with fsdp or cp)."""
+        if self.style != "shard_map":
+            return None
+        if self._trace is None:
+            raise ComposeError("compose: comm_theory needs the batch's shape: run one train_step first")
+        shape, b = self._trace["stream"]
+        calls, widths = theory.tp_widths(self.rel_plan, self.block_parts[3]) if self.tp > 1 else (0, 0)
+        placed = theory.placed(self.params_, self.specs, self.layout, self.split.first)
+        return theory.compose_comm(self.layout, placed, microbatches=self.M,
+                                   tp_call=(calls, int(np.prod(shape[:-1])) * b * widths),
+                                   stream=int(np.prod(shape)) * b, seam=self._trace["seam"],
+                                   cp_variant=self.cp_variant, loss=self._trace["loss"])
 
     def params(self) -> dict[str, np.ndarray]:
         """{NNX Param path: global NumPy array} of the model as trained (blocks unstacked)."""

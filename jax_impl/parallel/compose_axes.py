@@ -171,6 +171,12 @@ def flat(module):
     return gdef, treedef, keys, dict(zip(keys, (v for _, v in pairs), strict=True))
 
 
+def varying(x) -> tuple:
+    """The mesh axes ``x`` varies over inside shard_map (check_vma's type)."""
+    t = jax.typeof(x)
+    return tuple(getattr(getattr(t, "mat", None), "varying", None) or getattr(t, "vma", ()))
+
+
 class Col:
     """colwise stand-in: f (pcast to varying over "tp": psum of dL/dx in backward; one per input array,
     shared by the siblings reading it), then the local shard."""
@@ -179,8 +185,7 @@ class Col:
         self.m, self.f_cache = m, f_cache
 
     def __call__(self, x):
-        t = jax.typeof(x)
-        if "tp" in (getattr(getattr(t, "mat", None), "varying", None) or getattr(t, "vma", ())):
+        if "tp" in varying(x):
             return self.m(x)
         if id(x) not in self.f_cache:  # the array kept with its cast: its id stays unique
             self.f_cache[id(x)] = (x, lax.pcast(x, "tp", to="varying"))

@@ -42,6 +42,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl.parallel import recipe
+from jax_impl.parallel.theory import seam_comm
 from jax_impl.parallel.tree import WrapError, fetch, key_of
 from shared.theory import cp_chunks, cp_positions
 
@@ -303,13 +304,7 @@ class Trainer:
         out = {"all_reduce": (1, grads)}
         if self.style == "jit" or not self.calls:
             return out
-        n, a = self.n, sum(size * b for size, b in self.calls)  # Σ over calls of one device's K bytes
-        if self.variant == "ulysses":
-            return out | {"all_to_all": (8 * len(self.calls), 8 * a)}
-        # dK|dV travel in float32 when K is 16-bit (the ring's accumulators): n of the 3n − 2 hops
-        wide = sum(size * max(b, 4) for size, b in self.calls)
-        return out | {"collective_permute": ((3 * n - 2) * len(self.calls), (2 * n - 2) * 2 * a + n * 2 * wide)} \
-            if n > 1 else out
+        return out | seam_comm(self.calls, self.n, self.variant)
 
 
 def context_parallel(model: nnx.Module, loss: Callable, tx: optax.GradientTransformation, mesh,

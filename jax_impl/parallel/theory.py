@@ -16,6 +16,10 @@ shared.theory's formulas (tests/test_own_model_jax.py checks both).
     zero3  per row-split param an all-gather per call of its unit (+ one per re-gather: a call whose
            input is not the data, not an Embed's) and a reduce-scatter per call; the root's
            row-split params one each; ONE all-reduce of the vectors
+
+``compose_comm``: parallel.compose's shard_map step per mesh axis (its own docstring and compose's), from
+its arrays as placed (``placed``), the plan's widths (``tp_widths``) and the last trace; ``seam_comm``:
+parallel.cp's seam, shared with cp.Trainer.
 """
 
 from __future__ import annotations
@@ -88,3 +92,107 @@ def state(infos: list[ParamInfo], variant: str, n: int, style: str = "shard_map"
         moments = sum(p.nbytes // n if p.shape and p.shape[0] % n == 0 else p.nbytes for p in infos)
         return {"params": full, "grads": full, "optimizer": 2 * moments}
     return {"params": rows if variant == "zero3" else full, "grads": rows, "optimizer": 2 * rows}
+
+
+# --- parallel.compose (shard_map): {axis label: Comm} per step and device ----------------------------
+
+
+@dataclass(frozen=True)
+class Placed:
+    """One of compose's arrays: ``part`` first | blocks | last; ``use_bytes`` what one call of its module
+    reads (one layer, tp-local, fsdp-gathered); ``layers`` the stacked layers this device holds (1 outside
+    the blocks); ``axes`` the mesh axes it is split on."""
+    part: str
+    use_bytes: int
+    layers: int
+    axes: frozenset[str]
+
+
+def seam_comm(calls: list[tuple[int, int]], n: int, variant: str) -> Comm:
+    """parallel.cp's seam over n devices, ``calls`` (K elements, itemsize) per attention call: ring /
+    ring_zigzag 3n − 2 permutes of K|V per call (n − 1 forward, n − 1 backward, n of dK|dV: float32
+    when K is 16-bit, the ring's accumulators); ulysses 8 all-to-alls (q, k, v, out and their transposes)."""
+    if n == 1 or not calls:
+        return {}
+    a = sum(size * b for size, b in calls)
+    if variant == "ulysses":
+        return {"all_to_all": (8 * len(calls), 8 * a)}
+    wide = sum(size * max(b, 4) for size, b in calls)
+    return {"collective_permute": ((3 * n - 2) * len(calls), (2 * n - 2) * 2 * a + n * 2 * wide)}
+
+
+def tp_widths(rel_plan: dict[str, str], block: dict) -> tuple[int, int]:
+    """One block call's tp all-reduces (count, Σ widths): g after each rowwise module (its output width),
+    f on each colwise module's input, one per parent module (q|k|v, gate|up share it: compose's f cache).
+    ``block`` {Param path in one block: array} (kernels (in, out))."""
+    row = [r for r, st in rel_plan.items() if st == "rowwise"]
+    col = {r.rpartition(".")[0]: r for r, st in rel_plan.items() if st == "colwise"}
+    widths = [block[f"{r}.kernel"].shape[1] for r in row] + [block[f"{r}.kernel"].shape[0] for r in col.values()]
+    return len(widths), sum(widths)
+
+
+def placed(params: dict, specs: dict, layout: dict[str, int], first: tuple[str, ...]) -> list[Placed]:
+    """compose's {"rest" | "blocks": {path: global array}} and their PartitionSpecs as ``Placed``: blocks
+    (S, L/S, …) with "pp" on the stage dim; a use reads one layer split by tp, gathered over fsdp."""
+    names = lambda e: () if e is None else (e,) if isinstance(e, str) else tuple(e)
+    out = []
+    for part, arrays in params.items():
+        for k, a in arrays.items():
+            spec = tuple(specs[part][k]) + (None,) * a.ndim
+            own = spec[2:a.ndim] if part == "blocks" else spec[:a.ndim]  # the Param's own dims
+            split = prod(layout[x] for e in own for x in names(e) if x != "fsdp")
+            shape = a.shape[2:] if part == "blocks" else a.shape
+            where = part if part == "blocks" else "first" if any(k.startswith(p + ".") for p in first) else "last"
+            out.append(Placed(where, prod(shape) * a.dtype.itemsize // split, a.shape[1] if part == "blocks" else 1,
+                              frozenset(x for e in spec for x in names(e))))
+    return out
+
+
+def compose_comm(layout: dict[str, int], arrays: list[Placed], *, microbatches: int, tp_call: tuple[int, int],
+                 stream: int, seam: list[tuple[int, int]], cp_variant: str, loss: int) -> dict[str, Comm]:
+    """compose's shard_map step (its module docstring), by axis label (jax_impl/ledger.py: the axes a group
+    spans, "+"-joined in mesh order). S stages, M micro-batches, I = M + S − 1 iterations (1 at S = 1),
+    every local block runs I times; ``tp_call`` (all-reduces, bytes) of one block call (g per rowwise
+    module, f per colwise input); ``stream`` one micro-batch's (m, T/c, D) bytes (the stage message);
+    ``seam`` the attention calls of one trace; ``loss`` the loss's itemsize.
+
+    Every array is cast to varying once over the axes its inputs vary on that it is not split on (dp /
+    fsdp, cp; pp but for the first modules): the cast's transpose psums its gradient once per step, the
+    array as this device holds it (gathered over fsdp). pp also sums the embedding's output once (M·stream:
+    the micro-batches meet the pipeline's pp-varying state) and the last stage's loss; dp / fsdp / cp sum
+    the loss mean. XLA's all-reduce combiner merges these per group into ONE all-reduce (a tuple: they are
+    independent); tp's g / f chain through the blocks and stay one each. fsdp: one all-gather and one
+    reduce-scatter (its transpose) of every array split over "fsdp", bytes the device's gathered layers."""
+    big = [a for a, n in layout.items() if n > 1]
+    S, I = layout.get("pp", 1), (microbatches + layout.get("pp", 1) - 1 if layout.get("pp", 1) > 1 else 1)
+    data = {a for a in big if a in ("dp", "fsdp", "cp")}
+    label = lambda axes: "+".join(a for a in big if a in axes)
+    out: dict[str, Comm] = {}
+    summed: dict[str, int] = {}  # label -> bytes of the combined gradient / loss all-reduce
+
+    def add(lab, op, n, nbytes):
+        c, b = out.setdefault(lab, {}).get(op, (0, 0))
+        out[lab][op] = (c + n, b + nbytes)
+
+    def psum(axes, nbytes):
+        if axes and nbytes:
+            summed[label(axes)] = summed.get(label(axes), 0) + nbytes
+
+    layers = max((p.layers for p in arrays if p.part == "blocks"), default=0)
+    for p in arrays:
+        varying = data | ({"pp"} if p.part != "first" and S > 1 else set())
+        psum(varying - p.axes, p.layers * p.use_bytes)
+        if "fsdp" in p.axes:
+            add("fsdp", "all_gather", 1, p.layers * p.use_bytes)
+            add("fsdp", "reduce_scatter", 1, p.layers * p.use_bytes)
+    if layout.get("tp", 1) > 1 and tp_call[0]:
+        add("tp", "all_reduce", I * layers * tp_call[0], I * layers * tp_call[1])
+    if S > 1:
+        add("pp", "collective_permute", 2 * (microbatches + S - 2), 2 * (microbatches + S - 2) * stream)
+        psum({"pp"}, microbatches * stream + loss)  # the embedding's output, the last stage's loss
+    psum(data, loss)  # the mean over the data / cp coordinates' losses
+    for op, (n, nbytes) in seam_comm(seam, layout.get("cp", 1), cp_variant).items():
+        add("cp", op, n, nbytes)
+    for lab, nbytes in summed.items():
+        add(lab, "all_reduce", 1, nbytes)
+    return out
