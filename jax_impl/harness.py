@@ -97,7 +97,14 @@ def trainer_setup(trainer, batch: tuple) -> Setup:
     return Setup(step=trainer.step, state=trainer.state, batch=batch,
                  grads_fixture=lambda g: fixture(trainer.full_grads(g)),
                  params_fixture=lambda state: fixture(state[0]), compiler_options=trainer.compiler_options,
-                 moments=moments)
+                 moments=moments, per_step=getattr(trainer, "per_step", ()))
+
+
+def scale_extra(skipped, scales) -> dict:
+    """A loss-scaled run's record (compare.py checks it against the reference's): the indices of the
+    steps it skipped and the scale it ended with."""
+    return {"skipped_steps": [int(k) for k in np.flatnonzero(np.asarray(skipped))],
+            "loss_scale": float(np.asarray(scales).reshape(-1)[-1])}
 
 
 def _preempted() -> bool:
@@ -148,6 +155,8 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
         "params": tree_bytes(state[0], per_device=True), "grads": tree_bytes(state[0], per_device=True),
         "optimizer": tree_bytes(state[1], per_device=True)}
     extra = dict(setup.extra) | {name: np.stack([fetch(v) for v in values]) for name, values in recorded.items()}
+    if "skipped" in extra:  # float16's loss scaling (parallel/scaling.py): which steps it skipped, the final scale
+        extra |= scale_extra(extra.pop("skipped"), extra.pop("loss_scale"))
     if setup.mesh is not None:  # {axis label: {op: count, bytes}} (jax_impl.ledger.comm_by_axis)
         extra["comm_by_axis"] = comm_by_axis(compiled.as_text(), setup.mesh)
     memory = compiled.memory_analysis()  # per device; None where the backend does not say
