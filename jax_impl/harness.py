@@ -37,6 +37,7 @@ from jax_impl.devices import where as devices_where
 from jax_impl.ledger import comm_by_axis, comm_from_hlo
 from jax_impl.model import compiler_options, to_numpy, tree_bytes
 from jax_impl.parallel.tree import fetch
+from jax_impl.recipe import scale_extra
 from shared import preempt
 from shared.checkpoint import Plan
 from shared.config import Config
@@ -100,13 +101,6 @@ def trainer_setup(trainer, batch: tuple) -> Setup:
                  moments=moments, per_step=getattr(trainer, "per_step", ()))
 
 
-def scale_extra(skipped, scales) -> dict:
-    """A loss-scaled run's record (compare.py checks it against the reference's): the indices of the
-    steps it skipped and the scale it ended with."""
-    return {"skipped_steps": [int(k) for k in np.flatnonzero(np.asarray(skipped))],
-            "loss_scale": float(np.asarray(scales).reshape(-1)[-1])}
-
-
 def _preempted() -> bool:
     """Whether SIGTERM came (shared/preempt.py); with several processes, whether it came to any
     (a process_allgather of the flag, so all stop after the same step)."""
@@ -154,9 +148,9 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
     state_bytes = setup.state_bytes(state) if setup.state_bytes else {
         "params": tree_bytes(state[0], per_device=True), "grads": tree_bytes(state[0], per_device=True),
         "optimizer": tree_bytes(state[1], per_device=True)}
+    if "skipped" in recorded:  # float16's loss scaling (parallel/scaling.py): the steps it skipped, the final scale
+        setup.extra = {**setup.extra, **scale_extra(recorded.pop("skipped"), recorded.pop("loss_scale"))}
     extra = dict(setup.extra) | {name: np.stack([fetch(v) for v in values]) for name, values in recorded.items()}
-    if "skipped" in extra:  # float16's loss scaling (parallel/scaling.py): which steps it skipped, the final scale
-        extra |= scale_extra(extra.pop("skipped"), extra.pop("loss_scale"))
     if setup.mesh is not None:  # {axis label: {op: count, bytes}} (jax_impl.ledger.comm_by_axis)
         extra["comm_by_axis"] = comm_by_axis(compiled.as_text(), setup.mesh)
     memory = compiled.memory_analysis()  # per device; None where the backend does not say

@@ -338,7 +338,12 @@ def verdict_lines(rows, xfw, errors, frameworks, elapsed: float, console) -> boo
         if r.extra.get("routing_mismatch"):
             console.print(f"[bold red]{r.pattern} {r.framework} {r.style}/{r.variant}[/]: "
                           f"{r.extra['routing_mismatch']}")
+    for r in rows:  # float16: a run that skipped other steps than its reference (loss scaling) says which
+        if r.extra.get("skip_mismatch"):
+            console.print(f"[bold red]{r.pattern} {r.framework} {r.style}/{r.variant}[/]: {r.extra['skip_mismatch']}")
     for x in xfw:
+        if x.get("skip_mismatch"):
+            console.print(f"[bold red]cross-framework {x['pattern']} ({x['model']})[/]: {x['skip_mismatch']}")
         if x.get("routing_mismatch"):
             console.print(f"[bold red]cross-framework {x['pattern']} ({x['model']})[/]: {x['routing_mismatch']}")
     for e in errors:

@@ -408,3 +408,8 @@ def test_float16_loss_scaling_skips_on_every_device_together(variant, style, mea
         ledger = comm_from_hlo(trainer._compiled.as_text())
         theory = {op: {"count": c, "bytes": b} for op, (c, b) in trainer.comm_theory().items()}
         assert ledger["all_reduce"] == theory["all_reduce"], ledger
+
+
+def test_float16_is_refused_where_the_loss_is_not_scaled_yet():
+    with pytest.raises(WrapError, match=r"pp: compute_dtype=float16 needs dynamic loss scaling.*bfloat16"):
+        pipeline(Tiny(), STAGES, mse, adamw(), make_mesh(N, "pp"), microbatches=2, compute_dtype=jnp.float16)

@@ -41,7 +41,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.parallel import recipe
+from jax_impl.parallel import recipe, scaling
 from jax_impl.parallel.tree import WrapError, fetch, key_of
 from shared.theory import cp_chunks, cp_positions
 
@@ -320,6 +320,7 @@ def context_parallel(model: nnx.Module, loss: Callable, tx: optax.GradientTransf
     ``compute_dtype``: the loss sees every floating Param cast to it inside the step (master weights,
     their gradients, the gradient all-reduce and optax's state stay in the Params' dtype)."""
     recipe.check_clip(clip, "cp")
+    scaling.refuse_float16(compute_dtype, "cp")
     style = style or ("jit" if variant == "seq_sharded" else "shard_map")
     if (style, variant) not in VARIANTS:
         raise WrapError(f"cp: unknown style/variant {style}/{variant}; choose from {VARIANTS}")

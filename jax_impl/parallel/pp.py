@@ -44,7 +44,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.parallel import recipe
+from jax_impl.parallel import recipe, scaling
 from jax_impl.parallel.tree import WrapError, fetch, key_of, param_holders, stacked, submodules
 
 AXIS = "pp"
@@ -275,6 +275,7 @@ def pipeline(model: nnx.Module, stages: Sequence[Sequence[str]], loss: Callable,
     messages then travel in that dtype); the packed master weights, their gradients (summed over the
     micro-batches in the master dtype: one cast per micro-batch) and optax's state stay as they are."""
     recipe.check_clip(clip, "pp")
+    scaling.refuse_float16(compute_dtype, "pp")
     if AXIS not in mesh.shape:
         raise WrapError(f"the mesh has axes {tuple(mesh.shape)}, no {AXIS!r}: make one with axis name 'pp'")
     _, _, rest = nnx.split(model, nnx.Param, ...)

@@ -74,6 +74,15 @@ def resolve(loss_scale, compute_dtype, where: str) -> DynamicScale | None:
                     "(torch GradScaler's defaults), False (none) or None (on for compute_dtype=float16)")
 
 
+def refuse_float16(compute_dtype, where: str) -> None:
+    """The wrappers that do not scale the loss yet (tp apply_plan, cp, pp) refuse float16 compute: its
+    backward would flush small gradients to zero and overflow unchecked, silently."""
+    if compute_dtype is not None and jnp.dtype(compute_dtype) == jnp.float16:
+        raise WrapError(f"{where}: compute_dtype=float16 needs dynamic loss scaling, which only parallelize builds so "
+                        "far; use compute_dtype=jnp.bfloat16 (float32's exponent range: no scaling needed), or "
+                        "parallelize")
+
+
 def nonfinite(tree) -> jax.Array:
     """This device's flag: does any leaf hold an inf or NaN? (a float32 0 / 1, ready for pmax)"""
     bad = [jnp.any(~jnp.isfinite(a)) for a in jax.tree.leaves(tree)]

@@ -40,7 +40,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.parallel import recipe
+from jax_impl.parallel import recipe, scaling
 from jax_impl.parallel.tree import fetch, key_of, matches, param_holders, put_child, submodules
 
 STYLES = ("colwise", "colwise_heads", "rowwise", "vocab_embed", "colwise_vocab")
@@ -416,6 +416,7 @@ def apply_plan(model, plan: dict[str, str], loss: Callable, tx: optax.GradientTr
     whole padded tree, probed first (parallel.recipe.check). ``compute_dtype``: the loss sees the floating
     Params cast to it (bf16 compute); master weights and optimizer state stay as given."""
     recipe.check_clip(clip, "tp plan")
+    scaling.refuse_float16(compute_dtype, "tp plan")
     if style not in ("shard_map", "jit"):
         raise PlanError(f"tp plan: unknown style {style!r}. Fix: 'shard_map' or 'jit'")
     if axis not in mesh.shape:
