@@ -85,13 +85,14 @@ def train(cfg: Config, problem: Problem, device=None, split: int = 1) -> Trained
 
         @functools.partial(jax.jit, compiler_options=compiler_options(cfg))  # mixed: no excess precision
         def pure(state, sc, x, y):  # the chosen step on the split (model, optimizer) state
+            old = jax.tree.map(lambda a: a, state)  # a skipped step's: merge shares state's Variables, updated in place
             model, opt = nnx.merge(graphdef, state)
             out = (moe_step if cfg.moe else split_step if split > 1 else step)(model, opt, x, y,
                                                                              1.0 if sc is None else sc["scale"])
             if sc is None:
                 return nnx.state((model, opt)), sc, out
             bad = nonfinite(out[1])  # a skipped step: the model and AdamW (its count too) as they were
-            return keep(bad, nnx.state((model, opt)), state), scaler.update(sc, bad), (*out, bad > 0)
+            return keep(bad, nnx.state((model, opt)), old), scaler.update(sc, bad), (*out, bad > 0)
 
         losses, step_times, grads0, loads = [], [], None, []
         sc, skipped, scales = None if scaler is None else scaler.init(), [], []

@@ -56,16 +56,21 @@ def comm_bytes(comm: dict[str, dict[str, int]]) -> int:
     return sum(v["bytes"] for op, v in comm.items() if op != "recv")
 
 
-def rel_err(a, b) -> float:
-    """max|a-b| / max|b| over one array (or list of arrays: the max over the list)."""
+def rel_err(a, b, finite: bool = False) -> float:
+    """max|a-b| / max|b| over one array (or list of arrays: the max over the list). ``finite``: over the
+    entries finite in both (a float16 step both runs skipped: its gradients overflowed, in places that
+    depend on where each program summed; the skip itself is compared by skip_mismatch)."""
     if isinstance(a, (list, tuple)):
         if len(a) != len(b):
             return math.inf
-        return max((rel_err(x, y) for x, y in zip(a, b)), default=0.0)
+        return max((rel_err(x, y, finite) for x, y in zip(a, b)), default=0.0)
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     if a.shape != b.shape:
         return math.inf
+    if finite:
+        both = np.isfinite(a) & np.isfinite(b)
+        a, b = a[both], b[both]
     if a.size == 0:
         return 0.0
     scale = max(float(np.max(np.abs(b))), np.finfo(np.float64).tiny)
@@ -77,10 +82,10 @@ def parity(run: Trained, ref: Trained) -> dict[str, float]:
     """Relative errors of a run against a reference: losses, step-0 grads, final params. A resumed
     run (``start_step`` K > 0) is compared on the steps it ran (the reference's losses from K on);
     it did not run step 0, so it has no step-0 gradients to compare (0.0: nothing differs)."""
-    k = run.start_step
+    k, skipped0 = run.start_step, 0 in ref.extra.get("skipped_steps", ())  # float16: step 0 skipped
     return {
         "max_rel_err_loss": rel_err(run.losses, ref.losses[k:]),
-        "max_rel_err_grad": rel_err(run.grads0, ref.grads0) if k == 0 else 0.0,
+        "max_rel_err_grad": rel_err(run.grads0, ref.grads0, finite=skipped0) if k == 0 else 0.0,
         "max_rel_err_param": rel_err(run.params, ref.params),
     }
 
