@@ -21,7 +21,6 @@ import optax
 from flax import nnx
 
 from jax_impl import recipe
-from jax_impl.recipe import scale_extra
 from jax_impl.model import (
     build_model,
     compiler_options,
@@ -35,6 +34,7 @@ from jax_impl.model import (
 )
 from jax_impl.parallel.recipe import clip_by_global_norm
 from jax_impl.parallel.scaling import keep, nonfinite
+from jax_impl.recipe import scale_extra
 from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained

@@ -413,3 +413,22 @@ def test_float16_loss_scaling_skips_on_every_device_together(variant, style, mea
 def test_float16_is_refused_where_the_loss_is_not_scaled_yet():
     with pytest.raises(WrapError, match=r"pp: compute_dtype=float16 needs dynamic loss scaling.*bfloat16"):
         pipeline(Tiny(), STAGES, mse, adamw(), make_mesh(N, "pp"), microbatches=2, compute_dtype=jnp.float16)
+
+
+def test_float16_under_cp_ring():
+    """context_parallel(..., compute_dtype=float16): the gradients leave the ring whole (the all-reduce of
+    the transpose), so the finite check is global as it stands. A scale of 2**40 overflows the float16
+    backward: the step is skipped (parameters bitwise unchanged, scale halved); then 3 steps at 2**10
+    against one device computing in float16 without scaling (a power of two: the same numbers but for
+    underflow; the ring sums in another order: 8.8e-5 measured, TOL16)."""
+    rng = np.random.default_rng(2)
+    tokens, targets = rng.integers(0, 7, (2, 4)).astype(np.int32), rng.integers(0, 7, (2, 4)).astype(np.int32)
+    trainer = cp.context_parallel(Seq(), seq_loss, adamw(), make_mesh(N, "cp"), "ring", compute_dtype=jnp.float16,
+                                  loss_scale=scaling.DynamicScale(init_scale=2.0**40))
+    before = flat(trainer.module())
+    trainer.train_step(tokens, targets)
+    assert gap(flat(trainer.module()), before) == 0.0 and float(trainer.state[2]["scale"]) == 2.0**39
+    trainer.state = (*trainer.state[:2], jax.device_put(SCALE16.init(), trainer.state[2]["scale"].sharding))
+    got = run(trainer, (tokens, targets))
+    want = single(adamw(), dtype=jnp.float16, loss=seq_loss, make=Seq, batch=(tokens, targets, jnp.arange(4)))
+    assert gap(got, want) <= TOL16 and float(trainer.state[2]["scale"]) == 2.0**10  # 3 good steps of 2000: kept

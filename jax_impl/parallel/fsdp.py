@@ -24,7 +24,8 @@ what, where and how to fix: docs/fsdp.md, "Bring your own model (JAX parallelize
 Recipe (parallel/recipe.py, docs/recipe.md): ``clip=max_norm`` clips by the WHOLE model's gradient
 norm (shard_map zero1/2/3: the pieces' squares psum'ed, replicated leaves once; torch's formula);
 ``compute_dtype=jnp.bfloat16`` casts the Params inside the step (master weights, optimizer state as
-given); float16 adds dynamic loss scaling (parallel/scaling.py: shard_map zero1/2/3 pmax the skip flag). Under shard_map zero1/2/3 optax sees a flat piece or row blocks: ``recipe.check`` probes ``tx``
+given); float16 adds dynamic loss scaling (parallel/scaling.py: shard_map zero1/2/3 pmax the skip flag).
+Under shard_map zero1/2/3 optax sees a flat piece or row blocks: ``recipe.check`` probes ``tx``
 first and refuses one that would update otherwise (optax's global-norm clipping, masks / labels on
 zero1's flat vector, per-tensor statistics).
 Papers: ZeRO, Rajbhandari et al. 2020 (arXiv:1910.02054); FSDP, Zhao et al. 2023 (arXiv:2304.11277).

@@ -1,5 +1,5 @@
 """Dynamic loss scaling for float16 compute under the wrappers of jax_impl/parallel/ (parallelize in every
-variant and style): the twin of torch.amp.GradScaler (torch_impl's LossScaler). optax has none; this is it.
+variant and style, and context_parallel): the twin of torch.amp.GradScaler. optax has none; this is it.
 
 float16 has 5 exponent bits: a gradient entry below 6e-8 flushes to zero in the float16 backward. The
 loss is multiplied by ``scale`` before ``grad`` (the float16 backward then carries scale × the true
@@ -14,8 +14,9 @@ The skip must be agreed by every device. Under jit / typed the finite check read
 tree (XLA reduces it over the shards itself): global by construction. Under shard_map each device
 holds its own piece (zero1's flat slice, zero2/zero3's row blocks): its flag is ``pmax``-ed over the
 axis (ONE all-reduce of one float32, 4 bytes: ``comm_theory`` counts it), so all devices skip the same
-step. shard_map/dp checks the pmean-ed gradient, which is whole and equal on every device (a
-non-finite entry on any device makes the mean non-finite everywhere): no collective.
+step. shard_map/dp checks the psum-ed gradient, which is whole and equal on every device (a
+non-finite entry on any device makes the sum non-finite everywhere): no collective; nor in
+context_parallel, whose gradients leave the ring whole (the transpose's all-reduce).
 
     scaler = DynamicScale()                      # torch's defaults: 2**16, x2 / 2000 good steps, x0.5
     state = scaler.init()                        # {"scale": f32, "good": i32}, carried by the trainer
@@ -75,12 +76,12 @@ def resolve(loss_scale, compute_dtype, where: str) -> DynamicScale | None:
 
 
 def refuse_float16(compute_dtype, where: str) -> None:
-    """The wrappers that do not scale the loss yet (tp apply_plan, cp, pp) refuse float16 compute: its
+    """The wrappers that do not scale the loss yet (tp apply_plan, pp) refuse float16 compute: its
     backward would flush small gradients to zero and overflow unchecked, silently."""
     if compute_dtype is not None and jnp.dtype(compute_dtype) == jnp.float16:
-        raise WrapError(f"{where}: compute_dtype=float16 needs dynamic loss scaling, which only parallelize builds so "
-                        "far; use compute_dtype=jnp.bfloat16 (float32's exponent range: no scaling needed), or "
-                        "parallelize")
+        raise WrapError(f"{where}: compute_dtype=float16 needs dynamic loss scaling, which only parallelize and "
+                        "context_parallel build so far; use compute_dtype=jnp.bfloat16 (float32's exponent range: no "
+                        "scaling needed)")
 
 
 def nonfinite(tree) -> jax.Array:
