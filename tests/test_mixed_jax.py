@@ -77,12 +77,13 @@ def test_mixed_precision_per_pattern(pattern, style, variant, monkeypatch):
         assert not [s for op, d, s in ops if op.startswith("psum") and d == "bfloat16"], ops
 
 
-@pytest.mark.parametrize("pattern,variant", [("dp", "zero1"), ("fsdp", "zero3")])
+@pytest.mark.parametrize("pattern,variant", [("dp", "zero1"), ("fsdp", "zero3"), ("cp", "ring")])
 def test_float16_with_loss_scaling(pattern, variant):
-    """--dtype float16 (dynamic loss scaling) under dp and fsdp, shard_map: the reference, its floor and
+    """--dtype float16 (dynamic loss scaling) under dp, fsdp and cp, shard_map: the reference, its floor and
     the run scale alike. This tiny model's float16 backward overflows at GradScaler's 2**16, 2**15, 2**14
     (measured): both skip steps 0-2 (the parameters untouched), train at 2**13, end at the same scale, and
-    the run is ok against the floor; the flag's pmax is in the ledger and the theory; a run that skipped
+    the run is ok against the floor; the ledger equals the theory (zero1 / zero3: + the flag's pmax; cp:
+    the ring's float16 K|V stay 2 bytes on XLA:CPU's wire, unlike bf16's); a run that skipped
     another step FAILs with one line."""
     import dataclasses
 
