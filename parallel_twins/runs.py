@@ -196,7 +196,7 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
                 skips = skip_mismatch(j_ref, t_ref)  # float16: the same skipped steps (torch's, where it records)
                 if cfg.precision == "mixed":  # vs the two references' floors
                     agree = within_floor(errs, t_ref, j_ref, factor=MIXED_CROSS_FRAMEWORK_FACTOR / MIXED_FACTOR,
-                                         program=True, dtype=cfg.dtype)
+                                         program=True)
                 else:
                     agree = cross_framework_ok(errs, cfg.dtype, cfg.steps, pure_floor(t_ref, j_ref)) \
                         and losses_within_floor(j_ref, cfg.dtype, CROSS_FRAMEWORK_FACTOR, t_ref, j_ref)
