@@ -77,15 +77,16 @@ def test_mixed_precision_per_pattern(pattern, style, variant, monkeypatch):
         assert not [s for op, d, s in ops if op.startswith("psum") and d == "bfloat16"], ops
 
 
-@pytest.mark.parametrize("pattern,variant", [("dp", "zero1"), ("fsdp", "zero3"), ("cp", "ring"), ("tp", "megatron")])
+@pytest.mark.parametrize("pattern,variant", [("dp", "zero1"), ("fsdp", "zero3"), ("cp", "ring"), ("tp", "megatron"),
+                                            ("pp", "circular")])
 def test_float16_with_loss_scaling(pattern, variant):
-    """--dtype float16 (dynamic loss scaling) under dp, fsdp, cp and tp (apply_plan), shard_map: the reference,
-    its floor and
+    """--dtype float16 (dynamic loss scaling) under dp, fsdp, cp, tp (apply_plan) and pp, shard_map: the
+    reference, its floor and
     the run scale alike. This tiny model's float16 backward overflows at GradScaler's 2**16, 2**15, 2**14
     (measured): both skip steps 0-2 (the parameters untouched), train at 2**13, end at the same scale, and
     the run is ok against the floor; the ledger equals the theory (zero1 / zero3: + the flag's pmax; cp:
-    the ring's float16 K|V stay 2 bytes on XLA:CPU's wire, unlike bf16's; tp: XLA's 1-byte flag per split
-    leaf); a run that skipped
+    the ring's float16 K|V stay 2 bytes on XLA:CPU's wire, unlike bf16's; tp, pp: XLA's 1-byte flag per
+    split leaf); a run that skipped
     another step FAILs with one line."""
     import dataclasses
 
@@ -101,3 +102,14 @@ def test_float16_with_loss_scaling(pattern, variant):
     other = dataclasses.replace(trained, extra={**trained.extra, "skipped_steps": [cfg.steps - 1]})
     bad = make_result(pattern, "jax", "shard_map", variant, cfg, other, ref)
     assert not bad.ok and "skipped steps [4] where the reference skipped" in bad.extra["skip_mismatch"]
+
+
+def test_float16_leaves_out_pps_schedules_by_hand():
+    """Their micro-batch gradients are summed in float32 (the reference's float16 backward sums the whole
+    batch): they overflow at other scales, so they are left out with the reason (shared.recipe.refusal)."""
+    from jax_impl import pp
+    from shared.recipe import refusal
+
+    cfg = CFG.replace(dtype="float16")
+    assert [v for _, v in pp.variants(cfg)] == ["circular", "circular"]
+    assert "sums each micro-batch's float16" in refusal("jax", "pp", "shard_map", "1f1b", cfg)

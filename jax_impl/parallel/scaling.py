@@ -75,6 +75,25 @@ def resolve(loss_scale, compute_dtype, where: str) -> DynamicScale | None:
                     "(torch GradScaler's defaults), False (none) or None (on for compute_dtype=float16)")
 
 
+@jax.custom_vjp
+def scale_cotangent(x, scale):
+    """``x`` unchanged; in backward its cotangent times ``scale``: the loss scaled where a step computes
+    its gradient by hand (pp's schedules seed the backward per micro-batch) — the same numbers as
+    ``loss * scale`` (a power of two, applied before the float16 backward)."""
+    return x
+
+
+def _scale_fwd(x, scale):
+    return x, scale
+
+
+def _scale_bwd(scale, ct):
+    return jax.tree.map(lambda c: c * scale.astype(c.dtype), ct), None  # None: no cotangent for the scale
+
+
+scale_cotangent.defvjp(_scale_fwd, _scale_bwd)
+
+
 def refuse_float16(compute_dtype, where: str) -> None:
     """The wrappers that do not scale the loss yet (pp's pipeline) refuse float16 compute: its
     backward would flush small gradients to zero and overflow unchecked, silently."""
