@@ -125,8 +125,10 @@ class Trainer:
     """``pipeline``'s result: ``step(params, opt_state, xs, *ys)``, ``state``, ``train_step(x, *y)``,
     ``module()``, ``comm_theory()``."""
 
-    def __init__(self, model, stages, loss, tx, mesh, microbatches, clip=None, compute_dtype=None):
+    def __init__(self, model, stages, loss, tx, mesh, microbatches, clip=None, compute_dtype=None, loss_scale=None):
         self.model, self.loss, self.tx, self.mesh, self.m, self.clip = model, loss, tx, mesh, microbatches, clip
+        self.scaler = scaling.resolve(loss_scale, compute_dtype, "pp")
+        self.per_step = ("skipped", "loss_scale") if self.scaler else ()  # the step's outputs after grads
         self.n = mesh.shape[AXIS]
         if len(stages) != self.n:
             raise WrapError(f"pp: {len(stages)} stages for a mesh with pp={self.n}: give one module list per device")
@@ -143,8 +145,11 @@ class Trainer:
         opt_state = tx.init(params)
         where = jax.tree.map(lambda a: NamedSharding(mesh, P(AXIS) if a.ndim else P()), opt_state)
         self.state = (params, jax.device_put(opt_state, where))
+        if self.scaler:  # the scale state: a third state entry, replicated (parallel.scaling)
+            self.state += (jax.device_put(self.scaler.init(), NamedSharding(mesh, P())),)
         self.message = None  # ShapeDtypeStruct of the activation between stages, set by shard_batch
-        self.step = jax.jit(self._step, donate_argnums=(0, 1))
+        step = self._step if self.scaler else lambda p, o, *batch: self._step(p, o, None, *batch)[:4]
+        self.step = jax.jit(step, donate_argnums=tuple(range(len(self.state))))
         self._compiled = None
 
     def _layout(self, dtype) -> recipe.Layout:
@@ -195,13 +200,25 @@ class Trainer:
                             "more than call them in this order): list every module its forward calls, in order")
         self.message = shapes[0] if self.n > 1 else None
 
-    def _step(self, params, opt_state, xs, *ys):
+    def _step(self, params, opt_state, sc, xs, *ys):
+        """Scaling (``sc``): the loss times the scale, the gradients divided by it; the packed gradient is a
+        global (S, Φ_max) array, so the finite check over it is global (XLA's all-reduce of the flag)."""
+        mult = 1.0 if sc is None else sc["scale"]
+
         def total(params):
-            return jnp.sum(self._losses(params, xs, *ys))  # the last stage's; the others' are 0
-        value, grads = jax.value_and_grad(total)(params)
+            value = jnp.sum(self._losses(params, xs, *ys))  # the last stage's; the others' are 0
+            return value * mult, value
+        (_, value), grads = jax.value_and_grad(total, has_aux=True)(params)
+        grads = grads if sc is None else self.scaler.unscale(grads, sc)
         clipped = grads if self.clip is None else recipe.scale_by_norm(grads, recipe.sumsq(grads), self.clip)
-        updates, opt_state = self.tx.update(clipped, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value, grads
+        updates, new_opt = self.tx.update(clipped, opt_state, params)
+        new = optax.apply_updates(params, updates)
+        if sc is None:
+            return new, new_opt, value, grads, None, None
+        bad = scaling.nonfinite(grads)
+        new, new_opt = scaling.keep(bad, (new, new_opt), (params, opt_state))
+        sc = self.scaler.update(sc, bad)
+        return new, new_opt, sc, value, grads, bad > 0, sc["scale"]
 
     def _losses(self, params, xs, *ys):
         S, M, msg = self.n, self.m, self.message
@@ -238,7 +255,8 @@ class Trainer:
         batch = self.shard_batch(x, *ys)
         if self._compiled is None:
             self._compiled = self.step.lower(*self.state, *batch).compile()
-        *state, loss, _ = self._compiled(*self.state, *batch)
+        out = self._compiled(*self.state, *batch)
+        *state, loss, _ = out[:len(out) - len(self.per_step)]
         self.state = tuple(state)
         return float(fetch(loss))
 
@@ -258,7 +276,8 @@ class Trainer:
         if self.message is None:
             return {}
         k, b = 2 * (self.m + self.n - 2), int(np.prod(self.message.shape)) * self.message.dtype.itemsize
-        return {"collective_permute": (k, k * b), "all_reduce": (1, self.state[0].dtype.itemsize)}
+        flag = 1 if self.scaler else 0  # scaling: XLA's all-reduce of the packed gradient's 1-byte non-finite flag
+        return {"collective_permute": (k, k * b), "all_reduce": (1 + flag, self.state[0].dtype.itemsize + flag)}
 
 
 def _cast_state(split, dtype):
@@ -268,18 +287,17 @@ def _cast_state(split, dtype):
 
 
 def pipeline(model: nnx.Module, stages: Sequence[Sequence[str]], loss: Callable, tx: optax.GradientTransformation,
-             mesh, microbatches: int = 4, *, clip: float | None = None, compute_dtype=None) -> Trainer:
+             mesh, microbatches: int = 4, *, clip: float | None = None, compute_dtype=None, loss_scale=None) -> Trainer:
     """GPipe over ``mesh``'s "pp" axis for a model whose forward is the chain ``stages`` lists.
     ``clip``: global-norm clipping (torch's formula, parallel.recipe) of the whole packed gradient.
     ``compute_dtype``: every stage computes with its floating Params cast to it inside the step (the
     messages then travel in that dtype); the packed master weights, their gradients (summed over the
     micro-batches in the master dtype: one cast per micro-batch) and optax's state stay as they are."""
     recipe.check_clip(clip, "pp")
-    scaling.refuse_float16(compute_dtype, "pp")
     if AXIS not in mesh.shape:
         raise WrapError(f"the mesh has axes {tuple(mesh.shape)}, no {AXIS!r}: make one with axis name 'pp'")
     _, _, rest = nnx.split(model, nnx.Param, ...)
     if jax.tree.leaves(rest):
         raise WrapError(f"{type(model).__name__} holds state other than nnx.Param: pipeline trains Params only")
     mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-    return Trainer(model, stages, loss, tx, mesh, microbatches, clip, compute_dtype)
+    return Trainer(model, stages, loss, tx, mesh, microbatches, clip, compute_dtype, loss_scale)

@@ -1,5 +1,6 @@
 """Dynamic loss scaling for float16 compute under the wrappers of jax_impl/parallel/ (parallelize in every
-variant and style, apply_plan, context_parallel): the twin of torch.amp.GradScaler. optax has none; this is it.
+variant and style, apply_plan, context_parallel, pipeline) and the runners: the twin of torch.amp.GradScaler.
+optax has none; this is it.
 
 float16 has 5 exponent bits: a gradient entry below 6e-8 flushes to zero in the float16 backward. The
 loss is multiplied by ``scale`` before ``grad`` (the float16 backward then carries scale × the true
@@ -92,15 +93,6 @@ def _scale_bwd(scale, ct):
 
 
 scale_cotangent.defvjp(_scale_fwd, _scale_bwd)
-
-
-def refuse_float16(compute_dtype, where: str) -> None:
-    """The wrappers that do not scale the loss yet (pp's pipeline) refuse float16 compute: its
-    backward would flush small gradients to zero and overflow unchecked, silently."""
-    if compute_dtype is not None and jnp.dtype(compute_dtype) == jnp.float16:
-        raise WrapError(f"{where}: compute_dtype=float16 needs dynamic loss scaling, which parallelize, apply_plan "
-                        "and context_parallel build, not this one yet; use compute_dtype=jnp.bfloat16 (float32's "
-                        "exponent range: no scaling needed)")
 
 
 def nonfinite(tree) -> jax.Array:
