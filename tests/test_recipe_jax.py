@@ -381,8 +381,14 @@ def test_the_scale_follows_gradscalers_rule():
     assert seen == [1024, 512, 512, 1024, 1024, 512]
 
 
-@pytest.mark.parametrize("variant,style", [("dp", "shard_map"), ("zero1", "shard_map"), ("zero2", "shard_map"),
-                                           ("zero3", "shard_map"), ("zero3", "jit"), ("zero1", "typed")])
+SLOW = pytest.mark.slow  # issue 37's budget: the default tier keeps zero1's flat slice and zero3's units
+
+
+@pytest.mark.parametrize("variant,style", [("zero1", "shard_map"), ("zero3", "shard_map"),
+                                           pytest.param("dp", "shard_map", marks=SLOW),
+                                           pytest.param("zero2", "shard_map", marks=SLOW),
+                                           pytest.param("zero3", "jit", marks=SLOW),
+                                           pytest.param("zero1", "typed", marks=SLOW)])
 def test_float16_loss_scaling_skips_on_every_device_together(variant, style, measured):
     """Step 0: inf in ONE device's gradient piece only -> every device skips it (params bitwise as they
     were, the scale halved); then 3 steps against one device with the same scaling (1e-12)."""

@@ -20,7 +20,8 @@ Recipe (parallel/recipe.py, docs/recipe.md): optax sees the whole replicated {pa
 (masks, labels, optax's own clipping exact); ``clip=max_norm`` clips with torch's formula;
 ``compute_dtype=jnp.bfloat16`` casts the Params inside the step (made device-varying first, so the
 gradient all-reduce stays in the master dtype); 16-bit attention is computed in float32 (the ring's
-accumulators and its travelling dK|dV too), its output rounded back once.
+accumulators and its travelling dK|dV too), its output rounded back once; float16 adds dynamic loss
+scaling (parallel/scaling.py; the gradients leave the ring whole: the skip is agreed without a collective).
 Papers: ring attention, Liu et al. 2023 (arXiv:2310.01889); DeepSpeed-Ulysses, Jacobs et al. 2023
 (arXiv:2309.14509).
 """

@@ -28,7 +28,8 @@ anything compiles, a ``tx`` that would update otherwise (masks, multi_transform 
 packed row). Global-norm clipping is exact (the whole packed gradient; padding zero): ``clip=max_norm``
 uses torch's formula (parallel/recipe.py, docs/recipe.md). ``compute_dtype=jnp.bfloat16``: the stages
 compute in bf16 from the float32 packed master (cast inside each micro-batch's stage call), the
-messages travel in bf16, the loss is summed in the master dtype.
+messages travel in bf16, the loss is summed in the master dtype; float16 adds dynamic loss scaling
+(parallel/scaling.py; the packed gradient is global: XLA all-reduces the skip flag).
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ Recipe (parallel/recipe.py, docs/recipe.md): optax sees the whole dict, vocabula
 colwise_heads' columns reordered (``recipe.check`` refuses a ``tx`` that reads those shapes);
 ``clip=max_norm`` (torch's formula), ``compute_dtype=`` (the Params cast inside the step). A loss that
 maps over the model's state (nnx.split -> astype -> nnx.merge) meets the stand-ins: refused at the
-first trace, naming compute_dtype=.
+first trace, naming compute_dtype=. float16 adds dynamic loss scaling (parallel/scaling.py; the
+gradients leave the shard_map global: XLA all-reduces the skip flag, 1 byte per split leaf).
 Papers: Megatron-LM, Shoeybi et al. 2019 (arXiv:1909.08053 §3).
 """
 
