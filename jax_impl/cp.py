@@ -20,7 +20,9 @@ The replicated weights' gradients: summed over "cp" by the transpose of their in
 cast, an all-reduce of Φ·b. Bytes per step: shared.theory.cp_comm.
 Mixed precision (--precision mixed): the float32 weights made device-varying, then cast to bf16 inside
 the loss (their all-reduce stays float32); K, V, Q and the stream travel in bf16; attention, the ring's
-accumulators and its travelling dK|dV in float32; the logits to the loss in float32.
+accumulators and its travelling dK|dV in float32; the logits to the loss in float32. float16: the same,
+with dynamic loss scaling (parallel/scaling.py); the gradients are whole on every device, so the skip
+is agreed without a collective.
 Papers: ring attention, Liu et al. 2023 (arXiv:2310.01889); striped/zigzag, Brandon et al. 2023;
 DeepSpeed-Ulysses, Jacobs et al. 2023 (arXiv:2309.14509).
 """
@@ -43,6 +45,7 @@ from jax_impl.harness import Setup, leaves_fixture, train_loop
 from jax_impl.model import inputs, jax_dtype, output_loss, targets, to_compute, to_loss
 from jax_impl.parallel.cp import AXIS, chunk_pairs, ring_core
 from jax_impl.parallel.recipe import scale_by_norm, sumsq
+from jax_impl.parallel.scaling import keep, nonfinite
 from jax_impl.parallel.typed import InMesh, Stated, explicit_mesh
 from jax_impl.transformer import apply, attention, block, embed, head
 from shared.config import Config
@@ -181,11 +184,23 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
         shard_map_loss(cfg, variant, mesh)
     loss_of = recipe.dict_loss(cfg, lambda p, *b: (lambda v: (jnp.mean(v), v))(to_loss(p, *b)))
 
-    def step(params, opt_state, *batch):
-        (_, loss), grads = jax.value_and_grad(loss_of, has_aux=True)(params, *batch)
+    scaler = recipe.loss_scale(cfg)  # float16: dynamic loss scaling (jax_impl/parallel/scaling.py)
+
+    def step(params, opt_state, *rest):
+        sc, batch = (rest[0], rest[1:]) if scaler else (None, rest)
+        mult = 1.0 if sc is None else sc["scale"]
+        (_, loss), grads = jax.value_and_grad(lambda p, *b: (lambda v: (v[0] * mult, v[1]))(loss_of(p, *b)),
+                                              has_aux=True)(params, *batch)
+        grads = grads if sc is None else scaler.unscale(grads, sc)
         clipped = grads if cfg.clip is None else scale_by_norm(grads, sumsq(grads), cfg.clip)  # replicated: whole
-        updates, opt_state = tx.update(clipped, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, grads
+        updates, new_opt = tx.update(clipped, opt_state, params)
+        new = optax.apply_updates(params, updates)
+        if sc is None:
+            return new, new_opt, loss, grads
+        bad = nonfinite(grads)  # the gradients are whole and replicated (summed over "cp"): agreed as they stand
+        new, new_opt = keep(bad, (new, new_opt), (params, opt_state))
+        sc = scaler.update(sc, bad)
+        return new, new_opt, sc, loss, grads, bad > 0, sc["scale"]
 
     fixture = partial(leaves_fixture, names=names)
     extra = {"positions": positions(cfg, variant)} | ({"stated": stated.entries} if typed else {})
@@ -193,9 +208,12 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
         extra["attention_scores"] = attention_scores(cfg, variant)
         assert extra["attention_scores"] == cp_attention_scores(cfg, variant), extra["attention_scores"]
     wire = wire_config(cfg, mesh)  # mixed precision: bf16 activations (XLA:CPU sends them in float32)
+    state = (params, tx.init(params)) + ((jax.device_put(scaler.init(), NamedSharding(mesh, P())),) if scaler else ())
+    donate = tuple(range(len(state)))
     return train_loop(cfg, Setup(
-        step=InMesh(jax.jit(stated.traced(step), donate_argnums=(0, 1)), mesh) if typed else
-        jax.jit(step, donate_argnums=(0, 1)), state=(params, tx.init(params)), batch=batch,
+        step=InMesh(jax.jit(stated.traced(step), donate_argnums=donate), mesh) if typed else
+        jax.jit(step, donate_argnums=donate), state=state, batch=batch,
+        per_step=("skipped", "loss_scale") if scaler else (),
         grads_fixture=fixture, params_fixture=lambda state: fixture(state[0]),
         comm_theory=None if cfg.freeze or cfg.accumulate > 1 else  # the recipe's: not modelled (docs/recipe.md)
         cp_comm_bytes(wire, variant) + typed * wire.bytes_per_element  # typed: + the loss's all-reduce

@@ -82,8 +82,9 @@ def wire_config(cfg, mesh):
     Mixed precision on the CPU: XLA:CPU runs bf16 collectives in float32 (jax_impl/ledger.py; measured:
     a bf16 ppermute / psum compiles to an f32 collective-permute / all-reduce), so the activations that
     the program sends in bf16 (theory: cfg.compute_bytes) move 4 bytes per element there, as the float32
-    master gradients do: the float32 run's theory. Elsewhere (GPU keeps bf16 on the wire): ``cfg``."""
-    if getattr(cfg, "precision", "pure") == "mixed" and xla_platform(mesh) == "cpu":
+    master gradients do: the float32 run's theory. Elsewhere (GPU keeps bf16 on the wire): ``cfg``.
+    float16 stays float16 on XLA:CPU's wire (measured: cp's ring and ulysses, 2 bytes per element): ``cfg``."""
+    if getattr(cfg, "precision", "pure") == "mixed" and cfg.dtype == "bfloat16" and xla_platform(mesh) == "cpu":
         return cfg.replace(dtype=cfg.param_dtype, precision="pure")
     return cfg
 

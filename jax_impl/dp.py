@@ -53,7 +53,7 @@ def comm_theory(cfg: Config, style: str, variant: str) -> int | None:
     if cfg.freeze or (cfg.accumulate > 1 and style != "shard_map"):
         return None
     base = zero1_comm_bytes(cfg) if variant == "zero1" else dp_comm_bytes(cfg)
-    return base + recipe.clip_bytes(cfg, variant, style)
+    return base + recipe.clip_bytes(cfg, variant, style) + recipe.scale_bytes(cfg, variant, style)
 
 
 def mesh_for(cfg: Config, device: str = "auto"):

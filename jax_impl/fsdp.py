@@ -57,7 +57,8 @@ def comm_theory(cfg: Config, style: str, variant: str) -> int | None:
     if cfg.freeze or (cfg.accumulate > 1 and style != "shard_map"):
         return None
     k = cfg.accumulate if variant == "zero3" else 1
-    return fsdp_comm_bytes(cfg, variant, gathers=k, reduces=k) + recipe.clip_bytes(cfg, variant, style)
+    return (fsdp_comm_bytes(cfg, variant, gathers=k, reduces=k) + recipe.clip_bytes(cfg, variant, style)
+            + recipe.scale_bytes(cfg, variant, style))
 
 
 def mesh_for(cfg: Config, device: str = "auto"):
@@ -100,7 +101,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     batch = trainer.shard_batch(*raw)  # rows split over 'dp' on the trainer's mesh (typed: Explicit axes)
     setup = trainer_setup(trainer, batch)
     setup.comm_theory = comm_theory(cfg, style, variant)
-    setup.state_bytes = lambda state: state_bytes(cfg, problem, variant, *state)
+    setup.state_bytes = lambda state: state_bytes(cfg, problem, variant, *state[:2])  # (float16: + the scaler)
     setup.extra = {"shard": "dim 0 of each ≥2-D parameter (rows of W)"}
     if style == "typed":  # the layout changes the program states, read from the types at trace time
         setup.extra["stated"] = trainer.stated.entries

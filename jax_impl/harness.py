@@ -37,6 +37,7 @@ from jax_impl.devices import where as devices_where
 from jax_impl.ledger import comm_by_axis, comm_from_hlo
 from jax_impl.model import compiler_options, to_numpy, tree_bytes
 from jax_impl.parallel.tree import fetch
+from jax_impl.recipe import scale_extra
 from shared import preempt
 from shared.checkpoint import Plan
 from shared.config import Config
@@ -97,7 +98,7 @@ def trainer_setup(trainer, batch: tuple) -> Setup:
     return Setup(step=trainer.step, state=trainer.state, batch=batch,
                  grads_fixture=lambda g: fixture(trainer.full_grads(g)),
                  params_fixture=lambda state: fixture(state[0]), compiler_options=trainer.compiler_options,
-                 moments=moments)
+                 moments=moments, per_step=getattr(trainer, "per_step", ()))
 
 
 def _preempted() -> bool:
@@ -147,6 +148,8 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
     state_bytes = setup.state_bytes(state) if setup.state_bytes else {
         "params": tree_bytes(state[0], per_device=True), "grads": tree_bytes(state[0], per_device=True),
         "optimizer": tree_bytes(state[1], per_device=True)}
+    if "skipped" in recorded:  # float16's loss scaling (parallel/scaling.py): the steps it skipped, the final scale
+        setup.extra = {**setup.extra, **scale_extra(recorded.pop("skipped"), recorded.pop("loss_scale"))}
     extra = dict(setup.extra) | {name: np.stack([fetch(v) for v in values]) for name, values in recorded.items()}
     if setup.mesh is not None:  # {axis label: {op: count, bytes}} (jax_impl.ledger.comm_by_axis)
         extra["comm_by_axis"] = comm_by_axis(compiled.as_text(), setup.mesh)

@@ -26,7 +26,7 @@ from jax_impl.transformer import Rules, gelu
 from shared.config import Config
 from shared.problem import Problem
 
-JAX_DTYPES = {"float32": jnp.float32, "float64": jnp.float64, "bfloat16": jnp.bfloat16}
+JAX_DTYPES = {"float32": jnp.float32, "float64": jnp.float64, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def jax_dtype(cfg: Config):

@@ -37,11 +37,12 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl import transformer
+from jax_impl import recipe, transformer
 from jax_impl.devices import make_mesh, wire_config
 from jax_impl.harness import Setup, train_loop
 from jax_impl.model import gelu, inputs, jax_dtype, make_optimizer, output_loss, targets, to_compute, to_loss, to_numpy
 from jax_impl.parallel import pp_schedules
+from jax_impl.parallel.scaling import keep, nonfinite, scale_cotangent
 from shared.config import Config
 from shared.problem import Problem, param_names
 from shared.results import Trained
@@ -72,8 +73,12 @@ BLOCK = re.compile(r"^(?:layers|blocks)\.(\d+)\.(.+)$")  # "blocks.3.attn.qkv.we
 
 
 def variants(cfg: Config) -> list[tuple[str, str]]:
-    """Every variant; interleaved only where M % S == 0, as torch_impl/pp.py's (Megatron's order)."""
-    return [sv for sv in VARIANTS if sv[1] != "interleaved" or cfg.microbatches % cfg.world_size == 0]
+    """Every variant; interleaved only where M % S == 0, as torch_impl/pp.py's (Megatron's order); less those
+    shared.recipe.refusal leaves out (float16: the schedules by hand)."""
+    from shared.recipe import refusal
+
+    return [sv for sv in VARIANTS if (sv[1] != "interleaved" or cfg.microbatches % cfg.world_size == 0)
+            and refusal("jax", "pp", *sv, cfg) is None]
 
 
 def mesh_for(cfg: Config, device: str = "auto"):
@@ -304,16 +309,30 @@ def jit_loss(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head_dim: 
 
 
 def make_step(cfg: Config, style: str, mesh, tx, variant: str = "circular", info: dict | None = None):
-    mixed = {"cast": partial(to_compute, cfg), "out": partial(to_loss, cfg)}  # identities unless --precision mixed
-    loss_of = partial(shard_map_loss if style == "shard_map" else jit_loss, **mixed)
-    grad_of = jax.value_and_grad(loss_of) if variant == "circular" else \
-        lambda *args: shard_map_scheduled(*args, variant, cfg.virtual_stages if variant == "interleaved" else 1, info,
-                                          **mixed)
+    """The jitted step. float16 (``recipe.loss_scale``): the state carries the scale; the logits' cotangent
+    is multiplied by it (scaling.scale_cotangent: the schedules seed their backward by hand), the gradients
+    divided by it; they come back as global arrays (stages over pp): the finite check over them is XLA's."""
+    scaler = recipe.loss_scale(cfg)
 
-    def step(params, opt_state, xs, ys):
-        loss, grads = grad_of(params, xs, ys, mesh, cfg.head_dim)  # grads like params
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return jax.tree.map(lambda a, u: a + u, params, updates), opt_state, loss, grads
+    def grad_of(scale):
+        out = partial(to_loss, cfg) if scale is None else lambda a: scale_cotangent(to_loss(cfg, a), scale)
+        mixed = {"cast": partial(to_compute, cfg), "out": out}  # identities unless --precision mixed
+        loss_of = partial(shard_map_loss if style == "shard_map" else jit_loss, **mixed)
+        return jax.value_and_grad(loss_of) if variant == "circular" else \
+            lambda *args: shard_map_scheduled(*args, variant, cfg.virtual_stages if variant == "interleaved" else 1,
+                                              info, **mixed)
+
+    def step(params, opt_state, *rest):
+        sc, (xs, ys) = (rest[0], rest[1:]) if scaler else (None, rest)
+        loss, grads = grad_of(None if sc is None else sc["scale"])(params, xs, ys, mesh, cfg.head_dim)  # like params
+        grads = grads if sc is None else scaler.unscale(grads, sc)
+        updates, new_opt = tx.update(grads, opt_state, params)
+        new = (jax.tree.map(lambda a, u: a + u, params, updates), new_opt)
+        if sc is None:
+            return *new, loss, grads
+        bad = nonfinite(grads)
+        new, sc = keep(bad, new, (params, opt_state)), scaler.update(sc, bad)
+        return *new, sc, loss, grads, bad > 0, sc["scale"]
 
     return jax.jit(step)
 
@@ -346,11 +365,14 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
                   "bubble_theory": simulate("zb", S, M).bubble if variant == "zb" and M < S else
                   closed_form_bubble(variant, S, M, v)}
     wire = wire_config(cfg, mesh)  # mixed precision: bf16 messages (XLA:CPU sends them in float32)
+    scaler = recipe.loss_scale(cfg)  # float16: the scale state rides as a third state entry
+    state = (params, opt_state) + ((jax.device_put(scaler.init(), NamedSharding(mesh, P())),) if scaler else ())
+    flags = len(jax.tree.leaves(params)) if scaler else 0  # XLA's 1-byte non-finite flag per (pp-split) leaf
     setup = Setup(
-        step=make_step(cfg, style, mesh, tx, variant, extra), state=(params, opt_state), batch=(xs, ys),
+        step=make_step(cfg, style, mesh, tx, variant, extra), state=state, batch=(xs, ys),
         grads_fixture=lambda grads: unsplit(grads, names), params_fixture=lambda state: unsplit(state[0], names),
         comm_theory=(pp_ticks_permute_bytes(wire, variant, v) if by_hand else pp_circular_permute_bytes(wire, style))
-        + wire.bytes_per_element,  # + the loss all-reduce (float32 under mixed precision)
-        extra=extra,
+        + wire.bytes_per_element + flags,  # + the loss all-reduce (float32 under mixed precision)
+        extra=extra, per_step=("skipped", "loss_scale") if scaler else (),
     )
     return train_loop(cfg, setup)

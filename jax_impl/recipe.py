@@ -26,7 +26,7 @@ from flax import nnx
 from jax_impl.model import model_loss, named_params
 from jax_impl.parallel.tree import flat_state, key_of
 from shared.config import Config
-from shared.recipe import is_frozen, lr_factors
+from shared.recipe import LOSS_SCALE, is_frozen, lr_factors
 
 
 def fixture_paths(model) -> dict[str, str]:
@@ -109,14 +109,43 @@ def dict_loss(cfg: Config, loss):
     return out
 
 
+def loss_scale(cfg: Config):
+    """--dtype float16 (mixed): dynamic loss scaling with shared/recipe.py's LOSS_SCALE (torch GradScaler's
+    numbers, so both frameworks skip the same steps); None otherwise."""
+    from jax_impl.parallel.scaling import DynamicScale
+
+    if cfg.dtype != "float16":
+        return None
+    return DynamicScale(LOSS_SCALE["init"], LOSS_SCALE["growth"], LOSS_SCALE["backoff"], LOSS_SCALE["interval"])
+
+
 def parallelized(cfg: Config, problem, mesh, variant: str, style: str):
-    """The project's model through ``parallelize`` with the recipe: its optimizer, loss and clip."""
+    """The project's model through ``parallelize`` with the recipe: its optimizer, loss, clip and (float16)
+    loss scaling. The model computes in cfg.dtype itself (Flax's dtype=), so the scaling is asked for."""
     from jax_impl.model import build_model
     from jax_impl.parallel.fsdp import parallelize
 
     model = build_model(cfg, problem)
     paths = fixture_paths(model)
-    return parallelize(model, loss_fn(cfg, paths), optimizer(cfg, paths), mesh, variant, style, clip=cfg.clip)
+    return parallelize(model, loss_fn(cfg, paths), optimizer(cfg, paths), mesh, variant, style, clip=cfg.clip,
+                       loss_scale=loss_scale(cfg) or False)
+
+
+def scale_bytes(cfg: Config, variant: str, style: str) -> int:
+    """float16's agreed skip flag per step per device: shard_map zero1/2/3 pmax one float32 (4 bytes);
+    dp's summed gradient is whole on every device (no collective); jit / typed: XLA's, measured."""
+    return 4 if cfg.dtype == "float16" and style == "shard_map" and variant != "dp" else 0
+
+
+def scale_extra(skipped, scales) -> dict:
+    """A loss-scaled run's record (compare.py checks it against the reference's): the indices of the
+    steps it skipped and the scale it ended with (``skipped``, ``scales``: one entry per step)."""
+    import numpy as np
+
+    from jax_impl.parallel.tree import fetch
+
+    return {"skipped_steps": [int(k) for k in np.flatnonzero(np.stack([np.asarray(fetch(b)) for b in skipped]))],
+            "loss_scale": float(np.asarray(fetch(scales[-1])).reshape(-1)[0])}
 
 
 def clip_bytes(cfg: Config, variant: str, style: str) -> int:

@@ -3,7 +3,8 @@
 Every parallel implementation is checked against this run (same fixture, same steps). The MoE
 transformer's loss adds the balancing losses, and its routing counts come back per step as
 ``extra["expert_load"]`` (steps, L, B, E) int64. Mixed precision: the model's float32 parameters are
-cast to bfloat16 inside every call (Flax's ``dtype=``), AdamW's state stays float32. ``split=2`` trains
+cast to bfloat16 inside every call (Flax's ``dtype=``), AdamW's state stays float32; float16 adds
+dynamic loss scaling (parallel/scaling.py: extra["skipped_steps"], extra["loss_scale"]). ``split=2`` trains
 the same run with each step's batch cut in two halves whose gradients are added (the mixed runs'
 measured floor: shared/tolerances.py).
 """
@@ -32,6 +33,8 @@ from jax_impl.model import (
     tree_bytes,
 )
 from jax_impl.parallel.recipe import clip_by_global_norm
+from jax_impl.parallel.scaling import keep, nonfinite
+from jax_impl.recipe import scale_extra
 from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
@@ -53,37 +56,53 @@ def train(cfg: Config, problem: Problem, device=None, split: int = 1) -> Trained
             logits, aux, load = m(x)
             return output_loss(logits, y) + aux, load
 
-        def step(model, opt, x, y):
-            loss, grads = nnx.value_and_grad(lambda m: batch_loss(m, *(x,) if y is None else (x, y)))(model)
+        def step(model, opt, x, y, s):  # s: float16's loss scale (1.0 otherwise); the gradients unscaled
+            (_, loss), grads = nnx.value_and_grad(
+                lambda m: ((l := batch_loss(m, *(x,) if y is None else (x, y))) * s, l), has_aux=True)(model)
+            grads = jax.tree.map(lambda g: g / s, grads)
             opt.update(model, grads)
             return loss, grads
 
-        def split_step(model, opt, x, y):  # the batch in `split` equal parts, gradients added (dense only)
+        def split_step(model, opt, x, y, s):  # the batch in `split` equal parts, gradients added (dense only)
             parts = zip(jnp.split(x, split), [None] * split if y is None else jnp.split(y, split))
             loss, grads = 0.0, None
             for xs, ys in parts:
-                part, g = nnx.value_and_grad(lambda m, xs=xs, ys=ys: output_loss(m(xs), ys) / split)(model)
+                (_, part), g = nnx.value_and_grad(lambda m, xs=xs, ys=ys: (
+                    (l := output_loss(m(xs), ys) / split) * s, l), has_aux=True)(model)
                 loss, grads = loss + part, g if grads is None else jax.tree.map(jnp.add, grads, g)
+            grads = jax.tree.map(lambda g: g / s, grads)
             opt.update(model, grads)
             return loss, grads
 
-        def moe_step(model, opt, x, y):
+        def moe_step(model, opt, x, y, s):
             (loss, load), grads = nnx.value_and_grad(moe_loss, has_aux=True)(model)
             opt.update(model, grads)
             return loss, grads, load
 
         graphdef, state = nnx.split((model, opt))
 
+        scaler = recipe.loss_scale(cfg)  # float16: dynamic loss scaling (jax_impl/parallel/scaling.py)
+
         @functools.partial(jax.jit, compiler_options=compiler_options(cfg))  # mixed: no excess precision
-        def pure(state, x, y):  # the chosen step on the split (model, optimizer) state
+        def pure(state, sc, x, y):  # the chosen step on the split (model, optimizer) state
+            old = jax.tree.map(lambda a: a, state)  # a skipped step's: merge shares state's Variables, updated in place
             model, opt = nnx.merge(graphdef, state)
-            out = (moe_step if cfg.moe else split_step if split > 1 else step)(model, opt, x, y)
-            return nnx.state((model, opt)), out
+            out = (moe_step if cfg.moe else split_step if split > 1 else step)(model, opt, x, y,
+                                                                             1.0 if sc is None else sc["scale"])
+            if sc is None:
+                return nnx.state((model, opt)), sc, out
+            bad = nonfinite(out[1])  # a skipped step: the model and AdamW (its count too) as they were
+            return keep(bad, nnx.state((model, opt)), old), scaler.update(sc, bad), (*out, bad > 0)
 
         losses, step_times, grads0, loads = [], [], None, []
+        sc, skipped, scales = None if scaler is None else scaler.init(), [], []
         for k in range(cfg.steps):
             t0 = time.perf_counter()
-            state, out = pure(state, x, y)
+            state, sc, out = pure(state, sc, x, y)
+            if sc is not None:
+                *out, bad = out
+                skipped.append(bad)
+                scales.append(sc["scale"])
             if cfg.moe:
                 loss, grads, load = out
                 loads.append(np.asarray(fetch(load), np.int64))  # (L, B, E)
@@ -105,5 +124,6 @@ def train(cfg: Config, problem: Problem, device=None, split: int = 1) -> Trained
             "grads": tree_bytes(params),
             "optimizer": tree_bytes(nnx.state(opt, nnx.OptState)),
         },
-        extra={"expert_load": np.stack(loads)} if cfg.moe else {},  # (steps, L, B, E)
+        extra=({"expert_load": np.stack(loads)} if cfg.moe else {})  # (steps, L, B, E)
+        | (scale_extra(skipped, scales) if scaler else {}),  # float16: skipped steps, final scale
     )

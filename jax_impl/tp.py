@@ -39,7 +39,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl import transformer
+from jax_impl import recipe, transformer
 from jax_impl.devices import make_mesh, wire_config
 from jax_impl.harness import Setup, leaves_fixture, train_loop, trainer_setup
 from jax_impl.model import (
@@ -53,6 +53,7 @@ from jax_impl.model import (
     to_compute,
     to_loss,
 )
+from jax_impl.parallel.scaling import keep, nonfinite
 from jax_impl.parallel.tp import plan_rules
 from jax_impl.parallel.tree import fetch
 from jax_impl.parallel.typed import InMesh, Stated, explicit_mesh
@@ -304,15 +305,25 @@ def loss_for(cfg: Config, style: str, variant: str, mesh, specs: dict):
     return jax.shard_map(local, mesh=mesh, in_specs=(specs, P(), P()), out_specs=P(), check_vma=True)
 
 
+def flag_bytes(cfg: Config, specs: dict) -> int:
+    """float16's skip flag on the wire: the gradients are global arrays, each split leaf's non-finite test
+    all-reduced by XLA as one pred (1 byte per split leaf, in the step's combined all-reduce; measured,
+    every style); no collective of ours (parallel/scaling.py). 0 without loss scaling."""
+    if cfg.dtype != "float16":
+        return 0
+    return sum(any(d is not None for d in tuple(s)) for s in specs.values())
+
+
 def train_plan(cfg: Config, problem: Problem, style: str, mesh) -> Trained:
     """The transformer's Megatron TP through the model-generic API: the NNX model, TRANSFORMER_PLAN,
     parallel.tp.apply_plan (the same shards, f / g and vocab-parallel loss as transformer_forward)."""
     from jax_impl.parallel.tp import apply_plan, cross_entropy
 
     loss = lambda model, tokens, y: cross_entropy(model(tokens), y)
-    trainer = apply_plan(build_model(cfg, problem), TRANSFORMER_PLAN, loss, make_optimizer(cfg), mesh, style)
+    trainer = apply_plan(build_model(cfg, problem), TRANSFORMER_PLAN, loss, make_optimizer(cfg), mesh, style,
+                         loss_scale=recipe.loss_scale(cfg) or False)  # float16: the model casts itself (dtype=)
     setup = trainer_setup(trainer, trainer.replicate(inputs(cfg, problem), targets(cfg, problem)))
-    setup.comm_theory = tp_comm_bytes(wire_config(cfg, mesh), "megatron")
+    setup.comm_theory = tp_comm_bytes(wire_config(cfg, mesh), "megatron") + flag_bytes(cfg, trainer.specs)
     setup.extra = {"rules": {k: str(s) for k, s in trainer.specs.items()}, "plan": TRANSFORMER_PLAN}
     return train_loop(cfg, setup)
 
@@ -341,15 +352,25 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
 
     state = (params, tx.init(params))
     placed = jax.tree.map(lambda a: a.sharding if isinstance(a.sharding, NamedSharding) else None, state)
+    scaler = recipe.loss_scale(cfg)  # float16: dynamic loss scaling (jax_impl/parallel/scaling.py)
+    if scaler:
+        state += (jax.device_put(scaler.init(), NamedSharding(mesh, P())),)
 
-    def step(params, opt_state, *batch):
-        loss, grads = jax.value_and_grad(loss_of)(params, *batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        new = (optax.apply_updates(params, updates), opt_state)
+    def step(params, opt_state, *rest):
+        sc, batch = (rest[0], rest[1:]) if scaler else (None, rest)
+        mult = 1.0 if sc is None else sc["scale"]
+        (_, loss), grads = jax.value_and_grad(lambda p, *b: ((l := loss_of(p, *b)) * mult, l),
+                                              has_aux=True)(params, *batch)
+        grads = grads if sc is None else scaler.unscale(grads, sc)
+        updates, new_opt = tx.update(grads, opt_state, params)
+        new = (optax.apply_updates(params, updates), new_opt)
+        if sc is not None:  # global arrays (split ones sharded): the check over the tree is global under jit
+            bad = nonfinite(grads)
+            new, sc = keep(bad, new, (params, opt_state)), scaler.update(sc, bad)
         if style == "jit":  # the state leaves as it came (megatron_sp: XLA would keep wpe row-split)
             new = jax.tree.map(lambda a, s: a if s is None else lax.with_sharding_constraint(a, s), new, placed,
                                is_leaf=lambda x: x is None)
-        return *new, loss, grads
+        return (*new, loss, grads) if sc is None else (*new, sc, loss, grads, bad > 0, sc["scale"])
 
     # jax sorts dict keys (layers.10 < layers.2): back to param_names order; device_get gathers
     read = fetch if typed else (lambda a: a)  # typed: (D, 3, D@tp) -> (D, 3D) is refused in types; on the host
@@ -357,5 +378,6 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     extra = {"rules": {k: str(s) for k, s in specs.items()}} | ({"stated": stated.entries} if typed else {})
     return train_loop(cfg, Setup(
         step=InMesh(jax.jit(stated.traced(step)), mesh) if typed else jax.jit(step), state=state, batch=batch,
-        grads_fixture=fixture, params_fixture=lambda state: fixture(state[0]),
-        comm_theory=tp_comm_bytes(wire_config(cfg, mesh), variant), extra=extra))
+        per_step=("skipped", "loss_scale") if scaler else (), grads_fixture=fixture,
+        params_fixture=lambda state: fixture(state[0]),
+        comm_theory=tp_comm_bytes(wire_config(cfg, mesh), variant) + flag_bytes(cfg, specs), extra=extra))

@@ -183,7 +183,7 @@ def recipe_notes(args, cfgs) -> list[str]:
     from parallel_twins.runs import chosen_variants
     from shared.recipe import refusals
 
-    if not any(cfg.recipe_active for cfg in cfgs):  # plain AdamW: nothing is left out
+    if not any(cfg.recipe_active or cfg.dtype == "float16" for cfg in cfgs):  # plain AdamW: nothing is left out
         return []
     every = lambda fw, p, c: [sv for sv in chosen_variants(fw, p, c, None, full=True)
                               if not args.styles or sv[0] in args.styles]

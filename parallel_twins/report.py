@@ -339,6 +339,8 @@ def verdict_lines(rows, xfw, errors, frameworks, elapsed: float, console) -> boo
             if r.extra.get(key):
                 console.print(f"[bold red]{r.pattern} {r.framework} {r.style}/{r.variant}[/]: {r.extra[key]}")
     for x in xfw:
+        if x.get("skip_mismatch"):
+            console.print(f"[bold red]cross-framework {x['pattern']} ({x['model']})[/]: {x['skip_mismatch']}")
         if x.get("routing_mismatch"):
             console.print(f"[bold red]cross-framework {x['pattern']} ({x['model']})[/]: {x['routing_mismatch']}")
     for e in errors:

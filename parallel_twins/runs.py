@@ -138,6 +138,7 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
         parity,
         pure_floor,
         routing_mismatch,
+        skip_mismatch,
         within_floor,
     )
     from shared.tolerances import CROSS_FRAMEWORK_FACTOR, MIXED_CROSS_FRAMEWORK_FACTOR, MIXED_FACTOR
@@ -192,6 +193,7 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
             if all(pattern in raw.get(fw, {}) for fw in FRAMEWORKS):
                 t_ref, j_ref = raw["torch"][pattern][model]["reference"], raw["jax"][pattern][model]["reference"]
                 errs, routing = parity(t_ref, j_ref), routing_mismatch(t_ref, j_ref)  # MoE: the same routing
+                skips = skip_mismatch(j_ref, t_ref)  # float16: the same skipped steps (torch's, where it records)
                 if cfg.precision == "mixed":  # vs the two references' floors
                     agree = within_floor(errs, t_ref, j_ref, factor=MIXED_CROSS_FRAMEWORK_FACTOR / MIXED_FACTOR,
                                          program=True)
@@ -199,8 +201,9 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
                     agree = cross_framework_ok(errs, cfg.dtype, cfg.steps, pure_floor(t_ref, j_ref)) \
                         and losses_within_floor(j_ref, cfg.dtype, CROSS_FRAMEWORK_FACTOR, t_ref, j_ref)
                 xfw.append({"pattern": pattern, "model": model, "what": "torch reference vs jax reference",
-                            **errs, "ok": agree and routing is None,
-                            **({"routing_mismatch": routing} if routing else {})})
+                            **errs, "ok": agree and routing is None and skips is None,
+                            **({"routing_mismatch": routing} if routing else {}),
+                            **({"skip_mismatch": skips} if skips else {})})
     if interrupted:
         raise Interrupted((rows, xfw, errors, refs), interrupted)
     return rows, xfw, errors, refs

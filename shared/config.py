@@ -41,7 +41,7 @@ MIXED_PATTERNS = {"torch": ("dp", "fsdp", "tp", "pp", "cp"), "jax": ("dp", "fsdp
 # The patterns whose runs build --dtype float16 (mixed, with dynamic loss scaling), per framework.
 FLOAT16_PATTERNS = {
     "torch": ("dp", "fsdp", "cp", "tp", "pp"),
-    "jax": (),
+    "jax": ("dp", "fsdp", "cp", "tp", "pp"),
 }
 # The training recipe (shared/recipe.py: --clip, --accumulate, --schedule, --decay-mask, --freeze, --recipe):
 # the patterns whose runs (every style, both frameworks) apply it exactly; the others refuse it in Config.check.

@@ -105,6 +105,12 @@ def refusal(framework: str, pattern: str, style: str, variant: str, cfg) -> str 
         return (f"{pattern}: jax shard_map/zero3 left out: with --freeze the loss stops the frozen Params' gradient "
                 "over the model's state, where zero3/shard_map's gathering units stand in as objects (not arrays); "
                 "jit/zero3, typed/zero3 and shard_map zero2 apply it")
+    if framework == "jax" and pattern == "pp" and variant in ("1f1b", "zb", "interleaved") and cfg.dtype == "float16":
+        return (f"{pattern}: jax {style}/{variant} left out under --dtype float16: the schedule sums each "
+                "micro-batch's float16 weight gradient into float32, where the reference's float16 backward sums "
+                "the whole batch, so they overflow at other loss scales and skip other steps (measured: steps 0-2,4 "
+                "against 0-3); "
+                "the circular pipeline (shard_map, jit) sums as the reference does and runs")
     if framework == "jax" and style == "typed" and cfg.freeze and cfg.model == "transformer":
         return (f"{pattern}: jax typed left out: with --freeze the loss stops the frozen Params' gradient over the "
                 "model's state, where typed's stated embedding lookup stands in as an object (not arrays); "

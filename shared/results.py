@@ -56,16 +56,21 @@ def comm_bytes(comm: dict[str, dict[str, int]]) -> int:
     return sum(v["bytes"] for op, v in comm.items() if op != "recv")
 
 
-def rel_err(a, b) -> float:
-    """max|a-b| / max|b| over one array (or list of arrays: the max over the list)."""
+def rel_err(a, b, finite: bool = False) -> float:
+    """max|a-b| / max|b| over one array (or list of arrays: the max over the list). ``finite``: over the
+    entries finite in both (a float16 step both runs skipped: its gradients overflowed, in places that
+    depend on where each program summed; the skip itself is compared by skip_mismatch)."""
     if isinstance(a, (list, tuple)):
         if len(a) != len(b):
             return math.inf
-        return max((rel_err(x, y) for x, y in zip(a, b)), default=0.0)
+        return max((rel_err(x, y, finite) for x, y in zip(a, b)), default=0.0)
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     if a.shape != b.shape:
         return math.inf
+    if finite:
+        both = np.isfinite(a) & np.isfinite(b)
+        a, b = a[both], b[both]
     if a.size == 0:
         return 0.0
     scale = max(float(np.max(np.abs(b))), np.finfo(np.float64).tiny)
@@ -77,24 +82,29 @@ def parity(run: Trained, ref: Trained) -> dict[str, float]:
     """Relative errors of a run against a reference: losses, step-0 grads, final params. A resumed
     run (``start_step`` K > 0) is compared on the steps it ran (the reference's losses from K on);
     it did not run step 0, so it has no step-0 gradients to compare (0.0: nothing differs)."""
-    k = run.start_step
+    k, skipped0 = run.start_step, 0 in ref.extra.get("skipped_steps", ())  # float16: step 0 skipped
     return {
         "max_rel_err_loss": rel_err(run.losses, ref.losses[k:]),
-        "max_rel_err_grad": rel_err(run.grads0, ref.grads0) if k == 0 else 0.0,
+        "max_rel_err_grad": rel_err(run.grads0, ref.grads0, finite=skipped0) if k == 0 else 0.0,
         "max_rel_err_param": rel_err(run.params, ref.params),
     }
 
 
-def skip_mismatch(run: Trained, ref: Trained) -> str | None:
-    """float16 (dynamic loss scaling): one line when ``run`` skipped another number of steps than ``ref``
-    (their ``extra["skipped_steps"]``), None when the same or either has none. A skipped step is a
-    discrete decision (an inf / NaN somewhere): a different one means the runs no longer train alike,
-    whatever the tolerance says."""
-    a, b = run.extra.get("skipped_steps"), ref.extra.get("skipped_steps")
-    if a is None or b is None or a == b:
+def skip_mismatch(run: Trained, ref: Trained | None) -> str | None:
+    """float16's dynamic loss scaling: where ``run`` skipped other steps than ``ref`` (their
+    ``extra["skipped_steps"]``), as one line; None when the same, or when ``ref`` records none. A skip is
+    discrete (a skipped step leaves the parameters where they were): a run that skips another step has
+    trained on other data, so it fails with this line rather than under a looser tolerance."""
+    want = None if ref is None else ref.extra.get("skipped_steps")
+    if want is None:
         return None
-    return (f"skipped {a} step(s) where the single-device reference skipped {b} (float16 loss scaling: final scale "
-            f"{run.extra.get('loss_scale')} vs {ref.extra.get('loss_scale')})")
+    want = [k for k in want if k >= run.start_step]
+    got = run.extra.get("skipped_steps")
+    if got is None:
+        return f"the reference skipped steps {want} (float16 loss scaling); this run recorded no loss scaling"
+    if list(got) != want:
+        return f"skipped steps {list(got)} where the reference skipped {want} (float16 loss scaling)"
+    return None
 
 
 def routing_mismatch(run: Trained, ref: Trained) -> str | None:
@@ -285,7 +295,7 @@ def make_result(
     routing = routing_mismatch(run, ref)
     xfw_routing = routing_mismatch(run, other_ref) if other_ref is not None else None
     extra = run.extra if routing is None else {**run.extra, "routing_mismatch": routing}
-    skips = skip_mismatch(run, ref)  # float16: a different skipped step is a FAIL, with this line
+    skips, xfw_skips = skip_mismatch(run, ref), skip_mismatch(run, other_ref)
     if skips is not None:
         extra = {**extra, "skip_mismatch": skips}
     mixed = getattr(cfg, "precision", "pure") == "mixed"
@@ -294,7 +304,8 @@ def make_result(
         extra = {**extra, "mixed": mixed_report(run, ref, style, layout, cfg.dtype)}
         ok = within_floor(errors, ref, style=style, layout=layout, dtype=cfg.dtype) and routing is None
         xfw_ok = (within_floor(xfw, ref, other_ref, factor=MIXED_CROSS_FRAMEWORK_FACTOR / MIXED_FACTOR, style=style,
-                               program=True, layout=layout) and xfw_routing is None
+                               program=True, layout=layout, dtype=cfg.dtype) and xfw_routing is None
+                  and xfw_skips is None
                   if xfw else None)
     else:  # past PURE_FLOOR_STEPS the references carry a measured floor (floor_extra): long runs drift
         floor, both = pure_floor(ref), pure_floor(ref, other_ref)

@@ -75,3 +75,41 @@ def test_mixed_precision_per_pattern(pattern, style, variant, monkeypatch):
         phi = sum(int(np.prod(a.shape)) for a in entry["reference"].params)
         assert sum(int(np.prod(s)) for op, d, s in ops if op.startswith("psum") and d == "float32") >= phi
         assert not [s for op, d, s in ops if op.startswith("psum") and d == "bfloat16"], ops
+
+
+@pytest.mark.parametrize("pattern,variant", [("dp", "zero1"), ("fsdp", "zero3"), ("cp", "ring"), ("tp", "megatron"),
+                                            ("pp", "circular")])
+def test_float16_with_loss_scaling(pattern, variant):
+    """--dtype float16 (dynamic loss scaling) under dp, fsdp, cp, tp (apply_plan) and pp, shard_map: the
+    reference, its floor and
+    the run scale alike. This tiny model's float16 backward overflows at GradScaler's 2**16, 2**15, 2**14
+    (measured): both skip steps 0-2 (the parameters untouched), train at 2**13, end at the same scale, and
+    the run is ok against the floor; the ledger equals the theory (zero1 / zero3: + the flag's pmax; cp:
+    the ring's float16 K|V stay 2 bytes on XLA:CPU's wire, unlike bf16's; tp, pp: XLA's 1-byte flag per
+    split leaf); a run that skipped
+    another step FAILs with one line."""
+    import dataclasses
+
+    cfg = CFG.replace(dtype="float16", steps=5)
+    entry = harness.run_pattern(pattern, [cfg], [("shard_map", variant)])[0]
+    trained, ref = entry["runs"][0][2], entry["reference"]
+    skipped = ref.extra["skipped_steps"]
+    assert skipped == [0, 1, 2] and ref.losses[4] < ref.losses[0], (skipped, ref.losses)  # then it trained
+    assert trained.extra["skipped_steps"] == skipped and trained.extra["loss_scale"] == ref.extra["loss_scale"]
+    row = make_result(pattern, "jax", "shard_map", variant, cfg, trained, ref)
+    assert row.ok, (row.extra["mixed"], row.max_rel_err_loss, row.max_rel_err_grad, row.max_rel_err_param, row.losses)
+    assert row.comm_bytes == row.comm_bytes_theory  # + 4 bytes: the agreed flag's all-reduce
+    other = dataclasses.replace(trained, extra={**trained.extra, "skipped_steps": [cfg.steps - 1]})
+    bad = make_result(pattern, "jax", "shard_map", variant, cfg, other, ref)
+    assert not bad.ok and "skipped steps [4] where the reference skipped" in bad.extra["skip_mismatch"]
+
+
+def test_float16_leaves_out_pps_schedules_by_hand():
+    """Their micro-batch gradients are summed in float32 (the reference's float16 backward sums the whole
+    batch): they overflow at other scales, so they are left out with the reason (shared.recipe.refusal)."""
+    from jax_impl import pp
+    from shared.recipe import refusal
+
+    cfg = CFG.replace(dtype="float16")
+    assert [v for _, v in pp.variants(cfg)] == ["circular", "circular"]
+    assert "sums each micro-batch's float16" in refusal("jax", "pp", "shard_map", "1f1b", cfg)

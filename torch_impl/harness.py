@@ -216,7 +216,7 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
         "optimizer": optimizer_state_bytes(setup.optimizer)}
     extra = dict(setup.extra, activation_bytes=meter.peak)
     if setup.scaler is not None:  # float16: the check requires the reference's skipped steps
-        extra.update(loss_scale=setup.scaler.get_scale(), skipped_steps=setup.scaler.skipped_steps)
+        extra.update(loss_scale=setup.scaler.get_scale(), skipped_steps=list(setup.scaler.skipped_at))
     if by_axis is not None:
         extra["comm_by_axis"] = by_axis  # {axis label: {op: {"count", "bytes"}}} of the last step
     if ctx.ledger.audit_device is not None:

@@ -88,5 +88,5 @@ def train(cfg: Config, problem: Problem, device="cpu", split: int = 1, casts: st
             "optimizer": optimizer_state_bytes(opt),
         },
         extra=({"expert_load": np.stack(loads)} if cfg.moe else {})  # (steps, L, B, E) int64
-        | ({"loss_scale": scaler.get_scale(), "skipped_steps": scaler.skipped_steps} if scaler else {}),
+        | ({"loss_scale": scaler.get_scale(), "skipped_steps": list(scaler.skipped_at)} if scaler else {}),
     )

@@ -20,7 +20,8 @@ Recipe (parallel/recipe.py, docs/recipe.md): optax sees the whole replicated {pa
 (masks, labels, optax's own clipping exact); ``clip=max_norm`` clips with torch's formula;
 ``compute_dtype=jnp.bfloat16`` casts the Params inside the step (made device-varying first, so the
 gradient all-reduce stays in the master dtype); 16-bit attention is computed in float32 (the ring's
-accumulators and its travelling dK|dV too), its output rounded back once.
+accumulators and its travelling dK|dV too), its output rounded back once; float16 adds dynamic loss
+scaling (parallel/scaling.py; the gradients leave the ring whole: the skip is agreed without a collective).
 Papers: ring attention, Liu et al. 2023 (arXiv:2310.01889); DeepSpeed-Ulysses, Jacobs et al. 2023
 (arXiv:2309.14509).
 """
@@ -41,7 +42,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.parallel import recipe
+from jax_impl.parallel import recipe, scaling
 from jax_impl.parallel.theory import seam_comm
 from jax_impl.parallel.tree import WrapError, fetch, key_of
 from shared.theory import cp_chunks, cp_positions
@@ -223,9 +224,11 @@ class Trainer:
     """``context_parallel``'s result: ``step(params, opt_state, *batch, positions)``, ``state``,
     ``train_step(*batch)`` (B, T) arrays -> mean loss, ``module()``, ``comm_theory()``."""
 
-    def __init__(self, model, loss, tx, mesh, style, variant, clip=None, compute_dtype=None):
+    def __init__(self, model, loss, tx, mesh, style, variant, clip=None, compute_dtype=None, loss_scale=None):
         self.style, self.variant, self.mesh, self.n, self.clip = style, variant, mesh, mesh.shape[AXIS], clip
         self.compute_dtype = compute_dtype
+        self.scaler = scaling.resolve(loss_scale, compute_dtype, f"cp {variant}")
+        self.per_step = ("skipped", "loss_scale") if self.scaler else ()  # the step's outputs after grads
         self.graphdef, state = nnx.split(model)
         leaves, self._treedef = jax.tree_util.tree_flatten_with_path(state)
         self.keys = [key_of(p) for p, _ in leaves]
@@ -233,8 +236,11 @@ class Trainer:
         params = {k: jax.device_put(jnp.copy(a), NamedSharding(mesh, P()))  # a copy: the step donates it
                   for k, (_, a) in zip(self.keys, leaves)}
         self.state, self._loss, self._tx = (params, tx.init(params)), loss, tx
+        if self.scaler:  # the scale state: a third state entry, replicated (parallel.scaling)
+            self.state += (jax.device_put(self.scaler.init(), NamedSharding(mesh, P())),)
         self.calls: list[tuple[int, int]] | None = None  # per seam call at the last trace: (K elements, itemsize)
-        self.step = jax.jit(self._step, donate_argnums=(0, 1))
+        step = self._step if self.scaler else lambda p, o, *batch: self._step(p, o, None, *batch)[:4]
+        self.step = jax.jit(step, donate_argnums=tuple(range(len(self.state))))
         self._compiled = None
 
     def _merge(self, flat):
@@ -263,11 +269,23 @@ class Trainer:
         self.calls = calls
         return jnp.mean(local_means), local_means
 
-    def _step(self, params, opt_state, *batch):
-        (_, loss), grads = jax.value_and_grad(self._losses, has_aux=True)(params, *batch)
+    def _step(self, params, opt_state, sc, *batch):
+        """Scaling (``sc``): the loss times the scale, the gradients divided by it. They leave the shard_map
+        whole and replicated (the transpose's all-reduce): the finite check is global as it stands."""
+        mult = 1.0 if sc is None else sc["scale"]
+        (_, loss), grads = jax.value_and_grad(lambda p, *b: (lambda v: (v[0] * mult, v[1]))(self._losses(p, *b)),
+                                              has_aux=True)(params, *batch)
+        if sc is not None:
+            grads = self.scaler.unscale(grads, sc)
         clipped = grads if self.clip is None else recipe.scale_by_norm(grads, recipe.sumsq(grads), self.clip)
-        updates, opt_state = self._tx.update(clipped, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, grads
+        updates, new_opt = self._tx.update(clipped, opt_state, params)
+        new = optax.apply_updates(params, updates)
+        if sc is None:
+            return new, new_opt, loss, grads
+        bad = scaling.nonfinite(grads)
+        new, new_opt = scaling.keep(bad, (new, new_opt), (params, opt_state))
+        sc = self.scaler.update(sc, bad)
+        return new, new_opt, sc, loss, grads, bad > 0, sc["scale"]
 
     def order(self, t: int) -> np.ndarray:
         """The sequence order whose contiguous T/N shards are each device's positions."""
@@ -291,7 +309,8 @@ class Trainer:
             options = {"xla_disable_hlo_passes": "cse"} if self.variant.startswith("ring") and \
                 self.mesh.devices.flat[0].platform == "cpu" else None  # cp.cpu_options: keep the backward hops
             self._compiled = self.step.lower(*self.state, *batch).compile(compiler_options=options)
-        *state, loss, _ = self._compiled(*self.state, *batch)
+        out = self._compiled(*self.state, *batch)
+        *state, loss, _ = out[:len(out) - len(self.per_step)]
         self.state = tuple(state)
         return float(np.mean(fetch(loss)))
 
@@ -309,11 +328,12 @@ class Trainer:
 
 def context_parallel(model: nnx.Module, loss: Callable, tx: optax.GradientTransformation, mesh,
                      variant: str = "ring", style: str | None = None, *, clip: float | None = None,
-                     compute_dtype=None) -> Trainer:
+                     compute_dtype=None, loss_scale=None) -> Trainer:
     """Context parallelism over ``mesh``'s "cp" axis for a model with the seam (module docstring).
     ``clip``: global-norm clipping, torch's formula (parallel.recipe); optax sees the whole tree.
     ``compute_dtype``: the loss sees every floating Param cast to it inside the step (master weights,
-    their gradients, the gradient all-reduce and optax's state stay in the Params' dtype)."""
+    their gradients, the gradient all-reduce and optax's state stay in the Params' dtype); float16 scales
+    the loss (``loss_scale``, parallel.scaling: the gradients are whole, the skip agreed as it stands)."""
     recipe.check_clip(clip, "cp")
     style = style or ("jit" if variant == "seq_sharded" else "shard_map")
     if (style, variant) not in VARIANTS:
@@ -325,4 +345,4 @@ def context_parallel(model: nnx.Module, loss: Callable, tx: optax.GradientTransf
         raise WrapError(f"{type(model).__name__} holds state other than nnx.Param: context_parallel trains Params "
                         "only; build it without BatchNorm / Dropout RNG state")
     mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-    return Trainer(model, loss, tx, mesh, style, variant, clip, compute_dtype)
+    return Trainer(model, loss, tx, mesh, style, variant, clip, compute_dtype, loss_scale)

@@ -24,7 +24,8 @@ what, where and how to fix: docs/fsdp.md, "Bring your own model (JAX parallelize
 Recipe (parallel/recipe.py, docs/recipe.md): ``clip=max_norm`` clips by the WHOLE model's gradient
 norm (shard_map zero1/2/3: the pieces' squares psum'ed, replicated leaves once; torch's formula);
 ``compute_dtype=jnp.bfloat16`` casts the Params inside the step (master weights, optimizer state as
-given). Under shard_map zero1/2/3 optax sees a flat piece or row blocks: ``recipe.check`` probes ``tx``
+given); float16 adds dynamic loss scaling (parallel/scaling.py: shard_map zero1/2/3 pmax the skip flag).
+Under shard_map zero1/2/3 optax sees a flat piece or row blocks: ``recipe.check`` probes ``tx``
 first and refuses one that would update otherwise (optax's global-norm clipping, masks / labels on
 zero1's flat vector, per-tensor statistics).
 Papers: ZeRO, Rajbhandari et al. 2020 (arXiv:1910.02054); FSDP, Zhao et al. 2023 (arXiv:2304.11277).
@@ -44,7 +45,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.parallel import recipe, theory
+from jax_impl.parallel import recipe, scaling, theory
 from jax_impl.parallel.tree import (
     ShardReadError,
     WrapError,
@@ -133,9 +134,12 @@ class Trainer:
     the placed (params, opt_state) — params a {path: array} dict —; ``train_step(*batch)`` runs one
     step on ``state`` and returns the mean loss; ``module()`` the model with the trained parameters."""
 
-    def __init__(self, model, loss, tx, mesh, variant, style, axis, units, clip=None, compute_dtype=None):
+    def __init__(self, model, loss, tx, mesh, variant, style, axis, units, clip=None, compute_dtype=None,
+                 loss_scale=None):
         self.variant, self.style, self.mesh, self.axis = variant, style, mesh, axis
         self.clip, self.compute_dtype = clip, compute_dtype
+        self.scaler = scaling.resolve(loss_scale, compute_dtype, f"parallelize {variant}/{style}")
+        self.per_step = ("skipped", "loss_scale") if self.scaler else ()  # the step's outputs after grads
         self.n = mesh.shape[axis]
         self.graphdef, self._treedef, params = flat_state(model)
         self.keys = list(params)
@@ -223,51 +227,97 @@ class Trainer:
             o_specs = jax.tree.map(lambda a: self._row_spec(a.shape) if a.ndim else P(), shapes)
             opt_state = jax.jit(tx.init, out_shardings=jax.tree.map(partial(NamedSharding, mesh), o_specs))(params)
         opt_state = jax.device_put(opt_state, jax.tree.map(partial(NamedSharding, mesh), o_specs))
-        self.state = (params, opt_state)
+        scaled = self.scaler is not None  # the scale state rides as a third state entry, replicated
+        self.state = (params, opt_state) + ((jax.device_put(self.scaler.init(), NamedSharding(mesh, P())),)
+                                            if scaled else ())
+        ns = len(self.state)
+        s_specs = (jax.tree.map(lambda _: P(), self.state[2]),) if scaled else ()
         g_specs = {k: self._row_spec(a.shape) for k, a in params.items()}
         if self.style == "jit":
             self.grad_specs = g_specs
             shard = lambda specs: jax.tree.map(partial(NamedSharding, mesh), specs)
-            self.step = jax.jit(self._jit_step, donate_argnums=(0, 1),
-                                out_shardings=(shard(self.param_specs), shard(o_specs), None, shard(g_specs)))
+            self.step = jax.jit(lambda *a: self._outputs(self._jit_step, a), donate_argnums=tuple(range(ns)),
+                                out_shardings=(shard(self.param_specs), shard(o_specs), *map(shard, s_specs), None,
+                                               shard(g_specs), *[None] * len(self.per_step)))
             return
         body = {"dp": self._dp_step, "zero1": self._zero1_step, "zero2": self._zero_step, "zero3": self._zero_step}
         self.grad_specs = P(ax) if self.variant == "zero1" else (
             g_specs if self.variant != "dp" else {k: P() for k in params})
 
-        def step(params, opt_state, *batch):
-            body_map = jax.shard_map(body[self.variant], mesh=mesh, check_vma=True,
-                                     in_specs=(self.param_specs, o_specs, *[P(ax)] * len(batch)),
-                                     out_specs=(self.param_specs, o_specs, P(ax), self.grad_specs))
-            return body_map(params, opt_state, *batch)
-        self.step = jax.jit(step, donate_argnums=(0, 1))
+        def step(*args):
+            body_map = jax.shard_map(lambda *a: self._outputs(body[self.variant], a), mesh=mesh, check_vma=True,
+                                     in_specs=(self.param_specs, o_specs, *s_specs, *[P(ax)] * (len(args) - ns)),
+                                     out_specs=(self.param_specs, o_specs, *s_specs, P(ax), self.grad_specs,
+                                                *[P()] * len(self.per_step)))
+            return body_map(*args)
+        self.step = jax.jit(step, donate_argnums=tuple(range(ns)))
 
-    def _jit_step(self, params, opt_state, *batch):
+    def _outputs(self, body, args):
+        """``body(params, opt_state, scale_state | None, batch) -> (params, opt_state, scale_state, loss,
+        grads, bad)`` as the step's flat outputs: the scale state after the optimizer's, (skipped, scale)
+        after the gradients (``per_step``) when scaling."""
+        sc = args[2] if self.scaler else None
+        params, opt_state, sc, loss, grads, bad = body(args[0], args[1], sc, args[3 if self.scaler else 2:])
+        if not self.scaler:
+            return params, opt_state, loss, grads
+        return params, opt_state, sc, loss, grads, bad > 0, sc["scale"]
+
+    def _skip(self, bad, sc, new: tuple, old: tuple):
+        """Scaling: ``old`` (params, optimizer state) where the agreed flag says skip, and the next scale."""
+        if sc is None:
+            return (*new, None)
+        return (*scaling.keep(bad, new, old), self.scaler.update(sc, bad))
+
+    def _jit_step(self, params, opt_state, sc, batch):
         """XLA inserts the collectives: the loss is the global mean; gradients and moments laid out
-        by the rules, the parameters by theirs (out_shardings)."""
-        loss, grads = jax.value_and_grad(self._batch_loss)(params, batch)
+        by the rules, the parameters by theirs (out_shardings). Scaling: the finite check reads the
+        global gradient tree (XLA reduces it over the shards): every device agrees by construction."""
+        mult = 1.0 if sc is None else sc["scale"]
+        (_, loss), grads = jax.value_and_grad(lambda p: ((l := self._batch_loss(p, batch)) * mult, l),
+                                              has_aux=True)(params)
+        grads = self._unscale(grads, sc)
         where = {k: NamedSharding(self.mesh, s) for k, s in self.grad_specs.items()}
         grads = lax.with_sharding_constraint(grads, where)
+        bad = None if sc is None else scaling.nonfinite(grads)
         clipped = grads if self.clip is None else recipe.scale_by_norm(grads, recipe.sumsq(grads), self.clip)
-        updates, opt_state = self._tx.update(clipped, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, grads
+        updates, new_opt = self._tx.update(clipped, opt_state, params)
+        params, opt_state, sc = self._skip(bad, sc, (optax.apply_updates(params, updates), new_opt),
+                                           (params, opt_state))
+        return params, opt_state, sc, loss, grads, bad
 
-    def _local(self, params, batch, share: bool):
+    def _unscale(self, grads, sc):
+        """Scaling: the gradients divided by the scale, before any reduction (a power of two: exact, so
+        the same numbers as torch's unscale after its all-reduce), before clipping."""
+        return grads if sc is None else self.scaler.unscale(grads, sc)
+
+    def _agreed(self, grads) -> jax.Array:
+        """shard_map: this device's non-finite flag over its gradient pieces, pmax-ed over the axis
+        (ONE scalar all-reduce: comm_theory) so every device skips the same step."""
+        return lax.pmax(scaling.nonfinite(grads), self.axis)
+
+    def _local(self, params, batch, share: bool, sc=None):
         """This device's loss and the gradient of its share (loss / N: the psum gives the mean) or of
-        the local loss (dp's pmean), w.r.t. varying copies: check_vma would psum invariant ones."""
+        the local loss (dp's pmean), w.r.t. varying copies: check_vma would psum invariant ones.
+        Scaling: the share times the scale, the gradient divided by it (``_unscale``)."""
         mine = {k: a if k in self.sharded and self.variant == "zero3" else lax.pcast(a, self.axis, to="varying")
                 for k, a in params.items()}
         f = self._zero3_loss if self.variant == "zero3" else self._batch_loss
-        n = self.n if share else 1
-        (_, loss), grads = jax.value_and_grad(lambda p: ((l := f(p, batch)) / n, l), has_aux=True)(mine)
-        return loss, grads
+        n, s = self.n if share else 1, 1.0 if sc is None else sc["scale"]
+        (_, loss), grads = jax.value_and_grad(lambda p: ((l := f(p, batch)) / n * s, l), has_aux=True)(mine)
+        return loss, self._unscale(grads, sc)
 
-    def _dp_step(self, params, opt_state, *batch):
-        loss, grads = self._local(params, batch, share=False)
-        grads = lax.pmean(grads, self.axis)  # all-reduce Φ·b
+    def _dp_step(self, params, opt_state, sc, batch):
+        # scaling: each device's share (loss / N, psum-ed) so its float16 backward carries the reference's
+        # magnitudes (a local mean's would be N× larger and overflow where one device's does not)
+        loss, grads = self._local(params, batch, share=sc is not None, sc=sc)
+        grads = lax.pmean(grads, self.axis) if sc is None else lax.psum(grads, self.axis)  # all-reduce Φ·b
+        # scaling: the sum is whole and equal on every device (an inf anywhere is in it): no collective
+        bad = None if sc is None else scaling.nonfinite(grads)
         clipped = grads if self.clip is None else recipe.scale_by_norm(grads, recipe.sumsq(grads), self.clip)
-        updates, opt_state = self._tx.update(clipped, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss[None], grads
+        updates, new_opt = self._tx.update(clipped, opt_state, params)
+        params, opt_state, sc = self._skip(bad, sc, (optax.apply_updates(params, updates), new_opt),
+                                           (params, opt_state))
+        return params, opt_state, sc, loss[None], grads, bad
 
     def _flatten(self, tree: dict):
         flat = jnp.concatenate([tree[k].reshape(-1) for k in self.keys])  # (Φ,)
@@ -277,20 +327,22 @@ class Trainer:
         sizes = np.cumsum([0] + [int(np.prod(self.shapes[k])) for k in self.keys])
         return {k: flat[a:b].reshape(self.shapes[k]) for k, a, b in zip(self.keys, sizes[:-1], sizes[1:])}
 
-    def _zero1_step(self, params, opt_state, *batch):
-        loss, grads = self._local(params, batch, share=True)
+    def _zero1_step(self, params, opt_state, sc, batch):
+        loss, grads = self._local(params, batch, share=True, sc=sc)
         g = lax.psum_scatter(self._flatten(grads), self.axis, tiled=True)  # (Φ_pad/N,) of the mean
         shard = g.shape[0]
         w = lax.dynamic_slice_in_dim(self._flatten(params), lax.axis_index(self.axis) * shard, shard)
+        bad = None if sc is None else self._agreed(g)
         clipped = g if self.clip is None else recipe.scale_by_norm(g, lax.psum(recipe.sumsq(g), self.axis), self.clip)
-        updates, opt_state = self._tx.update(clipped, opt_state, w)
-        flat = lax.all_gather(optax.apply_updates(w, updates), self.axis, tiled=True, to="invarying")  # (Φ_pad,)
-        return self._unflatten(flat), opt_state, loss[None], g
+        updates, new_opt = self._tx.update(clipped, opt_state, w)
+        w, opt_state, sc = self._skip(bad, sc, (optax.apply_updates(w, updates), new_opt), (w, opt_state))
+        flat = lax.all_gather(w, self.axis, tiled=True, to="invarying")  # (Φ_pad,)
+        return self._unflatten(flat), opt_state, sc, loss[None], g, bad
 
-    def _zero_step(self, params, opt_state, *batch):
+    def _zero_step(self, params, opt_state, sc, batch):
         """zero2 / zero3: row-split gradients psum_scatter-ed (zero3: by autodiff, the transpose of
         the gathers), the vectors' in ONE flat psum; AdamW on the rows; zero2 gathers them back."""
-        loss, grads = self._local(params, batch, share=True)
+        loss, grads = self._local(params, batch, share=True, sc=sc)
         rows, vec = [k for k in self.keys if k in self.sharded], [k for k in self.keys if k not in self.sharded]
         if self.variant == "zero2":
             grads |= {k: lax.psum_scatter(grads[k], self.axis, scatter_dimension=0, tiled=True) for k in rows}
@@ -307,15 +359,16 @@ class Trainer:
         r = lax.axis_index(self.axis)
         mine = {k: lax.dynamic_slice_in_dim(a, r * (a.shape[0] // self.n), a.shape[0] // self.n)
                 if k in rows and self.variant == "zero2" else a for k, a in params.items()}
+        bad = None if sc is None else self._agreed(grads)  # row blocks and the (whole) vectors
         clipped = grads
         if self.clip is not None:  # row blocks' squares summed over the axis, the replicated vectors' once
             sq = (rows_sq if folded else lax.psum(rows_sq, self.axis)) + recipe.sumsq([grads[k] for k in vec])
             clipped = recipe.scale_by_norm(grads, sq, self.clip)
-        updates, opt_state = self._tx.update(clipped, opt_state, mine)
-        mine = optax.apply_updates(mine, updates)
+        updates, new_opt = self._tx.update(clipped, opt_state, mine)
+        mine, opt_state, sc = self._skip(bad, sc, (optax.apply_updates(mine, updates), new_opt), (mine, opt_state))
         if self.variant == "zero2":
             mine |= {k: lax.all_gather(mine[k], self.axis, axis=0, tiled=True, to="invarying") for k in rows}
-        return mine, opt_state, loss[None], grads
+        return mine, opt_state, sc, loss[None], grads, bad
 
     @staticmethod
     def _unflatten_some(flat, keys: list[str], like: dict) -> dict:
@@ -333,7 +386,8 @@ class Trainer:
         batch = self.shard_batch(*batch)
         if self._compiled is None:
             self._compiled = self.step.lower(*self.state, *batch).compile(compiler_options=self.compiler_options)
-        *state, loss, _ = self._compiled(*self.state, *batch)
+        out = self._compiled(*self.state, *batch)
+        *state, loss, _ = out[:len(out) - len(self.per_step)]
         self.state = tuple(state)
         return float(np.mean(fetch(loss)))
 
@@ -351,6 +405,9 @@ class Trainer:
         """op -> (count, payload bytes) per step per device, from the model wrapped (shard_map: what
         the ledger records; jit: the same ZeRO traffic, XLA may choose otherwise)."""
         out = theory.comm(self.infos, self.variant, self.n, self.unit_calls)
+        if self.scaler is not None and self.style == "shard_map" and self.variant != "dp" and out:
+            c, b = out.get("all_reduce", (0, 0))  # the agreed non-finite flag: one float32 pmax (parallel.scaling)
+            out["all_reduce"] = (c + 1, b + 4)
         if self.clip is not None and self.style == "shard_map" and self.variant != "dp" and out:
             c, b = out.get("all_reduce", (0, 0))  # the global norm's psum: one scalar, float32 or wider
             dtype = lambda keys: jnp.result_type(*[self.state[0][k].dtype for k in keys])
@@ -383,10 +440,12 @@ class FromApply(nnx.Module):
 
 def parallelize(model: nnx.Module, loss: Callable, tx: optax.GradientTransformation, mesh, variant: str = "dp",
                 style: str = "shard_map", axis: str = "dp", units: Sequence[str] | None = None, *,
-                clip: float | None = None, compute_dtype=None) -> Trainer:
+                clip: float | None = None, compute_dtype=None, loss_scale=None) -> Trainer:
     """A ZeRO ``variant`` of ``model`` over ``mesh``'s ``axis`` in ``style``; see the module docstring.
     ``clip``: global-norm clipping with the true norm (parallel.recipe); ``compute_dtype``: the loss
     sees the floating Params cast to it (bf16 compute), master weights and optimizer state stay as given.
+    ``loss_scale``: dynamic loss scaling (parallel.scaling; on by default for compute_dtype=float16, or a
+    model that computes in float16 itself: pass True); its state is ``trainer.state[2]``.
     The trainer trains a COPY of the model's arrays (its jitted step donates them): ``model`` stays
     usable, with its initial weights, and can be parallelized again; ``trainer.module()`` is the
     trained model. The copy costs one model's parameters of memory while the trainer is built."""
@@ -406,8 +465,8 @@ def parallelize(model: nnx.Module, loss: Callable, tx: optax.GradientTransformat
     if style == "typed":  # sharding in types: an Explicit-axes copy of the mesh (jax_impl/parallel/typed.py)
         from jax_impl.parallel.typed import TypedTrainer
 
-        return TypedTrainer(model, loss, tx, mesh, variant, axis, clip, compute_dtype)
+        return TypedTrainer(model, loss, tx, mesh, variant, axis, clip, compute_dtype, loss_scale)
     # jax.make_mesh's default axes are Explicit (sharding in types); these steps place arrays with
     # Auto axes (shardings are hints XLA propagates): the same devices, re-typed.
     mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-    return Trainer(model, loss, tx, mesh, variant, style, axis, units, clip, compute_dtype)
+    return Trainer(model, loss, tx, mesh, variant, style, axis, units, clip, compute_dtype, loss_scale)

@@ -37,7 +37,9 @@ anything compiles, a ``tx`` that would update otherwise (masks, multi_transform 
 packed row). Global-norm clipping is exact (the whole packed gradient; padding zero): ``clip=max_norm``
 uses torch's formula (parallel/recipe.py, docs/recipe.md). ``compute_dtype=jnp.bfloat16``: the stages
 compute in bf16 from the float32 packed master (cast inside each micro-batch's stage call), the
-messages travel in bf16, the loss is summed in the master dtype.
+messages travel in bf16, the loss is summed in the master dtype; float16 adds dynamic loss scaling
+(parallel/scaling.py; the packed gradient is global: XLA all-reduces the skip flag), GPipe only (1F1B's
+by-hand backward would need the scale inside its schedule: refused in one line).
 Papers: GPipe, Huang et al. 2019 (arXiv:1811.06965); 1F1B, Narayanan et al. 2021 (arXiv:2104.04473).
 """
 
@@ -54,7 +56,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.parallel import pp_schedules, recipe
+from jax_impl.parallel import pp_schedules, recipe, scaling
 from jax_impl.parallel.tree import WrapError, fetch, key_of, param_holders, stacked, submodules
 
 AXIS = "pp"
@@ -146,11 +148,18 @@ class Trainer:
     """``pipeline``'s result: ``step(params, opt_state, xs, *ys)``, ``state``, ``train_step(x, *y)``,
     ``module()``, ``comm_theory()``."""
 
-    def __init__(self, model, stages, loss, tx, mesh, microbatches, clip=None, compute_dtype=None, schedule="gpipe"):
+    def __init__(self, model, stages, loss, tx, mesh, microbatches, clip=None, compute_dtype=None, schedule="gpipe",
+                 loss_scale=None):
         self.model, self.loss, self.tx, self.mesh, self.m, self.clip = model, loss, tx, mesh, microbatches, clip
+        self.scaler = scaling.resolve(loss_scale, compute_dtype, "pp")
+        self.per_step = ("skipped", "loss_scale") if self.scaler else ()  # the step's outputs after grads
         self.n = mesh.shape[AXIS]
         self.schedule = schedule if self.n > 1 else "gpipe"  # one stage: no pipeline, nothing to order
         self.stash = {}  # 1f1b: the stash's sizes (pp_schedules.run), filled when the step is traced
+        if self.scaler and self.schedule != "gpipe":
+            raise WrapError("pp: float16 loss scaling is built for schedule='gpipe' only (1F1B's backward by hand "
+                            "would need the scale inside its schedule): use schedule='gpipe' with compute_dtype="
+                            "jnp.float16")
         if len(stages) != self.n:
             raise WrapError(f"pp: {len(stages)} stages for a mesh with pp={self.n}: give one module list per device")
         mods = _check(model, stages)
@@ -166,8 +175,11 @@ class Trainer:
         opt_state = tx.init(params)
         where = jax.tree.map(lambda a: NamedSharding(mesh, P(AXIS) if a.ndim else P()), opt_state)
         self.state = (params, jax.device_put(opt_state, where))
+        if self.scaler:  # the scale state: a third state entry, replicated (parallel.scaling)
+            self.state += (jax.device_put(self.scaler.init(), NamedSharding(mesh, P())),)
         self.message = None  # ShapeDtypeStruct of the activation between stages, set by shard_batch
-        self.step = jax.jit(self._step, donate_argnums=(0, 1))
+        step = self._step if self.scaler else lambda p, o, *batch: self._step(p, o, None, *batch)[:4]
+        self.step = jax.jit(step, donate_argnums=tuple(range(len(self.state))))
         self._compiled = None
 
     def _layout(self, dtype) -> recipe.Layout:
@@ -218,17 +230,30 @@ class Trainer:
                             "more than call them in this order): list every module its forward calls, in order")
         self.message = shapes[0] if self.n > 1 else None
 
-    def _step(self, params, opt_state, xs, *ys):
+    def _step(self, params, opt_state, sc, xs, *ys):
+        """Scaling (``sc``, GPipe only): the loss times the scale, the gradients divided by it; the packed
+        gradient is a global (S, Φ_max) array, so the finite check over it is global (XLA's all-reduce of
+        the flag)."""
         if self.schedule == "gpipe":
+            mult = 1.0 if sc is None else sc["scale"]
+
             def total(params):
-                return jnp.sum(self._losses(params, xs, *ys))  # the last stage's; the others' are 0
-            value, grads = jax.value_and_grad(total)(params)
-        else:  # 1F1B: the gradient is computed inside the schedule
+                value = jnp.sum(self._losses(params, xs, *ys))  # the last stage's; the others' are 0
+                return value * mult, value
+            (_, value), grads = jax.value_and_grad(total, has_aux=True)(params)
+            grads = grads if sc is None else self.scaler.unscale(grads, sc)
+        else:  # 1F1B: the gradient is computed inside the schedule (no scaling: refused in pipeline())
             losses, grads = self._scheduled(params, xs, *ys)
             value = jnp.sum(losses)
         clipped = grads if self.clip is None else recipe.scale_by_norm(grads, recipe.sumsq(grads), self.clip)
-        updates, opt_state = self.tx.update(clipped, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value, grads
+        updates, new_opt = self.tx.update(clipped, opt_state, params)
+        new = optax.apply_updates(params, updates)
+        if sc is None:
+            return new, new_opt, value, grads, None, None
+        bad = scaling.nonfinite(grads)
+        new, new_opt = scaling.keep(bad, (new, new_opt), (params, opt_state))
+        sc = self.scaler.update(sc, bad)
+        return new, new_opt, sc, value, grads, bad > 0, sc["scale"]
 
     def _losses(self, params, xs, *ys):
         S, M, msg = self.n, self.m, self.message
@@ -290,7 +315,8 @@ class Trainer:
         batch = self.shard_batch(x, *ys)
         if self._compiled is None:
             self._compiled = self.step.lower(*self.state, *batch).compile()
-        *state, loss, _ = self._compiled(*self.state, *batch)
+        out = self._compiled(*self.state, *batch)
+        *state, loss, _ = out[:len(out) - len(self.per_step)]
         self.state = tuple(state)
         return float(fetch(loss))
 
@@ -315,7 +341,8 @@ class Trainer:
         S, M, b = self.n, self.m, int(np.prod(self.message.shape)) * self.message.dtype.itemsize
         k = 2 * (M + S - 2) if self.schedule == "gpipe" else \
             2 * (S - 1) if M == 1 else M + 2 if S == 2 else 2 * (M + S - 1) - 1
-        return {"collective_permute": (k, k * b), "all_reduce": (1, self.state[0].dtype.itemsize)}
+        flag = 1 if self.scaler else 0  # scaling: XLA's all-reduce of the packed gradient's 1-byte non-finite flag
+        return {"collective_permute": (k, k * b), "all_reduce": (1 + flag, self.state[0].dtype.itemsize + flag)}
 
 
 def _cast_state(split, dtype):
@@ -326,7 +353,7 @@ def _cast_state(split, dtype):
 
 def pipeline(model: nnx.Module, stages: Sequence[Sequence[str]], loss: Callable, tx: optax.GradientTransformation,
              mesh, microbatches: int = 4, *, schedule: str = "gpipe", clip: float | None = None,
-             compute_dtype=None) -> Trainer:
+             compute_dtype=None, loss_scale=None) -> Trainer:
     """GPipe (or 1F1B) over ``mesh``'s "pp" axis for a model whose forward is the chain ``stages`` lists.
     ``clip``: global-norm clipping (torch's formula, parallel.recipe) of the whole packed gradient.
     ``compute_dtype``: every stage computes with its floating Params cast to it inside the step (the
@@ -341,4 +368,4 @@ def pipeline(model: nnx.Module, stages: Sequence[Sequence[str]], loss: Callable,
     if jax.tree.leaves(rest):
         raise WrapError(f"{type(model).__name__} holds state other than nnx.Param: pipeline trains Params only")
     mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-    return Trainer(model, stages, loss, tx, mesh, microbatches, clip, compute_dtype, schedule)
+    return Trainer(model, stages, loss, tx, mesh, microbatches, clip, compute_dtype, schedule, loss_scale)

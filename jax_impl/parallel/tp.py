@@ -21,7 +21,8 @@ Recipe (parallel/recipe.py, docs/recipe.md): optax sees the whole dict, vocabula
 colwise_heads' columns reordered (``recipe.check`` refuses a ``tx`` that reads those shapes);
 ``clip=max_norm`` (torch's formula), ``compute_dtype=`` (the Params cast inside the step). A loss that
 maps over the model's state (nnx.split -> astype -> nnx.merge) meets the stand-ins: refused at the
-first trace, naming compute_dtype=.
+first trace, naming compute_dtype=. float16 adds dynamic loss scaling (parallel/scaling.py; the
+gradients leave the shard_map global: XLA all-reduces the skip flag, 1 byte per split leaf).
 Papers: Megatron-LM, Shoeybi et al. 2019 (arXiv:1909.08053 §3).
 """
 
@@ -40,7 +41,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.parallel import recipe
+from jax_impl.parallel import recipe, scaling
 from jax_impl.parallel.tree import fetch, key_of, matches, param_holders, put_child, submodules
 
 STYLES = ("colwise", "colwise_heads", "rowwise", "vocab_embed", "colwise_vocab")
@@ -286,9 +287,12 @@ class Trainer:
     opt_state); ``step(params, opt_state, *batch) -> (params, opt_state, loss, grads)`` the jitted pure
     step; ``train_step(*batch)`` -> the loss; ``full_params`` / ``module()`` the trained model."""
 
-    def __init__(self, model, plan, loss, tx, mesh, style, axis, shared_f=True, clip=None, compute_dtype=None):
+    def __init__(self, model, plan, loss, tx, mesh, style, axis, shared_f=True, clip=None, compute_dtype=None,
+                 loss_scale=None):
         self.n, self.mesh, self.axis, self.style, self._loss, self._tx = mesh.shape[axis], mesh, axis, style, loss, tx
         self.clip, self.compute_dtype = clip, compute_dtype
+        self.scaler = scaling.resolve(loss_scale, compute_dtype, f"tp plan {style}")
+        self.per_step = ("skipped", "loss_scale") if self.scaler else ()  # the step's outputs after grads
         self.shared_f = shared_f
         self.styles = check_plan(model, plan, self.n)
         planned = planned_modules(model, plan)
@@ -312,7 +316,13 @@ class Trainer:
         opt_state = jax.jit(tx.init)(params)
         self.state = (params, opt_state)
         shard = {k: NamedSharding(mesh, s) for k, s in self.specs.items()}
-        self.step = jax.jit(self._step, donate_argnums=(0, 1), out_shardings=(shard, None, None, shard))
+        if self.scaler:  # the scale state: a third state entry, replicated (parallel.scaling)
+            self.state += (jax.device_put(self.scaler.init(), NamedSharding(mesh, P())),)
+            self.step = jax.jit(self._step, donate_argnums=(0, 1, 2),
+                                out_shardings=(shard, None, None, None, shard, None, None))
+        else:
+            self.step = jax.jit(lambda p, o, *batch: self._step(p, o, None, *batch)[:4], donate_argnums=(0, 1),
+                                out_shardings=(shard, None, None, shard))
         self._compiled = None
 
     def _place(self, tree: dict) -> dict:
@@ -361,17 +371,27 @@ class Trainer:
                             "the LM head 'colwise_vocab' and use parallel.tp.cross_entropy")
         return loss
 
-    def _step(self, params, opt_state, *batch):
+    def _step(self, params, opt_state, sc, *batch):
+        """Scaling (``sc``): the loss times the scale, the gradients divided by it; they leave the shard_map
+        as global arrays (split ones sharded), so the finite check over the tree is global: XLA reduces it."""
         if self.style == "jit":
             loss_of = lambda p: self._traced_loss(p, batch, False)
         else:
             local = lambda p, *b: self._traced_loss(p, b, True)
             loss_of = lambda p: jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs, *[P()] * len(batch)),
                                               out_specs=P(), check_vma=True)(p, *batch)
-        loss, grads = jax.value_and_grad(loss_of)(params)  # outside shard_map: replicated grads stay invariant
+        mult = 1.0 if sc is None else sc["scale"]
+        (_, loss), grads = jax.value_and_grad(lambda p: ((l := loss_of(p)) * mult, l), has_aux=True)(params)
+        grads = grads if sc is None else self.scaler.unscale(grads, sc)  # (outside shard_map: invariant stays)
         clipped = grads if self.clip is None else recipe.scale_by_norm(grads, recipe.sumsq(grads), self.clip)
-        updates, opt_state = self._tx.update(clipped, opt_state, params)  # padding: zero gradients
-        return optax.apply_updates(params, updates), opt_state, loss, grads
+        updates, new_opt = self._tx.update(clipped, opt_state, params)  # padding: zero gradients
+        new = optax.apply_updates(params, updates)
+        if sc is None:
+            return new, new_opt, loss, grads, None, None
+        bad = scaling.nonfinite(grads)
+        new, new_opt = scaling.keep(bad, (new, new_opt), (params, opt_state))
+        sc = self.scaler.update(sc, bad)
+        return new, new_opt, sc, loss, grads, bad > 0, sc["scale"]
 
     def replicate(self, *batch) -> tuple:
         """The batch on every device of the mesh (TP: each device sees all of it)."""
@@ -381,7 +401,8 @@ class Trainer:
         batch = self.replicate(*batch)
         if self._compiled is None:
             self._compiled = self.step.lower(*self.state, *batch).compile()
-        *state, loss, _ = self._compiled(*self.state, *batch)
+        out = self._compiled(*self.state, *batch)
+        *state, loss, _ = out[:len(out) - len(self.per_step)]
         self.state = tuple(state)
         return float(fetch(loss))
 
@@ -408,13 +429,14 @@ class Trainer:
 
 def apply_plan(model, plan: dict[str, str], loss: Callable, tx: optax.GradientTransformation, mesh,
                style: str = "shard_map", axis: str = "tp", shared_f: bool = True, *,
-               clip: float | None = None, compute_dtype=None) -> Trainer:
+               clip: float | None = None, compute_dtype=None, loss_scale=None) -> Trainer:
     """Tensor parallelism of ``model`` by ``plan`` over ``mesh``'s ``axis``; ``loss(model, *batch)``
     a scalar. See the module docstring. ``check_plan`` first: nothing compiles on a refused plan.
     ``shared_f=False``: one f per column-parallel call (for comparison: more backward psums).
     ``clip``: global-norm clipping with the true norm (torch's formula; parallel.recipe); optax sees the
     whole padded tree, probed first (parallel.recipe.check). ``compute_dtype``: the loss sees the floating
-    Params cast to it (bf16 compute); master weights and optimizer state stay as given."""
+    Params cast to it (bf16 compute); master weights and optimizer state stay as given; float16 scales the
+    loss (``loss_scale``, parallel.scaling; the scale state is ``state[2]``)."""
     recipe.check_clip(clip, "tp plan")
     if style == "typed":  # issue 33: refused, not built (the project's own transformer has it: jax_impl/tp_typed.py)
         raise PlanError("tp plan: style 'typed' is not built for a plan: under Explicit axes every rowwise product "
@@ -425,4 +447,4 @@ def apply_plan(model, plan: dict[str, str], loss: Callable, tx: optax.GradientTr
     if axis not in mesh.shape:
         raise PlanError(f"tp plan: the mesh has axes {tuple(mesh.shape)}, no {axis!r}. Fix: pass axis=<one of them>")
     mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-    return Trainer(model, plan, loss, tx, mesh, style, axis, shared_f, clip, compute_dtype)
+    return Trainer(model, plan, loss, tx, mesh, style, axis, shared_f, clip, compute_dtype, loss_scale)

@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.parallel import recipe, theory
+from jax_impl.parallel import recipe, scaling, theory
 from jax_impl.parallel.tree import WrapError, flat_state, put_child, rule, shard_rows, submodules
 
 
@@ -207,9 +207,12 @@ class TypedTrainer:
 
     style = "typed"
 
-    def __init__(self, model, loss, tx, mesh, variant: str, axis: str, clip=None, compute_dtype=None):
+    def __init__(self, model, loss, tx, mesh, variant: str, axis: str, clip=None, compute_dtype=None,
+                 loss_scale=None):
         self.variant, self.axis, self.mesh = variant, axis, explicit_mesh(mesh)
         self.clip, self.compute_dtype = clip, compute_dtype
+        self.scaler = scaling.resolve(loss_scale, compute_dtype, f"parallelize {variant}/typed")
+        self.per_step = ("skipped", "loss_scale") if self.scaler else ()  # the step's outputs after grads
         self.n = mesh.shape[axis]
         self.graphdef, self._treedef, params = flat_state(model)
         self.keys = list(params)
@@ -227,7 +230,11 @@ class TypedTrainer:
             rows = lambda p: {k: reshard(a, self.row_specs[k]) for k, a in p.items()}
             opt_state = jax.jit(lambda p: tx.init(rows(p)))(params)  # moments typed like the rows
         self.state = (params, opt_state)
-        self.step = InMesh(jax.jit(self.stated.traced(self._step), donate_argnums=(0, 1)), self.mesh)
+        if self.scaler:  # the scale state: a third state entry, replicated (parallel.scaling)
+            self.state += (jax.device_put(self.scaler.init(), NamedSharding(self.mesh, P())),)
+        step = self._step if self.scaler else lambda p, o, *batch: self._step(p, o, None, *batch)[:4]
+        self.step = InMesh(jax.jit(self.stated.traced(step), donate_argnums=tuple(range(len(self.state)))),
+                           self.mesh)
         self._compiled = None
 
     def _merge(self, flat: dict):
@@ -245,8 +252,13 @@ class TypedTrainer:
                 stand_in._armed = True
         return self._loss(model, *batch)
 
-    def _step(self, params, opt_state, *batch):
-        loss, grads = jax.value_and_grad(self._batch_loss)(params, batch)
+    def _step(self, params, opt_state, sc, *batch):
+        """Scaling (``sc``): the loss times the scale, the gradients divided by it; the finite check
+        reads the global gradient tree (XLA reduces it over the shards): agreed by construction."""
+        mult = 1.0 if sc is None else sc["scale"]
+        (_, loss), grads = jax.value_and_grad(lambda p: ((l := self._batch_loss(p, batch)) * mult, l),
+                                              has_aux=True)(params)
+        grads = grads if sc is None else self.scaler.unscale(grads, sc)
         for k, s in self.param_specs.items():  # zero3: each gather's transpose, written by autodiff
             if s != P():
                 full = f"{grads[k].dtype}[{','.join(map(str, grads[k].shape))}]"
@@ -255,10 +267,18 @@ class TypedTrainer:
         g = {k: self.stated.reshard(a, self.row_specs[k], f"grad {k}") for k, a in grads.items()}
         w = {k: self.stated.reshard(a, self.row_specs[k], k) for k, a in params.items()}
         clipped = g if self.clip is None else recipe.scale_by_norm(g, recipe.sumsq(g), self.clip)
-        updates, opt_state = self._tx.update(clipped, opt_state, w)
+        updates, new_opt = self._tx.update(clipped, opt_state, w)
         new = optax.apply_updates(w, updates)
+        if sc is not None:  # a skipped step: the rows and moments as they were
+            bad = scaling.nonfinite(g)
+            new, opt_state = scaling.keep(bad, (new, new_opt), (w, opt_state))
+        else:
+            opt_state = new_opt
         new = {k: self.stated.reshard(a, self.param_specs[k], f"updated {k}") for k, a in new.items()}
-        return new, opt_state, loss, g
+        if sc is None:
+            return new, opt_state, loss, g
+        sc = self.scaler.update(sc, bad)
+        return new, opt_state, sc, loss, g, bad > 0, sc["scale"]
 
     # --- for users, as parallel.fsdp.Trainer --------------------------------------------------------
 
@@ -269,7 +289,8 @@ class TypedTrainer:
         batch = self.shard_batch(*batch)
         if self._compiled is None:
             self._compiled = self.step.lower(*self.state, *batch).compile()
-        *state, loss, _ = self._compiled(*self.state, *batch)
+        out = self._compiled(*self.state, *batch)
+        *state, loss, _ = out[:len(out) - len(self.per_step)]
         self.state = tuple(state)
         return float(np.asarray(loss))
 

@@ -187,7 +187,7 @@ class LossScaler:
     ``unscale_`` divides the gradients of ``optimizer``'s params (``grads=`` other tensors, e.g. a
     wrapper's shards) in place; a Zero1Optimizer's reduce-scatter is done first if not yet.
     ``reduce=False``: a local decision (one process: a reference run). ``skipped``: the last
-    ``update``'s step was skipped; ``skipped_steps``: how many so far. ``share`` N: each rank's loss
+    ``update``'s step was skipped; ``skipped_steps``: how many so far, ``skipped_at``: which (0 = the first ``update``). ``share`` N: each rank's loss
     is a local mean whose gradients the wrapper AVERAGES over N ranks (dp, FSDP, cp): ``scale`` then
     multiplies by scale/N and ``unscale_`` by N/scale (exact for N a power of 2), so each rank's
     float16 gradients have one process's magnitude — the same overflows as the single-device run
@@ -203,6 +203,7 @@ class LossScaler:
             growth_interval
         self._tracker, self._found = 0, {}  # finite steps in a row; id(optimizer) -> agreed found-inf
         self.skipped, self.skipped_steps = False, 0
+        self.updates, self.skipped_at = 0, []  # update() calls so far; the indices of the skipped ones
 
     def get_scale(self) -> float:
         return self._scale
@@ -251,10 +252,12 @@ class LossScaler:
         if self.skipped:
             self._scale, self._tracker = self._scale * self.backoff, 0
             self.skipped_steps += 1
+            self.skipped_at.append(self.updates)
         else:
             self._tracker += 1
             if self._tracker == self.interval:
                 self._scale, self._tracker = self._scale * self.growth, 0
+        self.updates += 1
 
     def state_dict(self) -> dict:
         return {"scale": self._scale, "growth_tracker": self._tracker, "skipped_steps": self.skipped_steps}
