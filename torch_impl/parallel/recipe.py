@@ -6,6 +6,7 @@ writes per wrapper for clipping, decay masks, frozen parameters, schedules and a
     total = clip_(sharded, replicated, max_norm, group)   # the hand-written layouts
     total = clip_dtensor_(params, max_norm)               # DTensors (FSDP2, DTensor TP) + plain tensors
     refuse_stale(params_by_name, wrapper, fix)           # an optimizer over parameters a wrapper replaced
+    seal(grads, wrapper, fix); refresh(grads)            # refuse a gradient changed in place before the step
 
 The global norm: ‖g‖ = sqrt(Σ_ranks Σ_{sharded} g² + Σ_{replicated} g²) — the sums of squares of the
 local shards all-reduced over the group that shards them, a parameter replicated over that group
@@ -52,8 +53,10 @@ def _squares(grads: list[torch.Tensor], dtype: torch.dtype, device) -> torch.Ten
 def scale_(grads: Iterable[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
     """torch's clip: g ← g · min(1, max_norm / (total + 1e-6))."""
     coef = torch.clamp(max_norm / (total + EPS), max=1.0)
+    grads = list(grads)
     for g in grads:
         g.mul_(coef.to(g.dtype) if not isinstance(g, DTensor) else float(coef))
+    refresh(grads)
 
 
 @torch.no_grad()
@@ -129,3 +132,51 @@ def refuse_stale(stale: dict[str, torch.Tensor], wrapper: str, fix: str) -> None
                         f"gradient and would silently not train. Fix: {fix}")
 
     register_optimizer_step_pre_hook(hook)
+
+
+# --- torch's own clip_grad_norm_ over a rank's pieces: refused at the step ---------------------------------
+
+
+class LocalClipError(RuntimeError):
+    """A gradient a sharded layout handed the optimizer was changed in place before the step."""
+
+
+_SEALS: dict[int, tuple] = {}  # id(grad) -> (weakref(grad), its _version when sealed, wrapper, fix)
+_HOOKED: list[bool] = []
+
+
+def seal(grads: Iterable[torch.Tensor | None], wrapper: str, fix: str) -> None:
+    """Remember each gradient's version as ``wrapper`` produced it (a shard's, a split parameter's,
+    an unreduced local one). Any optimizer's step, and ``check_sealed``, refuse one changed in place
+    since — ``torch.nn.utils.clip_grad_norm_`` over what a rank holds (the LOCAL norm: silently not
+    the model's) or any other in-place edit the layout cannot see — with ``LocalClipError``. The
+    project's own in-place operations (the wrappers' clip, averaging) call ``refresh``."""
+    for g in grads:
+        if g is not None:
+            _SEALS[id(g)] = (weakref.ref(g), g._version, wrapper, fix)
+    if len(_SEALS) > 1 << 14:  # drop the gradients that are gone
+        for k in [k for k, v in _SEALS.items() if v[0]() is None]:
+            del _SEALS[k]
+    if not _HOOKED:
+        register_optimizer_step_pre_hook(lambda opt, args, kw: check_sealed(
+            p.grad for group in opt.param_groups for p in group["params"]))
+        _HOOKED.append(True)
+
+
+def refresh(grads: Iterable[torch.Tensor | None]) -> None:
+    """The project changed these gradients in place on purpose: the sealed versions follow."""
+    for g in grads:
+        entry = _SEALS.get(id(g)) if g is not None else None
+        if entry is not None and entry[0]() is g:
+            _SEALS[id(g)] = (entry[0], g._version, *entry[2:])
+
+
+def check_sealed(grads: Iterable[torch.Tensor | None]) -> None:
+    for g in grads:
+        entry = _SEALS.get(id(g)) if g is not None else None
+        if entry is not None and entry[0]() is g and g._version != entry[1]:
+            raise LocalClipError(
+                f"{entry[2]}: a gradient {tuple(g.shape)} was changed in place after {entry[2]} produced it and before "
+                "the optimizer step — torch.nn.utils.clip_grad_norm_ over what this rank holds computes the LOCAL "
+                "norm (not the model's: silently wrong), and any other in-place edit would miss the layout. Fix: "
+                f"{entry[3]}")
