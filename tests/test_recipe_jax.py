@@ -327,3 +327,37 @@ def test_compute_dtype_under_cp_ring():
     phi = sum(a.size for a in got.values())
     comm = comm_from_hlo(trainer._compiled.as_text())
     assert comm["all_reduce"]["bytes"] == 8 * phi  # float64 master gradients reduced, not the float32 copies
+
+
+# --- the held-out audit's findings (scripts/recipe_audit.py) ---------------------------------------------
+
+
+def test_clip_with_multisteps_is_refused():
+    """clip= scales each call's (micro-batch's) gradient by its own norm; MultiSteps steps with the mean of
+    K calls, whose norm is another: 4.7e-2 off on the audit's GPT (Llama-style recipe), silently."""
+    ms = optax.MultiSteps(adamw(), 2)
+    with pytest.raises(WrapError, match=r"parallelize: clip=0.2 with an optax.MultiSteps.*Fix: accumulate in the loss"):
+        parallelize(Tiny(), loss, ms, make_mesh(N, "dp"), "dp", "shard_map", clip=CLIP)
+    inner = optax.chain(optax.scale(1.0), optax.MultiSteps(adamw(), 2).gradient_transformation())  # found in a chain
+    with pytest.raises(WrapError, match="MultiSteps"):
+        pipeline(Tiny(), STAGES, mse, inner, make_mesh(N, "pp"), microbatches=2, clip=CLIP)
+
+
+class Stack(nnx.Module):  # compose's shape: an embedding, an nnx.List of identical blocks, a head
+    def __init__(self, rngs=None):
+        rngs = rngs or nnx.Rngs(0)
+        self.embed = nnx.Embed(7, 8, rngs=rngs, param_dtype=F64)
+        self.blocks = nnx.List([Act(8, 8, rngs) for _ in range(2)])
+        self.head = nnx.Linear(8, 7, rngs=rngs, param_dtype=F64)
+
+
+def test_compose_probes_the_stacked_tree():
+    """compose hands optax {"rest": ..., "blocks": (S, L/S, …) stacked}: a mask by ndim decays the blocks'
+    biases (3-D there) — refused before compiling; an elementwise optimizer passes."""
+    from jax_impl.parallel.compose import Split, compose
+    split = Split(first=("embed",), blocks="blocks", last=("head",), embed=lambda r, m, t, p: m["embed"](t),
+                  block=lambda r, layer, h, p: layer(h), head=lambda r, m, h: m["head"](h))
+    ce = lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()  # noqa: E731
+    with pytest.raises(WrapError, match=r"compose: .*the layers stacked.*First difference at 'blocks.0.lin.bias'"):
+        compose(Stack(), {"dp": N}, ce, adamw(mask=lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)), split=split)
+    compose(Stack(), {"dp": N}, ce, adamw(), split=split)

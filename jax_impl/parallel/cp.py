@@ -319,7 +319,7 @@ def context_parallel(model: nnx.Module, loss: Callable, tx: optax.GradientTransf
     ``clip``: global-norm clipping, torch's formula (parallel.recipe); optax sees the whole tree.
     ``compute_dtype``: the loss sees every floating Param cast to it inside the step (master weights,
     their gradients, the gradient all-reduce and optax's state stay in the Params' dtype)."""
-    recipe.check_clip(clip, "cp")
+    recipe.check_clip(clip, "cp", tx)
     style = style or ("jit" if variant == "seq_sharded" else "shard_map")
     if (style, variant) not in VARIANTS:
         raise WrapError(f"cp: unknown style/variant {style}/{variant}; choose from {VARIANTS}")

@@ -274,7 +274,7 @@ def pipeline(model: nnx.Module, stages: Sequence[Sequence[str]], loss: Callable,
     ``compute_dtype``: every stage computes with its floating Params cast to it inside the step (the
     messages then travel in that dtype); the packed master weights, their gradients (summed over the
     micro-batches in the master dtype: one cast per micro-batch) and optax's state stay as they are."""
-    recipe.check_clip(clip, "pp")
+    recipe.check_clip(clip, "pp", tx)
     if AXIS not in mesh.shape:
         raise WrapError(f"the mesh has axes {tuple(mesh.shape)}, no {AXIS!r}: make one with axis name 'pp'")
     _, _, rest = nnx.split(model, nnx.Param, ...)

@@ -94,9 +94,28 @@ def as_array(path: str, name: str) -> str:
             "(it casts the Params inside the step; master weights stay), or build the model with Flax's dtype=")
 
 
-def check_clip(clip, where: str):
+def check_clip(clip, where: str, tx=None):
     if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
         raise WrapError(f"{where}: clip={clip!r}; pass the maximum global norm, a number > 0 (or None)")
+    if clip is not None and tx is not None and accumulates(tx):
+        raise WrapError(f"{where}: clip={clip} with an optax.MultiSteps optimizer: clip= scales each call's (one "
+                        "micro-batch's) gradient by its own norm before optax, where MultiSteps steps with the "
+                        "accumulated mean, whose norm is another (silently another update). Fix: accumulate in the loss "
+                        "(the mean over K parts of the batch) and keep clip=, or clip inside MultiSteps "
+                        "(optax.MultiSteps(optax.chain(recipe.clip_by_global_norm(max_norm), tx), K)) under a "
+                        "whole-tree layout (dp, jit, typed)")
+
+
+def accumulates(tx) -> bool:
+    """Does ``tx`` accumulate gradients over calls (optax.MultiSteps, at the top or inside a chain)?"""
+    if isinstance(tx, optax.MultiSteps):
+        return True
+    try:
+        state = tx.init({"probe": jnp.zeros((1,))})
+    except Exception:  # noqa: BLE001 - a labels function reading the user's paths: not knowable here
+        return False
+    is_ms = lambda s: isinstance(s, optax.MultiStepsState)  # noqa: E731
+    return any(is_ms(s) for s in jax.tree.leaves(state, is_leaf=is_ms))
 
 
 # --- what each layout's devices hand optax ------------------------------------------------------------

@@ -415,7 +415,7 @@ def apply_plan(model, plan: dict[str, str], loss: Callable, tx: optax.GradientTr
     ``clip``: global-norm clipping with the true norm (torch's formula; parallel.recipe); optax sees the
     whole padded tree, probed first (parallel.recipe.check). ``compute_dtype``: the loss sees the floating
     Params cast to it (bf16 compute); master weights and optimizer state stay as given."""
-    recipe.check_clip(clip, "tp plan")
+    recipe.check_clip(clip, "tp plan", tx)
     if style not in ("shard_map", "jit"):
         raise PlanError(f"tp plan: unknown style {style!r}. Fix: 'shard_map' or 'jit'")
     if axis not in mesh.shape:
