@@ -332,7 +332,7 @@ def _rowwise_bias_hooks(module: nn.Module, leave, group):
 
 
 def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel: bool = False,
-               shared_f: bool = True, missing_ok: bool = False) -> dict[str, str]:
+               shared_f: bool = True, missing_ok: bool = False, seal_grads: bool = True) -> dict[str, str]:
     """Swap in this rank's shard of every planned weight (and colwise bias) and hook in f / g / the
     gather (``sequence_parallel``: the all-gather / reduce-scatter along the sequence). First
     ``check_plan``: a plan it cannot carry out exactly raises ``PlanError`` before anything changes.
@@ -342,6 +342,9 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel:
     head's padded logits are −inf, so ``VocabParallelCrossEntropy`` ignores them), tied parameters
     split alike (one shard), frozen ones. ``shared_f``: sibling projections that read the same input
     share one f (SharedEnter). ``missing_ok``: keys matching nothing are allowed (pipeline stages).
+    ``seal_grads``: a split gradient changed in place between backward and the optimizer step (torch's
+    clip_grad_norm_ over the local pieces: the LOCAL norm) is refused at the step (recipe.seal);
+    compositions whose own step scales the gradients (pipeline schedules) pass False.
     Returns {parameter name: style} (``check_plan``); split parameters carry ``tp_size``, their
     unpadded length along the split dim (``unshard`` / ``full_tensors`` use it)."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
@@ -402,7 +405,7 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel:
                 lambda m, args, out, mask=mask: leave(out * mask["mine"].unsqueeze(-1), group))
     model._tp_planned = True  # a second apply_plan: "already planned", not a head-count puzzle
     fix = "clip with tp.clip_grad_norm_(model, max_norm, group) (split parameters summed over the group, the rest once)"
-    for p in model.parameters():  # torch's clip_grad_norm_ over a rank's split pieces: the LOCAL norm
+    for p in model.parameters() if seal_grads else ():  # torch's clip_grad_norm_ over split pieces: the LOCAL norm
         if hasattr(p, "tp_size") and p.requires_grad:
             p.register_post_accumulate_grad_hook(lambda p, fix=fix: recipe.seal([p.grad], "tp.apply_plan", fix))
     return styles
