@@ -361,3 +361,11 @@ def test_compose_probes_the_stacked_tree():
     with pytest.raises(WrapError, match=r"compose: .*the layers stacked.*First difference at 'blocks.0.lin.bias'"):
         compose(Stack(), {"dp": N}, ce, adamw(mask=lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)), split=split)
     compose(Stack(), {"dp": N}, ce, adamw(), split=split)
+
+
+def test_pp_refuses_a_chain_whose_modules_fail():
+    """A forward that is not a chain (the audit's GPT: two embeddings added, a tied head) crashed in Flax's own
+    check ("Input type must be an integer") at the first step; now one WrapError, before compiling."""
+    trainer = pipeline(Tiny(), [["norm", "inp"], ["hid", "out"]], mse, adamw(), make_mesh(N, "pp"), microbatches=2)
+    with pytest.raises(WrapError, match=r"pp: the chain of the stages' modules fails at stage 0 .*in order"):
+        trainer.train_step(*data())
