@@ -192,7 +192,8 @@ class _Composed:
 def _compose(layout, style, tx, clip):
     if clip is not None:
         raise NotOffered("compose has no clip= (optax's clip_by_global_norm in the chain: see optax_clip)")
-    return _Composed(compose(GPT(), layout, ce, tx, plan={"h.*.fc": "colwise", "h.*.proj": "rowwise"} if "tp" in layout else None,
+    plan = {"h.*.fc": "colwise", "h.*.proj": "rowwise"} if "tp" in layout else None
+    return _Composed(compose(GPT(), layout, ce, tx, plan=plan,
                              split=GPT_SPLIT, units=["h.*"] if "fsdp" in layout else None,
                              style=style, microbatches=2))
 

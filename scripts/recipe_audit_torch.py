@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-
 from recipe_audit import NotOffered, classify
+
 from torch_impl.launch import launch
 from torch_impl.parallel import compose, cp, dp, fsdp, pp, tp
 
@@ -92,7 +92,8 @@ MODELS = {  # build, loss(out, y), frozen prefix, data(g), tp plan, pp stages, f
     "resconv": dict(build=ResConv, loss=F.mse_loss, frozen="stem",
                     data=lambda g: (torch.randn(B, 3, 4, 4, generator=g, dtype=torch.float64),
                                     torch.randn(B, 5, generator=g, dtype=torch.float64)),
-                    plan={"head.2": "colwise", "head.4": "rowwise"}, stages=[["stem", "blocks.0"], ["blocks.1", "head"]],
+                    plan={"head.2": "colwise", "head.4": "rowwise"},
+                    stages=[["stem", "blocks.0"], ["blocks.1", "head"]],
                     units=lambda m: list(m.blocks)),
 }
 
@@ -285,7 +286,7 @@ def api_compose(ctx, spec, recipe, data, axis="fsdp", style="builtin"):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(axis,))
     trainer = compose.parallelize(build(spec, frozen), mesh, plan=spec["plan"] if axis == "tp" else None,
                                   units=["m.transformer.h.*"], style=style,
-                                  optimizer=lambda ps: adamw(groups([(str(i), p) for i, p in enumerate(ps)], how_groups)))
+                                  optimizer=lambda ps: adamw(groups(list(enumerate(ps)), how_groups)))
     lr = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lr_lambda) if schedule else None
     for x, y in data:
         trainer.train_step(x, y)
@@ -333,7 +334,8 @@ def _everything(ctx, reduced):
             want = reference(spec, recipe, data)
             for aname, fn in APIS.items():
                 row = {"framework": "torch", "model": mname, "api": aname, "recipe": recipe}
-                rows.append(row | classify(lambda: _error(fn(ctx, spec, recipe, data), want)))
+                rows.append(row | classify(lambda fn=fn, spec=spec, recipe=recipe, data=data, want=want: _error(
+                    fn(ctx, spec, recipe, data), want)))
                 dist.barrier()
     return rows
 

@@ -100,8 +100,8 @@ def check_clip(clip, where: str, tx=None):
     if clip is not None and tx is not None and accumulates(tx):
         raise WrapError(f"{where}: clip={clip} with an optax.MultiSteps optimizer: clip= scales each call's (one "
                         "micro-batch's) gradient by its own norm before optax, where MultiSteps steps with the "
-                        "accumulated mean, whose norm is another (silently another update). Fix: accumulate in the loss "
-                        "(the mean over K parts of the batch) and keep clip=, or clip inside MultiSteps "
+                        "accumulated mean, whose norm is another (silently another update). Fix: accumulate in the "
+                        "loss (the mean over K parts of the batch) and keep clip=, or clip inside MultiSteps "
                         "(optax.MultiSteps(optax.chain(recipe.clip_by_global_norm(max_norm), tx), K)) under a "
                         "whole-tree layout (dp, jit, typed)")
 

@@ -247,7 +247,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
         super().__init__([{"params": [s]} for s in self.shards], self.local.defaults)
         self.param_groups, self.state = self.local.param_groups, self.local.state  # the ones that step
         self._reduced = False
-        fix = "clip with opt.clip_grad_norm_(max_norm) before opt.step() (it reduce-scatters first, then clips by the global norm)"
+        fix = ("clip with opt.clip_grad_norm_(max_norm) before opt.step() (it reduce-scatters first, then clips by the "
+               "global norm)")
         for p in self.params:  # torch's clip_grad_norm_ before step() would see the unreduced LOCAL gradient
             p.register_post_accumulate_grad_hook(lambda p, fix=fix: recipe.seal([p.grad], "Zero1Optimizer", fix))
 
