@@ -369,3 +369,16 @@ def test_pp_refuses_a_chain_whose_modules_fail():
     trainer = pipeline(Tiny(), [["norm", "inp"], ["hid", "out"]], mse, adamw(), make_mesh(N, "pp"), microbatches=2)
     with pytest.raises(WrapError, match=r"pp: the chain of the stages' modules fails at stage 0 .*in order"):
         trainer.train_step(*data())
+
+
+def test_the_probe_sees_through_multisteps_and_a_warmup_from_zero():
+    """MultiSteps(K=2) updates every 2nd call and a warmup from 0 makes its first update 0: the probe's 3 calls
+    saw one zero update and passed a mask on zero1's flat vector (the audit: 6.0e-3 off) and optax's clip
+    under zero2 (a JAX crash). It now runs 12 calls for an accumulating tx."""
+    sched = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 2, 3)
+    masked = optax.MultiSteps(optax.adamw(sched, weight_decay=0.1, mask=kernels), 2)
+    with pytest.raises(WrapError, match=r"zero1/shard_map: .*ONE flat 1-D piece"):
+        parallelize(Tiny(), loss, masked, make_mesh(N, "dp"), "zero1", "shard_map")
+    clipped = optax.MultiSteps(optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(sched)), 2)
+    with pytest.raises(WrapError, match=r"zero2/shard_map: .*scaled otherwise"):
+        parallelize(Tiny(), loss, clipped, make_mesh(N, "dp"), "zero2", "shard_map")
