@@ -21,8 +21,8 @@ on the whole tree and once as the layout's devices see it (their states cut as t
 them), and compares the updates leaf by leaf; for an accumulating ``tx`` (optax.MultiSteps, which
 updates every K-th call, its first update 0 under a warmup from 0) that pattern runs 4 times. A
 difference beyond round-off (``rtol``) raises ONE ``WrapError``: the layout, the first leaf that
-differs, the likely transform, the fix. Elementwise optimizers (sgd, adam, adamw with schedules) give identical updates and pass. Cost: three eager optax
-steps on the host, O(Φ): 1-20 ms once JAX's per-op cache holds the shapes; the first probe of a
+differs, the likely transform, the fix. Elementwise optimizers (sgd, adam, adamw with schedules)
+give identical updates and pass. Cost: three eager optax steps on the host, O(Φ): 1-20 ms once JAX's per-op cache holds the shapes; the first probe of a
 process compiles those ops (~0.2-1 s). Above ``BOUND`` elements every leaf is probed cut to at most
 6·N along each dim (whether N divides it kept), so a large model costs what a small one does; a mask
 reading a size (``shape[0] == vocab``) is then probed on the cut sizes.
