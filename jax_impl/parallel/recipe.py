@@ -13,19 +13,19 @@ Why a probe. Under some layouts each device's optimizer does not see the user's 
 
 A transform that reads the whole tree (``clip_by_global_norm``: each device would clip by ITS
 piece's norm), the tree's structure (``mask=``, ``multi_transform`` labels: one flat vector has no
-paths) or one tensor's statistics (trust ratios) then computes something else, silently. ``check``
-runs the user's ``tx`` on the host, in one process, on deterministic random gradients of the real
-shapes — two steps scaled 1e4 (any clipping threshold below that triggers), one 1e-4, each leaf and
-row by another factor in [0.1, 10] so that the norms of a layout's pieces vary between steps — once
-on the whole tree and once as the layout's devices see it (their states cut as the wrapper places
-them), and compares the updates leaf by leaf; for an accumulating ``tx`` (optax.MultiSteps, which
-updates every K-th call, its first update 0 under a warmup from 0) that pattern runs 4 times. A
-difference beyond round-off (``rtol``) raises ONE ``WrapError``: the layout, the first leaf that
-differs, the likely transform, the fix. Elementwise optimizers (sgd, adam, adamw with schedules)
-give identical updates and pass. Cost: three eager optax steps on the host, O(Φ): 1-20 ms once JAX's per-op cache holds the shapes; the first probe of a
-process compiles those ops (~0.2-1 s). Above ``BOUND`` elements every leaf is probed cut to at most
-6·N along each dim (whether N divides it kept), so a large model costs what a small one does; a mask
-reading a size (``shape[0] == vocab``) is then probed on the cut sizes.
+paths) or one tensor's statistics (trust ratios) then computes something else, silently. ``check`` runs
+the user's ``tx`` on the host, in one process, on deterministic random gradients of the real shapes —
+two steps scaled 1e4 (any clipping threshold below that triggers), one 1e-4, each leaf and row by
+another factor in [0.1, 10] so that the norms of a layout's pieces vary between steps — once on the
+whole tree and once as the layout's devices see it (their states cut as the wrapper places them), and
+compares the updates leaf by leaf; for an accumulating ``tx`` (optax.MultiSteps, which updates every
+K-th call, its first update 0 under a warmup from 0) that pattern runs 4 times. A difference beyond
+round-off (``rtol``) raises ONE ``WrapError``: the layout, the first leaf that differs, the likely
+transform, the fix. Elementwise optimizers (sgd, adam, adamw with schedules) give identical updates and
+pass. Cost: three eager optax steps on the host, O(Φ): 1-20 ms once JAX's per-op cache holds the
+shapes; the first probe of a process compiles those ops (~0.2-1 s). Above ``BOUND`` elements every leaf
+is probed cut to at most 6·N along each dim (whether N divides it kept), so a large model costs what a
+small one does; a mask reading a size (``shape[0] == vocab``) is then probed on the cut sizes.
 
 Clipping. ``clip=max_norm`` on the wrappers computes the norm of the WHOLE model's gradient —
 shard_map: the squares of each device's row blocks / flat piece psum'ed over the axis (zero2/zero3:
