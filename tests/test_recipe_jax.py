@@ -454,3 +454,58 @@ def test_float16_under_cp_ring():
     got = run(trainer, (tokens, targets))
     want = single(adamw(), dtype=jnp.float16, loss=seq_loss, make=Seq, batch=(tokens, targets, jnp.arange(4)))
     assert gap(got, want) <= TOL16 and float(trainer.state[2]["scale"]) == 2.0**10  # 3 good steps of 2000: kept
+
+
+# --- the held-out audit's findings (scripts/recipe_audit.py) ---------------------------------------------
+
+
+def test_clip_with_multisteps_is_refused():
+    """clip= scales each call's (micro-batch's) gradient by its own norm; MultiSteps steps with the mean of
+    K calls, whose norm is another: 4.7e-2 off on the audit's GPT (Llama-style recipe), silently."""
+    ms = optax.MultiSteps(adamw(), 2)
+    with pytest.raises(WrapError, match=r"parallelize: clip=0.2 with an optax.MultiSteps.*Fix: accumulate in the loss"):
+        parallelize(Tiny(), loss, ms, make_mesh(N, "dp"), "dp", "shard_map", clip=CLIP)
+    inner = optax.chain(optax.scale(1.0), optax.MultiSteps(adamw(), 2).gradient_transformation())  # found in a chain
+    with pytest.raises(WrapError, match="MultiSteps"):
+        pipeline(Tiny(), STAGES, mse, inner, make_mesh(N, "pp"), microbatches=2, clip=CLIP)
+
+
+class Stack(nnx.Module):  # compose's shape: an embedding, an nnx.List of identical blocks, a head
+    def __init__(self, rngs=None):
+        rngs = rngs or nnx.Rngs(0)
+        self.embed = nnx.Embed(7, 8, rngs=rngs, param_dtype=F64)
+        self.blocks = nnx.List([Act(8, 8, rngs) for _ in range(2)])
+        self.head = nnx.Linear(8, 7, rngs=rngs, param_dtype=F64)
+
+
+def test_compose_probes_the_stacked_tree():
+    """compose hands optax {"rest": ..., "blocks": (S, L/S, …) stacked}: a mask by ndim decays the blocks'
+    biases (3-D there) — refused before compiling; an elementwise optimizer passes."""
+    from jax_impl.parallel.compose import Split, compose
+    split = Split(first=("embed",), blocks="blocks", last=("head",), embed=lambda r, m, t, p: m["embed"](t),
+                  block=lambda r, layer, h, p: layer(h), head=lambda r, m, h: m["head"](h))
+    ce = lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()  # noqa: E731
+    with pytest.raises(WrapError, match=r"compose: .*the layers stacked.*First difference at 'blocks.0.lin.bias'"):
+        compose(Stack(), {"dp": N}, ce, adamw(mask=lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)), split=split)
+    compose(Stack(), {"dp": N}, ce, adamw(), split=split)
+
+
+def test_pp_refuses_a_chain_whose_modules_fail():
+    """A forward that is not a chain (the audit's GPT: two embeddings added, a tied head) crashed in Flax's own
+    check ("Input type must be an integer") at the first step; now one WrapError, before compiling."""
+    trainer = pipeline(Tiny(), [["norm", "inp"], ["hid", "out"]], mse, adamw(), make_mesh(N, "pp"), microbatches=2)
+    with pytest.raises(WrapError, match=r"pp: the chain of the stages' modules fails at stage 0 .*in order"):
+        trainer.train_step(*data())
+
+
+def test_the_probe_sees_through_multisteps_and_a_warmup_from_zero():
+    """MultiSteps(K=2) updates every 2nd call and a warmup from 0 makes its first update 0: the probe's 3 calls
+    saw one zero update and passed a mask on zero1's flat vector (the audit: 6.0e-3 off) and optax's clip
+    under zero2 (a JAX crash). It now runs 12 calls for an accumulating tx."""
+    sched = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 2, 3)
+    masked = optax.MultiSteps(optax.adamw(sched, weight_decay=0.1, mask=kernels), 2)
+    with pytest.raises(WrapError, match=r"zero1/shard_map: .*ONE flat 1-D piece"):
+        parallelize(Tiny(), loss, masked, make_mesh(N, "dp"), "zero1", "shard_map")
+    clipped = optax.MultiSteps(optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(sched)), 2)
+    with pytest.raises(WrapError, match=r"zero2/shard_map: .*scaled otherwise"):
+        parallelize(Tiny(), loss, clipped, make_mesh(N, "dp"), "zero2", "shard_map")

@@ -599,6 +599,39 @@ def refusals(ctx):
     out["pp_rows_changed"] = refusal(lambda: trainer.train_step(*data(), accumulate=2))
     trainer_cp = cp.context_parallel(build_attn(), attn_loss, adamw, ctx.group)
     out["cp_accumulate"] = refusal(lambda: trainer_cp.train_step(*attn_data(), accumulate=3))
+    out |= local_clips(ctx)
+    return out
+
+
+def local_clips(ctx):
+    """torch's own clip_grad_norm_ over what a rank holds (the held-out audit, scripts/recipe_audit.py: 2.8e-4
+    to 5e-2 off, silently) is refused at the step, on every rank, before any update or collective."""
+    x, y = local_parts(ctx.rank)[0]
+
+    def torch_clip_then_step(model, run, opt, sync=lambda: None):
+        F.mse_loss(run(x), y).backward()
+        sync()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], MAX_NORM)
+        opt.step()
+
+    out = {}
+    w = fsdp.FSDP(build())
+    out["fsdp_torch_clip"] = refusal(lambda: torch_clip_then_step(w.module, w, adamw(
+        [p for p in w.module.parameters() if p.requires_grad]), w.finish_gradient_synchronization))
+    m = build()
+    z = fsdp.Zero2(m)
+    out["zero2_torch_clip"] = refusal(lambda: torch_clip_then_step(m, m, adamw(z.params),
+                                                                   z.finish_gradient_synchronization))
+    m = build()
+    out["zero1_torch_clip"] = refusal(lambda: torch_clip_then_step(m, m, dp.Zero1Optimizer(
+        [p for p in m.parameters() if p.requires_grad], torch.optim.AdamW, lr=LR)))
+    m = build()
+    tp.apply_plan(m, PLAN, ctx.group)
+    out["tp_torch_clip"] = refusal(lambda: torch_clip_then_step(m, m, adamw(
+        [p for p in m.parameters() if p.requires_grad])))
+    from torch.distributed.device_mesh import init_device_mesh
+    out["dtensor_not_linear"] = refusal(lambda: tp.apply_dtensor_plan(build(), {"inp": "vocab_embed"},
+                                                                      init_device_mesh("cpu", (2,))))
     return out
 
 
@@ -679,6 +712,11 @@ def test_cp_recipe_matches_one_process(results, variant):
     ("tp_no_group", ["tp group"]),
     ("pp_accumulate", ["accumulate=3"]),
     ("cp_accumulate", ["accumulate=3"]),
+    ("fsdp_torch_clip", ["LocalClipError", "FSDP", "LOCAL norm", "w.clip_grad_norm_"]),
+    ("zero2_torch_clip", ["LocalClipError", "Zero2", "LOCAL norm", "z.clip_grad_norm_"]),
+    ("zero1_torch_clip", ["LocalClipError", "Zero1Optimizer", "opt.clip_grad_norm_"]),
+    ("tp_torch_clip", ["LocalClipError", "tp.apply_plan", "tp.clip_grad_norm_(model, max_norm, group)"]),
+    ("dtensor_not_linear", ["PlanError", "'inp'", "nn.Embedding"]),
 ])
 def test_refusals(results, case, words):
     for rank in results:

@@ -63,7 +63,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl.parallel import cp as cp_seam
-from jax_impl.parallel import theory
+from jax_impl.parallel import recipe, theory
 from jax_impl.parallel.compose_axes import (  # noqa: F401  (AXES, STYLES, ComposeError, Split: this module's API too)
     AXES,
     CP_VARIANTS,
@@ -118,6 +118,7 @@ class Composed:
         self.block_parts = flat(mods[f"{split.blocks}.0"])
         self.parts = {p: flat(mods[p]) for p in split.first + split.last}
         params, self.specs = self._arrange(mods)
+        self._probe(tx, params)
         self.params_ = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(self.mesh, s)), params, self.specs)
         replicated = NamedSharding(self.mesh, P())  # optax's scalars (count) too: else step 2 compiles again
         self.opt_state = jax.tree.map(lambda a: a if isinstance(getattr(a, "sharding", None), NamedSharding) else
@@ -166,6 +167,26 @@ class Composed:
                  "blocks": {k: P(stage, None, *self._spec(f"{sp.blocks}.0.{k}", k, a.shape[2:]))
                             for k, a in blocks.items()}}
         return {"rest": rest, "blocks": blocks}, specs
+
+    def _probe(self, tx, params):
+        """optax sees {"rest": {path: array}, "blocks": {block path: (S, L/S, …)}}: refuse (recipe.check)
+        a tx that would update that tree otherwise than the model's {path: array} dict (masks or labels
+        by ndim or path; a per-tensor statistic over stacked layers)."""
+        S, per, b = self.S, self.L // self.S, self.split.blocks
+        rest = {k: np.asarray(a) for k, a in params["rest"].items()}
+        blocks = {k: np.asarray(a).reshape((self.L,) + a.shape[2:]) for k, a in params["blocks"].items()}
+        whole = rest | {f"{b}.{i}.{k}": a[i] for k, a in blocks.items() for i in range(self.L)}
+        to = lambda t: {"rest": {k: t[k] for k in rest},  # noqa: E731
+                        "blocks": {k: np.stack([t[f"{b}.{i}.{k}"] for i in range(self.L)]).reshape(
+                            (S, per) + blocks[k].shape[1:]) for k in blocks}}
+        back = lambda v: {k: np.asarray(a) for k, a in v["rest"].items()} | {  # noqa: E731
+            f"{b}.{i}.{k}": np.asarray(a).reshape((self.L,) + blocks[k].shape[1:])[i]
+            for k, a in v["blocks"].items() for i in range(self.L)}
+        what = ('optax sees {"rest": {path: array}, "blocks": {path in a block: (S, L/S, …) the layers stacked}}, '
+                "not your {path: array} dict")
+        recipe.check(tx, whole, recipe.Whole(what, to, back), "compose", "write the mask / labels for that tree "
+                     "(by the path's last names, not ndim; 'blocks' leaves have 2 more dims), or train this recipe "
+                     "under parallelize / tp.apply_plan, which hand optax your dict")
 
     # --- the forward ---------------------------------------------------------------------------------
 

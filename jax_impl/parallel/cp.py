@@ -334,7 +334,7 @@ def context_parallel(model: nnx.Module, loss: Callable, tx: optax.GradientTransf
     ``compute_dtype``: the loss sees every floating Param cast to it inside the step (master weights,
     their gradients, the gradient all-reduce and optax's state stay in the Params' dtype); float16 scales
     the loss (``loss_scale``, parallel.scaling: the gradients are whole, the skip agreed as it stands)."""
-    recipe.check_clip(clip, "cp")
+    recipe.check_clip(clip, "cp", tx)
     style = style or ("jit" if variant == "seq_sharded" else "shard_map")
     if (style, variant) not in VARIANTS:
         raise WrapError(f"cp: unknown style/variant {style}/{variant}; choose from {VARIANTS}")

@@ -449,7 +449,7 @@ def parallelize(model: nnx.Module, loss: Callable, tx: optax.GradientTransformat
     The trainer trains a COPY of the model's arrays (its jitted step donates them): ``model`` stays
     usable, with its initial weights, and can be parallelized again; ``trainer.module()`` is the
     trained model. The copy costs one model's parameters of memory while the trainer is built."""
-    recipe.check_clip(clip, "parallelize")
+    recipe.check_clip(clip, "parallelize", tx)
     if variant not in VARIANTS or style not in STYLES:
         raise WrapError(f"unknown variant/style {variant}/{style}: choose a variant from {VARIANTS}, "
                         f"a style from {STYLES}")

@@ -217,8 +217,14 @@ class Trainer:
     def _check_chain(self, x, ys):
         h, shapes = x, []
         flats = [s.pack(self.length, self.state[0].dtype) for s in self.stages]
-        for stage, flat in zip(self.stages, flats):
-            h = stage(flat, h)
+        for s, (stage, flat) in enumerate(zip(self.stages, flats)):
+            try:
+                h = stage(flat, h)
+            except Exception as e:  # noqa: BLE001 - a module fed what its forward never gives it
+                raise WrapError(f"pp: the chain of the stages' modules fails at stage {s} ({type(e).__name__}: "
+                                f"{str(e)[:160]}): the model's forward is not the chain module(…module(x)) (e.g. two "
+                                "embeddings added, a tied head): list every module its forward calls, in order, "
+                                "or wrap the non-chain parts into one module") from None
             shapes.append(jax.ShapeDtypeStruct(h.shape, h.dtype))
         if len(set(shapes[:-1])) > 1:
             raise WrapError(f"pp: the stage boundaries carry different activations {shapes[:-1]}: a pipeline sends one "
@@ -361,7 +367,7 @@ def pipeline(model: nnx.Module, stages: Sequence[Sequence[str]], loss: Callable,
     micro-batches in the master dtype: one cast per micro-batch) and optax's state stay as they are."""
     if schedule not in SCHEDULES:
         raise WrapError(f"pp: unknown schedule {schedule!r}; choose from {SCHEDULES}")
-    recipe.check_clip(clip, "pp")
+    recipe.check_clip(clip, "pp", tx)
     if AXIS not in mesh.shape:
         raise WrapError(f"the mesh has axes {tuple(mesh.shape)}, no {AXIS!r}: make one with axis name 'pp'")
     _, _, rest = nnx.split(model, nnx.Param, ...)

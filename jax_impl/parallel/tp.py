@@ -437,7 +437,7 @@ def apply_plan(model, plan: dict[str, str], loss: Callable, tx: optax.GradientTr
     whole padded tree, probed first (parallel.recipe.check). ``compute_dtype``: the loss sees the floating
     Params cast to it (bf16 compute); master weights and optimizer state stay as given; float16 scales the
     loss (``loss_scale``, parallel.scaling; the scale state is ``state[2]``)."""
-    recipe.check_clip(clip, "tp plan")
+    recipe.check_clip(clip, "tp plan", tx)
     if style == "typed":  # issue 33: refused, not built (the project's own transformer has it: jax_impl/tp_typed.py)
         raise PlanError("tp plan: style 'typed' is not built for a plan: under Explicit axes every rowwise product "
                         "contracts a split dim, whose result layout JAX cannot infer, so each planned module's call "

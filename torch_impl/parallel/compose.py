@@ -55,6 +55,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from shared.theory import cp_positions
 from torch_impl.parallel import cp as seam
+from torch_impl.parallel import recipe
 from torch_impl.parallel.compose_axes import (  # noqa: F401  (ComposeError, check*: this module's API too)
     AXES,
     STYLES,
@@ -175,6 +176,7 @@ class Trainer:
             for p in self.params if self.schedule is not None else ():
                 if p.grad is not None:
                     p.grad.div_(self.M)  # the schedule's scale_grads would have scaled them before they came
+                    recipe.refresh([p.grad])
         elif self.grad_group is not None and not (self.data == "fsdp" and self.style == "builtin"):
             grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params
                      if p.grad is not None]

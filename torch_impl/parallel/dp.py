@@ -72,6 +72,7 @@ def allreduce_gradients(module: nn.Module, group=None) -> None:
         if p.grad is not None:
             dist.all_reduce(p.grad, group=group)  # same shape as p, summed over ranks
             p.grad.div_(n)
+            recipe.refresh([p.grad])
 
 
 # --- bucketed: what DDP does, in Python ---------------------------------------------------------
@@ -251,6 +252,10 @@ class Zero1Optimizer(torch.optim.Optimizer):
         super().__init__([{"params": [s]} for s in self.shards], self.local.defaults)
         self.param_groups, self.state = self.local.param_groups, self.local.state  # the ones that step
         self._reduced = False
+        fix = ("clip with opt.clip_grad_norm_(max_norm) before opt.step() (it reduce-scatters first, then clips by the "
+               "global norm)")
+        for p in self.params:  # torch's clip_grad_norm_ before step() would see the unreduced LOCAL gradient
+            p.register_post_accumulate_grad_hook(lambda p, fix=fix: recipe.seal([p.grad], "Zero1Optimizer", fix))
 
     def comm_theory(self) -> dict[str, tuple[int, int]]:
         """Per step: per group one reduce-scatter and one all-gather of its flat Φ padded to N."""
@@ -295,6 +300,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 raise RuntimeError(f"Zero1Optimizer: trainable parameter #{missing} {tuple(ps[missing].shape)} has no "
                                    "gradient (it took no part in the loss). Fix: freeze it (requires_grad=False) "
                                    "before building the optimizer, or use it")
+            recipe.check_sealed(p.grad for p in ps)
             torch.cat([p.grad.reshape(-1) for p in ps], out=grads[:numel])
             dist.reduce_scatter_single(mine.grad, grads, group=self.group)  # (Φ_pad/N,) summed
             mine.grad.div_(dist.get_world_size(self.group))

@@ -84,6 +84,7 @@ def average_flat(tensors: list[torch.Tensor], group) -> None:
     flat.div_(dist.get_world_size(group))
     for t, chunk in zip(tensors, flat.split([t.numel() for t in tensors])):
         t.copy_(chunk.view_as(t))
+    recipe.refresh(tensors)
 
 
 # --- explicit/zero3: the wrapper ---------------------------------------------------------------
@@ -336,6 +337,8 @@ class FSDP(nn.Module):
             unit.shard.grad = out if unit.shard.grad is None else unit.shard.grad.add_(out)
         self._pending.clear()
         average_flat([p.grad for _, _, p in self.replicated if p.grad is not None], self.group)
+        recipe.seal([u.shard.grad for _, _, u in self.units] + [p.grad for _, _, p in self.replicated], "FSDP",
+                    "clip with w.clip_grad_norm_(max_norm) (the global norm) after finish_gradient_synchronization()")
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -457,6 +460,8 @@ class Zero2:
             unit.shard.grad = out if unit.shard.grad is None else unit.shard.grad.add_(out)
         self._pending.clear()
         average_flat([p.grad for p in self.params if p.dim() < 2 and p.grad is not None], self.group)
+        recipe.seal([p.grad for p in self.params], "Zero2", "clip with z.clip_grad_norm_(max_norm) (the global "
+                    "norm) after finish_gradient_synchronization()")
 
     def check_optimizer_params(self) -> None:
         """Refuse a full matrix still holding a gradient at the synchronisation: the last backward

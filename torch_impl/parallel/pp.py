@@ -180,6 +180,7 @@ class Trainer:
         if accumulate > 1:
             for p, g in zip(params, sums):
                 p.grad = None if g is None else g.div_(accumulate)
+                recipe.refresh([p.grad])
         value = torch.stack(values).mean() / self._scale
         if self.n > 1:
             dist.broadcast(value, self._last, group=self.group)

@@ -7,6 +7,7 @@ writes per wrapper for clipping, decay masks, frozen parameters, schedules and a
     total = clip_dtensor_(params, max_norm)               # DTensors (FSDP2, DTensor TP) + plain tensors
     refuse_stale(params_by_name, wrapper, fix)           # an optimizer over parameters a wrapper replaced
     scaler = LossScaler(group)                            # float16: dynamic loss scaling, the skip AGREED
+    seal(grads, wrapper, fix); refresh(grads)            # refuse a gradient changed in place before the step
 
 The global norm: ‖g‖ = sqrt(Σ_ranks Σ_{sharded} g² + Σ_{replicated} g²) — the sums of squares of the
 local shards all-reduced over the group that shards them, a parameter replicated over that group
@@ -70,8 +71,10 @@ def _squares(grads: list[torch.Tensor], dtype: torch.dtype, device) -> torch.Ten
 def scale_(grads: Iterable[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
     """torch's clip: g ← g · min(1, max_norm / (total + 1e-6))."""
     coef = torch.clamp(max_norm / (total + EPS), max=1.0)
+    grads = list(grads)
     for g in grads:
         g.mul_(coef.to(g.dtype) if not isinstance(g, DTensor) else float(coef))
+    refresh(grads)
 
 
 @torch.no_grad()
@@ -187,9 +190,9 @@ class LossScaler:
     ``unscale_`` divides the gradients of ``optimizer``'s params (``grads=`` other tensors, e.g. a
     wrapper's shards) in place; a Zero1Optimizer's reduce-scatter is done first if not yet.
     ``reduce=False``: a local decision (one process: a reference run). ``skipped``: the last
-    ``update``'s step was skipped; ``skipped_steps``: how many so far, ``skipped_at``: which (0 = the first ``update``). ``share`` N: each rank's loss
-    is a local mean whose gradients the wrapper AVERAGES over N ranks (dp, FSDP, cp): ``scale`` then
-    multiplies by scale/N and ``unscale_`` by N/scale (exact for N a power of 2), so each rank's
+    ``update``'s step was skipped; ``skipped_steps``: how many so far, ``skipped_at``: which (0 = the
+    first ``update``). ``share`` N: each rank's loss is a local mean whose gradients the wrapper
+    AVERAGES over N ranks (dp, FSDP, cp): ``scale`` then multiplies by scale/N and ``unscale_`` by N/scale (exact for N a power of 2), so each rank's
     float16 gradients have one process's magnitude — the same overflows as the single-device run
     (with scale alone they are N× larger: an overflow one process does not see)."""
 
@@ -223,6 +226,7 @@ class LossScaler:
             if hasattr(optimizer, "reduce_gradients") and not getattr(optimizer, "_reduced", True):
                 optimizer.reduce_gradients()  # Zero1Optimizer: the averaged slices are the gradients
             grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
+        grads = list(grads)
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads if g is not None]
         device = local[0].device if local else _flag_device(self.group)
         found = torch.zeros(1, dtype=torch.float32, device=device)
@@ -234,6 +238,8 @@ class LossScaler:
             f = torch.zeros(1, dtype=torch.float32, device=dev)
             torch._amp_foreach_non_finite_check_and_unscale_(gs, f, inv.to(dev))  # torch's kernel: g *= inv
             found = torch.maximum(found, f.to(device))
+        refresh(grads)  # the project's own in-place edit (seal: the wrappers' gradients as they produced them)
+        refresh(local)
         if self.reduce and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)  # every rank: the same decision
         self._found[key] = bool(found.item())
@@ -265,3 +271,49 @@ class LossScaler:
     def load_state_dict(self, state: dict) -> None:
         self._scale, self._tracker = float(state["scale"]), int(state["growth_tracker"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+# --- torch's own clip_grad_norm_ over a rank's pieces: refused at the step ---------------------------------
+
+
+class LocalClipError(RuntimeError):
+    """A gradient a sharded layout handed the optimizer was changed in place before the step."""
+
+
+_SEALS: dict[int, tuple] = {}  # id(grad) -> (weakref(grad), its _version when sealed, wrapper, fix)
+_HOOKED: list[bool] = []
+
+
+def seal(grads: Iterable[torch.Tensor | None], wrapper: str, fix: str) -> None:
+    """Remember each gradient's version as ``wrapper`` produced it (a shard's, a split parameter's,
+    an unreduced local one). Any optimizer's step, and ``check_sealed``, refuse one changed in place
+    since — ``torch.nn.utils.clip_grad_norm_`` over what a rank holds (the LOCAL norm: silently not
+    the model's) or any other in-place edit the layout cannot see — with ``LocalClipError``. The
+    project's own in-place operations (the wrappers' clip, averaging) call ``refresh``."""
+    for g in grads:
+        if g is not None:
+            _SEALS[id(g)] = (weakref.ref(g), g._version, wrapper, fix)
+    if len(_SEALS) > 1 << 14:  # drop the gradients that are gone
+        for k in [k for k, v in _SEALS.items() if v[0]() is None]:
+            del _SEALS[k]
+    if not _HOOKED:
+        register_optimizer_step_pre_hook(lambda opt, args, kw: check_sealed(
+            p.grad for group in opt.param_groups for p in group["params"]))
+        _HOOKED.append(True)
+
+
+def refresh(grads: Iterable[torch.Tensor | None]) -> None:
+    """The project changed these gradients in place on purpose: the sealed versions follow."""
+    for g in grads:
+        entry = _SEALS.get(id(g)) if g is not None else None
+        if entry is not None and entry[0]() is g:
+            _SEALS[id(g)] = (entry[0], g._version, *entry[2:])
+
+
+def check_sealed(grads: Iterable[torch.Tensor | None]) -> None:
+    for g in grads:
+        entry = _SEALS.get(id(g)) if g is not None else None
+        if entry is not None and entry[0]() is g and g._version != entry[1]:
+            raise LocalClipError(
+                f"{entry[2]}: a gradient {tuple(g.shape)} was changed in place after {entry[2]} produced it and before "
+                "the optimizer step — torch.nn.utils.clip_grad_norm_ over what this rank holds computes the LOCAL "
+                "norm (not the model's: silently wrong), and any other in-place edit would miss the layout. Fix: "
+                f"{entry[3]}")

@@ -168,6 +168,18 @@ def _signature(role: str | None):
     return (SHARD_DIM[role], role in PADDED_STYLES, role == "colwise_heads")
 
 
+def check_module_types(planned) -> None:
+    """Each planned module is what its style splits (an nn.Linear, an nn.Embedding): else PlanError."""
+    for path, m, style in planned:
+        if style in LINEAR_STYLES and not isinstance(m, nn.Linear):
+            _refuse(path, m, style, "this style splits an nn.Linear (weight (out, in), y = x·Wᵀ + b) and hooks its "
+                    "input and output; this module is not one", f"plan the nn.Linear(s) inside {path!r}, or leave it "
+                    "out of the plan (replicated)")
+        if style in EMBEDDING_STYLES and not isinstance(m, nn.Embedding):
+            _refuse(path, m, style, "this style splits an nn.Embedding's rows (a lookup table (V, D)); this module is "
+                    "not one", f"plan only nn.Embedding modules with {style!r}")
+
+
 def check_plan(model: nn.Module, plan: dict[str, str], world_size: int, sequence_parallel: bool = False,
                missing_ok: bool = False) -> dict[str, str]:
     """Every precondition of ``apply_plan(model, plan, group of world_size)``, checked before any
@@ -177,14 +189,8 @@ def check_plan(model: nn.Module, plan: dict[str, str], world_size: int, sequence
     n, out = world_size, {}
     planned = planned_modules(model, plan, missing_ok)
     roles: dict[int, list[tuple[str, tuple]]] = {}  # id(param) -> [(owner path.attr, signature)]
+    check_module_types(planned)
     for path, m, style in planned:
-        if style in LINEAR_STYLES and not isinstance(m, nn.Linear):
-            _refuse(path, m, style, "this style splits an nn.Linear (weight (out, in), y = x·Wᵀ + b) and hooks its "
-                    "input and output; this module is not one", f"plan the nn.Linear(s) inside {path!r}, or leave it "
-                    "out of the plan (replicated)")
-        if style in EMBEDDING_STYLES and not isinstance(m, nn.Embedding):
-            _refuse(path, m, style, "this style splits an nn.Embedding's rows (a lookup table (V, D)); this module is "
-                    "not one", f"plan only nn.Embedding modules with {style!r}")
         if style in SEQUENCE_STYLES and not sequence_parallel:
             _refuse(path, m, style, "this style runs the module on this rank's T/tp tokens, which exist only under "
                     "sequence parallelism", "pass sequence_parallel=True, or leave the module out of the plan")
@@ -327,7 +333,7 @@ def _rowwise_bias_hooks(module: nn.Module, leave, group):
 
 
 def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel: bool = False,
-               shared_f: bool = True, missing_ok: bool = False) -> dict[str, str]:
+               shared_f: bool = True, missing_ok: bool = False, seal_grads: bool = True) -> dict[str, str]:
     """Swap in this rank's shard of every planned weight (and colwise bias) and hook in f / g / the
     gather (``sequence_parallel``: the all-gather / reduce-scatter along the sequence). First
     ``check_plan``: a plan it cannot carry out exactly raises ``PlanError`` before anything changes.
@@ -337,6 +343,9 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel:
     head's padded logits are −inf, so ``VocabParallelCrossEntropy`` ignores them), tied parameters
     split alike (one shard), frozen ones. ``shared_f``: sibling projections that read the same input
     share one f (SharedEnter). ``missing_ok``: keys matching nothing are allowed (pipeline stages).
+    ``seal_grads``: a split gradient changed in place between backward and the optimizer step (torch's
+    clip_grad_norm_ over the local pieces: the LOCAL norm) is refused at the step (recipe.seal);
+    compositions whose own step scales the gradients (pipeline schedules) pass False.
     Returns {parameter name: style} (``check_plan``); split parameters carry ``tp_size``, their
     unpadded length along the split dim (``unshard`` / ``full_tensors`` use it)."""
     refuse_split_experts(model.named_parameters(), "apply_plan")
@@ -397,6 +406,10 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel:
             module.register_forward_hook(
                 lambda m, args, out, mask=mask: leave(out * mask["mine"].unsqueeze(-1), group))
     model._tp_planned = True  # a second apply_plan: "already planned", not a head-count puzzle
+    fix = "clip with tp.clip_grad_norm_(model, max_norm, group) (split parameters summed over the group, the rest once)"
+    for p in model.parameters() if seal_grads else ():  # torch's clip_grad_norm_ over split pieces: the LOCAL norm
+        if hasattr(p, "tp_size") and p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p, fix=fix: recipe.seal([p.grad], "tp.apply_plan", fix))
     return styles
 
 
@@ -427,6 +440,7 @@ def apply_dtensor_plan(model: nn.Module, plan: dict[str, str], mesh, sequence_pa
     its head) stays one Parameter: parallelize_module distributes each holder's copy apart, so the
     copies are tied again after it (a plan splitting them differently: PlanError, before anything changes).
     Returns {parameter name: style}."""
+    check_module_types(planned_modules(model, plan, True))  # parallelize_module's own error is torch's, untyped
     styles, table = styles_of(model, plan), DTENSOR_SP_STYLES if sequence_parallel else DTENSOR_STYLES
     ties = _tied_holders(model)
     for holders in ties:  # refused before anything changes
