@@ -192,9 +192,10 @@ class LossScaler:
     ``reduce=False``: a local decision (one process: a reference run). ``skipped``: the last
     ``update``'s step was skipped; ``skipped_steps``: how many so far, ``skipped_at``: which (0 = the
     first ``update``). ``share`` N: each rank's loss is a local mean whose gradients the wrapper
-    AVERAGES over N ranks (dp, FSDP, cp): ``scale`` then multiplies by scale/N and ``unscale_`` by N/scale (exact for N a power of 2), so each rank's
-    float16 gradients have one process's magnitude — the same overflows as the single-device run
-    (with scale alone they are N× larger: an overflow one process does not see)."""
+    AVERAGES over N ranks (dp, FSDP, cp): ``scale`` then multiplies by scale/N and ``unscale_`` by N/scale
+    (exact for N a power of 2), so each rank's float16 gradients have one process's magnitude — the same
+    overflows as the single-device run (with scale alone they are N× larger: an overflow one process does not
+    see)."""
 
     def __init__(self, group=None, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, reduce: bool = True, share: int = 1):
