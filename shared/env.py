@@ -37,6 +37,38 @@ def die_with_parent() -> None:
             pass
 
 
+def die_with_process(pid: int) -> None:
+    """In a rank forked from a forkserver (its parent is the forkserver, not the launcher): end this
+    process within a moment of process ``pid`` (the launcher) ending, whatever its way out — a
+    SIGKILLed compare.py otherwise left a rank computing on, at 50 % of a core for an hour (found by
+    the held-out audit: --steps 1e20, then SIGKILL). A pidfd (Linux >= 5.3) becomes readable when the
+    process exits, with no pid-reuse race; where there is none, nothing is watched."""
+    import select
+    import threading
+
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd here, or the launcher is already gone
+        if not _alive(pid):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return
+
+    def watch() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)  # as PR_SET_PDEATHSIG would: no handler, no clean-up
+    threading.Thread(target=watch, name="die-with-launcher", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def local_gpu_count() -> int:
     """CUDA devices this process may use (CUDA_VISIBLE_DEVICES respected), asked of the driver itself
     (libcuda's cuDeviceGetCount): no framework is imported, so neither torch's CUDA runtime nor JAX's

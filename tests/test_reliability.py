@@ -3,6 +3,7 @@ one line before anything trains (docs/reliability.md). All in-process or one tin
 
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -448,3 +449,49 @@ def test_jax_launch_refuses_zero_processes():
     done = subprocess.run([sys.executable, "-m", "jax_impl.launch", "-n", "0", "--", "compare.py"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "-n and -d must be >= 1" in done.stderr, done.stderr
+
+
+def _ranks_of(launcher: int) -> list[int]:
+    """The ranks of ``launcher``: the children of its forkserver (torch_impl/launch.py's start method)."""
+    def children(pid: int) -> list[int]:
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                return [int(c) for c in f.read().split()]
+        except OSError:
+            return []
+    return [r for c in children(launcher) for r in children(c)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_sigkilled_compare_py_takes_its_ranks_with_it():
+    """Held-out: compare.py SIGKILLed during a long run left a rank (forked by a forkserver that outlived
+    it) computing for an hour at 50 % of a core. The ranks watch the launcher's pidfd: gone in seconds."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "compare.py", "--model", "mlp", "--world-size", "2", "--steps",
+                             str(10**12), "--patterns", "dp", "--frameworks", "torch", "--quiet"],
+                            cwd=_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_ranks_of(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = _ranks_of(proc.pid)
+        assert len(ranks) >= 2, "the ranks never started"
+        time.sleep(2)  # past the launch: training
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while any(map(_alive, ranks)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(map(_alive, ranks)), f"ranks outlived their SIGKILLed launcher: {ranks}"

@@ -14,7 +14,8 @@ are forked from a forkserver (``_start_method``), which pickles it by name).
   ports, no race between "find a port" and "bind it").
 - Failure: a rank that raises sends its traceback; a rank that dies is seen by its exit code.
   Either way every other rank is terminated at once and ``LaunchError`` carries the traceback.
-  Children get SIGKILL if the parent dies (PR_SET_PDEATHSIG), so nothing is orphaned.
+  Children get SIGKILL if the parent dies (PR_SET_PDEATHSIG) or the launcher does (a pidfd: a
+  forkserver may outlive it), so nothing is orphaned.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shared import preempt
-from shared.env import die_with_parent
+from shared.env import die_with_parent, die_with_process
 from torch_impl.ledger import AUDIT_ENV, CommLedger
 
 DEFAULT_TIMEOUT_S = 300.0  # whole launch; collectives time out after the same
@@ -317,7 +318,9 @@ def _rank_main(rank, world_size, port, fn, args, kind, results_q, timeout_s, thr
     if environ is not None:  # the launching process's environment now, not the forkserver's at its start
         os.environ.clear()
         os.environ.update(environ)
-    die_with_parent()
+    die_with_parent()  # the forkserver
+    if "PARALLEL_TWINS_LAUNCHER_PID" in os.environ:  # and the launcher: a forkserver may outlive it
+        die_with_process(int(os.environ["PARALLEL_TWINS_LAUNCHER_PID"]))
     torch.set_num_threads(threads)
     try:
         store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=timeout_s))
