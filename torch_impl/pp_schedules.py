@@ -1,5 +1,8 @@
 """Interleaved 1F1B by hand over torch.distributed send/recv, and torch's multi-stage schedules.
 
+A runner module (the project's model; its JAX counterpart, jax_impl/parallel/pp_schedules.py, is
+library-level because the JAX pipeline seam's 1F1B runs on it: torch's seam uses torch.distributed.pipelining).
+
 Interleaved 1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
 Clusters using Megatron-LM", arXiv:2104.04473 §2.2.2). Sharded: the L blocks are cut into S·v
 model chunks (virtual stages) of L/(S·v) blocks; rank r holds chunks c = 0..v−1 = virtual stages

@@ -1,5 +1,10 @@
 """Pipeline schedules by hand in JAX: one shard_map body, per-micro-batch jax.vjp (1F1B, ZB-H1, interleaved).
 
+Library level (jax_impl/parallel/): the runner jax_impl/pp.py and the seam parallel/pp.py (its 1F1B,
+``programs=``: one program per stage) both run it. Its torch counterpart is a runner module,
+torch_impl/pp_schedules.py (send/recv by hand for the project's model), and the torch seam takes
+torch.distributed.pipelining's schedules, so there is no torch_impl/parallel/pp_schedules.py twin.
+
 jax_impl/pp.py's variants ("shard_map", "1f1b" | "zb" | "interleaved") run these schedules on
 pp.py's parameter layout (blocks (S, L/S, …) and the embedding / head slots, over "pp"); pp.py
 builds the stage function, this module the schedule. The circular pipeline's backward is jax.grad

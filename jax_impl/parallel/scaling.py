@@ -1,6 +1,7 @@
 """Dynamic loss scaling for float16 compute under the wrappers of jax_impl/parallel/ (parallelize in every
 variant and style, apply_plan, context_parallel, pipeline) and the runners: the twin of torch.amp.GradScaler.
-optax has none; this is it.
+optax has none; this is it. Its torch twin is ``LossScaler`` in torch_impl/parallel/recipe.py (beside the
+clipping it must precede), so there is no torch_impl/parallel/scaling.py.
 
 float16 has 5 exponent bits: a gradient entry below 6e-8 flushes to zero in the float16 backward. The
 loss is multiplied by ``scale`` before ``grad`` (the float16 backward then carries scale × the true
