@@ -64,7 +64,7 @@ def row_ok(r) -> bool:
 
 def all_ok(rows, xfw, errors) -> bool:
     """The verdict: no error, every run within tolerance of both references, every cross-framework check."""
-    return not errors and all(row_ok(r) for r in rows) and all(x["ok"] for x in xfw)
+    return not errors and all(row_ok(r) for r in rows) and all(x["ok"] is not False for x in xfw)  # None: n/a
 
 
 # --- the parity table ---------------------------------------------------------------------------
@@ -333,12 +333,14 @@ def verdict_lines(rows, xfw, errors, frameworks, elapsed: float, console) -> boo
     for x in xfw:
         console.print(f"cross-framework {x['pattern']} ({x['model']}): torch vs jax reference, max rel err "
                       f"{max(x['max_rel_err_loss'], x['max_rel_err_grad'], x['max_rel_err_param']):.1e} "
-                      f"({'ok' if x['ok'] else 'FAIL'})", highlight=False)
+                      f"({'ok' if x['ok'] else 'FAIL' if x['ok'] is False else 'not comparable'})", highlight=False)
     for r in rows:  # MoE: a run that routed a token unlike its reference (a float32 near-tie) says where;
         for key in ("routing_mismatch", "skip_mismatch"):  # float16: a run that skipped other steps, too
             if r.extra.get(key):
                 console.print(f"[bold red]{r.pattern} {r.framework} {r.style}/{r.variant}[/]: {r.extra[key]}")
     for x in xfw:
+        if x.get("not_comparable"):
+            console.print(f"[yellow]cross-framework {x['pattern']} ({x['model']})[/]: {x['not_comparable']}")
         if x.get("skip_mismatch"):
             console.print(f"[bold red]cross-framework {x['pattern']} ({x['model']})[/]: {x['skip_mismatch']}")
         if x.get("routing_mismatch"):
@@ -348,7 +350,8 @@ def verdict_lines(rows, xfw, errors, frameworks, elapsed: float, console) -> boo
     failed = [r for r in rows if not row_ok(r)]
     ok = all_ok(rows, xfw, errors)
     verdict = (f"verdict: all {len(rows)} runs agree with their reference"
-               f"{' and across frameworks' if len(frameworks) > 1 else ''} ({elapsed:.0f} s)"
+               f"{' and across frameworks' if len(frameworks) > 1 else ''}"
+               f"{' where comparable' if any(x['ok'] is None for x in xfw) else ''} ({elapsed:.0f} s)"
                if ok else f"verdict: {len(failed)} of {len(rows)} runs failed parity, {len(errors)} errors")
     console.print(verdict, style="bold green" if ok else "bold red", highlight=False)
     return ok

@@ -137,6 +137,7 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
         losses_within_floor,
         parity,
         pure_floor,
+        references_skip_apart,
         routing_mismatch,
         skip_mismatch,
         within_floor,
@@ -194,6 +195,7 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
                 t_ref, j_ref = raw["torch"][pattern][model]["reference"], raw["jax"][pattern][model]["reference"]
                 errs, routing = parity(t_ref, j_ref), routing_mismatch(t_ref, j_ref)  # MoE: the same routing
                 skips = skip_mismatch(j_ref, t_ref)  # float16: the same skipped steps (torch's, where it records)
+                apart = references_skip_apart(t_ref, j_ref)  # float16: other overflows, other steps trained
                 if cfg.precision == "mixed":  # vs the two references' floors
                     agree = within_floor(errs, t_ref, j_ref, factor=MIXED_CROSS_FRAMEWORK_FACTOR / MIXED_FACTOR,
                                          program=True)
@@ -201,9 +203,9 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
                     agree = cross_framework_ok(errs, cfg.dtype, cfg.steps, pure_floor(t_ref, j_ref)) \
                         and losses_within_floor(j_ref, cfg.dtype, CROSS_FRAMEWORK_FACTOR, t_ref, j_ref)
                 xfw.append({"pattern": pattern, "model": model, "what": "torch reference vs jax reference",
-                            **errs, "ok": agree and routing is None and skips is None,
+                            **errs, "ok": None if apart else agree and routing is None and skips is None,
                             **({"routing_mismatch": routing} if routing else {}),
-                            **({"skip_mismatch": skips} if skips else {})})
+                            **({"not_comparable": apart} if apart else {"skip_mismatch": skips} if skips else {})})
     if interrupted:
         raise Interrupted((rows, xfw, errors, refs), interrupted)
     return rows, xfw, errors, refs

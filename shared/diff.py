@@ -85,6 +85,12 @@ def load(path: str) -> dict:
     return data
 
 
+def _xfw_status(ok) -> str:
+    """A cross-framework check's status: ok, FAIL, or (None: float16 references that skipped different
+    steps) not comparable."""
+    return "ok" if ok else "FAIL" if ok is False else "not comparable"
+
+
 def row_key(run: dict) -> tuple:
     """The row's KEY_FIELDS; precision "pure" (the default every row now states) keys as a file that
     predates the field does: None."""
@@ -269,9 +275,10 @@ def diff(old: dict, new: dict, time_factor: float | None = 2.0) -> dict:
         k = (x.get("pattern"), x.get("model"))
         if k in xa:
             name = f"{k[0]} {k[1]} torch vs jax reference"
-            if bool(xa[k].get("ok")) != bool(x.get("ok")):
-                findings.append(Finding("regression" if xa[k].get("ok") else "improved", "status", name,
-                                        f"{'ok' if xa[k].get('ok') else 'FAIL'} -> {'ok' if x.get('ok') else 'FAIL'}"))
+            was, now = _xfw_status(xa[k].get("ok")), _xfw_status(x.get("ok"))
+            if was != now:
+                findings.append(Finding("regression" if now == "FAIL" else "improved" if was == "FAIL" else "changed",
+                                        "status", name, f"{was} -> {now}"))
             findings += _parity(name, xa[k], x, (new.get("config") or {}).get("dtype"),
                                 {f: PARITY_FIELDS[f] for f in list(PARITY_FIELDS)[:3]})
     findings += [Finding("regression", "errors", "", e) for e in new.get("errors", [])
