@@ -282,9 +282,7 @@ class Trainer:
         new = optax.apply_updates(params, updates)
         if sc is None:
             return new, new_opt, loss, grads
-        bad = scaling.nonfinite(grads)
-        new, new_opt = scaling.keep(bad, (new, new_opt), (params, opt_state))
-        sc = self.scaler.update(sc, bad)
+        (new, new_opt), sc, bad = self.scaler.settle(sc, grads, (new, new_opt), (params, opt_state))
         return new, new_opt, sc, loss, grads, bad > 0, sc["scale"]
 
     def order(self, t: int) -> np.ndarray:

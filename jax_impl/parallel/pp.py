@@ -256,9 +256,7 @@ class Trainer:
         new = optax.apply_updates(params, updates)
         if sc is None:
             return new, new_opt, value, grads, None, None
-        bad = scaling.nonfinite(grads)
-        new, new_opt = scaling.keep(bad, (new, new_opt), (params, opt_state))
-        sc = self.scaler.update(sc, bad)
+        (new, new_opt), sc, bad = self.scaler.settle(sc, grads, (new, new_opt), (params, opt_state))
         return new, new_opt, sc, value, grads, bad > 0, sc["scale"]
 
     def _losses(self, params, xs, *ys):

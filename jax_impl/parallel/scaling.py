@@ -61,6 +61,12 @@ class DynamicScale:
                           jnp.where(grow, state["scale"] * self.growth, state["scale"]))
         return {"scale": scale.astype(jnp.float32), "good": jnp.where(grow, 0, good).astype(jnp.int32)}
 
+    def settle(self, state, grads, new, old):
+        """The end of a scaled step whose ``grads`` are whole (global arrays, or the same on every device):
+        (``new`` or, where any gradient is inf / NaN, ``old``; the next scale state; the flag)."""
+        bad = nonfinite(grads)
+        return keep(bad, new, old), self.update(state, bad), bad
+
 
 def resolve(loss_scale, compute_dtype, where: str) -> DynamicScale | None:
     """The wrappers' ``loss_scale=``: a DynamicScale, True (the defaults), False (none), or None — the
