@@ -59,6 +59,7 @@ from torch_impl.parallel import cp, ep, pp, tp, tp_ops
 from torch_impl.parallel import theory as mt
 from torch_impl.parallel.dp import BucketedDDP, Zero1Optimizer
 from torch_impl.parallel.fsdp import FSDP, ShardReadError, Zero2
+from torch_impl.parallel.recipe import LocalClipError
 
 DT = torch.float64
 TOL = 1e-12  # float64: see the module docstring
@@ -327,12 +328,48 @@ def user_moe(ctx):
             "ledger": ctx.ledger.summary(), "theory": d.comm_theory(), "counts": d.c, "refused": refused}
 
 
+def user_moe_clip(ctx):
+    """ep.clip_grad_norm_ (binding) equals one process's clip_grad_norm_; torch's own over this rank's experts
+    (a local norm) is refused at the step with LocalClipError."""
+    x, max_norm, steps = made(torch.randn, 4, 3, 6, dtype=DT, seed=5), 1e-3, 2
+    ref, model = made(UserMoE), made(UserMoE)
+    ep.expert_parallel(model.experts, ctx.group)
+    mine, n = x.chunk(ctx.world_size)[ctx.rank], ctx.world_size
+    ref_norms, norms = [], []
+    for m, data, opt, clip in ((ref, x, adamw(ref.parameters()), None), (model, mine, adamw(model.parameters()), 1)):
+        for _ in range(steps):
+            opt.zero_grad()
+            m(data).pow(2).mean().backward()
+            if clip:
+                ep.finish_gradients(model, ctx.group)
+                norms.append(float(ep.clip_grad_norm_(model, max_norm, ctx.group)))
+            else:
+                ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)))
+            opt.step()
+    def whole(t):  # this rank's (E/N, …) experts -> (E, …)
+        out = t.new_empty((n * t.shape[0], *t.shape[1:]))
+        torch.distributed.all_gather_single(out, t.detach().contiguous(), group=ctx.group)
+        return out
+    params = {k: whole(p) if k.startswith("experts.") else p.detach() for k, p in model.named_parameters()}
+    opt = adamw(model.parameters())
+    model(mine).pow(2).mean().backward()
+    ep.finish_gradients(model, ctx.group)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    try:
+        opt.step()
+        refused = ""
+    except LocalClipError as e:
+        refused = str(e)
+    return {"norm_err": max(abs(a - b) for a, b in zip(norms, ref_norms)), "binds": min(ref_norms) > max_norm,
+            "param_err": max_err(params, full(ref)), "refused": refused}
+
+
 def rank_checks(ctx):
     out = {"vocab": vocab_smallest(ctx), "tp_mlp": tp_mlp(ctx), "tp_mlp_sp": tp_mlp(ctx, sequence_parallel=True),
            "llama": llama(ctx), "llama_unshared": llama(ctx, shared_f=False, steps_only=True),
            "dtensor_tied": dtensor_tied_llama(ctx), "refuse": apply_plan_refuses_first(ctx), "dp": data_parallel(ctx),
            "tied_reader": fsdp_tied_reader(ctx), "project": fsdp_on_project_models(ctx),
-           "moe": user_moe(ctx)}
+           "moe": user_moe(ctx), "moe_clip": user_moe_clip(ctx)}
     return out if ctx.rank == 0 else None
 
 
@@ -355,6 +392,14 @@ def plugged_in(phi_bytes: int) -> dict[str, int]:
 
 
 # --- expert parallelism on a user's MoE layer --------------------------------------------------------------
+
+
+def test_expert_parallel_clips_by_the_global_norm(result):
+    """ep.clip_grad_norm_ binds (1e-3 under every step's norm) and equals one process's clip to 1e-12 (float64
+    sums reordered); torch's own clip over a rank's experts is refused at the step, naming the fix."""
+    r = result["moe_clip"]
+    assert r["binds"] and r["norm_err"] <= 1e-12 and r["param_err"] <= 1e-12, r
+    assert "ep.clip_grad_norm_" in r["refused"], r["refused"]
 
 
 def test_expert_parallel_trains_a_user_moe_like_one_process(result, measured):

@@ -14,10 +14,9 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Known, not fixed: torch's own clip_grad_norm_ after apply_dtensor_plan raises torch's "mixed torch.Tensor and
-# DTensor" (the unplanned parameters stay plain tensors) before anything changes — loud, not silent, but not the
-# project's one-line refusal; the fix (docs/recipe.md) is tp.clip_grad_norm_(model, max_norm). Any other CRASH fails.
-KNOWN_CRASHES = {("apply_dtensor_plan", "torch_clip")}
+# None left: torch's own clip_grad_norm_ after apply_dtensor_plan crashed ("mixed torch.Tensor and DTensor") until
+# the unplanned parameters became Replicate DTensors (tp.replicate_unplanned). Any CRASH fails.
+KNOWN_CRASHES: set = set()
 
 
 @pytest.mark.slow  # ~15 s torch + ~40 s JAX on an idle 2-core machine

@@ -201,14 +201,16 @@ def case_tp(ctx, ref):
     return error(tp.full_tensors(model, styles, ctx.group), ref), norms
 
 
-def case_dtensor(ctx, ref):
+def case_dtensor(ctx, ref, torch_clip=False):
+    """torch_clip: torch's own clip_grad_norm_ (every parameter a DTensor: the unplanned ones Replicate)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     model = build()
     tp.apply_dtensor_plan(model, PLAN, init_device_mesh("cpu", (2,)))
     x, y = data()
-    norms = train(model, adamw(groups(model.named_parameters())), list(zip(x.chunk(K), y.chunk(K))),
-                  clip=lambda m: tp.clip_grad_norm_(model, m))
+    clip = (lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m).full_tensor()) if torch_clip else \
+        (lambda m: tp.clip_grad_norm_(model, m))
+    norms = train(model, adamw(groups(model.named_parameters())), list(zip(x.chunk(K), y.chunk(K))), clip=clip)
     full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in model.named_parameters()}
     return error(full, ref), norms
 
@@ -642,7 +644,8 @@ def everything(ctx):
     cases = {"ddp": case_ddp, "zero1": case_zero1, "zero2": case_zero2,
              "zero2_no_sync": lambda c, r: case_zero2(c, r, no_sync=True),
              "fsdp": case_fsdp, "fsdp_no_sync": lambda c, r: case_fsdp(c, r, no_sync=True), "fsdp2": case_fsdp2,
-             "tp": case_tp, "dtensor": case_dtensor, "pp_gpipe": case_pp,
+             "tp": case_tp, "dtensor": case_dtensor,
+             "dtensor_torch_clip": lambda c, r: case_dtensor(c, r, torch_clip=True), "pp_gpipe": case_pp,
              "pp_1f1b": lambda c, r: case_pp(c, r, "1f1b")}
     for name, fn in cases.items():
         try:
@@ -670,8 +673,8 @@ def results():
     return launch(everything, 2, device="cpu")
 
 
-CASES = ["ddp", "zero1", "zero2", "zero2_no_sync", "fsdp", "fsdp_no_sync", "fsdp2", "tp", "dtensor", "pp_gpipe",
-         "pp_1f1b"]
+CASES = ["ddp", "zero1", "zero2", "zero2_no_sync", "fsdp", "fsdp_no_sync", "fsdp2", "tp", "dtensor",
+         "dtensor_torch_clip", "pp_gpipe", "pp_1f1b"]
 
 
 def test_clipping_binds(results):

@@ -134,8 +134,9 @@ def expert_load(model: nn.Module) -> np.ndarray:
 
 def make_optimizer(params, cfg: Config) -> torch.optim.Optimizer:
     """AdamW with the per-parameter loop on every device (``foreach=False``: the CPU default). On CUDA torch
-    picks the foreach kernels, which refuse a DTensor plan's mix of DTensor and plain parameters
-    ("aten._foreach_mul_.Scalar: got mixed torch.Tensor and DTensor", seen on an H200)."""
+    picks the foreach kernels, which refused a DTensor plan's mix of DTensor and plain parameters
+    ("aten._foreach_mul_.Scalar: got mixed torch.Tensor and DTensor", seen on an H200, before
+    apply_dtensor_plan made the unplanned ones Replicate DTensors; the mesh's builtin composition still mixes)."""
     return torch.optim.AdamW(
         params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False
     )

@@ -111,7 +111,7 @@ def apply_tp(module: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, style
     paths = [p for p, _ in module.named_modules()]
     plan = {k: v for k, v in plan.items() if any(matches(p, k) for p in paths)}
     if style == "builtin":
-        return apply_dtensor_plan(module, plan, tp_mesh)
+        return apply_dtensor_plan(module, plan, tp_mesh, replicate_rest=False)  # FSDP2 / DDP take the rest
     return apply_plan(module, plan, tp_mesh.get_group(), missing_ok=True, seal_grads=False)  # its own step scales
 
 

@@ -11,6 +11,7 @@ and routes that same call through a Dispatcher; ``finish_gradients`` after backw
 
     ep.expert_parallel(model.moe.experts, group)        # rank r keeps experts [r·E/N, (r+1)·E/N)
     loss(model(x_local), y_local).backward(); ep.finish_gradients(model, group); opt.step()
+    ep.clip_grad_norm_(model, max_norm, group)          # between the two: the global norm (experts summed)
 
 Per layer: ONE all-gather of the (E,) int64 per-expert counts (-> the uneven splits and the global
 counts of the balancing loss), the dispatch all-to-all of the k·n assignment rows (sorted by expert),
@@ -25,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
+
+from torch_impl.parallel import recipe
 
 # --- the all-to-alls --------------------------------------------------------------------------------
 
@@ -217,6 +220,23 @@ def finish_gradients(model: nn.Module, group=None) -> None:
         flat.div_(n)
         for g, chunk in zip(rest, flat.split([g.numel() for g in rest])):
             g.copy_(chunk.view_as(g))
+    # torch's clip_grad_norm_ over what this rank holds sees ITS experts only: a local norm, a different
+    # clip on every rank (silently wrong, the replicated weights drifting apart): refused at the step
+    recipe.seal([p.grad for p in params if hasattr(p, EXPERT_MARK)], "ep.finish_gradients",
+                "clip with ep.clip_grad_norm_(model, max_norm, group): the experts' squares summed over the group")
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, group=None) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` of the whole (unsplit) model, after ``finish_gradients``: the experts'
+    gradients (this rank's E/N) summed over the group by ONE scalar all-reduce, every other gradient (equal
+    on every rank after the average) counted once. Returns the global norm, equal on every rank."""
+    group = group if group is not None else dist.group.WORLD
+    params = [p for p in model.parameters() if p.requires_grad]  # gradients None skipped, the all-reduce still run
+    if not params:
+        return torch.zeros(())
+    split = [p.grad for p in params if hasattr(p, EXPERT_MARK)]
+    whole = [p.grad for p in params if not hasattr(p, EXPERT_MARK)]
+    return recipe.clip_(split, whole, max_norm, group, params[0].dtype)
 
 
 def refuse_split_experts(named, who: str) -> None:

@@ -30,9 +30,9 @@ reduces nothing itself — DTensor's handler of its unscale kernel (torch/distri
 dtype) list, and only if that one is not Replicate. So it agrees under FSDP2 (every gradient Shard(0))
 and a DTensor plan whose first gradient is sharded, but NOT when a replicated gradient (a rowwise bias)
 comes first: rank 0 stepped at scale 2^16 while rank 1 skipped; plain tensors (ZeRO, our TP, pp stages)
-are never agreed. ShardedGradScaler agrees over its process group in all three DTensor cases, and both
-crash on apply_dtensor_plan's mix of DTensor and plain parameters ("got mixed torch.Tensor and
-DTensor"). One rule for every layout: ours.
+are never agreed. ShardedGradScaler agrees over its process group in all three DTensor cases (and both crashed on
+a mix of DTensor and plain parameters, "got mixed torch.Tensor and DTensor", which
+apply_dtensor_plan no longer leaves: tp.replicate_unplanned). One rule for every layout: ours.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ def clip_(sharded, replicated, max_norm: float, group, dtype: torch.dtype, devic
 def clip_dtensor_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """torch's own ``clip_grad_norm_`` for a model whose parameters are DTensors (FSDP2's
     fully_shard, a DTensor TP plan) — and, unlike it, also for one that mixes them with plain
-    tensors (apply_dtensor_plan leaves unplanned parameters plain: replicated over the mesh, equal
-    on every rank, so counted once). DTensor norms are reduced by DTensor itself (its Partial →
+    tensors (compose's builtin tp, ``apply_dtensor_plan(..., replicate_rest=False)``, leaves unplanned
+    parameters plain: replicated over the mesh, equal on every rank, so counted once). DTensor norms are reduced by DTensor itself (its Partial →
     Replicate all-reduce); the result is a plain 0-dim tensor."""
     grads = [p.grad for p in params if p.grad is not None]
     dts = [g for g in grads if isinstance(g, DTensor)]

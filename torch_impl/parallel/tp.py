@@ -419,8 +419,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group=None) -> torch.Tens
     parameters (those carrying ``tp_size``; padding rows have zero gradients) are summed over the
     group by one scalar all-reduce, the replicated ones (norms, rowwise biases, SP's 'sequence'
     parameters after ``reduce_sequence_grads``) counted once. DTensor: torch's own norm over the
-    DTensors plus the unplanned plain parameters once (``recipe.clip_dtensor_``; torch's
-    clip_grad_norm_ refuses the mix). Call after backward (and any gradient reduction), on every rank."""
+    DTensors (plus any plain parameters once, ``recipe.clip_dtensor_``: after ``replicate_rest=False``
+    torch's clip_grad_norm_ refuses that mix). Call after backward (and any gradient reduction), on every rank."""
     params = [p for p in model.parameters() if p.requires_grad]  # a tied parameter once
     if any(isinstance(p, DTensor) for p in params):
         return recipe.clip_dtensor_(params, max_norm)
@@ -432,14 +432,18 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group=None) -> torch.Tens
     return recipe.clip_(split, whole, max_norm, group, params[0].dtype)
 
 
-def apply_dtensor_plan(model: nn.Module, plan: dict[str, str], mesh, sequence_parallel: bool = False) -> dict[str, str]:
+def apply_dtensor_plan(model: nn.Module, plan: dict[str, str], mesh, sequence_parallel: bool = False,
+                       replicate_rest: bool = True) -> dict[str, str]:
     """The same plan through ``parallelize_module``. W_qkv's rows are permuted first (heads_perm),
     so DTensor's contiguous Shard(0) hands rank r [q_r; k_r; v_r]. Sequence parallel: wpe's
     positions are cut to this rank's first (local_positions, registered before SequenceParallel's
     input hook, which takes a plain tensor for the local shard). A tied Parameter (an embedding and
     its head) stays one Parameter: parallelize_module distributes each holder's copy apart, so the
     copies are tied again after it (a plan splitting them differently: PlanError, before anything changes).
-    Returns {parameter name: style}."""
+    ``replicate_rest``: every parameter the plan leaves alone becomes a Replicate DTensor too
+    (``replicate_unplanned``), so that every parameter is a DTensor and torch's own
+    ``clip_grad_norm_`` works (as torchtitan's models are, FSDP2 over TP); compose passes False, as
+    FSDP2 / DDP take over those parameters. Returns {parameter name: style}."""
     check_module_types(planned_modules(model, plan, True))  # parallelize_module's own error is torch's, untyped
     styles, table = styles_of(model, plan), DTENSOR_SP_STYLES if sequence_parallel else DTENSOR_STYLES
     ties = _tied_holders(model)
@@ -460,7 +464,56 @@ def apply_dtensor_plan(model: nn.Module, plan: dict[str, str], mesh, sequence_pa
             local_positions(mesh.get_local_rank(), mesh.size()))
     parallelize_module(model, mesh, {k: table[s]() for k, s in plan.items()})
     _retie(model, ties)
+    if replicate_rest:
+        replicate_unplanned(model, mesh)
     return styles
+
+
+def replicate_unplanned(model: nn.Module, mesh) -> None:
+    """Every plain parameter (one the plan left alone, equal on every rank) becomes ONE Replicate DTensor
+    on ``mesh`` in every module that holds it, made from the local tensor (no collective). Its module's
+    code, written for plain tensors, sees the plain local tensor (``to_local``, differentiable: the
+    gradient comes back a Replicate DTensor, with no collective) while the root model runs and while any
+    holder runs (an activation-checkpoint recompute, a pipeline stage): a forward pre-hook swaps it in,
+    a forward hook swaps the DTensor back. So the forward and its collectives are unchanged and every
+    gradient is a DTensor: torch's ``clip_grad_norm_`` counts the replicated ones once, as it should.
+    An optimizer built BEFORE this holds the old Parameters: refused at its first step."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for _, m in model.named_modules():
+        for attr, p in m._parameters.items():
+            if p is not None and not isinstance(p, DTensor):
+                holders.setdefault(id(p), []).append((m, attr))
+    if not holders:
+        return
+    old = {n: p for n, p in model.named_parameters() if id(p) in holders}
+    for held in holders.values():
+        p = held[0][0]._parameters[held[0][1]]
+        new = nn.Parameter(DTensor.from_local(p.detach(), mesh, [Replicate()], run_check=False),
+                           requires_grad=p.requires_grad)
+        new._tp_unplanned = True  # what the hooks swap (not a rowwise bias's or SP norm's Replicate)
+        for m, attr in held:
+            m._parameters[attr] = new
+    mods = {id(m): m for held in holders.values() for m, _ in held} | {id(model): model}
+    for m in mods.values():
+        m.register_forward_pre_hook(_to_local_params)
+        m.register_forward_hook(_to_dtensor_params, always_call=True)
+    recipe.refuse_stale(old, "apply_dtensor_plan", "build the optimizer (and its param groups) AFTER "
+                        "apply_dtensor_plan, from model.named_parameters(): it makes every parameter a DTensor")
+
+
+def _to_local_params(m: nn.Module, args) -> None:
+    """The module and every module under it compute with the unplanned parameters' local tensors."""
+    swapped = [(mod, attr, p) for mod in m.modules() for attr, p in mod._parameters.items()
+               if getattr(p, "_tp_unplanned", False)]
+    for mod, attr, p in swapped:
+        mod._parameters[attr] = p.to_local()
+    m.__dict__.setdefault("_tp_swapped", []).append(swapped)
+
+
+def _to_dtensor_params(m: nn.Module, args, out):
+    for mod, attr, p in m.__dict__["_tp_swapped"].pop():
+        mod._parameters[attr] = p
+    return out
 
 
 def _tied_holders(model: nn.Module) -> list[list[tuple[str, str]]]:
