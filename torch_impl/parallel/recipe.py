@@ -108,8 +108,9 @@ def clip_dtensor_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tens
     """torch's own ``clip_grad_norm_`` for a model whose parameters are DTensors (FSDP2's
     fully_shard, a DTensor TP plan) — and, unlike it, also for one that mixes them with plain
     tensors (compose's builtin tp, ``apply_dtensor_plan(..., replicate_rest=False)``, leaves unplanned
-    parameters plain: replicated over the mesh, equal on every rank, so counted once). DTensor norms are reduced by DTensor itself (its Partial →
-    Replicate all-reduce); the result is a plain 0-dim tensor."""
+    parameters plain: replicated over the mesh, equal on every rank, so counted once). DTensor norms
+    are reduced by DTensor itself (its Partial → Replicate all-reduce); the result is a plain 0-dim
+    tensor."""
     grads = [p.grad for p in params if p.grad is not None]
     dts = [g for g in grads if isinstance(g, DTensor)]
     plain = [g for g in grads if not isinstance(g, DTensor)]
