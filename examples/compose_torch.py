@@ -84,13 +84,14 @@ def reference(shape) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: p.detach() for k, p in model.named_parameters()}
 
 
-def train(layout: dict[str, int], style: str, shape, ledger=None) -> tuple[list[float], dict, dict]:
+def train(layout: dict[str, int], style: str, shape, ledger=None, **pp) -> tuple[list[float], dict, dict]:
     """This rank's part of training under ``layout``: the losses, every parameter whole, and (given the
-    project's CommLedger) the last step's collectives per axis beside the composition's theory of them."""
+    project's CommLedger) the last step's collectives per axis beside the composition's theory of them.
+    ``pp``: parallelize's schedule= / microbatches=."""
     model, (tokens, targets) = build(shape, cp=layout.get("cp", 1) > 1), data(shape)
     mesh = init_device_mesh("cpu", tuple(layout.values()), mesh_dim_names=tuple(layout))  # glue
     trainer = parallelize(model, mesh, plan=TP_PLAN, stage=Stage, units=["model.layers.*"], style=style,
-                          optimizer=lambda ps: torch.optim.AdamW(ps, **ADAMW))  # glue
+                          optimizer=lambda ps: torch.optim.AdamW(ps, **ADAMW), **pp)  # glue
     losses = [trainer.train_step(tokens, targets) for _ in range(STEPS - 1)]  # glue
     comm = {}
     if ledger is not None:
@@ -114,10 +115,10 @@ def train(layout: dict[str, int], style: str, shape, ledger=None) -> tuple[list[
 _LABELS: dict[str, str] = {}
 
 
-def rank(ctx, cases: list[tuple[dict, str]], shape):
-    """Every (layout, style) of ``cases`` on the same ranks, one after another; every rank's answers
-    (the ledger differs by rank; the parameters are rank 0's)."""
-    out = [train(layout, style, shape, ctx.ledger) for layout, style in cases]
+def rank(ctx, cases: list[tuple[dict, str, dict]], shape):
+    """Every (layout, style, pp options) of ``cases`` on the same ranks, one after another; every rank's
+    answers (the ledger differs by rank; the parameters are rank 0's)."""
+    out = [train(layout, style, shape, ctx.ledger, **pp) for layout, style, pp in cases]
     return out if ctx.rank == 0 else [(None, None, comm) for _, _, comm in out]
 
 
@@ -137,15 +138,17 @@ def compare(layout, style, got, ref) -> dict:
             "reference_losses": ref_losses, "max_abs_param_diff": diff, "max_rel_loss_diff": rel}
 
 
-def run(cases: list[tuple[dict, str]], shape=None) -> list[dict]:
-    """Train every (layout, style) in ONE launch (all layouts of one world size) and on one process."""
+def run(cases: list[tuple], shape=None) -> list[dict]:
+    """Train every (layout, style[, {"schedule": …, "microbatches": …}]) in ONE launch (all layouts of one
+    world size) and on one process."""
     shape = shape or shared_llama.LlamaShape()
-    worlds = {math.prod(layout.values()) for layout, _ in cases}
+    cases = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in cases]
+    worlds = {math.prod(c[0].values()) for c in cases}
     if len(worlds) != 1:
         raise ValueError(f"compose_torch.run: one launch per world size; these layouts need {sorted(worlds)}")
     every = launch(rank, worlds.pop(), cases, shape)
     ref = reference(shape)
-    out = [compare(layout, style, got, ref) for (layout, style), got in zip(cases, every[0], strict=True)]
+    out = [compare(layout, style, got, ref) | pp for (layout, style, pp), got in zip(cases, every[0], strict=True)]
     for i, r in enumerate(out):
         r["comm_per_rank"] = [answers[i][2] for answers in every]  # {"ledger", "theory"} per axis, per rank
     return out
@@ -155,9 +158,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout", default="fsdp=2,tp=2,pp=2", help="axis=size,... outermost first")
     parser.add_argument("--style", default="builtin", choices=("builtin", "explicit"))
+    parser.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b"), help="under pp")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
-    result = run([(parse_layout(args.layout), args.style)])[0]
+    result = run([(parse_layout(args.layout), args.style, {"schedule": args.schedule})])[0]
     agree = all(c["theory"].get(a) == ops for c in result["comm_per_rank"] for a, ops in c["ledger"].items()
                 if a in c["theory"])
     print(json.dumps({k: v for k, v in result.items() if k != "comm_per_rank"}, indent=1))

@@ -76,9 +76,6 @@ from torch_impl.parallel.ep import refuse_split_experts
 from torch_impl.parallel.fsdp import FSDP, average_flat
 from torch_impl.parallel.tp import check_plan, matches, unshard
 
-NOT_DERIVED = ("builtin fsdp × pp under 1f1b: FSDP2's all-gathers and reduce-scatters per micro-batch are not "
-               "derived (comm_theory omits them)")
-
 
 class Trainer:
     """``parallelize``'s result: ``train_step(tokens, targets)`` -> the global mean loss;
@@ -200,12 +197,12 @@ class Trainer:
         tp (explicit: per micro-batch one g per rowwise module and the embedding, one f per input of
         colwise modules and the head, the vocabulary CE's MAX + SUM; builtin: one f per colwise
         module, loss_parallel's 3), pp (M messages of A per boundary each way), cp (the ring: 3c−2
-        K|V messages per seam call), dp (one flat all-reduce), fsdp (explicit without pp: the FSDP
-        wrapper's own theory, its gathers and reduce-scatters M times under pp; builtin, GPipe: FSDP2 gathers each unit in every micro-batch's forward
-        and once in backward — the pipeline keeps it unsharded until the last backward — so M + 1
-        times, the root once, and reduce-scatters each once, dim 0 padded to the group size) and the
-        world's (loss, flag). Not derived: builtin fsdp under 1f1b (where a backward lands between
-        forwards): absent from the result, NOT_DERIVED says so."""
+        K|V messages per seam call), dp (one flat all-reduce), fsdp (explicit: the FSDP wrapper's own
+        theory, its gathers and reduce-scatters M times under pp; builtin: FSDP2 gathers each unit in
+        every micro-batch's forward and once in backward — the pipeline keeps it unsharded from the
+        first backward to the last, under GPipe and 1F1B alike, where a backward lands between
+        forwards — so M + 1 times, the root once, and reduce-scatters each once, dim 0 padded to the
+        group size) and the world's (loss, flag)."""
         out: dict[str, dict[str, tuple[int, int]]] = {}
 
         def add(label, op, n, nbytes):
@@ -235,9 +232,7 @@ class Trainer:
             a, k = sum(n * item for n, item in self.last["kv"]), (3 * self.c - 2) * len(self.last["kv"])
             add("cp", "send", k, (3 * self.c - 2) * 2 * a)
             add("cp", "recv", k, (3 * self.c - 2) * 2 * a)
-        if self.fsdp2 and self.S > 1 and self.schedule_name != "gpipe":
-            pass  # NOT_DERIVED
-        elif self.fsdp is not None:  # under pp every micro-batch gathers, re-gathers and reduce-scatters (they add)
+        if self.fsdp is not None:  # under pp every micro-batch gathers, re-gathers and reduce-scatters (they add)
             for op, (n, nbytes) in self.fsdp.comm_theory().items():
                 k = M if op in ("all_gather", "reduce_scatter") else 1  # the vectors' all-reduce: once, at the end
                 add(self.grad_label, op, k * n, k * nbytes)
