@@ -46,7 +46,8 @@ CASES_8 = [({"fsdp": 2, "tp": 2, "pp": 2}, "builtin"), ({"dp": 2, "tp": 2, "cp":
 
 def name(case) -> str:
     layout, style, *pp = case
-    return ",".join(f"{a}={n}" for a, n in layout.items()) + f" {style}" + "".join(f" {v}" for o in pp for v in o.values())
+    options = "".join(f" {v}" for o in pp for v in o.values())  # the pp schedule, M
+    return ",".join(f"{a}={n}" for a, n in layout.items()) + f" {style}{options}"
 
 
 @pytest.fixture(scope="module")
