@@ -71,14 +71,16 @@ def data(shape):
     return tuple(torch.from_numpy(a) for a in shared_llama.batch(shape, ROWS, SEED))  # tokens, targets (B, T)
 
 
-def reference(shape) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The same model on one process: plain forward, mean CE, AdamW."""
+def reference(shape, max_norm=None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same model on one process: plain forward, mean CE, (torch's clip_grad_norm_,) AdamW."""
     model, (tokens, targets) = build(shape), data(shape)
     opt, losses = torch.optim.AdamW(model.parameters(), **ADAMW), []
     for _ in range(STEPS):
         opt.zero_grad(set_to_none=True)
         loss = cross_entropy(model(input_ids=tokens).logits, targets)
         loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
         losses.append(float(loss.detach()))
     return losses, {k: p.detach() for k, p in model.named_parameters()}
@@ -87,24 +89,25 @@ def reference(shape) -> tuple[list[float], dict[str, torch.Tensor]]:
 def train(layout: dict[str, int], style: str, shape, ledger=None, **pp) -> tuple[list[float], dict, dict]:
     """This rank's part of training under ``layout``: the losses, every parameter whole, and (given the
     project's CommLedger) the last step's collectives per axis beside the composition's theory of them.
-    ``pp``: parallelize's schedule= / microbatches=."""
+    ``pp``: parallelize's schedule= / microbatches=, and train_step's max_norm=."""
+    max_norm = pp.pop("max_norm", None)
     model, (tokens, targets) = build(shape, cp=layout.get("cp", 1) > 1), data(shape)
     mesh = init_device_mesh("cpu", tuple(layout.values()), mesh_dim_names=tuple(layout))  # glue
     trainer = parallelize(model, mesh, plan=TP_PLAN, stage=Stage, units=["model.layers.*"], style=style,
                           optimizer=lambda ps: torch.optim.AdamW(ps, **ADAMW), **pp)  # glue
-    losses = [trainer.train_step(tokens, targets) for _ in range(STEPS - 1)]  # glue
+    losses = [trainer.train_step(tokens, targets, max_norm) for _ in range(STEPS - 1)]  # glue
     comm = {}
     if ledger is not None:
         current = {g.group_name: label for g, label in trainer.labels().items()}
         ledger.label_groups(_LABELS | current)
         _LABELS.update({k: v for k, v in current.items() if k != torch.distributed.group.WORLD.group_name})
         with ledger.recording():
-            losses.append(trainer.train_step(tokens, targets))
+            losses.append(trainer.train_step(tokens, targets, max_norm))
         ledger.label_groups({})
         comm = {"ledger": {a: {op: (v["count"], v["bytes"]) for op, v in ops.items()}
                            for a, ops in ledger.by_axis().items()}, "theory": trainer.comm_theory()}
     else:
-        losses.append(trainer.train_step(tokens, targets))
+        losses.append(trainer.train_step(tokens, targets, max_norm))
     return losses, {k: v.numpy() for k, v in trainer.full_state_dict().items()}, comm  # NumPy: rank -> parent
 
 
@@ -147,8 +150,9 @@ def run(cases: list[tuple], shape=None) -> list[dict]:
     if len(worlds) != 1:
         raise ValueError(f"compose_torch.run: one launch per world size; these layouts need {sorted(worlds)}")
     every = launch(rank, worlds.pop(), cases, shape)
-    ref = reference(shape)
-    out = [compare(layout, style, got, ref) | pp for (layout, style, pp), got in zip(cases, every[0], strict=True)]
+    refs = {norm: reference(shape, norm) for norm in {pp.get("max_norm") for _, _, pp in cases}}
+    out = [compare(layout, style, got, refs[pp.get("max_norm")]) | pp
+           for (layout, style, pp), got in zip(cases, every[0], strict=True)]
     for i, r in enumerate(out):
         r["comm_per_rank"] = [answers[i][2] for answers in every]  # {"ledger", "theory"} per axis, per rank
     return out

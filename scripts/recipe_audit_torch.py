@@ -281,15 +281,15 @@ def api_compose(ctx, spec, recipe, data, axis="fsdp", style="builtin"):
     if spec["build"] is not GPT2:
         raise NotOffered("compose trains (B, T) token batches with cross-entropy")
     how_clip, how_groups, frozen, schedule, k = RECIPES[recipe]
-    if how_clip or k > 1:
-        raise NotOffered("compose's train_step offers no clipping and no accumulation")
+    if how_clip == "torch" or k > 1:
+        raise NotOffered("compose steps inside train_step (clip: its max_norm=), and offers no accumulation")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(axis,))
     trainer = compose.parallelize(build(spec, frozen), mesh, plan=spec["plan"] if axis == "tp" else None,
                                   units=["m.transformer.h.*"], style=style,
                                   optimizer=lambda ps: adamw(groups(list(enumerate(ps)), how_groups)))
     lr = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lr_lambda) if schedule else None
     for x, y in data:
-        trainer.train_step(x, y)
+        trainer.train_step(x, y, max_norm=MAX_NORM if how_clip else None)
         lr and lr.step()
     return trainer.full_state_dict()
 

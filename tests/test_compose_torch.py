@@ -35,13 +35,19 @@ from torch_impl.parallel import compose  # noqa: E402
 TOL_LOSS, TOL_PARAM = 1e-12, 1e-12  # float64: see the module docstring
 KEYS = {"framework", "layout", "losses", "reference_losses", "max_abs_param_diff"}  # the issue's JSON schema
 
+CLIP = 0.05  # binds every step (test_clipping_binds)
 CASES_4 = [({"fsdp": 2, "tp": 2}, "builtin"), ({"fsdp": 2, "tp": 2}, "explicit"),
            ({"cp": 2, "tp": 2}, "builtin"), ({"pp": 2, "tp": 2}, "explicit"),
            ({"fsdp": 2, "pp": 2}, "builtin"),  # FSDP2 in GPipe stages: M + 1 gathers per unit
            ({"fsdp": 2, "pp": 2}, "explicit"),  # the FSDP wrapper in stages: M gathers, re-gathers, reduce-scatters
-           ({"fsdp": 2, "pp": 2}, "builtin", {"schedule": "1f1b", "microbatches": 4})]  # FSDP2, B0 before F2
+           ({"fsdp": 2, "pp": 2}, "builtin", {"schedule": "1f1b", "microbatches": 4}),  # FSDP2, B0 before F2
+           # clipped by the global norm (binding: the gradients' norms are ~1): shards over fsdp and tp, stages
+           ({"fsdp": 2, "tp": 2}, "explicit", {"max_norm": CLIP}), ({"fsdp": 2, "pp": 2}, "builtin", {"max_norm": CLIP})]
 CASES_8 = [({"fsdp": 2, "tp": 2, "pp": 2}, "builtin"), ({"dp": 2, "tp": 2, "cp": 2}, "builtin"),
-           ({"fsdp": 2, "tp": 2, "pp": 2}, "explicit"), ({"dp": 2, "tp": 2, "cp": 2}, "explicit")]
+           ({"fsdp": 2, "tp": 2, "pp": 2}, "explicit"), ({"dp": 2, "tp": 2, "cp": 2}, "explicit"),
+           ({"fsdp": 2, "tp": 2, "pp": 2}, "builtin", {"max_norm": CLIP}),
+           ({"fsdp": 2, "tp": 2, "pp": 2}, "explicit", {"max_norm": CLIP}),
+           ({"dp": 2, "tp": 2, "cp": 2}, "explicit", {"max_norm": CLIP})]
 
 
 def name(case) -> str:
@@ -70,6 +76,14 @@ def assert_exact(r, measured):
     assert KEYS <= set(r) and r["framework"] == "torch", r
     assert len(r["losses"]) == compose_torch.STEPS and r["losses"][-1] < r["losses"][0], r  # it trains
     assert r["max_rel_loss_diff"] <= TOL_LOSS and r["max_abs_param_diff"] <= TOL_PARAM, r
+
+
+def test_clipping_binds(four):
+    """The clipped runs (equal to one process's clip_grad_norm_: test_two_axis_layouts_…) differ from the
+    unclipped ones: the clip changed every step after the first."""
+    clipped, plain = four[name(({"fsdp": 2, "tp": 2}, "explicit", {"max_norm": CLIP}))], \
+        four[name(({"fsdp": 2, "tp": 2}, "explicit"))]
+    assert min(abs(a - b) for a, b in zip(clipped["losses"][1:], plain["losses"][1:])) > 1e-6, (clipped, plain)
 
 
 @pytest.mark.parametrize("case", [name(c) for c in CASES_4])

@@ -101,6 +101,8 @@ class Trainer:
         self.styles = apply_tp(self.module, plan, mesh["tp"], style) if self.t > 1 and plan else {}
         grad_axes = [a for a in (self.data, "cp") if ax(a) > 1]
         self.grad_mesh, self.grad_group = group_over(mesh, grad_axes)
+        held = lambda: {(id(o), a): p for o in self.module.modules() for a, p in o._parameters.items() if p is not None}
+        tp_split = {k for k, p in held().items() if hasattr(p, "tp_size")}  # explicit tp's pieces, before FSDP
         self.fsdp, self.fsdp2 = None, []
         if self.data == "fsdp" and self.d > 1:
             if style == "builtin":
@@ -108,6 +110,7 @@ class Trainer:
             else:
                 self.fsdp = FSDP(self.module, group=self.grad_group)
         self.run = self.fsdp or self.module
+        self._tp_split = {id(p) for k, p in held().items() if k in tp_split}  # the wrapper's shards of those too
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = optimizer(self.params)
         self.cp_group, self.cp_variant = (mesh["cp"].get_group() if self.c > 1 else None), cp_variant
@@ -129,7 +132,9 @@ class Trainer:
         r = rows // d
         return tokens[self.i * r:(self.i + 1) * r][:, pos], targets[self.i * r:(self.i + 1) * r][:, pos], pos
 
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, max_norm: float | None = None) -> float:
+        """One optimizer step on the whole (B, T) batch; ``max_norm``: clip by the global norm first
+        (``clip_grad_norm_``; the norm in ``self.norm``). Returns the global mean loss."""
         x, y, pos = self.local_batch(tokens, targets)
         if self.c > 1:
             self.module.positions = pos
@@ -163,8 +168,41 @@ class Trainer:
         if out[1] > 0:
             raise seam.SeamError((calls and calls.refused) or "cp: another rank's seam call was refused; "
                                  "nothing was updated")
+        self.clipped = max_norm is not None  # for comm_theory: the norm's scalar all-reduce
+        if self.clipped:
+            self.norm = self.clip_grad_norm_(max_norm)
         self.optimizer.step()
         return float(out[0]) / (self.d * self.c)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """torch's ``clip_grad_norm_`` of the whole model, on every rank, after the step's reductions: each
+        rank's gradient squares, each divided by the number of ranks holding that same piece, summed over
+        the world by ONE all-reduce of one scalar. A stage's d·c·t ranks hold a piece split k ways (tp:
+        ``tp_size`` or a DTensor Shard on the tp dim; fsdp: the wrapper's shards or FSDP2's (Strided)Shard over
+        data × cp) d·c·t / k times; stages hold different parameters (summed over pp: Megatron's rule,
+        replicas once). The divisions by powers of two are exact."""
+        shards = {id(u.shard) for _, _, u in self.fsdp.units} if self.fsdp is not None else set()
+        per_stage = dist.get_world_size() // self.S
+        sq, grads = torch.zeros((), dtype=torch.float64 if self.params[0].dtype == torch.float64 else
+                                torch.float32, device=self.params[0].device), []
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if isinstance(p.grad, DTensor):
+                local, split = p.grad.to_local(), 1
+                for dim, placement in enumerate(p.grad.placements):  # Shard, FSDP2's _StridedShard: split
+                    assert not placement.is_partial(), (p.grad.placements, "a gradient not reduced yet")
+                    split *= 1 if placement.is_replicate() else p.grad.device_mesh.size(dim)
+            else:
+                local = p.grad
+                split = (self.t if id(p) in self._tp_split else 1) * (self.fsdp.n if id(p) in shards else 1)
+            sq += torch.linalg.vector_norm(local, 2).to(sq.dtype) ** 2 / (per_stage // split)
+            grads.append(local)
+        dist.all_reduce(sq)
+        total = sq.sqrt()
+        recipe.scale_(grads, max_norm, total)
+        return total
 
     def _sync(self) -> None:
         """The data × cp gradient reduction FSDP2 does not do: the explicit FSDP's, or dp's all-reduce."""
@@ -202,7 +240,7 @@ class Trainer:
         every micro-batch's forward and once in backward — the pipeline keeps it unsharded from the
         first backward to the last, under GPipe and 1F1B alike, where a backward lands between
         forwards — so M + 1 times, the root once, and reduce-scatters each once, dim 0 padded to the
-        group size) and the world's (loss, flag)."""
+        group size) and the world's (loss, flag; the global norm's scalar when the step clipped)."""
         out: dict[str, dict[str, tuple[int, int]]] = {}
 
         def add(label, op, n, nbytes):
@@ -247,7 +285,10 @@ class Trainer:
                                                       else p.grad.numel() for p in self.params
                                                       if p.grad is not None) * b)
         world = dist.group.WORLD.group_name  # a sub-mesh spanning every rank runs on the world's group
-        add(next((a for g, a in self.labels().items() if g.group_name == world), "world"), "all_reduce", 1, 2 * b)
+        label = next((a for g, a in self.labels().items() if g.group_name == world), "world")
+        add(label, "all_reduce", 1, 2 * b)
+        if getattr(self, "clipped", False):  # the global norm's scalar (float64, else float32)
+            add(label, "all_reduce", 1, 8 if self.params[0].dtype == torch.float64 else 4)
         return out
 
     def _planned(self) -> dict[str, str]:
