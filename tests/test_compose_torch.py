@@ -42,7 +42,8 @@ CASES_4 = [({"fsdp": 2, "tp": 2}, "builtin"), ({"fsdp": 2, "tp": 2}, "explicit")
            ({"fsdp": 2, "pp": 2}, "explicit"),  # the FSDP wrapper in stages: M gathers, re-gathers, reduce-scatters
            ({"fsdp": 2, "pp": 2}, "builtin", {"schedule": "1f1b", "microbatches": 4}),  # FSDP2, B0 before F2
            # clipped by the global norm (binding: the gradients' norms are ~1): shards over fsdp and tp, stages
-           ({"fsdp": 2, "tp": 2}, "explicit", {"max_norm": CLIP}), ({"fsdp": 2, "pp": 2}, "builtin", {"max_norm": CLIP})]
+           ({"fsdp": 2, "tp": 2}, "explicit", {"max_norm": CLIP}),
+           ({"fsdp": 2, "pp": 2}, "builtin", {"max_norm": CLIP})]
 CASES_8 = [({"fsdp": 2, "tp": 2, "pp": 2}, "builtin"), ({"dp": 2, "tp": 2, "cp": 2}, "builtin"),
            ({"fsdp": 2, "tp": 2, "pp": 2}, "explicit"), ({"dp": 2, "tp": 2, "cp": 2}, "explicit"),
            ({"fsdp": 2, "tp": 2, "pp": 2}, "builtin", {"max_norm": CLIP}),
