@@ -73,7 +73,7 @@ def comm_theory(cfg: Config, style: str, variant: str) -> int | None:
     micro-batch's f / g / loss reductions move B/K of the rows). --freeze: None (a frozen stretch of the
     model drops the f's that no trainable gradient needs). DTensor: torch's clip_grad_norm_ over the
     DTensors all-reduces every parameter's norm once (b bytes each; in 3 all-reduces under dtensor, 8 under
-    dtensor_sp, as DTensor groups the placements: measured on the tiny transformer, 2 ranks)."""
+    dtensor_sp at L=2 on 2 ranks, 3 and 12 at L=4 on 4: DTensor groups the placements; measured)."""
     if cfg.freeze:
         return None
     base = tp_comm_bytes(cfg, variant, autocast=True) + recipe.scaler_bytes(cfg)
