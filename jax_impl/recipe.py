@@ -64,11 +64,12 @@ def part(a: jax.Array, k: int, parts: int, rows: int) -> jax.Array:
     return a.reshape(a.shape[0] // (parts * rows), parts, rows, *a.shape[1:])[:, k].reshape(-1, *a.shape[1:])
 
 
-def loss_fn(cfg: Config, paths: dict[str, str]):
-    """``loss(model, *batch)`` for parallelize: the project's model_loss with the frozen Params' gradient
-    stopped and cfg.accumulate micro-batches."""
+def loss_fn(cfg: Config, paths: dict[str, str], devices: int | None = None, base=model_loss):
+    """``loss(model, *batch)`` for parallelize: ``base`` (the project's model_loss) with the frozen Params'
+    gradient stopped and cfg.accumulate micro-batches. ``devices``: the row blocks the batch is split in
+    (default cfg.world_size; tp: 1, every device holds the whole batch)."""
     frozen, k = frozen_paths(cfg, paths), cfg.accumulate
-    rows = cfg.batch // (cfg.world_size * k)  # one device's rows per micro-batch
+    rows = cfg.batch // ((cfg.world_size if devices is None else devices) * k)  # one block's rows per micro-batch
 
     def stopped(model):
         if not frozen:
@@ -81,13 +82,31 @@ def loss_fn(cfg: Config, paths: dict[str, str]):
     def loss(model, *batch):
         model = stopped(model)
         if k == 1:
-            return model_loss(model, *batch)
+            return base(model, *batch)
         total = 0.0
         for i in range(k):
-            total = total + model_loss(model, *(part(a, i, k, rows) for a in batch)) / k
+            total = total + base(model, *(part(a, i, k, rows) for a in batch)) / k
         return total
 
     return loss
+
+
+def whole_batch_loss(cfg: Config, loss):
+    """The recipe around a loss over a {fixture name: array} dict whose batch every device holds whole
+    (tp): ``loss(params, *batch)`` -> a scalar. Frozen entries behind stop_gradient; --accumulate K: K
+    equal parts of the rows (dim 0), loss / K each, summed in one program."""
+    k = cfg.accumulate
+
+    def out(params, *batch):
+        params = {n: jax.lax.stop_gradient(a) if is_frozen(n, cfg.freeze) else a for n, a in params.items()}
+        if k == 1:
+            return loss(params, *batch)
+        total = 0.0
+        for parts in zip(*(jnp.split(a, k) for a in batch), strict=True):
+            total = total + loss(params, *parts) / k
+        return total
+
+    return out
 
 
 def dict_loss(cfg: Config, loss):

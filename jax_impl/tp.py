@@ -23,6 +23,9 @@ What jit and typed issued: the ledger, docs/tp.md.
 Mixed precision (--precision mixed): float32 weights and optax state, cast to bf16 inside the loss
 (model.to_compute), the logits to the loss in float32; activations (f, g) travel in bf16, the loss's
 reductions and megatron_sp's replicated-weight gradients in float32; attention computed in float32.
+The recipe (--clip, --accumulate, --schedule, --decay-mask, --freeze; jax_impl/recipe.py): the step clips
+the global gradient tree (XLA all-reduces one scalar per split leaf), K parts of the whole batch's rows,
+frozen entries behind stop_gradient (shard_map/megatron with --freeze: the dict step, not the plan).
 Papers: Megatron-LM, Shoeybi et al. 2019 (arXiv:1909.08053 §3); sequence parallelism, Korthikanti
 et al. 2022 (arXiv:2205.05198 §4.2.2).
 """
@@ -47,12 +50,12 @@ from jax_impl.model import (
     gelu,
     inputs,
     jax_dtype,
-    make_optimizer,
     output_loss,
     targets,
     to_compute,
     to_loss,
 )
+from jax_impl.parallel.recipe import scale_by_norm, sumsq
 from jax_impl.parallel.scaling import keep, nonfinite
 from jax_impl.parallel.tp import plan_rules
 from jax_impl.parallel.tree import fetch
@@ -61,6 +64,7 @@ from jax_impl.tp_typed import layer_kinds
 from jax_impl.transformer import rms_norm
 from shared.config import Config
 from shared.problem import Problem
+from shared.recipe import refusal
 from shared.results import Trained
 from shared.theory import tp_comm_bytes
 
@@ -83,9 +87,10 @@ TRANSFORMER_PLAN = {"wte": "vocab_embed", "blocks.*.qkv": "colwise_heads", "bloc
 
 
 def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
-    """allgather is MLP-only; megatron_sp (sequence parallel) transformer-only."""
+    """allgather is MLP-only; megatron_sp (sequence parallel) transformer-only; less those that cannot
+    apply cfg's recipe exactly (shared.recipe.refusal: none under tp today)."""
     drop = "megatron_sp" if cfg.model == "mlp" else "allgather"
-    return tuple(v for v in VARIANTS if v[1] != drop)
+    return tuple(v for v in VARIANTS if v[1] != drop and refusal("jax", "tp", *v, cfg) is None)
 
 
 def mesh_for(cfg: Config, device: str = "auto"):
@@ -314,16 +319,35 @@ def flag_bytes(cfg: Config, specs: dict) -> int:
     return sum(any(d is not None for d in tuple(s)) for s in specs.values())
 
 
+def comm_theory(cfg: Config, style: str, variant: str, mesh, specs: dict) -> int | None:
+    """shared.theory's bytes per step per device + float16's flags + the recipe's (measured on the tiny
+    transformer, 2 devices, float64). --clip: the step sums the squares of the global gradient tree, XLA
+    all-reduces one scalar per split leaf (the replicated ones are whole on every device). --accumulate
+    K: the activations' f / g / loss reductions move B/K of the rows each, the same bytes; megatron_sp's
+    replicated gains and wpe enter each micro-batch's shard_map (typed: each part's program) apart, so
+    their partial gradients are all-reduced K times, not once. --freeze: None (a frozen stretch drops
+    reductions XLA sees no use for)."""
+    if cfg.freeze:
+        return None
+    b = cfg.bytes_per_element
+    clip = 0 if cfg.clip is None else b * sum(any(d is not None for d in tuple(s)) for s in specs.values())
+    sp = (cfg.accumulate - 1) * ((2 * cfg.layers + 1) * cfg.dim + cfg.seq * cfg.dim) * b \
+        if variant == "megatron_sp" and style != "jit" else 0  # jit/megatron_sp: XLA's own, not the theory's
+    return tp_comm_bytes(wire_config(cfg, mesh), variant) + flag_bytes(cfg, specs) + clip + sp
+
+
 def train_plan(cfg: Config, problem: Problem, style: str, mesh) -> Trained:
     """The transformer's Megatron TP through the model-generic API: the NNX model, TRANSFORMER_PLAN,
     parallel.tp.apply_plan (the same shards, f / g and vocab-parallel loss as transformer_forward)."""
     from jax_impl.parallel.tp import apply_plan, cross_entropy
 
-    loss = lambda model, tokens, y: cross_entropy(model(tokens), y)
-    trainer = apply_plan(build_model(cfg, problem), TRANSFORMER_PLAN, loss, make_optimizer(cfg), mesh, style,
+    model = build_model(cfg, problem)
+    paths = recipe.fixture_paths(model)  # the recipe: the decay mask by ndim, the schedule, K parts, the true norm
+    loss = recipe.loss_fn(cfg, paths, devices=1, base=lambda model, tokens, y: cross_entropy(model(tokens), y))
+    trainer = apply_plan(model, TRANSFORMER_PLAN, loss, recipe.optimizer(cfg, paths), mesh, style, clip=cfg.clip,
                          loss_scale=recipe.loss_scale(cfg) or False)  # float16: the model casts itself (dtype=)
     setup = trainer_setup(trainer, trainer.replicate(inputs(cfg, problem), targets(cfg, problem)))
-    setup.comm_theory = tp_comm_bytes(wire_config(cfg, mesh), "megatron") + flag_bytes(cfg, trainer.specs)
+    setup.comm_theory = comm_theory(cfg, style, "megatron", mesh, trainer.specs)
     setup.extra = {"rules": {k: str(s) for k, s in trainer.specs.items()}, "plan": TRANSFORMER_PLAN}
     return train_loop(cfg, setup)
 
@@ -334,7 +358,8 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     if (style, variant) not in variants(cfg):
         raise ValueError(f"tp: unknown variant {style}/{variant} for the {cfg.model}; choose from {variants(cfg)}")
     cfg.check("tp", "jax")
-    if cfg.model == "transformer" and variant == "megatron" and style in PLAN_STYLES and not cfg.moe:
+    if cfg.model == "transformer" and variant == "megatron" and style in PLAN_STYLES and not cfg.moe \
+            and not cfg.freeze:  # --freeze: the dict step below (stop_gradient meets the plan's stand-in modules)
         return train_plan(cfg, problem, style, mesh)
     typed = style == "typed"  # sharding in types: an Explicit-axes copy of the mesh (jax_impl/tp_typed.py)
     if typed:
@@ -348,7 +373,8 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     batch = tuple(jax.device_put(a, NamedSharding(mesh, P()))  # the full batch on every device
                   for a in (inputs(cfg, problem), targets(cfg, problem)) if a is not None)
     loss_of = tp_typed.loss_for(cfg, variant, stated) if typed else loss_for(cfg, style, variant, mesh, specs)
-    tx = make_optimizer(cfg)
+    loss_of = recipe.whole_batch_loss(cfg, loss_of)  # frozen entries stopped, K parts of the rows
+    tx = recipe.optimizer(cfg, {k: k for k in layout})  # the decay mask by ndim (W_qkv (D, 3, D): >= 2), schedule
 
     state = (params, tx.init(params))
     placed = jax.tree.map(lambda a: a.sharding if isinstance(a.sharding, NamedSharding) else None, state)
@@ -362,7 +388,9 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
         (_, loss), grads = jax.value_and_grad(lambda p, *b: ((l := loss_of(p, *b)) * mult, l),
                                               has_aux=True)(params, *batch)
         grads = grads if sc is None else scaler.unscale(grads, sc)
-        updates, new_opt = tx.update(grads, opt_state, params)
+        # --clip: the global tree's norm (split leaves' squares summed by XLA over tp), torch's formula
+        clipped = grads if cfg.clip is None else scale_by_norm(grads, sumsq(grads), cfg.clip)
+        updates, new_opt = tx.update(clipped, opt_state, params)
         new = (optax.apply_updates(params, updates), new_opt)
         if sc is not None:  # global arrays (split ones sharded): the check over the tree is global under jit
             bad = nonfinite(grads)
@@ -380,4 +408,4 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
         step=InMesh(jax.jit(stated.traced(step)), mesh) if typed else jax.jit(step), state=state, batch=batch,
         per_step=("skipped", "loss_scale") if scaler else (), grads_fixture=fixture,
         params_fixture=lambda state: fixture(state[0]),
-        comm_theory=tp_comm_bytes(wire_config(cfg, mesh), variant) + flag_bytes(cfg, specs), extra=extra))
+        comm_theory=comm_theory(cfg, style, variant, mesh, specs), extra=extra))

@@ -99,7 +99,7 @@ def add_training(p, steps=5, steps_help="optimizer steps per run") -> None:
 
 
 def add_recipe(p) -> None:
-    """The training recipe (shared/recipe.py, docs/recipe.md "In compare.py"; dp, fsdp, cp): every flag off by
+    """The training recipe (shared/recipe.py, docs/recipe.md "In compare.py"; dp, fsdp, tp, cp): every flag off by
     default."""
     from shared.recipe import PRESETS, SCHEDULES
 

@@ -45,7 +45,7 @@ FLOAT16_PATTERNS = {
 }
 # The training recipe (shared/recipe.py: --clip, --accumulate, --schedule, --decay-mask, --freeze, --recipe):
 # the patterns whose runs (every style, both frameworks) apply it exactly; the others refuse it in Config.check.
-RECIPE_PATTERNS = ("dp", "fsdp", "cp")
+RECIPE_PATTERNS = ("dp", "fsdp", "tp", "cp")
 SCHEDULES = ("constant", "warmup-cosine")  # the lr schedules (shared.recipe.lr_factors)
 
 
@@ -354,9 +354,11 @@ class Config:
                 "every matrix and embedding is split into equal row blocks"
             return [batch] + [(size, n, why) for size in (("dim",) if mlp else ("dim", "vocab", "seq"))]
         if pattern == "tp":
+            parts = [("batch", "accumulate", "every rank cuts the whole batch into accumulate equal micro-batches")] \
+                if self.accumulate > 1 else []
             if mlp:
-                return [("dim", n, "every weight is split into equal slices")]
-            return [("heads", n, "every rank owns whole attention heads"),
+                return parts + [("dim", n, "every weight is split into equal slices")]
+            return parts + [("heads", n, "every rank owns whole attention heads"),
                     ("vocab", n, "embedding and head are split over the vocabulary"),
                     ("seq", n, "megatron_sp splits the sequence outside the matmuls")]
         if pattern == "pp":

@@ -1,5 +1,5 @@
 """The recipe in compare.py (issue 34, item 5): --clip, --accumulate, --schedule, --decay-mask, --freeze and
-the --recipe llama preset on the project's own models, under dp and fsdp in both frameworks. Every run
+the --recipe llama preset on the project's own models, under dp, fsdp, tp and cp in both frameworks. Every run
 against the single-device run of the SAME recipe (float64: the default ≤ 1e-12 of shared.tolerances), the
 ledger showing what the recipe costs (the global norm's all-reduce; one gradient reduction per optimizer
 step under accumulation, not K), the JSON rows recording it, and every refusal in one line before anything
@@ -13,11 +13,12 @@ from parallel_twins import cli as compare
 from shared.config import Config
 from shared.recipe import check_freeze, lr_factors, refusal
 from shared.schema import check as check_schema
+from shared.theory import tp_comm_bytes
 
 # clip 0.05 beside the preset: binding at every step at these sizes (the gradient's norm is ~1), so a wrong
 # norm would move the parameters; 2 micro-batches per rank and step.
 TINY = ["--model", "transformer", "--world-size", "2", "--layers", "2", "--dim", "8", "--heads", "2", "--seq", "4",
-        "--vocab", "8", "--batch", "8", "--steps", "3", "--patterns", "dp,fsdp,cp", "--recipe", "llama",
+        "--vocab", "8", "--batch", "8", "--steps", "3", "--patterns", "dp,fsdp,tp,cp", "--recipe", "llama",
         "--clip", "0.05", "--accumulate", "2", "--quiet"]
 RECIPE = {"clip": 0.05, "accumulate": 2, "schedule": "warmup-cosine", "decay_mask": True, "freeze": []}
 TENSORS = 16  # the tiny transformer's parameter tensors (L=2): wte, wpe, 6 per block, normf, head
@@ -35,9 +36,9 @@ def _rows(tmp_path, framework, extra=()):
     return {(r["style"], r["variant"]): r for r in data["runs"]}
 
 
-def test_recipe_torch_dp_fsdp(tmp_path):
+def test_recipe_torch_dp_fsdp_tp(tmp_path):
     rows = _rows(tmp_path, "torch")
-    assert len(rows) == 10  # dp 4, fsdp 3, cp 3 (context_parallel needs CUDA)
+    assert len(rows) == 14  # dp 4, fsdp 3, tp 4, cp 3 (context_parallel needs CUDA)
     b = 8  # float64
     # accumulation: ONE reduction per optimizer step (no_sync / one all-reduce after the last backward)
     assert rows["explicit", "naive"]["comm"]["all_reduce"]["count"] == TENSORS  # one per tensor, once, not K×
@@ -57,17 +58,24 @@ def test_recipe_torch_dp_fsdp(tmp_path):
     assert fsdp2["all_reduce"] == {"count": 1, "bytes": TENSORS * b}  # torch's DTensor norm: the stacked norms
     for variant in ("ring", "ring_zigzag", "ulysses"):  # cp: one bucket all-reduce per step; the norm is local
         assert rows["explicit", variant]["comm"]["all_reduce"]["count"] == 1
+    # tp: K micro-batches move the same activation bytes (B/K rows each); the norm: explicit one scalar
+    # all-reduce (split squares summed over tp, replicated ones once), DTensor torch's norm per tensor
+    tiny = Config(model="transformer", world_size=2, layers=2, dim=8, heads=2, seq=4, vocab=8, batch=8)
+    for style, variant, norm in (("explicit", "megatron", b), ("builtin", "dtensor", TENSORS * b),
+                                 ("explicit", "megatron_sp", b), ("builtin", "dtensor_sp", TENSORS * b)):
+        assert rows[style, variant]["comm_bytes"] == tp_comm_bytes(tiny, variant) + norm, variant
     for r in rows.values():
         assert r["comm_bytes"] == r["comm_bytes_theory"], r  # shared/theory prices the recipe
 
 
-def test_recipe_jax_dp_fsdp(tmp_path, capsys):
-    """shard_map only in the default tier (hand-written collectives; three compiles): jit and typed run in
-    the slow sweep."""
+def test_recipe_jax_dp_fsdp_tp(tmp_path, capsys):
+    """shard_map only in the default tier (hand-written collectives; one compile per variant): jit and typed
+    run in the slow sweep."""
     rows = _rows(tmp_path, "jax", ["--styles", "shard_map"])
     assert ("shard_map", "zero1") not in rows  # a mask on one flat vector: left out, said before the runs
     assert "jax shard_map/zero1 left out" in capsys.readouterr().err
-    assert set(rows) == {("shard_map", v) for v in ("dp", "zero2", "zero3", "ring", "ring_zigzag", "ulysses")}
+    assert set(rows) == {("shard_map", v) for v in ("dp", "zero2", "zero3", "megatron", "megatron_sp", "ring",
+                                                    "ring_zigzag", "ulysses")}
     b, phi = 8, Config(model="transformer", layers=2, dim=8, heads=2, seq=4, vocab=8).n_params
     # the K micro-batches' gradients summed, then ONE reduction; the whole gradient's norm is local (dp)
     assert rows["shard_map", "dp"]["comm"] == {"all_reduce": {"count": 1, "bytes": phi * b}}
@@ -75,6 +83,13 @@ def test_recipe_jax_dp_fsdp(tmp_path, capsys):
     assert zero2["reduce_scatter"]["count"] == UNITS and zero2["all_reduce"]["count"] == 1  # the norm rides along
     zero3 = rows["shard_map", "zero3"]["comm"]  # each micro-batch's gathers transpose to reduce-scatters: K×
     assert zero3["reduce_scatter"]["count"] == 2 * UNITS
+    # tp: the norm's squares, one scalar per split leaf (XLA's); megatron_sp: the gains' and wpe's partial
+    # gradients all-reduced once per micro-batch (K shard_map calls)
+    tiny = Config(model="transformer", world_size=2, layers=2, dim=8, heads=2, seq=4, vocab=8, batch=8)
+    split = 2 + 4 * 2  # wte, head, 4 matrices per block
+    assert rows["shard_map", "megatron"]["comm_bytes"] == tp_comm_bytes(tiny, "megatron") + split * b
+    assert rows["shard_map", "megatron_sp"]["comm_bytes"] == tp_comm_bytes(tiny, "megatron_sp") + split * b + \
+        (5 * 8 + 4 * 8) * b  # (2L+1)·D gains + T·D wpe, once more
     for (_, variant), r in rows.items():
         if variant in ("ring", "ring_zigzag", "ulysses"):  # each micro-batch's shard_map psums its gradient:
             assert r["comm"]["all_reduce"]["bytes"] == 2 * phi * b  # XLA fuses them into one op of K·Φ·b
@@ -84,7 +99,8 @@ def test_recipe_jax_dp_fsdp(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--recipe", "llama", "--patterns", "tp"], "tp: the recipe flags"),
+    (["--recipe", "llama", "--patterns", "ep", "--model", "transformer", "--experts", "2"], "ep: the recipe flags"),
+    (["--accumulate", "3", "--patterns", "tp", "--model", "transformer", "--batch", "8"], "tp (transformer): batch=8"),
     (["--accumulate", "3", "--patterns", "cp", "--model", "transformer", "--batch", "8"], "cp (transformer): batch=8"),
     (["--clip", "1", "--patterns", "pp", "--model", "mlp"], "pp: the recipe flags"),
     (["--freeze", "nothing.*", "--patterns", "dp", "--model", "mlp"], "freeze: 'nothing.*' matches no parameter"),
@@ -116,9 +132,10 @@ def test_recipe_pieces():
 @pytest.mark.slow
 def test_recipe_sweep_both_models_frozen(tmp_path):
     """The wider sweep: every style, parts of each model frozen (2 ranks), both frameworks, and
-    cross-framework agreement of the two recipe references: the transformer's dp and fsdp (its cp: the
-    default tier's TINY runs), the MLP's dp (its fsdp units are the transformer's kind; issue 37's budget)."""
-    for model, freeze, patterns, world in (("transformer", "wte.*,blocks.0.*", "dp,fsdp", "2"),
+    cross-framework agreement of the two recipe references: the transformer's dp, fsdp and tp (tp: frozen
+    gains under DTensor's SequenceParallel, frozen entries under JAX's shard_map/megatron dict step; its
+    cp: the default tier's TINY runs), the MLP's dp (its fsdp units are the transformer's kind; issue 37's budget)."""
+    for model, freeze, patterns, world in (("transformer", "wte.*,blocks.0.*", "dp,fsdp,tp", "2"),
                                            ("mlp", "layers.0.*", "dp", "2")):
         out = tmp_path / f"{model}.json"
         argv = ["--model", model, "--world-size", world, "--patterns", patterns, "--steps", "3", "--layers", "2",
@@ -128,8 +145,8 @@ def test_recipe_sweep_both_models_frozen(tmp_path):
         data = json.loads(out.read_text())
         assert data["runs"] and all(r["ok"] and r["xfw_ok"] for r in data["runs"])
         assert all(x["ok"] for x in data["cross_framework"])
-        for r in data["runs"]:  # --freeze: the bytes are not modelled where XLA / FSDP drop frozen reductions
-            if r["framework"] == "jax" or r["variant"] in ("zero3", "fsdp2") or r["pattern"] == "cp":
+        for r in data["runs"]:  # --freeze: the bytes are not modelled where XLA / FSDP / tp's f drop frozen reductions
+            if r["framework"] == "jax" or r["variant"] in ("zero3", "fsdp2") or r["pattern"] in ("tp", "cp"):
                 assert r["comm_bytes_theory"] is None, r
             elif r["style"] == "explicit":
                 assert r["comm_bytes"] == r["comm_bytes_theory"], r

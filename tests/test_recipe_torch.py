@@ -665,7 +665,22 @@ def everything(ctx):
         out["f16"] = f"{type(e).__name__}: {e}"
     out["ledger"] = ledger_counts(ctx)
     out["refusals"] = refusals(ctx)
+    try:
+        out["sp_frozen"] = sp_frozen()
+    except Exception as e:
+        out["sp_frozen"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def sp_frozen():
+    """{name: requires_grad} after a sequence-parallel DTensor plan of a model with a frozen norm."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = build()
+    model.blocks[0].norm.requires_grad_(False)
+    tp.apply_dtensor_plan(model, {"blocks.*.norm": "sequence", **PLAN}, init_device_mesh("cpu", (2,)),
+                          sequence_parallel=True)
+    return {n: p.requires_grad for n, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")
@@ -690,6 +705,16 @@ def test_recipe_matches_one_process(results, case):
         assert err <= TOL, (case, err)
         # the norm every rank reports is the global one
         assert max(abs(a - b) for a, b in zip(norms, rank["ref_norms"])) <= TOL, (case, norms, rank["ref_norms"])
+
+
+def test_dtensor_sequence_parallel_keeps_frozen(results):
+    """torch's SequenceParallel re-creates a norm's parameters as nn.Parameter(DTensor), requires_grad=True:
+    a frozen gain trained (compare.py tp dtensor_sp --freeze: 2.4e-3 off); apply_dtensor_plan restores it."""
+    for rank in results:
+        got = rank["sp_frozen"]
+        assert isinstance(got, dict), got
+        assert not any(got[f"blocks.0.norm.{a}"] for a in ("weight", "bias")) and not got["inp.weight"], got
+        assert got["blocks.1.norm.weight"] and got["blocks.0.up.weight"], got
 
 
 @pytest.mark.parametrize("variant", ["ring", "ulysses"])

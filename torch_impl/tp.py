@@ -22,6 +22,9 @@ builtin/dtensor issues the same collectives. docs/tp.md has the styles, the refu
 Mixed precision (--precision mixed): float32 shards and AdamW state, the step under autocast; the g's
 after W_o / W_down move their bf16 outputs (2 bytes), the rest float32 (tp_comm_bytes(autocast=True)).
 float16: the same with dynamic loss scaling (torch_impl/recipe.loss_scaler), + one 4-byte all-reduce.
+The recipe (--clip, --accumulate, --schedule, --decay-mask, --freeze; torch_impl/recipe.py): frozen
+parameters before the plan; tp.clip_grad_norm_ (explicit: one scalar all-reduce; DTensor: torch's norm,
+one b-byte norm per parameter all-reduced); K parts of the whole batch's rows (no reduction to skip).
 Papers: Megatron-LM, Shoeybi et al. 2019 (arXiv:1909.08053 §3); sequence parallelism, Korthikanti
 et al. 2022 (arXiv:2205.05198 §4.2.2).
 """
@@ -36,14 +39,14 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shared.config import Config
-from shared.problem import Problem
+from shared.problem import Problem, param_names
 from shared.results import Trained
 from shared.theory import tp_comm_bytes
 from torch_impl import recipe
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
-from torch_impl.model import build_model, inputs, is_transposed, loss_fn, make_optimizer, mlp_plan, targets, to_fixture
-from torch_impl.parallel.tp import SEQUENCE_STYLES, SHARD_DIM, apply_dtensor_plan, apply_plan, unshard
+from torch_impl.model import build_model, inputs, is_transposed, loss_fn, mlp_plan, targets, to_fixture
+from torch_impl.parallel.tp import SEQUENCE_STYLES, SHARD_DIM, apply_dtensor_plan, apply_plan, clip_grad_norm_, unshard
 from torch_impl.parallel.tp_ops import VocabParallelCrossEntropy, check_replicated, heads_perm, reduce_sequence_grads
 from torch_impl.transformer import SP_PLAN, TRANSFORMER_PLAN
 
@@ -64,6 +67,19 @@ def plan_for(cfg: Config, variant: str) -> dict[str, str]:
     return SP_PLAN if variant in SP_VARIANTS else TRANSFORMER_PLAN
 
 
+def comm_theory(cfg: Config, style: str, variant: str) -> int | None:
+    """shared.theory's bytes per step per rank (mixed: autocast's bf16 g's) + float16's flag + the norm's
+    all-reduce (explicit: one scalar; DTensor: below). --accumulate K: the same bytes (each
+    micro-batch's f / g / loss reductions move B/K of the rows). --freeze: None (a frozen stretch of the
+    model drops the f's that no trainable gradient needs). DTensor: torch's clip_grad_norm_ over the
+    DTensors all-reduces every parameter's norm once (b bytes each; in 3 all-reduces under dtensor, 8 under
+    dtensor_sp at L=2 on 2 ranks, 3 and 12 at L=4 on 4: DTensor groups the placements; measured)."""
+    if cfg.freeze:
+        return None
+    base = tp_comm_bytes(cfg, variant, autocast=True) + recipe.scaler_bytes(cfg)
+    return base + recipe.clip_bytes(cfg, groups=len(param_names(cfg)) if style == "builtin" else 1)
+
+
 # --- training ------------------------------------------------------------------------------------
 
 
@@ -75,14 +91,15 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     plan = plan_for(cfg, variant)
     model = build_model(cfg, problem, ctx.device)
     x, y = inputs(cfg, problem, ctx.device), targets(cfg, problem, ctx.device)  # full batch on every rank
+    recipe.freeze_(model, cfg)  # before the plan: the shards / DTensors keep requires_grad=False
     if style == "explicit":
         styles = apply_plan(model, plan, group, sp)
-        loss_of = (lambda out: VocabParallelCrossEntropy.apply(out, y, group)) if transformer else loss_fn
+        loss_of = (lambda out, ys: VocabParallelCrossEntropy.apply(out, ys, group)) if transformer else loss_fn
         parallel_loss = contextlib.nullcontext
         full = lambda t, name: unshard(t, styles[name], group) if name in split else t
     else:
         styles = apply_dtensor_plan(model, plan, init_device_mesh(ctx.device.type, (n,), mesh_dim_names=("tp",)), sp)
-        loss_of = lambda out: loss_fn(out, y)
+        loss_of = loss_fn
         parallel_loss = loss_parallel if transformer else contextlib.nullcontext  # CE over Shard(-1) logits
 
         def full(t, name):  # DTensor -> all-gather; un-permute W_qkv's rows
@@ -98,19 +115,20 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         if name in split:
             expect[SHARD_DIM[styles[name]]] //= n  # e.g. attn.qkv (3D/tp, D), mlp.down (D, 4D/tp), wte (V/tp, D)
         assert list((p.to_local() if hasattr(p, "to_local") else p).shape) == expect, (name, p.shape, expect)
-    opt = make_optimizer(params, cfg)
+    opt = recipe.optimizer(model.named_parameters(), cfg)  # --decay-mask: shards / DTensors keep their dims
     scaler = recipe.loss_scaler(cfg, group)  # float16: loss scaling, the skip agreed over tp (4 bytes)
 
     def forward_backward():
         opt.zero_grad(set_to_none=True)
-        with parallel_loss():
-            loss = loss_of(model(x))  # logits (B, T, V/tp) stay split; MLP: the full (B, D) output
-            recipe.backward(loss, scaler)
+        with parallel_loss():  # logits (B, T, V/tp) stay split; MLP: the full (B, D) output
+            # --accumulate K: K parts of the whole batch's rows, loss / K each (tp reduces no gradient to skip)
+            loss = recipe.accumulate(cfg, x, y, lambda xs, ys: loss_of(model(xs), ys), scaler=scaler)
         if partial and style == "explicit":
             reduce_sequence_grads(partial, group)
         elif partial:  # DTensor leaves their .grad Partial(sum): reduce once (else every AdamW op that
             for p in partial:  # reads it all-reduces it again: 3 times per parameter per step)
-                p.grad = p.grad.redistribute(placements=[Replicate()])
+                if p.grad is not None:  # --freeze: a frozen SP gain has none
+                    p.grad = p.grad.redistribute(placements=[Replicate()])
         return loss.to_local() if hasattr(loss, "to_local") else loss  # replicated on every rank
 
     def fixture(tensors):
@@ -123,7 +141,9 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
 
     return train_loop(cfg, ctx, Setup(
         forward_backward=forward_backward, grads=lambda: [p.grad for p in params],
-        update=opt.step if scaler is None else recipe.stepper(opt, cfg, scaler=scaler),  # float16: unscale, skip
+        # float16: unscale, skip; --clip: the global norm (explicit: split squares summed over tp, one scalar
+        # all-reduce; DTensor: torch's norm over the DTensors); AdamW; the schedule
+        update=recipe.stepper(opt, cfg, lambda c: clip_grad_norm_(model, c, group), scaler=scaler),
         fixture=fixture, params=params, optimizer=opt, loss_reduction="same", group=group,
-        comm_theory=tp_comm_bytes(cfg, variant, autocast=True) + recipe.scaler_bytes(cfg),  # mixed: autocast's bf16
+        comm_theory=comm_theory(cfg, style, variant),
         extra={"plan": plan, "backend": ctx.backend}, scaler=scaler))

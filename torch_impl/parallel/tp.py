@@ -462,8 +462,12 @@ def apply_dtensor_plan(model: nn.Module, plan: dict[str, str], mesh, sequence_pa
     for name in (k for k, s in styles.items() if s == "positions"):
         model.get_submodule(name.removesuffix(".weight")).register_forward_pre_hook(
             local_positions(mesh.get_local_rank(), mesh.size()))
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, mesh, {k: table[s]() for k, s in plan.items()})
     _retie(model, ties)
+    for name, p in model.named_parameters():  # torch 2.13's SequenceParallel re-creates the gains as
+        if name in frozen:  # nn.Parameter(DTensor) with requires_grad=True: a frozen gain would train
+            p.requires_grad_(False)
     if replicate_rest:
         replicate_unplanned(model, mesh)
     return styles

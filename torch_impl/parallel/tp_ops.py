@@ -135,8 +135,11 @@ def local_positions(rank: int, n: int):
 
 def reduce_sequence_grads(params: list[torch.Tensor], group) -> None:
     """The SP regions' parameters (norm gains, wpe) saw only this rank's tokens: their gradients
-    are partial. One flat all-reduce (Megatron-LM's sequence-parallel gradient all-reduce)."""
-    grads = [p.grad for p in params]
+    are partial. One flat all-reduce (Megatron-LM's sequence-parallel gradient all-reduce). Parameters
+    without a gradient (frozen: requires_grad=False, the same on every rank) are skipped."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     for g, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
