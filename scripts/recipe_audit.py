@@ -43,6 +43,10 @@ class NotOffered(Exception):
     """Raised by the audit itself: the API does not offer this recipe ingredient (the case is n/a)."""
 
 
+if __name__ == "__main__":  # the halves import NotOffered from "recipe_audit": the same class as here, not a copy
+    sys.modules.setdefault("recipe_audit", sys.modules[__name__])
+
+
 def classify(run) -> dict:
     """Runs ``run() -> error``; returns {"verdict", "error" | "message"}."""
     try:
@@ -101,6 +105,9 @@ def run_jax(reduced: bool) -> list[dict]:
         t = time.perf_counter()
         rows.append({"framework": "jax", "model": model, "api": api, "recipe": recipe} | classify(run))
         print(f"{model}: {api} × {recipe}: {cell(rows[-1])} ({time.perf_counter() - t:.1f} s)", file=sys.stderr)
+        # every case compiles its own programs: kept, ~350 cases' executables exhaust the process's memory maps
+        # (vm.max_map_count 65530: "LLVM compilation error: Cannot allocate memory", then a segfault)
+        audit.jax.clear_caches()
     return rows
 
 
