@@ -126,7 +126,7 @@ def tp_widths(rel_plan: dict[str, str], block: dict) -> tuple[int, int]:
     f on each colwise module's input, one per parent module (q|k|v, gate|up share it: compose's f cache).
     ``block`` {Param path in one block: array} (kernels (in, out))."""
     row = [r for r, st in rel_plan.items() if st == "rowwise"]
-    col = {r.rpartition(".")[0]: r for r, st in rel_plan.items() if st == "colwise"}
+    col = {r.rpartition(".")[0]: r for r, st in rel_plan.items() if st in ("colwise", "colwise_heads")}
     widths = [block[f"{r}.kernel"].shape[1] for r in row] + [block[f"{r}.kernel"].shape[0] for r in col.values()]
     return len(widths), sum(widths)
 
