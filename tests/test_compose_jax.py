@@ -208,7 +208,8 @@ def test_fused_qkv_split_by_whole_heads():
     """The project's Transformer (jax_impl/transformer.py's PLAN / SPLIT) under tp=2 × cp=2: its fused
     [q|k|v] kernel (colwise_heads) is held as [q_r|k_r|v_r] per tp device and given back in the fixture's
     column order; the first step's loss is the model's own (its attention through the cp seam, wpe at the
-    global positions); colwise_heads on a kernel without a parent head_dim is refused. The whole run
+    global positions); under jit (tp=2) too, its columns in order; colwise_heads on a kernel without a
+    parent head_dim is refused. The whole run
     (steps, gradients, parameters) against the reference: tests/test_mesh.py's JAX rows."""
     from jax.sharding import PartitionSpec as P
 
@@ -234,6 +235,11 @@ def test_fused_qkv_split_by_whole_heads():
     assert all(np.array_equal(problem.params[transformer.param_name(p)], a) for p, a in t.params().items())
     # float64, the sums over heads and sequence shards reordered: 1e-12 relative (measured ~1e-16)
     assert np.isclose(t.train_step(x, y), want, rtol=1e-12, atol=0)
+    # jit runs the model on the global arrays: the columns stay in the model's order (no heads_perm)
+    j = compose(model, {"tp": 2}, output_loss, make_optimizer(cfg), plan=transformer.PLAN, split=transformer.SPLIT,
+                style="jit")
+    assert np.array_equal(np.asarray(j.params_["blocks"]["qkv.kernel"])[0, 0], w)
+    assert np.isclose(j.train_step(x, y), want, rtol=1e-12, atol=0)
     lm = llama.from_numpy(weights(LlamaShape(), 0))
     with pytest.raises(ComposeError, match="needs a fused"):
         compose(lm, {"tp": 2}, output_loss, make_optimizer(cfg), split=llama.SPLIT,

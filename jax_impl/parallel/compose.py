@@ -29,8 +29,9 @@ transposes of the invariant -> varying casts: the body casts every array ONCE ov
 vary on (else check_vma casts at each use: one psum per layer and pipeline iteration). Per step and device
 (``comm_theory()``, by the ledger's axis labels; A = one micro-batch's (m, T/c, D) stream in bytes, I =
 M + S − 1 iterations, 1 without pp, every local block runs I times): tp per block call an all-reduce
-after each rowwise module (forward) and of each colwise parent's input (backward f, shared by its
-children), A each at the stream's width — Llama: o, down; q|k|v, gate|up; pp 2·(M + S − 2) permutes of A;
+after each rowwise module (forward) and of each distinct colwise input (backward f, shared by the
+modules reading it; the trace counts them), A each at the stream's width — Llama: o, down; q|k|v,
+gate|up; the project's Transformer: o, down; qkv, up; pp 2·(M + S − 2) permutes of A;
 cp the ring's 3c − 2 permutes of K|V (2·m·T/c·(D/t)·b) per attention call (parallel.cp); fsdp one
 all-gather + one reduce-scatter per split array, S = the device's gathered (tp-local) layers; and per
 group of axes ONE all-reduce (XLA's combiner merges the independent psums): every array's gradient summed
@@ -120,7 +121,10 @@ class Composed:
         self.parts = {p: flat(mods[p]) for p in split.first + split.last}
         params, self.specs = self._arrange(mods)
         self._probe(tx, params)
-        self.params_ = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(self.mesh, s)), params, self.specs)
+        # placed from host copies: the step donates its params, which must not delete the model's own arrays
+        # (device_put to a sharding over the array's own device reuses its buffer there, may_alias or not)
+        self.params_ = jax.tree.map(lambda a, s: jax.device_put(np.asarray(a), NamedSharding(self.mesh, s)),
+                                    params, self.specs)
         replicated = NamedSharding(self.mesh, P())  # optax's scalars (count) too: else step 2 compiles again
         self.opt_state = jax.tree.map(lambda a: a if isinstance(getattr(a, "sharding", None), NamedSharding) else
                                       jax.device_put(a, replicated), tx.init(self.params_))
@@ -167,9 +171,11 @@ class Composed:
         layer_states = [flat(mods[f"{sp.blocks}.{i}"])[3] for i in range(self.L)]
         blocks = {k: jnp.stack([s[k] for s in layer_states]).reshape((S, per) + layer_states[0][k].shape)
                   for k in layer_states[0]}
-        # colwise_heads: the fused [q|k|v] columns reordered so that tp device r's block is [q_r|k_r|v_r]
-        # (parallel.tp.heads_perm); to_paths puts them back
+        # colwise_heads (shard_map: each device runs the model on its shard): the fused [q|k|v] columns
+        # reordered so that tp device r's block is [q_r|k_r|v_r] (parallel.tp.heads_perm); to_paths puts
+        # them back. jit runs the model on the global arrays: the columns stay in order (XLA splits them)
         self.perms = {k: heads_perm(a.shape[-1], self.tp) for k, a in blocks.items() if self.tp > 1 and
+                      self.style == "shard_map" and
                       self.rel_plan.get(k.rsplit(".", 1)[0]) == "colwise_heads" and k.endswith((".kernel", ".bias"))}
         blocks = {k: a[..., self.perms[k]] if k in self.perms else a for k, a in blocks.items()}
         stage = "pp" if "pp" in self.layout else None
@@ -222,14 +228,19 @@ class Composed:
             f_cache = {}  # one f per input array (q|k|v, gate|up): one backward psum, Megatron's
             layers = [stand_ins(layer, self.rel_plan, f_cache) for layer in layers]
 
+        block_calls = []
+
         def stage(h):
             for layer in layers:
                 h = sp.block(self.root, layer, h, positions)
+                block_calls.append(1)
             return h
 
         h0 = sp.embed(self.root, parts, tokens, positions)  # (rows, T, D): stage 0's input
         if manual and self._trace is not None:  # one micro-batch's stream: comm_theory's A
             self._trace["stream"] = (h0.shape if S == 1 else (rows // M,) + h0.shape[1:], h0.dtype.itemsize)
+        if manual and self.tp > 1 and self._trace is not None:  # f casts per block call: comm_theory
+            self._trace["f"] = lambda: (len(f_cache), sum(x.shape[-1] for x, _ in f_cache.values()), len(block_calls))
         if S == 1:
             return self.loss(sp.head(self.root, parts, stage(h0)), targets)
         m = rows // M
@@ -279,6 +290,9 @@ class Composed:
                         raise
                     raise ComposeError("compose " + local_shapes_refusal(e)) from None
             self._trace["loss"] = loss.dtype.itemsize
+            if "f" in self._trace:  # (f casts, Σ widths) per block call (the cache is dropped with the trace)
+                n, widths, calls = self._trace["f"]()
+                self._trace["f"] = (n // calls, widths // calls)
             return loss[None]
 
         return jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(data, seq), P(data, seq), P(seq)),
@@ -320,12 +334,15 @@ class Composed:
     def check_chain(self, tokens):
         """The split's chain equals the model's forward on one row (eager, one device): else refused."""
         sp, mods = self.split, submodules(self.root)[0]
-        x = jnp.asarray(tokens[:1])
-        pos = jnp.arange(x.shape[1])
-        h = sp.embed(self.root, mods, x, pos)
-        for i in range(self.L):
-            h = sp.block(self.root, mods[f"{sp.blocks}.{i}"], h, pos)
-        want, got = np.asarray(self.root(x)), np.asarray(sp.head(self.root, mods, h))
+
+        def both(x):  # one program (eager ops would compile one by one: seconds on a first run)
+            pos = jnp.arange(x.shape[1])
+            h = sp.embed(self.root, mods, x, pos)
+            for i in range(self.L):
+                h = sp.block(self.root, mods[f"{sp.blocks}.{i}"], h, pos)
+            return self.root(x), sp.head(self.root, mods, h)
+
+        want, got = (np.asarray(a) for a in jax.jit(both)(jnp.asarray(tokens[:1])))
         if want.shape != got.shape or not np.allclose(got, want, rtol=1e-12, atol=0):
             raise ComposeError(f"compose: the split's chain head(block(…embed(x))) differs from "
                                f"{type(self.root).__name__}(x); fix the split's embed / block / head")
@@ -381,7 +398,8 @@ class Composed:
         if self._trace is None:
             raise ComposeError("compose: comm_theory needs the batch's shape: run one train_step first")
         shape, b = self._trace["stream"]
-        calls, widths = theory.tp_widths(self.rel_plan, self.block_parts[3]) if self.tp > 1 else (0, 0)
+        calls, widths = theory.tp_widths(self.rel_plan, self.block_parts[3], self._trace["f"]) if self.tp > 1 \
+            else (0, 0)
         placed = theory.placed(self.params_, self.specs, self.layout, self.split.first)
         return theory.compose_comm(self.layout, placed, microbatches=self.M,
                                    tp_call=(calls, int(np.prod(shape[:-1])) * b * widths),
