@@ -204,7 +204,7 @@ class Composed:
                 "not your {path: array} dict")
         recipe.check(tx, whole, recipe.Whole(what, to, back), "compose", "write the mask / labels for that tree "
                      "(by the path's last names, not ndim; 'blocks' leaves have 2 more dims), or train this recipe "
-                     "under parallelize / tp.apply_plan, which hand optax your dict")
+                     "under parallelize / tp.apply_plan, which hand optax your dict", jit=True)  # the step jits it too
 
     # --- the forward ---------------------------------------------------------------------------------
 
