@@ -4,7 +4,7 @@ The mesh is ``jax.make_mesh`` over the layout's sizes and names in device order 
 "dp=2,tp=2,pp=2" -> axes ("dp", "tp", "pp"), innermost last); every 1-D pattern keeps its axis name,
 so each collective names the axis it runs on.
 
-shard_map (and jit without pp) goes through the library's composition, the same call a user makes for
+shard_map goes through the library's composition, the same call a user makes for
 any NNX model: ``compose(Transformer, layout, loss, AdamW, plan=transformer.PLAN,
 split=transformer.SPLIT)`` (jax_impl/parallel/compose.py has the per-axis contract and
 ``comm_theory()``; transformer.py the plan and split beside the model). This runner only builds the
@@ -25,14 +25,16 @@ mesh rows, which split the vocabulary):
 
 Per step and device the collectives are ``Composed.comm_theory()`` (tests/test_mesh.py asserts the
 ledger equals it per axis); memory: the params as the layout places them (``Composed.param_bytes``),
-as much again for the gradients, twice for AdamW's moments. jit rows (no pp): the same arrays under
-NamedShardings, XLA picks the collectives (no formula: comm_theory() is None).
+as much again for the gradients, twice for AdamW's moments.
 
-The runner's own programs stay for what compose cannot run: jit with pp (compose refuses pp under jit)
-runs ``jit_loss`` below — every stage at once under vmap, tp's vocab-parallel jit_ops, pp.jit_circular —
-placed by ``rules(cfg)`` (tp.FIXTURE_PLAN's; fsdp over the fsdp(+cp) group); typed runs
-jax_impl/mesh_typed.py (compose refuses typed). Their collectives: shared.theory.mesh_comm_jax(cfg,
-"jit"); memory: mesh_state_bytes_jax.
+jit and typed keep the runner's own programs. jit runs ``jit_loss`` below — every stage at once under
+vmap, tp's vocab-parallel jit_ops with the stream pinned, pp.jit_circular — placed by ``rules(cfg)``
+(tp.FIXTURE_PLAN's; fsdp over the fsdp(+cp) group): compose refuses pp under jit, and without pp its jit
+(the plain forward under NamedShardings, no layout pinned) leaves the fused qkv split contiguously over
+tp, so XLA moves k|v between the tp devices: measured at compare.py's defaults, dp=2,tp=2, 40× 2.2 MiB
+on tp against this program's 20× 1.1 MiB, and no formula to check it against (``through_compose`` is
+the one switch). typed runs jax_impl/mesh_typed.py (compose refuses typed). Their collectives:
+shared.theory.mesh_comm_jax; memory: mesh_state_bytes_jax.
 Papers: Megatron-LM PTD-P, Narayanan et al. 2021 (arXiv:2104.04473); GSPMD, Xu et al. 2021
 (arXiv:2105.04663); torchtitan, Liang et al. 2024 (arXiv:2410.06511).
 """
@@ -206,8 +208,8 @@ def composed_setup(cfg: Config, problem: Problem, style: str, mesh) -> Setup:
 
 
 def through_compose(cfg: Config, style: str) -> bool:
-    """shard_map always, jit without pp: the library's composition; jit with pp and typed: this runner."""
-    return style == "shard_map" or (style == "jit" and cfg.axis("pp") == 1)
+    """shard_map: the library's composition; jit and typed: this runner's programs (docstring: why)."""
+    return style == "shard_map"
 
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:

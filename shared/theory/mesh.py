@@ -255,8 +255,8 @@ def mesh_units_jax(cfg: Config) -> tuple[dict[str, int], dict[str, int]]:
 
 def mesh_comm_jax(cfg: Config, style: str) -> dict[str, dict[str, tuple[int, int]]] | None:
     """{axis label: {op: (count, payload bytes)}} per step on every device (one SPMD program: the same
-    collectives everywhere) of the JAX runner's OWN programs (jax_impl/mesh.py): the typed style and jit
-    with pp. shard_map rows and jit without pp train through parallel.compose, whose theory is
+    collectives everywhere) of the JAX runner's OWN programs (jax_impl/mesh.py): the jit and typed
+    styles. shard_map rows train through parallel.compose, whose theory is
     ``Composed.comm_theory()`` (derived from the model wrapped). S, t = pp, tp; (M, m, Tc) =
     mesh_micro(cfg); A = m·Tc·D·b one micro-batch's residual stream on one device; I = M + S − 1
     pipeline iterations (1 without pp): the circular pipeline runs every block I times on every device,
@@ -273,7 +273,7 @@ def mesh_comm_jax(cfg: Config, style: str) -> dict[str, dict[str, tuple[int, int
     every tp-local array, mesh_stage_param_count(cfg, 0, spmd=True)·b; fsdp (mesh_units_jax) a
     reduce-scatter of every unit, S = the tp-local unit, and the vectors' gradients in one all-reduce.
 
-    jit with pp (XLA's choice, measured; the layouts without cp and fsdp — dp / tp with pp):
+    jit (XLA's choice, measured; the layouts without cp and fsdp — dp / tp / pp and their products):
     "tp" as above, bytes and count (the one-hot embedding's and the CE's reductions: the target
         logit's all-reduce is combined into a backward one, so the count is the combiner's too).
     "pp" 3·(M + S − 2) permutes of A (pp_circular_permute_count's jit: each roll's transpose is two
@@ -316,7 +316,7 @@ def mesh_comm_jax(cfg: Config, style: str) -> dict[str, dict[str, tuple[int, int
 
 
 def mesh_state_bytes_jax(cfg: Config, style: str) -> dict[str, int]:
-    """Per device (every device alike: SPMD) of the runner's own programs (typed, jit with pp; the
+    """Per device (every device alike: SPMD) of the runner's own programs (jit, typed; the
     compose rows: Composed.param_bytes): params, grads P·b each, AdamW moments 2·P·b, with
     P = mesh_stage_param_count(cfg, s, spmd=True) (the stage slots included), or under fsdp the units
     split over the fsdp(+cp) group (g = fsdp·cp devices) and the vectors whole: units/g + vectors
