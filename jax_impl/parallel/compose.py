@@ -5,6 +5,7 @@ module-path tp plan, its stage split, its cp seam and its ZeRO units. Twin: torc
     trainer = compose(model, {"fsdp": 2, "tp": 2, "pp": 2}, loss, optax.adamw(...), plan=PLAN, split=SPLIT)
     loss_value = trainer.train_step(tokens, targets)     # (B, T) each
     params = trainer.params()                           # {NNX path: global NumPy array}
+    step, state, batch = trainer.program(tokens, targets, grads=True)  # the jitted step, for a loop of one's own
 
 The mesh: axes in the layout's order, device id row-major (innermost last). Per axis:
 
@@ -13,7 +14,9 @@ The mesh: axes in the layout's order, device id row-major (innermost last). Per 
                stages (torchtitan keeps FSDP unsharded across a step's micro-batches under PP); backward:
                the gather's transpose, one reduce-scatter per array.
     tp         Megatron over the plan's Linear modules inside the blocks: colwise (kernel (in, out/tp), f =
-               pcast to varying: psum in backward), rowwise (kernel (in/tp, out), g = psum after).
+               pcast to varying: psum in backward), rowwise (kernel (in/tp, out), g = psum after),
+               colwise_heads (a fused [q|k|v] kernel (D, 3·H·dh): shard_map holds its columns permuted,
+               device r [q_r|k_r|v_r], parallel.tp.heads_perm; params() / to_paths() put them back).
                Head counts come from the weights, so q/k/v shards must be whole heads (checked).
     pp         GPipe over ``split``: blocks (identical modules of one nnx.List) evenly over "pp", stacked
                (S, L/S, …); ``first`` / ``last`` replicated over pp, real on stage 0 / S−1; M micro-batches of
@@ -332,7 +335,8 @@ class Composed:
         return np.concatenate([cp_positions(T, self.c, r, kind) for r in range(self.c)])
 
     def check_chain(self, tokens):
-        """The split's chain equals the model's forward on one row (eager, one device): else refused."""
+        """The split's chain equals the model's forward on one row (one jitted program, one device): else
+        refused."""
         sp, mods = self.split, submodules(self.root)[0]
 
         def both(x):  # one program (eager ops would compile one by one: seconds on a first run)
