@@ -20,7 +20,8 @@ from shared.theory.layout import Layout, Model
 # blocks (stage s: L/pp blocks; embeddings on stage 0, final norm + head on the last), tp the
 # weights (Megatron, no SP). The replicated weights' gradients are averaged over the data and cp
 # axes together: one group, labelled with both names in mesh order ("dp+cp"); fsdp shards over
-# that same group (torchtitan's dp_shard_cp). Axes of size 1 communicate nothing.
+# that same group (torchtitan's dp_shard_cp; JAX's shard_map rows, jax_impl.parallel.compose, over
+# fsdp alone: their theory is Composed.comm_theory). Axes of size 1 communicate nothing.
 
 
 def mesh_coords(cfg: Config, rank: int) -> dict[str, int]:
