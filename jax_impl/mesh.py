@@ -197,7 +197,7 @@ def composed_setup(cfg: Config, problem: Problem, style: str, mesh) -> Setup:
         named = {transformer.param_name(path): a for path, a in c.to_paths(tree).items()}
         return [to_numpy(named[k]) for k in order]
 
-    theory, p = c.comm_theory(), c.param_bytes()  # jit: None (XLA picks the collectives)
+    theory, p = c.comm_theory(), c.param_bytes()  # per axis from the model wrapped; per device from the specs
     return Setup(step=step, state=state, batch=batch, grads_fixture=fixture,
                  params_fixture=lambda state: fixture(state[0]),
                  comm_theory=None if theory is None else sum(b for ops in theory.values() for _, b in ops.values()),
