@@ -2,27 +2,41 @@
 
 The mesh is ``jax.make_mesh`` over the layout's sizes and names in device order (``mesh_for``:
 "dp=2,tp=2,pp=2" -> axes ("dp", "tp", "pp"), innermost last); every 1-D pattern keeps its axis name,
-so each collective names the axis it runs on. ``rules(cfg)`` is the one layout table of both styles.
+so each collective names the axis it runs on.
+
+shard_map goes through the library's composition, the same call a user makes for
+any NNX model: ``compose(Transformer, layout, loss, AdamW, plan=transformer.PLAN,
+split=transformer.SPLIT)`` (jax_impl/parallel/compose.py has the per-axis contract and
+``comm_theory()``; transformer.py the plan and split beside the model). This runner only builds the
+model, loss and tx from Config / Problem and maps compose's params / gradients back to fixture order.
+What that means for the transformer, against the 1-D patterns' hand-written forwards (and torch's
+mesh rows, which split the vocabulary):
 
     data (dp | fsdp)  tokens/targets P(data, cp): rows per data index
-    cp                the same arrays' columns; attention = jax_impl.cp's ring on the tp-local heads
-    tp                Megatron (jax_impl.tp: f = pcast, g = psum, vocab-parallel embedding and loss)
-    pp                jax_impl.pp's circular pipeline over "pp"; M micro-batches of the local rows
-    fsdp              ZeRO-3 over the fsdp(+cp) group: dim 0 of every ≥2-D local array split;
-                      gathered once per step before the pipeline, again in backward where needed,
-                      one reduce-scatter per array (the gather's transpose)
+    cp                the same arrays' columns; attention = parallel.cp's ring through the Block's seam
+                      (transformer.seam_attention), wpe at the global positions
+    tp                Megatron over the blocks (qkv by whole heads: colwise_heads, o / down rowwise, up
+                      colwise); the embeddings, final norm and head stay REPLICATED over tp (compose
+                      splits the blocks' Linear modules only; torch's mesh splits the vocabulary)
+    pp                GPipe over the stacked blocks, M micro-batches of the local rows; wte/wpe and
+                      normf/head replicated over pp (real on the first / last stage)
+    fsdp              ZeRO-3 over "fsdp" alone (not fsdp·cp): dim 0 of every ≥2-D array split after tp,
+                      gathered ONCE per step before the stages, one reduce-scatter per array in backward
 
-shard_map  one body over the whole mesh; the replicated weights' gradients are summed over data and
-           cp together by ONE invariant -> varying cast per array (one "dp+cp" group).
-jit        the same arrays under NamedShardings; XLA (Shardy + the SPMD partitioner) picks the
-           collectives (mesh_comm_jax(cfg, "jit"), read back from the HLO).
+Per step and device the collectives are ``Composed.comm_theory()`` (tests/test_mesh.py asserts the
+ledger equals it per axis); memory: the params as the layout places them (``Composed.param_bytes``),
+as much again for the gradients, twice for AdamW's moments.
 
-Per step and device (shared.theory.mesh_comm_jax; A = one micro-batch's (m, T/c, D) stream,
-I = M+S−1 iterations): tp (4·L/S·I + 2M)·A + 3·M·m·T/c·b all-reduces; cp L/S·I·(3c−2) permutes
-of K|V; pp 2·(M+S−2) permutes of A; the gradient group Φ_dev·b (dp) or ZeRO-3's gathers and
-reduce-scatters (fsdp). Memory per device: mesh_state_bytes_jax.
+jit and typed keep the runner's own programs. jit runs ``jit_loss`` below — every stage at once under
+vmap, tp's vocab-parallel jit_ops with the stream pinned, pp.jit_circular — placed by ``rules(cfg)``
+(tp.FIXTURE_PLAN's; fsdp over the fsdp(+cp) group): compose refuses pp under jit, and without pp its jit
+(the plain forward under NamedShardings, no layout pinned) leaves the fused qkv split contiguously over
+tp, so XLA moves k|v between the tp devices: measured at compare.py's defaults, dp=2,tp=2, 40× 2.2 MiB
+on tp against this program's 20× 1.1 MiB, and no formula to check it against (``through_compose`` is
+the one switch). typed runs jax_impl/mesh_typed.py (compose refuses typed). Their collectives:
+shared.theory.mesh_comm_jax; memory: mesh_state_bytes_jax.
 Papers: Megatron-LM PTD-P, Narayanan et al. 2021 (arXiv:2104.04473); GSPMD, Xu et al. 2021
-(arXiv:2105.04663).
+(arXiv:2105.04663); torchtitan, Liang et al. 2024 (arXiv:2410.06511).
 """
 
 from __future__ import annotations
@@ -35,24 +49,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl import cp, pp, tp
+from jax_impl import pp, tp, transformer
 from jax_impl.devices import make_mesh
 from jax_impl.harness import Setup, train_loop
-from jax_impl.model import inputs, jax_dtype, make_optimizer, output_loss, targets
+from jax_impl.model import build_model, inputs, jax_dtype, make_optimizer, output_loss, targets, to_numpy
+from jax_impl.parallel.compose import Composed, compose
 from jax_impl.parallel.typed import InMesh, Stated, explicit_mesh
 from shared.config import Config
 from shared.problem import Problem, param_names, param_shapes
 from shared.results import Trained
 from shared.theory import mesh_comm_jax, mesh_micro, mesh_state_bytes_jax
-
-GATHERED = "fsdp_gathered"  # jax.checkpoint name of fsdp's gathered weights: re-gathered in backward
-# no tp axis: Megatron's f / g are identities, the embedding a lookup, the loss the plain mean CE
-PLAIN_OPS = SimpleNamespace(f=lambda a: a, g=lambda a: a, split=lambda a: a, embed=lambda wte, tok: wte[tok],
-                            loss=output_loss)
 
 
 def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
@@ -113,82 +122,6 @@ def stacked_specs(cfg: Config, tree: dict) -> dict:
     return out
 
 
-# --- the forward on one device's slices --------------------------------------------------------------
-
-
-def attention(cfg: Config):
-    """attn(qkv (B, T/c, 3, h·dh), head_dim) -> (B, T/c, h·dh): tp's causal attention, or cp's ring."""
-    if cfg.axis("cp") == 1 or "cp" not in names(cfg):
-        return tp.attend
-    ring = cp.ring_attention("ring", cfg.axis("cp"))
-    return lambda qkv, head_dim: ring(qkv.reshape(qkv.shape[:2] + (-1,)), head_dim)  # [q | k | v] heads
-
-
-def local_loss(cfg: Config, local: dict, tokens: jax.Array, y: jax.Array, pos: jax.Array) -> jax.Array:
-    """This device's mean CE over its (B/d, T/c) tokens; ``local``: this stage's weights, tp-local and
-    whole (fsdp gathered). tokens, y (B/d, T/c); pos (T/c,) their global positions."""
-    S, (M, m, tc) = cfg.axis("pp"), mesh_micro(cfg)
-    assert tokens.shape == y.shape == (M * m, tc), (tokens.shape, (M * m, tc))
-    ops, attn = tp.SHARD_MAP_OPS if "tp" in names(cfg) else PLAIN_OPS, attention(cfg)
-    xs, ys = tokens.reshape(M, m, tc), y.reshape(M, m, tc)  # micro-batch k = rows chunk k
-    first, blocks, last = local["first"], local["blocks"], local["last"]
-    x = ops.embed(first["wte.weight"], xs) + first["wpe.weight"][pos]  # (M, m, T/c, D): real on stage 0
-
-    def stage(x):  # this stage's L/S blocks on one micro-batch (m, T/c, D)
-        for l in range(len(blocks["attn.qkv.weight"])):
-            x = tp.block_forward(lambda n, l=l: blocks[f"{n}.weight"][l], x, cfg.head_dim, ops, attn)
-        return x
-
-    outs = pp.circular(stage, x, S) if S > 1 else stage(x[0])[None]  # (M, m, T/c, D)
-    loss = ops.loss(tp.head_logits(last, outs, ops), ys)  # mean over M equal micro-batches
-    if S > 1:  # the last stage's loss, on every stage
-        loss = lax.psum(jnp.where(lax.axis_index("pp") == S - 1, loss, 0), "pp")
-    return loss
-
-
-def prepare(cfg: Config, local: dict) -> dict:
-    """This stage's weights, ready for ``local_loss``; blocks as per-layer lists. Replicated arrays
-    are cast to varying over the data and cp axes ONCE here, so that the transpose sums their
-    gradients over both in one psum per array (an implicit cast at every use would psum once per
-    use: per pipeline iteration, and wpe's over cp and dp apart). fsdp: every ≥2-D array is all-
-    gathered over the fsdp(+cp) group along its rows instead (transpose: psum_scatter), per block
-    and weight, tagged so that jax.checkpoint recomputes (re-gathers) it in backward (``regather``)."""
-    shard, vary = fsdp_axes(cfg), grad_axes(cfg)
-
-    def one(a):
-        if shard and a.ndim >= 2:
-            return checkpoint_name(lax.all_gather(a, shard, axis=0, tiled=True), GATHERED)
-        return lax.pcast(a, vary, to="varying") if vary else a
-
-    out = {g: {k: one(a) for k, a in local[g].items()} for g in ("first", "last")}
-    out["blocks"] = {k: [one(w) for w in a] for k, a in local["blocks"].items()}  # L/S × (…): one gather each
-    return out
-
-
-def regather(prim, *_, **params) -> bool:
-    """jax.checkpoint policy: save everything but fsdp's gathered weights (and their names), so the
-    backward re-gathers each weight it needs (the gathered value feeds the ops directly: a slice in
-    between would be saved in its place)."""
-    return not (prim.name == "all_gather" or (prim.name == "name" and params.get("name") == GATHERED))
-
-
-def shard_map_loss(cfg: Config, mesh, specs: dict):
-    """loss(params, tokens, y, pos) -> (d·c,) local mean CEs, one per (data, cp) coordinate."""
-    loss_axes = grad_axes(cfg)
-    data = _one(tuple(a for a in loss_axes if a != "cp"))
-    seq = "cp" if "cp" in names(cfg) else None
-
-    def body(params, tokens, y, pos):
-        local = jax.tree.map(lambda a: a[0], params)  # this stage's slice: blocks (L/S, …), slots (…)
-        run = lambda w, *b: local_loss(cfg, prepare(cfg, w), *b)
-        if fsdp_axes(cfg):  # backward recomputes the gathers only: activations saved as usual
-            run = jax.checkpoint(run, policy=regather)
-        return run(local, tokens, y, pos)[None]
-
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(data, seq), P(data, seq), P(seq)),
-                         out_specs=P(_one(loss_axes)), check_vma=True)
-
-
 # --- jit: shardings only ------------------------------------------------------------------------------
 
 
@@ -245,13 +178,38 @@ def jit_loss(cfg: Config, mesh):
     return loss
 
 
-def cpu_options(cfg: Config, mesh) -> dict | None:
-    """XLA:CPU drops optimization barriers before its last CSE pass, which would merge fsdp's backward
-    re-gathers into the forward ones and cp's backward K|V rotation into the forward one (see
-    jax_impl.fsdp.cpu_options, jax_impl.cp.cpu_options): those layouts compile without CSE on CPU."""
-    if mesh.devices.flat[0].platform != "cpu" or not (fsdp_axes(cfg) or cfg.axis("cp") > 1):
-        return None
-    return {"xla_disable_hlo_passes": "cse"}
+def composed(cfg: Config, problem: Problem, style: str, mesh) -> Composed:
+    """The transformer of ``problem`` composed on ``mesh`` (jax_impl/parallel/compose.py): its plan and
+    split (transformer.PLAN, SPLIT), the mean CE, AdamW with torch's semantics, cfg's micro-batches."""
+    return compose(build_model(cfg, problem), dict(cfg.mesh), output_loss, make_optimizer(cfg),
+                   plan=transformer.PLAN, split=transformer.SPLIT, style=style,
+                   microbatches=cfg.pipeline_microbatches, devices=list(mesh.devices.flat))
+
+
+def composed_setup(cfg: Config, problem: Problem, style: str, mesh) -> Setup:
+    """The harness's Setup from compose's program (its step with the gradients), compose's params /
+    gradients mapped back to fixture names and order, its per-axis theory and the layout's state bytes."""
+    c = composed(cfg, problem, style, mesh)
+    step, state, batch = c.program(np.asarray(inputs(cfg, problem)), np.asarray(targets(cfg, problem)), grads=True)
+    order = param_names(cfg)
+
+    def fixture(tree):  # compose's {"rest", "blocks"} tree -> fixture arrays in param_names order
+        named = {transformer.param_name(path): a for path, a in c.to_paths(tree).items()}
+        return [to_numpy(named[k]) for k in order]
+
+    theory, p = c.comm_theory(), c.param_bytes()  # per axis from the model wrapped; per device from the specs
+    return Setup(step=step, state=state, batch=batch, grads_fixture=fixture,
+                 params_fixture=lambda state: fixture(state[0]),
+                 comm_theory=None if theory is None else sum(b for ops in theory.values() for _, b in ops.values()),
+                 extra={"comm_by_axis_theory": theory,
+                        "state_bytes_theory": {"params": p, "grads": p, "optimizer": 2 * p},  # AdamW: mu, nu
+                        "rules": {g: {k: str(sp) for k, sp in v.items()} for g, v in c.specs.items()}},
+                 compiler_options=c.compiler_options, mesh=c.mesh)
+
+
+def through_compose(cfg: Config, style: str) -> bool:
+    """shard_map: the library's composition; jit and typed: this runner's programs (docstring: why)."""
+    return style == "shard_map"
 
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:
@@ -261,12 +219,14 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
         raise ValueError(mesh_typed.refusal(cfg))
     if (style, variant) not in variants(cfg):
         raise ValueError(f"mesh: unknown style/variant {style}/{variant}; choose from {variants(cfg)}")
+    cfg.check("mesh", "jax")
+    assert dict(mesh.shape) == dict(cfg.mesh), (mesh.shape, cfg.mesh)
+    if through_compose(cfg, style):
+        return train_loop(cfg, composed_setup(cfg, problem, style, mesh))
     typed = style == "typed"  # an Explicit-axes copy of the mesh (jax_impl/mesh_typed.py)
     if typed:
         mesh = explicit_mesh(mesh)
         stated = Stated(mesh)
-    cfg.check("mesh", "jax")
-    assert dict(mesh.shape) == dict(cfg.mesh), (mesh.shape, cfg.mesh)
     order, shapes = param_names(cfg), param_shapes(cfg)
     tree = pp.split(tp.to_layout(problem.params), cfg.axis("pp"))  # blocks (S, L/S, …), slots (S, …)
     specs = stacked_specs(cfg, tree)
@@ -277,8 +237,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     batch = (jax.device_put(inputs(cfg, problem), rows), jax.device_put(targets(cfg, problem), rows),
              jax.device_put(jnp.arange(cfg.seq, dtype=jnp.int32), NamedSharding(mesh, P(seq))))
     tx = make_optimizer(cfg)
-    to_loss = shard_map_loss(cfg, mesh, specs) if style == "shard_map" else mesh_typed.loss_for(cfg, stated) \
-        if typed else jit_loss(cfg, mesh)
+    to_loss = mesh_typed.loss_for(cfg, stated) if typed else jit_loss(cfg, mesh)
     # (differentiated, reported): the mean of the local losses is differentiated and never computed
     loss_of = lambda p, *b: (lambda v: (jnp.mean(v), v))(to_loss(p, *b))
 
@@ -297,7 +256,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     def fixture(tree):  # stacked, TP layout -> fixture arrays in param_names order (device_get gathers)
         return [a.reshape(shapes[k]) for k, a in zip(order, pp.unsplit(tree, order), strict=True)]
 
-    theory = None if typed else mesh_comm_jax(cfg, style)  # jit with cp or fsdp: None, XLA's choice (docstring there)
+    theory = None if typed else mesh_comm_jax(cfg, style)
     jitted = jax.jit(stated.traced(step) if typed else step, donate_argnums=(0, 1))
     return train_loop(cfg, Setup(
         step=InMesh(jitted, mesh) if typed else jitted, state=state, batch=batch,
@@ -306,5 +265,4 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
         extra={"comm_by_axis_theory": theory,
                "state_bytes_theory": mesh_state_bytes_jax(cfg, style),
                "rules": {g: {k: str(s) for k, s in v.items()} for g, v in specs.items()}}
-        | ({"stated": stated.entries} if typed else {}),
-        compiler_options=cpu_options(cfg, mesh) if style == "shard_map" else None, mesh=mesh))
+        | ({"stated": stated.entries} if typed else {}), mesh=mesh))

@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_impl.parallel import cp as cp_seam
+from jax_impl.parallel.compose_axes import Split
 from jax_impl.parallel.typed import rows_like
 from shared.problem import MOE_BALANCE_COEF, RMS_EPS
 
@@ -111,6 +113,17 @@ def attention(qkv: jax.Array, head_dim: int) -> jax.Array:
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # key k visible from query q iff k <= q
     probs = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, -1).astype(dt)  # (B, T, h·dh)
+
+
+def seam_attention(qkv: jax.Array, head_dim: int) -> jax.Array:
+    """``attention``, or inside a composed cp step (parallel.cp.active) the cp seam
+    (parallel.cp.attention) on the same q, k, v heads: the Block's attention core. Outside cp it IS
+    ``attention`` (every other run bit for bit unchanged)."""
+    if not cp_seam.active():
+        return attention(qkv, head_dim)
+    b, t, _ = qkv.shape
+    q, k, v = (a.reshape(b, t, -1, head_dim) for a in jnp.split(qkv, 3, axis=-1))  # (B, T/c, h, dh)
+    return cp_seam.attention(q, k, v).reshape(b, t, -1)
 
 
 # --- mixture of experts: routing, the experts, the balancing loss ------------------------------------
@@ -195,7 +208,7 @@ class Block(nnx.Module):
         return remat_block(self._forward)(x)
 
     def _forward(self, x: jax.Array):
-        x = x + self.o(remat_core(attention)(self.qkv(self.norm1(x)), self.head_dim))
+        x = x + self.o(remat_core(seam_attention)(self.qkv(self.norm1(x)), self.head_dim))
         if hasattr(self, "mlp"):
             out, aux, load = self.mlp(self.norm2(x))
             return x + out, aux, load
@@ -235,6 +248,41 @@ class Transformer(nnx.Module):
         if self.logits_dtype is not None:
             logits = logits.astype(self.logits_dtype)
         return (logits, sum(aux), jnp.stack(loads)) if loads else logits
+
+
+# --- the Transformer's plan and stage split for parallel.compose (torchtitan style: beside the model) ----
+# Megatron over the blocks: the fused [q|k|v] kernel by whole heads (colwise_heads: device r holds
+# [q_r|k_r|v_r]), o and down rowwise, up colwise; wte, wpe, the norms and the head stay replicated.
+PLAN = {"blocks.*.qkv": "colwise_heads", "blocks.*.o": "rowwise", "blocks.*.up": "colwise",
+        "blocks.*.down": "rowwise"}
+
+
+def _logits(root: Transformer, logits: jax.Array) -> jax.Array:
+    return logits if root.logits_dtype is None else logits.astype(root.logits_dtype)
+
+
+# Transformer(x) == head(block(…block(embed(x))…)): wpe at the GLOBAL positions (a cp shard's own), the
+# blocks' attention through the cp seam (seam_attention). The dense transformer only (an MoE block
+# returns (x, aux, load): compose refuses the split's chain).
+SPLIT = Split(first=("wte", "wpe"), blocks="blocks", last=("normf", "head"),
+              embed=lambda root, mods, tokens, positions: mods["wte"](tokens) + mods["wpe"](positions),
+              block=lambda root, layer, h, positions: layer(h),
+              head=lambda root, mods, h: _logits(root, mods["head"](mods["normf"](h))))
+
+
+_NAMES = {"wte.embedding": "wte.weight", "wpe.embedding": "wpe.weight", "normf.scale": "normf.weight",
+          "head.kernel": "head.weight", "qkv.kernel": "attn.qkv.weight", "o.kernel": "attn.o.weight",
+          "up.kernel": "mlp.up.weight", "down.kernel": "mlp.down.weight", "norm1.scale": "norm1.weight",
+          "norm2.scale": "norm2.weight"}
+
+
+def param_name(path: str) -> str:
+    """A dense Transformer's NNX Param path ("blocks.0.qkv.kernel") -> its fixture name
+    ("blocks.0.attn.qkv.weight"), as ``named_params`` keys it."""
+    if path.startswith("blocks."):
+        _, l, rest = path.split(".", 2)
+        return f"blocks.{l}.{_NAMES[rest]}"
+    return _NAMES[path]
 
 
 def named_params(model: Transformer) -> dict[str, jax.Array]:

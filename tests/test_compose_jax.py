@@ -204,6 +204,48 @@ def test_specs():
     assert t.specs["blocks"]["mlp.up_proj.kernel"] == P(None, None, "fsdp", None)
 
 
+def test_fused_qkv_split_by_whole_heads():
+    """The project's Transformer (jax_impl/transformer.py's PLAN / SPLIT) under tp=2 × cp=2: its fused
+    [q|k|v] kernel (colwise_heads) is held as [q_r|k_r|v_r] per tp device and given back in the fixture's
+    column order; the first step's loss is the model's own (its attention through the cp seam, wpe at the
+    global positions); under jit (tp=2) too, its columns in order; colwise_heads on a kernel without a
+    parent head_dim is refused. The whole run
+    (steps, gradients, parameters) against the reference: tests/test_mesh.py's JAX rows."""
+    from jax.sharding import PartitionSpec as P
+
+    from jax_impl import transformer
+    from jax_impl.model import build_model, inputs, make_optimizer, output_loss, targets
+    from jax_impl.parallel import llama
+    from jax_impl.parallel.compose import ComposeError, compose
+    from shared.config import Config
+    from shared.llama import LlamaShape, weights
+    from shared.problem import make_problem
+
+    cfg = Config(world_size=4, model="transformer", layers=2, dim=16, heads=4, seq=16, vocab=32, batch=4, steps=1)
+    problem = make_problem(cfg)
+    model = build_model(cfg, problem)
+    x, y = np.asarray(inputs(cfg, problem)), np.asarray(targets(cfg, problem))
+    want = float(output_loss(model(x), y))
+    t = compose(model, {"tp": 2, "cp": 2}, output_loss, make_optimizer(cfg), plan=transformer.PLAN,
+                split=transformer.SPLIT)
+    assert t.specs["blocks"]["qkv.kernel"] == P(None, None, None, "tp")
+    held, w = np.asarray(t.params_["blocks"]["qkv.kernel"])[0, 0], problem.params["blocks.0.attn.qkv.weight"]
+    q, k, v = np.split(w, 3, axis=1)  # device 0's block: its 2 heads (8 columns) of q, k and v
+    assert np.array_equal(held[:, :24], np.concatenate([q[:, :8], k[:, :8], v[:, :8]], axis=1))
+    assert all(np.array_equal(problem.params[transformer.param_name(p)], a) for p, a in t.params().items())
+    # float64, the sums over heads and sequence shards reordered: 1e-12 relative (measured ~1e-16)
+    assert np.isclose(t.train_step(x, y), want, rtol=1e-12, atol=0)
+    # jit runs the model on the global arrays: the columns stay in the model's order (no heads_perm)
+    j = compose(model, {"tp": 2}, output_loss, make_optimizer(cfg), plan=transformer.PLAN, split=transformer.SPLIT,
+                style="jit")
+    assert np.array_equal(np.asarray(j.params_["blocks"]["qkv.kernel"])[0, 0], w)
+    assert np.isclose(j.train_step(x, y), want, rtol=1e-12, atol=0)
+    lm = llama.from_numpy(weights(LlamaShape(), 0))
+    with pytest.raises(ComposeError, match="needs a fused"):
+        compose(lm, {"tp": 2}, output_loss, make_optimizer(cfg), split=llama.SPLIT,
+                plan={"model.layers.*.mlp.up_proj": "colwise_heads"})
+
+
 @pytest.mark.slow  # 8 (4) simulated devices: ~10-20 s each on 2 cores
 @pytest.mark.parametrize("layout,style,units,variant", [({"dp": 2, "tp": 2, "cp": 2}, "shard_map", None, "ring"),
                                                         ({"dp": 2, "tp": 2, "cp": 2}, "jit", None, "ring"),

@@ -69,14 +69,14 @@ def tp_ledger(cfg: Config, variant: str, platform: str = "cpu") -> dict | None:
 
 def mesh_ledger(cfg: Config, platform: str = "cpu") -> dict | None:
     """XLA:CPU, data (dp | fsdp) × tp in types, per mesh axis (jax_impl/mesh_typed.py): on "tp"
-    shard_map's all-reduces exactly (shared.theory.mesh_comm_jax); on the data axis ONE all-reduce
-    of every tp-local gradient and the loss — under fsdp after one all-gather per unit (each
+    hand-written Megatron's all-reduces exactly (shared.theory.mesh_comm_jax(cfg, "typed")); on the data
+    axis ONE all-reduce of every tp-local gradient and the loss — under fsdp after one all-gather per unit (each
     stated reshard(w, <spec without fsdp>)), no reduce-scatter and no re-gather in backward."""
     from shared.theory import mesh_comm_jax
 
     if platform != "cpu":
         return None
-    theory = mesh_comm_jax(cfg, "shard_map")
+    theory = mesh_comm_jax(cfg, "typed")
     to_dict = lambda ops: {op: {"count": c, "bytes": nbytes} for op, (c, nbytes) in ops.items()}
     out = {"tp": to_dict(theory["tp"])} if "tp" in theory else {}
     data = theory.get(cfg.data_axis, {})

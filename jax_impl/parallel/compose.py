@@ -5,6 +5,7 @@ module-path tp plan, its stage split, its cp seam and its ZeRO units. Twin: torc
     trainer = compose(model, {"fsdp": 2, "tp": 2, "pp": 2}, loss, optax.adamw(...), plan=PLAN, split=SPLIT)
     loss_value = trainer.train_step(tokens, targets)     # (B, T) each
     params = trainer.params()                           # {NNX path: global NumPy array}
+    step, state, batch = trainer.program(tokens, targets, grads=True)  # the jitted step, for a loop of one's own
 
 The mesh: axes in the layout's order, device id row-major (innermost last). Per axis:
 
@@ -13,7 +14,9 @@ The mesh: axes in the layout's order, device id row-major (innermost last). Per 
                stages (torchtitan keeps FSDP unsharded across a step's micro-batches under PP); backward:
                the gather's transpose, one reduce-scatter per array.
     tp         Megatron over the plan's Linear modules inside the blocks: colwise (kernel (in, out/tp), f =
-               pcast to varying: psum in backward), rowwise (kernel (in/tp, out), g = psum after).
+               pcast to varying: psum in backward), rowwise (kernel (in/tp, out), g = psum after),
+               colwise_heads (a fused [q|k|v] kernel (D, 3·H·dh): shard_map holds its columns permuted,
+               device r [q_r|k_r|v_r], parallel.tp.heads_perm; params() / to_paths() put them back).
                Head counts come from the weights, so q/k/v shards must be whole heads (checked).
     pp         GPipe over ``split``: blocks (identical modules of one nnx.List) evenly over "pp", stacked
                (S, L/S, …); ``first`` / ``last`` replicated over pp, real on stage 0 / S−1; M micro-batches of
@@ -29,8 +32,9 @@ transposes of the invariant -> varying casts: the body casts every array ONCE ov
 vary on (else check_vma casts at each use: one psum per layer and pipeline iteration). Per step and device
 (``comm_theory()``, by the ledger's axis labels; A = one micro-batch's (m, T/c, D) stream in bytes, I =
 M + S − 1 iterations, 1 without pp, every local block runs I times): tp per block call an all-reduce
-after each rowwise module (forward) and of each colwise parent's input (backward f, shared by its
-children), A each at the stream's width — Llama: o, down; q|k|v, gate|up; pp 2·(M + S − 2) permutes of A;
+after each rowwise module (forward) and of each distinct colwise input (backward f, shared by the
+modules reading it; the trace counts them), A each at the stream's width — Llama: o, down; q|k|v,
+gate|up; the project's Transformer: o, down; qkv, up; pp 2·(M + S − 2) permutes of A;
 cp the ring's 3c − 2 permutes of K|V (2·m·T/c·(D/t)·b) per attention call (parallel.cp); fsdp one
 all-gather + one reduce-scatter per split array, S = the device's gathered (tp-local) layers; and per
 group of axes ONE all-reduce (XLA's combiner merges the independent psums): every array's gradient summed
@@ -52,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +84,7 @@ from jax_impl.parallel.compose_axes import (  # noqa: F401  (AXES, STYLES, Compo
     stand_ins,
     varying,
 )
-from jax_impl.parallel.tp import local_shapes_refusal
+from jax_impl.parallel.tp import heads_perm, local_shapes_refusal
 from jax_impl.parallel.tree import fetch, submodules
 from shared.theory import cp_positions
 
@@ -119,10 +124,15 @@ class Composed:
         self.parts = {p: flat(mods[p]) for p in split.first + split.last}
         params, self.specs = self._arrange(mods)
         self._probe(tx, params)
-        self.params_ = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(self.mesh, s)), params, self.specs)
+        # placed from host copies: the step donates its params, which must not delete the model's own arrays
+        # (device_put to a sharding over the array's own device reuses its buffer there, may_alias or not)
+        self.params_ = jax.tree.map(lambda a, s: jax.device_put(np.asarray(a), NamedSharding(self.mesh, s)),
+                                    params, self.specs)
         replicated = NamedSharding(self.mesh, P())  # optax's scalars (count) too: else step 2 compiles again
         self.opt_state = jax.tree.map(lambda a: a if isinstance(getattr(a, "sharding", None), NamedSharding) else
                                       jax.device_put(a, replicated), tx.init(self.params_))
+        self._opt_placed = jax.tree.map(lambda a: a.sharding if isinstance(getattr(a, "sharding", None), NamedSharding)
+                                        else None, self.opt_state)
         self._trace: dict | None = None  # the last trace's seam calls, stream and loss: comm_theory
         self._chain_checked = False
         # XLA:CPU drops the seam's optimization barrier before CSE, which then merges the ring's backward
@@ -130,8 +140,10 @@ class Composed:
         # backward): a ring step compiles without CSE on CPU, as parallel.cp.Trainer's (jax_impl.cp.cpu_options)
         cpu_ring = style == "shard_map" and self.c > 1 and cp_variant != "ulysses" and \
             self.mesh.devices.flat[0].platform == "cpu"
-        self._step = jax.jit(self._step_fn, donate_argnums=(0, 1),
-                             compiler_options={"xla_disable_hlo_passes": "cse"} if cpu_ring else None)
+        self.compiler_options = {"xla_disable_hlo_passes": "cse"} if cpu_ring else None
+        self._step = jax.jit(self._step_fn, donate_argnums=(0, 1), compiler_options=self.compiler_options)
+        self._step_grads = jax.jit(partial(self._step_fn, grads=True), donate_argnums=(0, 1),
+                                   compiler_options=self.compiler_options)
 
     # --- the arrays: blocks stacked (S, L/S, …), the rest as they are, and their specs ------------------
 
@@ -145,8 +157,8 @@ class Composed:
         axes = [None] * len(shape)
         style = self.rel_plan.get(rel.rsplit(".", 1)[0]) if rel else None
         if style and self.tp > 1 and rel.endswith(".kernel"):
-            axes[1 if style == "colwise" else 0] = "tp"
-        elif style == "colwise" and self.tp > 1 and rel.endswith(".bias"):
+            axes[0 if style == "rowwise" else 1] = "tp"
+        elif style in ("colwise", "colwise_heads") and self.tp > 1 and rel.endswith(".bias"):
             axes[0] = "tp"
         if self.f > 1 and len(shape) >= 2 and self._unit(path):
             local = shape[0] // (self.tp if axes[0] == "tp" else 1)
@@ -162,6 +174,13 @@ class Composed:
         layer_states = [flat(mods[f"{sp.blocks}.{i}"])[3] for i in range(self.L)]
         blocks = {k: jnp.stack([s[k] for s in layer_states]).reshape((S, per) + layer_states[0][k].shape)
                   for k in layer_states[0]}
+        # colwise_heads (shard_map: each device runs the model on its shard): the fused [q|k|v] columns
+        # reordered so that tp device r's block is [q_r|k_r|v_r] (parallel.tp.heads_perm); to_paths puts
+        # them back. jit runs the model on the global arrays: the columns stay in order (XLA splits them)
+        self.perms = {k: heads_perm(a.shape[-1], self.tp) for k, a in blocks.items() if self.tp > 1 and
+                      self.style == "shard_map" and
+                      self.rel_plan.get(k.rsplit(".", 1)[0]) == "colwise_heads" and k.endswith((".kernel", ".bias"))}
+        blocks = {k: a[..., self.perms[k]] if k in self.perms else a for k, a in blocks.items()}
         stage = "pp" if "pp" in self.layout else None
         specs = {"rest": {k: P(*self._spec(k, None, a.shape)) for k, a in rest.items()},
                  "blocks": {k: P(stage, None, *self._spec(f"{sp.blocks}.0.{k}", k, a.shape[2:]))
@@ -174,19 +193,21 @@ class Composed:
         by ndim or path; a per-tensor statistic over stacked layers)."""
         S, per, b = self.S, self.L // self.S, self.split.blocks
         rest = {k: np.asarray(a) for k, a in params["rest"].items()}
-        blocks = {k: np.asarray(a).reshape((self.L,) + a.shape[2:]) for k, a in params["blocks"].items()}
+        perm = lambda k, a: a[..., self.perms[k]] if k in self.perms else a  # noqa: E731
+        unperm = lambda k, a: a[..., np.argsort(self.perms[k])] if k in self.perms else a  # noqa: E731
+        blocks = {k: unperm(k, np.asarray(a)).reshape((self.L,) + a.shape[2:]) for k, a in params["blocks"].items()}
         whole = rest | {f"{b}.{i}.{k}": a[i] for k, a in blocks.items() for i in range(self.L)}
         to = lambda t: {"rest": {k: t[k] for k in rest},  # noqa: E731
-                        "blocks": {k: np.stack([t[f"{b}.{i}.{k}"] for i in range(self.L)]).reshape(
-                            (S, per) + blocks[k].shape[1:]) for k in blocks}}
+                        "blocks": {k: perm(k, np.stack([t[f"{b}.{i}.{k}"] for i in range(self.L)]).reshape(
+                            (S, per) + blocks[k].shape[1:])) for k in blocks}}
         back = lambda v: {k: np.asarray(a) for k, a in v["rest"].items()} | {  # noqa: E731
-            f"{b}.{i}.{k}": np.asarray(a).reshape((self.L,) + blocks[k].shape[1:])[i]
+            f"{b}.{i}.{k}": unperm(k, np.asarray(a)).reshape((self.L,) + blocks[k].shape[1:])[i]
             for k, a in v["blocks"].items() for i in range(self.L)}
         what = ('optax sees {"rest": {path: array}, "blocks": {path in a block: (S, L/S, …) the layers stacked}}, '
                 "not your {path: array} dict")
         recipe.check(tx, whole, recipe.Whole(what, to, back), "compose", "write the mask / labels for that tree "
                      "(by the path's last names, not ndim; 'blocks' leaves have 2 more dims), or train this recipe "
-                     "under parallelize / tp.apply_plan, which hand optax your dict")
+                     "under parallelize / tp.apply_plan, which hand optax your dict", jit=True)  # the step jits it too
 
     # --- the forward ---------------------------------------------------------------------------------
 
@@ -210,14 +231,19 @@ class Composed:
             f_cache = {}  # one f per input array (q|k|v, gate|up): one backward psum, Megatron's
             layers = [stand_ins(layer, self.rel_plan, f_cache) for layer in layers]
 
+        block_calls = []
+
         def stage(h):
             for layer in layers:
                 h = sp.block(self.root, layer, h, positions)
+                block_calls.append(1)
             return h
 
         h0 = sp.embed(self.root, parts, tokens, positions)  # (rows, T, D): stage 0's input
         if manual and self._trace is not None:  # one micro-batch's stream: comm_theory's A
             self._trace["stream"] = (h0.shape if S == 1 else (rows // M,) + h0.shape[1:], h0.dtype.itemsize)
+        if manual and self.tp > 1 and self._trace is not None:  # f casts per block call: comm_theory
+            self._trace["f"] = lambda: (len(f_cache), sum(x.shape[-1] for x, _ in f_cache.values()), len(block_calls))
         if S == 1:
             return self.loss(sp.head(self.root, parts, stage(h0)), targets)
         m = rows // M
@@ -267,6 +293,9 @@ class Composed:
                         raise
                     raise ComposeError("compose " + local_shapes_refusal(e)) from None
             self._trace["loss"] = loss.dtype.itemsize
+            if "f" in self._trace:  # (f casts, Σ widths) per block call (the cache is dropped with the trace)
+                n, widths, calls = self._trace["f"]()
+                self._trace["f"] = (n // calls, widths // calls)
             return loss[None]
 
         return jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(data, seq), P(data, seq), P(seq)),
@@ -275,18 +304,20 @@ class Composed:
     def _record(self, key):
         self._trace["seam"].append((key.size, key.dtype.itemsize))
 
-    def _step_fn(self, params, opt_state, tokens, targets, positions):
+    def _step_fn(self, params, opt_state, tokens, targets, positions, grads: bool = False):
         if self.style == "shard_map":
             losses = self._shard_map_loss()
             value = lambda p: jnp.mean(losses(p, tokens, targets, positions))
         else:
             unstack = lambda p: {"rest": p["rest"], "blocks": {k: a[0] for k, a in p["blocks"].items()}}  # S = 1
             value = lambda p: self._forward_loss(unstack(p), tokens, targets, positions, False)
-        loss, grads = jax.value_and_grad(value)(params)
-        updates, opt_state = self.tx.update(grads, opt_state, params)
+        loss, g = jax.value_and_grad(value)(params)
+        updates, opt_state = self.tx.update(g, opt_state, params)
         new = optax.apply_updates(params, updates)
         new = jax.tree.map(lambda a, s: lax.with_sharding_constraint(a, NamedSharding(self.mesh, s)), new, self.specs)
-        return new, opt_state, loss
+        opt_state = jax.tree.map(lambda a, s: a if s is None else lax.with_sharding_constraint(a, s),  # as it came
+                                 opt_state, self._opt_placed, is_leaf=lambda x: x is None)
+        return (new, opt_state, loss, g) if grads else (new, opt_state, loss)
 
     # --- public --------------------------------------------------------------------------------------
 
@@ -304,14 +335,18 @@ class Composed:
         return np.concatenate([cp_positions(T, self.c, r, kind) for r in range(self.c)])
 
     def check_chain(self, tokens):
-        """The split's chain equals the model's forward on one row (eager, one device): else refused."""
+        """The split's chain equals the model's forward on one row (one jitted program, one device): else
+        refused."""
         sp, mods = self.split, submodules(self.root)[0]
-        x = jnp.asarray(tokens[:1])
-        pos = jnp.arange(x.shape[1])
-        h = sp.embed(self.root, mods, x, pos)
-        for i in range(self.L):
-            h = sp.block(self.root, mods[f"{sp.blocks}.{i}"], h, pos)
-        want, got = np.asarray(self.root(x)), np.asarray(sp.head(self.root, mods, h))
+
+        def both(x):  # one program (eager ops would compile one by one: seconds on a first run)
+            pos = jnp.arange(x.shape[1])
+            h = sp.embed(self.root, mods, x, pos)
+            for i in range(self.L):
+                h = sp.block(self.root, mods[f"{sp.blocks}.{i}"], h, pos)
+            return self.root(x), sp.head(self.root, mods, h)
+
+        want, got = (np.asarray(a) for a in jax.jit(both)(jnp.asarray(tokens[:1])))
         if want.shape != got.shape or not np.allclose(got, want, rtol=1e-12, atol=0):
             raise ComposeError(f"compose: the split's chain head(block(…embed(x))) differs from "
                                f"{type(self.root).__name__}(x); fix the split's embed / block / head")
@@ -329,17 +364,32 @@ class Composed:
         after a step), for jax_impl.ledger.comm_by_axis."""
         return self._step.lower(self.params_, self.opt_state, *self._batch(tokens, targets)).compile().as_text()
 
-    def train_step(self, tokens, targets) -> float:
+    def _checked(self, step, tokens, targets) -> tuple:
+        """The batch placed, after the first call's checks: the chain, and (shard_map) one trace of ``step``
+        (comm_theory's record; under cp: the seam called)."""
         batch = self._batch(tokens, targets)
         if not self._chain_checked:
             self.check_chain(tokens)
-        if self.style == "shard_map" and self.c > 1 and not (self._trace or {}).get("seam"):  # the seam used?
-            self._step.trace(self.params_, self.opt_state, *batch)
-            if not self._trace["seam"]:
+        if self.style == "shard_map" and (self._trace is None or (self.c > 1 and not self._trace["seam"])):
+            step.trace(self.params_, self.opt_state, *batch)
+            if self.c > 1 and not self._trace["seam"]:
                 raise cp_seam.SeamError("compose: cp > 1 but the model never called parallel.cp.attention: its "
                                     "attention would see its own T/cp tokens only; route attention through the seam")
+        return batch
+
+    def train_step(self, tokens, targets) -> float:
+        batch = self._checked(self._step, tokens, targets)
         self.params_, self.opt_state, loss = self._step(self.params_, self.opt_state, *batch)
         return float(loss)
+
+    def program(self, tokens, targets, grads: bool = False) -> tuple:
+        """(step, state, batch) for a training loop of your own: ``step(*state, *batch)`` -> (params,
+        opt_state, loss[, grads]) jitted (the state donated, compile with ``compiler_options``), the
+        program train_step runs (``grads``: also the gradients, laid out like the params: ``to_paths``);
+        state = (params, opt_state) as placed; batch = (tokens, targets, positions) placed. The checks of
+        train_step's first call are made here."""
+        step = self._step_grads if grads else self._step
+        return step, (self.params_, self.opt_state), self._checked(step, tokens, targets)
 
     def comm_theory(self) -> dict[str, dict[str, tuple[int, int]]] | None:
         """{axis label: {op: (count, payload bytes)}} per step and device of the shard_map step, derived
@@ -352,7 +402,8 @@ class Composed:
         if self._trace is None:
             raise ComposeError("compose: comm_theory needs the batch's shape: run one train_step first")
         shape, b = self._trace["stream"]
-        calls, widths = theory.tp_widths(self.rel_plan, self.block_parts[3]) if self.tp > 1 else (0, 0)
+        calls, widths = theory.tp_widths(self.rel_plan, self.block_parts[3], self._trace["f"]) if self.tp > 1 \
+            else (0, 0)
         placed = theory.placed(self.params_, self.specs, self.layout, self.split.first)
         return theory.compose_comm(self.layout, placed, microbatches=self.M,
                                    tp_call=(calls, int(np.prod(shape[:-1])) * b * widths),
@@ -361,11 +412,30 @@ class Composed:
 
     def params(self) -> dict[str, np.ndarray]:
         """{NNX Param path: global NumPy array} of the model as trained (blocks unstacked)."""
-        out = {k: fetch(a) for k, a in self.params_["rest"].items()}
-        for k, a in self.params_["blocks"].items():
-            a = fetch(a).reshape((self.L,) + a.shape[2:])
+        return self.to_paths(self.params_)
+
+    def to_paths(self, tree) -> dict[str, np.ndarray]:
+        """A tree laid out like the step's params (the params, their gradients, AdamW's moments) as {NNX
+        Param path: global NumPy array} in the model's own layout: blocks unstacked, colwise_heads' columns
+        back in order."""
+        out = {k: fetch(a) for k, a in tree["rest"].items()}
+        for k, a in tree["blocks"].items():
+            a = fetch(a)
+            a = (a[..., np.argsort(self.perms[k])] if k in self.perms else a).reshape((self.L,) + a.shape[2:])
             out |= {f"{self.split.blocks}.{i}.{k}": a[i] for i in range(self.L)}
         return out
+
+    def param_bytes(self) -> int:
+        """One device's bytes of the params as the layout places them (shapes, dtypes, specs; not read
+        back from the arrays): every dim divided by the sizes of the axes its spec names."""
+        names = lambda e: () if e is None else (e,) if isinstance(e, str) else tuple(e)  # noqa: E731
+        total = 0
+        for part, arrays in self.params_.items():
+            for k, a in arrays.items():
+                spec = tuple(self.specs[part][k]) + (None,) * a.ndim
+                split = [int(np.prod([self.layout[x] for x in names(e)])) for e in spec[:a.ndim]]
+                total += int(np.prod([n // d for n, d in zip(a.shape, split, strict=True)])) * a.dtype.itemsize
+        return total
 
 
 def compose(model: nnx.Module, layout: dict[str, int], loss: Callable, tx: optax.GradientTransformation, *,

@@ -4,8 +4,8 @@
     refusal(layout, style)              an axis, size or style compose cannot run (one line)
     check_split(model, split, S)        the stage split: tied parts, blocks that are no nnx.List of
                                         identical modules (a scan/vmap-stacked module is refused), L % S
-    check_plan(model, split, plan, tp)  the tp plan: colwise / rowwise nnx.Linear inside the blocks,
-                                        whole heads, no rowwise bias
+    check_plan(model, split, plan, tp)  the tp plan: colwise / colwise_heads (a fused [q|k|v] kernel) /
+                                        rowwise nnx.Linear inside the blocks, whole heads, no rowwise bias
     flat(module)                        (graphdef, treedef, keys, {key: array}): what pp stacks per stage
     Col / Row, stand_ins                Megatron's f (pcast to varying: psum of dL/dx in backward, one per
                                         input array) and g (psum over "tp") around the local shard
@@ -28,6 +28,7 @@ from jax_impl.parallel.tree import WrapError, key_of, matches, param_holders, pu
 
 AXES = ("dp", "fsdp", "pp", "cp", "tp")
 CP_VARIANTS = ("ring", "ring_zigzag", "ulysses")  # parallel.cp's seam
+PLAN_STYLES = ("colwise", "colwise_heads", "rowwise")  # parallel.tp's names for the same splits
 STYLES = ("shard_map", "jit")
 
 
@@ -119,9 +120,9 @@ def check_plan(root, sp: Split, plan: dict[str, str], tp: int) -> dict[str, str]
     prefix, out = sp.blocks + ".", {}
     for pattern, style in plan.items():
         hits = [p for p in mods if p and matches(p, pattern)]
-        if style not in ("colwise", "rowwise"):
-            raise ComposeError(f"compose: plan key {pattern!r} has style {style!r}; compose splits 'colwise' and "
-                               "'rowwise' only (embedding and head stay replicated): drop it or use parallel.tp")
+        if style not in PLAN_STYLES:
+            raise ComposeError(f"compose: plan key {pattern!r} has style {style!r}; compose splits {PLAN_STYLES} "
+                               "only (embedding and head stay replicated): drop it or use parallel.tp")
         if not hits:
             raise ComposeError(f"compose: plan key {pattern!r} matches no module ('*' = one segment, '**' any); "
                                "fix the key")
@@ -134,9 +135,15 @@ def check_plan(root, sp: Split, plan: dict[str, str], tp: int) -> dict[str, str]
                 raise ComposeError(f"compose: rowwise {p!r} has a bias; compose has no rowwise bias: "
                                    "use_bias=False")
             rel = p[len(prefix):].split(".", 1)[1]
-            dim = m.kernel.shape[1 if style == "colwise" else 0]
+            dim = m.kernel.shape[0 if style == "rowwise" else 1]
             parent = mods[p.rsplit(".", 1)[0]]
             hd = getattr(parent, "head_dim", None)
+            if style == "colwise_heads":
+                if dim % 3 or not isinstance(hd, int):
+                    raise ComposeError(f"compose: colwise_heads {p!r} needs a fused [q|k|v] kernel (D, 3·H·dh) and its "
+                                       f"parent's head_dim (out_features={dim}, head_dim={hd}); plan separate q, k, v "
+                                       "with 'colwise' or give the attention module a head_dim")
+                dim //= 3  # each of q, k, v splits by whole heads: device r holds [q_r|k_r|v_r]
             if dim % tp or (hd and (dim // hd) % tp):
                 unit = f"{dim // hd} heads" if hd else f"{dim} features"
                 raise ComposeError(f"compose: {style} {p!r} has {unit}, not divisible by tp={tp}; use a tp "
@@ -209,6 +216,6 @@ def stand_ins(layer, rel_plan: dict[str, str], f_cache: dict):
         for k in key[0].split(".") if len(key) == 2 else ():
             parent = parent[int(k)] if k.isdigit() else getattr(parent, k)
         m = getattr(parent, key[-1])
-        put_child(parent, key[-1], Col(m, f_cache) if style == "colwise" else Row(m))
+        put_child(parent, key[-1], Row(m) if style == "rowwise" else Col(m, f_cache))
     return layer
 

@@ -211,6 +211,12 @@ def attention(query, key, value, bias=None, mask=None, dropout_rate=0.0, determi
     return heads_first(ring_core(variant, n)(*map(heads_first, (query, key, value))))
 
 
+def active() -> bool:
+    """Whether a cp step is being traced (``attention`` then runs over "cp"): a model with attention of
+    its own can keep that path bit for bit outside cp and call the seam inside (jax_impl/transformer.py)."""
+    return _ACTIVE.get() is not None
+
+
 @contextlib.contextmanager
 def _active(variant: str, n: int, record: Callable):
     token = _ACTIVE.set((variant, n, record))

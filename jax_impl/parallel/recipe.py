@@ -229,14 +229,16 @@ def _cause(ref: np.ndarray, got: np.ndarray) -> str:
 
 
 def check(tx: optax.GradientTransformation, params: dict, layout: Layout | None, where: str, fix: str,
-          seed: int = 0) -> None:
+          seed: int = 0, jit: bool = False) -> None:
     """Refuse ``tx`` (WrapError) if ``layout``'s devices would update ``params`` ({path: array})
-    otherwise than ``tx`` on the whole dict; ``layout=None``: the wrapper hands optax the whole dict."""
+    otherwise than ``tx`` on the whole dict; ``layout=None``: the wrapper hands optax the whole dict.
+    ``jit``: init and update jitted (one compile per tree: for a layout whose view has shapes of its own)."""
     if layout is None:
         return
     # eager: each op compiles once per shape and process (~1 s the first time on a small model), then
-    # the probe takes milliseconds; jit would compile the whole update again for every new tx
-    init, update = tx.init, tx.update
+    # the probe takes milliseconds; jit would compile the whole update again for every new tx, but
+    # once per tree instead of once per op and shape (compose's stacked view: shapes no other run has)
+    init, update = (jax.jit(tx.init), jax.jit(tx.update)) if jit else (tx.init, tx.update)
     with jax.default_device(jax.local_devices(backend="cpu")[0]):  # own process (jax.distributed)
         ref_p = {k: np.asarray(a) for k, a in _bounded(params, layout.n).items()}
         ref_p = {k: a.astype(np.float64 if a.dtype == np.float64 else np.float32) for k, a in ref_p.items()}

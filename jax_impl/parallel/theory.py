@@ -121,14 +121,13 @@ def seam_comm(calls: list[tuple[int, int]], n: int, variant: str) -> Comm:
     return {"collective_permute": ((3 * n - 2) * len(calls), (2 * n - 2) * 2 * a + n * 2 * wide)}
 
 
-def tp_widths(rel_plan: dict[str, str], block: dict) -> tuple[int, int]:
+def tp_widths(rel_plan: dict[str, str], block: dict, f_inputs: tuple[int, int]) -> tuple[int, int]:
     """One block call's tp all-reduces (count, Σ widths): g after each rowwise module (its output width),
-    f on each colwise module's input, one per parent module (q|k|v, gate|up share it: compose's f cache).
+    f on each distinct input array of the colwise modules (q|k|v, gate|up read one: compose's f cache,
+    which the trace counts: ``f_inputs`` = (f casts, Σ their widths) per block call).
     ``block`` {Param path in one block: array} (kernels (in, out))."""
-    row = [r for r, st in rel_plan.items() if st == "rowwise"]
-    col = {r.rpartition(".")[0]: r for r, st in rel_plan.items() if st == "colwise"}
-    widths = [block[f"{r}.kernel"].shape[1] for r in row] + [block[f"{r}.kernel"].shape[0] for r in col.values()]
-    return len(widths), sum(widths)
+    row = [block[f"{r}.kernel"].shape[1] for r, st in rel_plan.items() if st == "rowwise"]
+    return len(row) + f_inputs[0], sum(row) + f_inputs[1]
 
 
 def placed(params: dict, specs: dict, layout: dict[str, int], first: tuple[str, ...]) -> list[Placed]:

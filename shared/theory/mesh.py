@@ -20,7 +20,8 @@ from shared.theory.layout import Layout, Model
 # blocks (stage s: L/pp blocks; embeddings on stage 0, final norm + head on the last), tp the
 # weights (Megatron, no SP). The replicated weights' gradients are averaged over the data and cp
 # axes together: one group, labelled with both names in mesh order ("dp+cp"); fsdp shards over
-# that same group (torchtitan's dp_shard_cp). Axes of size 1 communicate nothing.
+# that same group (torchtitan's dp_shard_cp; JAX's shard_map rows, jax_impl.parallel.compose, over
+# fsdp alone: their theory is Composed.comm_theory). Axes of size 1 communicate nothing.
 
 
 def mesh_coords(cfg: Config, rank: int) -> dict[str, int]:
@@ -255,31 +256,26 @@ def mesh_units_jax(cfg: Config) -> tuple[dict[str, int], dict[str, int]]:
 
 def mesh_comm_jax(cfg: Config, style: str) -> dict[str, dict[str, tuple[int, int]]] | None:
     """{axis label: {op: (count, payload bytes)}} per step on every device (one SPMD program: the same
-    collectives everywhere). S, t, c = pp, tp, cp; (M, m, Tc) = mesh_micro(cfg); A = m·Tc·D·b one
-    micro-batch's residual stream on one device; I = M + S − 1 pipeline iterations (1 without pp):
-    the circular pipeline runs every block I times on every device, bubbles included (pp section).
+    collectives everywhere) of the JAX runner's OWN programs (jax_impl/mesh.py): the jit and typed
+    styles. shard_map rows train through parallel.compose, whose theory is
+    ``Composed.comm_theory()`` (derived from the model wrapped). S, t = pp, tp; (M, m, Tc) =
+    mesh_micro(cfg); A = m·Tc·D·b one micro-batch's residual stream on one device; I = M + S − 1
+    pipeline iterations (1 without pp): the circular pipeline runs every block I times on every device,
+    bubbles included (pp section). Both forwards are Megatron with the vocabulary split (the embedding
+    vocab-parallel, the CE over the tp-split logits).
 
-    shard_map (jax_impl/mesh.py):
     "tp" (t > 1; tp_transformer_comm per iteration): all-reduces — per block and iteration Megatron's
         2 g (fwd) + 2 f transposes (bwd) of A; the embedding's g and the head's f once over all M
-        micro-batches (M·A each: the SPMD pipeline embeds and heads every micro-batch at once); the
-        vocab-parallel CE's pmax and (2, …) psum, 3·M·m·Tc·b: 4·(L/S)·I + 4 calls,
-        (4·(L/S)·I + 2M)·A + 3·M·m·Tc·b bytes (S = 1: exactly tp_transformer_comm on the local batch).
-    "cp" (c > 1; cp_comm's ring per iteration, the tp-local heads): (L/S)·I·(3c − 2) collective-permutes
-        of the K|V block (or dK|dV), 2·m·Tc·(D/t)·b.
-    "pp" (S > 1; pp_circular_permute_count): 2·(M + S − 2) collective-permutes of A, and the scalar
-        loss's all-reduce (b) that puts the last stage's loss on every stage.
-    gradient group (mesh_grad_axes: data and cp together, size > 1):
-        dp / cp: one all-reduce of every array this device holds (each replicated array is cast to
-            varying once, so the transpose sums it once): mesh_stage_param_count(cfg, s, spmd=True)·b;
-            count 1 = XLA's all-reduce combiner's (it merged all of them at these sizes).
-        fsdp (fsdp_comm's zero3 on mesh_units_jax, ONCE per step: gathered before the pipeline, not
-            per micro-batch): an all-gather of every unit (fwd) and of every unit but wte / wpe (bwd
-            re-gather), a reduce-scatter of every unit, S = the tp-local unit; the vectors' gradients
-            in one all-reduce ((2·L/S + 1)·D·b; count: XLA's combiner).
+        micro-batches (M·A each); the vocab-parallel CE's pmax and (2, …) psum, 3·M·m·Tc·b: 4·(L/S)·I + 4
+        calls, (4·(L/S)·I + 2M)·A + 3·M·m·Tc·b bytes (S = 1: exactly tp_transformer_comm on the local batch).
+
+    typed (data × tp: jax_impl/mesh_typed.py refuses pp and cp): the reference tests/typed_expect.py reads
+    the typed ledger against — "tp" above, and on the data axis the gradients: dp one all-reduce of
+    every tp-local array, mesh_stage_param_count(cfg, 0, spmd=True)·b; fsdp (mesh_units_jax) a
+    reduce-scatter of every unit, S = the tp-local unit, and the vectors' gradients in one all-reduce.
 
     jit (XLA's choice, measured; the layouts without cp and fsdp — dp / tp / pp and their products):
-    "tp" as shard_map, bytes and count (the one-hot embedding's and the CE's reductions: the target
+    "tp" as above, bytes and count (the one-hot embedding's and the CE's reductions: the target
         logit's all-reduce is combined into a backward one, so the count is the combiner's too).
     "pp" 3·(M + S − 2) permutes of A (pp_circular_permute_count's jit: each roll's transpose is two
         permutes) and the scalar loss's all-reduce.
@@ -290,9 +286,11 @@ def mesh_comm_jax(cfg: Config, style: str) -> dict[str, dict[str, tuple[int, int
     With cp (XLA all-gathers K|V over "cp" and reduces the gradients over cp, then dp, in two groups)
     or fsdp (XLA keeps the gathered weights for backward, all-reduces instead of reduce-scattering,
     never gathers wte): None — the test checks parity and that the per-axis ledger sums to the total."""
+    if style not in ("typed", "jit"):
+        raise ValueError(f"mesh_comm_jax: style {style!r} has no formula here (shard_map: Composed.comm_theory)")
     b, d, L = cfg.bytes_per_element, cfg.dim, cfg.layers
     S, t, c = cfg.axis("pp"), cfg.axis("tp"), cfg.axis("cp")
-    if style != "shard_map" and (c > 1 or cfg.data_axis == "fsdp"):
+    if c > 1 or (style == "jit" and cfg.data_axis == "fsdp") or (style == "typed" and S > 1):
         return None
     M, m, tc = mesh_micro(cfg)
     act, per, iters = m * tc * d * b, L // S, (M + S - 1 if S > 1 else 1)
@@ -309,32 +307,21 @@ def mesh_comm_jax(cfg: Config, style: str) -> dict[str, dict[str, tuple[int, int
             blocks = sum(units.values()) + sum(vectors.values()) - slots
             out[cfg.data_axis] = {"all_reduce": (1, (iters * blocks + slots + 1) * b)}
         return out
-    if c > 1:
-        hops = per * iters * (3 * c - 2)
-        out["cp"] = {"collective_permute": (hops, hops * 2 * m * tc * (d // t) * b)}
-    if S > 1:
-        shifts = 2 * (M + S - 2)
-        out["pp"] = {"all_reduce": (1, b), "collective_permute": (shifts, shifts * act)}
-    label = mesh_grad_axes(cfg)
-    if label is not None:
-        if cfg.data_axis == "fsdp":
-            units, vectors = mesh_units_jax(cfg)
-            regathered = [k for k in units if k not in ("wte", "wpe")]
-            grad = {"all_gather": (len(units) + len(regathered),
-                                   (sum(units.values()) + sum(units[k] for k in regathered)) * b),
-                    "reduce_scatter": (len(units), sum(units.values()) * b),
-                    "all_reduce": (1, sum(vectors.values()) * b)}
-        else:
-            grad = {"all_reduce": (1, mesh_stage_param_count(cfg, 0, spmd=True) * b)}
-        out.setdefault(label, {}).update(grad)  # "cp" alone: the ring's permutes and the gradients' all-reduce
+    if cfg.data_axis == "fsdp":
+        units, vectors = mesh_units_jax(cfg)
+        out["fsdp"] = {"reduce_scatter": (len(units), sum(units.values()) * b),
+                       "all_reduce": (1, sum(vectors.values()) * b)}
+    elif cfg.data_axis == "dp":
+        out["dp"] = {"all_reduce": (1, mesh_stage_param_count(cfg, 0, spmd=True) * b)}
     return out
 
 
 def mesh_state_bytes_jax(cfg: Config, style: str) -> dict[str, int]:
-    """Per device (every device alike: SPMD): params, grads P·b each, AdamW moments 2·P·b, with
+    """Per device (every device alike: SPMD) of the runner's own programs (jit, typed; the
+    compose rows: Composed.param_bytes): params, grads P·b each, AdamW moments 2·P·b, with
     P = mesh_stage_param_count(cfg, s, spmd=True) (the stage slots included), or under fsdp the units
     split over the fsdp(+cp) group (g = fsdp·cp devices) and the vectors whole: units/g + vectors
-    (fsdp_state_bytes' zero3). The same in both styles (jit places the arrays by the same rules)."""
+    (fsdp_state_bytes' zero3). The same in both styles (both place the arrays by mesh.rules)."""
     b = cfg.bytes_per_element
     if cfg.data_axis != "fsdp":
         held = mesh_stage_param_count(cfg, 0, spmd=True)
