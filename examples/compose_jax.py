@@ -46,7 +46,7 @@ from flax import nnx  # noqa: E402
 jax.config.update("jax_enable_x64", True)  # float64 parity
 
 from jax_impl import ledger  # noqa: E402
-from jax_impl.parallel import llama  # noqa: E402
+from jax_impl.parallel import llama, recipe  # noqa: E402
 from jax_impl.parallel.compose import ComposeError, compose  # noqa: E402
 from jax_impl.parallel.tree import key_of  # noqa: E402
 from shared.llama import LlamaShape, batch, weights  # noqa: E402
@@ -63,10 +63,10 @@ def adamw():
     return optax.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
 
 
-def single_device(model, tokens, targets, steps: int):
-    """Plain training on one device: (losses, {NNX path: array})."""
+def single_device(model, tokens, targets, steps: int, clip: float | None = None):
+    """Plain training on one device (clip: torch's clip_grad_norm_ formula first): (losses, {NNX path: array})."""
     gdef, params = nnx.split(model)
-    tx = adamw()
+    tx = adamw() if clip is None else optax.chain(recipe.clip_by_global_norm(clip), adamw())
     opt = tx.init(params)
 
     @jax.jit
@@ -84,16 +84,17 @@ def single_device(model, tokens, targets, steps: int):
 
 
 def run(layout: dict[str, int], style: str = "shard_map", steps: int = STEPS, units=None,
-        cp_variant: str = "ring") -> dict:
+        cp_variant: str = "ring", clip: float | None = None) -> dict:
     shape = LlamaShape()
     w, (tokens, targets) = weights(shape, SEED), batch(shape, ROWS, SEED)
     trainer = compose(llama.from_numpy(w, shape), layout, cross_entropy, adamw(), plan=llama.PLAN,
-                      split=llama.SPLIT, style=style, units=units, cp_variant=cp_variant)
+                      split=llama.SPLIT, style=style, units=units, cp_variant=cp_variant, clip=clip)
     losses = [trainer.train_step(tokens, targets) for _ in range(steps)]
     by_axis = ledger.comm_by_axis(trainer.compiled_text(tokens, targets), trainer.mesh)  # jit's cache: no recompile
     comm = {"ledger": {a: {op: (v["count"], v["bytes"]) for op, v in ops.items()} for a, ops in by_axis.items()},
             "theory": trainer.comm_theory()}
-    ref_losses, ref = single_device(llama.from_numpy(w, shape), jnp.asarray(tokens), jnp.asarray(targets), steps)
+    ref_losses, ref = single_device(llama.from_numpy(w, shape), jnp.asarray(tokens), jnp.asarray(targets), steps,
+                                    clip)
     got = trainer.params()
     assert set(got) == set(ref), set(got) ^ set(ref)
     diff = max(float(np.abs(got[k] - ref[k]).max()) for k in ref)

@@ -190,12 +190,10 @@ class _Composed:
 
 
 def _compose(layout, style, tx, clip):
-    if clip is not None:
-        raise NotOffered("compose has no clip= (optax's clip_by_global_norm in the chain: see optax_clip)")
     plan = {"h.*.fc": "colwise", "h.*.proj": "rowwise"} if "tp" in layout else None
     return _Composed(compose(GPT(), layout, ce, tx, plan=plan,
                              split=GPT_SPLIT, units=["h.*"] if "fsdp" in layout else None,
-                             style=style, microbatches=2))
+                             style=style, microbatches=2, clip=clip))
 
 
 def flat(model) -> dict:

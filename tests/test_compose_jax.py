@@ -140,6 +140,33 @@ def test_two_axes_equal_single_device(monkeypatch):
     assert np.allclose(losses, out["losses"], rtol=1e-12, atol=0), (losses, out["losses"])
 
 
+def test_clip_is_the_global_norm_in_both_frameworks(monkeypatch):
+    """compose(..., clip=0.05) on fsdp=2 × tp=2 (binding: the gradients' norms are ~1) equals one device's
+    optax.chain(recipe.clip_by_global_norm, adamw) and transformers' Llama under torch's clip_grad_norm_
+    (float64, 1e-12 relative: the sums reordered); its theory is None (XLA reduces the norm's squares)."""
+    import torch
+
+    from shared.llama import LlamaShape, batch
+
+    clip = 0.05
+    out = example().run({"fsdp": 2, "tp": 2}, "shard_map", clip=clip)
+    assert out["exact"] and out["comm"]["theory"] is None, out
+    model, _ = hf_model(monkeypatch, float64=True)
+    s = LlamaShape()
+    tokens, targets = (torch.from_numpy(a) for a in batch(s, 8, 0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    losses, norms = [], []
+    for _ in range(3):
+        loss = torch.nn.functional.cross_entropy(model(tokens).logits.reshape(-1, s.vocab), targets.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        losses.append(loss.item())
+    assert min(norms) > clip, norms  # it binds
+    assert np.allclose(losses, out["losses"], rtol=1e-12, atol=0), (losses, out["losses"])
+
+
 def test_refusals(monkeypatch):
     from jax_impl.parallel import llama
     from jax_impl.parallel.compose import ComposeError, compose

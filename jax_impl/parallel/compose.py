@@ -92,10 +92,13 @@ from shared.theory import cp_positions
 class Composed:
     """The composed trainer: ``train_step(tokens, targets)``, ``params()``, ``mesh``, ``specs``."""
 
-    def __init__(self, model, layout, loss, tx, plan, split, units, style, microbatches, devices, cp_variant):
+    def __init__(self, model, layout, loss, tx, plan, split, units, style, microbatches, devices, cp_variant,
+                 clip=None):
         why = refusal(layout, style)
         if why:
             raise ComposeError(why)
+        recipe.check_clip(clip, "compose", tx)
+        self.clip = clip
         if cp_variant not in CP_VARIANTS:
             raise ComposeError(f"compose: unknown cp_variant {cp_variant!r}; use one of {CP_VARIANTS}")
         if style == "jit" and cp_variant != "ring" and layout.get("cp", 1) > 1:
@@ -312,6 +315,8 @@ class Composed:
             unstack = lambda p: {"rest": p["rest"], "blocks": {k: a[0] for k, a in p["blocks"].items()}}  # S = 1
             value = lambda p: self._forward_loss(unstack(p), tokens, targets, positions, False)
         loss, g = jax.value_and_grad(value)(params)
+        if self.clip is not None:  # the global tree (global arrays): its norm is the whole model's
+            g = recipe.scale_by_norm(g, recipe.sumsq(g), self.clip)
         updates, opt_state = self.tx.update(g, opt_state, params)
         new = optax.apply_updates(params, updates)
         new = jax.tree.map(lambda a, s: lax.with_sharding_constraint(a, NamedSharding(self.mesh, s)), new, self.specs)
@@ -396,8 +401,10 @@ class Composed:
         from the arrays as placed (shapes, dtypes, specs), the plan, the layout, M and the last trace (one
         micro-batch's stream, the seam's calls, the loss's dtype): parallel.theory.compose_comm. Equals
         jax_impl.ledger.comm_by_axis of the compiled step (tests/test_compose_jax.py). jit: None, XLA
-        picks the collectives (as mesh_comm_jax has no formula for jit with fsdp or cp)."""
-        if self.style != "shard_map":
+        picks the collectives (as mesh_comm_jax has no formula for jit with fsdp or cp); and None with
+        clip=: the norm's sums of squares run on the global tree outside the body, where XLA picks their
+        reductions (one scalar per split leaf, or fused)."""
+        if self.style != "shard_map" or self.clip is not None:
             return None
         if self._trace is None:
             raise ComposeError("compose: comm_theory needs the batch's shape: run one train_step first")
@@ -440,10 +447,13 @@ class Composed:
 
 def compose(model: nnx.Module, layout: dict[str, int], loss: Callable, tx: optax.GradientTransformation, *,
             plan: dict[str, str] | None = None, split: Split, units=None, style: str = "shard_map",
-            microbatches: int | None = None, devices=None, cp_variant: str = "ring") -> Composed:
+            microbatches: int | None = None, devices=None, cp_variant: str = "ring",
+            clip: float | None = None) -> Composed:
     """Train ``model`` on one mesh of ``layout`` ({axis: size}, axes dp fsdp pp cp tp); ``loss(logits,
     targets)`` a mean over the tokens it gets; ``plan`` {module path glob: colwise | rowwise};
     ``split`` the model's stage split; ``units`` module-path globs whose Params fsdp shards (default
     all); ``microbatches`` under pp (default pp); ``cp_variant`` the seam's ring / ring_zigzag / ulysses
-    (shard_map). The model's attention must call parallel.cp.attention."""
-    return Composed(model, layout, loss, tx, plan, split, units, style, microbatches, devices, cp_variant)
+    (shard_map); ``clip`` global-norm clipping of the whole model's gradient (torch's formula,
+    parallel.recipe), as torch's ``train_step(..., max_norm=)``. The model's attention must call
+    parallel.cp.attention."""
+    return Composed(model, layout, loss, tx, plan, split, units, style, microbatches, devices, cp_variant, clip)
