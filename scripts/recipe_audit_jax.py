@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from recipe_audit import NotOffered
 
 import jax_impl  # noqa: F401  (float64)
 from jax_impl.devices import make_mesh
