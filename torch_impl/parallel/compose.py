@@ -118,6 +118,7 @@ class Trainer:
             local_logits(self.module)  # the pipeline passes plain tensors; self._loss wraps them again
         self._loss = stage_loss(loss, self.styles, mesh["tp"] if self.t > 1 else None, style)
         self.schedule_name = schedule
+        self.clipped = False  # did the last step clip (comm_theory counts the norm's scalar all-reduce)
         self.schedule = apply_pp(self.run, self.s, self.S, mesh["pp"], self._loss, self.M, schedule,
                                  scale_grads=self.fsdp is None) if self.S > 1 else None
 
@@ -168,7 +169,7 @@ class Trainer:
         if out[1] > 0:
             raise seam.SeamError((calls and calls.refused) or "cp: another rank's seam call was refused; "
                                  "nothing was updated")
-        self.clipped = max_norm is not None  # for comm_theory: the norm's scalar all-reduce
+        self.clipped = max_norm is not None
         if self.clipped:
             self.norm = self.clip_grad_norm_(max_norm)
         self.optimizer.step()
@@ -287,7 +288,7 @@ class Trainer:
         world = dist.group.WORLD.group_name  # a sub-mesh spanning every rank runs on the world's group
         label = next((a for g, a in self.labels().items() if g.group_name == world), "world")
         add(label, "all_reduce", 1, 2 * b)
-        if getattr(self, "clipped", False):  # the global norm's scalar (float64, else float32)
+        if self.clipped:  # the global norm's scalar (float64, else float32)
             add(label, "all_reduce", 1, 8 if self.params[0].dtype == torch.float64 else 4)
         return out
 
