@@ -112,7 +112,8 @@ def bench_main(argv) -> int:
     fits = [{"framework": fw, "op": op, **fit} for fw in args.frameworks
             for op, fit in fit_per_op([r for r in results if r["framework"] == fw]).items()]
     compute = {}  # every torch rank multiplying at once: the FLOP/s a rank of a run gets (plan --calibrate)
-    for dtype in [k for k in matmul[0] if k not in ("memcpy", "memory", "name")] if matmul else ():
+    extras = ("memcpy", "memory", "name", "shapes", "sustained", "attention")  # one device's, not per dtype
+    for dtype in [k for k in matmul[0] if k not in extras] if matmul else ():
         compute[dtype] = {n: sorted(r[dtype][n] for r in matmul)[len(matmul) // 2] for n in matmul[0][dtype]}
     memcpy = sorted(r["memcpy"] for r in matmul)[len(matmul) // 2] if matmul else 0.0
     failed = None  # a result file that could not be written (full disk, read-only): one line, exit 1, table kept
@@ -123,12 +124,15 @@ def bench_main(argv) -> int:
             block = provenance(["compare.py", "bench", *argv], world_size=args.world_size,
                                layout=process_layout(args.frameworks, args.world_size, args.device))
             write_json(args.json, stamp({"world_size": args.world_size, "results": results, "fits": fits,
-                                         "compute": compute, "memcpy": memcpy}, block))
+                                         "compute": compute, "memcpy": memcpy,
+                                         **{k: matmul[0][k] for k in extras[3:] if matmul and k in matmul[0]}},
+                                        block))
         if args.profile:
             from shared import efficiency
 
             efficiency.save(args.profile, efficiency.from_bench(
-                {"world_size": args.world_size, "fits": fits, "compute": compute, "results": results}, memcpy,
+                {"world_size": args.world_size, "fits": fits, "compute": compute, "results": results,
+                 **{k: matmul[0][k] for k in extras[3:] if k in matmul[0]}}, memcpy,
                 matmul[0].get("memory"), device_name=matmul[0].get("name", "")))
     except OSError as exc:
         failed = f"compare.py bench: could not write the results: {exc}"
@@ -152,6 +156,17 @@ def bench_main(argv) -> int:
         console.print(f"torch matmul {dtype:8s} FLOP/s per rank, {args.world_size} at once (median rank): " + ", ".join(
             f"n={n}: {rate / 1e9:.2f} G" for n, rate in rates.items()))
     console.print(f"device copy (read + write): {memcpy / 1e9:.1f} GB/s")
+    one = matmul[0] if matmul else {}
+    if one.get("shapes"):
+        console.print("torch bfloat16 GEMMs m×n×k, TFLOP/s: " + ", ".join(
+            f"{k}: {r / 1e12:.0f}" for k, r in one["shapes"].items()))
+    if one.get("sustained"):
+        s = one["sustained"]
+        console.print(f"8192³ bfloat16 for {s['seconds']:.0f} s: {s['first'] / 1e12:.0f} TFLOP/s over the first "
+                      f"0.5 s, {s['last'] / 1e12:.0f} over the last 2 s")
+    for backend, rates in one.get("attention", {}).items():
+        console.print(f"SDPA {backend} causal forward + backward (planner's FLOPs), TFLOP/s: " + ", ".join(
+            f"T={t}: {r / 1e12:.0f}" for t, r in rates.items()))
     if failed:
         print(failed, file=sys.stderr)
         return 1
@@ -232,6 +247,134 @@ def _torch_matmul(ctx, sizes=None, iters=20) -> dict:
     if cuda:  # the capacity as the device reports it (the planner's memory), and its name (the nearest preset)
         out["memory"] = torch.cuda.get_device_properties(ctx.device).total_memory
         out["name"] = torch.cuda.get_device_name(ctx.device)
+        # first seconds of products on end: the card settles at its power limit's clock (an H200's SM clock
+        # fell from 1980 to about 1470 MHz at 700 W), as in a training step; the shapes are timed after it
+        out["sustained"] = _cuda_sustained(ctx.device)
+        out["shapes"] = _cuda_shapes(ctx.device, iters)
+        out["attention"] = _cuda_attention(ctx.device)
+    return out
+
+
+# A GPU's training-shaped GEMMs (bfloat16): one side s, the other two L = 8192, in each of the three places a
+# training step puts the small side (Y = X·W: (m, n, k) = (tokens, out, in); dX = dY·Wᵀ; dW = Xᵀ·dY): the
+# planner's size table by the smallest side, measured (shared/efficiency.py from_bench)
+SHAPE_SIDES, SHAPE_LARGE = (256, 512, 1024, 2048, 4096, 8192), 8192
+
+
+def _graph_seconds(fn, iters, device) -> float:
+    """Seconds per call of ``fn``: ``iters`` calls captured in one CUDA graph, replayed between two events (CPU,
+    where tests run these functions at toy sizes: the calls timed back to back)."""
+    import torch
+
+    fn()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cuda_shapes(device, iters, sides=SHAPE_SIDES, large=SHAPE_LARGE, dtype="bfloat16") -> dict[str, float]:
+    """{"m×n×k": FLOP/s} of (m×k)·(k×n) products over ``sides`` × the three places of the small side."""
+    import torch
+
+    out, L = {}, large
+    for s in sides:
+        for m, n, k in sorted({(s, L, L), (L, s, L), (L, L, s)}):
+            a = torch.randn(m, k, dtype=getattr(torch, dtype), device=device)
+            b = torch.randn(k, n, dtype=getattr(torch, dtype), device=device)
+            out[f"{m}x{n}x{k}"] = 2 * m * n * k / _graph_seconds(lambda a=a, b=b: a @ b, iters, device)
+    return out
+
+
+def _cuda_sustained(device, seconds: float = 8.0, n: int = 8192, dtype="bfloat16") -> dict[str, float]:
+    """A training step multiplies for seconds on end, under the card's power limit: an n³ product replayed
+    for ``seconds``; {"first": FLOP/s over the first 0.5 s, "last": over the last 2 s, "seconds"}."""
+    import torch
+
+    a = torch.randn(n, n, dtype=getattr(torch, dtype), device=device)
+    reps = 10
+    a @ a
+    run = lambda: [a @ a for _ in range(reps)]
+    if device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        run = graph.replay
+    _sync(device)
+    marks, t0 = [], time.perf_counter()
+    while time.perf_counter() - t0 < seconds or len(marks) < 3:
+        run()
+        _sync(device)
+        marks.append(time.perf_counter() - t0)
+    flop = 2 * n ** 3 * reps
+
+    def rate(lo, hi):  # replays that ended in [lo, hi], each timed from the end of the one before
+        inside = [i for i, t in enumerate(marks) if lo <= t <= hi and i > 0] or [len(marks) - 1]
+        return flop * len(inside) / (marks[inside[-1]] - marks[inside[0] - 1])
+
+    return {"first": rate(0.0, 0.5), "last": rate(marks[-1] - 2.0, marks[-1]), "seconds": marks[-1]}
+
+
+# FlashAttention as torch runs it (SDPA), causal, bfloat16, one sequence of 16 heads of 128 (a tp = 8 rank of
+# a 128-head model): forward + backward, as FLOP/s in the planner's count ((2 + 1) · 2·T·T·heads·hd: each
+# query meets T/2 keys; the backward counted as two forwards, shared/plan.py block_seconds)
+ATTENTION_T, ATTENTION_HEADS, ATTENTION_HD = (2048, 8192, 32768), 16, 128
+
+
+def _cuda_attention(device, lengths=ATTENTION_T, heads=ATTENTION_HEADS, hd=ATTENTION_HD,
+                    backends=("FLASH_ATTENTION", "CUDNN_ATTENTION"), dtype="bfloat16") -> dict[str, dict[str, float]]:
+    """{backend: {T: FLOP/s}} for torch's SDPA ``backends`` (one that refuses here: left out)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = {}
+    for name in backends:
+        rates = {}
+        for T in lengths:
+            q, k, v = (torch.randn(1, heads, T, hd, dtype=getattr(torch, dtype), device=device, requires_grad=True)
+                       for _ in range(3))
+            g = torch.randn(1, heads, T, hd, dtype=getattr(torch, dtype), device=device)
+            flop = 3 * 2 * T * T * heads * hd
+
+            def step(q=q, k=k, v=v, g=g):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
+
+            try:
+                with sdpa_kernel(getattr(SDPBackend, name)):
+                    for _ in range(2):
+                        step()
+                    reps = max(3, min(200, int(2e13 / flop)))
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        step()
+                    _sync(device)
+            except RuntimeError:  # this backend does not run here
+                break
+            rates[str(T)] = flop * reps / (time.perf_counter() - t0)
+        if rates:
+            out[name.split("_")[0].lower()] = rates
     return out
 
 

@@ -206,6 +206,17 @@ def check_jax_environment(env, gpus=None, probe=None) -> None:
                              "fix or remove that flag")
 
 
+def known_xla_flags(flags, probe=None) -> list[str]:
+    """Of ``flags`` (--name=value words), those the installed XLA knows: one probe of them all, and one per
+    flag only when that fails. XLA aborts the process on a flag it does not know, silently under pytest
+    (jaxlib 0.11 dropped --xla_cpu_use_fusion_emitters, which tests/conftest.py passes to older ones)."""
+    flags = list(flags)
+    probe = probe or probe_xla_flags
+    if not flags or probe(" ".join(flags)) is None:
+        return flags
+    return [flag for flag in flags if probe(flag) is None]
+
+
 def probe_xla_flags(flags: str, timeout_s: float = 120.0) -> str | None:
     """Start XLA:CPU with ``flags`` in a child interpreter: None when it starts, else XLA's own
     complaint (its last log line about XLA_FLAGS, without the log prefix)."""

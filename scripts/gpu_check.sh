@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The checks a lent one-GPU machine runs (docs/gpu.md), in order of value, each step under its own time
 # limit so a slow one cannot cost the rest:
-#   versions and devices (doctor --probe-only), bench --profile (matmul rates by size, device copy), the
+#   versions and devices (doctor --probe-only), bench --profile (matmul rates by size and by training shape at
+#   the power limit's clock, FlashAttention's rate, device copy), the models' own GEMMs (scripts/gpu_shapes.py), the
 #   gpu-marked tests, compare.py at world size 1 on NCCL and JAX on the GPU (float32, TF32 off), and a
 #   larger single-GPU timing run (bfloat16: float32's 5e-5 parameter tolerance is below AdamW's
 #   amplified round-off at D=512, shared/tolerances.py).
 # Everything lands in $OUT (default ./gpu_out): log.txt, profile.json, bench.json, speed.json;
 # scripts/readme_figures.py --only gpu renders docs/gpu.md's measured block from copies of them in docs/gpu/.
+# pytest runs without the suite's xdist options (-o addopts=-ra): a machine's own pytest-xdist may not know them.
 #
 #   bash scripts/gpu_check.sh                 # on the GPU node, from the repository root
+#   SPEED=0 bash scripts/gpu_check.sh         # without the timing run (it outlasted its 170 s on an H200)
 set -u
 OUT=${OUT:-gpu_out}
 PY=${PY:-python3}
@@ -24,15 +27,20 @@ step() {  # step NAME SECONDS CMD...: the command's output into the log, then it
     rc=$?
     echo "--- $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$LOG"
 }
+if ! "$PY" -c "import torch.distributed as d; d.all_gather_single" 2>/dev/null; then  # torch < 2.13 (a lent image's 2.11)
+    export PYTHONPATH="$PWD/scripts/torch_compat:$PYTHONPATH"
+    echo "torch < 2.13: 2.13's all_gather_single / reduce_scatter_single aliased (scripts/torch_compat)" | tee -a "$LOG"
+fi
 step nvidia-smi 20 nvidia-smi
 step versions 60 "$PY" -c "import sys, torch, jax, flax, optax; print(sys.version.split()[0], 'torch', torch.__version__, \
 'cuda', torch.version.cuda, '| jax', jax.__version__, '| flax', flax.__version__, '| optax', optax.__version__)"
 step doctor 90 "$PY" compare.py doctor --probe-only
 step bench 120 "$PY" compare.py bench --world-size 1 --device "$DEVICE" --profile "$OUT/profile.json" \
     --json "$OUT/bench.json"
-step pytest-gpu 180 env PARALLEL_TWINS_TEST_JAX_PLATFORMS=cuda,cpu "$PY" -m pytest -m gpu -n 0 -q \
+step shapes 60 "$PY" scripts/gpu_shapes.py "$OUT"
+step pytest-gpu 180 env PARALLEL_TWINS_TEST_JAX_PLATFORMS=cuda,cpu "$PY" -m pytest -m gpu -o addopts=-ra -q \
     -p no:cacheprovider tests/test_gpu.py tests/test_cp.py
-step speed 170 "$PY" compare.py --world-size 1 --device "$DEVICE" --dtype bfloat16 --model transformer \
+[ "${SPEED:-1}" = 1 ] && step speed 170 "$PY" compare.py --world-size 1 --device "$DEVICE" --dtype bfloat16 --model transformer \
     --patterns dp,fsdp,tp,pp --layers 4 --dim 512 --seq 256 --batch 16 --microbatches 4 --vocab 1024 \
     --steps 10 --json "$OUT/speed.json"
 grep -- "^--- " "$LOG"

@@ -42,7 +42,7 @@ BLOCKS = {  # name: the compare.py arguments it shows
     "gpu": None,  # no run here: rendered from what scripts/gpu_check.sh brought back from a GPU (GPU_DIR)
 }
 # A lent GPU's results, copied from scripts/gpu_check.sh's output folder: the profile, the bench JSON, the log.
-GPU_DIR, GPU_NAME = os.path.join(ROOT, "docs", "gpu"), "h200"
+GPU_DIR, GPU_NAME, GPU_CHECK = os.path.join(ROOT, "docs", "gpu"), "h200", 3  # NAME_check_N.txt: the latest log
 # float32 with TF32 off runs on the FP32 units, not the tensor cores: H100/H200 SXM datasheets, FP32 67 TFLOP/s.
 FP32_DATASHEET = {"h100": 67e12, "h200": 67e12}
 # The page each block lives in (README.md for a block not named here).
@@ -117,8 +117,11 @@ def gpu_block() -> tuple[str, str]:
 
     bench = json.load(open(os.path.join(GPU_DIR, f"{GPU_NAME}_bench.json")))
     prov = bench["provenance"]
-    log = open(os.path.join(GPU_DIR, f"{GPU_NAME}_check_2.txt")).read()
-    tests = next(line for line in log.splitlines() if re.match(r"\d+ (passed|failed)", line))
+    log = open(os.path.join(GPU_DIR, f"{GPU_NAME}_check_{GPU_CHECK}.txt")).read()
+    runs = [line for line in log.splitlines() if re.match(r"\d+ (passed|failed)", line)]
+    tests = runs[0] + "".join(f"; the failed torch test again with torch 2.13's all_gather_single / "
+                              f"reduce_scatter_single aliased (the image's torch 2.11 lacks them, "
+                              f"scripts/torch_compat): {r}" for r in runs[1:])
     preset = efficiency.preset_of(prov["gpu"]["names"][0])
     peaks = dict(efficiency.TABLES[preset]["peaks"], tf32=FP32_DATASHEET[preset])  # the FP32 units' rate
     sizes = sorted({int(n) for rates in bench["compute"].values() for n in rates})
@@ -133,6 +136,27 @@ def gpu_block() -> tuple[str, str]:
                                                 for n in sizes) + f"   {peaks[key] / 1e12:g}")
     lines += ["", f"device copy (read + write): {bench['memcpy'] / 1e9:.0f} GB/s; best bf16 matmul "
               f"{max(bench['compute']['bfloat16'].values()) / peaks['bf16']:.2f} of the datasheet"]
+    if bench.get("sustained"):  # bench's GPU additions (the planner's profile reads them): see its docstrings
+        sus = bench["sustained"]
+        lines += ["", f"bfloat16 8192³ on end for {sus['seconds']:.0f} s (the power limit): {sus['first'] / 1e12:.0f} "
+                  f"TFLOP/s over the first 0.5 s, {sus['last'] / 1e12:.0f} over the last 2 s"]
+    if bench.get("shapes"):
+        sides = {}
+        for key, rate in bench["shapes"].items():
+            sides.setdefault(min(int(x) for x in key.split("x")), []).append(rate)
+        lines += ["then bfloat16 GEMMs with one side s and two of 8192, the mean of s's three places (Y, dX, dW):",
+                  f"{'s':>14}" + "".join(f"{n:>8}" for n in sorted(sides)),
+                  f"{'TFLOP/s':>14}" + "".join(f"{sum(r) / len(r) / 1e12:8.0f}" for _, r in sorted(sides.items())),
+                  f"{'of datasheet':>14}" + "".join(f"{sum(r) / len(r) / peaks['bf16']:8.2f}"
+                                                    for _, r in sorted(sides.items()))]
+    if bench.get("attention"):
+        lengths = sorted({int(t) for r in bench["attention"].values() for t in r})
+        lines += ["", "SDPA causal forward + backward, bfloat16, 16 heads of 128, TFLOP/s in the planner's count "
+                  "(3 × 2·T²·heads·hd)", f"{'T':>14}" + "".join(f"{t:>8}" for t in lengths)]
+        for backend, rates in bench["attention"].items():
+            label = {"flash": "flash (default)"}.get(backend, backend)
+            lines.append(f"{label:>15}"[-15:] + "".join(f"{rates[str(t)] / 1e12:8.0f}" if str(t) in rates
+                                                        else f"{'-':>8}" for t in lengths)[1:])
     stamp = (f"measured {prov['date'][:10]} on one {prov['gpu']['names'][0]} (driver {prov['gpu']['driver']}), "
              f"torch {prov['packages']['torch']} (CUDA {prov['cuda']['torch_cuda']}, NCCL {prov['cuda']['nccl']}), "
              f"jax {prov['packages']['jax']}")

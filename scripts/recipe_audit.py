@@ -95,9 +95,11 @@ def run_jax(reduced: bool) -> list[dict]:
 
     simulate_host_devices(4)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):  # compile time
-        if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    from parallel_twins.preflight import known_xla_flags  # XLA aborts on a flag this jaxlib does not know
+
+    for flag in known_xla_flags(f for f in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+                                if f.split("=")[0] not in os.environ.get("XLA_FLAGS", "")):  # compile time
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
     import recipe_audit_jax as audit
 
     rows = []

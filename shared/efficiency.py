@@ -62,13 +62,27 @@ SOURCES = {
     "calculon-net": "Calculon's system files (a100_80g.json, h100_80g_nvl8.json, networks[].processor_usage): "
                     "a collective overlapped with compute takes 0.15 of the compute's rate over NVLink, 0.02 over "
                     "the NIC, while it runs",
-    "gpu-h200": "this project's measurement on a lent H200 (docs/gpu/h200_bench.json and h200_profile.json, "
-                "compare.py bench --world-size 1 --device gpu --profile, provenance inside: torch 2.11, CUDA 13.0, "
-                "2026-11-25): bf16 square matmuls under CUDA graphs (kernels only) at 811 TFLOP/s for n = 4096 "
-                "(0.82 of 989), 723 at 2048 and 8192; a device copy at 3.82 TB/s read + write (0.80 of 4.8). The "
-                "squares fall to 375 TFLOP/s at 1024 and 73 at 512, kernels of a few µs whose time is their "
-                "launch: a training GEMM with one side of 512–1024 and the others of thousands is far larger "
-                "and faster, so the measured squares are not the size table (size-assumed stays)",
+    "gpu-h200": "this project's measurement on a lent H200 (docs/gpu/h200_bench.json, h200_profile.json, "
+                "h200_check_3.txt; compare.py bench --world-size 1 --device gpu --profile, provenance inside: torch "
+                "2.11, CUDA 13.0, 2026-11-26), as gpu-h100 measures: under products on end the SM clock falls from "
+                "1980 to about 1470 MHz at the 700 W limit; after 8 s of them, bf16 GEMMs with one side s and two "
+                "of 8192 (the three places) average 0.56 / 0.67 / 0.73 / 0.70 / 0.69 / 0.67 of 989 at s = 256 … "
+                "8192 (the short squares' burst: 0.80); a device copy at 3.73 TB/s read + write (0.78 of 4.8); "
+                "SDPA's FlashAttention causal forward + backward at 0.12 / 0.23 / 0.28 of 989 in the planner's "
+                "FLOP count at T = 2 048 / 8 192 / 32 768 (cuDNN's 0.22 / 0.44 / 0.48). The first lent H200 "
+                "(2026-11-25) measured squares only: 811 TFLOP/s at 4096 (0.82), 3.82 TB/s",
+    "gpu-h100": "this project's measurement on a lent H100 80GB HBM3 (docs/gpu/h100_bench.json, h100_profile.json, "
+                "h100_smi_log.csv; compare.py bench --world-size 1 --device gpu --profile, provenance inside: torch "
+                "2.11, CUDA 13.0, 2026-11-26): under products on end the SM clock falls from 1980 to 1300–1440 MHz "
+                "at the 700 W limit; after 8 s of them, bf16 GEMMs with one side s and two of 8192, in the three "
+                "places a step puts s (forward, dX, dW), average 0.54 / 0.67 / 0.74 / 0.74 / 0.74 / 0.70 of 989 at "
+                "s = 256 … 8192 (Llama 3 405B's own tp = 8 GEMMs: 0.73–0.78, docs/gpu/h100_real_shapes.txt, "
+                "scripts/gpu_shapes.py); a device copy at 2.82 TB/s read + write (0.84 of 3.35); SDPA's "
+                "FlashAttention (torch's default backend) causal forward + backward, 16 heads of 128, at 0.12 / "
+                "0.23 / 0.28 of 989 in the planner's FLOP count at T = 2 048 / 8 192 / 32 768 (cuDNN's, opt-in: "
+                "0.21 / 0.42 / 0.48)",
+    "fa3": "Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, abstract: 'FlashAttention-2 achieves only 35% "
+           "utilization on H100 GPUs' (its forward; gpu-h100 measures forward + backward lower still)",
     "alpha-assumed": "α (per-call latency) has no vendor figure: 5 µs inside a node, 10 µs across, an assumption "
                      "of the order of nccl-tests' small-message times",
 }
@@ -78,7 +92,15 @@ HBM_COPY = 0.9  # "calculon-mem": of the datasheet, transfers >= 100 MB
 OVERLAP_COST = (0.15, 0.02)  # "calculon-net": (intra, inter)
 HBM_TABLE = ((0, 0.3 / 0.9), (10 ** 6, 0.6 / 0.9), (10 ** 7, 0.75 / 0.9), (10 ** 8, 1.0))  # "calculon-mem"
 ALPHA_INTRA, ALPHA_INTER = 5e-6, 10e-6  # "alpha-assumed"
-H200_TOP, H200_COPY = round(810.72e12 / 989e12, 4), 3.8214e12  # "gpu-h200" (h200_bench.json): bf16 4096³; memcpy
+# "gpu-h200" (docs/gpu/h200_bench.json, as gpu-h100 below)
+H200_MATMUL = ((256, 0.559), (512, 0.67), (1024, 0.73), (2048, 0.702), (4096, 0.694), (8192, 0.667))
+H200_ATTENTION = ((2048, 0.121), (8192, 0.231), (32768, 0.279))
+H200_COPY = 3.7275e12
+# "gpu-h100" (docs/gpu/h100_bench.json, of the datasheet's 989; tests/test_plan.py re-derives them from it):
+# the shapes' mean per smallest side, and FlashAttention's forward + backward per sequence length
+H100_MATMUL = ((256, 0.538), (512, 0.666), (1024, 0.742), (2048, 0.735), (4096, 0.736), (8192, 0.697))
+H100_ATTENTION = ((2048, 0.121), (8192, 0.23), (32768, 0.284))
+H100_COPY = 2.817e12
 
 
 def _scaled(table, top):
@@ -112,21 +134,19 @@ TABLES = {
                            "inter": "nccl-119 alpha-assumed",
                            "overlap_cost": "calculon-net"}},
     "h100": {"peaks": {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp64": 67e12},
-             "memory": 81559 * MiB, "matmul": _scaled(SIZE_TABLE, 0.79), "hbm_copy": HBM_COPY * 3.35e12,
+             "memory": 81559 * MiB, "matmul": H100_MATMUL, "hbm_copy": H100_COPY, "attention": H100_ATTENTION,
              "hbm_table": HBM_TABLE,
              "intra": _H100_LINKS[0], "inter": _H100_LINKS[1], "overlap_cost": OVERLAP_COST,
-             "cite": {"peaks": "h100-datasheet", "memory": "smi-h100", "matmul": "h100-gemm xla-sm90 size-assumed",
-                      "hbm_copy": "h100-datasheet calculon-mem", "intra": "nccl-212 alpha-assumed",
+             "cite": {"peaks": "h100-datasheet", "memory": "smi-h100", "matmul": "gpu-h100 h100-gemm xla-sm90",
+                      "attention": "gpu-h100 fa3", "hbm_copy": "gpu-h100", "intra": "nccl-212 alpha-assumed",
                       "inter": "nccl-290 alpha-assumed", "overlap_cost": "calculon-net"}},
     "h200": {"peaks": {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp64": 67e12},
-             # the largest GEMMs and the copy as this project measured them on an H200 (gpu-h200), the size
-             # table the assumed one: squares understate GEMMs whose other sides are large (gpu-h200)
-             "memory": 143771 * MiB, "matmul": _scaled(SIZE_TABLE, H200_TOP), "hbm_copy": H200_COPY,
+             "memory": 143771 * MiB, "matmul": H200_MATMUL, "hbm_copy": H200_COPY, "attention": H200_ATTENTION,
              "hbm_table": HBM_TABLE,
              "intra": _H100_LINKS[0], "inter": _H100_LINKS[1], "overlap_cost": OVERLAP_COST,
              # the H200's NVLink and NIC are the H100's (h200-datasheet): the H100's measured figures reused
-             "cite": {"peaks": "h200-datasheet", "memory": "smi-h200", "matmul": "gpu-h200 size-assumed",
-                      "hbm_copy": "gpu-h200", "intra": "nccl-212 alpha-assumed",
+             "cite": {"peaks": "h200-datasheet", "memory": "smi-h200", "matmul": "gpu-h200",
+                      "attention": "gpu-h200 fa3", "hbm_copy": "gpu-h200", "intra": "nccl-212 alpha-assumed",
                       "inter": "nccl-290 alpha-assumed", "overlap_cost": "calculon-net"}},
 }
 
@@ -177,6 +197,9 @@ def load(path: str) -> dict:
         raise ValueError(f"profile {path}: missing {', '.join(missing)} (write it with compare.py bench --profile)")
     data["matmul"] = tuple((int(s), float(f)) for s, f in data["matmul"])
     data["hbm_table"] = tuple((float(s), float(f)) for s, f in data.get("hbm_table", ()))
+    data["attention"] = tuple((int(t), float(f)) for t, f in data.get("attention", ()))
+    if any(not 0 < f <= 1 for _, f in data["attention"]):
+        raise ValueError(f"profile {path}: attention fractions must lie in (0, 1]")
     for where in ("intra", "inter"):
         data[where] = {op: (float(a), float(b)) for op, (a, b) in data[where].items()}
         if any(b <= 0 for _, b in data[where].values()):
@@ -237,8 +260,39 @@ def from_bench(bench: dict, memcpy: float | None = None, memory: int | None = No
         raise ValueError("bench: no torch α–β fits with a finite bandwidth, and no torch rows")
     if "sendrecv" in links:
         links["send"] = links["sendrecv"]
-    return {"peaks": {DTYPE_PEAK[dt]: max(r.values()) for dt, r in rates.items()},
-            "matmul": tuple((s, rates[dtype][s] / top) for s in sorted(rates[dtype])),
+    peaks = {DTYPE_PEAK[dt]: max(r.values()) for dt, r in rates.items()}
+    table, extra = shaped_table(bench, dtype, top)
+    if extra:
+        peaks[DTYPE_PEAK[dtype]] = top = extra["top"]
+    return {"peaks": peaks,
+            "matmul": table or tuple((s, rates[dtype][s] / top) for s in sorted(rates[dtype])),
+            **({"attention": attention_table(bench, top)} if bench.get("attention") else {}),
             "hbm_copy": memcpy or bench.get("memcpy", 0.0), "intra": intra, "inter": inter,
             **({"memory": int(memory)} if memory else {}),
             **({"device": device_name} if device_name else {}), "cite": cite}
+
+
+def shaped_table(bench: dict, dtype: str, top: float) -> tuple[tuple, dict]:
+    """The size table from bench's training-shaped GEMMs (a GPU's "shapes": {"m×n×k": FLOP/s}, bfloat16,
+    timed after seconds of products on end, at the power limit's clock): per smallest side, the mean rate of
+    the three places a step puts it (forward, dX, dW) over the fastest rate measured (the short squares'
+    burst, the profile's peak). ((), {}) when bench measured no shapes or ``dtype`` is not theirs."""
+    shapes = bench.get("shapes") or {}
+    if not shapes or dtype != "bfloat16":
+        return (), {}
+    top = max(top, *shapes.values())
+    sides = {}
+    for key, rate in shapes.items():
+        m, n, k = (int(x) for x in key.split("x"))
+        sides.setdefault(min(m, n, k), []).append(rate)
+    return tuple((side, round(sum(r) / len(r) / top, 4)) for side, r in sorted(sides.items())), {"top": top}
+
+
+def attention_table(bench: dict, top: float) -> tuple:
+    """((T, fraction of ``top``), ...) ascending: SDPA's causal forward + backward rate at each sequence length
+    bench measured (the planner's FLOP count, parallel_twins/bench.py _cuda_attention), of the backend torch
+    runs by default: FlashAttention, first in SDPA's fixed priority (cuDNN's, 1.7–2.3× faster on Hopper,
+    is opt-in: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)); cuDNN's where flash did not run."""
+    att = bench["attention"]
+    rates = att.get("flash") or next(iter(att.values()))
+    return tuple((int(t), round(min(1.0, r / top), 4)) for t, r in sorted(rates.items(), key=lambda x: int(x[0])))

@@ -130,6 +130,8 @@ class Cluster:
     overlap_cost: tuple = (0.0, 0.0)  # (intra, inter): the fraction of an overlapped transfer's time the
     #                                   compute beside it loses (its kernels' SMs; efficiency.OVERLAP_COST)
     framework: str = "torchtitan"  # what it sends and waits for beyond the ledgers' bytes (shared/plan_framework.py)
+    attention: tuple = ()  # ((T, fraction of peak), ...) ascending: FlashAttention's causal forward + backward
+    #                        by sequence length (efficiency.TABLES, a profile); () = ATTENTION_EFFICIENCY
 
     def __post_init__(self):
         check(self.framework)  # an unknown framework: refused, not run as the default
@@ -149,7 +151,8 @@ class Cluster:
                             "efficiency": top, "size_table": tuple((s, round(f / top, 6)) for s, f in t["matmul"]),
                             "intra": link(t["intra"]), "inter": link(t["inter"]), "hbm": t["hbm_copy"],
                             "hbm_table": tuple(t.get("hbm_table", ())),
-                            "overlap_cost": tuple(t.get("overlap_cost", (0.0, 0.0))), **kw})
+                            "overlap_cost": tuple(t.get("overlap_cost", (0.0, 0.0))),
+                            "attention": tuple(t.get("attention", ())), **kw})
 
     def link_cost(self, link: Link) -> float:
         """overlap_cost of ``link`` (intra or inter)."""
@@ -162,6 +165,17 @@ class Cluster:
             if nbytes >= size:
                 out = f
         return self.hbm * out
+
+    def attention_at(self, seq: int) -> float:
+        """FlashAttention's fraction of peak at sequence length ``seq`` (the table's step at or below it, its
+        first below the first; ATTENTION_EFFICIENCY without a table)."""
+        if not self.attention:
+            return ATTENTION_EFFICIENCY
+        out = self.attention[0][1]
+        for t, f in self.attention:
+            if seq >= t:
+                out = f
+        return out
 
     @property
     def overlap_mode(self) -> str:
@@ -345,7 +359,7 @@ def block_seconds(model: Model, layout: Layout, m: int, cluster: Cluster, b: int
     again = 2 if layout.recompute in ("full", "selective") else 1
     if attention == "flash":  # causal: each query meets T/2 keys on average (the ring included)
         flops = (2 + again) * 2 * n * T * heads * hd
-        out["attention"] = flops / (cluster.flops * ATTENTION_EFFICIENCY)
+        out["attention"] = flops / (cluster.flops * cluster.attention_at(T))
         scores = 0
     else:
         tq = model.seq // layout.cp

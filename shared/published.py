@@ -215,7 +215,8 @@ OTHER_RUNS = (
           ("1T", _gpt(128, 25600, 160), 64, 512, 512, (1, 2), 0.563, 71.49, 94.42))),
     *(("MT-NLG 2022", f"MT-NLG 530B t=8 p=35 dp={dp} {280 * dp} A100", _gpt(105, 20480, 128), "a100-80gb",
        280 * dp, 1920, {"tp": 8, "pp": 35}, _MEG | {"recompute": "full", "microbatches": 1920 // dp}, "math",
-       (1,), "megatron", tflops, _DEEPSPEED) for dp, tflops in ((8, 126), (10, 121), (12, 113))),
+       (1,), "megatron", tflops, _DEEPSPEED | {"precision": "mixed-fp32-grads"})
+      for dp, tflops in ((8, 126), (10, 121), (12, 113))),
     ("BLOOM 2022", "BLOOM 176B t=4 p=12 dp=8 384 A100",
      _gpt(70, 14336, 112, 250880, dropout=False, rope=True), "a100-80gb", 384, 2048, {"tp": 4, "pp": 12},
      _MEG | {"recompute": "full", "microbatches": 128, "trim": 1}, "math", (1,), "megatron", 150,

@@ -16,9 +16,16 @@ simulate_host_devices(8)
 # of the transformer's steps dominates the suite's time, and at these tiny sizes run time does not matter.
 # No fast-math either way (XLA:CPU's default), so the IEEE results, and every parity check, are the
 # same; compare.py itself keeps XLA's defaults.
-for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
-    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+# Only the flags this jaxlib knows (XLA aborts on an unknown one, and pytest then ends with exit 1 and no
+# word: jaxlib 0.11 dropped the second), probed once per session: pytest's workers inherit the result.
+if not os.environ.get("PARALLEL_TWINS_XLA_PROBED"):
+    from parallel_twins.preflight import known_xla_flags  # noqa: E402
+
+    _want = [f for f in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+             if f.split("=")[0] not in os.environ.get("XLA_FLAGS", "")]
+    for _flag in known_xla_flags(_want):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+    os.environ["PARALLEL_TWINS_XLA_PROBED"] = "1"
 # The suite's JAX runs use 2-4 devices: on a machine with fewer GPUs than that, "auto" would pick
 # the GPU and fail. Tests run JAX on the simulated CPU devices unless asked otherwise.
 os.environ.setdefault("JAX_PLATFORMS", os.environ.get("PARALLEL_TWINS_TEST_JAX_PLATFORMS", "cpu"))

@@ -120,3 +120,37 @@ def test_adamw_loops_per_parameter():
     from torch_impl.model import make_optimizer
 
     assert make_optimizer([torch.nn.Parameter(torch.ones(2))], Config()).defaults["foreach"] is False
+
+
+def test_gpu_bench_grid_sustained_and_attention_run_at_toy_sizes_on_cpu(tmp_path):
+    """What bench adds on a GPU (parallel_twins/bench.py), run here on CPU at toy sizes: the training-shaped
+    GEMM grid (one side s, two large, in each of the three places), the sustained product's rates, SDPA's
+    causal forward + backward per backend; then the profile built from them (shared/efficiency.py): the size
+    table is the grid's mean per smallest side over the fastest rate, the attention table SDPA's default
+    (flash) backend over it, and a loaded profile gives the planner both."""
+    from parallel_twins import bench as b
+    from shared import efficiency, plan
+
+    cpu = torch.device("cpu")
+    shapes = b._cuda_shapes(cpu, 2, sides=(16, 32), large=64, dtype="float32")
+    assert set(shapes) == {"16x64x64", "64x16x64", "64x64x16", "32x64x64", "64x32x64", "64x64x32"}
+    sus = b._cuda_sustained(cpu, seconds=0.05, n=32, dtype="float32")
+    assert sus["first"] > 0 and sus["last"] > 0 and sus["seconds"] >= 0.05
+    att = b._cuda_attention(cpu, lengths=(16, 32), heads=2, hd=8, backends=("MATH", "FLASH_ATTENTION"),
+                            dtype="float32")
+    assert set(att) <= {"math", "flash"} and all(set(r) == {"16", "32"} for r in att.values())
+    bench = {"world_size": 1, "fits": [], "results": [], "compute": {"bfloat16": {"64": 4e12}},
+             "shapes": {"16x64x64": 1e12, "64x16x64": 2e12, "64x64x16": 3e12, "64x64x64": 5e12},
+             "sustained": sus, "attention": {"flash": {"16": 1e12, "64": 2e12}, "cudnn": {"64": 4e12}}}
+    prof = efficiency.from_bench(bench, memcpy=1e12, device_name="NVIDIA H100 80GB HBM3")
+    assert prof["peaks"]["bf16"] == 5e12  # the fastest rate measured, a shape's here
+    assert prof["matmul"] == ((16, 0.4), (64, 1.0))  # (1 + 2 + 3) / 3 over 5
+    assert prof["attention"] == ((16, 0.2), (64, 0.4))  # flash (SDPA's default), not the faster cuDNN
+    path = tmp_path / "p.json"
+    efficiency.save(str(path), prof)
+    c = plan.Cluster.preset("h100", 8, profile=efficiency.load(str(path)))
+    assert (c.flops, c.attention_at(8), c.attention_at(32), c.attention_at(1 << 20)) == (5e12, 0.2, 0.2, 0.4)
+    assert plan.Cluster(8).attention_at(8192) == plan.ATTENTION_EFFICIENCY  # no table: the cited constant
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), attention=[[64, 1.5]])))
+    with pytest.raises(ValueError, match="attention fractions must lie in"):
+        efficiency.load(str(path))

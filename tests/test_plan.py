@@ -271,8 +271,8 @@ def test_gpu_presets_carry_the_datasheet_figures():
         t = efficiency.TABLES[name]
         assert (c.flops, c.memory, c.hbm) == (flops, t["memory"], t["hbm_copy"]) and c.hbm < hbm
         assert c.intra.beta < nvlink and c.inter.beta < net and c.efficiency == max(f for _, f in t["matmul"])
-        assert set(efficiency.citations(name)) == {"peaks", "memory", "matmul", "hbm_copy", "intra", "inter",
-                                              "overlap_cost"}
+        cited = {"peaks", "memory", "matmul", "hbm_copy", "intra", "inter", "overlap_cost"}
+        assert cited <= set(efficiency.citations(name)) <= cited | {"attention"}  # attention: where measured
     assert plan.Cluster.preset("h100", 8).memory / plan.GiB == pytest.approx(79.65, abs=0.01)
     assert plan.Cluster.preset("h100", 8, "float8").flops == 1979e12
     assert plan.Cluster.preset("a100", 8, "float32").flops == 156e12  # TF32
@@ -407,7 +407,7 @@ def test_published_runs_predicted_within_their_error(measured):
     The table is printed (docs/plan.md shows it). Asserted: every published layout fits (best() keeps fitting
     layouts only and other_rows refuses a run with none); the cited figures lower the Megatron rows' median
     error against the datasheet figures; and regression guards at what the model reaches today (all rows:
-    median 9.0 %, worst 39.9 %: MT-NLG's DeepSpeed pipeline runs; Megatron median 11.2 %, worst 14.7 %;
+    median 10.6 %, worst 27.1 %: MT-NLG's DeepSpeed pipeline runs; Megatron median 11.2 %, worst 14.7 %;
     Korthikanti worst 10.4 %, with Megatron's sp re-gather), a margin of ~1.5 points (the search's ties may
     shift). Issue 35's worst-case bound (≤ 25 %) is not reached: test_published_runs_within_issue_35s_bounds,
     strict xfail, turns when it is."""
@@ -423,13 +423,13 @@ def test_published_runs_predicted_within_their_error(measured):
     assert median(meg_a) < median(meg_b) - 0.03
     assert median(meg_a) <= 0.125 and all(abs(e) <= 0.175 for e in meg_a)
     errs = [r["error"] for r in after]
-    assert median(errs) <= 0.105 and max(abs(e) for e in errs) <= 0.415
+    assert median(errs) <= 0.12 and max(abs(e) for e in errs) <= 0.285
     kort = [r["error"] for r in after if r["paper"].startswith("Korthikanti")]
     assert all(abs(e) <= 0.12 for e in kort)  # both policies: selective + sp, and full recompute
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35 open: MT-NLG (+34..40 %) and one Llama 3 row (+31 % at the "
-                                       "paper's v = 8) lie beyond 25 %; the median is 9.0 %")
+@pytest.mark.xfail(strict=True, reason="issue 35 open: MT-NLG at dp = 12 (+27 %) lies beyond 25 % and the "
+                                       "median is 10.6 %")
 def test_published_runs_within_issue_35s_bounds():
     """Issue 35's Done-when: median absolute error ≤ 10 % and worst ≤ 25 % over every published run, blind."""
     from shared.published import published_rows
@@ -453,21 +453,36 @@ def test_published_memory_readings_bound_the_plan_from_above(measured):
 
 
 def test_llama3_rows_bracket_the_report_over_v():
-    """Each Llama 3 row's reported rate lies within 15 % of the prediction at one of v = 1, 2, 4, 8
-    (docs/plan.md prints the four; the table pins v = 8, shared.published.LLAMA3_V)."""
+    """Each Llama 3 row's reported rate lies within 20 % of the prediction at one of v = 1, 2, 4, 8
+    (docs/plan.md prints the four; the table pins v = 8, shared.published.LLAMA3_V). A regression guard:
+    with the H100's measured GEMMs and FlashAttention (gpu-h100) the closest v is 16 / 6 / 12 % off."""
     from shared.published import llama3_rows
 
     per_v = [llama3_rows(vs=(v,)) for v in (1, 2, 4, 8)]
     for i in range(3):
-        assert min(abs(rows[i]["error"]) for rows in per_v) < 0.15, per_v[0][i]["name"]
+        assert min(abs(rows[i]["error"]) for rows in per_v) < 0.2, per_v[0][i]["name"]
 
 
-def test_h100_largest_gemm_efficiency_agrees_with_a_second_measurement():
-    """The H100 preset's largest-GEMM efficiency (h100-gemm: 780 of 989 TFLOP/s) against OpenXLA's measured
-    sm_90 table (xla-sm90: bf16 4096³ at 783.3 TFLOP/s): two public measurements, 0.4 % apart."""
-    top = max(f for _, f in efficiency.TABLES["h100"]["matmul"])
-    assert top == pytest.approx(783.3e12 / 989e12, abs=0.005)
-    assert "xla-sm90" in efficiency.TABLES["h100"]["cite"]["matmul"]
+@pytest.mark.parametrize("name", ["h100", "h200"])
+def test_hopper_presets_are_the_lent_gpus_measurements(name):
+    """The H100 and H200 presets' GEMM table, FlashAttention table and copy (gpu-h100, gpu-h200) are what
+    ``compare.py bench --profile`` measured on a lent GPU of each (docs/gpu/NAME_bench.json), re-derived here
+    from that file, not typed in: the training-shaped GEMMs' mean per smallest side and SDPA's default
+    (flash) backend, each over the datasheet's 989 TFLOP/s. The burst maximum (the short squares) agrees
+    with two public measurements of the largest GEMMs (h100-gemm 780, xla-sm90 783.3 TFLOP/s) within 2 %;
+    the training shapes, timed at the power limit's clock, run 0.67–0.74 of the datasheet."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "gpu", f"{name}_bench.json")) as f:
+        bench = json.load(f)
+    burst = max(bench["compute"]["bfloat16"].values())
+    table, top = efficiency.shaped_table(bench, "bfloat16", burst)
+    t = efficiency.TABLES[name]
+    assert t["matmul"] == tuple((s, round(f * top["top"] / 989e12, 3)) for s, f in table)
+    assert t["attention"] == tuple((n, round(f, 3)) for n, f in efficiency.attention_table(bench, 989e12))
+    assert t["hbm_copy"] == pytest.approx(bench["memcpy"], rel=1e-3)
+    assert burst / 989e12 == pytest.approx(783.3e12 / 989e12, abs=0.02)
+    assert 0.66 < min(f for s, f in t["matmul"] if s >= 1024) <= max(f for _, f in t["matmul"]) < 0.75
+    assert f"gpu-{name}" in t["cite"]["matmul"] and f"gpu-{name}" in t["cite"]["attention"]
 
 
 def test_selective_recompute_runs_the_softmax_again():
@@ -565,8 +580,11 @@ def test_profile_load_refuses_what_it_cannot_use(tmp_path):
     prof = efficiency.from_bench(bench, memcpy=5e9)
     assert prof["peaks"] == {"tf32": 4e9} and prof["matmul"] == ((32, 0.25), (64, 1.0)) and prof["hbm_copy"] == 5e9
     assert prof["intra"] == {"all_reduce": (1e-4, 3e8), "all_gather": (2e-4, 16384 / 1e4)} == prof["inter"]
-    h = plan.Cluster.preset("h100", 8)  # Calculon's steps: 0.3, 0.6, 0.75, 0.9 of the datasheet's 3.35 TB/s
-    assert [h.hbm_at(n) / 3.35e12 for n in (1e3, 1e6, 5e7, 1e9)] == pytest.approx([0.3, 0.6, 0.75, 0.9])
+    a = plan.Cluster.preset("a100", 8)  # Calculon's steps: 0.3, 0.6, 0.75, 0.9 of the datasheet's 2.039 TB/s
+    assert [a.hbm_at(n) / 2039e9 for n in (1e3, 1e6, 5e7, 1e9)] == pytest.approx([0.3, 0.6, 0.75, 0.9])
+    h = plan.Cluster.preset("h100", 8)  # the same steps below the H100's measured copy (gpu-h100: 2.817 TB/s)
+    assert [h.hbm_at(n) / 2.817e12 for n in (1e3, 1e6, 5e7, 1e9)] == pytest.approx([0.3 / 0.9, 0.6 / 0.9,
+                                                                                     0.75 / 0.9, 1.0])
 
 
 @pytest.mark.parametrize("args,message", [

@@ -188,6 +188,26 @@ def test_jax_environment_mistakes_are_named_before_jax_starts(monkeypatch):
     assert probe_xla_flags("--xla_bogus_flag=1") == "Unknown flag in XLA_FLAGS: --xla_bogus_flag=1"
 
 
+def test_the_suites_compile_time_flags_are_only_those_this_xla_knows():
+    """tests/conftest.py passes XLA two compile-time flags; jaxlib 0.11 dropped one, and XLA's abort on it ended
+    pytest with exit 1 and no word on a lent GPU machine. known_xla_flags keeps those the installed XLA knows:
+    one probe of all, one per flag only when that fails."""
+    from parallel_twins.preflight import known_xla_flags
+
+    asked = []
+
+    def probe(flags):
+        asked.append(flags)
+        return "Unknown flag in XLA_FLAGS: --xla_gone=1" if "gone" in flags else None
+
+    assert known_xla_flags(["--xla_a=0", "--xla_b=1"], probe) == ["--xla_a=0", "--xla_b=1"] and len(asked) == 1
+    assert known_xla_flags(["--xla_a=0", "--xla_gone=1"], probe) == ["--xla_a=0"] and len(asked) == 4
+    assert known_xla_flags([], probe) == [] and len(asked) == 4
+    assert known_xla_flags(["--xla_bogus_flag=1", "--xla_backend_optimization_level=0"]) == [
+        "--xla_backend_optimization_level=0"]  # the real probe
+    assert os.environ.get("PARALLEL_TWINS_XLA_PROBED") == "1"  # conftest probed once for the session
+
+
 def test_an_unknown_jax_platform_is_one_line(tmp_path):
     """JAX_PLATFORMS=bogus: JAX's RuntimeError where it starts (args.check_devices) becomes one line, exit 2."""
     import subprocess
