@@ -119,14 +119,14 @@ def gpu_block() -> tuple[str, str]:
     prov = bench["provenance"]
     log = open(os.path.join(GPU_DIR, f"{GPU_NAME}_check_{GPU_CHECK}.txt")).read()
     runs = [line for line in log.splitlines() if re.match(r"\d+ (passed|failed)", line)]
-    tests = runs[0] + "".join(f"; the failed torch test again with torch 2.13's all_gather_single / "
-                              f"reduce_scatter_single aliased (the image's torch 2.11 lacks them, "
-                              f"scripts/torch_compat): {r}" for r in runs[1:])
+    tests = "\n  " + runs[0] + "".join(
+        "\n  the failed torch test again, torch 2.13's all_gather_single / reduce_scatter_single aliased"
+        f"\n  (the image's torch 2.11 lacks them: scripts/torch_compat): {r}" for r in runs[1:])
     preset = efficiency.preset_of(prov["gpu"]["names"][0])
     peaks = dict(efficiency.TABLES[preset]["peaks"], tf32=FP32_DATASHEET[preset])  # the FP32 units' rate
     sizes = sorted({int(n) for rates in bench["compute"].values() for n in rates})
     lines = [f"pytest -m gpu (compare.py at world size 1, every pattern and style, float32, TF32 off: torch on "
-             f"NCCL, JAX on the GPU): {tests}", "",
+             f"NCCL, JAX on the GPU):{tests}", "",
              "matmul n×n×n, TFLOP/s (kernels only: a CUDA graph of 20 products between two events)",
              f"{'n':>14}" + "".join(f"{n:>8}" for n in sizes) + "   datasheet"]
     for dtype, key in (("bfloat16", "bf16"), ("float32", "tf32"), ("float64", "fp64")):
