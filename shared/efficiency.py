@@ -226,7 +226,8 @@ def from_bench(bench: dict, memcpy: float | None = None, memory: int | None = No
     intra = inter = the α–β fit per op (β as busbw: the algbw fit × nccl-tests' bus factor; one machine;
     where the fit found no size dependence, the busbw of the op's largest message in ``results``). One device
     (world size 1) times no collective: its links are the cited ones of the preset ``device_name`` belongs to,
-    and the profile's "cite" says so; a device of no preset is refused."""
+    and the profile's "cite" says so; a device of no preset is refused. A GPU of a preset keeps its datasheet
+    peaks (what MFU is counted against), every fraction then of them (same step times)."""
     from shared.theory import BUSBW_FACTOR
 
     n = bench["world_size"]
@@ -264,9 +265,18 @@ def from_bench(bench: dict, memcpy: float | None = None, memory: int | None = No
     table, extra = shaped_table(bench, dtype, top)
     if extra:
         peaks[DTYPE_PEAK[dtype]] = top = extra["top"]
-    return {"peaks": peaks,
-            "matmul": table or tuple((s, rates[dtype][s] / top) for s in sorted(rates[dtype])),
-            **({"attention": attention_table(bench, top)} if bench.get("attention") else {}),
+    matmul = table or tuple((s, rates[dtype][s] / top) for s in sorted(rates[dtype]))
+    attention = attention_table(bench, top) if bench.get("attention") else ()
+    preset = preset_of(device_name) if device_name else None
+    sheet = TABLES[preset]["peaks"].get(DTYPE_PEAK[dtype]) if preset else None
+    if sheet and top <= sheet:  # a GPU of a preset: fractions of its datasheet peaks, the peaks MFU counts
+        scale = top / sheet  # against (the step times are the same: fraction × peak = the measured rate)
+        matmul = tuple((s, round(f * scale, 4)) for s, f in matmul)
+        attention = tuple((t, round(f * scale, 4)) for t, f in attention)
+        cite["peaks"] = f"the {preset} preset's datasheet peaks; measured fastest: " + ", ".join(
+            f"{k} {v / 1e12:.1f} TFLOP/s" for k, v in peaks.items())
+        peaks = dict(TABLES[preset]["peaks"])
+    return {"peaks": peaks, "matmul": matmul, **({"attention": attention} if attention else {}),
             "hbm_copy": memcpy or bench.get("memcpy", 0.0), "intra": intra, "inter": inter,
             **({"memory": int(memory)} if memory else {}),
             **({"device": device_name} if device_name else {}), "cite": cite}

@@ -74,7 +74,10 @@ def test_one_device_profile_takes_its_presets_links():
              "compute": {"bfloat16": {"1024": 4e14, "4096": 8e14}, "float32": {"4096": 5e13}}}
     prof = efficiency.from_bench(bench, memcpy=3.8e12, memory=143771 * 2 ** 20, device_name="NVIDIA H200")
     assert prof["intra"] == efficiency.TABLES["h200"]["intra"] and prof["inter"] == efficiency.TABLES["h200"]["inter"]
-    assert prof["matmul"] == ((1024, 0.5), (4096, 1.0)) and "h200 preset" in prof["cite"]["intra"]
+    # the datasheet's peaks kept (MFU's reference), the fractions of them: the same rates
+    assert prof["peaks"] == efficiency.TABLES["h200"]["peaks"] and "bf16 800.0 TFLOP/s" in prof["cite"]["peaks"]
+    assert prof["matmul"] == ((1024, round(4e14 / 989e12, 4)), (4096, round(8e14 / 989e12, 4)))
+    assert "h200 preset" in prof["cite"]["intra"]
     with pytest.raises(ValueError, match="matches no GPU preset"):
         efficiency.from_bench(bench, device_name="cpu")
     assert [efficiency.preset_of(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "Tesla T4")] == \
@@ -139,10 +142,11 @@ def test_gpu_bench_grid_sustained_and_attention_run_at_toy_sizes_on_cpu(tmp_path
     att = b._cuda_attention(cpu, lengths=(16, 32), heads=2, hd=8, backends=("MATH", "FLASH_ATTENTION"),
                             dtype="float32")
     assert set(att) <= {"math", "flash"} and all(set(r) == {"16", "32"} for r in att.values())
-    bench = {"world_size": 1, "fits": [], "results": [], "compute": {"bfloat16": {"64": 4e12}},
+    fits = [{"framework": "torch", "op": "all_gather", "alpha_s": 1e-5, "beta_bytes_per_s": 1e11}]
+    bench = {"world_size": 2, "fits": fits, "results": [], "compute": {"bfloat16": {"64": 4e12}},
              "shapes": {"16x64x64": 1e12, "64x16x64": 2e12, "64x64x16": 3e12, "64x64x64": 5e12},
              "sustained": sus, "attention": {"flash": {"16": 1e12, "64": 2e12}, "cudnn": {"64": 4e12}}}
-    prof = efficiency.from_bench(bench, memcpy=1e12, device_name="NVIDIA H100 80GB HBM3")
+    prof = efficiency.from_bench(bench, memcpy=1e12, device_name="a CPU")  # no GPU preset: its own peaks
     assert prof["peaks"]["bf16"] == 5e12  # the fastest rate measured, a shape's here
     assert prof["matmul"] == ((16, 0.4), (64, 1.0))  # (1 + 2 + 3) / 3 over 5
     assert prof["attention"] == ((16, 0.2), (64, 0.4))  # flash (SDPA's default), not the faster cuDNN
@@ -150,6 +154,9 @@ def test_gpu_bench_grid_sustained_and_attention_run_at_toy_sizes_on_cpu(tmp_path
     efficiency.save(str(path), prof)
     c = plan.Cluster.preset("h100", 8, profile=efficiency.load(str(path)))
     assert (c.flops, c.attention_at(8), c.attention_at(32), c.attention_at(1 << 20)) == (5e12, 0.2, 0.2, 0.4)
+    gpu = efficiency.from_bench(bench, memcpy=1e12, device_name="NVIDIA H100 80GB HBM3")
+    assert gpu["peaks"]["bf16"] == 989e12 and gpu["attention"] == ((16, round(1e12 / 989e12, 4)),
+                                                                 (64, round(2e12 / 989e12, 4)))
     assert plan.Cluster(8).attention_at(8192) == plan.ATTENTION_EFFICIENCY  # no table: the cited constant
     path.write_text(json.dumps(dict(json.loads(path.read_text()), attention=[[64, 1.5]])))
     with pytest.raises(ValueError, match="attention fractions must lie in"):
