@@ -2,7 +2,8 @@
 # The checks a lent one-GPU machine runs (docs/gpu.md), in order of value, each step under its own time
 # limit so a slow one cannot cost the rest:
 #   versions and devices (doctor --probe-only), bench --profile (matmul rates by size and by training shape at
-#   the power limit's clock, FlashAttention's rate, device copy), the models' own GEMMs (scripts/gpu_shapes.py), the
+#   the power limit's clock, FlashAttention's rate, device copy), the models' own GEMMs (scripts/gpu_shapes.py), a
+#   measured training step against the planner's (scripts/gpu_step_check.py), the
 #   gpu-marked tests, compare.py at world size 1 on NCCL and JAX on the GPU (float32, TF32 off), and a
 #   larger single-GPU timing run (bfloat16: float32's 5e-5 parameter tolerance is below AdamW's
 #   amplified round-off at D=512, shared/tolerances.py).
@@ -38,6 +39,7 @@ step doctor 90 "$PY" compare.py doctor --probe-only
 step bench 120 "$PY" compare.py bench --world-size 1 --device "$DEVICE" --profile "$OUT/profile.json" \
     --json "$OUT/bench.json"
 step shapes 60 "$PY" scripts/gpu_shapes.py "$OUT"
+step step-check 120 "$PY" scripts/gpu_step_check.py "$OUT"
 step pytest-gpu 180 env PARALLEL_TWINS_TEST_JAX_PLATFORMS=cuda,cpu "$PY" -m pytest -m gpu -o addopts=-ra -q \
     -p no:cacheprovider tests/test_gpu.py tests/test_cp.py
 [ "${SPEED:-1}" = 1 ] && step speed 170 "$PY" compare.py --world-size 1 --device "$DEVICE" --dtype bfloat16 --model transformer \

@@ -157,6 +157,16 @@ def gpu_block() -> tuple[str, str]:
             label = {"flash": "flash (default)"}.get(backend, backend)
             lines.append(f"{label:>15}"[-15:] + "".join(f"{rates[str(t)] / 1e12:8.0f}" if str(t) in rates
                                                         else f"{'-':>8}" for t in lengths)[1:])
+    step_path = os.path.join(GPU_DIR, f"{GPU_NAME}_step_check.json")
+    if os.path.exists(step_path):  # scripts/gpu_step_check.py: a measured training step against the planner's
+        step = json.load(open(step_path))
+        lines += ["", f"a training step of the repository's Transformer (bf16, AdamW, one GPU) against compare.py "
+                  f"plan's ({step['preset']} preset):", f"{'L':>3} {'D':>5} {'H':>3} {'T':>5} {'B':>2}  "
+                  f"{'measured ms':>11} {'planned ms':>10} {'plan/measured':>13}"]
+        for r in step["rows"]:
+            lines.append(f"{r['layers']:>3} {r['dim']:>5} {r['heads']:>3} {r['seq']:>5} {r['batch']:>2}  "
+                         f"{r['measured_s'] * 1e3:11.1f} {r['planned_s'] * 1e3:10.1f} "
+                         f"{r['planned_s'] / r['measured_s']:13.2f}")
     stamp = (f"measured {prov['date'][:10]} on one {prov['gpu']['names'][0]} (driver {prov['gpu']['driver']}), "
              f"torch {prov['packages']['torch']} (CUDA {prov['cuda']['torch_cuda']}, NCCL {prov['cuda']['nccl']}), "
              f"jax {prov['packages']['jax']}")
