@@ -166,7 +166,7 @@ def bench_main(argv) -> int:
                       f"0.5 s, {s['last'] / 1e12:.0f} over the last 2 s")
     for backend, rates in one.get("attention", {}).items():
         console.print(f"SDPA {backend} causal forward + backward (planner's FLOPs), TFLOP/s: " + ", ".join(
-            f"T={t}: {r / 1e12:.0f}" for t, r in rates.items()))
+            f"{k.replace('x', ' heads, T=')}: {r / 1e12:.0f}" for k, r in rates.items()))
     if failed:
         print(failed, file=sys.stderr)
         return 1
@@ -335,15 +335,17 @@ def _cuda_sustained(device, seconds: float = 8.0, n: int = 8192, dtype="bfloat16
     return {"first": rate(0.0, 0.5), "last": rate(marks[-1] - 2.0, marks[-1]), "seconds": marks[-1]}
 
 
-# FlashAttention as torch runs it (SDPA), causal, bfloat16, one sequence of 16 heads of 128 (a tp = 8 rank of
-# a 128-head model): forward + backward, as FLOP/s in the planner's count ((2 + 1) · 2·T·T·heads·hd: each
-# query meets T/2 keys; the backward counted as two forwards, shared/plan.py block_seconds)
-ATTENTION_T, ATTENTION_HEADS, ATTENTION_HD = (2048, 8192, 32768), 16, 128
+# FlashAttention as torch runs it (SDPA), causal, bfloat16, heads of 128 for one sequence: 16 (a tp = 8 rank of
+# a 128-head model) and 64 (wider: more heads per rank, or sequences × heads; the kernel's grid is
+# batch × heads × T/block, so a narrow one leaves SMs idle at short T): forward + backward, as FLOP/s in the
+# planner's count ((2 + 1) · 2·T·T·heads·hd: each query meets T/2 keys; the backward counted as two
+# forwards, shared/plan.py block_seconds)
+ATTENTION_T, ATTENTION_HEADS, ATTENTION_HD = (2048, 8192, 32768), (16, 64), 128
 
 
 def _cuda_attention(device, lengths=ATTENTION_T, heads=ATTENTION_HEADS, hd=ATTENTION_HD,
                     backends=("FLASH_ATTENTION", "CUDNN_ATTENTION"), dtype="bfloat16") -> dict[str, dict[str, float]]:
-    """{backend: {T: FLOP/s}} for torch's SDPA ``backends`` (one that refuses here: left out)."""
+    """{backend: {"heads×T": FLOP/s}} for torch's SDPA ``backends`` (one that refuses here: left out)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -351,28 +353,29 @@ def _cuda_attention(device, lengths=ATTENTION_T, heads=ATTENTION_HEADS, hd=ATTEN
     out = {}
     for name in backends:
         rates = {}
-        for T in lengths:
-            q, k, v = (torch.randn(1, heads, T, hd, dtype=getattr(torch, dtype), device=device, requires_grad=True)
-                       for _ in range(3))
-            g = torch.randn(1, heads, T, hd, dtype=getattr(torch, dtype), device=device)
-            flop = 3 * 2 * T * T * heads * hd
+        for h in heads:
+            for T in lengths:
+                q, k, v = (torch.randn(1, h, T, hd, dtype=getattr(torch, dtype), device=device,
+                                       requires_grad=True) for _ in range(3))
+                g = torch.randn(1, h, T, hd, dtype=getattr(torch, dtype), device=device)
+                flop = 3 * 2 * T * T * h * hd
 
-            def step(q=q, k=k, v=v, g=g):
-                F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
+                def step(q=q, k=k, v=v, g=g):
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
 
-            try:
-                with sdpa_kernel(getattr(SDPBackend, name)):
-                    for _ in range(2):
-                        step()
-                    reps = max(3, min(200, int(2e13 / flop)))
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    for _ in range(reps):
-                        step()
-                    _sync(device)
-            except RuntimeError:  # this backend does not run here
-                break
-            rates[str(T)] = flop * reps / (time.perf_counter() - t0)
+                try:
+                    with sdpa_kernel(getattr(SDPBackend, name)):
+                        for _ in range(2):
+                            step()
+                        reps = max(3, min(200, int(2e13 / flop)))
+                        _sync(device)
+                        t0 = time.perf_counter()
+                        for _ in range(reps):
+                            step()
+                        _sync(device)
+                except RuntimeError:  # this backend does not run here
+                    break
+                rates[f"{h}x{T}"] = flop * reps / (time.perf_counter() - t0)
         if rates:
             out[name.split("_")[0].lower()] = rates
     return out

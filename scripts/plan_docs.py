@@ -20,14 +20,14 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "plan.md"
 
 
 def constants() -> str:
-    lines = ["| GPU | dense peaks TFLOP/s | memory (reported) | largest GEMMs | FlashAttention (T: of peak) "
+    lines = ["| GPU | dense peaks TFLOP/s | memory (reported) | largest GEMMs | FlashAttention (heads×T: of peak) "
              "| HBM copy | busbw in a node | busbw across nodes (per GPU) |", "|---|---|---|---|---|---|---|---|"]
     for name, t in efficiency.TABLES.items():
         peaks = ", ".join(f"{k} {v / 1e12:g}" for k, v in t["peaks"].items())
         intra = ", ".join(sorted({f"{op} {b / 1e9:g} GB/s" for op, (_, b) in t["intra"].items()
                                   if op in ("all_reduce", "all_gather")}))
         inter = f"{t['inter']['all_gather'][1] / 1e9:g} GB/s"
-        att = ", ".join(f"{n}: {f:.2f}" for n, f in t["attention"]) if t.get("attention") else "fa2: 0.50"
+        att = ", ".join(f"{h}×{n}: {f:.2f}" for h, n, f in t["attention"]) if t.get("attention") else "fa2: 0.50"
         lines.append(f"| {name} | {peaks} | {t['memory'] / efficiency.MiB:.0f} MiB = "
                      f"{t['memory'] / 2 ** 30:.1f} GiB | {max(f for _, f in t['matmul']):.2f} of peak | "
                      f"{att} | "

@@ -150,13 +150,16 @@ def gpu_block() -> tuple[str, str]:
                   f"{'of datasheet':>14}" + "".join(f"{sum(r) / len(r) / peaks['bf16']:8.2f}"
                                                     for _, r in sorted(sides.items()))]
     if bench.get("attention"):
-        lengths = sorted({int(t) for r in bench["attention"].values() for t in r})
-        lines += ["", "SDPA causal forward + backward, bfloat16, 16 heads of 128, TFLOP/s in the planner's count "
-                  "(3 × 2·T²·heads·hd)", f"{'T':>14}" + "".join(f"{t:>8}" for t in lengths)]
+        keys = sorted({k if "x" in k else f"16x{k}" for r in bench["attention"].values() for k in r},
+                      key=lambda k: tuple(int(x) for x in k.split("x")))
+        lines += ["", "SDPA causal forward + backward, bfloat16, one sequence of H heads of 128, TFLOP/s in the "
+                  "planner's count (3 × 2·T²·H·128)", f"{'H × T':>15}" + "".join(f"{k.replace('x', '×'):>10}"
+                                                                                 for k in keys)]
         for backend, rates in bench["attention"].items():
+            rates = {(k if "x" in k else f"16x{k}"): r for k, r in rates.items()}
             label = {"flash": "flash (default)"}.get(backend, backend)
-            lines.append(f"{label:>15}"[-15:] + "".join(f"{rates[str(t)] / 1e12:8.0f}" if str(t) in rates
-                                                        else f"{'-':>8}" for t in lengths)[1:])
+            lines.append(f"{label:>15}" + "".join(f"{rates[k] / 1e12:10.0f}" if k in rates else f"{'-':>10}"
+                                                  for k in keys))
     step_path = os.path.join(GPU_DIR, f"{GPU_NAME}_step_check.json")
     if os.path.exists(step_path):  # scripts/gpu_step_check.py: a measured training step against the planner's
         step = json.load(open(step_path))

@@ -94,12 +94,12 @@ HBM_TABLE = ((0, 0.3 / 0.9), (10 ** 6, 0.6 / 0.9), (10 ** 7, 0.75 / 0.9), (10 **
 ALPHA_INTRA, ALPHA_INTER = 5e-6, 10e-6  # "alpha-assumed"
 # "gpu-h200" (docs/gpu/h200_bench.json, as gpu-h100 below)
 H200_MATMUL = ((256, 0.559), (512, 0.67), (1024, 0.73), (2048, 0.702), (4096, 0.694), (8192, 0.667))
-H200_ATTENTION = ((2048, 0.121), (8192, 0.231), (32768, 0.279))
+H200_ATTENTION = ((16, 2048, 0.121), (16, 8192, 0.231), (16, 32768, 0.279))
 H200_COPY = 3.7275e12
 # "gpu-h100" (docs/gpu/h100_bench.json, of the datasheet's 989; tests/test_plan.py re-derives them from it):
 # the shapes' mean per smallest side, and FlashAttention's forward + backward per sequence length
 H100_MATMUL = ((256, 0.538), (512, 0.666), (1024, 0.742), (2048, 0.735), (4096, 0.736), (8192, 0.697))
-H100_ATTENTION = ((2048, 0.121), (8192, 0.23), (32768, 0.284))
+H100_ATTENTION = ((16, 2048, 0.121), (16, 8192, 0.23), (16, 32768, 0.284))
 H100_COPY = 2.817e12
 
 
@@ -197,8 +197,10 @@ def load(path: str) -> dict:
         raise ValueError(f"profile {path}: missing {', '.join(missing)} (write it with compare.py bench --profile)")
     data["matmul"] = tuple((int(s), float(f)) for s, f in data["matmul"])
     data["hbm_table"] = tuple((float(s), float(f)) for s, f in data.get("hbm_table", ()))
-    data["attention"] = tuple((int(t), float(f)) for t, f in data.get("attention", ()))
-    if any(not 0 < f <= 1 for _, f in data["attention"]):
+    data["attention"] = tuple((int(r[0]), int(r[1]), float(r[2])) if len(r) == 3 else  # (heads, T, fraction);
+                              (LEGACY_ATTENTION_HEADS, int(r[0]), float(r[1]))  # an older profile's (T, fraction)
+                              for r in data.get("attention", ()))
+    if any(not 0 < f <= 1 for _, _, f in data["attention"]):
         raise ValueError(f"profile {path}: attention fractions must lie in (0, 1]")
     for where in ("intra", "inter"):
         data[where] = {op: (float(a), float(b)) for op, (a, b) in data[where].items()}
@@ -272,7 +274,7 @@ def from_bench(bench: dict, memcpy: float | None = None, memory: int | None = No
     if sheet and top <= sheet:  # a GPU of a preset: fractions of its datasheet peaks, the peaks MFU counts
         scale = top / sheet  # against (the step times are the same: fraction × peak = the measured rate)
         matmul = tuple((s, round(f * scale, 4)) for s, f in matmul)
-        attention = tuple((t, round(f * scale, 4)) for t, f in attention)
+        attention = tuple((h, t, round(f * scale, 4)) for h, t, f in attention)
         cite["peaks"] = f"the {preset} preset's datasheet peaks; measured fastest: " + ", ".join(
             f"{k} {v / 1e12:.1f} TFLOP/s" for k, v in peaks.items())
         peaks = dict(TABLES[preset]["peaks"])
@@ -298,11 +300,19 @@ def shaped_table(bench: dict, dtype: str, top: float) -> tuple[tuple, dict]:
     return tuple((side, round(sum(r) / len(r) / top, 4)) for side, r in sorted(sides.items())), {"top": top}
 
 
+LEGACY_ATTENTION_HEADS = 16  # bench's attention keys before they named the heads: T alone, 16 heads
+
+
 def attention_table(bench: dict, top: float) -> tuple:
-    """((T, fraction of ``top``), ...) ascending: SDPA's causal forward + backward rate at each sequence length
-    bench measured (the planner's FLOP count, parallel_twins/bench.py _cuda_attention), of the backend torch
-    runs by default: FlashAttention, first in SDPA's fixed priority (cuDNN's, 1.7–2.3× faster on Hopper,
-    is opt-in: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)); cuDNN's where flash did not run."""
+    """((heads, T, fraction of ``top``), ...) ascending: SDPA's causal forward + backward rate at each width
+    (sequences × heads of 128) and sequence length bench measured (the planner's FLOP count,
+    parallel_twins/bench.py _cuda_attention), of the backend torch runs by default: FlashAttention, first in
+    SDPA's fixed priority (cuDNN's, 1.7–2.3× faster on Hopper, is opt-in: sdpa_kernel(SDPBackend.
+    CUDNN_ATTENTION)); cuDNN's where flash did not run."""
     att = bench["attention"]
     rates = att.get("flash") or next(iter(att.values()))
-    return tuple((int(t), round(min(1.0, r / top), 4)) for t, r in sorted(rates.items(), key=lambda x: int(x[0])))
+    rows = []
+    for key, r in rates.items():
+        h, t = key.split("x") if "x" in key else (LEGACY_ATTENTION_HEADS, key)
+        rows.append((int(h), int(t), round(min(1.0, r / top), 4)))
+    return tuple(sorted(rows))

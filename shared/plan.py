@@ -130,8 +130,9 @@ class Cluster:
     overlap_cost: tuple = (0.0, 0.0)  # (intra, inter): the fraction of an overlapped transfer's time the
     #                                   compute beside it loses (its kernels' SMs; efficiency.OVERLAP_COST)
     framework: str = "torchtitan"  # what it sends and waits for beyond the ledgers' bytes (shared/plan_framework.py)
-    attention: tuple = ()  # ((T, fraction of peak), ...) ascending: FlashAttention's causal forward + backward
-    #                        by sequence length (efficiency.TABLES, a profile); () = ATTENTION_EFFICIENCY
+    attention: tuple = ()  # ((heads, T, fraction of peak), ...) ascending: FlashAttention's causal forward +
+    #                        backward by width (sequences × heads of a micro-batch on one rank) and sequence
+    #                        length (efficiency.TABLES, a profile); () = ATTENTION_EFFICIENCY
 
     def __post_init__(self):
         check(self.framework)  # an unknown framework: refused, not run as the default
@@ -166,13 +167,17 @@ class Cluster:
                 out = f
         return self.hbm * out
 
-    def attention_at(self, seq: int) -> float:
-        """FlashAttention's fraction of peak at sequence length ``seq`` (the table's step at or below it, its
-        first below the first; ATTENTION_EFFICIENCY without a table)."""
+    def attention_at(self, seq: int, width: int = 16) -> float:
+        """FlashAttention's fraction of peak for ``width`` heads × sequences at sequence length ``seq``: the
+        table's widest width at or below ``width`` (its narrowest below that), then its step at or below
+        ``seq`` (its first below the first); ATTENTION_EFFICIENCY without a table."""
         if not self.attention:
             return ATTENTION_EFFICIENCY
-        out = self.attention[0][1]
-        for t, f in self.attention:
+        widths = sorted({h for h, _, _ in self.attention})
+        w = max([h for h in widths if h <= width] or widths[:1])
+        rows = [(t, f) for h, t, f in self.attention if h == w]
+        out = rows[0][1]
+        for t, f in rows:
             if seq >= t:
                 out = f
         return out
@@ -359,7 +364,7 @@ def block_seconds(model: Model, layout: Layout, m: int, cluster: Cluster, b: int
     again = 2 if layout.recompute in ("full", "selective") else 1
     if attention == "flash":  # causal: each query meets T/2 keys on average (the ring included)
         flops = (2 + again) * 2 * n * T * heads * hd
-        out["attention"] = flops / (cluster.flops * cluster.attention_at(T))
+        out["attention"] = flops / (cluster.flops * cluster.attention_at(T, m * heads))  # heads on this rank
         scores = 0
     else:
         tq = model.seq // layout.cp

@@ -478,7 +478,7 @@ def test_hopper_presets_are_the_lent_gpus_measurements(name):
     table, top = efficiency.shaped_table(bench, "bfloat16", burst)
     t = efficiency.TABLES[name]
     assert t["matmul"] == tuple((s, round(f * top["top"] / 989e12, 3)) for s, f in table)
-    assert t["attention"] == tuple((n, round(f, 3)) for n, f in efficiency.attention_table(bench, 989e12))
+    assert t["attention"] == tuple((h, n, round(f, 3)) for h, n, f in efficiency.attention_table(bench, 989e12))
     assert t["hbm_copy"] == pytest.approx(bench["memcpy"], rel=1e-3)
     assert burst / 989e12 == pytest.approx(783.3e12 / 989e12, abs=0.02)
     assert 0.66 < min(f for s, f in t["matmul"] if s >= 1024) <= max(f for _, f in t["matmul"]) < 0.75
