@@ -53,6 +53,13 @@ def measure(layers, dim, heads, vocab, seq, batch, device) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def plan_step(layers, dim, heads, vocab, seq, batch, preset: str) -> dict:
+    """compare.py plan's step for this run on one GPU of ``preset``: {"step", "compute_matmul", …} seconds."""
+    model = plan.Model(layers, dim, heads, vocab, seq)
+    cluster = plan.Cluster.preset(preset, 1)
+    return plan.predict(model, plan.Layout(microbatches=1), cluster, batch, 2, "pure", "builtin", "flash").time
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_step_check.py: needs a CUDA GPU", file=sys.stderr)
@@ -63,16 +70,13 @@ def main() -> int:
     if preset is None:
         print(f"gpu_step_check.py: {name!r} matches no GPU preset", file=sys.stderr)
         return 2
-    cluster = plan.Cluster.preset(preset, 1)
     rows = []
     print(f"{name} (preset {preset}): one training step, bfloat16, AdamW; measured median of {STEPS} vs plan")
     print(f"{'L':>3} {'D':>5} {'H':>3} {'T':>5} {'B':>2}  {'measured ms':>11} {'planned ms':>10} {'plan/meas':>9}"
           "   planned: matmul / attention / elementwise / head / optimizer ms")
     for layers, dim, heads, vocab, seq, batch in CONFIGS:
         got = measure(layers, dim, heads, vocab, seq, batch, device)
-        model = plan.Model(layers, dim, heads, vocab, seq)
-        p = plan.predict(model, plan.Layout(microbatches=1), cluster, batch, 2, "pure", "builtin", "flash")
-        t = p.time
+        t = plan_step(layers, dim, heads, vocab, seq, batch, preset)
         parts = [t.get(k, 0.0) * 1e3 for k in ("compute_matmul", "compute_attention", "compute_elementwise",
                                                 "compute_head", "optimizer")]
         rows.append({"layers": layers, "dim": dim, "heads": heads, "vocab": vocab, "seq": seq, "batch": batch,

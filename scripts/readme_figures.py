@@ -162,14 +162,17 @@ def gpu_block() -> tuple[str, str]:
                                                   for k in keys))
     step_path = os.path.join(GPU_DIR, f"{GPU_NAME}_step_check.json")
     if os.path.exists(step_path):  # scripts/gpu_step_check.py: a measured training step against the planner's
+        from gpu_step_check import plan_step  # the planner as it is now, against the step measured then
+
         step = json.load(open(step_path))
         lines += ["", f"a training step of the repository's Transformer (bf16, AdamW, one GPU) against compare.py "
                   f"plan's ({step['preset']} preset):", f"{'L':>3} {'D':>5} {'H':>3} {'T':>5} {'B':>2}  "
                   f"{'measured ms':>11} {'planned ms':>10} {'plan/measured':>13}"]
         for r in step["rows"]:
+            planned = plan_step(*(r[k] for k in ("layers", "dim", "heads", "vocab", "seq", "batch")),
+                                step["preset"])["step"]
             lines.append(f"{r['layers']:>3} {r['dim']:>5} {r['heads']:>3} {r['seq']:>5} {r['batch']:>2}  "
-                         f"{r['measured_s'] * 1e3:11.1f} {r['planned_s'] * 1e3:10.1f} "
-                         f"{r['planned_s'] / r['measured_s']:13.2f}")
+                         f"{r['measured_s'] * 1e3:11.1f} {planned * 1e3:10.1f} {planned / r['measured_s']:13.2f}")
     stamp = (f"measured {prov['date'][:10]} on one {prov['gpu']['names'][0]} (driver {prov['gpu']['driver']}), "
              f"torch {prov['packages']['torch']} (CUDA {prov['cuda']['torch_cuda']}, NCCL {prov['cuda']['nccl']}), "
              f"jax {prov['packages']['jax']}")

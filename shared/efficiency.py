@@ -66,11 +66,13 @@ SOURCES = {
                 "h200_check_3.txt; compare.py bench --world-size 1 --device gpu --profile, provenance inside: torch "
                 "2.11, CUDA 13.0, 2026-11-26), as gpu-h100 measures: under products on end the SM clock falls from "
                 "1980 to about 1470 MHz at the 700 W limit; after 8 s of them, bf16 GEMMs with one side s and two "
-                "of 8192 (the three places) average 0.56 / 0.67 / 0.73 / 0.70 / 0.69 / 0.67 of 989 at s = 256 … "
-                "8192 (the short squares' burst: 0.80); a device copy at 3.73 TB/s read + write (0.78 of 4.8); "
-                "SDPA's FlashAttention causal forward + backward at 0.12 / 0.23 / 0.28 of 989 in the planner's "
-                "FLOP count at T = 2 048 / 8 192 / 32 768 (cuDNN's 0.22 / 0.44 / 0.48). The first lent H200 "
-                "(2026-11-25) measured squares only: 811 TFLOP/s at 4096 (0.82), 3.82 TB/s",
+                "of 8192 (the three places) average 0.54 / 0.63 / 0.69 / 0.70 / 0.69 / 0.66 of 989 at s = 256 … "
+                "8192 (the short squares' burst: 0.81; an earlier call the same day 0.56 … 0.73: ±4 % between "
+                "calls); a device copy at 3.78 TB/s read + write (0.79 of 4.8); SDPA's FlashAttention causal "
+                "forward + backward, one sequence of 16 heads of 128, at 0.12 / 0.23 / 0.28 of 989 in the "
+                "planner's FLOP count at T = 2 048 / 8 192 / 32 768, of 64 heads at 0.18 / 0.26 / 0.28 (cuDNN's, "
+                "16 heads: 0.22 / 0.43 / 0.49). The first lent H200 (2026-11-25) measured squares only: 811 "
+                "TFLOP/s at 4096 (0.82), 3.82 TB/s",
     "gpu-h100": "this project's measurement on a lent H100 80GB HBM3 (docs/gpu/h100_bench.json, h100_profile.json, "
                 "h100_smi_log.csv; compare.py bench --world-size 1 --device gpu --profile, provenance inside: torch "
                 "2.11, CUDA 13.0, 2026-11-26): under products on end the SM clock falls from 1980 to 1300–1440 MHz "
@@ -80,7 +82,8 @@ SOURCES = {
                 "scripts/gpu_shapes.py); a device copy at 2.82 TB/s read + write (0.84 of 3.35); SDPA's "
                 "FlashAttention (torch's default backend) causal forward + backward, 16 heads of 128, at 0.12 / "
                 "0.23 / 0.28 of 989 in the planner's FLOP count at T = 2 048 / 8 192 / 32 768 (cuDNN's, opt-in: "
-                "0.21 / 0.42 / 0.48)",
+                "0.21 / 0.42 / 0.48), within 2 % of the H200's (one die, one clock limit): the preset takes its "
+                "64-head rows from gpu-h200",
     "fa3": "Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, abstract: 'FlashAttention-2 achieves only 35% "
            "utilization on H100 GPUs' (its forward; gpu-h100 measures forward + backward lower still)",
     "alpha-assumed": "α (per-call latency) has no vendor figure: 5 µs inside a node, 10 µs across, an assumption "
@@ -93,13 +96,16 @@ OVERLAP_COST = (0.15, 0.02)  # "calculon-net": (intra, inter)
 HBM_TABLE = ((0, 0.3 / 0.9), (10 ** 6, 0.6 / 0.9), (10 ** 7, 0.75 / 0.9), (10 ** 8, 1.0))  # "calculon-mem"
 ALPHA_INTRA, ALPHA_INTER = 5e-6, 10e-6  # "alpha-assumed"
 # "gpu-h200" (docs/gpu/h200_bench.json, as gpu-h100 below)
-H200_MATMUL = ((256, 0.559), (512, 0.67), (1024, 0.73), (2048, 0.702), (4096, 0.694), (8192, 0.667))
-H200_ATTENTION = ((16, 2048, 0.121), (16, 8192, 0.231), (16, 32768, 0.279))
-H200_COPY = 3.7275e12
+H200_MATMUL = ((256, 0.537), (512, 0.631), (1024, 0.688), (2048, 0.699), (4096, 0.685), (8192, 0.661))
+H200_ATTENTION = ((16, 2048, 0.121), (16, 8192, 0.231), (16, 32768, 0.281),
+                  (64, 2048, 0.176), (64, 8192, 0.256), (64, 32768, 0.276))
+H200_COPY = 3.7766e12
 # "gpu-h100" (docs/gpu/h100_bench.json, of the datasheet's 989; tests/test_plan.py re-derives them from it):
 # the shapes' mean per smallest side, and FlashAttention's forward + backward per sequence length
 H100_MATMUL = ((256, 0.538), (512, 0.666), (1024, 0.742), (2048, 0.735), (4096, 0.736), (8192, 0.697))
-H100_ATTENTION = ((16, 2048, 0.121), (16, 8192, 0.23), (16, 32768, 0.284))
+# the H100 measured one sequence of 16 heads (0.12 / 0.23 / 0.28, the H200's within 2 %: one die, one clock
+# limit); its 64-head rows are the H200's ("gpu-h200")
+H100_ATTENTION = ((16, 2048, 0.121), (16, 8192, 0.23), (16, 32768, 0.284)) + H200_ATTENTION[3:]
 H100_COPY = 2.817e12
 
 
