@@ -717,3 +717,22 @@ def test_frameworks_send_what_their_source_sends():
     assert acc(1, "mixed-fp32-grads") == 0 == acc(0, "mixed")
     with pytest.raises(ValueError, match="unknown framework"):
         plan.Cluster.preset("h100", 8, framework="jax")
+
+
+def test_trimmed_chunks_are_counted_one_by_one():
+    """Llama 3's 126 layers over pp = 16, v = 8 (trim = 1): the first stage's first chunk holds only the embedding
+    and the last stage's last chunk only the head (§3.3.2), so along Megatron's order stage 0 holds at most 112
+    blocks' activations (31 of its 143 alive chunks are the empty one), not 143 × 7/8; an untrimmed stage's
+    peak is in_flight × its chunk; the memory's binding stage stays stage 1 (141 one-block chunks)."""
+    from shared.theory.pp import chunk_layers, in_flight, peak_blocks
+
+    lay = plan.Layout(dp=64, tp=8, pp=16, zero=3, microbatches=32, sp=True, virtual=8, trim=1)
+    assert chunk_layers(lay, 126, 0) == [0] + [1] * 7 and chunk_layers(lay, 126, 15) == [1] * 7 + [0]
+    assert (peak_blocks(lay, 126, 0), peak_blocks(lay, 126, 1), peak_blocks(lay, 126, 15)) == (112, 141, 113)
+    assert peak_blocks(lay, 126, 1) == in_flight(lay, 1) * 1
+    alive = peak = 0  # brute force over stage 0's order: blocks of each chunk from its F until its B
+    for op in schedule.order("interleaved", 16, 32, 8)[0]:
+        alive += (op.chunk > 0) * ((op.kind == "F") - (op.kind == "B"))
+        peak = max(peak, alive)
+    assert peak == 112
+    assert chunk_layers(plan.Layout(pp=4, microbatches=8, virtual=2, trim=3), 14, 0) == [0, 2]  # spills over

@@ -180,3 +180,35 @@ def in_flight(layout: Layout, stage: int) -> int:
     (pp − s − 1)·2 + (v − 1)·pp chunk forwards + 1, at most v·M (= shared.schedule's simulator)."""
     p, v, m = layout.pp, layout.virtual, layout.microbatches
     return min(p - stage, m) if v == 1 else min((p - stage - 1) * 2 + (v - 1) * p + 1, v * m)
+
+
+def chunk_layers(layout: Layout, layers: int, stage: int) -> list[int]:
+    """Blocks in each of stage ``stage``'s v model chunks: (L + 2·trim)/(pp·v) each, less ``trim`` taken from
+    the first stage's first chunks and the last stage's last ones (the embedding's and the head's own
+    chunks: Llama 3 §3.3.2, Megatron's --account-for-embedding-in-pipeline-split)."""
+    v = layout.virtual
+    per = (layers + 2 * layout.trim) // layout.pp
+    base = [per // v + (c < per % v) for c in range(v)]
+    cut = layout.trim * (stage in (0, layout.pp - 1))
+    order = range(v) if stage == 0 else range(v - 1, -1, -1)
+    for c in order:
+        take = min(cut, base[c])
+        base[c] -= take
+        cut -= take
+    return base
+
+
+def peak_blocks(layout: Layout, layers: int, stage: int) -> float:
+    """Most blocks whose activations stage ``stage`` holds at once: in_flight × the chunk's blocks, or, where
+    the chunks of an interleaved stage differ (trim), the largest sum over the (micro-batch, chunk)s alive
+    along Megatron's order on that rank (shared.schedule: from each F until its B)."""
+    chunks = chunk_layers(layout, layers, stage)
+    if layout.virtual == 1 or len(set(chunks)) == 1 or layout.microbatches % layout.pp:
+        return in_flight(layout, stage) * sum(chunks) / layout.virtual
+    from shared.schedule import order
+
+    alive = peak = 0
+    for op in order("interleaved", layout.pp, layout.microbatches, layout.virtual)[stage]:
+        alive += chunks[op.chunk] * ((op.kind == "F") - (op.kind == "B"))
+        peak = max(peak, alive)
+    return peak

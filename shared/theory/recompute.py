@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from shared.config import Config
 from shared.theory.layout import Layout, Model
-from shared.theory.pp import in_flight
+from shared.theory.pp import in_flight, peak_blocks
 
 # --- activation recomputation (the transformer; Korthikanti et al. 2022, arXiv:2205.05198) ---------
 # Elements saved for backward, derived op by op for torch_impl/transformer.py (torch 2.13, checked by
@@ -106,17 +106,17 @@ def activation_elements(model: Model, layout: Layout, policy: str, attention: st
 
 def activations(model: Model, layout: Layout, stage: int, batch: int, b: int, attention: str = "flash") -> int:
     """Bytes of activations on one rank of ``stage`` at its peak: min(pp − s, M) micro-batches (1F1B) of
-    L/pp blocks (interleaved: Megatron's warm-up count of L/(pp·v)-block chunks) × n = m·T/cp tokens
+    L/pp blocks (interleaved: Megatron's warm-up count of L/(pp·v)-block chunks; trimmed stages' chunks
+    counted one by one, pp.peak_blocks) × n = m·T/cp tokens
     (m = B/(dp·M) sequences); with full recompute plus one block's whole set while it is recomputed;
     the last stage adds the micro-batch's logits n·V/t at the loss' peak: the head's output (b bytes each)
     and their fp32 softmax (4), as Megatron's fused vocab-parallel cross-entropy holds them (an unfused
     log-softmax of an fp32 upcast holds a third copy: a lower bound)."""
     m = batch // (layout.dp * layout.microbatches)
     n = m * model.seq // layout.cp
-    # a chunk: the stage's blocks over v (uneven stages: the trimmed stages' chunks a fraction shorter)
-    chunk = layout.stage_layers(model.layers, stage) / layout.virtual if layout.trim else \
-        model.layers // (layout.pp * layout.virtual)
-    blocks = in_flight(layout, stage) * chunk
+    # uneven stages (trim): the trimmed chunks hold fewer blocks, counted along the schedule (pp.peak_blocks)
+    blocks = peak_blocks(layout, model.layers, stage) if layout.trim else \
+        in_flight(layout, stage) * (model.layers // (layout.pp * layout.virtual))
     elems = blocks * activation_elements(model, layout, layout.recompute, attention)
     if layout.recompute == "full":
         elems += activation_elements(model, layout, "none", attention)
