@@ -133,7 +133,8 @@ def doctor_main(argv: list[str]) -> int:
             k = sum(d.startswith("gpu") for d in jx["devices"])
             ok &= _run(f"JAX on {k} GPU(s)", ["--device", "gpu", "--frameworks", "jax", "--world-size", str(k),
                                               "--dtype", "float32", "--steps", "3", "--quiet"])
-    if n > 1:  # what this node achieves, as the table compare.py plan --profile reads (docs/plan.md)
+    if n >= 1:  # what this node achieves, as the table compare.py plan --profile reads (docs/plan.md; one GPU:
+        #         its GEMMs, FlashAttention and copy, the links its preset cites)
         print(f"\nfor the planner: python compare.py bench --frameworks torch --device gpu --world-size {n} "
               "--profile profile.json, then python compare.py plan --profile profile.json ...")
     print("\nsend back: everything above (or python compare.py doctor > doctor.txt 2>&1), plus "
