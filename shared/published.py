@@ -155,8 +155,11 @@ def _gpt(layers: int, dim: int, heads: int, vocab: int = 51200, dropout: bool = 
 #   iteration = 126 / 121 / 113 TFLOP/s per GPU in Narayanan et al.'s eq. 3 (recomputation counted:
 #   "megatron"; checked: 126.0 at 60.1 s);
 #   DeepSpeed's 1F1B pipeline engine (no interleaving: v = 1; framework "deepspeed": its blocking p2p and
-#   partitioned sends, shared/plan_framework.py), micro-batch 1, full activation checkpointing, fp16 (its
-#   FP16 ZeRO-1 optimizer: no fp32 gradient accumulation), the gradient reduction after the pipeline flush
+#   partitioned sends, shared/plan_framework.py), micro-batch 1, full activation checkpointing, bf16 (§2.4:
+#   "mixed precision using 16-bit bfloat"; DeepSpeed's pipeline had no public bf16 + ZeRO-1 path then, issue
+#   #1771, and the one its team published next, PR #1801, is the BF16_Optimizer: fp32 gradients accumulated
+#   per micro-batch and all-reduced whole, precision "mixed-fp32-grads" as BLOOM below; the nearest
+#   documented path, not a reading of MT-NLG's code), the gradient reduction after the pipeline flush
 #   (overlap none). GPT-2's BPE padded to 51 200.
 # BLOOM 176B (BigScience 2022, arXiv:2211.05100 §3.4: Megatron-DeepSpeed on Jean Zay, 48 nodes × 8 A100
 #   80 GB; tp 4 × pp 12 × dp 8, ZeRO stage 1, bf16, micro-batch 2, global batch 2048; 70 layers, h 14 336,
