@@ -171,8 +171,9 @@ def check_environment(env) -> None:
 # --- JAX's environment: JAX_PLATFORMS and XLA_FLAGS, before JAX starts ---------------------------
 
 GPU_PLATFORMS = ("gpu", "cuda")  # what the driver query below can answer for (ROCm: JAX's own error)
-SAFE_XLA_FLAGS = ("xla_force_host_platform_device_count", "xla_backend_optimization_level",  # this project's
-                  "xla_cpu_use_fusion_emitters")  # (the last two: tests/conftest.py's compile-time savers)
+SAFE_XLA_FLAGS = ("xla_force_host_platform_device_count",)  # this project's own (shared.env)
+COMPILE_TIME_XLA_FLAGS = ("xla_backend_optimization_level", "xla_cpu_use_fusion_emitters")  # tests/conftest.py's
+PROBED_MARK = "PARALLEL_TWINS_XLA_PROBED"  # set where known_xla_flags chose them: known to this XLA, no probe
 
 
 def check_jax_environment(env, gpus=None, probe=None) -> None:
@@ -198,7 +199,8 @@ def check_jax_environment(env, gpus=None, probe=None) -> None:
     if bad:
         raise ValueError(f"environment variable XLA_FLAGS={env['XLA_FLAGS']!r}: {bad[0]!r} is not a --flag "
                          "(XLA would read the whole value as a file name); use --name=value words")
-    unusual = [word for word in flags if word[2:].split("=", 1)[0] not in SAFE_XLA_FLAGS]
+    safe = SAFE_XLA_FLAGS + (COMPILE_TIME_XLA_FLAGS if env.get(PROBED_MARK) else ())  # jaxlib 0.11 dropped one
+    unusual = [word for word in flags if word[2:].split("=", 1)[0] not in safe]
     if unusual:
         complaint = (probe or probe_xla_flags)(env["XLA_FLAGS"])
         if complaint:

@@ -100,6 +100,7 @@ def run_jax(reduced: bool) -> list[dict]:
     for flag in known_xla_flags(f for f in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
                                 if f.split("=")[0] not in os.environ.get("XLA_FLAGS", "")):  # compile time
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    os.environ["PARALLEL_TWINS_XLA_PROBED"] = "1"  # preflight.PROBED_MARK: known to this XLA
     import recipe_audit_jax as audit
 
     rows = []

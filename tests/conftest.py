@@ -18,7 +18,7 @@ simulate_host_devices(8)
 # same; compare.py itself keeps XLA's defaults.
 # Only the flags this jaxlib knows (XLA aborts on an unknown one, and pytest then ends with exit 1 and no
 # word: jaxlib 0.11 dropped the second), probed once per session: pytest's workers inherit the result.
-if not os.environ.get("PARALLEL_TWINS_XLA_PROBED"):
+if not os.environ.get("PARALLEL_TWINS_XLA_PROBED"):  # preflight.PROBED_MARK: compare.py then trusts them
     from parallel_twins.preflight import known_xla_flags  # noqa: E402
 
     _want = [f for f in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")

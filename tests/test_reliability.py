@@ -183,7 +183,11 @@ def test_jax_environment_mistakes_are_named_before_jax_starts(monkeypatch):
         check_jax_environment({"XLA_FLAGS": "garbage"}, probe=probe)
     with pytest.raises(ValueError, match="XLA_FLAGS=.*Unknown flag in XLA_FLAGS: --xla_nope=1 .XLA would abort"):
         check_jax_environment({"XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_nope=1"}, probe=probe)
-    check_jax_environment({"XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}, probe=lambda f: pytest.fail(f))  # no probe
+    check_jax_environment({"XLA_FLAGS": os.environ.get("XLA_FLAGS", ""), "PARALLEL_TWINS_XLA_PROBED": "1"},
+                          probe=lambda f: pytest.fail(f))  # the suite's own flags, probed by conftest: no probe
+    asked = []  # the compile-time flags without that mark (a user's own): probed, jaxlib 0.11 dropped one
+    check_jax_environment({"XLA_FLAGS": "--xla_cpu_use_fusion_emitters=false"}, probe=lambda f: asked.append(f))
+    assert asked == ["--xla_cpu_use_fusion_emitters=false"]
     # the real probe: XLA's own words, from a child that aborts (not this process)
     assert probe_xla_flags("--xla_bogus_flag=1") == "Unknown flag in XLA_FLAGS: --xla_bogus_flag=1"
 
