@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from shared import efficiency, published_memory
-from shared.published import markdown, published_rows, summary, v_sensitivity
+from shared.published import a100_sensitivity, markdown, published_rows, summary, v_sensitivity
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "plan.md"
 
@@ -41,7 +41,10 @@ def published() -> str:
     after = published_rows()
     return "\n".join([markdown(published_rows(datasheet=True), after), "", summary(after).replace("\n", "  \n"),
                       "", "Llama 3's rows with v pinned to each (the table above: v = 8, from §3.3.2's one-layer "
-                      "chunks):", "", v_sensitivity()])
+                      "chunks):", "", v_sensitivity(), "",
+                      "What an A100 measurement would have to show: the same comparison with the A100 rows' largest "
+                      "training-shaped GEMMs at other fractions of peak (a what-if, never the planner's setting; "
+                      "`shared.published.a100_sensitivity`):", "", a100_sensitivity()])
 
 
 def memory() -> str:

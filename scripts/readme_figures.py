@@ -37,6 +37,11 @@ BLOCKS = {  # name: the compare.py arguments it shows
     "mesh": ["--model", "transformer", "--mesh", "dp=2,tp=2,pp=2", "--show-collectives", "mesh"],
     "ep": ["--model", "transformer", "--show-collectives", "ep", "--experts", "8", "--topk", "2"],
     "plan": PLAN,
+    # docs/plan.md's worked examples: Llama 3 405B's layout (the repository's model at 128 layers), an MoE model
+    "planbig": ["plan", "--layers", "128", "--dim", "16384", "--heads", "128", "--vocab", "128256", "--seq", "8192",
+                "--global-batch", "2048", "--gpus", "16384", "--layout", "fsdp=128,tp=8,pp=16", "--top", "3"],
+    "planmoe": ["plan", "--layers", "32", "--dim", "4096", "--heads", "32", "--vocab", "32000", "--seq", "4096",
+                "--global-batch", "1024", "--gpus", "256", "--experts", "8", "--topk", "2", "--top", "3"],
     "checkpoint": ["checkpoint", "--model", "transformer"],
     "modes": ["--model", "transformer", "--mesh", "fsdp=2,tp=2", "--show-collectives", "mesh"],
     "gpu": None,  # no run here: rendered from what scripts/gpu_check.sh brought back from a GPU (GPU_DIR)
@@ -47,7 +52,7 @@ GPU_DIR, GPU_NAME, GPU_CHECK = os.path.join(ROOT, "docs", "gpu"), "h200", 3  # N
 FP32_DATASHEET = {"h100": 67e12, "h200": 67e12}
 # The page each block lives in (README.md for a block not named here).
 IN_FILE = {"run": "docs/cli.md", "fsdp": "docs/sharding_modes.md", "mesh": "docs/mesh.md", "ep": "docs/ep.md",
-           "plan": "docs/plan.md", "checkpoint": "docs/checkpoint.md", "modes": "docs/sharding_modes.md"}
+           "plan": "docs/plan.md", "planbig": "docs/plan.md", "planmoe": "docs/plan.md", "checkpoint": "docs/checkpoint.md", "modes": "docs/sharding_modes.md"}
 # The default run's rows docs/cli.md shows (pattern, model, framework, style, variant); the rest: --json.
 EXCERPT = [
     ("dp", "mlp", "torch", "explicit", "bucketed"), ("dp", "transformer", "torch", "builtin", "ddp"),

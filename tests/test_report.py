@@ -132,3 +132,18 @@ def test_readme_blocks_all_have_a_recipe():
     proc = subprocess.run([sys.executable, "scripts/readme_figures.py", "--check"], cwd=root, capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_plan_page_generated_blocks_are_current():
+    """docs/plan.md's constants, published comparison and memory blocks are what scripts/plan_docs.py renders
+    from the code as it is (the planner is arithmetic: the same on every machine); a change to the planner or
+    to a cited constant regenerates them (``PYTHONPATH=. python scripts/plan_docs.py``)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("plan_docs", root / "scripts" / "plan_docs.py")
+    plan_docs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_docs)
+    text = (root / "docs" / "plan.md").read_text()
+    assert plan_docs.render(text) == text, "docs/plan.md is stale: PYTHONPATH=. python scripts/plan_docs.py"
