@@ -52,7 +52,8 @@ GPU_DIR, GPU_NAME, GPU_CHECK = os.path.join(ROOT, "docs", "gpu"), "h200", 3  # N
 FP32_DATASHEET = {"h100": 67e12, "h200": 67e12}
 # The page each block lives in (README.md for a block not named here).
 IN_FILE = {"run": "docs/cli.md", "fsdp": "docs/sharding_modes.md", "mesh": "docs/mesh.md", "ep": "docs/ep.md",
-           "plan": "docs/plan.md", "planbig": "docs/plan.md", "planmoe": "docs/plan.md", "checkpoint": "docs/checkpoint.md", "modes": "docs/sharding_modes.md"}
+           "plan": "docs/plan.md", "planbig": "docs/plan.md", "planmoe": "docs/plan.md",
+           "checkpoint": "docs/checkpoint.md", "modes": "docs/sharding_modes.md"}
 # The default run's rows docs/cli.md shows (pattern, model, framework, style, variant); the rest: --json.
 EXCERPT = [
     ("dp", "mlp", "torch", "explicit", "bucketed"), ("dp", "transformer", "torch", "builtin", "ddp"),
