@@ -48,8 +48,9 @@ BLOCKS = {  # name: the compare.py arguments it shows
 }
 # A lent GPU's results, copied from scripts/gpu_check.sh's output folder: the profile, the bench JSON, the log.
 GPU_DIR, GPU_NAME, GPU_CHECK = os.path.join(ROOT, "docs", "gpu"), "h200", 3  # NAME_check_N.txt: the latest log
-# float32 with TF32 off runs on the FP32 units, not the tensor cores: H100/H200 SXM datasheets, FP32 67 TFLOP/s.
-FP32_DATASHEET = {"h100": 67e12, "h200": 67e12}
+# float32 with TF32 off runs on the FP32 units, not the tensor cores: H100/H200 SXM datasheets, FP32 67 TFLOP/s;
+# the A100's, 19.5 (a100-datasheet): the block renders whichever preset's GPU gpu_check.sh ran on.
+FP32_DATASHEET = {"h100": 67e12, "h200": 67e12, "a100-80gb": 19.5e12, "a100-40gb": 19.5e12}
 # The page each block lives in (README.md for a block not named here).
 IN_FILE = {"run": "docs/cli.md", "fsdp": "docs/sharding_modes.md", "mesh": "docs/mesh.md", "ep": "docs/ep.md",
            "plan": "docs/plan.md", "planbig": "docs/plan.md", "planmoe": "docs/plan.md",
