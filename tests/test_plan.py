@@ -428,8 +428,8 @@ def test_published_runs_predicted_within_their_error(measured):
     assert all(abs(e) <= 0.12 for e in kort)  # both policies: selective + sp, and full recompute
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35 open: MT-NLG at dp = 12 (+27 %) lies beyond 25 % and the "
-                                       "median is 10.6 %")
+@pytest.mark.xfail(strict=True, reason="issue 35, blocked on an A100 measurement (docs/plan.md's what-if): MT-NLG "
+                                       "at dp = 12 (+27 %) lies beyond 25 % and the median is 10.6 %")
 def test_published_runs_within_issue_35s_bounds():
     """Issue 35's Done-when: median absolute error ≤ 10 % and worst ≤ 25 % over every published run, blind."""
     from shared.published import published_rows
