@@ -6,7 +6,7 @@ against runs.
     python compare.py plan --experts 64 --topk 8 ... --gpus 1024          # an MoE model: dp × ep × pp
     python compare.py plan ... --layout fsdp=128,tp=8,pp=16               # only layouts with these axes
     python compare.py plan --preset llama3-405b --gpu h100 --gpus 16384 --global-batch 2048 \
-        --layout fsdp=128,tp=8,pp=16 --pin v=2,recompute=none         # a named model, settings pinned
+        --layout fsdp=128,tp=8,pp=16 --pin v=8,trim=1,recompute=none  # a named model, settings pinned
     python compare.py bench --frameworks torch --json bench.json          # this machine's α–β and FLOP/s
     python compare.py --model transformer --mesh "dp=2,pp=2;fsdp=2,tp=2" --frameworks torch --json run.json
     python compare.py plan --calibrate bench.json --measured run.json     # predicted vs measured, per rank

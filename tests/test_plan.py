@@ -749,3 +749,29 @@ def test_trimmed_chunks_are_counted_one_by_one():
         peak = max(peak, alive)
     assert peak == 112
     assert chunk_layers(plan.Layout(pp=4, microbatches=8, virtual=2, trim=3), 14, 0) == [0, 2]  # spills over
+
+
+def test_the_documented_plan_commands_run(capsys):
+    """Every complete `compare.py plan` command of docs/plan.md's usage block and of the planner's docstring runs
+    (exit 0): a refusal there is a stale example (a 126-layer preset without its trim=1 was one). Commands with
+    "..." or a file they need (--calibrate, --profile, --measured) are left out."""
+    import re
+    import shlex
+
+    from parallel_twins import planner
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    usage = open(os.path.join(root, "docs", "plan.md")).read().split("```bash\n", 1)[1].split("```", 1)[0]
+    texts = [usage, planner.__doc__.replace("\\\\\n", "\\\n")]
+    commands = [c for text in texts for c in re.sub(r"\\\n\s*", " ", text).splitlines()
+                if c.strip().startswith("python compare.py plan") and "..." not in c
+                and not re.search(r"--(calibrate|profile|measured)", c)]
+    assert len(commands) >= 4, commands
+    for command in commands:
+        argv = shlex.split(command.split("#")[0])[3:]  # after "python compare.py plan"
+        capsys.readouterr()
+        try:
+            status = planner.plan_main(argv)
+        except SystemExit as e:
+            status = e.code
+        assert status in (0, None), (command, capsys.readouterr().err[-500:])
