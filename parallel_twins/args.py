@@ -72,15 +72,33 @@ def add_world_size(p, default, help) -> None:
     p.add_argument("--world-size", type=int, default=default, metavar="N", help=help)
 
 
-def add_sizes(p, batch=32) -> None:
-    """The model's sizes (the MLP: layers, dim, batch; the transformer also heads, seq, vocab)."""
-    p.add_argument("--layers", type=int, default=4, metavar="L", help="layers (MLP) / blocks (transformer)")
-    p.add_argument("--dim", type=int, default=32, metavar="D", help="model width")
-    p.add_argument("--batch", type=int, default=batch, metavar="B",
-                   help="sequences (transformer) or rows (MLP) per step, over all ranks")
-    p.add_argument("--heads", type=int, default=4, metavar="H", help="transformer: attention heads (D %% H == 0)")
-    p.add_argument("--seq", type=int, default=16, metavar="T", help="transformer: sequence length")
-    p.add_argument("--vocab", type=int, default=64, metavar="V", help="transformer: vocabulary size")
+# The model's default sizes; compare.py's runs round them up to what every pattern splits at the world size
+# (parallel_twins.cli.default_sizes): on 1, 2 or 4 ranks these, on 8 ranks 8 layers and 8 heads.
+SIZES = {"layers": 4, "dim": 32, "batch": 32, "heads": 4, "seq": 16, "vocab": 64}
+
+
+def add_sizes(p, batch=32, world_aware: bool = False) -> None:
+    """The model's sizes (the MLP: layers, dim, batch; the transformer also heads, seq, vocab). ``world_aware``:
+    a size not given is None, worked out from the world size later (cli.default_sizes)."""
+    def default(name, value=None):
+        value = SIZES[name] if value is None else value
+        return (None, f" (default: {value}, or the next multiple the world size needs: {WORLD_AWARE[name]})") \
+            if world_aware else (value, "")
+
+    for flag, name, metavar, text, value in (
+            ("--layers", "layers", "L", "layers (MLP) / blocks (transformer)", None),
+            ("--dim", "dim", "D", "model width", None),
+            ("--batch", "batch", "B", "sequences (transformer) or rows (MLP) per step, over all ranks", batch),
+            ("--heads", "heads", "H", "transformer: attention heads (D %% H == 0)", None),
+            ("--seq", "seq", "T", "transformer: sequence length", None),
+            ("--vocab", "vocab", "V", "transformer: vocabulary size", None)):
+        value, said = default(name, value)
+        p.add_argument(flag, type=int, default=value, metavar=metavar, help=text + said)
+
+
+WORLD_AWARE = {"layers": "pp's stages (× --virtual-stages)", "dim": "a multiple of the heads",
+               "batch": "dp's ranks (× --accumulate) and pp's --microbatches", "heads": "tp's and ulysses' ranks",
+               "seq": "ring_zigzag's 2 chunks per rank", "vocab": "tp's ranks"}
 
 
 def add_training(p, steps=5, steps_help="optimizer steps per run") -> None:

@@ -106,8 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of workloads: mlp (the CS336 MLP), transformer (a GPT-style decoder)")
     add_world_size(p, None, "ranks / devices (default: torchrun's WORLD_SIZE, else the layout's size with --mesh, "
                             "else the local GPU count, else 4)")
-    add_sizes(p)
-    p.add_argument("--microbatches", type=int, default=4, metavar="M", help="pp (and mesh with pp): micro-batches")
+    add_sizes(p, world_aware=True)
+    p.add_argument("--microbatches", type=int, default=None, metavar="M",
+                   help="pp (and mesh with pp): micro-batches (default: 4, or the next multiple of the world size: "
+                        "the interleaved schedule needs M %% world == 0)")
     p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                    help="pp: model chunks per rank of the interleaved schedule (layers %% (world·V) == 0, "
                         "microbatches %% world == 0)")
@@ -292,12 +294,18 @@ def make_configs(args):
                          f"{', '.join(f'{format_mesh(m)} ({_product(m)})' for m in layouts)}")
     world = args.world_size if args.world_size is not None else \
         sizes[0] if sizes and "WORLD_SIZE" not in os.environ else default_world_size(args.device)
-    base = Config(world_size=world, layers=args.layers, dim=args.dim, batch=args.batch,
-                  microbatches=args.microbatches, steps=args.steps, seed=args.seed, dtype=args.dtype,
-                  precision=args.precision,
+    # sizes not given: the small defaults, rounded up to what the 1-D patterns split at this world size (a
+    # --mesh layout checks its own axes against the defaults as they are)
+    recipe = recipe_fields(args)
+    microbatches = args.microbatches if args.microbatches is not None else \
+        MICROBATCHES if layouts else max(1, world) * -(-MICROBATCHES // max(1, world))
+    sizes = default_sizes(None if layouts else world, microbatches, args.virtual_stages,
+                          recipe.get("accumulate", 1))
+    sizes = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in sizes.items()}
+    base = Config(world_size=world, microbatches=microbatches, steps=args.steps, seed=args.seed,
+                  dtype=args.dtype, precision=args.precision,
                   lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb,
-                  heads=args.heads, seq=args.seq, vocab=args.vocab, virtual_stages=args.virtual_stages,
-                  **recipe_fields(args))
+                  virtual_stages=args.virtual_stages, **sizes, **recipe)
     if args.experts is not None and "ep" not in args.patterns:
         raise ValueError("--experts/--topk build the mixture-of-experts transformer, which runs under "
                          "--patterns ep only")
@@ -332,6 +340,30 @@ def _preempted(errors) -> bool:
     from shared import preempt
 
     return preempt.requested() or any("Preempted: preempted (SIGTERM)" in e for e in errors)
+
+
+MICROBATCHES = 4  # pp's default micro-batches (on 8 ranks 8: the interleaved schedule needs M % world == 0)
+
+
+def default_sizes(world: int | None, microbatches: int = 4, virtual: int = 1, accumulate: int = 1) -> dict:
+    """The model's sizes when not given: args.SIZES, each rounded up to the next multiple of what the 1-D
+    patterns split it into at ``world`` ranks (Config.divisibility): layers by pp's stages × chunks, heads by
+    tp's and ulysses' ranks, the width by the heads, the batch by dp's ranks × accumulate and pp's
+    micro-batches, the sequence by ring_zigzag's 2·world chunks, the vocabulary by tp's ranks. On 1, 2 or 4
+    ranks (and ``world`` None: a --mesh run) these are SIZES themselves; on 8: 8 layers and 8 heads."""
+    from math import lcm
+
+    from parallel_twins.args import SIZES
+
+    if world is None:
+        return dict(SIZES)
+    up = lambda x, m: m * -(-x // m)  # noqa: E731 - the smallest multiple of m that is >= x
+    # a count < 1 is refused by Config.validate with its own message: round as if it were 1
+    world, microbatches, virtual, accumulate = (max(1, n) for n in (world, microbatches, virtual, accumulate))
+    heads = up(SIZES["heads"], world)
+    return {"layers": up(SIZES["layers"], world * virtual), "heads": heads, "dim": up(SIZES["dim"], heads),
+            "batch": up(SIZES["batch"], lcm(world * accumulate, microbatches)),
+            "seq": up(SIZES["seq"], 2 * world), "vocab": up(SIZES["vocab"], world)}
 
 
 def default_experts(world: int) -> int:

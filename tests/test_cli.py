@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--patterns", "dp", "--world-size", "3", "--batch", "16"], "dp: batch=16 is not divisible by world_size=3"),
         (["--patterns", "tp", "--dim", "30", "--model", "mlp"], "tp: dim=30 is not divisible by world_size=4"),
         (["--patterns", "pp", "--layers", "6"], "pp: layers=6 is not divisible by world_size=4"),
-        (["--patterns", "pp", "--virtual-stages", "2"], "pp: layers=4 is not divisible by world_size·virtual_stages=8"),
+        (["--patterns", "pp", "--virtual-stages", "2", "--layers", "4"],
+         "pp: layers=4 is not divisible by world_size·virtual_stages=8"),  # given: kept (not given: 8, default_sizes)
         (["--patterns", "pp", "--virtual-stages", "2", "--layers", "8", "--microbatches", "2", "--batch", "8"],
          "interleaved: microbatches=2 is not divisible by stages=4 (Megatron)"),
         (["--patterns", "pp", "--virtual-stages", "0"], "virtual_stages must be a positive integer, got 0"),
@@ -389,6 +390,36 @@ def test_ep_configs_keys_and_default_experts():
     args = compare.build_parser().parse_args(["--model", "mlp"])
     assert [c.model for c in compare.make_configs(args)] == ["mlp"] and args.patterns == \
         ["collectives", "dp", "fsdp", "tp", "pp"]
+
+
+def test_default_sizes_fit_the_world_size():
+    """Sizes not given are the small defaults rounded up to what every 1-D pattern splits at the world size
+    (cli.default_sizes): on 1, 2 and 4 ranks the defaults themselves (every documented figure unchanged); on
+    3, 6, 8 and 16 ranks the default run's configs pass every pattern's check (before this, `compare.py
+    --world-size 8`, the GPU-node command of README.md, was refused: heads=4 over 8 ranks). A size given is
+    never changed (refused when it does not divide), and a --mesh run keeps the defaults. Every variant of the
+    4-rank run still runs (pp's micro-batches too: 8 on 8 ranks)."""
+    from parallel_twins.args import SIZES
+    from parallel_twins.runs import planned_runs
+
+    for world in (1, 2, 4):
+        assert compare.default_sizes(world) == SIZES
+    assert compare.default_sizes(8) == dict(SIZES, layers=8, heads=8)
+    args = compare.build_parser().parse_args(["--world-size", "4"])
+    every = planned_runs(compare.make_configs(args), args.patterns, args.frameworks)
+    for world in (3, 6, 8, 16):
+        args = compare.build_parser().parse_args(["--world-size", str(world)])
+        cfgs = compare.make_configs(args)  # raises on any pattern's refusal
+        assert "tp" in args.patterns and "cp" in args.patterns and "pp" in args.patterns
+        assert all(c.heads % world == 0 and c.layers % world == 0 and c.seq % (2 * world) == 0 and
+                   c.microbatches % world == 0 for c in cfgs)  # the interleaved schedule: M % world == 0
+        assert planned_runs(cfgs, args.patterns, args.frameworks) == every  # no variant left out
+    with pytest.raises(ValueError, match="layers=4 is not divisible by world_size=8"):
+        compare.make_configs(compare.build_parser().parse_args(["--world-size", "8", "--layers", "4"]))
+    args = compare.build_parser().parse_args(["--mesh", "dp=2,tp=2,pp=2", "--model", "transformer"])
+    assert all((c.layers, c.heads) == (4, 4) for c in compare.make_configs(args))
+    args = compare.build_parser().parse_args(["--patterns", "pp", "--world-size", "4", "--virtual-stages", "2"])
+    assert {c.layers for c in compare.make_configs(args)} == {8}  # world · chunks
 
 
 def test_show_collectives_ep_routing_bytes_and_padding():

@@ -3,6 +3,7 @@ wrap at '/', nothing is cut), one line per run when piped; --wide and Markdown c
 the progress line counts runs and estimates what is left; --help lists the subcommands and every
 option's default. No process is launched here."""
 
+import os
 import time
 
 import pytest
@@ -147,3 +148,40 @@ def test_plan_page_generated_blocks_are_current():
     spec.loader.exec_module(plan_docs)
     text = (root / "docs" / "plan.md").read_text()
     assert plan_docs.render(text) == text, "docs/plan.md is stale: PYTHONPATH=. python scripts/plan_docs.py"
+
+
+def test_documented_compare_commands_are_accepted(monkeypatch):
+    """Every `python compare.py …` run command in a code block of README.md and docs/ (not a subcommand, not
+    one marked as a refusal, "exit 2", nor one with placeholders) is accepted: parsed, configured and checked
+    for every pattern it asks for, as compare.py does before anything runs (no run here). README's GPU-node
+    command, `--world-size 8`, was refused until the default sizes followed the world size."""
+    import glob
+    import re
+    import shlex
+
+    from parallel_twins import cli
+
+    for name in ("WORLD_SIZE", "RANK", "JAX_NUM_PROCESSES"):
+        monkeypatch.delenv(name, raising=False)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commands = []
+    for path in [os.path.join(root, "README.md"), *sorted(glob.glob(os.path.join(root, "docs", "*.md")))]:
+        text = open(path).read()
+        blocks = re.findall(r"```(?:bash|sh|console)?\n(.*?)```", text, re.S)
+        blocks.append("\n".join(line[4:] for line in text.splitlines() if line.startswith("    python compare.py")))
+        for line in re.sub(r"\\\n\s*", " ", "\n".join(blocks)).splitlines():
+            command, _, comment = line.strip().partition(" #")
+            if not command.startswith("python compare.py") or re.search(r"exit 2|refus|error", comment) or \
+                    re.search(r"\.\.\.|<|\{|\[", command):
+                continue
+            argv = shlex.split(command)[2:]
+            if argv and argv[0] not in ("plan", "bench", "checkpoint", "doctor", "diff"):
+                commands.append((os.path.relpath(path, root), command, argv))
+    assert len(commands) >= 20, commands
+    for path, command, argv in commands:
+        try:
+            args = cli.build_parser().parse_args(argv)
+            cfgs = cli.make_configs(args)
+            cli.check_styles(args, cfgs)
+        except (SystemExit, ValueError) as exc:
+            raise AssertionError(f"{path}: `{command}` is refused: {exc}") from None
