@@ -101,6 +101,31 @@ WORLD_AWARE = {"layers": "pp's stages (× --virtual-stages)", "dim": "a multiple
                "seq": "ring_zigzag's 2 chunks per rank", "vocab": "tp's ranks"}
 
 
+MICROBATCHES = 4  # pp's default micro-batches (on 8 ranks 8: the interleaved schedule needs M % world == 0)
+
+
+def default_sizes(world: int | None, microbatches: int = 4, virtual: int = 1, accumulate: int = 1,
+                  base: dict | None = None) -> dict:
+    """The model's sizes when not given: args.SIZES, each rounded up to the next multiple of what the 1-D
+    patterns split it into at ``world`` ranks (Config.divisibility): layers by pp's stages × chunks, heads by
+    tp's and ulysses' ranks, the width by the heads, the batch by dp's ranks × accumulate and pp's
+    micro-batches, the sequence by ring_zigzag's 2·world chunks, the vocabulary by tp's ranks. On 1, 2 or 4
+    ranks (and ``world`` None: a --mesh run) these are SIZES themselves; on 8: 8 layers and 8 heads. ``base``:
+    other small defaults (compare.py checkpoint's batch of 16)."""
+    from math import lcm
+
+    base = dict(SIZES, **(base or {}))
+    if world is None:
+        return base
+    up = lambda x, m: m * -(-x // m)  # noqa: E731 - the smallest multiple of m that is >= x
+    # a count < 1 is refused by Config.validate with its own message: round as if it were 1
+    world, microbatches, virtual, accumulate = (max(1, n) for n in (world, microbatches, virtual, accumulate))
+    heads = up(base["heads"], world)
+    return {"layers": up(base["layers"], world * virtual), "heads": heads, "dim": up(base["dim"], heads),
+            "batch": up(base["batch"], lcm(world * accumulate, microbatches)),
+            "seq": up(base["seq"], 2 * world), "vocab": up(base["vocab"], world)}
+
+
 def add_training(p, steps=5, steps_help="optimizer steps per run") -> None:
     """What a run trains with: steps, seed, dtype, AdamW's learning rate and weight decay."""
     p.add_argument("--steps", type=int, default=steps, metavar="S", help=steps_help)

@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 import time
+from math import lcm
 
 from parallel_twins.args import (
     ArgumentError,
@@ -31,6 +32,7 @@ from parallel_twins.args import (
     add_training,
     add_world_size,
     check_output_path,
+    default_sizes,
     launched,
 )
 from shared.config import MODELS
@@ -142,7 +144,7 @@ def matrix_main(argv) -> int:
     p.add_argument("--model", choices=MODELS, default="mlp", help="the workload")
     add_frameworks(p)
     add_world_size(p, 2, "ranks of every layout but single")
-    add_sizes(p, batch=16)
+    add_sizes(p, batch=16, world_aware=True)
     add_training(p, steps=4, steps_help="save after S//2, continue to S")
     p.add_argument("--dir", metavar="DIR", help="keep the checkpoints here (default: a temporary folder)")
     add_json(p, "the rows")
@@ -157,9 +159,12 @@ def matrix_main(argv) -> int:
         check_output_path("--dir", args.dir, directory=True)
         if args.precision != "pure":
             raise ValueError("checkpoint: --precision mixed is not built for checkpoints; use --precision pure")
-        cfg = Config(model=args.model, world_size=args.world_size, layers=args.layers, dim=args.dim,
-                     batch=args.batch, heads=args.heads, seq=args.seq, vocab=args.vocab, steps=args.steps,
-                     dtype=args.dtype, seed=args.seed, lr=args.lr, weight_decay=args.weight_decay)
+        # sizes not given: rounded up to what every layout's world size splits (args.default_sizes)
+        world = lcm(*{w or max(1, args.world_size) for fw in frameworks for *_, w in LAYOUTS[fw].values()})
+        sizes = {k: getattr(args, k) if getattr(args, k) is not None else v
+                 for k, v in default_sizes(world, base={"batch": 16}).items()}
+        cfg = Config(model=args.model, world_size=args.world_size, steps=args.steps, dtype=args.dtype,
+                     seed=args.seed, lr=args.lr, weight_decay=args.weight_decay, **sizes)
         if args.steps < 2:
             raise ValueError(f"--steps {args.steps}: at least 2 (save after steps//2, then continue)")
         for fw in frameworks:

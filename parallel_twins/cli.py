@@ -37,6 +37,7 @@ import sys
 import time
 
 from parallel_twins.args import (
+    MICROBATCHES,
     ArgumentError,
     HelpFormatter,
     Parser,
@@ -53,6 +54,7 @@ from parallel_twins.args import (
     check_devices,
     check_output_path,
     csv_list,
+    default_sizes,
     recipe_fields,
     run_key,
     write_output,
@@ -340,30 +342,6 @@ def _preempted(errors) -> bool:
     from shared import preempt
 
     return preempt.requested() or any("Preempted: preempted (SIGTERM)" in e for e in errors)
-
-
-MICROBATCHES = 4  # pp's default micro-batches (on 8 ranks 8: the interleaved schedule needs M % world == 0)
-
-
-def default_sizes(world: int | None, microbatches: int = 4, virtual: int = 1, accumulate: int = 1) -> dict:
-    """The model's sizes when not given: args.SIZES, each rounded up to the next multiple of what the 1-D
-    patterns split it into at ``world`` ranks (Config.divisibility): layers by pp's stages × chunks, heads by
-    tp's and ulysses' ranks, the width by the heads, the batch by dp's ranks × accumulate and pp's
-    micro-batches, the sequence by ring_zigzag's 2·world chunks, the vocabulary by tp's ranks. On 1, 2 or 4
-    ranks (and ``world`` None: a --mesh run) these are SIZES themselves; on 8: 8 layers and 8 heads."""
-    from math import lcm
-
-    from parallel_twins.args import SIZES
-
-    if world is None:
-        return dict(SIZES)
-    up = lambda x, m: m * -(-x // m)  # noqa: E731 - the smallest multiple of m that is >= x
-    # a count < 1 is refused by Config.validate with its own message: round as if it were 1
-    world, microbatches, virtual, accumulate = (max(1, n) for n in (world, microbatches, virtual, accumulate))
-    heads = up(SIZES["heads"], world)
-    return {"layers": up(SIZES["layers"], world * virtual), "heads": heads, "dim": up(SIZES["dim"], heads),
-            "batch": up(SIZES["batch"], lcm(world * accumulate, microbatches)),
-            "seq": up(SIZES["seq"], 2 * world), "vocab": up(SIZES["vocab"], world)}
 
 
 def default_experts(world: int) -> int:

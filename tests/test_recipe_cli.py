@@ -105,7 +105,8 @@ def test_recipe_jax_dp_fsdp_tp(tmp_path, capsys):
     (["--clip", "1", "--patterns", "pp", "--model", "mlp"], "pp: the recipe flags"),
     (["--freeze", "nothing.*", "--patterns", "dp", "--model", "mlp"], "freeze: 'nothing.*' matches no parameter"),
     (["--freeze", "layers.*", "--patterns", "dp", "--model", "mlp"], "freezes every parameter"),
-    (["--accumulate", "3", "--patterns", "dp", "--model", "mlp"], "dp: batch=32 is not divisible by ranks_accumulate"),
+    (["--accumulate", "3", "--patterns", "dp", "--model", "mlp", "--batch", "32"],  # given: kept (default: 36)
+     "dp: batch=32 is not divisible by ranks_accumulate"),
     (["--clip", "0", "--patterns", "dp"], "clip must be a finite max norm > 0"),
     (["--recipe", "llama", "--precision", "mixed", "--dtype", "bfloat16", "--patterns", "dp"], "--precision mixed"),
     (["--recipe", "llama", "--patterns", "dp", "--checkpoint-dir", "/tmp"], "not built for checkpoints"),
