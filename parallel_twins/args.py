@@ -73,13 +73,13 @@ def add_world_size(p, default, help) -> None:
 
 
 # The model's default sizes; compare.py's runs round them up to what every pattern splits at the world size
-# (parallel_twins.cli.default_sizes): on 1, 2 or 4 ranks these, on 8 ranks 8 layers and 8 heads.
+# (default_sizes below): on 1, 2 or 4 ranks these, on 8 ranks 8 layers and 8 heads.
 SIZES = {"layers": 4, "dim": 32, "batch": 32, "heads": 4, "seq": 16, "vocab": 64}
 
 
 def add_sizes(p, batch=32, world_aware: bool = False) -> None:
     """The model's sizes (the MLP: layers, dim, batch; the transformer also heads, seq, vocab). ``world_aware``:
-    a size not given is None, worked out from the world size later (cli.default_sizes)."""
+    a size not given is None, worked out from the world size later (default_sizes)."""
     def default(name, value=None):
         value = SIZES[name] if value is None else value
         return (None, f" (default: {value}, or the next multiple the world size needs: {WORLD_AWARE[name]})") \

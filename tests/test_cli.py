@@ -394,7 +394,7 @@ def test_ep_configs_keys_and_default_experts():
 
 def test_default_sizes_fit_the_world_size():
     """Sizes not given are the small defaults rounded up to what every 1-D pattern splits at the world size
-    (cli.default_sizes): on 1, 2 and 4 ranks the defaults themselves (every documented figure unchanged); on
+    (args.default_sizes): on 1, 2 and 4 ranks the defaults themselves (every documented figure unchanged); on
     3, 6, 8 and 16 ranks the default run's configs pass every pattern's check (before this, `compare.py
     --world-size 8`, the GPU-node command of README.md, was refused: heads=4 over 8 ranks). A size given is
     never changed (refused when it does not divide), and a --mesh run keeps the defaults. Every variant of the
