@@ -104,7 +104,19 @@ WORLD_AWARE = {"layers": "pp's stages (× --virtual-stages)", "dim": "a multiple
 MICROBATCHES = 4  # pp's default micro-batches (on 8 ranks 8: the interleaved schedule needs M % world == 0)
 
 
-def default_sizes(world: int | None, microbatches: int = 4, virtual: int = 1, accumulate: int = 1,
+def round_up(x: int, m: int) -> int:
+    """The smallest multiple of m that is >= x."""
+    return m * -(-x // m)
+
+
+def given_sizes(args, world: int | None, microbatches: int = MICROBATCHES, virtual: int = 1, accumulate: int = 1,
+                base: dict | None = None) -> dict:
+    """The sizes the command line gave, and default_sizes' for those it did not."""
+    return {k: getattr(args, k) if getattr(args, k) is not None else v
+            for k, v in default_sizes(world, microbatches, virtual, accumulate, base).items()}
+
+
+def default_sizes(world: int | None, microbatches: int = MICROBATCHES, virtual: int = 1, accumulate: int = 1,
                   base: dict | None = None) -> dict:
     """The model's sizes when not given: args.SIZES, each rounded up to the next multiple of what the 1-D
     patterns split it into at ``world`` ranks (Config.divisibility): layers by pp's stages × chunks, heads by
@@ -117,7 +129,7 @@ def default_sizes(world: int | None, microbatches: int = 4, virtual: int = 1, ac
     base = dict(SIZES, **(base or {}))
     if world is None:
         return base
-    up = lambda x, m: m * -(-x // m)  # noqa: E731 - the smallest multiple of m that is >= x
+    up = round_up
     # a count < 1 is refused by Config.validate with its own message: round as if it were 1
     world, microbatches, virtual, accumulate = (max(1, n) for n in (world, microbatches, virtual, accumulate))
     heads = up(base["heads"], world)

@@ -32,7 +32,7 @@ from parallel_twins.args import (
     add_training,
     add_world_size,
     check_output_path,
-    default_sizes,
+    given_sizes,
     launched,
 )
 from shared.config import MODELS
@@ -161,8 +161,7 @@ def matrix_main(argv) -> int:
             raise ValueError("checkpoint: --precision mixed is not built for checkpoints; use --precision pure")
         # sizes not given: rounded up to what every layout's world size splits (args.default_sizes)
         world = lcm(*{w or max(1, args.world_size) for fw in frameworks for *_, w in LAYOUTS[fw].values()})
-        sizes = {k: getattr(args, k) if getattr(args, k) is not None else v
-                 for k, v in default_sizes(world, base={"batch": 16}).items()}
+        sizes = given_sizes(args, world, base={"batch": 16})
         cfg = Config(model=args.model, world_size=args.world_size, steps=args.steps, dtype=args.dtype,
                      seed=args.seed, lr=args.lr, weight_decay=args.weight_decay, **sizes)
         if args.steps < 2:

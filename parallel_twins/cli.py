@@ -54,8 +54,9 @@ from parallel_twins.args import (
     check_devices,
     check_output_path,
     csv_list,
-    default_sizes,
+    given_sizes,
     recipe_fields,
+    round_up,
     run_key,
     write_output,
 )
@@ -300,10 +301,9 @@ def make_configs(args):
     # --mesh layout checks its own axes against the defaults as they are)
     recipe = recipe_fields(args)
     microbatches = args.microbatches if args.microbatches is not None else \
-        MICROBATCHES if layouts else max(1, world) * -(-MICROBATCHES // max(1, world))
-    sizes = default_sizes(None if layouts else world, microbatches, args.virtual_stages,
-                          recipe.get("accumulate", 1))
-    sizes = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in sizes.items()}
+        MICROBATCHES if layouts else round_up(MICROBATCHES, max(1, world))
+    sizes = given_sizes(args, None if layouts else world, microbatches, args.virtual_stages,
+                        recipe.get("accumulate", 1))
     base = Config(world_size=world, microbatches=microbatches, steps=args.steps, seed=args.seed,
                   dtype=args.dtype, precision=args.precision,
                   lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb,

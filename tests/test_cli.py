@@ -399,12 +399,12 @@ def test_default_sizes_fit_the_world_size():
     --world-size 8`, the GPU-node command of README.md, was refused: heads=4 over 8 ranks). A size given is
     never changed (refused when it does not divide), and a --mesh run keeps the defaults. Every variant of the
     4-rank run still runs (pp's micro-batches too: 8 on 8 ranks)."""
-    from parallel_twins.args import SIZES
+    from parallel_twins.args import SIZES, default_sizes
     from parallel_twins.runs import planned_runs
 
     for world in (1, 2, 4):
-        assert compare.default_sizes(world) == SIZES
-    assert compare.default_sizes(8) == dict(SIZES, layers=8, heads=8)
+        assert default_sizes(world) == SIZES
+    assert default_sizes(8) == dict(SIZES, layers=8, heads=8)
     args = compare.build_parser().parse_args(["--world-size", "4"])
     every = planned_runs(compare.make_configs(args), args.patterns, args.frameworks)
     for world in (3, 6, 8, 16):
