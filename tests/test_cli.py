@@ -395,7 +395,7 @@ def test_ep_configs_keys_and_default_experts():
 def test_default_sizes_fit_the_world_size():
     """Sizes not given are the small defaults rounded up to what every 1-D pattern splits at the world size
     (args.default_sizes): on 1, 2 and 4 ranks the defaults themselves (every documented figure unchanged); on
-    3, 6, 8 and 16 ranks the default run's configs pass every pattern's check (before this, `compare.py
+    3 and 8 ranks the default run's configs pass every pattern's check (before this, `compare.py
     --world-size 8`, the GPU-node command of README.md, was refused: heads=4 over 8 ranks). A size given is
     never changed (refused when it does not divide), and a --mesh run keeps the defaults. Every variant of the
     4-rank run still runs (pp's micro-batches too: 8 on 8 ranks)."""
@@ -407,7 +407,7 @@ def test_default_sizes_fit_the_world_size():
     assert default_sizes(8) == dict(SIZES, layers=8, heads=8)
     args = compare.build_parser().parse_args(["--world-size", "4"])
     every = planned_runs(compare.make_configs(args), args.patterns, args.frameworks)
-    for world in (3, 6, 8, 16):
+    for world in (3, 8):  # an odd one, and a GPU node's
         args = compare.build_parser().parse_args(["--world-size", str(world)])
         cfgs = compare.make_configs(args)  # raises on any pattern's refusal
         assert "tp" in args.patterns and "cp" in args.patterns and "pp" in args.patterns
