@@ -135,6 +135,7 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
     from shared.results import (
         cross_framework_ok,
         losses_within_floor,
+        mixed_parity,
         parity,
         pure_floor,
         references_skip_apart,
@@ -193,7 +194,8 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
                 rows += pattern_rows(pattern, fw, data, other_ref)
             if all(pattern in raw.get(fw, {}) for fw in FRAMEWORKS):
                 t_ref, j_ref = raw["torch"][pattern][model]["reference"], raw["jax"][pattern][model]["reference"]
-                errs, routing = parity(t_ref, j_ref), routing_mismatch(t_ref, j_ref)  # MoE: the same routing
+                errs = mixed_parity(t_ref, j_ref, cfg)[0] if cfg.precision == "mixed" else parity(t_ref, j_ref)
+                routing = routing_mismatch(t_ref, j_ref)  # MoE: the same routing
                 skips = skip_mismatch(j_ref, t_ref)  # float16: the same skipped steps (torch's, where it records)
                 apart = references_skip_apart(t_ref, j_ref)  # float16: other overflows, other steps trained
                 if cfg.precision == "mixed":  # vs the two references' floors

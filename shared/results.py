@@ -16,13 +16,17 @@ from typing import Any
 import numpy as np
 
 from shared.recipe import describe as describe_recipe
+from shared.recipe import lr_factors
 from shared.tolerances import (
     CROSS_FRAMEWORK_FACTOR,
     MIXED_CROSS_FRAMEWORK_FACTOR,
     MIXED_FACTOR,
     MIXED_FLOOR_MIN,
+    NOISE_MARGIN,
+    NOISE_MAX_FRACTION,
     PURE_FLOOR_FACTOR,
     PURE_FLOOR_STEPS,
+    adam_noise_bound,
     floor_tolerance,
     mixed_tolerance,
     tolerance,
@@ -212,11 +216,58 @@ def losses_within_floor(run: Trained, dtype: str, factor: float = 1.0, *refs: Tr
 # --- mixed precision: a measured floor instead of a per-dtype constant ----------------------------
 
 
+def noise_entries(run: Trained, ref: Trained) -> list[np.ndarray] | None:
+    """Per parameter array, the entries whose step-0 gradient is rounding noise between ``run`` and ``ref``
+    (shared.tolerances.NOISE_MARGIN: 2·|g_run − g_ref| > |g_ref|, a first update whose sign the two do not
+    settle). None when there is nothing to split by (a resumed run has no step-0 gradients; shapes that
+    differ) or when more than NOISE_MAX_FRACTION of all entries are such (not rounding: no split)."""
+    if run.start_step or not run.grads0 or len(run.grads0) != len(ref.grads0) or len(ref.grads0) != len(ref.params):
+        return None
+    masks = []
+    for g, h, p in zip(run.grads0, ref.grads0, ref.params):
+        g, h = np.asarray(g, np.float64), np.asarray(h, np.float64)
+        if g.shape != h.shape or g.shape != np.shape(p):
+            return None
+        with np.errstate(invalid="ignore"):  # inf - inf (a float16 step 0 that overflowed): NaN, not noise
+            masks.append(NOISE_MARGIN * np.abs(g - h) > np.abs(h))
+    total = sum(m.size for m in masks)
+    return masks if total and sum(int(m.sum()) for m in masks) <= NOISE_MAX_FRACTION * total else None
+
+
+def mixed_parity(run: Trained, ref: Trained, cfg=None) -> tuple[dict[str, float], dict[str, Any]]:
+    """parity(run, ref) for mixed precision (shared/tolerances.py, NOISE_MARGIN): the parameters' error over
+    the entries whose step-0 gradients the two runs agree on; the noise-driven ones (``noise_entries``) held
+    instead to AdamW's bound on how far apart two runs can move an entry (``cfg``'s lr, schedule, betas;
+    without ``cfg``, only split off: the floor's own measurement). Returns (errors, what the split found:
+    {"noise_entries", "noise_max_move", "noise_bound"}); an entry past the bound keeps the whole error."""
+    errors = parity(run, ref)
+    masks = noise_entries(run, ref)
+    if masks is None:
+        return errors, {}
+    determined, move = 0.0, 0.0
+    for a, b, m in zip(run.params, ref.params, masks):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        diff = np.abs(a - b)
+        scale = max(float(np.max(np.abs(b))), np.finfo(np.float64).tiny) if b.size else 1.0
+        determined = max(determined, float(np.max(diff[~m], initial=0.0)) / scale)
+        move = max(move, float(np.max(diff[m], initial=0.0)))
+    info = {"noise_entries": int(sum(int(m.sum()) for m in masks)), "noise_max_move": move}
+    if cfg is not None:
+        lrs = [cfg.lr * f for f in lr_factors(cfg.schedule, cfg.steps)][run.start_step:]
+        info["noise_bound"] = adam_noise_bound(lrs, cfg.beta1, cfg.beta2, run.start_step)
+        if not move <= info["noise_bound"]:  # NaN too: the whole error stands
+            return errors, info
+    if math.isfinite(determined):
+        errors["max_rel_err_param"] = determined
+    return errors, info
+
+
 def mixed_extra(ref: Trained, split: Trained, float64: Trained) -> dict[str, Any]:
     """What a mixed-precision reference carries (its ``extra``): ``floor``, the same single-device mixed
-    run against itself with every step's batch split in two (parity(split, ref): the rounding a different
-    summation order alone makes), and ``float64_losses``, the losses of the same run in float64."""
-    return {"floor": parity(split, ref), "float64_losses": [float(v) for v in float64.losses]}
+    run against itself with every step's batch split in two (mixed_parity(split, ref): the rounding a
+    different summation order alone makes, its noise-driven entries split off as a run's are), and
+    ``float64_losses``, the losses of the same run in float64."""
+    return {"floor": mixed_parity(split, ref)[0], "float64_losses": [float(v) for v in float64.losses]}
 
 
 def within_floor(errors: dict[str, float], *refs: Trained, factor: float = 1.0, style: str | None = None,
@@ -233,17 +284,20 @@ def within_floor(errors: dict[str, float], *refs: Trained, factor: float = 1.0, 
 
 
 def mixed_report(run: Trained, ref: Trained, style: str | None = None, layout: tuple = (),
-                 dtype: str | None = None) -> dict[str, Any]:
-    """The row's extra for a mixed run: the floor it was judged by, the tolerances, and how far its
-    losses are from the float64 run's (reported, not asserted: the issue's bar is 2e-2 relative)."""
+                 dtype: str | None = None, errors: dict[str, float] | None = None,
+                 noise: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The row's extra for a mixed run: the floor it was judged by, the tolerances, how far its losses are
+    from the float64 run's (reported, not asserted: the issue's bar is 2e-2 relative), and ``noise``
+    (mixed_parity's split of the parameters: noise-driven entries, their largest move and AdamW's bound)."""
     floor = ref.extra.get("floor", {})
     f64 = ref.extra.get("float64_losses")
-    errors = parity(run, ref)
+    errors = parity(run, ref) if errors is None else errors
     ratio = max((errors[k] / max(v, MIXED_FLOOR_MIN) for k, v in floor.items()), default=None)
     return {"floor": floor, "tolerance": {k: mixed_tolerance(v, style, layout=layout, dtype=dtype, quantity=k)
                                           for k, v in floor.items()},
             "floor_ratio": ratio,  # the worst error / its floor (MIXED_FACTOR allows up to that)
-            "loss_rel_err_vs_float64": rel_err(run.losses, f64[run.start_step:]) if f64 else None}
+            "loss_rel_err_vs_float64": rel_err(run.losses, f64[run.start_step:]) if f64 else None,
+            **({"noise": noise} if noise else {})}
 
 
 @dataclass
@@ -307,9 +361,12 @@ def make_result(
     ref: Trained,
     other_ref: Trained | None = None,
 ) -> RunResult:
-    errors = parity(run, ref)
+    mixed = getattr(cfg, "precision", "pure") == "mixed"
+    # mixed: the parameters' noise-driven entries judged by AdamW's bound (mixed_parity; shared/tolerances.py)
+    compare = (lambda a, b: mixed_parity(a, b, cfg)) if mixed else (lambda a, b: (parity(a, b), {}))
+    errors, noise = compare(run, ref)
     apart = references_skip_apart(ref, other_ref)  # float16: the frameworks skipped different steps
-    xfw = parity(run, other_ref) if other_ref is not None and apart is None else None
+    xfw = compare(run, other_ref)[0] if other_ref is not None and apart is None else None
     routing = routing_mismatch(run, ref)
     xfw_routing = routing_mismatch(run, other_ref) if other_ref is not None else None
     extra = run.extra if routing is None else {**run.extra, "routing_mismatch": routing}
@@ -318,10 +375,9 @@ def make_result(
         extra = {**extra, "skip_mismatch": skips}
     if apart is not None:
         extra = {**extra, "xfw_not_comparable": apart}
-    mixed = getattr(cfg, "precision", "pure") == "mixed"
     if mixed:  # judged against the reference's measured floor (shared/tolerances.py), not a dtype constant
         layout = (pattern, variant)  # shared.tolerances.MIXED_LAYOUT_FACTOR
-        extra = {**extra, "mixed": mixed_report(run, ref, style, layout, cfg.dtype)}
+        extra = {**extra, "mixed": mixed_report(run, ref, style, layout, cfg.dtype, errors, noise)}
         ok = within_floor(errors, ref, style=style, layout=layout, dtype=cfg.dtype) and routing is None
         xfw_ok = (within_floor(xfw, ref, other_ref, factor=MIXED_CROSS_FRAMEWORK_FACTOR / MIXED_FACTOR, style=style,
                                program=True, layout=layout, dtype=cfg.dtype) and xfw_routing is None

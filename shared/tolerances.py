@@ -6,6 +6,8 @@ steps) and for the step-0 gradients; ``tolerance(dtype, steps)`` for the losses 
 run of ``steps`` steps (``STEP_GROWTH``).
 """
 
+import math
+
 # float64: the sharded runs sum the same products in a different order (per-rank partial sums,
 # then a collective), so they differ from the single-device run by a few ulps per reduction;
 # over 5 AdamW steps of a small MLP we see ~1e-15. 1e-12 leaves three orders of headroom
@@ -203,3 +205,45 @@ def floor_tolerance(dtype: str, steps: int | None, floor: float | None) -> float
     measured ``floor`` when that is larger (``floor`` None: no floor was measured)."""
     tol = tolerance(dtype, steps)
     return tol if floor is None else max(tol, PURE_FLOOR_FACTOR * floor)
+
+
+# Mixed precision's parameters, entry by entry (issue 51). AdamW normalises every entry's update
+# (m̂ / √v̂), so an entry whose gradient is rounding noise moves by up to a whole lr per step, in whatever
+# direction the noise points. Two programs that round at other places (tp's bf16 / float16 partial sums,
+# the ring's tiles, the other framework) can disagree on the sign of such an entry, and then its
+# parameter ends ~lr per step apart, however correct both are. Measured (torch tp, float16, the
+# transformer at L=2 D=16 T=8 V=32 B=8, 3 steps, 2 ranks; explicit megatron, DTensor and both SP variants
+# bit for bit alike): one entry of wte, (31, 5), whose step-0 gradient is 3.4e-5 of wte's largest while
+# the two programs' gradients differ there by 7.7e-5, ended 2.99e-3 (3 lr) apart — 3.7e-2 of wte's
+# largest entry, 2.4x the 1.6e-2 allowed (on an Intel Xeon and an AMD EPYC alike); every other entry
+# stayed within 1.2e-3 (6x the floor). Whether a run has such an entry, and where, depends on the CPU's
+# kernels: no constant fitted on one machine bounds it. So a mixed comparison splits the entries by what
+# the two runs' own step-0 gradients say, measured in that run on that machine (shared.results.mixed_parity):
+# - noise-driven: 2·|g_run − g_ref| > |g_ref| (NOISE_MARGIN: the two programs do not agree on the sign
+#   of the entry's first update to better than a factor of 2). Such an entry is held to AdamW's own bound
+#   on how far two runs can move it apart (adam_noise_bound: 2 lr·c_t per step), which any correct program
+#   meets and a wrong update (a NaN, an unclipped or unnormalised step) does not; the row reports how many
+#   there were ("noise_entries"). At the sizes above: bf16 108 of 7376 entries (1.5 %), float16 42 (0.6 %).
+# - every other entry: the measured floor as before (the floor's own split run is judged the same way).
+# A bug in the gradients does not hide here: the step-0 gradients are still judged whole, where a lost 1/N
+# or a dropped rank moves them by >= 50 % (>= 50x their floor); a bug in a later step or in the update
+# leaves the step-0 split unchanged and moves the determined entries. And when more than
+# NOISE_MAX_FRACTION of all entries are "noise-driven" the gradients disagree too broadly to call it
+# rounding: no split is made (every entry judged by the floor).
+NOISE_MARGIN = 2.0
+NOISE_MAX_FRACTION = 0.05
+
+
+def adam_ratio_bound(t: int, beta1: float, beta2: float) -> float:
+    """The largest |m̂_t| / √v̂_t that Adam's bias-corrected moments can reach at step ``t`` (from 1) over any
+    gradient sequence (Cauchy–Schwarz on the two exponential averages; 1 at t = 1, 1.004 at t = 3, 1.04 at
+    t = 10, 2.2 at t = 100 for β = (0.9, 0.999)). The update is lr × this at most (eps only lowers it)."""
+    s = sum(((1 - beta1) * beta1 ** (t - k)) ** 2 / ((1 - beta2) * beta2 ** (t - k)) for k in range(1, t + 1))
+    return math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t) * math.sqrt(s)
+
+
+def adam_noise_bound(lrs, beta1: float, beta2: float, start: int = 0) -> float:
+    """How far apart (absolute) two AdamW runs can end up in one entry over the steps whose learning rates
+    are ``lrs`` (the schedule applied), starting equal at step ``start``: each step moves each run by at most
+    lr_t × adam_ratio_bound(t), in either direction; decoupled weight decay only pulls two values together."""
+    return sum(2 * lr * adam_ratio_bound(start + k + 1, beta1, beta2) for k, lr in enumerate(lrs))

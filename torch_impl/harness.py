@@ -172,7 +172,7 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
         torch.cuda.synchronize(ctx.device)
         torch.cuda.reset_peak_memory_stats(ctx.device)
         baseline = torch.cuda.memory_allocated(ctx.device)
-    losses, step_times, grads0, comm, by_axis = [], [], [], {}, None
+    losses, step_times, grads0, comm, by_axis, comm_dtypes = [], [], [], {}, None, {}
     meter = SavedTensorMeter(setup.params)
     session = ckpt.current()  # checkpoints (torch_impl/checkpoint.py): None unless a run asked
     if session and session.probe:  # the pattern built from a checkpoint's moments: their layout, no step
@@ -197,7 +197,7 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
             loss.item()  # waits for the device, so the step time is real on GPU too
             step_times.append(time.perf_counter() - t0)
         if last:
-            comm = ctx.ledger.summary()
+            comm, comm_dtypes = ctx.ledger.summary(), ctx.ledger.by_dtype()
             by_axis = ctx.ledger.by_axis() if ctx.ledger.labels else None  # the mesh pattern labels its groups
         if k == 0:
             grads0 = (setup.grads_fixture or setup.fixture)(grads0)  # the check's gathers: outside every ledger
@@ -215,6 +215,8 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
         "params": tensor_bytes(setup.params), "grads": tensor_bytes(g for g in setup.grads() if g is not None),
         "optimizer": optimizer_state_bytes(setup.optimizer)}
     extra = dict(setup.extra, activation_bytes=meter.peak)
+    if comm_dtypes:
+        extra["comm_by_dtype"] = comm_dtypes  # {op: {dtype: {"count", "bytes"}}}: what each collective moved
     if setup.scaler is not None:  # float16: the check requires the reference's skipped steps
         extra.update(loss_scale=setup.scaler.get_scale(), skipped_steps=list(setup.scaler.skipped_at))
     if by_axis is not None:

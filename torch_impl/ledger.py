@@ -42,6 +42,15 @@ def _nbytes(x) -> int:
     return 0
 
 
+def _dtype(args) -> str | None:
+    """The dtype of a collective's first tensor argument ("bfloat16", …), None when it has none."""
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, torch.Tensor):
+                return str(t.dtype).removeprefix("torch.")
+    return None
+
+
 def _group_size(group, default: int) -> int:
     """Size of the process group an op runs on (a subgroup may be smaller than the world)."""
     try:
@@ -139,6 +148,8 @@ class CommLedger:
         self._ops: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
         self._axes: dict[str, dict[str, dict[str, int]]] = defaultdict(
             lambda: defaultdict(lambda: {"count": 0, "bytes": 0}))
+        self._dtypes: dict[str, dict[str, dict[str, int]]] = defaultdict(
+            lambda: defaultdict(lambda: {"count": 0, "bytes": 0}))  # op -> dtype -> count, bytes
         self.labels: dict[str, str] = {}  # process group name -> mesh axis label
         self.active = False
 
@@ -153,15 +164,20 @@ class CommLedger:
         return "world" if group_name is None or (world is not None and group_name == world.group_name) \
             else f"group:{group_name}"
 
-    def record(self, op: str, nbytes: int, group_name: str | None = None) -> None:
-        """Add one call by hand (for communication no dispatch mode can see)."""
-        for entry in (self._ops[op], self._axes[self.label_of(group_name)][op]):
+    def record(self, op: str, nbytes: int, group_name: str | None = None, dtype: str | None = None) -> None:
+        """Add one call by hand (for communication no dispatch mode can see). ``dtype``: what it moves
+        (or reduces in), e.g. "bfloat16"; by_dtype() counts it there."""
+        entries = [self._ops[op], self._axes[self.label_of(group_name)][op]]
+        if dtype is not None:
+            entries.append(self._dtypes[op][dtype])
+        for entry in entries:
             entry["count"] += 1
             entry["bytes"] += int(nbytes)
 
     def reset(self) -> None:
         self._ops.clear()
         self._axes.clear()
+        self._dtypes.clear()
 
     def summary(self) -> dict[str, dict[str, int]]:
         return {op: dict(v) for op, v in sorted(self._ops.items())}
@@ -169,6 +185,11 @@ class CommLedger:
     def by_axis(self) -> dict[str, dict[str, dict[str, int]]]:
         """{label: {op: {"count", "bytes"}}} of the recorded ops (see the module docstring)."""
         return {label: {op: dict(v) for op, v in sorted(ops.items())} for label, ops in sorted(self._axes.items())}
+
+    def by_dtype(self) -> dict[str, dict[str, dict[str, int]]]:
+        """{op: {dtype: {"count", "bytes"}}} of the recorded ops: the dtype each moved or reduced in (a
+        reduction's partial sums are added in the dtype of its buffer: bf16 buffers, bf16 sums)."""
+        return {op: {d: dict(v) for d, v in sorted(ds.items())} for op, ds in sorted(self._dtypes.items())}
 
     @contextlib.contextmanager
     def recording(self):
@@ -204,5 +225,5 @@ class _LedgerMode(TorchDispatchMode):
                 if self.ledger.audit_device is not None:
                     audit_tensors(func._overloadpacket.__name__, args, self.ledger.audit_device)
                     self.ledger.audited += 1
-                self.ledger.record(label, size(args, self.ledger.world_size), _group_name(func, args))
+                self.ledger.record(label, size(args, self.ledger.world_size), _group_name(func, args), _dtype(args))
         return func(*args, **(kwargs or {}))
