@@ -227,3 +227,51 @@ def test_float16_references_that_skip_apart_are_not_comparable_across_frameworks
     assert row.ok and row.xfw_ok is None and "skipped steps [] and [0]" in row.extra["xfw_not_comparable"]
     assert all_ok([row], [{"ok": None}], []) and not all_ok([row], [{"ok": False}], [])
     assert [_xfw_status(v) for v in (True, False, None)] == ["ok", "FAIL", "not comparable"]
+
+
+def test_adam_ratio_bound_holds_for_any_gradient_sequence():
+    """shared.tolerances.adam_ratio_bound: |m̂_t| / √v̂_t never exceeds it (random and adversarial
+    sequences, torch's bias-corrected moments without eps), and it is 1 at the first step."""
+    from shared.tolerances import adam_ratio_bound
+
+    assert adam_ratio_bound(1, 0.9, 0.999) == pytest.approx(1.0)
+    rng = np.random.default_rng(0)
+    for t in (1, 2, 3, 10, 50):
+        bound = adam_ratio_bound(t, 0.9, 0.999)
+        seqs = [rng.standard_normal(t), np.abs(rng.standard_normal(t)), 0.9 ** -np.arange(t)]  # the last: growing
+        for g in seqs:
+            m = v = 0.0
+            for gk in g:
+                m, v = 0.9 * m + 0.1 * gk, 0.999 * v + 0.001 * gk * gk
+            ratio = abs(m / (1 - 0.9 ** t)) / np.sqrt(v / (1 - 0.999 ** t))
+            assert ratio <= bound * (1 + 1e-12), (t, ratio, bound)
+
+
+def test_mixed_parity_splits_off_noise_driven_entries_only():
+    """shared.results.mixed_parity (issue 51): an entry whose two step-0 gradients differ by more than
+    half the reference's is judged by AdamW's bound, the rest by the floor; a move past the bound keeps
+    the whole error; gradients wrong everywhere (a bug, not rounding) are not split."""
+    from types import SimpleNamespace
+
+    from shared.results import Trained, mixed_parity
+
+    cfg = SimpleNamespace(lr=1e-3, schedule="constant", steps=3, beta1=0.9, beta2=0.999)
+    g = np.linspace(1.0, 2.0, 400).reshape(20, 20)
+    g[3, 4] = 1e-5  # a rounding-noise gradient entry
+    p = np.full((20, 20), 0.08)
+    ref = Trained(losses=[1.0], grads0=[g], params=[p])
+    g_run, p_run = g.copy(), p.copy()
+    g_run[3, 4] = -2e-5  # the other program's noise points the other way …
+    p_run[3, 4] += 3e-3  # … and AdamW moved that entry 3 lr apart
+    run = Trained(losses=[1.0], grads0=[g_run], params=[p_run])
+    errors, noise = mixed_parity(run, ref, cfg)
+    assert errors["max_rel_err_param"] == 0.0 and noise["noise_entries"] == 1
+    assert noise["noise_bound"] == pytest.approx(2e-3 * (1 + 1.0009995 + 1.0037), rel=1e-3)
+    p_run[3, 4] = 0.08 + 7e-3  # further than any AdamW run can move it apart in 3 steps
+    assert mixed_parity(run, ref, cfg)[0]["max_rel_err_param"] == pytest.approx(7e-3 / 0.08)
+    p_run[3, 4], p_run[0, 0] = 0.08 + 3e-3, 0.08 + 1e-3  # a determined entry off: judged by the floor
+    assert mixed_parity(run, ref, cfg)[0]["max_rel_err_param"] == pytest.approx(1e-3 / 0.08)
+    bug = Trained(losses=[1.0], grads0=[-g], params=[p + 3e-3])  # every gradient wrong: no split
+    assert mixed_parity(bug, ref, cfg)[0]["max_rel_err_param"] == pytest.approx(3e-3 / 0.08)
+    resumed = Trained(losses=[1.0], grads0=[], params=[p_run], start_step=1)  # no step-0 gradients: no split
+    assert mixed_parity(resumed, ref, cfg)[1] == {}
