@@ -19,6 +19,8 @@ save follows every step the plan names. Without a plan there is no session: noth
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import time
@@ -125,14 +127,17 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
     comm = comm_from_hlo(compiled.as_text())  # the collectives XLA put in the step
     state, losses, step_times, grads0 = tuple(setup.state), [], [], None if start == 0 else []
     recorded = {name: [] for name in setup.per_step}
+    host = []  # the host's share of each step: ~1 when the device waited on the dispatch
     for k in range(start, cfg.steps):
         t0 = time.perf_counter()
         out = compiled(*state, *setup.batch)
+        issued = time.perf_counter()
         *state, loss, grads = out[:len(out) - len(setup.per_step)]
         for name, value in zip(setup.per_step, out[len(out) - len(setup.per_step):]):
             recorded[name].append(value)  # read back after the loop, outside the timing
         jax.block_until_ready((state, loss))
         step_times.append(time.perf_counter() - t0)
+        host.append((issued - t0) / max(step_times[-1], 1e-12))
         losses.append(float(np.mean(to_numpy(loss))))  # a vector: the mean of N local losses
         if k == 0:
             grads0 = setup.grads_fixture(grads)
@@ -145,6 +150,13 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
                     checkpoints.save(cfg, setup, tuple(state), k + 1, s)
                 raise preempt.Preempted(k + 1)
     state = tuple(state)
+    params = setup.params_fixture(state)  # before any bare step (bench --overhead) moves them
+    timed = [k != start for k in range(start, cfg.steps)]  # the first: the program's first run (allocations)
+    if _BARE.get():  # compare.py bench --overhead: the same program in a loop of its own (one sync a step)
+        bare, state = _bare_steps(compiled, state, setup)  # a donated state is replaced by the step's output
+        setup.extra = {**setup.extra, "bare_step_times": bare}
+    if len(host) > 1:
+        setup.extra = {**setup.extra, "host_fraction": float(np.median(host[1:]))}
     state_bytes = setup.state_bytes(state) if setup.state_bytes else {
         "params": tree_bytes(state[0], per_device=True), "grads": tree_bytes(state[0], per_device=True),
         "optimizer": tree_bytes(state[1], per_device=True)}
@@ -157,9 +169,37 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
     if memory is not None:
         extra["temp_bytes"] = memory.temp_size_in_bytes  # XLA's scratch: the activations live in it
     placed = sorted({d for leaf in jax.tree.leaves(state) for d in leaf.sharding.device_set}, key=lambda d: d.id)
-    return Trained(losses=losses, grads0=grads0, params=setup.params_fixture(state), step_times=step_times,
+    return Trained(losses=losses, grads0=grads0, params=params, step_times=step_times,
                    comm=comm, comm_theory=setup.comm_theory, state_bytes=state_bytes, extra=extra,
-                   where=devices_where(placed), start_step=start)
+                   where=devices_where(placed), start_step=start, timed=timed)
+
+
+# compare.py bench --overhead (parallel_twins/overhead.py), as torch_impl.harness's: after a run, this many
+# more steps of the same compiled program in a bare loop. 0 (every other run): none.
+_BARE: contextvars.ContextVar[int] = contextvars.ContextVar("bare_steps", default=0)
+
+
+@contextlib.contextmanager
+def measuring_bare(steps: int):
+    """Within the block, every train_loop also times ``steps`` bare steps (extra["bare_step_times"])."""
+    token = _BARE.set(steps)
+    try:
+        yield
+    finally:
+        _BARE.reset(token)
+
+
+def _bare_steps(compiled, state: tuple, setup: Setup) -> tuple[list[float], tuple]:
+    """The compiled step in a loop of its own: the call and one block_until_ready, nothing else (the state
+    moves on: the run's results were read before). Returns the times and the state after them."""
+    times, state = [], tuple(state)
+    for _ in range(_BARE.get()):
+        t0 = time.perf_counter()
+        out = compiled(*state, *setup.batch)
+        state = tuple(out[:len(state)])
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+    return times, state
 
 
 def _reference(cfg: Config, device: str):
@@ -179,7 +219,7 @@ def _cached_reference(cfg: Config, device: str):
                                      reference.train(cfg.replace(dtype="float64", precision="pure"),
                                                      make_problem(cfg), one)))
     elif needs_floor(cfg):  # a long pure run: its measured floor, the batch split in two (shared/tolerances.py)
-        ref.extra.update(floor_extra(ref, reference.train(cfg, make_problem(cfg), one, split=2)))
+        ref.extra.update(floor_extra(ref, reference.train(cfg, make_problem(cfg), one, split=2), cfg))
     return ref
 
 

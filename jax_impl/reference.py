@@ -105,11 +105,12 @@ def train(cfg: Config, problem: Problem, device=None, split: int = 1) -> Trained
                 scales.append(sc["scale"])
             if cfg.moe:
                 loss, grads, load = out
-                loads.append(np.asarray(fetch(load), np.int64))  # (L, B, E)
             else:
                 loss, grads = out
             losses.append(float(loss))  # float() waits for the device
             step_times.append(time.perf_counter() - t0)
+            if cfg.moe:
+                loads.append(np.asarray(fetch(load), np.int64))  # (L, B, E): read back outside the timing
             if k == 0:  # grads: an nnx.State shaped like the model: read it through the same names
                 grads0 = [to_numpy(g) for g in params_of(nnx.merge(nnx.graphdef(model), grads))]
         nnx.update((model, opt), state)
@@ -119,6 +120,7 @@ def train(cfg: Config, problem: Problem, device=None, split: int = 1) -> Trained
         grads0=grads0,
         params=[to_numpy(w) for w in params],
         step_times=step_times,
+        timed=[k > 0 for k in range(len(step_times))],  # step 0: the compilation
         state_bytes={
             "params": tree_bytes(params),
             "grads": tree_bytes(params),

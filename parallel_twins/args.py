@@ -75,6 +75,18 @@ def add_world_size(p, default, help) -> None:
 # The model's default sizes; compare.py's runs round them up to what every pattern splits at the world size
 # (default_sizes below): on 1, 2 or 4 ranks these, on 8 ranks 8 layers and 8 heads.
 SIZES = {"layers": 4, "dim": 32, "batch": 32, "heads": 4, "seq": 16, "vocab": 64}
+# compare.py's --size presets (issue 46); a size flag given beside one wins. tiny: the test suite's sizes (a
+# run in seconds). cpu: SIZES, the default on CPUs (parity in float64; the time column there is dispatch and
+# the simulated devices sharing the cores). gpu: the default on GPUs, in float32 (TF32 off): a transformer
+# step of ~4.4e11 FLOPs (6·Φ·B·T with Φ = 16.8 M, B·T = 4096 tokens, plus attention's 12·L·B·T²·D), ~11 ms
+# of an H100's 67 TFLOP/s FP32 at 60 %, so its kernels, not the launches, make the step. The MLP keeps
+# the batch (one Config per run): its rows stay small, and host-bound ones are marked in the table.
+SIZE_PRESETS = {
+    "tiny": {"layers": 2, "dim": 16, "batch": 8, "heads": 4, "seq": 8, "vocab": 32},
+    "cpu": SIZES,
+    "gpu": {"layers": 4, "dim": 512, "batch": 16, "heads": 8, "seq": 256, "vocab": 4096},
+}
+PRESET_DTYPE = {"tiny": "float64", "cpu": "float64", "gpu": "float32"}  # a --dtype given wins
 
 
 def add_sizes(p, batch=32, world_aware: bool = False) -> None:
@@ -138,12 +150,21 @@ def default_sizes(world: int | None, microbatches: int = MICROBATCHES, virtual: 
             "seq": up(base["seq"], 2 * world), "vocab": up(base["vocab"], world)}
 
 
-def add_training(p, steps=5, steps_help="optimizer steps per run") -> None:
-    """What a run trains with: steps, seed, dtype, AdamW's learning rate and weight decay."""
+def add_size_preset(p) -> None:
+    p.add_argument("--size", choices=sorted(SIZE_PRESETS), default=None,
+                   help="a preset of the sizes (and dtype) below: tiny (the tests'), cpu (L=4 D=32 T=16 B=32, "
+                        "float64), gpu (L=4 D=512 H=8 T=256 V=4096 B=16, float32: a transformer step an H100's "
+                        "kernels fill); a size or --dtype given beside it wins (default: gpu on GPUs, else cpu)")
+
+
+def add_training(p, steps=5, steps_help="optimizer steps per run", dtype="float64") -> None:
+    """What a run trains with: steps, seed, dtype, AdamW's learning rate and weight decay. ``dtype`` None: worked
+    out later (compare.py: its --size preset's)."""
     p.add_argument("--steps", type=int, default=steps, metavar="S", help=steps_help)
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the shared weights and data")
-    p.add_argument("--dtype", choices=DTYPES, default="float64",
-                   help="parameters, activations and optimizer state (--precision mixed: the compute dtype)")
+    p.add_argument("--dtype", choices=DTYPES, default=dtype,
+                   help="parameters, activations and optimizer state (--precision mixed: the compute dtype)"
+                        + ("" if dtype else " (default: float64; float32 with --size gpu)"))
     p.add_argument("--precision", choices=PRECISIONS, default="pure",
                    help="pure: everything in --dtype; mixed: float32 master weights, gradients, optimizer state "
                         "and gradient reductions, compute in --dtype bfloat16 (or float16, with dynamic loss "

@@ -136,7 +136,7 @@ def bench_main(argv) -> int:
                 matmul[0].get("memory"), device_name=matmul[0].get("name", "")))
     except OSError as exc:
         failed = f"compare.py bench: could not write the results: {exc}"
-    console = make_console(quiet=args.quiet)
+    console = make_console(quiet=args.quiet, json_to_stdout=args.json == "-")  # --json -: JSON alone on stdout
     table = Table(title=f"collective bandwidth, world size {args.world_size} ({args.iters} timed calls per size)")
     for col in ("framework", "op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):
         table.add_column(col, justify="left" if col in ("framework", "op") else "right", overflow="fold")

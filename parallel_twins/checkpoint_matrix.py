@@ -182,7 +182,7 @@ def matrix_main(argv) -> int:
     simulate_host_devices(cfg.world_size)  # before JAX starts
     from parallel_twins.report import make_console, write_json
 
-    console = make_console()
+    console = make_console(json_to_stdout=args.json == "-")  # --json -: the JSON alone on stdout
     say = (lambda text: None) if args.quiet else (lambda text: console.print(text, highlight=False))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pt-ckpt-") as tmp:

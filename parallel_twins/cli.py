@@ -38,6 +38,8 @@ import time
 
 from parallel_twins.args import (
     MICROBATCHES,
+    PRESET_DTYPE,
+    SIZE_PRESETS,
     ArgumentError,
     HelpFormatter,
     Parser,
@@ -47,6 +49,7 @@ from parallel_twins.args import (
     add_json,
     add_quiet,
     add_recipe,
+    add_size_preset,
     add_sizes,
     add_training,
     add_world_size,
@@ -62,7 +65,7 @@ from parallel_twins.args import (
 )
 from shared.collectives import BENCH_OPS, BENCH_SIZES  # NumPy only: safe before JAX starts
 from shared.config import MODELS, PATTERNS, RECOMPUTE, format_mesh, parse_mesh
-from shared.env import simulate_host_devices
+from shared.env import simulate_host_devices, use_compile_cache
 
 STYLES = ("explicit", "builtin", "shard_map", "typed", "jit")  # torch's two, JAX's three
 MAX_TIMEOUT_S = 7 * 24 * 3600  # --timeout: a week at most (torch takes it as a C int of milliseconds)
@@ -110,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_world_size(p, None, "ranks / devices (default: torchrun's WORLD_SIZE, else the layout's size with --mesh, "
                             "else the local GPU count, else 4)")
     add_sizes(p, world_aware=True)
+    add_size_preset(p)
     p.add_argument("--microbatches", type=int, default=None, metavar="M",
                    help="pp (and mesh with pp): micro-batches (default: 4, or the next multiple of the world size: "
                         "the interleaved schedule needs M %% world == 0)")
@@ -119,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", choices=RECOMPUTE, default="none",
                    help="transformer: activation recomputation, full (each block) or selective (the attention "
                         "core)")
-    add_training(p)
+    add_training(p, dtype=None)
     add_recipe(p)
     p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB",
                    help="bucket size of the bucketed DP variant")
@@ -302,10 +306,11 @@ def make_configs(args):
     recipe = recipe_fields(args)
     microbatches = args.microbatches if args.microbatches is not None else \
         MICROBATCHES if layouts else round_up(MICROBATCHES, max(1, world))
+    preset = size_preset(args, world)
     sizes = given_sizes(args, None if layouts else world, microbatches, args.virtual_stages,
-                        recipe.get("accumulate", 1))
+                        recipe.get("accumulate", 1), base=SIZE_PRESETS[preset])
     base = Config(world_size=world, microbatches=microbatches, steps=args.steps, seed=args.seed,
-                  dtype=args.dtype, precision=args.precision,
+                  dtype=args.dtype or PRESET_DTYPE[preset], precision=args.precision,
                   lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb,
                   virtual_stages=args.virtual_stages, **sizes, **recipe)
     if args.experts is not None and "ep" not in args.patterns:
@@ -335,6 +340,19 @@ def make_configs(args):
             for fw in args.frameworks:  # what --precision mixed is built for differs per framework
                 cfg.check(pattern, fw)
     return [c for c in cfgs if not c.mesh or c.applies("mesh")]  # the mesh runs the transformer only
+
+
+def size_preset(args, world: int) -> str:
+    """--size, else "gpu" where the runs take GPUs (--device gpu, or auto with a GPU per rank), else "cpu";
+    recorded as args.size (the table's title says it)."""
+    if args.size is None:
+        gpu = args.device == "gpu"
+        if args.device == "auto":
+            from shared.env import local_gpu_count  # the driver's count: loads neither framework's CUDA libraries
+
+            gpu = local_gpu_count() >= max(1, world)
+        args.size = "gpu" if gpu else "cpu"
+    return args.size
 
 
 def _preempted(errors) -> bool:
@@ -369,6 +387,11 @@ def main(argv=None) -> int:
 
 def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    use_compile_cache()  # before JAX starts: a second run loads the steps the first compiled (shared/env.py)
+    if argv and argv[0] == "bench" and "--overhead" in argv:  # the harness's own cost (parallel_twins/overhead.py)
+        from parallel_twins.overhead import overhead_main
+
+        return overhead_main(argv[1:], build_parser, make_configs)
     if argv and argv[0] == "bench":
         from parallel_twins.bench import bench_main
 
@@ -427,7 +450,7 @@ def _main(argv=None) -> int:
     from parallel_twins.runs import Interrupted, collect, planned_runs
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    console = report.make_console(quiet=not rank0)
+    console = report.make_console(quiet=not rank0, json_to_stdout=args.json == "-")
     t0 = time.perf_counter()
     interrupted = None
     if plan is not None:  # SIGTERM: every run finishes its step and saves it, then exit 143 (shared/preempt.py)
@@ -496,7 +519,7 @@ def _main(argv=None) -> int:
     elif args.show_collectives:
         shown.collectives_table(rows, args.show_collectives, console)
     else:
-        report.print_table(rows, cfgs, console, wide=args.wide)
+        report.print_table(rows, cfgs, console, wide=args.wide, preset=args.size)
     if args.recompute != "none":
         report.recompute_lines(rows, cfgs, console)
     if "pp" in args.patterns and not args.show_collectives:

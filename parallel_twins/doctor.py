@@ -7,7 +7,8 @@ alone: jax-ml/jax#18032). Exit 0 when every check passed, 1 when one failed.
 
     versions (python, torch, jax, jaxlib, the CUDA plugin), CUDA majors (torch's build, JAX's plugin,
     the nvidia-* wheels installed), the devices torch and JAX see, the NCCL version, float32 / TF32
-    settings in force; then compare.py at world size 1 and N (every GPU) on NCCL, and JAX on the GPUs.
+    settings in force; then compare.py at world size 1 and N (every GPU) on NCCL, and JAX on the GPUs: every
+    collective and dp and tp on the tiny MLP (SMALL; the whole table: python compare.py).
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ def _run(title: str, argv: list[str], timeout: float = 900) -> bool:
     return out.returncode == 0
 
 
+SMALL = ["--size", "tiny", "--model", "mlp", "--patterns", "collectives,dp,tp"]  # doctor's runs
+
+
 def doctor_main(argv: list[str]) -> int:
     import argparse
 
@@ -120,7 +124,9 @@ def doctor_main(argv: list[str]) -> int:
         if n == 0:
             print("\nno GPU visible to torch: the GPU runs are skipped")
         else:
-            common = ["--steps", "3", "--quiet"]
+            # the smallest real checks (issue 46: doctor <= 30 s on a GPU node): every collective, and dp and tp
+            # on the tiny MLP — a handful of programs to compile, not compare.py's 125 runs at GPU sizes
+            common = ["--steps", "3", "--quiet", *SMALL]
             ok &= _run("torch, world size 1, NCCL", ["--device", "gpu", "--frameworks", "torch", "--world-size", "1",
                                                      "--dtype", "float32", *common])
             if n > 1:
@@ -132,7 +138,7 @@ def doctor_main(argv: list[str]) -> int:
         else:
             k = sum(d.startswith("gpu") for d in jx["devices"])
             ok &= _run(f"JAX on {k} GPU(s)", ["--device", "gpu", "--frameworks", "jax", "--world-size", str(k),
-                                              "--dtype", "float32", "--steps", "3", "--quiet"])
+                                              "--dtype", "float32", "--steps", "3", "--quiet", *SMALL])
     if n >= 1:  # what this node achieves, as the table compare.py plan --profile reads (docs/plan.md; one GPU:
         #         its GEMMs, FlashAttention and copy, the links its preset cites)
         print(f"\nfor the planner: python compare.py bench --frameworks torch --device gpu --world-size {n} "

@@ -295,7 +295,7 @@ def plan_main(argv) -> int:
     fit.sort(key=plan.rank_key)
     over.sort(key=lambda p: p.memory["total"])
     seconds = time.perf_counter() - t0
-    console = make_console()
+    console = make_console(json_to_stdout=args.json == "-")  # --json -: the JSON alone on stdout
     mfu = lambda p: plan.model_flops(model, args.global_batch, args.flops) / (
         p.time["step"] * p.layout.gpus * cluster.flops)
     moe = f", E={model.experts} k={model.topk} ({model.active_params / 1e9:.1f}B active)" if model.moe else ""
@@ -394,7 +394,7 @@ def measured_main(args, cluster) -> int:
 
     with open(args.measured) as f:
         data = json.load(f)
-    console = make_console()
+    console = make_console(json_to_stdout=getattr(args, "json", None) == "-")
     source = f"from {args.calibrate or args.profile}" if args.calibrate or args.profile else "of the --gpu defaults"
     table = Table(title=f"plan vs measured ({args.measured}; α–β and FLOP/s {source})")
     for col in ("run", "style", "ranks", "bytes per axis = ledger", "state = ledger", "step ms plan", "measured",

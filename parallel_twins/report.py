@@ -22,13 +22,15 @@ from parallel_twins.args import write_output
 from shared.config import RECOMPUTE
 
 
-def make_console(quiet: bool = False):
+def make_console(quiet: bool = False, json_to_stdout: bool = False):
     """A terminal: rich at the terminal's real width. Piped (CI logs, ``| tee``, a file): plain text
-    without colour codes or any width limit, so no table is wrapped or cut."""
+    without colour codes or any width limit, so no table is wrapped or cut. ``json_to_stdout`` (``--json -``):
+    standard output carries the JSON alone, so everything for people goes to standard error."""
     from rich.console import Console
 
-    tty = sys.stdout.isatty()
-    return Console(quiet=quiet, width=None if tty else 100_000, soft_wrap=not tty)
+    stream = sys.stderr if json_to_stdout else sys.stdout
+    tty = stream.isatty()
+    return Console(file=stream, quiet=quiet, width=None if tty else 100_000, soft_wrap=not tty)
 
 
 def write_json(path: str, data) -> None:
@@ -71,11 +73,25 @@ def all_ok(rows, xfw, errors) -> bool:
 
 # --wide, --markdown (and --json, which has everything): one column per quantity.
 TABLE_COLUMNS = ("pattern", "model", "framework", "style", "variant", "ok", "rel err loss", "rel err grad",
-                 "vs other fw", "step ms", "comm/step", "theory", "state/rank")
+                 "vs other fw", "step ms", "× plain", "comm/step", "theory", "state/rank")
 # The default: one table, a section per (pattern, model); the columns a reader checks first.
-COMPACT_COLUMNS = ("implementation", "ok", "vs ref", "vs other", "step ms", "comm/step", "theory")
+COMPACT_COLUMNS = ("implementation", "ok", "vs ref", "vs other", "step ms", "× plain", "comm/step", "theory")
 _RIGHT = {"rel err loss", "rel err grad", "vs other fw", "step ms", "comm/step", "theory", "state/rank", "vs ref",
-          "vs other"}
+          "vs other", "× plain", "bare ms", "harness/bare", "plain ms"}
+# A step the host bounds: the device waited on the dispatch (the host was still issuing work for at least this
+# share of the step, extra["host_fraction"]); on the CPU the host is the device, so nothing is marked there.
+HOST_BOUND = 0.9
+
+
+def host_bound(r) -> bool:
+    return r.platform not in (None, "cpu") and (r.extra or {}).get("host_fraction", 0.0) >= HOST_BOUND
+
+
+def fmt_plain(r) -> str:
+    """The step against the same model's plain single-device step: "2.4x" (" host": the host bounds it)."""
+    if r.step_time_s is None or not r.plain_step_time_s:
+        return "-"
+    return f"{r.step_time_s / r.plain_step_time_s:.1f}x" + (" host" if host_bound(r) else "")
 
 
 def table_rows(rows):
@@ -90,6 +106,7 @@ def table_rows(rows):
             "-" if is_coll else fmt_err(max(r.max_rel_err_grad, r.max_rel_err_param)),
             fmt_err(r.xfw_max_rel_err),
             _fmt_ms(r.step_time_s),
+            fmt_plain(r),
             fmt_bytes(r.comm_bytes),
             fmt_bytes(r.comm_bytes_theory),
             "-" if not r.state_bytes else fmt_bytes(sum(r.state_bytes.values())),
@@ -104,7 +121,7 @@ def compact_cells(r) -> tuple[str, ...]:
     theory = "-" if r.comm_bytes_theory is None else "=" if r.comm_bytes == r.comm_bytes_theory \
         else fmt_bytes(r.comm_bytes_theory)
     return (f"{r.framework}/{r.style}/{r.variant}", "ok" if row_ok(r) else "FAIL", fmt_err(own),
-            fmt_err(r.xfw_max_rel_err), _fmt_ms(r.step_time_s), fmt_bytes(r.comm_bytes), theory)
+            fmt_err(r.xfw_max_rel_err), _fmt_ms(r.step_time_s), fmt_plain(r), fmt_bytes(r.comm_bytes), theory)
 
 
 def _wrap_at_slashes(text: str, width: int) -> list[str]:
@@ -189,7 +206,7 @@ def describe_sizes(cfgs) -> str:
 _STYLES = {"header": "bold", "rule": "dim", "section": "bold cyan", "row": None, "fail": "bold red"}
 
 
-def print_table(rows, cfgs, console, wide: bool = False) -> None:
+def print_table(rows, cfgs, console, wide: bool = False, preset: str | None = None) -> None:
     from rich.text import Text
 
     from shared.results import where_line
@@ -198,13 +215,17 @@ def print_table(rows, cfgs, console, wide: bool = False) -> None:
     dtype = f"{cfg.dtype} compute, float32 master weights (mixed; vs ref: the measured floor)" \
         if getattr(cfg, "precision", "pure") == "mixed" else cfg.dtype
     console.print(f"parallel-twins: world size {cfg.world_size}, {dtype}, M={cfg.microbatches}, "
-                  f"{cfg.steps} steps{f'; {where}' if where else ''}; {describe_sizes(cfgs)}", style="bold",
+                  f"{cfg.steps} steps{f'; {where}' if where else ''}; {f'--size {preset}: ' if preset else ''}"
+                  f"{describe_sizes(cfgs)}", style="bold",
                   highlight=False)
     if not wide:
         console.print("vs ref: worst relative error (loss, step-0 gradient, final parameters) against the same "
-                      "framework's single-device run; vs other: against the other framework's; theory: '=' "
-                      "where the bytes per step equal shared/theory's (--wide: every column)", style="dim",
-                      highlight=False)
+                      "framework's single-device run; vs other: against the other framework's; step ms: the "
+                      "median step timed alone (its one sync included); × plain: that over the same model's "
+                      "step on one device" + ("; host: the host bounds the step (the device waited on the "
+                                              "dispatch)" if any(host_bound(r) for r in rows) else "")
+                      + "; theory: '=' where the bytes per step equal shared/theory's (--wide: every column)",
+                      style="dim", highlight=False)
     width = console.width if console.is_terminal else None
     for line in table_lines(rows, width, wide):
         console.print(Text(line.text, style=_STYLES[line.kind] or ""), no_wrap=True, crop=False, soft_wrap=True)
@@ -221,33 +242,61 @@ def markdown_table(rows) -> str:
 
 class Progress:
     """One live line on a terminal while the runs go: runs done / total, the run in flight, elapsed
-    and an estimate of what is left (each framework's mean seconds per run so far × its runs left).
-    ``event(framework, ("start", label) | ("done", n))`` is what the harnesses report."""
+    and an estimate of what is left. ``event(framework, ("start", label) | ("done", n))`` is what the
+    harnesses report; a label starts with the run's kind, "pattern model" (e.g. "tp transformer …").
 
-    def __init__(self, planned: dict[str, int]):
-        self.planned, self.done = dict(planned), dict.fromkeys(planned, 0)
-        self.spent = dict.fromkeys(planned, 0.0)
-        self.t0 = self.mark = time.perf_counter()
+    ``planned``: {framework: runs} or {framework: {(pattern, model): runs}} (runs.planned_kinds): then what is
+    left is weighed by kind — each kind's measured seconds per run so far (a transformer's pp run is not an MLP's
+    dp run), else its framework's, else the other framework's. ``parallel``: the frameworks run at the same
+    time (runs.collect), so what is left is the longer of theirs, not their sum."""
+
+    def __init__(self, planned: dict, parallel: bool = False):
+        self.kinds = {fw: dict(v) if isinstance(v, dict) else {None: v} for fw, v in planned.items()}
+        self.planned = {fw: sum(k.values()) for fw, k in self.kinds.items()}
+        self.done, self.spent = dict.fromkeys(planned, 0), dict.fromkeys(planned, 0.0)
+        self.kind_done: dict[tuple, int] = {}
+        self.kind_spent: dict[tuple, float] = {}
+        self.t0 = time.perf_counter()
+        self.mark = dict.fromkeys(planned, self.t0)
+        self.now_running: dict[str, str] = {}  # framework -> the label in flight
+        self.kind_of: dict[str, object] = {}  # framework -> the kind in flight
         self.current = "starting"
+        self.parallel = parallel
+
+    def _kind(self, framework: str, label: str):
+        words = label.replace(":", " ").split()
+        kind = tuple(words[:2]) if len(words) >= 2 else None
+        return kind if kind in self.kinds.get(framework, {}) else None
 
     def event(self, framework: str, event) -> None:
         kind, value = event
         now = time.perf_counter()
         if kind == "start":
-            self.current = f"{framework}: {value}"
+            self.now_running[framework] = f"{framework}: {value}"
+            self.kind_of[framework] = self._kind(framework, value)
+            self.current = " | ".join(self.now_running.values()) if self.parallel else self.now_running[framework]
         elif kind == "done":
+            key = (framework, self.kind_of.get(framework))
             self.done[framework] += value
-            self.spent[framework] += now - self.mark
-            self.mark = now
+            self.spent[framework] += now - self.mark[framework]
+            self.kind_done[key] = self.kind_done.get(key, 0) + value
+            self.kind_spent[key] = self.kind_spent.get(key, 0.0) + now - self.mark[framework]
+            self.mark[framework] = now
         elif kind == "framework":  # a framework starts: its launch / compile time counts towards its runs
-            self.mark = now
+            self.mark[framework] = now
 
     def estimate(self) -> float | None:
         rates = {fw: self.spent[fw] / self.done[fw] for fw in self.done if self.done[fw]}
         if not rates:
             return None
         fallback = sum(rates.values()) / len(rates)
-        return sum(max(0, self.planned[fw] - self.done[fw]) * rates.get(fw, fallback) for fw in self.planned)
+        left = {}
+        for fw, kinds in self.kinds.items():
+            rate = rates.get(fw, fallback)
+            left[fw] = sum(max(0, n - self.kind_done.get((fw, k), 0)) *
+                           (self.kind_spent[fw, k] / self.kind_done[fw, k] if self.kind_done.get((fw, k)) else rate)
+                           for k, n in kinds.items())
+        return max(left.values()) if self.parallel else sum(left.values())
 
     def text(self) -> str:
         done, total = sum(self.done.values()), sum(self.planned.values())

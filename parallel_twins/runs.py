@@ -50,16 +50,35 @@ def planned_runs(cfgs, patterns, frameworks, styles=None) -> dict[str, int]:
     return out
 
 
-def run_torch(cfgs, patterns, device, timeout_s, progress=None, checkpoint=None, styles=None):
+def planned_kinds(cfgs, patterns, frameworks, styles=None) -> dict[str, dict[tuple, int]]:
+    """{framework: {(pattern, model): runs}}: planned_runs by kind, what the progress line weighs its estimate
+    by (report.Progress; the collectives are one kind, ("collectives",))."""
+    from shared.collectives import NAMES
+
+    out = {}
+    for fw in frameworks:
+        kinds = out.setdefault(fw, {})
+        for pattern in patterns:
+            if pattern == "collectives":
+                kinds[("collectives",)] = len(NAMES)
+                continue
+            for cfg in cfgs_for(cfgs, pattern):
+                key = (pattern, cfg.model)
+                kinds[key] = kinds.get(key, 0) + len(chosen_variants(fw, pattern, cfg, styles))
+    return out
+
+
+def run_torch(cfgs, patterns, device, timeout_s, progress=None, checkpoint=None, styles=None, bare_steps=0):
     """One launch for every pattern and model: per rank, {pattern: checks (collectives) | entries}.
-    ``progress(event)``: rank 0's ("start", what) / ("done", runs) as they happen."""
+    ``progress(event)``: rank 0's ("start", what) / ("done", runs) as they happen. ``bare_steps``: compare.py
+    bench --overhead's bare loop after each run (torch_impl.harness.measuring_bare)."""
     from torch_impl.harness import run_jobs
     from torch_impl.launch import launch
 
     jobs = [(p, cfgs_for(cfgs, p)) + (() if styles is None or p == "collectives" else
                                       ({c: chosen_variants("torch", p, c, styles) for c in cfgs_for(cfgs, p)},))
             for p in patterns]
-    return launch(run_jobs, cfgs[0].world_size, jobs, checkpoint, device=device, timeout_s=timeout_s,
+    return launch(run_jobs, cfgs[0].world_size, jobs, checkpoint, bare_steps, device=device, timeout_s=timeout_s,
                   progress=progress)
 
 
@@ -73,9 +92,16 @@ class Interrupted(KeyboardInterrupt):
         self.results, self.during = results, during
 
 
-def run_jax(cfgs, patterns, device, progress=None, checkpoint=None, styles=None, out=None):
+def run_jax(cfgs, patterns, device, progress=None, checkpoint=None, styles=None, out=None, bare_steps=0):
     """{pattern: the harness's entries}; ``out``: the dict filled as each pattern finishes (what
-    a Ctrl-C keeps)."""
+    a Ctrl-C keeps). ``bare_steps``: as run_torch's (jax_impl.harness.measuring_bare)."""
+    from jax_impl import harness
+
+    with harness.measuring_bare(bare_steps):
+        return _run_jax(cfgs, patterns, device, progress, checkpoint, styles, out)
+
+
+def _run_jax(cfgs, patterns, device, progress=None, checkpoint=None, styles=None, out=None):
     from jax_impl import harness
     from jax_impl.devices import make_mesh
     from shared.collectives import NAMES
@@ -127,11 +153,12 @@ def pattern_rows(pattern, framework, entry, other_ref):
                         refs.get(variant, entry["reference"]), other_ref) for style, variant, trained in entry["runs"]]
 
 
-def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, checkpoint=None, styles=None):
+def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, checkpoint=None, styles=None,
+            bare_steps=0):
     """Run everything; returns (rows, cross-framework reference comparisons, errors,
     {(pattern, model, framework): reference losses}). ``progress(framework, event)`` hears each
     framework start and each run start and finish. Ctrl-C: ``Interrupted`` carrying the rows of
-    what finished."""
+    what finished. ``bare_steps``: compare.py bench --overhead (rows' extra["bare_step_times"])."""
     from shared.results import (
         cross_framework_ok,
         losses_within_floor,
@@ -159,13 +186,13 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
             report(("start", "starting the ranks" if fw == "torch" else "starting JAX"))
         try:  # raw[fw][pattern]: the collectives' checks, or {model: the harness's entry}
             if fw == "torch":
-                per_rank = run_torch(cfgs, patterns, device, timeout_s, report, checkpoint, styles)
+                per_rank = run_torch(cfgs, patterns, device, timeout_s, report, checkpoint, styles, bare_steps)
                 raw[fw] = {p: ([r[p] for r in per_rank] if p == "collectives"
                                else dict(zip(models_of[p], per_rank[0][p], strict=True))) for p in patterns}
             else:
                 res = {}
                 try:
-                    run_jax(cfgs, patterns, device, report, checkpoint, styles, out=res)
+                    run_jax(cfgs, patterns, device, report, checkpoint, styles, out=res, bare_steps=bare_steps)
                 finally:  # also on Ctrl-C: the patterns that finished
                     raw[fw] = {p: (res[p] if p == "collectives" else dict(zip(models_of[p], res[p], strict=True)))
                                for p in patterns if p in res}
@@ -194,7 +221,8 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
                 rows += pattern_rows(pattern, fw, data, other_ref)
             if all(pattern in raw.get(fw, {}) for fw in FRAMEWORKS):
                 t_ref, j_ref = raw["torch"][pattern][model]["reference"], raw["jax"][pattern][model]["reference"]
-                errs = mixed_parity(t_ref, j_ref, cfg)[0] if cfg.precision == "mixed" else parity(t_ref, j_ref)
+                errs = mixed_parity(t_ref, j_ref, cfg)[0] if cfg.precision == "mixed" or cfg.dtype != "float64" \
+                    else parity(t_ref, j_ref)  # below float64: noise-driven entries split off (make_result)
                 routing = routing_mismatch(t_ref, j_ref)  # MoE: the same routing
                 skips = skip_mismatch(j_ref, t_ref)  # float16: the same skipped steps (torch's, where it records)
                 apart = references_skip_apart(t_ref, j_ref)  # float16: other overflows, other steps trained

@@ -7,7 +7,9 @@
 #   gpu-marked tests, compare.py at world size 1 on NCCL and JAX on the GPU (float32, TF32 off), and a
 #   larger single-GPU timing run (bfloat16: float32's 5e-5 parameter tolerance is below AdamW's
 #   amplified round-off at D=512, shared/tolerances.py).
-# Everything lands in $OUT (default ./gpu_out): log.txt, profile.json, bench.json, speed.json;
+# Then (issue 46) the flagship cold and warm at the GPU sizes, bench --overhead, doctor's whole run.
+# Everything lands in $OUT (default ./gpu_out): log.txt, profile.json, bench.json, speed.json, flagship.json,
+# flagship_warm.json, overhead.json;
 # scripts/readme_figures.py --only gpu renders docs/gpu.md's measured block from copies of them in docs/gpu/.
 # pytest runs without the suite's xdist options (-o addopts=-ra): a machine's own pytest-xdist may not know them.
 #
@@ -42,6 +44,16 @@ step shapes 60 "$PY" scripts/gpu_shapes.py "$OUT"
 step step-check 120 "$PY" scripts/gpu_step_check.py "$OUT"
 step pytest-gpu 180 env PARALLEL_TWINS_TEST_JAX_PLATFORMS=cuda,cpu "$PY" -m pytest -m gpu -o addopts=-ra -q \
     -p no:cacheprovider tests/test_gpu.py tests/test_cp.py
+# issue 46: the flagship as a user types it (GPU: --size gpu, float32), cold then warm (JAX's compilation cache
+# in $OUT/jax-cache, so the first is cold on any machine), its table; the harness's cost at the same sizes;
+# doctor's whole run. DEVICE=cpu (the script's check on a CPU): --size tiny, so it runs in minutes.
+SIZE=${SIZE:-$([ "$DEVICE" = cpu ] && echo tiny || echo gpu)}
+export PARALLEL_TWINS_CACHE="$OUT/jax-cache"
+rm -rf "$OUT/jax-cache"
+step flagship-cold 240 "$PY" compare.py --device "$DEVICE" --size "$SIZE" --json "$OUT/flagship.json"
+step flagship-warm 240 "$PY" compare.py --device "$DEVICE" --size "$SIZE" --quiet --json "$OUT/flagship_warm.json"
+step overhead 300 "$PY" compare.py bench --overhead --device "$DEVICE" --size "$SIZE" --quiet --json "$OUT/overhead.json"
+step doctor-full 120 "$PY" compare.py doctor
 [ "${SPEED:-1}" = 1 ] && step speed 170 "$PY" compare.py --world-size 1 --device "$DEVICE" --dtype bfloat16 --model transformer \
     --patterns dp,fsdp,tp,pp --layers 4 --dim 512 --seq 256 --batch 16 --microbatches 4 --vocab 1024 \
     --steps 10 --json "$OUT/speed.json"

@@ -27,6 +27,36 @@ def simulate_host_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} {FLAG}={n}".strip()
 
 
+CACHE_ENV = "PARALLEL_TWINS_CACHE"  # a folder for JAX's compiled programs; "off": none
+CACHE_MAX_BYTES = 1 << 30  # JAX evicts the least recently used programs past this
+
+
+def compile_cache_dir() -> str | None:
+    """Where compare.py keeps JAX's compiled programs between runs: $PARALLEL_TWINS_CACHE, else
+    $XDG_CACHE_HOME/parallel-twins/jax, else ~/.cache/parallel-twins/jax; None when PARALLEL_TWINS_CACHE=off."""
+    given = os.environ.get(CACHE_ENV)
+    if given is not None:
+        return None if given.strip().lower() in ("off", "0", "none", "") else os.path.expanduser(given)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "parallel-twins", "jax")
+
+
+def use_compile_cache() -> str | None:
+    """Before JAX starts: JAX's persistent compilation cache in compile_cache_dir(), every program kept (a
+    second compare.py run loads the steps it compiled instead of compiling them again), at most
+    CACHE_MAX_BYTES. A cache the user configured (JAX_COMPILATION_CACHE_DIR) is left as it is. Returns the
+    folder in use, or None."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    folder = compile_cache_dir()
+    if folder is None:
+        return None
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(CACHE_MAX_BYTES))
+    return folder
+
+
 def die_with_parent() -> None:
     """In a launched rank or process: the kernel SIGKILLs it when its parent dies (Linux
     PR_SET_PDEATHSIG), so a killed launcher leaves no orphans (torch_impl / jax_impl launch.py)."""

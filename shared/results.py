@@ -19,6 +19,7 @@ from shared.recipe import describe as describe_recipe
 from shared.recipe import lr_factors
 from shared.tolerances import (
     CROSS_FRAMEWORK_FACTOR,
+    FLOAT32_FLOOR_PARAMS,
     MIXED_CROSS_FRAMEWORK_FACTOR,
     MIXED_FACTOR,
     MIXED_FLOOR_MIN,
@@ -52,6 +53,9 @@ class Trained:
     # The first step this run trained (a run resumed from a checkpoint of step K starts at K): its
     # ``losses`` are those of steps K.., and ``grads0`` is empty unless it ran step 0.
     start_step: int = 0
+    # Per entry of ``step_times``: True where the step was timed alone — not the first (warm-up, the activation
+    # meter, the step-0 gradients) nor one the harness recorded (the ledger). Empty: every step but the first.
+    timed: list[bool] = field(default_factory=list)
 
 
 def comm_bytes(comm: dict[str, dict[str, int]]) -> int:
@@ -173,19 +177,22 @@ def cross_framework_ok(errors: dict[str, float], dtype: str, steps: int | None =
 
 
 def needs_floor(cfg) -> bool:
-    """Whether ``cfg``'s references measure a floor: a pure run longer than PURE_FLOOR_STEPS whose batch
-    splits in two (the dense models: a split batch would route MoE tokens in other groups)."""
-    return (getattr(cfg, "precision", "pure") == "pure" and cfg.steps > PURE_FLOOR_STEPS and not cfg.moe
-            and cfg.batch % 2 == 0)
+    """Whether ``cfg``'s references measure a floor: a pure run longer than PURE_FLOOR_STEPS, or a float32 one
+    of FLOAT32_FLOOR_PARAMS parameters or more (compare.py --size gpu), whose batch splits in two (the dense
+    models: a split batch would route MoE tokens in other groups)."""
+    long = cfg.steps > PURE_FLOOR_STEPS or (cfg.dtype == "float32" and cfg.n_params >= FLOAT32_FLOOR_PARAMS)
+    return getattr(cfg, "precision", "pure") == "pure" and long and not cfg.moe and cfg.batch % 2 == 0
 
 
-def floor_extra(ref: Trained, split: Trained) -> dict[str, Any]:
+def floor_extra(ref: Trained, split: Trained, cfg=None) -> dict[str, Any]:
     """What a long pure run's reference carries (its ``extra``): ``floor``, the single-device run against
     itself with every step's batch split in two (parity(split, ref)), and ``floor_losses``, that distance
     per step as a running maximum (the floor reached by each step; relative to the largest loss)."""
     scale = max(float(np.max(np.abs(ref.losses))), np.finfo(np.float64).tiny)
     per_step = np.abs(np.asarray(split.losses, np.float64) - np.asarray(ref.losses, np.float64)) / scale
-    return {"floor": parity(split, ref), "floor_losses": [float(v) for v in np.maximum.accumulate(per_step)]}
+    # below float64: its noise-driven entries split off, as a run's are (make_result)
+    floor = parity(split, ref) if cfg is None or cfg.dtype == "float64" else mixed_parity(split, ref)[0]
+    return {"floor": floor, "floor_losses": [float(v) for v in np.maximum.accumulate(per_step)]}
 
 
 def pure_floor(*refs: Trained | None) -> dict[str, float] | None:
@@ -318,6 +325,9 @@ class RunResult:
     max_rel_err_grad: float = 0.0
     max_rel_err_param: float = 0.0
     step_time_s: float | None = None
+    # The same model's step on one device (the single-device reference's median step, the whole batch): what
+    # the pattern costs over one device is step_time_s / plain_step_time_s (the table's "× plain").
+    plain_step_time_s: float | None = None
     comm: dict[str, dict[str, int]] = field(default_factory=dict)
     comm_bytes: int = 0
     comm_bytes_theory: int | None = None
@@ -345,8 +355,11 @@ class RunResult:
         return _jsonable(d)
 
 
-def median_step_time(step_times: list[float]) -> float | None:
-    """Median step time, skipping step 0 (warm-up / compilation) when there is more than one."""
+def median_step_time(step_times: list[float], timed: list[bool] | None = None) -> float | None:
+    """Median step time over the steps timed alone (``timed``, Trained.timed); without that record (or when no
+    step was: a run of 1-2 steps), every step but the first (warm-up / compilation) when there is more than one."""
+    if timed and any(timed) and len(timed) == len(step_times):
+        return float(np.median([t for t, alone in zip(step_times, timed) if alone]))
     times = step_times[1:] if len(step_times) > 1 else step_times
     return float(np.median(times)) if times else None
 
@@ -362,8 +375,10 @@ def make_result(
     other_ref: Trained | None = None,
 ) -> RunResult:
     mixed = getattr(cfg, "precision", "pure") == "mixed"
-    # mixed: the parameters' noise-driven entries judged by AdamW's bound (mixed_parity; shared/tolerances.py)
-    compare = (lambda a, b: mixed_parity(a, b, cfg)) if mixed else (lambda a, b: (parity(a, b), {}))
+    # below float64 (mixed, float32, bf16): the parameters' noise-driven entries judged by AdamW's bound
+    # (mixed_parity; shared/tolerances.py NOISE_MARGIN), as the floors they are held to are
+    compare = (lambda a, b: mixed_parity(a, b, cfg)) if mixed or cfg.dtype != "float64" else \
+        (lambda a, b: (parity(a, b), {}))
     errors, noise = compare(run, ref)
     apart = references_skip_apart(ref, other_ref)  # float16: the frameworks skipped different steps
     xfw = compare(run, other_ref)[0] if other_ref is not None and apart is None else None
@@ -404,7 +419,8 @@ def make_result(
         precision=getattr(cfg, "precision", "pure"),
         ok=ok,
         losses=[float(x) for x in run.losses],
-        step_time_s=median_step_time(run.step_times),
+        step_time_s=median_step_time(run.step_times, run.timed),
+        plain_step_time_s=median_step_time(ref.step_times, ref.timed),
         comm=run.comm,
         comm_bytes=comm_bytes(run.comm),
         comm_bytes_theory=run.comm_theory,

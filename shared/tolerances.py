@@ -197,6 +197,14 @@ def tolerance(dtype: str, steps: int | None = None) -> float:
 # The floor costs one more single-device run of the same length, so short runs (<= PURE_FLOOR_STEPS, the
 # growth law's measured range with room) do not pay it.
 PURE_FLOOR_STEPS = 100
+# Large float32 models measure the floor too, whatever their length (issue 46's GPU sizes): FLOAT32 above was
+# measured at D <= 32, where a dot product sums <= 128 products; compare.py --size gpu (D=512, T=256,
+# Φ = 16.8 M) sums 2048 in its MLP and 256 over the sequence, and the rounding of a sum grows with its length
+# (~√K: 4x that of D=32's), so the constant would be fitted to sizes it never saw. From this many parameters
+# on, a float32 run's losses and parameters are judged by max(FLOAT32, PURE_FLOOR_FACTOR × the floor its own
+# references measure on that machine); the step-0 gradients keep FLOAT32 (one step: nothing accumulates, a
+# wrong factor moves them by >= 50 %).
+FLOAT32_FLOOR_PARAMS = 1_000_000
 PURE_FLOOR_FACTOR = 10.0
 
 

@@ -8,9 +8,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shared.env import simulate_host_devices  # noqa: E402
+from shared.env import simulate_host_devices, use_compile_cache  # noqa: E402
 
 simulate_host_devices(8)
+# JAX's persistent compilation cache, as compare.py keeps it (shared/env.py; PARALLEL_TWINS_CACHE=off: none):
+# the slow tier and a second run load the programs an earlier one compiled.
+use_compile_cache()
 # XLA:CPU compiles with LLVM at -O0 in the tests, and with its element-wise IR emitters instead of the
 # MLIR fusion emitters (half the compile time of a small step: 5.8 s -> 3.3 s for fsdp's six): compilation
 # of the transformer's steps dominates the suite's time, and at these tiny sizes run time does not matter.

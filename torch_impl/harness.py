@@ -17,6 +17,7 @@ step-0 gradients, final parameters and state bytes.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib
 import time
@@ -181,10 +182,15 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
     if session and (session.moments or session.plan):
         where = f"torch {session.layout['pattern']} {session.layout['style']}/{session.layout['variant']}"
         ckpt.restore(setup, session, where) if session.moments else ckpt.moments_fixture(setup, where)
+    timed, host = [], []  # which steps' times hold the step alone; the host's share of each (time_step)
     for k in range(start, cfg.steps):
         last = k == cfg.steps - 1
         if setup.before_step:
             setup.before_step()
+        # What the harness records (the ledger's dispatch mode on the last step; the activation meter's hooks
+        # and the step-0 gradients on the first) costs time: those steps are run but not timed, so a timed
+        # step holds the pattern's step and the one sync that ends it (issue 46; compare.py bench --overhead)
+        recording = last or k == start
         with ctx.ledger.recording() if last else contextlib.nullcontext():
             t0 = time.perf_counter()
             with meter.recording() if k == start else contextlib.nullcontext(), autocast(cfg, ctx.device):
@@ -194,8 +200,11 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
                 grads0 = [torch.zeros_like(setup.params[i]) if g is None else g.detach() / unscale  # local; gathered
                           for i, g in enumerate(setup.grads())]  # below; a frozen parameter (no gradient): zeros
             setup.update()
+            issued = time.perf_counter()
             loss.item()  # waits for the device, so the step time is real on GPU too
             step_times.append(time.perf_counter() - t0)
+        timed.append(not recording)
+        host.append((issued - t0) / max(step_times[-1], 1e-12))  # ~1: the device waited on the host
         if last:
             comm, comm_dtypes = ctx.ledger.summary(), ctx.ledger.by_dtype()
             by_axis = ctx.ledger.by_axis() if ctx.ledger.labels else None  # the mesh pattern labels its groups
@@ -211,10 +220,16 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
                     ckpt.save(cfg, ctx, setup, k + 1, session)
                 dist.barrier()  # saved everywhere before any rank reports
                 raise preempt.Preempted(k + 1)
+    params = setup.fixture(setup.params)  # before any bare step (bench --overhead) moves them
     state = setup.state() if setup.state else {
         "params": tensor_bytes(setup.params), "grads": tensor_bytes(g for g in setup.grads() if g is not None),
         "optimizer": optimizer_state_bytes(setup.optimizer)}
     extra = dict(setup.extra, activation_bytes=meter.peak)
+    bare = _bare_steps(setup, ctx, cfg)  # compare.py bench --overhead: the same step in a loop of its own
+    if bare:
+        extra["bare_step_times"] = bare
+    if any(timed):
+        extra["host_fraction"] = float(np.median([h for h, t in zip(host, timed) if t]))
     if comm_dtypes:
         extra["comm_by_dtype"] = comm_dtypes  # {op: {dtype: {"count", "bytes"}}}: what each collective moved
     if setup.scaler is not None:  # float16: the check requires the reference's skipped steps
@@ -226,9 +241,42 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
     if ctx.device.type == "cuda":
         extra["peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device) - baseline  # this run's own
         extra["peak_bytes_baseline"] = baseline  # allocated when it began (not this run's)
-    return Trained(losses=losses, grads0=grads0, params=setup.fixture(setup.params), step_times=step_times,
+    return Trained(losses=losses, grads0=grads0, params=params, step_times=step_times,
                    comm=comm, comm_theory=setup.comm_theory, state_bytes=state, extra=extra, where=ctx.where,
-                   start_step=start)
+                   start_step=start, timed=timed)
+
+
+# compare.py bench --overhead (parallel_twins/overhead.py): after a run, this many more steps of the same
+# Setup in a bare loop — the step, one sync, nothing of the harness's — so the benchmark can hold the
+# harness's timed steps against them. Set per launch by ``measuring_bare``; 0 (every other run): none.
+_BARE: contextvars.ContextVar[int] = contextvars.ContextVar("bare_steps", default=0)
+
+
+@contextlib.contextmanager
+def measuring_bare(steps: int):
+    """Within the block, every train_loop also times ``steps`` bare steps (extra["bare_step_times"])."""
+    token = _BARE.set(steps)
+    try:
+        yield
+    finally:
+        _BARE.reset(token)
+
+
+def _bare_steps(setup: Setup, ctx: RankContext, cfg: Config) -> list[float]:
+    """The pattern's step called in a loop of its own: forward_backward, update, one sync — no ledger, no
+    meter, no checkpoint or preemption check, no loss bookkeeping (the parameters move on: the run's
+    results were read before)."""
+    times = []
+    for _ in range(_BARE.get()):
+        if setup.before_step:  # a barrier that gives the pipeline's ranks a common start: outside, as in the run
+            setup.before_step()
+        t0 = time.perf_counter()
+        with autocast(cfg, ctx.device):
+            loss = setup.forward_backward()
+        setup.update()
+        loss.item()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def _reference(cfg: Config, device, casts: str = "autocast"):
@@ -247,7 +295,7 @@ def _cached_reference(cfg: Config, device: str, casts: str = "autocast"):
                                      reference.train(cfg.replace(dtype="float64", precision="pure"),
                                                      make_problem(cfg), device)))
     elif needs_floor(cfg):  # a long pure run: its measured floor, the batch split in two (shared/tolerances.py)
-        ref.extra.update(floor_extra(ref, reference.train(cfg, make_problem(cfg), device, split=2)))
+        ref.extra.update(floor_extra(ref, reference.train(cfg, make_problem(cfg), device, split=2), cfg))
     return ref
 
 
@@ -293,10 +341,17 @@ def run_collectives(ctx: RankContext) -> list[dict]:
     return [{**check, "where": ctx.where} for check in collectives.check_all(ctx)]  # platform, backend, devices
 
 
-def run_jobs(ctx: RankContext, jobs: list[tuple], checkpoint: Plan | None = None) -> dict[str, object]:
+def run_jobs(ctx: RankContext, jobs: list[tuple], checkpoint: Plan | None = None, bare_steps: int = 0
+             ) -> dict[str, object]:
     """Several patterns in one launch (compare.py): jobs of (pattern, cfgs[, {cfg: (style, variant)s}]);
     returns {pattern: run_pattern's or run_collectives' answer}. Collectives answer on every rank,
-    patterns on rank 0."""
+    patterns on rank 0. ``bare_steps`` (compare.py bench --overhead): each run also times that many bare
+    steps (measuring_bare)."""
+    with measuring_bare(bare_steps):
+        return _run_jobs(ctx, jobs, checkpoint)
+
+
+def _run_jobs(ctx: RankContext, jobs: list[tuple], checkpoint: Plan | None = None) -> dict[str, object]:
     out: dict[str, object] = {}
     if checkpoint is not None:
         preempt.install()  # SIGTERM: finish the step, save, stop (train_loop)

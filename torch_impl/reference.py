@@ -82,6 +82,7 @@ def train(cfg: Config, problem: Problem, device="cpu", split: int = 1, casts: st
         grads0=grads0,
         params=fixture_weights(model),
         step_times=step_times,
+        timed=[k > 0 for k in range(len(step_times))],  # step 0: warm-up and the step-0 gradients' copy
         state_bytes={
             "params": tensor_bytes(params),
             "grads": tensor_bytes(params),
