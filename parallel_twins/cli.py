@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=int, default=None, metavar="N",
                    help="with --checkpoint-dir: keep only each run's newest N complete checkpoints "
                         "(default: every one)")
+    p.add_argument("--sequential", action="store_true",
+                   help="on the CPU, run torch, then JAX (by default the torch ranks run while JAX compiles, and "
+                        "their step times share the cores)")
     add_quiet(p)
     return p
 
@@ -342,16 +345,21 @@ def make_configs(args):
     return [c for c in cfgs if not c.mesh or c.applies("mesh")]  # the mesh runs the transformer only
 
 
-def size_preset(args, world: int) -> str:
-    """--size, else "gpu" where the runs take GPUs (--device gpu, or auto with a GPU per rank), else "cpu";
-    recorded as args.size (the table's title says it)."""
-    if args.size is None:
-        gpu = args.device == "gpu"
-        if args.device == "auto":
-            from shared.env import local_gpu_count  # the driver's count: loads neither framework's CUDA libraries
+def on_gpus(device: str, world: int) -> bool:
+    """Whether the runs take GPUs: --device gpu, or auto with a GPU per rank (the driver's count: loads
+    neither framework's CUDA libraries)."""
+    if device != "auto":
+        return device == "gpu"
+    from shared.env import local_gpu_count
 
-            gpu = local_gpu_count() >= max(1, world)
-        args.size = "gpu" if gpu else "cpu"
+    return local_gpu_count() >= max(1, world)
+
+
+def size_preset(args, world: int) -> str:
+    """--size, else "gpu" where the runs take GPUs, else "cpu"; recorded as args.size (the table's title
+    says it)."""
+    if args.size is None:
+        args.size = "gpu" if on_gpus(args.device, world) else "cpu"
     return args.size
 
 
@@ -447,7 +455,7 @@ def _main(argv=None) -> int:
         print(f"compare.py: error: {exc}", file=sys.stderr)
         return 2
     from parallel_twins import report
-    from parallel_twins.runs import Interrupted, collect, planned_runs
+    from parallel_twins.runs import Interrupted, collect, planned_kinds
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
     console = report.make_console(quiet=not rank0, json_to_stdout=args.json == "-")
@@ -457,19 +465,26 @@ def _main(argv=None) -> int:
         from shared import preempt
 
         preempt.install()
+    # On the CPU the torch ranks run while JAX compiles (a thread launches them): JAX's compiler takes one core,
+    # the ranks the rest. Not with checkpoints (SIGTERM's save-and-stop is sequential) nor on GPUs (the two
+    # would share the devices' time).
+    side = plan is None and not on_gpus(args.device, cfg.world_size) and set(args.frameworks) == {"torch", "jax"} \
+        and "RANK" not in os.environ and "JAX_PROCESS_ID" not in os.environ and not args.sequential
     try:
         if args.quiet or not rank0 or not console.is_terminal:  # a live line on a terminal; in a log, a plain
             progress = None if args.quiet or not rank0 else report.Progress(  # line every 30 s of runs (stderr)
-                planned_runs(cfgs, args.patterns, args.frameworks, args.styles)).logger(sys.stderr, every_s=30.0)
+                planned_kinds(cfgs, args.patterns, args.frameworks, args.styles), parallel=side).logger(
+                sys.stderr, every_s=30.0)
             rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, progress,
-                                              args.timeout, checkpoint=plan, styles=args.styles)
+                                              args.timeout, checkpoint=plan, styles=args.styles, side_by_side=side)
         else:
             from rich.live import Live
 
-            progress = report.Progress(planned_runs(cfgs, args.patterns, args.frameworks, args.styles))
+            progress = report.Progress(planned_kinds(cfgs, args.patterns, args.frameworks, args.styles), parallel=side)
             with Live(progress, console=console, refresh_per_second=4, transient=True):
                 rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device,
-                                                  progress.event, args.timeout, checkpoint=plan, styles=args.styles)
+                                                  progress.event, args.timeout, checkpoint=plan, styles=args.styles,
+                                                  side_by_side=side)
     except Interrupted as stop:  # Ctrl-C: what finished is written below, then one line, exit 130
         (rows, xfw, errors, refs), interrupted = stop.results, stop.during
     elapsed = time.perf_counter() - t0
@@ -520,6 +535,10 @@ def _main(argv=None) -> int:
         shown.collectives_table(rows, args.show_collectives, console)
     else:
         report.print_table(rows, cfgs, console, wide=args.wide, preset=args.size)
+        if side:
+            console.print("step ms: torch's ranks ran while JAX compiled, on the same cores (--sequential: one "
+                          "framework at a time; compare.py bench --overhead: each step alone and bare)", style="dim",
+                          highlight=False)
     if args.recompute != "none":
         report.recompute_lines(rows, cfgs, console)
     if "pp" in args.patterns and not args.show_collectives:

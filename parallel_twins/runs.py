@@ -11,6 +11,7 @@ prints: report.py does.
 from __future__ import annotations
 
 import os
+import threading
 import traceback
 
 from parallel_twins.args import FRAMEWORKS, cfgs_for, run_key
@@ -68,7 +69,8 @@ def planned_kinds(cfgs, patterns, frameworks, styles=None) -> dict[str, dict[tup
     return out
 
 
-def run_torch(cfgs, patterns, device, timeout_s, progress=None, checkpoint=None, styles=None, bare_steps=0):
+def run_torch(cfgs, patterns, device, timeout_s, progress=None, checkpoint=None, styles=None, bare_steps=0,
+              cancel=None):
     """One launch for every pattern and model: per rank, {pattern: checks (collectives) | entries}.
     ``progress(event)``: rank 0's ("start", what) / ("done", runs) as they happen. ``bare_steps``: compare.py
     bench --overhead's bare loop after each run (torch_impl.harness.measuring_bare)."""
@@ -79,7 +81,7 @@ def run_torch(cfgs, patterns, device, timeout_s, progress=None, checkpoint=None,
                                       ({c: chosen_variants("torch", p, c, styles) for c in cfgs_for(cfgs, p)},))
             for p in patterns]
     return launch(run_jobs, cfgs[0].world_size, jobs, checkpoint, bare_steps, device=device, timeout_s=timeout_s,
-                  progress=progress)
+                  progress=progress, cancel=cancel)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -154,11 +156,13 @@ def pattern_rows(pattern, framework, entry, other_ref):
 
 
 def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, checkpoint=None, styles=None,
-            bare_steps=0):
+            bare_steps=0, side_by_side=False):
     """Run everything; returns (rows, cross-framework reference comparisons, errors,
     {(pattern, model, framework): reference losses}). ``progress(framework, event)`` hears each
     framework start and each run start and finish. Ctrl-C: ``Interrupted`` carrying the rows of
-    what finished. ``bare_steps``: compare.py bench --overhead (rows' extra["bare_step_times"])."""
+    what finished. ``bare_steps``: compare.py bench --overhead (rows' extra["bare_step_times"]).
+    ``side_by_side``: the torch launch runs in a thread while this process runs JAX (compare.py on CPU:
+    JAX compiles on one core while the ranks use the rest; their step times then share the cores)."""
     from shared.results import (
         cross_framework_ok,
         losses_within_floor,
@@ -176,17 +180,18 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
     models_of = {p: [run_key(c) for c in cfgs_for(cfgs, p)] for p in patterns}  # cp, mesh: the transformer only
     from shared import preempt
 
-    for fw in frameworks:
-        if preempt.requested():  # SIGTERM (with --checkpoint-dir): the runs in flight saved and stopped
-            errors.append(f"{fw}: not run (SIGTERM)")
-            break
+    cancel = threading.Event()  # side by side: Ctrl-C in the JAX runs stops the torch launch too
+
+    def one(fw) -> str | None:
+        """Run ``fw``'s part into raw[fw]; "interrupted", "stop" (the rest is not run) or None."""
         report = (lambda event, fw=fw: progress(fw, event)) if progress else None
         if report:
             report(("framework", fw))
             report(("start", "starting the ranks" if fw == "torch" else "starting JAX"))
         try:  # raw[fw][pattern]: the collectives' checks, or {model: the harness's entry}
             if fw == "torch":
-                per_rank = run_torch(cfgs, patterns, device, timeout_s, report, checkpoint, styles, bare_steps)
+                per_rank = run_torch(cfgs, patterns, device, timeout_s, report, checkpoint, styles, bare_steps,
+                                     cancel=cancel)
                 raw[fw] = {p: ([r[p] for r in per_rank] if p == "collectives"
                                else dict(zip(models_of[p], per_rank[0][p], strict=True))) for p in patterns}
             else:
@@ -197,14 +202,42 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
                     raw[fw] = {p: (res[p] if p == "collectives" else dict(zip(models_of[p], res[p], strict=True)))
                                for p in patterns if p in res}
         except KeyboardInterrupt:
-            interrupted = fw
             errors.append(f"{fw}: interrupted (Ctrl-C)")
-            break
+            return "interrupted"
         except Exception as exc:  # noqa: BLE001 - reported as a failed framework, exit 1
-            errors.append(f"{fw}: {type(exc).__name__}: {exc}")
+            errors.append(f"{fw}: {type(exc).__name__}: {exc}" if not cancel.is_set() else
+                          f"{fw}: interrupted (Ctrl-C during the other framework's runs)")
             if os.environ.get("PARALLEL_TWINS_DEBUG"):
                 traceback.print_exc()
             if "preempted (SIGTERM)" in str(exc):  # a rank stopped on SIGTERM: so does the rest
+                return "stop"
+        return None
+
+    if side_by_side and set(frameworks) == {"torch", "jax"}:  # the torch launch in a thread, JAX here
+        torch_outcome = []
+        thread = threading.Thread(target=lambda: torch_outcome.append(one("torch")), name="torch-launch", daemon=True)
+        thread.start()
+        jax_done = False
+        try:
+            if one("jax") == "interrupted":
+                interrupted = "jax"
+                cancel.set()
+            jax_done = True
+            thread.join()
+            interrupted = interrupted or ("torch" if torch_outcome == ["interrupted"] else None)
+        except KeyboardInterrupt:  # while waiting for the ranks: stop them, keep what finished
+            interrupted = interrupted or ("torch" if jax_done else "jax")
+            cancel.set()
+            thread.join(timeout=30)
+    else:
+        for fw in frameworks:
+            if preempt.requested():  # SIGTERM (with --checkpoint-dir): the runs in flight saved and stopped
+                errors.append(f"{fw}: not run (SIGTERM)")
+                break
+            outcome = one(fw)
+            if outcome == "interrupted":
+                interrupted = fw
+            if outcome:
                 break
     rows, xfw, refs = [], [], {}
     for pattern in patterns:

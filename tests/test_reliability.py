@@ -322,7 +322,7 @@ def test_ctrl_c_is_one_line_exit_130_and_keeps_the_finished_rows(during, tmp_pat
     monkeypatch.setattr(runs, "run_jax", interrupt)
     out = tmp_path / "out.json"
     rc = compare.main(["--frameworks", "torch,jax", "--patterns", "collectives", "--world-size", "2",
-                       "--quiet", "--json", str(out)])
+                       "--quiet", "--json", str(out), "--sequential"])
     assert rc == 130
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and f"interrupted (Ctrl-C) during the {during} runs" in err, err
@@ -331,6 +331,37 @@ def test_ctrl_c_is_one_line_exit_130_and_keeps_the_finished_rows(during, tmp_pat
     assert data["interrupted"] == during and data["ok"] is False
     kept = [(r["framework"], r["variant"]) for r in data["runs"]]
     assert kept == ([("torch", "all_reduce")] if during == "jax" else [])
+
+
+def test_ctrl_c_side_by_side_stops_the_torch_launch_and_keeps_jax_rows(tmp_path, monkeypatch, capsys):
+    """On the CPU the torch launch runs in a thread while JAX runs here (runs.collect side_by_side): Ctrl-C (in
+    this thread, during JAX) cancels the launch, which stops its ranks; one line, exit 130, no torch row."""
+    import json
+    import threading
+
+    from parallel_twins import runs
+
+    stopped = threading.Event()
+
+    def slow_torch(*a, cancel=None, **k):  # a launch that runs until it is cancelled, as launch() does
+        assert cancel is not None and cancel.wait(timeout=60), "the launch was never cancelled"
+        stopped.set()
+        raise RuntimeError("launch cancelled")
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runs, "run_torch", slow_torch)
+    monkeypatch.setattr(runs, "run_jax", interrupt)
+    out = tmp_path / "out.json"
+    rc = compare.main(["--frameworks", "torch,jax", "--patterns", "collectives", "--world-size", "2",
+                       "--device", "cpu", "--quiet", "--json", str(out)])
+    assert rc == 130 and stopped.is_set()
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "interrupted (Ctrl-C) during the jax runs" in err, err
+    data = json.loads(out.read_text())
+    assert data["interrupted"] == "jax" and data["runs"] == []
+    assert "torch: interrupted (Ctrl-C during the other framework's runs)" in data["errors"]
 
 
 def test_ctrl_c_before_the_runs_is_one_line(monkeypatch, capsys):

@@ -26,6 +26,7 @@ import os
 import queue as queue_mod
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -131,9 +132,12 @@ def launch(
     device: str = "auto",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     progress: Callable[[tuple], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` fresh ranks (or join torchrun's); returns every
-    rank's answer. ``progress`` hears rank 0's ``ctx.progress`` events while they run."""
+    rank's answer. ``progress`` hears rank 0's ``ctx.progress`` events while they run. ``cancel`` (a
+    launch in a thread: compare.py's side-by-side runs): once set, the ranks are stopped and LaunchError
+    raised."""
     kind = resolve_device(device, world_size)
     fallback = fallback_reason(device, world_size) if kind == "cpu" else None
     say_fallback(fallback)
@@ -176,6 +180,8 @@ def launch(
                             raise LaunchError(f"rank {rank} died with {_describe_exit(p.exitcode)}") from None
                 if time.monotonic() > deadline:
                     raise LaunchError(f"launch timed out after {timeout_s:.0f}s; done: {sorted(results)}") from None
+                if cancel is not None and cancel.is_set():
+                    raise LaunchError("launch cancelled") from None
                 continue
             if status == "progress":
                 progress(payload)
