@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import re
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -53,6 +54,11 @@ from shared.theory import (  # noqa: E402
 OUT = os.path.join("docs", "side_by_side")  # relative to ROOT
 BUDGET = 150  # code lines per framework per page (the issue's bound: a page a reader can hold)
 STYLES = {"torch": ("explicit", "builtin"), "jax": ("shard_map", "jit", "typed")}
+# the calls that ARE a pattern: a collective, a layout stated, a builtin wrapper
+CALLS = re.compile(r"\bdist\.(all_reduce|all_gather_single|reduce_scatter_single|all_to_all_single|broadcast|"
+                   r"batch_isend_irecv)\(|\blax\.(psum|pmean|pmax|psum_scatter|all_gather|all_to_all|ppermute|pcast)\(|"
+                   r"\breshard\(|with_sharding_constraint\(|\bfully_shard\(|\bparallelize_module\(|"
+                   r"DistributedDataParallel\(|PipelineStage\(|\bcontext_parallel\(")
 
 
 class CutError(ValueError):
@@ -153,6 +159,20 @@ class Excerpt:
     style: str  # explicit / builtin (torch); shard_map / jit / typed (JAX)
     cut: Cut
     says: str  # one sentence: what the lines do, which collective they issue
+    key: str | None = None  # the line the page's table shows (a substring; None: the first CALLS line, "": none)
+
+    def key_line(self) -> int | None:
+        """The line (1-based, in the file) the overview table shows: the one containing ``key``, else the
+        first that issues a collective or states a layout (CALLS); None: the excerpt has none."""
+        first, last = span(self.cut)
+        lines = _source(self.cut.path)[0]
+        if self.key == "":
+            return None
+        hit = (lambda line: self.key in line) if self.key else CALLS.search
+        found = next((i for i in range(first, last + 1) if hit(lines[i - 1])), None)
+        if found is None and self.key:
+            raise CutError(f"{self.cut}: no line contains the key {self.key!r}")
+        return found
 
     @property
     def framework(self) -> str:
@@ -173,6 +193,7 @@ class Page:
     intro: str
     config: str  # the configuration the bytes are computed at, in words
     rows: tuple[Row, ...] = field(default_factory=tuple)
+    bytes_from: str = "Bytes per step and rank (op count× payload) from `shared.theory`"
 
 
 def kib(nbytes: float) -> str:
@@ -187,8 +208,8 @@ def ops(comm: dict[str, tuple[int | None, int]]) -> str:
     return " + ".join(parts) + (f" = {kib(total)}" if len(parts) > 1 else "")
 
 
-def _ex(style, path, name, says, start=None, end=None) -> Excerpt:
-    return Excerpt(style, Cut(path, name, start, end), says)
+def _ex(style, path, name, says, start=None, end=None, key=None) -> Excerpt:
+    return Excerpt(style, Cut(path, name, start, end), says, key)
 
 
 def collectives_page() -> Page:
@@ -218,22 +239,24 @@ def collectives_page() -> Page:
         )),
         Row("point to point: one step of a ring", f"S = the message = {eb('ring_shift')}", (
             _ex("explicit", T, "ring_shift", "`isend` right and `irecv` left posted together (`batch_isend_irecv`): "
-                "no deadlock."),
+                "no deadlock.", key='dist.P2POp(dist.isend'),
             _ex("shard_map", J, "ring_shift", "One `lax.ppermute` (a collective-permute): every device sends and "
                 "receives at once."),
         )),
         Row("an all-reduce by hand on a ring", f"2(N−1) messages of n/N = {eb('ring_all_reduce')} "
             f"(the all-reduce's bus bytes)", (
                 _ex("explicit", T, "ring_all_reduce", "Reduce-scatter phase then all-gather phase, N−1 `ring_shift`s "
-                    "each (send/recv).", start="chunks = list(", end="return torch.cat"),
+                    "each (send/recv).", start="chunks = list(", end="return torch.cat",
+                    key='chunks[(r - s - 1) % n] +='),
                 _ex("shard_map", J, "ring_all_reduce", "The same schedule with `ppermute`; Python-unrolled, so the "
-                    "HLO shows all 2(N−1) permutes.", start="chunks = x.reshape", end="return chunks.reshape"),
+                    "HLO shows all 2(N−1) permutes.", start="chunks = x.reshape", end="return chunks.reshape",
+                    key='chunks = chunks.at[(r - s - 1) % n].add'),
             )),
         Row("no collective written: a resharding under jit", "what XLA picks, read from the HLO "
             "(docs/collectives.md)", (
             _ex("jit", J, "spmd_reshardings", "Each case is a plain program with an input and an output sharding; "
                 "XLA inserts the collective (all-gather, all-to-all, all-reduce, collective-permute).",
-                start='("P(\'x\')->P()"', end='P(axis), P(axis), np.roll(vec, c)),'),
+                start='("P(\'x\')->P()"', end='P(axis), P(axis), np.roll(vec, c)),', key='("P(\'x\')->P()"'),
         )),
     )
     return Page("collectives", "The collectives",
@@ -241,7 +264,8 @@ def collectives_page() -> Page:
                 "(`compare.py --patterns collectives`). torch has rooted collectives and send/recv; JAX's SPMD "
                 "has symmetric ones and `ppermute`, and builds the rest from them. torch has no builtin style "
                 "here, JAX no typed one. The whole page: [docs/collectives.md](../collectives.md).",
-                "4 ranks, float32, the fixtures of `shared/collectives.py` (`expected_bytes`)", rows)
+                "4 ranks, float32, the fixtures of `shared/collectives.py`", rows,
+                "Bytes per call and rank (nccl-tests' size S) from `shared.collectives.expected_bytes`")
 
 
 def dp_page() -> Page:
@@ -261,7 +285,8 @@ def dp_page() -> Page:
             _ex("shard_map", F, "Trainer._dp_step", "… averaged by one `lax.pmean`: an all-reduce.",
                 start="grads = lax.pmean", end="grads = lax.pmean"),
             _ex("jit", F, "Trainer._jit_step", "The global loss of a batch in `P('dp')`: XLA inserts the "
-                "all-reduce.", start="(_, loss), grads = jax.value_and_grad", end="has_aux=True)(params)"),
+                "all-reduce (typed: the same step, its layouts as types).",
+                start="(_, loss), grads = jax.value_and_grad", end="has_aux=True)(params)", key="jax.value_and_grad"),
         )),
         Row("ZeRO-1: split the optimizer state", f"reduce-scatter + all-gather 2·Φ·b = "
             f"{kib(zero1_comm_bytes(cfg))} (`zero1_comm_bytes`)", (
@@ -295,9 +320,10 @@ def fsdp_page() -> Page:
                     "asynchronously (`all_gather_single`): started one unit ahead (prefetch).",
                     start="src = unit.shard.detach()", end="self._inflight[unit] ="),
                 _ex("explicit", T, "_Gathered", "Forward hands the layer the gathered weight; backward "
-                    "reduce-scatters its gradient."),
+                    "reduce-scatters its gradient.", key='ctx.fsdp._reduce_scatter'),
                 _ex("explicit", T, "FSDP._unpack", "Backward: autograd's saved weight is a handle, gathered again "
-                    "at first use.", start="if unit not in self._regathered", end="self._bwd_pos ="),
+                    "at first use.", start="if unit not in self._regathered", end="self._bwd_pos =",
+                    key='self._wait(unit)'),
                 _ex("explicit", T, "FSDP._reduce_scatter", "The gradient's async `reduce_scatter_single` into this "
                     "rank's rows.", start="out = torch.empty_like(unit.shard)", end="self._pending.append"),
                 _ex("shard_map", F, "_Gathering.__call__", "Each unit's rows `all_gather`ed at its call inside "
@@ -321,7 +347,8 @@ def fsdp_page() -> Page:
                     start="for block in", end="fully_shard(model, mesh=mesh"),
                 _ex("jit", F, "Trainer.__init__", "zero3 under jit is a layout: row-split params `P('dp')`; XLA "
                     "(CPU) gathers each weight once, keeps it, and all-reduces the gradient.",
-                    start="self.param_specs = {k: P(axis)", end="self.param_specs = {k: P(axis)"),
+                    start="self.param_specs = {k: P(axis)", end="self.param_specs = {k: P(axis)",
+                    key='self.param_specs'),
                 _ex("typed", TY, "TypedTrainer._batch_loss", "zero3 in types: each row-split param's gather is a "
                     "stated `reshard(w, P())`; XLA makes each an all-gather.",
                     start="full = {k: self.stated.reshard", end="full = {k: self.stated.reshard"),
@@ -349,20 +376,21 @@ def tp_page() -> Page:
             _ex("shard_map", JR, "copy_to_tp", "f: a cast to varying over 'tp'; its transpose is a `psum`."),
             _ex("shard_map", JR, "reduce_from_tp", "g: a `psum`; its transpose is the identity."),
             _ex("shard_map", JR, "mlp_forward_megatron", "Column- then row-parallel pairs: one all-reduce each way.",
-                start="for wa, wb in zip(", end="x = gelu(reduce_from_tp("),
+                start="for wa, wb in zip(", end="x = gelu(reduce_from_tp(", key='reduce_from_tp(h @ wb)'),
         )),
         Row("A plan on any model", "the same f/g pairs, hooked into the planned modules", (
             _ex("explicit", TP, "apply_plan", "f and g (or SP's gather and scatter) as module hooks …",
-                start="enter = SharedEnter(", end="leave = sp_scatter if"),
+                start="enter = SharedEnter(", end="leave = sp_scatter if", key='enter = SharedEnter('),
             _ex("explicit", TP, "apply_plan", "… f before every column-parallel module, g after every row-parallel "
                 "one.", start="if style in ENTER_STYLES:", end="module.register_forward_hook(lambda m, args, out: "
-                "leave(out, group))"),
+                "leave(out, group))", key='leave(out, group))'),
             _ex("shard_map", JP, "_Split.__call__", "A planned module's stand-in: row-parallel ends in a `psum` (g), "
                 "column-parallel starts with f (`_Trace.enter`).", start='if self._style == "rowwise":',
                 end="y = m(tr.enter(x)"),
         )),
-        Row("Sequence parallelism: g and ḡ", f"transformer: {ops(tp_comm(tcfg, 'megatron_sp'))} (`tp_comm`)", (
-            _ex("explicit", O, "sp_gather", "g: `all_gather` of the sequence forward, `reduce_scatter` backward."),
+        Row("Sequence parallelism: the sequence split between the matmuls", f"transformer: {ops(tp_comm(tcfg, 'megatron_sp'))} (`tp_comm`)", (
+            _ex("explicit", O, "sp_gather", "g: `all_gather` of the sequence forward, `reduce_scatter` backward.",
+                key='return Transposed.apply'),
             _ex("explicit", O, "scatter_sequence", "ḡ's forward: the partial products reduce-scattered to this "
                 "rank's tokens.", start="rows = z.movedim(1, 0)", end="return out.movedim(0, 1)"),
             _ex("shard_map", JR, "gather_sequence", "g: `all_gather` along T; its transpose is `psum_scatter`."),
@@ -378,7 +406,8 @@ def tp_page() -> Page:
             )),
         Row("The builtin, the compiler, the types", f"DTensor, transformer: {ops(tp_comm(tcfg, 'dtensor'))} "
             "(`tp_comm`: `loss_parallel` takes one all-reduce more)", (
-                _ex("builtin", TP, "DTENSOR_STYLES", "The same plan's styles as DTensor's parallel styles …"),
+                _ex("builtin", TP, "DTENSOR_STYLES", "The same plan's styles as DTensor's parallel styles …",
+                    key='"rowwise": lambda'),
                 _ex("builtin", TP, "apply_dtensor_plan", "… applied by `parallelize_module`: DTensor issues the "
                     "all-reduces.", start="parallelize_module(model, mesh", end="parallelize_module(model, mesh"),
                 _ex("jit", JR, "jit_ops", "The same places as sharding constraints (f's input and g's output "
@@ -386,7 +415,7 @@ def tp_page() -> Page:
                     start="at = lambda *spec", end="rows = at("),
                 _ex("typed", "jax_impl/tp_typed.py", "TypedOps.row", "Row-parallel in types: the einsum's output "
                     "stated `unreduced={'tp'}`, then `reduce` …", start="z = jnp.einsum(eq, h, w, out_sharding",
-                    end="return self.reduce("),
+                    end="return self.reduce(", key='unreduced={"tp"}'),
                 _ex("typed", "jax_impl/tp_typed.py", "TypedOps.reduce", "… reshards it to reduced: Megatron's g, "
                     "which XLA makes an all-reduce."),
             )),
@@ -418,7 +447,7 @@ def pp_page() -> Page:
             f"{kib(pp_ticks_permute_bytes(cfg, '1f1b'))} (`pp_ticks_permute_bytes`)", (
                 _ex("explicit", T, "explicit_step", "Warm-up forwards, then one forward and one backward per "
                     "micro-batch, each a send/recv pair with a neighbour.", start="else:  # 1f1b",
-                    end="weights(mb)"),
+                    end="weights(mb)", key='_, dy = exchange(pipe, send_fwd=forward(warmup + i'),
                 _ex("shard_map", "jax_impl/parallel/pp_schedules.py", "run", "Per tick, after every device's op: one "
                     "`ppermute` per static set of source → target pairs.", start="for pairs, slots in zip(",
                     end='state["inbox"] ='),
@@ -428,8 +457,8 @@ def pp_page() -> Page:
                 "its own send/recv.", start="stages = [PipelineStage(", end="return cls(stages[0]"),
             _ex("jit", J, "jit_circular", "The same schedule on whole (S, …) arrays: a `jnp.roll` over the stage "
                 "axis pinned to `P('pp')`; XLA makes it a collective-permute.", start="for t in range(M + S - 1):",
-                end="state = pin(jnp.roll("),
-            _ex("typed", J, "TYPED_REFUSAL", "Refused: the shift cannot be written in types."),
+                end="state = pin(jnp.roll(", key='jnp.roll'),
+            _ex("typed", J, "TYPED_REFUSAL", "Refused: the shift cannot be written in types.", key='TYPED_REFUSAL'),
         )),
     )
     return Page("pp", "Pipeline parallelism",
@@ -449,17 +478,18 @@ def cp_page() -> Page:
                     start="n, r = dist", end="return nxt"),
                 _ex("explicit", P, "RingAttention._forward", "Each hop: start the next block's transfer, attend to "
                     "the block held, merge by log-sum-exp.", start="kv, core.scores = torch.stack",
-                    end="kv = nxt"),
+                    end="kv = nxt", key='ring_exchange(kv'),
                 _ex("shard_map", J, "ring_core", "The ring: one `ppermute` to r+1 …", start="ring = [(j",
                     end="send = lambda"),
                 _ex("shard_map", J, "ring_core.core_fwd", "… per hop, before the compute; backward sends dK|dV "
-                    "the same way.", start="kv = jnp.stack", end="kv = incoming"),
+                    "the same way.", start="kv = jnp.stack", end="kv = incoming", key='send(kv)'),
             )),
-        Row("Ulysses: sequence ↔ heads", f"{ops(cp_comm(cfg, 'ulysses'))} (`cp_comm`: 8 all-to-alls per layer)", (
+        Row("Ulysses: from sequence shards to head shards and back", f"{ops(cp_comm(cfg, 'ulysses'))} (`cp_comm`: 8 all-to-alls per layer)", (
             _ex("explicit", P, "seq_to_heads", "`all_to_all_single`: head group j to rank j, sequence chunks back "
                 "in rank order.", start="send = x.reshape", end="return recv"),
             _ex("explicit", P, "UlyssesCore.__call__", "q, k, v to heads, SDPA on H/N heads, the output back; each "
-                "all-to-all's backward is the reverse one.", start="q, k, v = (Transposed", end="return Transposed"),
+                "all-to-all's backward is the reverse one.", start="q, k, v = (Transposed", end="return Transposed",
+                key='Transposed.apply(x'),
             _ex("shard_map", J, "attention", "`lax.all_to_all` to heads, causal attention, and back.",
                 start='if variant == "ulysses"', end="return lax.all_to_all(out"),
         )),
@@ -491,9 +521,11 @@ def ep_page() -> Page:
             f"{ops(ep_comm_jax(cfg, 'shard_map'))} (`ep_comm_torch`, `ep_comm_jax`)", (
                 _ex("explicit", P, "all_to_all_rows", "An uneven `all_to_all_single`: send[j] rows to rank j.",
                     start="out = x.new_empty", end="return out"),
-                _ex("explicit", P, "AllToAll", "Its backward is the reverse all-to-all."),
+                _ex("explicit", P, "AllToAll", "Its backward is the reverse all-to-all.",
+                    key='return all_to_all_rows(grad'),
                 _ex("explicit", P, "Dispatcher.__call__", "The splits from the exchanged counts; dispatch, the "
-                    "local experts, combine.", start="send = [sum(", end="combined = self.all_to_all("),
+                    "local experts, combine.", start="send = [sum(", end="combined = self.all_to_all(",
+                    key='got = self.all_to_all('),
                 _ex("shard_map", J, "dispatch", "A capacity-padded (E, C, D) buffer: one `lax.all_to_all` to the "
                     "experts' devices, one back.", start="buf = jnp.zeros((e, c, d)", end="y = lax.all_to_all(y"),
             )),
@@ -503,10 +535,11 @@ def ep_page() -> Page:
             _ex("shard_map", J, "global_counts", "One `psum` (the splits are static: capacity)."),
         )),
         Row("The builtin, the compiler, the types", "what XLA picks (measured in docs/ep.md)", (
-            _ex("builtin", P, "builtin_all_to_all", "torch's functional all-to-all, autograd built in."),
+            _ex("builtin", P, "builtin_all_to_all", "torch's functional all-to-all, autograd built in.",
+                key='_FUNCTIONAL_A2A('),
             _ex("jit", "jax_impl/ep.py", "gshard_dispatch.dispatch", "GShard's einsums on global arrays, the expert "
                 "axis pinned to 'ep': XLA picks the all-to-alls.", start="x = pin(jnp.einsum",
-                end="return pin(jnp.einsum"),
+                end="return pin(jnp.einsum", key='x = pin(jnp.einsum'),
             _ex("typed", "jax_impl/ep_typed.py", "dispatch_in_types.dispatch", "The same einsums in types: each "
                 "all-to-all a stated reshard between (E@ep, G) and (E, G@ep).", start="x = stated.reshard",
                 end="y = stated.reshard"),
@@ -527,16 +560,17 @@ def mesh_page() -> Page:
         Row("One mesh, one step per axis", f"torch, rank 0: {per_axis(mesh_comm_torch(cfg, 'explicit', 0))} "
             f"(`mesh_comm_torch`)", (
                 _ex("explicit", C, "Trainer.__init__", "In torchtitan's order: tp on `mesh['tp']` …",
-                    start="self.styles = apply_tp(", end="self.styles = apply_tp("),
-                _ex("explicit", C, "Trainer.__init__", "… FSDP on the data mesh …",
-                    start='if self.data == "fsdp" and self.d > 1:', end="self.fsdp = FSDP("),
+                    start="self.styles = apply_tp(", end="self.styles = apply_tp(", key='apply_tp('),
+                _ex("explicit", C, "Trainer.__init__", "… FSDP on the data mesh (builtin: FSDP2, below) …",
+                    start='if self.data == "fsdp" and self.d > 1:', end="self.fsdp = FSDP(", key='FSDP(self.module'),
                 _ex("explicit", C, "Trainer.__init__", "… the pipeline on `mesh['pp']`'s group.",
-                    start="self.schedule = apply_pp(", end="scale_grads=self.fsdp is None)"),
+                    start="self.schedule = apply_pp(", end="scale_grads=self.fsdp is None)", key='apply_pp('),
                 _ex("explicit", C, "Trainer._sync", "dp: ONE flat all-reduce of the (tp-local) gradients over "
-                    "data × cp.", start="elif self.grad_group", end="average_flat(grads"),
+                    "data × cp.", start="elif self.grad_group", end="average_flat(grads", key='average_flat('),
                 _ex("shard_map", J, "Composed._shard_map_loss.body", "One body over the whole mesh: fsdp's gathers, "
                     "then every array cast to varying once over the axes it meets (its transpose sums the "
-                    "gradient over dp/cp).", start="blocks = {k: gather(", end="for k, a in rest.items()}"),
+                    "gradient over dp/cp).", start="blocks = {k: gather(", end="for k, a in rest.items()}",
+                    key='gather(a[0]'),
                 _ex("shard_map", J, "Composed._forward_loss", "pp inside the same body: a `ppermute` over 'pp' per "
                     "tick.", start="for t in range(M + S - 1):", end='return lax.psum('),
             )),
@@ -572,31 +606,54 @@ def code_lines(page: Page, framework: str) -> int:
                if e.framework == framework)
 
 
-def _cell(excerpts: list[Excerpt]) -> str:
-    if not excerpts:
-        return "\n\n–\n\n"
-    blocks = []
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lowercased, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def key_code(e: Excerpt) -> str | None:
+    """The excerpt's key line as the overview shows it: stripped, without a trailing comment."""
+    n = e.key_line()
+    if n is None:
+        return None
+    code, _, _ = _source(e.cut.path)[0][n - 1].strip().partition("  # ")
+    if code.count('"') % 2 or code.count("'") % 2:  # the "  # " was inside a string: keep the line whole
+        code = _source(e.cut.path)[0][n - 1].strip()
+    if "`" in code:
+        raise CutError(f"{e.cut}: its key line has a backtick, which inline code cannot show")
+    return code
+
+
+def _glance(excerpts: list[Excerpt]) -> str:
+    """One table cell: each excerpt's key line, linked to that line."""
+    out = []
     for e in excerpts:
-        where = f"{e.cut.path.split('/', 1)[1]}#{lines_anchor(e.cut)}"  # the column names the framework
-        blocks.append(f"**{e.style}** [`{where}`]({link(e.cut)}): {e.says}\n\n"
-                      f"```python\n{excerpt_text(e.cut)}\n```")
-    return "\n\n" + "\n\n".join(blocks) + "\n\n"
+        code = key_code(e)
+        if code is not None:
+            out.append(f"{e.style} [`{code.replace('|', chr(92) + '|')}`](../../{e.cut.path}#L{e.key_line()})")
+    return "<br>".join(out) or "–"
 
 
 def render(page: Page) -> str:
+    """The page: an overview (each idea's key lines, torch beside JAX: one screen), then every idea's
+    excerpts in full, torch's then JAX's, each with its sentence and link, under the formula's bytes."""
     out = [f"# {page.title}, side by side", "",
            "<!-- Generated by `python scripts/side_by_side.py` from the code; do not edit "
            "(tests/test_side_by_side.py fails when it is stale). -->", "",
-           page.intro, "",
-           f"Bytes per step and rank (op count× payload), from `shared.theory` at {page.config}. "
+           f"{page.intro} Below: the lines that issue each collective, then each idea's core lines in full. "
+           f"{page.bytes_from} at {page.config}. "
            "[All patterns](README.md).", "",
-           "<table>", '<tr><th width="50%">torch</th><th width="50%">JAX</th></tr>']
+           "| | torch | JAX |", "|---|---|---|"]
     for row in page.rows:
-        out += [f'<tr><td colspan="2">\n\n**{row.idea}**: {row.bytes}\n\n</td></tr>', '<tr valign="top">']
-        for framework in ("torch", "jax"):
-            out += [f"<td>{_cell([e for e in row.excerpts if e.framework == framework])}</td>"]
-        out += ["</tr>"]
-    out += ["</table>", ""]
+        cells = [_glance([e for e in row.excerpts if e.framework == f]) for f in ("torch", "jax")]
+        out.append(f"| [{row.idea}](#{slug(row.idea)}) | {cells[0]} | {cells[1]} |")
+    for row in page.rows:
+        out += ["", f"## {row.idea}", "", row.bytes]
+        for e in sorted(row.excerpts, key=lambda e: e.framework != "torch"):  # torch first, each in its order
+            where = f"{e.cut.path}#{lines_anchor(e.cut)}"
+            out += ["", f"**{'torch' if e.framework == 'torch' else 'JAX'} {e.style}** "
+                    f"([`{where}`]({link(e.cut)})): {e.says}", "", f"```python\n{excerpt_text(e.cut)}\n```"]
+    out.append("")
     return "\n".join(out)
 
 

@@ -21,6 +21,7 @@ _spec.loader.exec_module(sbs)
 
 # a link to a file's lines, then the excerpt's code block (render's layout)
 EXCERPT = re.compile(r"\]\(\.\./\.\./([^)#]+)#L(\d+)(?:-L(\d+))?\)[^\n]*\n\n```python\n(.*?)\n```", re.S)
+GLANCE = re.compile(r"\[`([^`]+)`\]\(\.\./\.\./([^)#]+)#L(\d+)\)")  # the overview's key line, linked
 PAGES = ("collectives", "dp", "fsdp", "tp", "pp", "cp", "ep", "mesh")
 
 
@@ -62,17 +63,26 @@ def test_every_link_shows_its_lines():
             want = textwrap.dedent("\n".join(lines[first - 1:last]))
             assert code == want, f"{p}: {path}#L{first}-L{last} does not show the excerpt's lines"
             seen += 1
+        table = "\n".join(line for line in text.splitlines() if line.startswith("| "))
+        keys = GLANCE.findall(table)
+        assert keys, f"{p}: no key lines in the overview"
+        for code, path, line in keys:  # the overview's key lines: the start of the line linked
+            got = (ROOT / path).read_text(encoding="utf-8").splitlines()[int(line) - 1].strip()
+            assert got.startswith(code.replace("\\|", "|")), f"{p}: {path}#L{line} is not `{code}`"
     assert seen >= 40
 
 
 def test_every_relative_link_resolves():
-    """The pages' other links (docs/X.md, the index) land on files that exist."""
+    """The pages' other links (docs/X.md, the index, the overview's headings) land where they point."""
     broken = []
     for page in sorted((ROOT / "docs" / "side_by_side").glob("*.md")):
         prose = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.S | re.M)  # code: no links
         for target in re.findall(r"\]\(([^)\s#]+)[^)]*\)", prose):
             if not re.match(r"[a-z][a-z0-9+.-]*:", target) and not (page.parent / target).exists():
                 broken.append(f"{page.name}: {target}")
+        headings = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")  # GitHub's anchors
+                    for h in re.findall(r"^#{1,6} +(.+?) *$", prose, flags=re.M)}
+        broken += [f"{page.name}: #{a}" for a in re.findall(r"\]\(#([^)]+)\)", prose) if a not in headings]
     assert not broken, broken
 
 
