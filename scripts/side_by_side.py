@@ -388,7 +388,8 @@ def tp_page() -> Page:
                 "column-parallel starts with f (`_Trace.enter`).", start='if self._style == "rowwise":',
                 end="y = m(tr.enter(x)"),
         )),
-        Row("Sequence parallelism: the sequence split between the matmuls", f"transformer: {ops(tp_comm(tcfg, 'megatron_sp'))} (`tp_comm`)", (
+        Row("Sequence parallelism: the sequence split between the matmuls",
+            f"transformer: {ops(tp_comm(tcfg, 'megatron_sp'))} (`tp_comm`)", (
             _ex("explicit", O, "sp_gather", "g: `all_gather` of the sequence forward, `reduce_scatter` backward.",
                 key='return Transposed.apply'),
             _ex("explicit", O, "scatter_sequence", "ḡ's forward: the partial products reduce-scattered to this "
@@ -484,7 +485,8 @@ def cp_page() -> Page:
                 _ex("shard_map", J, "ring_core.core_fwd", "… per hop, before the compute; backward sends dK|dV "
                     "the same way.", start="kv = jnp.stack", end="kv = incoming", key='send(kv)'),
             )),
-        Row("Ulysses: from sequence shards to head shards and back", f"{ops(cp_comm(cfg, 'ulysses'))} (`cp_comm`: 8 all-to-alls per layer)", (
+        Row("Ulysses: from sequence shards to head shards and back",
+            f"{ops(cp_comm(cfg, 'ulysses'))} (`cp_comm`: 8 all-to-alls per layer)", (
             _ex("explicit", P, "seq_to_heads", "`all_to_all_single`: head group j to rank j, sequence chunks back "
                 "in rank order.", start="send = x.reshape", end="return recv"),
             _ex("explicit", P, "UlyssesCore.__call__", "q, k, v to heads, SDPA on H/N heads, the output back; each "
