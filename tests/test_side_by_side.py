@@ -108,7 +108,7 @@ def test_cuts_by_name_narrowing_and_markers(tmp_path, monkeypatch):
                     return hop
                 return inner
         '''))
-    monkeypatch.setattr(sbs, "ROOT", str(tmp_path))
+    monkeypatch.setattr(sbs.cut, "ROOT", str(tmp_path))
     sbs._source.cache_clear()
     try:
         assert sbs.span(sbs.Cut("m.py", "X")) == (1, 1)
@@ -131,7 +131,7 @@ def test_check_flag_lists_stale_pages(tmp_path, monkeypatch, capsys):
     """--check exits 1 naming each stale page (here: all, against an empty tree) and writes nothing."""
     real = sbs.generate()
     monkeypatch.setattr(sbs, "generate", lambda: real)
-    monkeypatch.setattr(sbs, "ROOT", str(tmp_path))
+    monkeypatch.setattr(sbs.cut, "ROOT", str(tmp_path))
     assert sbs.main(["--check"]) == 1
     out = capsys.readouterr().out
     assert all(f"stale: {path}" in out for path in real) and "run `python scripts/side_by_side.py`" in out
