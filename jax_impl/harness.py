@@ -143,7 +143,7 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
             if (s.plan.every or s.plan.save_at) and _preempted():  # SIGTERM: stop after this step, saved
                 if not s.plan.due(k + 1):
                     checkpoints.save(cfg, setup, tuple(state), k + 1, s)
-                raise preempt.Preempted(k + 1)
+                raise checkpoints.preempted(s, k + 1)  # one line: the step, the folder saved
     state = tuple(state)
     state_bytes = setup.state_bytes(state) if setup.state_bytes else {
         "params": tree_bytes(state[0], per_device=True), "grads": tree_bytes(state[0], per_device=True),

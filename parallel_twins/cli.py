@@ -214,6 +214,9 @@ def checkpoint_plan(args, cfgs):
         if args.resume or args.checkpoint_every is not None or args.keep is not None:
             raise ValueError("--resume, --checkpoint-every and --keep need --checkpoint-dir DIR")
         return None
+    from shared.checkpoint_io import checkpoint_dir
+
+    checkpoint_dir(args.checkpoint_dir)  # a link: refused before anything is written through it
     check_output_path("--checkpoint-dir", args.checkpoint_dir, directory=True)
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise ValueError(f"--checkpoint-every {args.checkpoint_every}: a number of steps >= 1")
@@ -337,13 +340,6 @@ def make_configs(args):
     return [c for c in cfgs if not c.mesh or c.applies("mesh")]  # the mesh runs the transformer only
 
 
-def _preempted(errors) -> bool:
-    """SIGTERM reached this process, or a rank stopped on one (its Preempted in the errors)."""
-    from shared import preempt
-
-    return preempt.requested() or any("Preempted: preempted (SIGTERM)" in e for e in errors)
-
-
 def default_experts(world: int) -> int:
     """ep's E when --experts is not given: the smallest multiple of the world size that is >= 4
     (ep = world size needs E % N == 0; 4 experts on 1, 2 or 4 ranks, 8 on 8)."""
@@ -360,11 +356,15 @@ def _product(layout) -> int:
 def main(argv=None) -> int:
     """compare.py's entry: Ctrl-C anywhere is one line and exit 130 (during the runs, the rows
     that finished are still written to --json / --markdown first)."""
+    from shared import preempt
+
     try:
         return _main(argv)
     except KeyboardInterrupt:
         print("compare.py: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
         return 130
+    finally:
+        preempt.reset()  # the handlers there were before the runs (a caller that goes on: the tests)
 
 
 def _main(argv=None) -> int:
@@ -430,10 +430,10 @@ def _main(argv=None) -> int:
     console = report.make_console(quiet=not rank0)
     t0 = time.perf_counter()
     interrupted = None
-    if plan is not None:  # SIGTERM: every run finishes its step and saves it, then exit 143 (shared/preempt.py)
-        from shared import preempt
+    from parallel_twins import stops
+    from shared import preempt
 
-        preempt.install()
+    stops.watch(plan, launched="RANK" in os.environ)  # SIGTERM / SIGINT: finish the step and save, or stop at once
     try:
         if args.quiet or not rank0 or not console.is_terminal:  # a live line on a terminal; in a log, a plain
             progress = None if args.quiet or not rank0 else report.Progress(  # line every 30 s of runs (stderr)
@@ -447,13 +447,18 @@ def _main(argv=None) -> int:
             with Live(progress, console=console, refresh_per_second=4, transient=True):
                 rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device,
                                                   progress.event, args.timeout, checkpoint=plan, styles=args.styles)
-    except Interrupted as stop:  # Ctrl-C: what finished is written below, then one line, exit 130
+    except Interrupted as stop:  # Ctrl-C, a signal: what finished is written below, then one line
         (rows, xfw, errors, refs), interrupted = stop.results, stop.during
+    except preempt.Stopped as stop:  # a signal before the first framework started
+        rows, xfw, errors, refs, interrupted = [], [], [f"stopped by {stop.signame} before the runs"], {}, \
+            args.frameworks[0]
+    finally:
+        stops.quiet()  # from here a signal is only recorded: the results are written whole
     elapsed = time.perf_counter() - t0
-    preempted = plan is not None and _preempted(errors)
-    ok = report.all_ok(rows, xfw, errors) and interrupted is None and not preempted
-    if preempted and (not rank0 or os.environ.get("JAX_PROCESS_ID", "0") != "0"):  # process 0 says it
-        return 143
+    signame = stops.stopped(errors)
+    ok = report.all_ok(rows, xfw, errors) and interrupted is None and signame is None
+    if signame and (not rank0 or os.environ.get("JAX_PROCESS_ID", "0") != "0"):  # process 0 says it
+        return preempt.exit_status(signame)
     if not rank0:
         return 130 if interrupted else 0 if ok else 1
     from shared.provenance import process_layout, provenance, provenance_markdown, stamp
@@ -463,7 +468,8 @@ def _main(argv=None) -> int:
     data = stamp({"config": vars(cfg), "configs": {run_key(c): vars(c) for c in cfgs},
                   "runs": [r.to_json() for r in rows], "cross_framework": xfw,
                   "errors": errors, "ok": ok, "seconds": elapsed,
-                  **({"interrupted": interrupted} if interrupted else {})}, block)
+                  **({"interrupted": interrupted} if interrupted else {}),
+                  **({"signal": signame} if signame else {})}, block)
     try:  # the results first: nothing printed or drawn below can lose them
         if args.json:
             report.write_json(args.json, data)
@@ -474,17 +480,10 @@ def _main(argv=None) -> int:
         late_failure = True
     else:
         late_failure = False
-    if preempted:
-        print(f"compare.py: stopped by SIGTERM: each run saved the step it finished under {args.checkpoint_dir}; "
-              f"{len(rows)} finished rows{' written to ' + args.json if args.json and args.json != '-' else ''}; "
-              "continue with --resume", file=sys.stderr, flush=True)
-        return 143
-    if interrupted:
-        saved = [p for p in (args.json, args.markdown) if p and p != "-"]
-        print(f"compare.py: interrupted (Ctrl-C) during the {interrupted} runs; {len(rows)} finished rows"
-              + (f" written to {', '.join(saved)}" if saved else " (none saved: no --json)"),
-              file=sys.stderr, flush=True)
-        return 130
+    if signame or interrupted:
+        written = [p for p in (args.json, args.markdown) if p and p != "-"]
+        print(stops.line(signame, plan, errors, interrupted, len(rows), written), file=sys.stderr, flush=True)
+        return preempt.exit_status(signame or "SIGINT")
 
     if args.show_collectives:
         from parallel_twins import report_collectives as shown

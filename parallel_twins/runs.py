@@ -149,8 +149,8 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
     from shared import preempt
 
     for fw in frameworks:
-        if preempt.requested():  # SIGTERM (with --checkpoint-dir): the runs in flight saved and stopped
-            errors.append(f"{fw}: not run (SIGTERM)")
+        if preempt.requested():  # SIGTERM / SIGINT (with --checkpoint-dir): the runs in flight saved and stopped
+            errors.append(f"{fw}: not run ({preempt.signal_name()})")
             break
         report = (lambda event, fw=fw: progress(fw, event)) if progress else None
         if report:
@@ -168,16 +168,18 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
                 finally:  # also on Ctrl-C: the patterns that finished
                     raw[fw] = {p: (res[p] if p == "collectives" else dict(zip(models_of[p], res[p], strict=True)))
                                for p in patterns if p in res}
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:  # Ctrl-C, or a signal without --checkpoint-dir (preempt.Stopped)
             interrupted = fw
-            errors.append(f"{fw}: interrupted (Ctrl-C)")
+            errors.append(f"{fw}: stopped by {exc.signame}" if isinstance(exc, preempt.Stopped)
+                          else f"{fw}: interrupted (Ctrl-C)")
             break
         except Exception as exc:  # noqa: BLE001 - reported as a failed framework, exit 1
             errors.append(f"{fw}: {type(exc).__name__}: {exc}")
             if os.environ.get("PARALLEL_TWINS_DEBUG"):
                 traceback.print_exc()
-            if "preempted (SIGTERM)" in str(exc):  # a rank stopped on SIGTERM: so does the rest
-                break
+            if isinstance(exc, preempt.Preempted) or "Preempted: preempted (SIG" in str(exc):  # a run stopped
+                break  # on a signal (a rank's, in a LaunchError's line): so does the rest
+    preempt.quiet()  # the runs are over: a later signal is recorded, and the rows below are built whole
     rows, xfw, refs = [], [], {}
     for pattern in patterns:
         if pattern == "collectives":  # model-independent

@@ -210,7 +210,7 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
                 if not session.plan.due(k + 1):
                     ckpt.save(cfg, ctx, setup, k + 1, session)
                 dist.barrier()  # saved everywhere before any rank reports
-                raise preempt.Preempted(k + 1)
+                raise ckpt.preempted(session, k + 1)  # one line: the step, the folder saved
     state = setup.state() if setup.state else {
         "params": tensor_bytes(setup.params), "grads": tensor_bytes(g for g in setup.grads() if g is not None),
         "optimizer": optimizer_state_bytes(setup.optimizer)}
@@ -297,7 +297,7 @@ def run_jobs(ctx: RankContext, jobs: list[tuple], checkpoint: Plan | None = None
     patterns on rank 0."""
     out: dict[str, object] = {}
     if checkpoint is not None:
-        preempt.install()  # SIGTERM: finish the step, save, stop (train_loop)
+        preempt.install()  # SIGTERM / SIGINT: finish the step, save, stop (train_loop)
     for pattern, cfgs, *chosen in jobs:
         if pattern == "collectives":
             ctx.progress(("start", "collectives"))
