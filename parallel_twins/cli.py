@@ -55,6 +55,7 @@ from parallel_twins.args import (
     check_output_path,
     csv_list,
     given_sizes,
+    prog,
     recipe_fields,
     round_up,
     run_key,
@@ -91,7 +92,7 @@ starts); 3 the runs finished (table printed, --json written) but a later output 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="compare.py", formatter_class=HelpFormatter, epilog=SUBCOMMANDS,
+    p = Parser(prog=f"{prog()}", formatter_class=HelpFormatter, epilog=SUBCOMMANDS,
                description="Run every parallelism pattern in torch and JAX, check each against a single-device\n"
                            "run and against the other framework, and print one table.")
     p.add_argument("--patterns", type=csv_list(PATTERNS), default=None, metavar="LIST",
@@ -195,7 +196,7 @@ def recipe_notes(args, cfgs) -> list[str]:
     notes = refusals(cfgs, args.patterns, args.frameworks, lambda fw, p, c: every(fw, p, c) if c in cfgs_for(cfgs, p)
                      else [])
     for line in notes:
-        print(f"compare.py: note: {line}", file=sys.stderr)
+        print(f"{prog()}: note: {line}", file=sys.stderr)
     return notes
 
 
@@ -226,6 +227,10 @@ def checkpoint_plan(args, cfgs):
     from shared.checkpoint import Plan, check_runs
 
     plan = Plan(dir=args.checkpoint_dir, every=args.checkpoint_every or 1, resume=args.resume, keep=args.keep or 0)
+    steps = cfgs[0].steps if cfgs else 0
+    if plan.every > steps and not args.quiet:  # legitimate (save on a signal only), but say so
+        print(f"{prog()}: note: --checkpoint-every {plan.every} is more than --steps {steps}: no step is saved on "
+              "the schedule, only on SIGTERM / SIGINT", file=sys.stderr)
     check_runs(plan, [(fw, pattern, style, variant, cfg) for fw in args.frameworks
                       for pattern in args.patterns if pattern != "collectives" for cfg in cfgs_for(cfgs, pattern)
                       for style, variant in chosen_variants(fw, pattern, cfg, args.styles)])
@@ -361,7 +366,7 @@ def main(argv=None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:
-        print("compare.py: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        print(f"{prog()}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
         return 130
     finally:
         preempt.reset()  # the handlers there were before the runs (a caller that goes on: the tests)
@@ -421,7 +426,7 @@ def _main(argv=None) -> int:
         check_styles(args, cfgs)
         recipe_notes(args, cfgs)
     except (ArgumentError, ValueError) as exc:
-        print(f"compare.py: error: {exc}", file=sys.stderr)
+        print(f"{prog()}: error: {exc}", file=sys.stderr)
         return 2
     from parallel_twins import report
     from parallel_twins.runs import Interrupted, collect, planned_runs
@@ -463,7 +468,7 @@ def _main(argv=None) -> int:
         return 130 if interrupted else 0 if ok else 1
     from shared.provenance import process_layout, provenance, provenance_markdown, stamp
 
-    block = provenance(["compare.py", *argv], world_size=cfg.world_size, layout=process_layout(
+    block = provenance([prog(), *argv], world_size=cfg.world_size, layout=process_layout(
         args.frameworks, cfg.world_size, args.device, [c.mesh_name for c in cfgs if c.mesh]))
     data = stamp({"config": vars(cfg), "configs": {run_key(c): vars(c) for c in cfgs},
                   "runs": [r.to_json() for r in rows], "cross_framework": xfw,

@@ -18,6 +18,8 @@ import subprocess
 import sys
 from importlib import metadata
 
+from parallel_twins.args import prog
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding parallel_twins, jax_impl
 
 _TORCH_PROBE = r"""
@@ -101,7 +103,7 @@ def _run(title: str, argv: list[str], timeout: float = 900) -> bool:
 def doctor_main(argv: list[str]) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="compare.py doctor", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=f"{prog()} doctor", description=__doc__.split("\n\n")[0])
     p.add_argument("--probe-only", action="store_true", help="print versions and devices, run nothing")
     args = p.parse_args(argv)
     print(f"python {sys.version.split()[0]} on {sys.platform}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 
+from parallel_twins.args import prog
 from shared import preempt
 
 # the one line a stopped run raises (shared.preempt.Preempted), inside its framework's error line
@@ -75,4 +76,4 @@ def line(signame: str | None, plan, errors, during: str | None, rows: int, writt
     during = during or next((e.split(":", 1)[0] for e in errors if _PREEMPTED.search(e)), None)
     where = f" during the {during} runs" if during else ""
     kept = f"{rows} finished rows" + (f" written to {', '.join(written)}" if written else " (none saved: no --json)")
-    return f"compare.py: {how}{where}; {kept}; {on_disk(plan, errors)}"
+    return f"{prog()}: {how}{where}; {kept}; {on_disk(plan, errors)}"
