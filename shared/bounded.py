@@ -32,10 +32,12 @@ class BadFile(ValueError):
         self.path = path
 
 
-def _depth(raw: bytes) -> int:
-    """The deepest nesting of [ and { in JSON text, outside strings; linear, no recursion."""
-    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
-        return raw.count(b"[") + raw.count(b"{")
+def _depth(raw: bytes, enough: int = 0) -> int:
+    """The deepest nesting of [ and { in JSON text, outside strings; linear, no recursion. When the
+    text holds no more than ``enough`` opening brackets in all, their count (a bound) is returned."""
+    opening = raw.count(b"[") + raw.count(b"{")
+    if opening <= enough:
+        return opening
     brackets = np.frombuffer(_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS), dtype=np.uint8)
     if brackets.size == 0:
         return 0
@@ -78,7 +80,7 @@ def parse(raw: bytes, path: str, what: str, max_depth: int = MAX_DEPTH):
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadFile(path, f"not UTF-8 text (byte {exc.start}): not {what}") from None
-    depth = _depth(raw)
+    depth = _depth(raw, max_depth)
     if depth > max_depth:
         raise BadFile(path, f"JSON nested {depth} deep, more than {max_depth}: not {what}")
     try:
