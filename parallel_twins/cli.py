@@ -87,8 +87,9 @@ SUBCOMMANDS = """subcommands (each has its own --help):
 exit status: 0 every run agrees with its reference (and across frameworks); 1 a parity check or a run
 failed; 2 bad arguments, config, output path, environment or resources (one line, before any process
 starts); 3 the runs finished (table printed, --json written) but a later output could not be written;
-130 Ctrl-C (one line; the rows that finished are written to --json first); 143 SIGTERM with
---checkpoint-dir (every run saved the step it finished: continue with --resume)."""
+130 Ctrl-C / SIGINT, 143 SIGTERM, to compare.py, a rank or the whole process group (one line saying
+what is on disk: with --checkpoint-dir each run in flight saved the step it finished, continue with
+--resume; without, nothing; the rows that finished are written to --json first)."""
 
 
 def build_parser() -> argparse.ArgumentParser:

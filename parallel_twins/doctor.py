@@ -101,11 +101,15 @@ def _run(title: str, argv: list[str], timeout: float = 900) -> bool:
 
 
 def doctor_main(argv: list[str]) -> int:
-    import argparse
+    from parallel_twins.args import ArgumentError, Parser
 
-    p = argparse.ArgumentParser(prog=f"{prog()} doctor", description=__doc__.split("\n\n")[0])
+    p = Parser(prog=f"{prog()} doctor", description=__doc__.split("\n\n")[0])
     p.add_argument("--probe-only", action="store_true", help="print versions and devices, run nothing")
-    args = p.parse_args(argv)
+    try:
+        args = p.parse_args(argv)
+    except ArgumentError as exc:  # one line, exit 2, as every other subcommand
+        print(f"{prog()} doctor: error: {exc}", file=sys.stderr)
+        return 2
     print(f"python {sys.version.split()[0]} on {sys.platform}")
     jx = _probe(_JAX_PROBE)  # JAX first, alone: its GPU backend starts before any torch import
     th = _probe(_TORCH_PROBE)

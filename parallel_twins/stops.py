@@ -65,8 +65,11 @@ def on_disk(plan, errors) -> str:
     if saved:
         return (f"the save of step {saved[0][0]} is not on disk ({saved[0][1]} has no manifest); the earlier "
                 f"checkpoints under {plan.dir} are kept; continue with --resume")
-    return (f"no step was saved at the stop (no run was training); the checkpoints already under {plan.dir} are "
-            "kept; continue with --resume")
+    import glob
+
+    earlier = glob.glob(os.path.join(glob.escape(plan.dir), "*", "step_*", "manifest.json"))
+    return "no step was saved at the stop; " + (f"the checkpoints already under {plan.dir} are kept; continue with "
+                                                 "--resume" if earlier else f"there is no checkpoint under {plan.dir}")
 
 
 def line(signame: str | None, plan, errors, during: str | None, rows: int, written: list[str]) -> str:
