@@ -61,6 +61,7 @@ from parallel_twins.args import (
     run_key,
     write_output,
 )
+from shared import preempt  # stdlib only
 from shared.collectives import BENCH_OPS, BENCH_SIZES  # NumPy only: safe before JAX starts
 from shared.config import MODELS, PATTERNS, RECOMPUTE, format_mesh, parse_mesh
 from shared.env import simulate_host_devices
@@ -362,10 +363,12 @@ def _product(layout) -> int:
 def main(argv=None) -> int:
     """compare.py's entry: Ctrl-C anywhere is one line and exit 130 (during the runs, the rows
     that finished are still written to --json / --markdown first)."""
-    from shared import preempt
-
     try:
         return _main(argv)
+    except preempt.Stopped as stop:  # SIGTERM / SIGINT before the runs: nothing ran, nothing to write
+        print(f"{prog()}: stopped by {stop.signame} before the runs: nothing ran, nothing saved", file=sys.stderr,
+              flush=True)
+        return preempt.exit_status(stop.signame)
     except KeyboardInterrupt:
         print(f"{prog()}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
         return 130
@@ -395,6 +398,8 @@ def _main(argv=None) -> int:
         from parallel_twins.diff import diff_main
 
         return diff_main(argv[1:])
+    if "RANK" not in os.environ:  # from here a SIGTERM is one line too (not under torchrun: its agent's)
+        preempt.install(graceful=False)
     try:
         args = build_parser().parse_args(argv)
         from parallel_twins.preflight import check_environment, check_jax_environment, check_resources
@@ -437,7 +442,6 @@ def _main(argv=None) -> int:
     t0 = time.perf_counter()
     interrupted = None
     from parallel_twins import stops
-    from shared import preempt
 
     stops.watch(plan, launched="RANK" in os.environ)  # SIGTERM / SIGINT: finish the step and save, or stop at once
     try:

@@ -181,6 +181,30 @@ def test_dash_is_standard_output_and_nothing_is_left_beside_a_folder(base, tmp_p
     assert sorted(os.listdir(tmp_path)) == ["DIR", "a.json"] and os.listdir(folder) == []
 
 
+def test_an_output_that_is_a_fifo_or_device_is_written_in_place_never_replaced(base, tmp_path, capsys):
+    """Held-out, harmful: diff wrote --json / --markdown aside and renamed over the path, so a FIFO
+    given as the output became a regular file, and, run as root, ``--json /dev/null`` replaced the
+    device node itself (/dev/full was found replaced by a report). Now a path that is not a regular
+    file is written in place (args.write_output), as every other command does."""
+    path = _write(tmp_path, "a.json", base)
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo).read()), daemon=True)
+    reader.start()
+    assert diff_main([path, path, "--json", str(fifo)]) == 0
+    reader.join(30)
+    assert json.loads(got[0])["rows"]["matched"] == 2
+    assert os.path.exists(fifo) and not os.path.isfile(fifo)  # still the FIFO
+    assert sorted(os.listdir(tmp_path)) == ["a.json", "out.fifo"]
+    capsys.readouterr()
+    if os.path.exists("/dev/full") and not os.path.isfile("/dev/full"):
+        assert diff_main([path, path, "--markdown", "/dev/full"]) == 2  # the device's ENOSPC: one line
+        assert capsys.readouterr().err == "compare.py diff: error: could not write: [Errno 28] No space left on " \
+                                          "device\n"
+        assert not os.path.isfile("/dev/full")
+
+
 @pytest.mark.parametrize("factor", ["nan", "inf", "-1", "0.5", "1"])
 def test_a_time_factor_that_would_hide_a_slowdown_is_refused(factor, base, tmp_path, capsys):
     path = _write(tmp_path, "a.json", base)
@@ -215,6 +239,9 @@ def test_plan_refuses_dev_zero_at_once(flag, capsys):
     (["--layout", "tp=4,tp=4"], "axis tp given twice"),  # was folded silently
     (["--layout", "tp=0"], "tp=0: a size from 1"),
     (["--layers", "100000000"], "--layers 100000000: must be <= 4096"),  # the search enumerated its divisors
+    (["--experts", "100000000", "--topk", "2"], "--experts 100000000: must be <= 65536"),  # held out: hung
+    (["--hbm-bandwidth", "0"], "--hbm-bandwidth 0: must be > 0"),  # held out: a ZeroDivisionError
+    (["--top", "0"], "--top 0: must be >= 1"),  # held out: ignored
     (["--gpu-memory", "1e400"], "--gpu-memory inf: a finite number"),
     (["--headroom", "1"], "--headroom 1: nothing of the GPU's memory would be usable"),
 ])
@@ -225,6 +252,8 @@ def test_plan_refuses_numbers_out_of_range_naming_the_flag(argv, says, capsys):
 def test_plan_refuses_run_and_bench_files_it_cannot_use(base, tmp_path, capsys):
     deep = _write(tmp_path, "deep.json", "[" * 100000 + "]" * 100000)
     assert "JSON nested 100000 deep, more than 64" in _timed_refusal(["--measured", deep], capsys)[1]
+    assert "JSON nested 100000 deep" in _timed_refusal(["--calibrate", deep], capsys)[1]  # held out: RecursionError
+    assert "a folder, not a compare.py --json result" in _timed_refusal(["--measured", str(tmp_path)], capsys)[1]
     notrun = _write(tmp_path, "notrun.json", {"runs": [{"x": 1}]})
     assert "runs[0] lacks pattern, framework, style, variant, ok" in _timed_refusal(["--measured", notrun], capsys)[1]
     bench = {"world_size": 4, "fits": [{"framework": "torch", "op": "all_reduce", "alpha_s": -1e-4,
