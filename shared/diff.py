@@ -56,6 +56,12 @@ class Finding:
 MAX_RESULT_BYTES = 256 * 2**20  # a result file of thousands of rows is a few MB; /dev/zero would never end
 
 
+class Result(dict):
+    """A loaded result: the dict, and ``row_texts``, each run's JSON text (validate's; diff reuses them)."""
+
+    row_texts: list[str] | None = None
+
+
 def load(path: str) -> dict:
     """A compare.py --json file, bounded (shared.bounded: a regular file or a pipe of at most
     MAX_RESULT_BYTES, at most MAX_DEPTH deep; a device refused at once) and validated against
@@ -64,19 +70,22 @@ def load(path: str) -> dict:
         data = read_json(path, "a compare.py --json result", MAX_RESULT_BYTES)
     except BadFile as exc:
         raise BadInput(path, str(exc).removeprefix(f"{path}: ")) from None
-    validate(data, path)
-    return data
+    out = Result(data) if isinstance(data, dict) else data
+    texts = validate(data, path)
+    out.row_texts = texts
+    return out
 
 
 SCHEMA_VERSIONS = (1,)  # docs/results-schema.json's "version"s this reads (shared.provenance.SCHEMA_VERSION)
 
 
-def validate(data, path: str) -> None:
+def validate(data, path: str) -> list[str]:
     """Refuse (BadInput, one line naming the file and the first problem) a result that
     docs/results-schema.json does not describe: its schema_version (an integer this reads), every
     type, and (from schema 1 on) every required key. A file written before schema 1 (no
     schema_version, no provenance) is still compared: its types are checked, and the keys a row is
-    matched by. NaN and ±inf pass here: the comparison reports them (``_nonfinite``)."""
+    matched by. NaN and ±inf pass here: the comparison reports them (``_nonfinite``). Returns each
+    run's JSON text (a repeated row is validated once: keyed by its text)."""
     from shared.schema import check
 
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
@@ -90,15 +99,18 @@ def validate(data, path: str) -> None:
     if versioned and (not isinstance(version, int) or isinstance(version, bool) or version not in SCHEMA_VERSIONS):
         raise BadInput(path, f"results schema version {version!r}: this version of compare.py reads "
                              f"{', '.join(map(str, SCHEMA_VERSIONS))} (docs/results-schema.json)")
-    rows, texts = data["runs"], {}
-    for i, run in enumerate(rows):  # a row repeated is checked once (a file of 20 000 copies: keyed, not walked)
-        texts.setdefault(json.dumps(run), i)
+    rows = data["runs"]
+    row_texts = [json.dumps(run) for run in rows]
+    texts: dict[str, int] = {}
+    for i, text in enumerate(row_texts):  # a row repeated is checked once (20 000 copies: keyed, not walked)
+        texts.setdefault(text, i)
     first = list(texts.values())
     problems = check({**data, "runs": [rows[i] for i in first]}, required=versioned, limit=2)
     problems = [re.sub(r"^runs\[(\d+)\]", lambda m: f"runs[{first[int(m.group(1))]}]", p) for p in problems]
     if problems:
         more = " (and more)" if len(problems) > 1 else ""
         raise BadInput(path, f"not a result of docs/results-schema.json: {problems[0]}{more}")
+    return row_texts
 
 
 def _xfw_status(ok) -> str:
@@ -107,14 +119,16 @@ def _xfw_status(ok) -> str:
     return "ok" if ok else "FAIL" if ok is False else "not comparable"
 
 
-def _hashable(v):
-    return v if v is None or isinstance(v, (str, int, float, bool)) else json.dumps(v, sort_keys=True)
+_SCALARS = (str, int, float, bool, type(None))
 
 
 def row_key(run: dict) -> tuple:
     """The row's KEY_FIELDS; precision "pure" (the default every row now states) keys as a file that
-    predates the field does: None."""
-    return tuple(None if k == "precision" and run.get(k) == "pure" else _hashable(run.get(k)) for k in KEY_FIELDS)
+    predates the field does: None. A value that is not a scalar (a hand-edited list) keys as its JSON."""
+    key = [run.get(k) for k in KEY_FIELDS]
+    if key[-1] == "pure":
+        key[-1] = None
+    return tuple(v if type(v) in _SCALARS else json.dumps(v, sort_keys=True) for v in key)
 
 
 def key_name(key: tuple) -> str:
@@ -237,12 +251,12 @@ def _memory(name: str, old: dict, new: dict) -> list[Finding]:
     return out
 
 
-def _row(key: tuple, old: dict, new: dict, seen: dict | None = None) -> list[Finding]:
-    """The findings of one matched row. ``seen``: findings by the two rows' JSON, so a pair repeated
-    (a file of duplicate rows) is compared once."""
+def _row(key: tuple, old: dict, new: dict, seen: dict | None = None, texts=None) -> list[Finding]:
+    """The findings of one matched row. ``seen``: findings by the two rows' JSON (``texts``), so a
+    pair repeated (a file of duplicate rows) is compared once."""
     name = key_name(key)
     if seen is not None:
-        texts = (json.dumps(old), json.dumps(new))
+        texts = texts or (json.dumps(old), json.dumps(new))
         if (name, texts) not in seen:
             seen[name, texts] = _row_findings(name, old, new, texts)
         return list(seen[name, texts])
@@ -271,7 +285,7 @@ def _row_findings(name: str, old: dict, new: dict, texts=None) -> list[Finding]:
     return out + _memory(name, old, new) + _nonfinite(name, old, new, texts)
 
 
-def time_ratios(runs: list[dict]) -> dict[tuple, tuple[float, str]]:
+def time_ratios(runs: list[dict], index: dict | None = None) -> dict[tuple, tuple[float, str]]:
     """{row key: (its step time / its anchor's, anchor name)} within one file. A row's anchor is the first
     builtin (torch) / jit (JAX) row of its pattern, model and framework; a JAX anchor's own is torch's
     anchor (("jax vs torch", pattern, model) keys), so a framework slower everywhere still shows."""
@@ -283,7 +297,7 @@ def time_ratios(runs: list[dict]) -> dict[tuple, tuple[float, str]]:
                                         and anchors[group]["style"] not in ANCHOR_STYLES):
                 anchors[group] = r
     out = {}
-    for key, r in _index(runs).items():
+    for key, r in (index if index is not None else _index(runs)).items():
         anchor = anchors.get((r["pattern"], r.get("model"), r["framework"]))
         if _time(r) and anchor is not None and anchor is not r:
             out[key] = (_time(r) / _time(anchor), f"{anchor['style']}/{anchor['variant']}")
@@ -295,8 +309,8 @@ def time_ratios(runs: list[dict]) -> dict[tuple, tuple[float, str]]:
     return out
 
 
-def _times(old_runs, new_runs, factor: float) -> list[Finding]:
-    a, b, out = time_ratios(old_runs), time_ratios(new_runs), []
+def _times(old_runs, new_runs, factor: float, index=(None, None)) -> list[Finding]:
+    a, b, out = time_ratios(old_runs, index[0]), time_ratios(new_runs, index[1]), []
     for key in [k for k in a if k in b]:
         (ra, anchor), (rb, _) = a[key], b[key]
         if max(ra, rb) > factor * min(ra, rb):
@@ -329,13 +343,19 @@ def _configs(old: dict, new: dict) -> list[Finding]:
     return out
 
 
+def _row_texts(data: dict) -> list[str]:
+    texts = getattr(data, "row_texts", None)
+    return texts if texts is not None and len(texts) == len(data["runs"]) else [json.dumps(r) for r in data["runs"]]
+
+
 def diff(old: dict, new: dict, time_factor: float | None = 2.0) -> dict:
     """Everything that changed from ``old`` to ``new`` (loaded files). ``time_factor`` None: no time findings."""
     a, b = _index(old["runs"]), _index(new["runs"])
+    ta, tb = ({id(r): t for r, t in zip(d["runs"], _row_texts(d))} for d in (old, new))  # one JSON text per row
     findings, seen = _configs(old, new), {}
     for key in a:
         if key in b:
-            findings += _row(key, a[key], b[key], seen)
+            findings += _row(key, a[key], b[key], seen, (ta[id(a[key])], tb[id(b[key])]))
         else:
             findings.append(Finding("regression", "rows", key_name(key[:len(KEY_FIELDS)]),
                                     "only in OLD: no longer runs"))
@@ -357,7 +377,7 @@ def diff(old: dict, new: dict, time_factor: float | None = 2.0) -> dict:
     findings += [Finding("improved", "errors", "", f"gone: {e}") for e in old.get("errors", [])
                  if e not in new.get("errors", [])]
     if time_factor:
-        findings += _times(old["runs"], new["runs"], time_factor)
+        findings += _times(old["runs"], new["runs"], time_factor, (a, b))
     findings.sort(key=lambda f: SEVERITIES.index(f.severity))  # stable: within a severity, the files' order
     pa, pb = flat(old.get("provenance") or {}), flat(new.get("provenance") or {})
     return {

@@ -295,6 +295,36 @@ def _bytes(path, data: bytes) -> str:
 
 
 def test_python_dash_m_runs_the_command_and_names_itself():
+    """``python -m parallel_twins`` had no __main__; the installed ``parallel-twins`` called itself
+    compare.py in its messages (and provenance)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-m", "parallel_twins", "plan", "--peak-flops", "0"], capture_output=True,
-                       text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                       text=True, timeout=120, cwd=root)
     assert r.returncode == 2 and r.stderr == "python -m parallel_twins plan: error: --peak-flops 0: must be > 0\n"
+    from parallel_twins import args
+
+    for argv0, name in (("/venv/bin/parallel-twins", "parallel-twins"), ("compare.py", "compare.py"),
+                        (os.path.join(root, "parallel_twins", "__main__.py"), "python -m parallel_twins")):
+        saved, sys.argv[0] = sys.argv[0], argv0
+        try:
+            assert args.prog() == name
+        finally:
+            sys.argv[0] = saved
+
+
+def test_the_flags_behind_a_refusal_or_a_silent_plan_are_named(capsys, tmp_path):
+    """--accumulate 1000000000 was refused for its memory without naming the flag; --checkpoint-every
+    beyond --steps created empty run folders and said nothing (it is legitimate: a save on a signal
+    only, so it is a note)."""
+    import argparse
+
+    from parallel_twins.cli import checkpoint_plan
+
+    assert compare.main(["--patterns", "dp", "--model", "mlp", "--world-size", "2", "--frameworks", "torch",
+                         "--accumulate", "1000000000"]) == 2
+    assert "(--accumulate 1000000000 micro-batches of " in capsys.readouterr().err
+    args = argparse.Namespace(checkpoint_dir=str(tmp_path), checkpoint_every=10, resume=False, keep=None, quiet=False,
+                              frameworks=["torch"], patterns=[], styles=None)
+    checkpoint_plan(args, [CFG.replace(steps=5)])
+    assert capsys.readouterr().err == "compare.py: note: --checkpoint-every 10 is more than --steps 5: no step is " \
+                                      "saved on the schedule, only on SIGTERM / SIGINT\n"
