@@ -17,13 +17,14 @@ handler into a recorder once the runs are over. Stdlib only.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 from collections.abc import Callable
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 EXIT_STATUS = 128 + signal.SIGTERM  # 143; SIGINT: 130 (exit_status)
-_state: dict = {"signal": None, "mode": None, "previous": {}}
+_state: dict = {"signal": None, "mode": None, "previous": {}, "raised": False}
 forwarders: list[Callable[[], None]] = []  # run by the handler: the torch launcher passes SIGTERM on to its ranks
 
 
@@ -54,7 +55,8 @@ def _handler(signum, frame) -> None:
         _state["signal"] = name
     for forward in list(forwarders):
         forward()
-    if _state["mode"] == "at once" and first:
+    if _state["mode"] == "at once" and not _state["raised"]:
+        _state["raised"] = True
         raise Stopped(name)
     if _state["mode"] == "graceful" and not first and signum == signal.SIGINT:
         raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the save
@@ -79,6 +81,25 @@ def quiet() -> None:
         _state["mode"] = "record"
 
 
+@contextlib.contextmanager
+def deferred():
+    """A block a stop must not cut in two (the torch launcher starting its ranks: a rank half started
+    is one the launcher cannot end): a signal inside is recorded, and an "at once" stop is raised
+    when the block ends."""
+    mode = _state["mode"]
+    if mode != "at once":
+        yield
+        return
+    _state["mode"] = "record"
+    try:
+        yield
+    finally:
+        _state["mode"] = mode
+    if _state["signal"] is not None and not _state["raised"]:
+        _state["raised"] = True
+        raise Stopped(_state["signal"])
+
+
 def installed() -> bool:
     """Whether this process's SIGTERM handler is the one ``install`` set."""
     return signal.getsignal(signal.SIGTERM) is _handler
@@ -100,7 +121,7 @@ def exit_status(signame: str | None) -> int:
 def reset() -> None:
     """Forget a request and restore the handlers there were before ``install`` (tests; a process that
     goes on). Never installed: SIGTERM's default."""
-    _state["signal"], _state["mode"] = None, None
+    _state["signal"], _state["mode"], _state["raised"] = None, None, False
     if threading.current_thread() is threading.main_thread():
         previous = _state["previous"]
         for sig in SIGNALS:

@@ -164,8 +164,9 @@ def launch(
     forward = functools.partial(_forward_sigterm, procs)  # preemption: SIGTERM reaches every rank
     preempt.forwarders.append(forward)
     try:
-        for p in procs:
-            p.start()
+        with preempt.deferred():  # a stop raised mid-start would leave a rank the teardown cannot see
+            for p in procs:
+                p.start()
         while len(results) < world_size:
             try:
                 rank, status, payload = results_q.get(timeout=0.05)
