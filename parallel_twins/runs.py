@@ -177,8 +177,8 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
             errors.append(f"{fw}: {type(exc).__name__}: {exc}")
             if os.environ.get("PARALLEL_TWINS_DEBUG"):
                 traceback.print_exc()
-            if isinstance(exc, preempt.Preempted) or "Preempted: preempted (SIG" in str(exc):  # a run stopped
-                break  # on a signal (a rank's, in a LaunchError's line): so does the rest
+            if preempt.is_stop(exc):  # a run stopped on a signal (a rank's, in a LaunchError's line): so does
+                break  # the rest
     preempt.quiet()  # the runs are over: a later signal is recorded, and the rows below are built whole
     rows, xfw, refs = [], [], {}
     for pattern in patterns:

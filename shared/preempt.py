@@ -87,8 +87,8 @@ def deferred():
     is one the launcher cannot end): a signal inside is recorded, and an "at once" stop is raised
     when the block ends."""
     mode = _state["mode"]
-    if mode != "at once":
-        yield
+    if mode != "at once" or threading.current_thread() is not threading.main_thread():
+        yield  # (a handler raises only in the main thread: a block elsewhere is never cut)
         return
     _state["mode"] = "record"
     try:
@@ -112,6 +112,13 @@ def requested() -> bool:
 def signal_name() -> str | None:
     """The first signal received ("SIGTERM" / "SIGINT"), or None."""
     return _state["signal"]
+
+
+def is_stop(error) -> bool:
+    """Whether ``error`` (an exception, or a line of compare.py's errors) is a run stopped by a signal
+    (``Preempted``, or its line inside a launch's error): the frameworks after it are not run."""
+    return isinstance(error, Preempted) or "Preempted: preempted (SIG" in str(error) or \
+        str(error).startswith("preempted (SIG")
 
 
 def exit_status(signame: str | None) -> int:

@@ -26,7 +26,6 @@ import os
 import queue as queue_mod
 import signal
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -217,21 +216,21 @@ def _start_method():
 
 
 def _start_forkserver() -> None:
-    """Start the forkserver now, with SIGTERM ignored, which it keeps across its exec: ``kill -TERM
-    -PGID``, GNU ``timeout`` and batch schedulers signal the whole process group, and a forkserver that
-    died of it would take every rank with it (a rank dies with its parent: PR_SET_PDEATHSIG) in the
-    middle of the step they were finishing to save. It still ends with this process (its pipe closes);
-    each rank restores SIGTERM's default as it starts (``_rank_main``)."""
-    from multiprocessing import forkserver
+    """Start the forkserver now with SIGTERM blocked in this thread, a mask it keeps across its exec:
+    ``kill -TERM -PGID``, GNU ``timeout`` and batch schedulers signal the whole process group, and a
+    forkserver that died of it would take every rank with it (a rank dies with its parent:
+    PR_SET_PDEATHSIG) in the middle of the step they were finishing to save. It still ends with this
+    process (its pipe closes); each rank unblocks SIGTERM and restores its default as it starts
+    (``_rank_main``). Blocked in this thread only, and only while the forkserver starts: a SIGTERM to
+    this process meanwhile is delivered (to the main thread), not lost; any thread may launch."""
+    from multiprocessing import forkserver, resource_tracker
 
-    if threading.current_thread() is not threading.main_thread():
-        forkserver.ensure_running()
-        return
-    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    resource_tracker.ensure_running()  # first: starting it unblocks SIGTERM in this thread, whatever was set
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         forkserver.ensure_running()
     finally:
-        signal.signal(signal.SIGTERM, before)  # (a SIGTERM in these few ms is lost: the first launch only)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _forward_sigterm(procs) -> None:
@@ -272,8 +271,8 @@ def _describe_exit(code: int) -> str:
 
 def _stop(procs, graceful: bool) -> None:
     """Join finished ranks briefly; terminate, then kill, whatever is left. Not graceful (a rank
-    failed, a signal stopped the launch): killed at once: a rank still starting ignores SIGTERM (the
-    forkserver's setting, until ``_rank_main`` restores it), and a rank that saves on a signal has
+    failed, a signal stopped the launch): killed at once: a rank still starting has SIGTERM blocked
+    (the forkserver's mask, until ``_rank_main`` unblocks it), and a rank that saves on a signal has
     already saved when it reports."""
     if graceful:
         end = time.monotonic() + 10.0
@@ -348,7 +347,8 @@ def _rank_main(rank, world_size, port, fn, args, kind, results_q, timeout_s, thr
     if environ is not None:  # the launching process's environment now, not the forkserver's at its start
         os.environ.clear()
         os.environ.update(environ)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the forkserver ignores it (forkserver_guard); a rank does not
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # the forkserver blocks it; a rank does not
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     die_with_parent()  # the forkserver
     if "PARALLEL_TWINS_LAUNCHER_PID" in os.environ:  # and the launcher: a forkserver may outlive it
         die_with_process(int(os.environ["PARALLEL_TWINS_LAUNCHER_PID"]))
