@@ -46,6 +46,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shared import preempt
 from shared.checkpoint import (
     CheckpointError,
     Plan,
@@ -286,10 +287,27 @@ def writer_lock(plan: Plan, run_dir: str):
         lock.__exit__()
 
 
+def preempted(s: Session, step: int) -> preempt.Preempted:
+    """What the training loop raises once ``step`` is saved on a signal (shared/preempt.py)."""
+    return preempt.Preempted(step, os.path.join(s.run_dir, step_name(step)))
+
+
+def stop_requested() -> bool:
+    """Whether SIGTERM or SIGINT came (with several processes: to any of them; every one answers the same)."""
+    if jax.process_count() == 1:
+        return preempt.requested()
+    from jax.experimental import multihost_utils
+
+    return bool(np.max(multihost_utils.process_allgather(np.int32(preempt.requested()))))
+
+
 def run(module, pattern: str, cfg, problem, style: str, variant: str, mesh, plan: Plan):
     """One (style, variant) run of ``module`` under ``plan``: from ``plan.source`` (verified, checked,
     resharded by probes) or from step 0; saving when ``plan.due``. Returns its Trained. Process 0
-    holds the run folder's lock throughout (``writer_lock``)."""
+    holds the run folder's lock throughout (``writer_lock``). A signal that came before it began
+    stops it before its first step: nothing saved."""
+    if plan.writes and stop_requested():
+        raise preempt.Preempted(None)
     run_dir = plan.run_dir("jax", pattern, style, variant, cfg)
     with writer_lock(plan, run_dir):
         return _run(module, pattern, cfg, problem, style, variant, mesh, plan, run_dir)

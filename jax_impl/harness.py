@@ -148,7 +148,7 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
             if (s.plan.every or s.plan.save_at) and _preempted():  # SIGTERM: stop after this step, saved
                 if not s.plan.due(k + 1):
                     checkpoints.save(cfg, setup, tuple(state), k + 1, s)
-                raise preempt.Preempted(k + 1)
+                raise checkpoints.preempted(s, k + 1)  # one line: the step, the folder saved
     state = tuple(state)
     params = setup.params_fixture(state)  # before any bare step (bench --overhead) moves them
     timed = [k != start for k in range(start, cfg.steps)]  # the first: the program's first run (allocations)

@@ -29,6 +29,16 @@ class ArgumentError(Exception):
     pass
 
 
+def prog() -> str:
+    """The name the command was started by, for its messages, usage and provenance: ``compare.py``
+    (the repository's entry point, and library callers), ``parallel-twins`` (the installed command)
+    or ``python -m parallel_twins``."""
+    started = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if started == "__main__.py" and os.path.basename(os.path.dirname(sys.argv[0])) == "parallel_twins":
+        return "python -m parallel_twins"
+    return "parallel-twins" if started == "parallel-twins" else "compare.py"
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one clear line, exit 2 (argparse prints usage + error otherwise)
         raise ArgumentError(message)

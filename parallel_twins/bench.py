@@ -31,13 +31,14 @@ from parallel_twins.args import (
     check_output_path,
     csv_list,
     launched,
+    prog,
 )
 from shared.collectives import BENCH_OPS  # NumPy only: safe before JAX starts
 from shared.env import simulate_host_devices
 
 
 def build_bench_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="compare.py bench", formatter_class=HelpFormatter,
+    p = Parser(prog=f"{prog()} bench", formatter_class=HelpFormatter,
                description="nccl-tests-style bandwidth sweep of the collectives (time per call, algbw, busbw, "
                            "an α–β fit per op) and each torch rank's matmul FLOP/s.")
     add_frameworks(p)
@@ -96,7 +97,7 @@ def bench_main(argv) -> int:
         simulate_host_devices(args.world_size)  # before JAX starts
         check_devices(args.frameworks, args.world_size, args.device)
     except (ArgumentError, ValueError) as exc:
-        print(f"compare.py bench: error: {exc}", file=sys.stderr)
+        print(f"{prog()} bench: error: {exc}", file=sys.stderr)
         return 2
     from rich.table import Table
 
@@ -121,7 +122,7 @@ def bench_main(argv) -> int:
         if args.json:  # first: nothing printed below can lose the measurements
             from shared.provenance import process_layout, provenance, stamp
 
-            block = provenance(["compare.py", "bench", *argv], world_size=args.world_size,
+            block = provenance([prog(), "bench", *argv], world_size=args.world_size,
                                layout=process_layout(args.frameworks, args.world_size, args.device))
             write_json(args.json, stamp({"world_size": args.world_size, "results": results, "fits": fits,
                                          "compute": compute, "memcpy": memcpy,
@@ -135,7 +136,7 @@ def bench_main(argv) -> int:
                  **{k: matmul[0][k] for k in extras[3:] if k in matmul[0]}}, memcpy,
                 matmul[0].get("memory"), device_name=matmul[0].get("name", "")))
     except OSError as exc:
-        failed = f"compare.py bench: could not write the results: {exc}"
+        failed = f"{prog()} bench: could not write the results: {exc}"
     console = make_console(quiet=args.quiet, json_to_stdout=args.json == "-")  # --json -: JSON alone on stdout
     table = Table(title=f"collective bandwidth, world size {args.world_size} ({args.iters} timed calls per size)")
     for col in ("framework", "op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):

@@ -34,6 +34,7 @@ from parallel_twins.args import (
     check_output_path,
     given_sizes,
     launched,
+    prog,
 )
 from shared.config import MODELS
 from shared.env import simulate_host_devices
@@ -140,7 +141,7 @@ def print_matrix(rows, console) -> None:
 
 
 def matrix_main(argv) -> int:
-    p = Parser(prog="compare.py checkpoint", formatter_class=HelpFormatter, description=__doc__.split("\n\n")[0])
+    p = Parser(prog=f"{prog()} checkpoint", formatter_class=HelpFormatter, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=MODELS, default="mlp", help="the workload")
     add_frameworks(p)
     add_world_size(p, 2, "ranks of every layout but single")
@@ -177,7 +178,7 @@ def matrix_main(argv) -> int:
             worlds = {w or cfg.world_size for fw in frameworks for *_, w in LAYOUTS[fw].values()}
             check_resources([cfg.replace(world_size=max(worlds))], frameworks, under_torchrun=launched())
     except (ArgumentError, ValueError) as exc:
-        print(f"compare.py checkpoint: error: {exc}", file=sys.stderr)
+        print(f"{prog()} checkpoint: error: {exc}", file=sys.stderr)
         return 2
     simulate_host_devices(cfg.world_size)  # before JAX starts
     from parallel_twins.report import make_console, write_json
@@ -201,7 +202,7 @@ def matrix_main(argv) -> int:
     if args.json:
         from shared.provenance import process_layout, provenance, stamp
 
-        block = provenance(["compare.py", "checkpoint", *argv], world_size=cfg.world_size,
+        block = provenance([prog(), "checkpoint", *argv], world_size=cfg.world_size,
                            layout=process_layout(args.frameworks, cfg.world_size, "cpu"))
         write_json(args.json, stamp({"config": vars(cfg), "rows": rows, "cost": cost, "ok": ok}, block))
     return 0 if ok else 1

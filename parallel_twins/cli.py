@@ -58,11 +58,13 @@ from parallel_twins.args import (
     check_output_path,
     csv_list,
     given_sizes,
+    prog,
     recipe_fields,
     round_up,
     run_key,
     write_output,
 )
+from shared import preempt  # stdlib only
 from shared.collectives import BENCH_OPS, BENCH_SIZES  # NumPy only: safe before JAX starts
 from shared.config import MODELS, PATTERNS, RECOMPUTE, format_mesh, parse_mesh
 from shared.env import simulate_host_devices, use_compile_cache
@@ -89,12 +91,13 @@ SUBCOMMANDS = """subcommands (each has its own --help):
 exit status: 0 every run agrees with its reference (and across frameworks); 1 a parity check or a run
 failed; 2 bad arguments, config, output path, environment or resources (one line, before any process
 starts); 3 the runs finished (table printed, --json written) but a later output could not be written;
-130 Ctrl-C (one line; the rows that finished are written to --json first); 143 SIGTERM with
---checkpoint-dir (every run saved the step it finished: continue with --resume)."""
+130 Ctrl-C / SIGINT, 143 SIGTERM, to compare.py, a rank or the whole process group (one line saying
+what is on disk: with --checkpoint-dir each run in flight saved the step it finished, continue with
+--resume; without, nothing; the rows that finished are written to --json first)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="compare.py", formatter_class=HelpFormatter, epilog=SUBCOMMANDS,
+    p = Parser(prog=f"{prog()}", formatter_class=HelpFormatter, epilog=SUBCOMMANDS,
                description="Run every parallelism pattern in torch and JAX, check each against a single-device\n"
                            "run and against the other framework, and print one table.")
     p.add_argument("--patterns", type=csv_list(PATTERNS), default=None, metavar="LIST",
@@ -202,7 +205,7 @@ def recipe_notes(args, cfgs) -> list[str]:
     notes = refusals(cfgs, args.patterns, args.frameworks, lambda fw, p, c: every(fw, p, c) if c in cfgs_for(cfgs, p)
                      else [])
     for line in notes:
-        print(f"compare.py: note: {line}", file=sys.stderr)
+        print(f"{prog()}: note: {line}", file=sys.stderr)
     return notes
 
 
@@ -221,6 +224,9 @@ def checkpoint_plan(args, cfgs):
         if args.resume or args.checkpoint_every is not None or args.keep is not None:
             raise ValueError("--resume, --checkpoint-every and --keep need --checkpoint-dir DIR")
         return None
+    from shared.checkpoint_io import checkpoint_dir
+
+    checkpoint_dir(args.checkpoint_dir)  # a link: refused before anything is written through it
     check_output_path("--checkpoint-dir", args.checkpoint_dir, directory=True)
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise ValueError(f"--checkpoint-every {args.checkpoint_every}: a number of steps >= 1")
@@ -230,6 +236,10 @@ def checkpoint_plan(args, cfgs):
     from shared.checkpoint import Plan, check_runs
 
     plan = Plan(dir=args.checkpoint_dir, every=args.checkpoint_every or 1, resume=args.resume, keep=args.keep or 0)
+    steps = cfgs[0].steps if cfgs else 0
+    if plan.every > steps and not args.quiet:  # legitimate (save on a signal only), but say so
+        print(f"{prog()}: note: --checkpoint-every {plan.every} is more than --steps {steps}: no step is saved on "
+              "the schedule, only on SIGTERM / SIGINT", file=sys.stderr)
     check_runs(plan, [(fw, pattern, style, variant, cfg) for fw in args.frameworks
                       for pattern in args.patterns if pattern != "collectives" for cfg in cfgs_for(cfgs, pattern)
                       for style, variant in chosen_variants(fw, pattern, cfg, args.styles)])
@@ -363,13 +373,6 @@ def size_preset(args, world: int) -> str:
     return args.size
 
 
-def _preempted(errors) -> bool:
-    """SIGTERM reached this process, or a rank stopped on one (its Preempted in the errors)."""
-    from shared import preempt
-
-    return preempt.requested() or any("Preempted: preempted (SIGTERM)" in e for e in errors)
-
-
 def default_experts(world: int) -> int:
     """ep's E when --experts is not given: the smallest multiple of the world size that is >= 4
     (ep = world size needs E % N == 0; 4 experts on 1, 2 or 4 ranks, 8 on 8)."""
@@ -388,9 +391,15 @@ def main(argv=None) -> int:
     that finished are still written to --json / --markdown first)."""
     try:
         return _main(argv)
+    except preempt.Stopped as stop:  # SIGTERM / SIGINT before the runs: nothing ran, nothing to write
+        print(f"{prog()}: stopped by {stop.signame} before the runs: nothing ran, nothing saved", file=sys.stderr,
+              flush=True)
+        return preempt.exit_status(stop.signame)
     except KeyboardInterrupt:
-        print("compare.py: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        print(f"{prog()}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
         return 130
+    finally:
+        preempt.reset()  # the handlers there were before the runs (a caller that goes on: the tests)
 
 
 def _main(argv=None) -> int:
@@ -420,6 +429,8 @@ def _main(argv=None) -> int:
         from parallel_twins.diff import diff_main
 
         return diff_main(argv[1:])
+    if "RANK" not in os.environ:  # from here a SIGTERM is one line too (not under torchrun: its agent's)
+        preempt.install(graceful=False)
     try:
         args = build_parser().parse_args(argv)
         from parallel_twins.preflight import check_environment, check_jax_environment, check_resources
@@ -452,7 +463,7 @@ def _main(argv=None) -> int:
         check_styles(args, cfgs)
         recipe_notes(args, cfgs)
     except (ArgumentError, ValueError) as exc:
-        print(f"compare.py: error: {exc}", file=sys.stderr)
+        print(f"{prog()}: error: {exc}", file=sys.stderr)
         return 2
     from parallel_twins import report
     from parallel_twins.runs import Interrupted, collect, planned_kinds
@@ -461,15 +472,14 @@ def _main(argv=None) -> int:
     console = report.make_console(quiet=not rank0, json_to_stdout=args.json == "-")
     t0 = time.perf_counter()
     interrupted = None
-    if plan is not None:  # SIGTERM: every run finishes its step and saves it, then exit 143 (shared/preempt.py)
-        from shared import preempt
+    from parallel_twins import stops
 
-        preempt.install()
     # On the CPU the torch ranks run while JAX compiles (a thread launches them): JAX's compiler takes one core,
     # the ranks the rest. Not with checkpoints (SIGTERM's save-and-stop is sequential) nor on GPUs (the two
     # would share the devices' time).
     side = plan is None and not on_gpus(args.device, cfg.world_size) and set(args.frameworks) == {"torch", "jax"} \
         and "RANK" not in os.environ and "JAX_PROCESS_ID" not in os.environ and not args.sequential
+    stops.watch(plan, launched="RANK" in os.environ)  # SIGTERM / SIGINT: finish the step and save, or stop at once
     try:
         if args.quiet or not rank0 or not console.is_terminal:  # a live line on a terminal; in a log, a plain
             progress = None if args.quiet or not rank0 else report.Progress(  # line every 30 s of runs (stderr)
@@ -485,23 +495,29 @@ def _main(argv=None) -> int:
                 rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device,
                                                   progress.event, args.timeout, checkpoint=plan, styles=args.styles,
                                                   side_by_side=side)
-    except Interrupted as stop:  # Ctrl-C: what finished is written below, then one line, exit 130
+    except Interrupted as stop:  # Ctrl-C, a signal: what finished is written below, then one line
         (rows, xfw, errors, refs), interrupted = stop.results, stop.during
+    except preempt.Stopped as stop:  # a signal before the first framework started
+        rows, xfw, errors, refs, interrupted = [], [], [f"stopped by {stop.signame} before the runs"], {}, \
+            args.frameworks[0]
+    finally:
+        stops.quiet()  # from here a signal is only recorded: the results are written whole
     elapsed = time.perf_counter() - t0
-    preempted = plan is not None and _preempted(errors)
-    ok = report.all_ok(rows, xfw, errors) and interrupted is None and not preempted
-    if preempted and (not rank0 or os.environ.get("JAX_PROCESS_ID", "0") != "0"):  # process 0 says it
-        return 143
+    signame = stops.stopped(errors)
+    ok = report.all_ok(rows, xfw, errors) and interrupted is None and signame is None
+    if signame and (not rank0 or os.environ.get("JAX_PROCESS_ID", "0") != "0"):  # process 0 says it
+        return preempt.exit_status(signame)
     if not rank0:
         return 130 if interrupted else 0 if ok else 1
     from shared.provenance import process_layout, provenance, provenance_markdown, stamp
 
-    block = provenance(["compare.py", *argv], world_size=cfg.world_size, layout=process_layout(
+    block = provenance([prog(), *argv], world_size=cfg.world_size, layout=process_layout(
         args.frameworks, cfg.world_size, args.device, [c.mesh_name for c in cfgs if c.mesh]))
     data = stamp({"config": vars(cfg), "configs": {run_key(c): vars(c) for c in cfgs},
                   "runs": [r.to_json() for r in rows], "cross_framework": xfw,
                   "errors": errors, "ok": ok, "seconds": elapsed,
-                  **({"interrupted": interrupted} if interrupted else {})}, block)
+                  **({"interrupted": interrupted} if interrupted else {}),
+                  **({"signal": signame} if signame else {})}, block)
     try:  # the results first: nothing printed or drawn below can lose them
         if args.json:
             report.write_json(args.json, data)
@@ -512,17 +528,10 @@ def _main(argv=None) -> int:
         late_failure = True
     else:
         late_failure = False
-    if preempted:
-        print(f"compare.py: stopped by SIGTERM: each run saved the step it finished under {args.checkpoint_dir}; "
-              f"{len(rows)} finished rows{' written to ' + args.json if args.json and args.json != '-' else ''}; "
-              "continue with --resume", file=sys.stderr, flush=True)
-        return 143
-    if interrupted:
-        saved = [p for p in (args.json, args.markdown) if p and p != "-"]
-        print(f"compare.py: interrupted (Ctrl-C) during the {interrupted} runs; {len(rows)} finished rows"
-              + (f" written to {', '.join(saved)}" if saved else " (none saved: no --json)"),
-              file=sys.stderr, flush=True)
-        return 130
+    if signame or interrupted:
+        written = [p for p in (args.json, args.markdown) if p and p != "-"]
+        print(stops.line(signame, plan, errors, interrupted, len(rows), written), file=sys.stderr, flush=True)
+        return preempt.exit_status(signame or "SIGINT")
 
     if args.show_collectives:
         from parallel_twins import report_collectives as shown

@@ -5,9 +5,10 @@
     python compare.py --baseline baseline.json --json candidate.json    # run, then diff (report_baseline)
 
 Exit status: 0 nothing regressed, 1 something did (with --fail-on changed: or anything changed), 2 bad
-input (one line naming the file and what is wrong). The comparison itself is shared/diff.py; this file
-parses the command line and formats: the two provenance blocks side by side ('*' where they differ),
-then the findings grouped by severity.
+input (one line naming the file and what is wrong: a file docs/results-schema.json does not describe, a
+schema version this does not read, a device, a file too large or too deep). The comparison itself is
+shared/diff.py; this file parses the command line and formats: the two provenance blocks side by
+side ('*' where they differ), then the findings grouped by severity.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
+import math
 import shutil
 import sys
 import textwrap
 
+from parallel_twins.args import check_output_path, prog, write_output
 from shared.diff import SEVERITIES, BadInput, diff, load
 
 TITLES = {"regression": "REGRESSIONS", "changed": "CHANGED", "improved": "IMPROVED"}
@@ -31,12 +33,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="compare.py diff", description="Compare two compare.py --json result files: parity, "
+    p = _Parser(prog=f"{prog()} diff", description="Compare two compare.py --json result files: parity, "
                 "collectives, bytes vs theory, memory, step-time ratios, rows only in one file.")
     p.add_argument("old", metavar="OLD.json", help="the baseline")
     p.add_argument("new", metavar="NEW.json", help="the candidate")
-    p.add_argument("--json", metavar="PATH", help="write the findings here as JSON (default: none)")
-    p.add_argument("--markdown", metavar="PATH", help="write the report here as Markdown (default: none)")
+    p.add_argument("--json", metavar="PATH", help="write the findings here as JSON ('-': standard output, the text "
+                   "report then on standard error) (default: none)")
+    p.add_argument("--markdown", metavar="PATH", help="write the report here as Markdown ('-': standard output) "
+                   "(default: none)")
     p.add_argument("--time-factor", type=float, default=2.0, metavar="F",
                    help="a step-time ratio (row / its framework's builtin or jit run) that moved by more than "
                         "this factor is reported; 0: times are not compared (default: 2.0, shared CPUs)")
@@ -119,23 +123,18 @@ def markdown(result: dict, old_name: str, new_name: str, every: bool = False) ->
     return "\n".join(out) + "\n"
 
 
-def _write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def report(result: dict, old_name: str, new_name: str, json_path=None, markdown_path=None, every=False,
            out=None) -> None:
-    """Print the text report (the terminal's width; piped: no limit) and write the requested files."""
-    out = out or sys.stdout
+    """Print the text report (the terminal's width; piped: no limit) and write the requested files
+    (args.write_output: '-' is standard output, a file is complete or absent, nothing left beside it).
+    When a file goes to standard output, the text report goes to standard error."""
+    out = out or (sys.stderr if "-" in (json_path, markdown_path) else sys.stdout)
     width = shutil.get_terminal_size().columns if out.isatty() else None
     print("\n".join(text_lines(result, old_name, new_name, width, every)), file=out)
     if json_path:
-        _write(json_path, json.dumps({"old": old_name, "new": new_name, **result}, indent=1) + "\n")
+        write_output(json_path, json.dumps({"old": old_name, "new": new_name, **result}, indent=1) + "\n")
     if markdown_path:
-        _write(markdown_path, markdown(result, old_name, new_name, every))
+        write_output(markdown_path, markdown(result, old_name, new_name, every))
 
 
 def report_baseline(baseline: dict, data: dict, old_name: str, new_name: str = "this run",
@@ -150,20 +149,21 @@ def report_baseline(baseline: dict, data: dict, old_name: str, new_name: str = "
 def diff_main(argv: list[str]) -> int:
     try:
         args = build_parser().parse_args(argv)
-        for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
-            if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-                raise ValueError(f"{flag} {path}: the folder does not exist")
-        if args.time_factor < 0 or 0 < args.time_factor <= 1:
-            raise ValueError(f"--time-factor {args.time_factor}: 0 (off) or a factor > 1")
+        if args.json == args.markdown == "-":
+            raise ValueError("--json - and --markdown -: only one of them can go to standard output")
+        check_output_path("--json", args.json)  # a folder, a missing folder: refused before anything is read
+        check_output_path("--markdown", args.markdown)
+        if not math.isfinite(args.time_factor) or args.time_factor < 0 or 0 < args.time_factor <= 1:
+            raise ValueError(f"--time-factor {args.time_factor}: 0 (off) or a finite factor > 1")
         old, new = load(args.old), load(args.new)
     except (BadInput, ValueError) as exc:
-        print(f"compare.py diff: error: {exc}", file=sys.stderr)
+        print(f"{prog()} diff: error: {exc}", file=sys.stderr)
         return 2
     result = diff(old, new, time_factor=args.time_factor or None)
     try:
         report(result, args.old, args.new, args.json, args.markdown, args.all)
     except OSError as exc:
-        print(f"compare.py diff: error: could not write: {exc}", file=sys.stderr)
+        print(f"{prog()} diff: error: could not write: {exc}", file=sys.stderr)
         return 2
     return exit_status(result, args.fail_on)
 

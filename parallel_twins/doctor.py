@@ -19,6 +19,8 @@ import subprocess
 import sys
 from importlib import metadata
 
+from parallel_twins.args import prog
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding parallel_twins, jax_impl
 
 _TORCH_PROBE = r"""
@@ -103,11 +105,15 @@ SMALL = ["--size", "tiny", "--model", "mlp", "--patterns", "collectives,dp,tp"] 
 
 
 def doctor_main(argv: list[str]) -> int:
-    import argparse
+    from parallel_twins.args import ArgumentError, Parser
 
-    p = argparse.ArgumentParser(prog="compare.py doctor", description=__doc__.split("\n\n")[0])
+    p = Parser(prog=f"{prog()} doctor", description=__doc__.split("\n\n")[0])
     p.add_argument("--probe-only", action="store_true", help="print versions and devices, run nothing")
-    args = p.parse_args(argv)
+    try:
+        args = p.parse_args(argv)
+    except ArgumentError as exc:  # one line, exit 2, as every other subcommand
+        print(f"{prog()} doctor: error: {exc}", file=sys.stderr)
+        return 2
     print(f"python {sys.version.split()[0]} on {sys.platform}")
     jx = _probe(_JAX_PROBE)  # JAX first, alone: its GPU backend starts before any torch import
     th = _probe(_TORCH_PROBE)

@@ -11,7 +11,8 @@ against runs.
     python compare.py --model transformer --mesh "dp=2,pp=2;fsdp=2,tp=2" --frameworks torch --json run.json
     python compare.py plan --calibrate bench.json --measured run.json     # predicted vs measured, per rank
 
-Exit status 0; 2 for bad arguments (one line on stderr).
+Exit status 0; 2 for bad arguments or input files (one line on stderr); 3 when the table was printed but
+--json could not be written.
 """
 
 from __future__ import annotations
@@ -23,7 +24,16 @@ import sys
 import time
 from dataclasses import replace
 
-from parallel_twins.args import ArgumentError, HelpFormatter, Parser, add_json, check_output_path, write_output
+from parallel_twins.args import (
+    ArgumentError,
+    HelpFormatter,
+    Parser,
+    add_json,
+    check_output_path,
+    prog,
+    write_output,
+)
+from parallel_twins.plan_inputs import check_args, read_bench, read_measured
 from shared import efficiency, plan
 from shared.config import BYTES_PER_ELEMENT, Config, parse_mesh
 from shared.published import PRESETS, preset
@@ -40,7 +50,7 @@ def parse_bytes(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="compare.py plan", formatter_class=HelpFormatter,
+    p = Parser(prog=f"{prog()} plan", formatter_class=HelpFormatter,
                 description="Rank the layouts of a transformer on a GPU cluster: memory per GPU, bytes per step per\n"
                             "axis, bubble, step time and MFU (docs/plan.md).")
     p.add_argument("--model", choices=("transformer",), default="transformer", help="the model family")
@@ -185,6 +195,7 @@ def parse_pins(text: str | None) -> dict:
 
 
 def make_inputs(args):
+    check_args(args)  # every number finite and in range (parallel_twins/plan_inputs.py)
     model = make_model(args)
     plan.gpu(args.gpu)  # the known names, or ValueError
     if args.gpus < 1 or args.gpus_per_node < 1 or args.global_batch < 1:
@@ -195,6 +206,8 @@ def make_inputs(args):
     if not 0 <= args.headroom < 1:
         raise ValueError(f"--headroom must be in [0, 1), got {args.headroom}")
     pins = parse_pins(args.pin)
+    if args.measured:
+        args.measured_data = read_measured(args.measured)  # bounded, validated: refused before anything runs
     profile = efficiency.load(args.profile) if args.profile else None
     dtype = "float8" if args.fp8 else args.dtype
     if args.measured and profile:  # each run's own dtype is looked up per run (measured_main)
@@ -215,8 +228,7 @@ def make_inputs(args):
         ("memory", args.gpu_memory), ("flops", args.peak_flops), ("efficiency", args.efficiency),
         ("hbm", args.hbm_bandwidth)) if v is not None})
     if args.calibrate:
-        with open(args.calibrate) as f:
-            args.bench = json.load(f)
+        args.bench = read_bench(args.calibrate)  # bounded, its fits checked
         cluster = plan.calibrated(cluster, args.bench, args.dtype, shapes=args.matmul == "shapes")
     want = dict(parse_mesh(args.layout)) if args.layout else {}
     unknown = set(want) - {"dp", "fsdp", "tp", "pp", "cp", "ep"}
@@ -275,10 +287,15 @@ def plan_main(argv) -> int:
         check_output_path("--json", args.json)
         model, cluster, want, pins = make_inputs(args)
     except (ArgumentError, ValueError, OSError, KeyError, argparse.ArgumentTypeError) as exc:
-        print(f"compare.py plan: error: {exc}", file=sys.stderr)
+        print(f"{prog()} plan: error: {exc}", file=sys.stderr)
         return 2
     if args.measured:
-        return measured_main(args, cluster)
+        try:
+            return measured_main(args, cluster)
+        except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as exc:  # schema-valid, but not
+            print(f"{prog()} plan: error: --measured {args.measured}: a run the plan cannot be compared with "
+                  f"({type(exc).__name__}: {exc})", file=sys.stderr)  # a mesh or ep run it predicts
+            return 2
     from rich.table import Table
 
     from parallel_twins.report import make_console
@@ -357,13 +374,18 @@ def plan_main(argv) -> int:
     if args.json:
         from shared.provenance import provenance, stamp
 
-        block = provenance(["compare.py", "plan", *argv], world_size=None,
+        block = provenance([prog(), "plan", *argv], world_size=None,
                            layout={"gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node})
-        write_output(args.json, json.dumps(stamp(
-            {"model": vars(model), "cluster": {"gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
-                                               "memory": cluster.memory, "flops": cluster.flops},
-             "global_batch": args.global_batch, "seconds": seconds, "fit": [p.to_json() for p in fit[:100]],
-             "over": [p.to_json() for p in over[:100]], "n_fit": len(fit), "n_over": len(over)}, block), indent=1))
+        try:
+            write_output(args.json, json.dumps(stamp(
+                {"model": vars(model), "cluster": {"gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
+                                                   "memory": cluster.memory, "flops": cluster.flops},
+                 "global_batch": args.global_batch, "seconds": seconds, "fit": [p.to_json() for p in fit[:100]],
+                 "over": [p.to_json() for p in over[:100]], "n_fit": len(fit), "n_over": len(over)}, block), indent=1))
+        except OSError as exc:  # the table is printed; the file could not be written (a full disk, /dev/full)
+            print(f"{prog()} plan: error: --json {args.json}: could not write it ({exc.strerror or exc})",
+                  file=sys.stderr)
+            return 3
     return 0
 
 
@@ -392,8 +414,7 @@ def measured_main(args, cluster) -> int:
     from parallel_twins.report import make_console
     from shared.theory import mesh_coords
 
-    with open(args.measured) as f:
-        data = json.load(f)
+    data = args.measured_data if hasattr(args, "measured_data") else read_measured(args.measured)
     console = make_console(json_to_stdout=getattr(args, "json", None) == "-")
     source = f"from {args.calibrate or args.profile}" if args.calibrate or args.profile else "of the --gpu defaults"
     table = Table(title=f"plan vs measured ({args.measured}; α–β and FLOP/s {source})")

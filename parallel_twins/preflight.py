@@ -89,9 +89,12 @@ def check_resources(cfgs, frameworks, under_torchrun: bool = False, available: i
     check_processes(world, under_torchrun, cores)
     processes = 1 if under_torchrun else world
     big = max(cfgs, key=rank_bytes)
+    acc = getattr(big, "accumulate", 1)
     check_memory(estimate(cfgs, frameworks, processes), available,
-                 f"{processes} process(es), {big.model} dim={big.dim} layers={big.layers} batch={big.batch}: "
-                 f"{_gib(rank_bytes(big))} per rank", "use smaller sizes or fewer ranks")
+                 f"{processes} process(es), {big.model} dim={big.dim} layers={big.layers} batch={big.batch}"
+                 + (f" (--accumulate {acc} micro-batches of {big.batch // acc})" if acc > 1 else "")
+                 + f": {_gib(rank_bytes(big))} per rank",
+                 "use a smaller --accumulate" if acc > 1 else "use smaller sizes or fewer ranks")
 
 
 def check_processes(world: int, launched: bool = False, cores: int | None = None) -> None:

@@ -201,16 +201,17 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
                 finally:  # also on Ctrl-C: the patterns that finished
                     raw[fw] = {p: (res[p] if p == "collectives" else dict(zip(models_of[p], res[p], strict=True)))
                                for p in patterns if p in res}
-        except KeyboardInterrupt:
-            errors.append(f"{fw}: interrupted (Ctrl-C)")
+        except KeyboardInterrupt as exc:  # Ctrl-C, or a signal without --checkpoint-dir (preempt.Stopped)
+            errors.append(f"{fw}: stopped by {exc.signame}" if isinstance(exc, preempt.Stopped)
+                          else f"{fw}: interrupted (Ctrl-C)")
             return "interrupted"
         except Exception as exc:  # noqa: BLE001 - reported as a failed framework, exit 1
             errors.append(f"{fw}: {type(exc).__name__}: {exc}" if not cancel.is_set() else
                           f"{fw}: interrupted (Ctrl-C during the other framework's runs)")
             if os.environ.get("PARALLEL_TWINS_DEBUG"):
                 traceback.print_exc()
-            if "preempted (SIGTERM)" in str(exc):  # a rank stopped on SIGTERM: so does the rest
-                return "stop"
+            if preempt.is_stop(exc):  # a run stopped on a signal (a rank's, in a LaunchError's line): so does
+                return "stop"  # the rest
         return None
 
     if side_by_side and set(frameworks) == {"torch", "jax"}:  # the torch launch in a thread, JAX here
@@ -231,14 +232,15 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
             thread.join(timeout=30)
     else:
         for fw in frameworks:
-            if preempt.requested():  # SIGTERM (with --checkpoint-dir): the runs in flight saved and stopped
-                errors.append(f"{fw}: not run (SIGTERM)")
+            if preempt.requested():  # SIGTERM / SIGINT (with --checkpoint-dir): the runs in flight saved and stopped
+                errors.append(f"{fw}: not run ({preempt.signal_name()})")
                 break
             outcome = one(fw)
             if outcome == "interrupted":
                 interrupted = fw
             if outcome:
                 break
+    preempt.quiet()  # the runs are over: a later signal is recorded, and the rows below are built whole
     rows, xfw, refs = [], [], {}
     for pattern in patterns:
         if pattern == "collectives":  # model-independent

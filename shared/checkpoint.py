@@ -40,18 +40,22 @@ import numpy as np
 
 from shared import preempt
 from shared.checkpoint_io import (  # noqa: F401
+    FORMAT,
     GROUPS,
+    MANIFEST,
     CheckpointError,
     RunLock,
+    check_run_folder,
     entry_parts,
     lock_holder,
     open_confined,
+    own_entry,
+    owned,
+    run_folder,
     save_error,
     walk_files,
 )
 
-FORMAT = "parallel-twins-checkpoint/1"
-MANIFEST = "manifest.json"
 # What must be equal for a checkpoint to load (the model's shapes and numerics). The layout (world size,
 # pattern, mesh) may differ: loading reshards.
 MODEL_FIELDS = ("model", "layers", "dim", "heads", "seq", "vocab", "experts", "dtype")
@@ -59,7 +63,7 @@ MODEL_FIELDS = ("model", "layers", "dim", "heads", "seq", "vocab", "experts", "d
 # batch, AdamW's hyperparameters, MoE routing). A checkpoint of another run is refused, not continued.
 IDENTITY_FIELDS = ("seed", "batch", "lr", "beta1", "beta2", "eps", "weight_decay", "topk")
 WRITERS = {"dcp": "torch", "orbax": "jax"}  # writer -> framework; the writer's files are under <writer>/
-_STEP = re.compile(r"^step_(\d{6,})$")
+_STEP = re.compile(r"^step_(\d{6,})$")  # shared.checkpoint_io.STEP
 
 
 
@@ -125,7 +129,8 @@ def fault(phase: str, step: int, rank: int = 0) -> None:
     the process (rank R, default 0) kills itself with SIGKILL — phase "step": once K optimizer steps
     are done, before any save of step K; phase "save": in the middle of saving step K (its files
     written, its manifest not) — as a crash or a lost node would. ``signal=TERM``: SIGTERM instead
-    (preemption: shared/preempt.py); ``target=parent``: sent to the parent (the launcher) instead.
+    (preemption: shared/preempt.py), ``signal=INT``: SIGINT; ``target=parent``: sent to the parent (the
+    launcher) instead; ``target=group``: to the whole process group (os.killpg).
     ``restart=N``: only in torchrun's restart N (TORCHELASTIC_RESTART_COUNT, 0 the first attempt),
     so a group that torchrun --max-restarts starts again does not die again."""
     spec = os.environ.get(FAULT_ENV)
@@ -137,11 +142,14 @@ def fault(phase: str, step: int, rank: int = 0) -> None:
     if want.get("phase", "step") == phase and int(want["step"]) == step and int(want.get("rank", 0)) == rank:
         import signal
 
-        # parent: the launcher (torch_impl.launch names itself: its ranks are a forkserver's children)
+        # parent: the launcher (torch_impl.launch names itself: its ranks are a forkserver's children);
+        # group: the whole process group, as kill -TERM -PGID, GNU timeout and batch schedulers send it
         launcher = int(os.environ.get("PARALLEL_TWINS_LAUNCHER_PID", os.getppid()))
         target = launcher if want.get("target") == "parent" else os.getpid()
-        os.kill(target, getattr(signal, f"SIG{want.get('signal', 'KILL')}"))  # signal=TERM: preemption
-        if target != os.getpid() and want.get("signal") == "TERM" and preempt.installed():
+        sig = getattr(signal, f"SIG{want.get('signal', 'KILL')}")  # signal=TERM: preemption
+        os.killpg(os.getpgid(0), sig) if want.get("target") == "group" else os.kill(target, sig)
+        if (target != os.getpid() or want.get("target") == "group") and want.get("signal") in ("TERM", "INT") \
+                and preempt.installed():
             # the launcher passes SIGTERM back to this rank: wait for it, so the ranks' agreement after
             # this step sees it (else a busy machine lets the ranks run a step more before it lands)
             deadline = time.monotonic() + 60
@@ -213,13 +221,21 @@ def run_name(framework: str, pattern: str, style: str, variant: str, model: str)
 
 def aside(run_dir: str, step: int) -> str:
     """The empty folder a save of ``step`` writes into before ``commit``: ``run_dir/.tmp-step_…``. A
-    stale one (a save that was killed) is removed first; a symlink or a file in its place is refused.
-    Every rank may call it: only call it on one rank before the others write (torch: rank 0, then a
-    barrier). A folder that cannot be written: CheckpointError, one line naming it."""
+    stale one (a save that was killed) is removed first; a symlink or a file in its place, or where
+    the step's checkpoint goes, or a folder there that this project did not write, is refused, as is
+    a run folder that is a link (shared.checkpoint_io.run_folder). Every rank may call it: only call
+    it on one rank before the others write (torch: rank 0, then a barrier). A folder that cannot be
+    written: CheckpointError, one line naming it."""
+    run_folder(run_dir)
     tmp = os.path.join(run_dir, ".tmp-" + step_name(step))
     if os.path.islink(tmp) or (os.path.lexists(tmp) and not os.path.isdir(tmp)):
         raise CheckpointError(f"{tmp}: a symlink or a file where a save's own folder goes: remove it "
                               "(nothing was written)")
+    final = own_entry(run_dir, step_name(step))
+    if os.path.lexists(final) and not owned(final):
+        raise CheckpointError(f"{final}: a folder this project did not write (no complete checkpoint of its own "
+                              f"there) where step {step}'s checkpoint goes: move it away (nothing was written or "
+                              "deleted)")
     try:
         if os.path.lexists(tmp):
             shutil.rmtree(tmp)
@@ -230,8 +246,10 @@ def aside(run_dir: str, step: int) -> str:
 
 
 def abandon(tmp: str) -> None:
-    """Remove a save's ``.tmp-`` folder after a failure (best effort: the folder may be unwritable)."""
-    if not os.path.islink(tmp):
+    """Remove a save's ``.tmp-`` (or a retired ``.old-``) folder after a failure (best effort: the
+    folder may be unwritable). A link is never followed (rmtree refuses one at the top, and removes
+    links below without following them)."""
+    if not os.path.islink(tmp) and os.path.isdir(tmp):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -263,7 +281,17 @@ def commit(tmp: str, info: dict, keep: int = 0) -> str:
     disk, read-only folder): CheckpointError naming the run folder; ``tmp`` is removed, and every
     earlier checkpoint is as it was."""
     run_dir, step = os.path.dirname(tmp), info["step"]
-    final = os.path.join(run_dir, step_name(step))
+    try:
+        run_folder(run_dir)
+        if not os.path.isdir(own_entry(run_dir, os.path.basename(tmp))):
+            raise CheckpointError(f"{tmp}: gone before the commit")
+        final = own_entry(run_dir, step_name(step))
+        old = own_entry(run_dir, ".old-" + step_name(step))
+        if os.path.lexists(final) and not owned(final):
+            raise CheckpointError(f"{final}: a folder this project did not write: not replaced")
+    except CheckpointError:
+        abandon(tmp)
+        raise
     try:
         files = {}
         for f in _files(tmp):
@@ -275,7 +303,6 @@ def commit(tmp: str, info: dict, keep: int = 0) -> str:
             f.flush()
             os.fsync(f.fileno())
         if os.path.lexists(final):  # a re-save of the same step: the old one leaves first (complete or absent)
-            old = os.path.join(run_dir, ".old-" + step_name(step))
             abandon(old)
             os.replace(final, old)
             try:
@@ -286,7 +313,7 @@ def commit(tmp: str, info: dict, keep: int = 0) -> str:
             abandon(old)
         else:
             os.replace(tmp, final)
-    except OSError as exc:
+    except (OSError, CheckpointError) as exc:  # a full disk; a link or device put into tmp meanwhile
         abandon(tmp)
         raise save_error(run_dir, step, exc) from None
     prune(run_dir, keep, final)
@@ -295,14 +322,16 @@ def commit(tmp: str, info: dict, keep: int = 0) -> str:
 
 def prune(run_dir: str, keep: int, just: str) -> list[str]:
     """Retention: delete the complete checkpoints of ``run_dir`` beyond the newest ``keep`` (by step;
-    0: none deleted), never ``just`` (the one just written). ``.tmp-`` folders are never touched (a
-    live writer's save, or a killed one's that ``aside`` removes). Each goes by a rename to a hidden
-    name first, so a crash mid-delete leaves no half checkpoint under a ``step_`` name. The paths gone."""
+    0: none deleted), never ``just`` (the one just written), and only those this project provably
+    wrote (shared.checkpoint_io.owned: a real folder, its manifest, exactly its files): any other
+    folder, even under a ``step_`` name, is left alone. ``.tmp-`` folders are never touched (a live
+    writer's save, or a killed one's that ``aside`` removes). Each goes by a rename to a hidden name
+    first, so a crash mid-delete leaves no half checkpoint under a ``step_`` name. The paths gone."""
     if keep <= 0:
         return []
-    victims = [path for _, path in complete(run_dir)[:-keep] if path != just]
+    victims = [path for _, path in complete(run_dir)[:-keep] if path != just and owned(path)]
     for path in victims:
-        gone = os.path.join(run_dir, ".old-" + os.path.basename(path))
+        gone = own_entry(run_dir, ".old-" + os.path.basename(path))
         try:
             abandon(gone)
             os.replace(path, gone)
@@ -314,13 +343,15 @@ def prune(run_dir: str, keep: int, just: str) -> list[str]:
 
 def complete(run_dir: str) -> list[tuple[int, str]]:
     """(step, path) of the checkpoints in ``run_dir`` that have a manifest, oldest first. A save that
-    was interrupted is still a ``.tmp-`` folder (or lacks its manifest): never listed."""
-    if not os.path.isdir(run_dir):
+    was interrupted is still a ``.tmp-`` folder (or lacks its manifest): never listed. A run folder
+    that is a link, or a link under a checkpoint's name, is refused (CheckpointError): nothing is
+    read through one."""
+    if not os.path.isdir(run_folder(run_dir)):
         return []
     out = []
     for name in os.listdir(run_dir):
         m = _STEP.match(name)
-        if m and os.path.isfile(os.path.join(run_dir, name, MANIFEST)):
+        if m and os.path.isfile(os.path.join(own_entry(run_dir, name), MANIFEST)):
             out.append((int(m.group(1)), os.path.join(run_dir, name)))
     return sorted(out)
 
@@ -437,9 +468,12 @@ def check_runs(plan: Plan, runs) -> None:
     those (another run's folder in the same --checkpoint-dir is not looked at): ``runs`` =
     [(framework, pattern, style, variant, cfg)]. A run folder another process is writing is refused
     (its lock holder named); with ``plan.resume``, the checkpoint each run would start from is verified
-    against its own cfg (files, shapes, identity). CheckpointError, one line."""
+    against its own cfg (files, shapes, identity); the checkpoint folder, a run folder, or a folder
+    of the project's in it (step_N, .tmp-step_N, .old-step_N, .lock) that is a symlink is refused.
+    CheckpointError, one line."""
     for framework, pattern, style, variant, cfg in runs:
         run_dir = plan.run_dir(framework, pattern, style, variant, cfg)
+        check_run_folder(run_dir)  # no symlink where a folder of the run goes (nothing written through one)
         holder = lock_holder(run_dir) if plan.writes else None
         if holder:
             raise CheckpointError(f"{run_dir}: another run is writing this checkpoint folder ({holder}): wait for "

@@ -13,18 +13,32 @@
 - **Save-time failures** (read-only folder, full disk) become one ``CheckpointError`` line naming
   the run folder and the step; the caller removes its half-written ``.tmp-`` folder, and earlier
   checkpoints are not touched.
+- **No write, rename or delete through a link.** ``run_folder`` refuses a run folder, or the
+  --checkpoint-dir above it, that is a symlink, is not a folder, or resolves anywhere but the
+  checkpoint folder's own child; ``own_entry`` refuses a symlink (or a non-folder) where a folder of
+  the project's goes inside it (``step_N``, ``.tmp-step_N``, ``.old-step_N``). Every save, commit,
+  prune, lock and resume calls them at the moment of use, and ``check_run_folder`` calls both before
+  any process starts. ``owned`` tells whether a folder is a complete checkpoint this project wrote
+  (its manifest, and exactly the files it lists): retention deletes nothing else.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
+import re
 import socket
 import stat
 import time
 
 LOCK = ".lock"
+FORMAT = "parallel-twins-checkpoint/1"
+MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 1 << 24  # a manifest lists a few files: kilobytes
+STEP = re.compile(r"^step_(\d{6,})$")
+OWN = re.compile(r"^(step_|\.tmp-step_|\.old-step_)\d{6,}$")  # the folders a run folder holds: ours by name
 GROUPS = ("params", "adam_m", "adam_v")  # the canonical state's three dicts, as named in the files
 
 
@@ -113,6 +127,102 @@ def save_error(run_dir: str, step: int, exc: BaseException) -> CheckpointError:
     return CheckpointError(f"{run_dir}: cannot save step {step}: {reason} (the earlier checkpoints are kept)")
 
 
+def _link_line(path: str, what: str) -> CheckpointError:
+    try:
+        target = f" (to {os.readlink(path)})"
+    except OSError:
+        target = ""
+    return CheckpointError(f"{path}: {what} is a symlink{target}: nothing is written, read or deleted through a "
+                           "link; give the real folder (or remove the link)")
+
+
+def checkpoint_dir(path: str) -> None:
+    """--checkpoint-dir itself: absent or a real folder, never a symlink (CheckpointError, one line)."""
+    path = os.path.normpath(path)
+    if os.path.islink(path):
+        raise _link_line(path, "the checkpoint folder")
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{path}: the checkpoint folder is a file, not a folder: refused")
+
+
+def run_folder(run_dir: str, create: bool = False) -> str:
+    """``run_dir`` (``<--checkpoint-dir>/<run name>``), checked to be a real folder of its own:
+    neither it nor the checkpoint folder above it a symlink or a file, and, resolved, the checkpoint
+    folder's own child (no link on the way moved it). ``create``: made when absent (checked again
+    after). CheckpointError (one line) otherwise. Returns ``run_dir``."""
+    run_dir = os.path.normpath(run_dir)
+    top = os.path.dirname(os.path.abspath(run_dir))
+    checkpoint_dir(top)
+    if os.path.islink(run_dir):
+        raise _link_line(run_dir, "the run's checkpoint folder")
+    if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
+        raise CheckpointError(f"{run_dir}: the run's checkpoint folder is a file, not a folder: refused")
+    if create and not os.path.lexists(run_dir):
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"{run_dir}: cannot create the run's checkpoint folder ({exc.strerror or exc})") \
+                from None
+        return run_folder(run_dir)
+    if os.path.lexists(run_dir) and os.path.realpath(run_dir) != os.path.join(os.path.realpath(top),
+                                                                             os.path.basename(run_dir)):
+        raise CheckpointError(f"{run_dir}: resolves to {os.path.realpath(run_dir)}, outside its checkpoint folder: "
+                              "refused")
+    return run_dir
+
+
+def own_entry(run_dir: str, name: str) -> str:
+    """``run_dir/name`` for a folder of the project's (``step_N``, ``.tmp-step_N``, ``.old-step_N``):
+    absent, or a real folder (never a symlink or a file). CheckpointError (one line) otherwise."""
+    path = os.path.join(run_dir, name)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return path
+    if stat.S_ISLNK(mode):
+        raise _link_line(path, "a checkpoint's folder")
+    if not stat.S_ISDIR(mode):
+        raise CheckpointError(f"{path}: {_kind(mode)} where a checkpoint's folder goes: remove it (nothing was "
+                              "written or deleted)")
+    return path
+
+
+def check_run_folder(run_dir: str) -> None:
+    """Before any process starts: the run folder and every folder of the project's in it (by name:
+    ``step_N``, ``.tmp-step_N``, ``.old-step_N``, and ``.lock``) real, none a symlink."""
+    run_folder(run_dir)
+    if not os.path.isdir(run_dir):
+        return
+    for name in sorted(os.listdir(run_dir)):
+        if OWN.match(name):
+            own_entry(run_dir, name)
+        elif name == LOCK and os.path.islink(os.path.join(run_dir, name)):
+            raise _link_line(os.path.join(run_dir, name), "the run's lock")
+
+
+def owned(path: str) -> bool:
+    """Whether ``path`` is a complete checkpoint this project wrote: a real folder (not a link) named
+    ``step_N``, its manifest of this project's format and step N, and exactly the files the manifest
+    lists, each a regular file of its size (no link, FIFO or device anywhere). Nothing is hashed:
+    this decides what retention may delete, never what is loaded (``verify`` does that)."""
+    try:
+        m = STEP.match(os.path.basename(path))
+        if not m or not stat.S_ISDIR(os.lstat(path).st_mode):
+            return False
+        fd, size = open_confined(path, MANIFEST)
+        with os.fdopen(fd, "rb") as f:
+            info = json.loads(f.read(MAX_MANIFEST_BYTES)) if size <= MAX_MANIFEST_BYTES else None
+        files = info.get("files") if isinstance(info, dict) else None
+        if not isinstance(files, dict) or info.get("format") != FORMAT or info.get("step") != int(m.group(1)):
+            return False
+        if set(walk_files(path)) != set(files) | {MANIFEST}:
+            return False
+        return all(isinstance(meta, dict) and os.lstat(os.path.join(path, name)).st_size == meta.get("bytes")
+                   for name, meta in files.items())
+    except (OSError, ValueError, RecursionError):  # CheckpointError is a ValueError: not provably ours
+        return False
+
+
 def _holder(fd: int) -> str:
     os.lseek(fd, 0, os.SEEK_SET)
     text = os.read(fd, 200).decode(errors="replace").strip()
@@ -128,8 +238,8 @@ class RunLock:
         self.run_dir, self.fd = run_dir, None
 
     def __enter__(self) -> RunLock:
+        run_folder(self.run_dir, create=True)  # never through a link: refused before anything is created
         try:
-            os.makedirs(self.run_dir, exist_ok=True)
             fd = os.open(os.path.join(self.run_dir, LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o644)
         except OSError as exc:
@@ -159,7 +269,7 @@ class RunLock:
 def lock_holder(run_dir: str) -> str | None:
     """Who holds ``run_dir``'s lock now (its line), or None: for a check before any process starts
     (the run itself takes the lock; this only looks)."""
-    path = os.path.join(run_dir, LOCK)
+    path = os.path.join(run_folder(run_dir), LOCK)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:

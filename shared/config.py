@@ -430,6 +430,10 @@ def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
         name, eq, size = part.partition("=")
         if not eq or not size.strip().isdigit():
             raise ValueError(f"mesh {text!r}: write axis=size pairs, e.g. dp=2,tp=2,pp=2 (got {part!r})")
+        if name.strip() in dict(out):
+            raise ValueError(f"mesh {text!r}: axis {name.strip()} given twice (one size per axis)")
+        if int(size) < 1 or int(size) > 1 << 24:
+            raise ValueError(f"mesh {text!r}: {part}: a size from 1 to {1 << 24}")
         out.append((name.strip(), int(size)))
     return tuple(out)
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from shared.bounded import BadFile, read_json
 from shared.provenance import flat
 from shared.tolerances import TOLERANCE
 
@@ -54,35 +56,61 @@ class Finding:
 MAX_RESULT_BYTES = 256 * 2**20  # a result file of thousands of rows is a few MB; /dev/zero would never end
 
 
+class Result(dict):
+    """A loaded result: the dict, and ``row_texts``, each run's JSON text (validate's; diff reuses them)."""
+
+    row_texts: list[str] | None = None
+
+
 def load(path: str) -> dict:
-    """A compare.py --json file, checked enough to be compared (BadInput otherwise). A pipe (``<(…)``)
-    is read like a file; more than MAX_RESULT_BYTES is refused without reading on."""
+    """A compare.py --json file, bounded (shared.bounded: a regular file or a pipe of at most
+    MAX_RESULT_BYTES, at most MAX_DEPTH deep; a device refused at once) and validated against
+    docs/results-schema.json (``validate``) before anything compares it; BadInput (one line) otherwise."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_RESULT_BYTES + 1)
-        if len(raw) > MAX_RESULT_BYTES:
-            raise BadInput(path, f"more than {MAX_RESULT_BYTES // 2**20} MiB: not a compare.py --json result")
-        data = json.loads(raw.decode("utf-8"))
-    except FileNotFoundError:
-        raise BadInput(path, "no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInput(path, f"cannot read it: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise BadInput(path, f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-    except RecursionError:
-        raise BadInput(path, "JSON nested deeper than Python's stack: not a compare.py --json result") from None
+        data = read_json(path, "a compare.py --json result", MAX_RESULT_BYTES)
+    except BadFile as exc:
+        raise BadInput(path, str(exc).removeprefix(f"{path}: ")) from None
+    out = Result(data) if isinstance(data, dict) else data
+    texts = validate(data, path)
+    out.row_texts = texts
+    return out
+
+
+SCHEMA_VERSIONS = (1,)  # docs/results-schema.json's "version"s this reads (shared.provenance.SCHEMA_VERSION)
+
+
+def validate(data, path: str) -> list[str]:
+    """Refuse (BadInput, one line naming the file and the first problem) a result that
+    docs/results-schema.json does not describe: its schema_version (an integer this reads), every
+    type, and (from schema 1 on) every required key. A file written before schema 1 (no
+    schema_version, no provenance) is still compared: its types are checked, and the keys a row is
+    matched by. NaN and ±inf pass here: the comparison reports them (``_nonfinite``). Returns each
+    run's JSON text (a repeated row is validated once: keyed by its text)."""
+    from shared.schema import check
+
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
         raise BadInput(path, "not a compare.py --json result (no list 'runs' at the top level)")
     for i, run in enumerate(data["runs"]):
         missing = [k for k in NEEDED if not isinstance(run, dict) or k not in run]
         if missing:
             raise BadInput(path, f"runs[{i}] lacks {', '.join(missing)}")
-    for key in ("errors", "cross_framework"):
-        if not isinstance(data.get(key, []), list):
-            raise BadInput(path, f"'{key}' is not a list")
-    if not isinstance(data.get("provenance", {}), dict):
-        raise BadInput(path, "'provenance' is not an object")
-    return data
+    versioned = "schema_version" in data
+    version = data.get("schema_version")
+    if versioned and (not isinstance(version, int) or isinstance(version, bool) or version not in SCHEMA_VERSIONS):
+        raise BadInput(path, f"results schema version {version!r}: this version of compare.py reads "
+                             f"{', '.join(map(str, SCHEMA_VERSIONS))} (docs/results-schema.json)")
+    rows = data["runs"]
+    row_texts = [json.dumps(run) for run in rows]
+    texts: dict[str, int] = {}
+    for i, text in enumerate(row_texts):  # a row repeated is checked once (20 000 copies: keyed, not walked)
+        texts.setdefault(text, i)
+    first = list(texts.values())
+    problems = check({**data, "runs": [rows[i] for i in first]}, required=versioned, limit=2)
+    problems = [re.sub(r"^runs\[(\d+)\]", lambda m: f"runs[{first[int(m.group(1))]}]", p) for p in problems]
+    if problems:
+        more = " (and more)" if len(problems) > 1 else ""
+        raise BadInput(path, f"not a result of docs/results-schema.json: {problems[0]}{more}")
+    return row_texts
 
 
 def _xfw_status(ok) -> str:
@@ -91,10 +119,16 @@ def _xfw_status(ok) -> str:
     return "ok" if ok else "FAIL" if ok is False else "not comparable"
 
 
+_SCALARS = (str, int, float, bool, type(None))
+
+
 def row_key(run: dict) -> tuple:
     """The row's KEY_FIELDS; precision "pure" (the default every row now states) keys as a file that
-    predates the field does: None."""
-    return tuple(None if k == "precision" and run.get(k) == "pure" else run.get(k) for k in KEY_FIELDS)
+    predates the field does: None. A value that is not a scalar (a hand-edited list) keys as its JSON."""
+    key = [run.get(k) for k in KEY_FIELDS]
+    if key[-1] == "pure":
+        key[-1] = None
+    return tuple(v if type(v) in _SCALARS else json.dumps(v, sort_keys=True) for v in key)
 
 
 def key_name(key: tuple) -> str:
@@ -105,14 +139,14 @@ def key_name(key: tuple) -> str:
 
 
 def _index(runs: list[dict]) -> dict[tuple, dict]:
-    """Rows by key; a key seen twice in one file gets its occurrence number appended."""
+    """Rows by key; a key seen twice in one file gets its occurrence number appended (counted per key:
+    linear in the rows, however many repeat)."""
     out: dict[tuple, dict] = {}
+    seen: dict[tuple, int] = {}
     for run in runs:
-        key, n = row_key(run), 1
-        while key in out:
-            n += 1
-            key = row_key(run) + (n,)
-        out[key] = run
+        key = row_key(run)
+        n = seen[key] = seen.get(key, 0) + 1
+        out[key if n == 1 else key + (n,)] = run
     return out
 
 
@@ -121,7 +155,47 @@ def _ok(run: dict) -> bool:
 
 
 def _err(x) -> float:
-    return math.inf if x is None else float(x)
+    """An error as a number: None (the writer's "not finite") and NaN or ±inf (a file written by hand or
+    by another writer) are infinite, never better than a finite one."""
+    return math.inf if x is None or not math.isfinite(x) else float(x)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _time(r: dict) -> float | None:
+    """A row's step time when it is one (finite and > 0); else None (no time comparison; a non-finite
+    one is a finding of its own: ``_nonfinite``)."""
+    t = r.get("step_time_s")
+    return float(t) if _finite(t) and t > 0 else None
+
+
+def nonfinite_paths(x, path: str = "", skip=()) -> list[str]:
+    """Where ``x`` (a row) holds NaN or ±inf: ["step_time_s", "losses[3]", …]."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return [path]
+    if isinstance(x, dict):
+        return [p for k, v in x.items() if k not in skip for p in nonfinite_paths(v, f"{path}.{k}" if path else k)]
+    if isinstance(x, list):
+        return [p for i, v in enumerate(x) for p in nonfinite_paths(v, f"{path}[{i}]")]
+    return []
+
+
+def _nonfinite(name: str, old: dict, new: dict, texts: tuple[str, str] | None = None) -> list[Finding]:
+    """NaN or ±inf in a row (never written by compare.py, which writes null): a regression in NEW, a
+    change when only OLD had it — never an improvement. The parity errors have their own rule.
+    ``texts``: the rows as JSON, to look for NaN / Infinity before walking them."""
+    texts = texts or (json.dumps(old), json.dumps(new))
+    walk = lambda row, text: nonfinite_paths(row, skip=PARITY_FIELDS) if "NaN" in text or "Infinity" in text else []
+    a, b = walk(old, texts[0]), walk(new, texts[1])
+    out = []
+    if b:
+        out.append(Finding("regression", "nonfinite", name, f"not finite in NEW: {', '.join(b[:4])}"
+                           + (f" (and {len(b) - 4} more)" if len(b) > 4 else "")))
+    elif a:
+        out.append(Finding("changed", "nonfinite", name, f"not finite in OLD, finite now: {', '.join(a[:4])}"))
+    return out
 
 
 def _fmt(x) -> str:
@@ -170,15 +244,26 @@ def _memory(name: str, old: dict, new: dict) -> list[Finding]:
     pairs += [(label, (old.get("extra") or {}).get(k), (new.get("extra") or {}).get(k))
               for k, label in MEMORY_EXTRA.items()]
     for label, a, b in pairs:
-        if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or a == b:
+        if not _finite(a) or not _finite(b) or a == b:  # NaN / inf: a finding of its own (_nonfinite)
             continue
         out.append(Finding("regression" if b > a else "improved", "memory", name,
                            f"{label} per rank {a:,} -> {b:,} B ({(b - a) / max(a, 1):+.0%})", a, b))
     return out
 
 
-def _row(key: tuple, old: dict, new: dict) -> list[Finding]:
+def _row(key: tuple, old: dict, new: dict, seen: dict | None = None, texts=None) -> list[Finding]:
+    """The findings of one matched row. ``seen``: findings by the two rows' JSON (``texts``), so a
+    pair repeated (a file of duplicate rows) is compared once."""
     name = key_name(key)
+    if seen is not None:
+        texts = texts or (json.dumps(old), json.dumps(new))
+        if (name, texts) not in seen:
+            seen[name, texts] = _row_findings(name, old, new, texts)
+        return list(seen[name, texts])
+    return _row_findings(name, old, new)
+
+
+def _row_findings(name: str, old: dict, new: dict, texts=None) -> list[Finding]:
     out = []
     if _ok(old) != _ok(new):
         out.append(Finding("regression" if _ok(old) else "improved", "status", name,
@@ -197,35 +282,35 @@ def _row(key: tuple, old: dict, new: dict) -> list[Finding]:
                            f"bytes {old.get('comm_bytes')} vs theory {old.get('comm_bytes_theory')} -> "
                            f"{new.get('comm_bytes')} vs theory {new.get('comm_bytes_theory')}",
                            old.get("comm_bytes_theory"), new.get("comm_bytes_theory")))
-    return out + _memory(name, old, new)
+    return out + _memory(name, old, new) + _nonfinite(name, old, new, texts)
 
 
-def time_ratios(runs: list[dict]) -> dict[tuple, tuple[float, str]]:
+def time_ratios(runs: list[dict], index: dict | None = None) -> dict[tuple, tuple[float, str]]:
     """{row key: (its step time / its anchor's, anchor name)} within one file. A row's anchor is the first
     builtin (torch) / jit (JAX) row of its pattern, model and framework; a JAX anchor's own is torch's
     anchor (("jax vs torch", pattern, model) keys), so a framework slower everywhere still shows."""
     anchors: dict[tuple, dict] = {}
     for r in runs:
-        if r.get("step_time_s"):
+        if _time(r):
             group = (r["pattern"], r.get("model"), r["framework"])
             if group not in anchors or (r["style"] in ANCHOR_STYLES
                                         and anchors[group]["style"] not in ANCHOR_STYLES):
                 anchors[group] = r
     out = {}
-    for key, r in _index(runs).items():
+    for key, r in (index if index is not None else _index(runs)).items():
         anchor = anchors.get((r["pattern"], r.get("model"), r["framework"]))
-        if r.get("step_time_s") and anchor is not None and anchor is not r:
-            out[key] = (r["step_time_s"] / anchor["step_time_s"], f"{anchor['style']}/{anchor['variant']}")
+        if _time(r) and anchor is not None and anchor is not r:
+            out[key] = (_time(r) / _time(anchor), f"{anchor['style']}/{anchor['variant']}")
     for (pattern, model, fw), r in anchors.items():
         other = anchors.get((pattern, model, "torch"))
         if fw == "jax" and other is not None:
-            out[("jax vs torch", pattern, model)] = (r["step_time_s"] / other["step_time_s"],
+            out[("jax vs torch", pattern, model)] = (_time(r) / _time(other),
                                                      f"torch/{other['style']}/{other['variant']}")
     return out
 
 
-def _times(old_runs, new_runs, factor: float) -> list[Finding]:
-    a, b, out = time_ratios(old_runs), time_ratios(new_runs), []
+def _times(old_runs, new_runs, factor: float, index=(None, None)) -> list[Finding]:
+    a, b, out = time_ratios(old_runs, index[0]), time_ratios(new_runs, index[1]), []
     for key in [k for k in a if k in b]:
         (ra, anchor), (rb, _) = a[key], b[key]
         if max(ra, rb) > factor * min(ra, rb):
@@ -258,13 +343,19 @@ def _configs(old: dict, new: dict) -> list[Finding]:
     return out
 
 
+def _row_texts(data: dict) -> list[str]:
+    texts = getattr(data, "row_texts", None)
+    return texts if texts is not None and len(texts) == len(data["runs"]) else [json.dumps(r) for r in data["runs"]]
+
+
 def diff(old: dict, new: dict, time_factor: float | None = 2.0) -> dict:
     """Everything that changed from ``old`` to ``new`` (loaded files). ``time_factor`` None: no time findings."""
     a, b = _index(old["runs"]), _index(new["runs"])
-    findings = _configs(old, new)
+    ta, tb = ({id(r): t for r, t in zip(d["runs"], _row_texts(d))} for d in (old, new))  # one JSON text per row
+    findings, seen = _configs(old, new), {}
     for key in a:
         if key in b:
-            findings += _row(key, a[key], b[key])
+            findings += _row(key, a[key], b[key], seen, (ta[id(a[key])], tb[id(b[key])]))
         else:
             findings.append(Finding("regression", "rows", key_name(key[:len(KEY_FIELDS)]),
                                     "only in OLD: no longer runs"))
@@ -286,7 +377,7 @@ def diff(old: dict, new: dict, time_factor: float | None = 2.0) -> dict:
     findings += [Finding("improved", "errors", "", f"gone: {e}") for e in old.get("errors", [])
                  if e not in new.get("errors", [])]
     if time_factor:
-        findings += _times(old["runs"], new["runs"], time_factor)
+        findings += _times(old["runs"], new["runs"], time_factor, (a, b))
     findings.sort(key=lambda f: SEVERITIES.index(f.severity))  # stable: within a severity, the files' order
     pa, pb = flat(old.get("provenance") or {}), flat(new.get("provenance") or {})
     return {

@@ -186,16 +186,13 @@ MAX_PROFILE_BYTES = 64 << 20  # a profile is a few kB
 
 def load(path: str) -> dict:
     """A profile written by ``save``, checked: one clear error naming what is missing or wrong."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_PROFILE_BYTES + 1)  # /dev/zero would never end
-        if len(raw) > MAX_PROFILE_BYTES:
-            raise ValueError(f"profile {path}: more than {MAX_PROFILE_BYTES >> 20} MiB: not a bench --profile file")
-        data = json.loads(raw.decode("utf-8"))
-    except OSError as exc:
-        raise ValueError(f"profile {path}: cannot read it ({exc.strerror or exc})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        raise ValueError(f"profile {path}: not JSON (write it with compare.py bench --profile)") from None
+    from shared.bounded import BadFile, read_json
+
+    try:  # bounded before parsing: /dev/zero refused at once, a pipe read up to the cap
+        data = read_json(path, "a bench --profile file", MAX_PROFILE_BYTES)
+    except BadFile as exc:
+        raise ValueError(f"profile {exc}" + (" (write it with compare.py bench --profile)" if ": not JSON" in str(exc)
+                                            else "")) from None
     if not isinstance(data, dict):
         raise ValueError(f"profile {path}: not a bench --profile file (a JSON object)")
     missing = [k for k in ("peaks", "matmul", "hbm_copy", "intra", "inter") if k not in data]

@@ -339,3 +339,23 @@ def test_a_second_writer_and_a_full_disk_are_one_line(tmp_path, monkeypatch):
     assert "\n" not in str(e.value)
     assert [s for s, _ in complete(run_dir)] == [1] and verify(complete(run_dir)[0][1], MLP)
     assert sorted(os.listdir(run_dir)) == [".lock", "step_000001"]
+
+
+def test_a_linked_run_folder_is_refused_where_it_is_used(tmp_path):
+    """Without compare.py's check (a library caller, or a link made after it): the run folder a
+    symlink to the user's folder: saving (with --keep) and resuming both refuse in one line before
+    training, and the link's target is byte for byte as it was (issue 47)."""
+    from fs_helpers import tree_hash
+
+    target = tmp_path / "users"
+    os.makedirs(target / "step_000001")
+    (target / "step_000001" / "notes.txt").write_text("mine")
+    for plan in (Plan(str(tmp_path / "ck"), every=1, keep=1), Plan(str(tmp_path / "ck"), resume=True)):
+        run_dir = plan.run_dir("jax", "dp", "shard_map", "dp", MLP)
+        if not os.path.lexists(run_dir):
+            os.makedirs(os.path.dirname(run_dir))
+            os.symlink(target, run_dir)
+        before = tree_hash(target)
+        with pytest.raises(CheckpointError, match="the run's checkpoint folder is a symlink") as e:
+            train("dp", MLP, [("shard_map", "dp")], plan)
+        assert "\n" not in str(e.value) and tree_hash(target) == before

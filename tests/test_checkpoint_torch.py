@@ -74,18 +74,49 @@ def _save_resume_and_lock(ctx, folder, jobs):
         held.__exit__()
     lines = [None] * ctx.world_size
     dist.all_gather_object(lines, line)
-    return pairs, lines
+    linked = []  # the run folder a symlink to the user's folder (issue 47): saving with --keep, resuming
+    for plan in (Plan(dir=os.path.join(folder, "linked"), every=1, keep=1),
+                 Plan(dir=os.path.join(folder, "linked"), resume=True)):
+        try:
+            run_pattern(ctx, "dp", [MLP], [("explicit", "naive")], checkpoint=plan)
+            line = None
+        except CheckpointError as exc:
+            line = str(exc)
+        got = [None] * ctx.world_size
+        dist.all_gather_object(got, line)
+        linked.append(got)
+    return pairs, lines, linked
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("ckpt"))
-    return launch(_save_resume_and_lock, 2, folder, DEFAULT)[0]
+    target = os.path.join(folder, "users")
+    os.makedirs(os.path.join(target, "step_000001"))
+    with open(os.path.join(target, "step_000001", "notes.txt"), "w") as f:
+        f.write("mine")
+    os.makedirs(os.path.join(folder, "linked"))
+    os.symlink(target, os.path.join(folder, "linked", "torch-dp-explicit-naive-mlp"))
+    from fs_helpers import tree_hash
+
+    before = tree_hash(target)
+    out = launch(_save_resume_and_lock, 2, folder, DEFAULT)[0]
+    return (*out, tree_hash(target) == before)
 
 
 @pytest.fixture(scope="module")
 def pairs(launched):
     return launched[0]
+
+
+def test_a_linked_run_folder_is_refused_where_it_is_used(launched):
+    """Without compare.py's check: a run folder that is a symlink is refused on every rank with one
+    line, saving (with keep) and resuming, and the link's target is byte for byte as it was."""
+    *_, linked, unchanged = launched
+    for lines in linked:
+        assert len(set(lines)) == 1 and lines[0] is not None and "\n" not in lines[0], lines
+        assert "torch-dp-explicit-naive-mlp: the run's checkpoint folder is a symlink" in lines[0]
+    assert unchanged
 
 
 def test_a_held_run_folder_is_refused_on_every_rank(launched):

@@ -1,6 +1,7 @@
 """The torch launcher: results come back per rank; a failing rank ends everything quickly."""
 
 import os
+import signal
 import time
 
 import pytest
@@ -26,7 +27,16 @@ def _sum_ranks(ctx, scale):
     x = torch.tensor([float(ctx.rank)])
     with ctx.ledger.recording():
         dist.all_reduce(x)
-    return {"rank": ctx.rank, "value": x.item() * scale, "comm": ctx.ledger.summary(), "pid": os.getpid()}
+    return {"rank": ctx.rank, "value": x.item() * scale, "comm": ctx.ledger.summary(), "pid": os.getpid(),
+            "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+            and signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, set())}
+
+
+def _shields_sigterm(pid: int) -> bool:
+    """Whether process ``pid`` blocks or ignores SIGTERM (its SigBlk / SigIgn masks, from /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        masks = [int(line.split()[1], 16) for line in f if line.startswith(("SigBlk:", "SigIgn:"))]
+    return any(mask >> (signal.SIGTERM - 1) & 1 for mask in masks)
 
 
 def _raise_on_rank_1(ctx):
@@ -56,6 +66,16 @@ def test_results_per_rank_and_ledger():
     assert all(r["comm"] == {"all_reduce": {"count": 1, "bytes": 4}} for r in out)
     time.sleep(0.5)
     assert not any(_alive(r["pid"]) for r in out)  # no rank outlives the launch
+    # a SIGTERM to the process group (kill -TERM -PGID, GNU timeout, a scheduler) must not kill the
+    # forkserver (its ranks would die with it, mid-save: issue 47); each rank has SIGTERM's default back
+    # (and unblocked: ``sigterm_default`` is read in the rank)
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver._forkserver_pid
+    if server is not None and os.path.exists(f"/proc/{server}/status"):
+        assert _shields_sigterm(server)
+    assert all(r["sigterm_default"] for r in out)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the launching process's own is unchanged
 
 
 def test_a_raising_rank_ends_the_launch_with_its_traceback(measured):
@@ -63,6 +83,23 @@ def test_a_raising_rank_ends_the_launch_with_its_traceback(measured):
     with pytest.raises(LaunchError, match="(?s)rank 1 raised.*deliberate failure on rank 1"):
         launch(_raise_on_rank_1, 3, timeout_s=TIMEOUT_S)
     check_ended_early(t0, measured, "3 ranks, rank 1 raises")
+
+
+def _refuse_on_rank_1(ctx):
+    from shared.checkpoint_io import CheckpointError
+
+    if ctx.rank == 1:
+        raise CheckpointError("/ck/run: a refusal of one line")
+    dist.barrier()
+
+
+def test_a_rank_that_refuses_is_one_line_not_a_traceback():
+    """A stop by signal (Preempted) or a checkpoint refused on a rank reaches the caller as its own
+    line, so compare.py's JSON errors are one line each (a clean SIGTERM save used to put a rank's
+    whole traceback there)."""
+    with pytest.raises(LaunchError) as e:
+        launch(_refuse_on_rank_1, 2, timeout_s=TIMEOUT_S)
+    assert str(e.value) == "rank 1: CheckpointError: /ck/run: a refusal of one line"
 
 
 def test_a_dying_rank_ends_the_launch(measured):

@@ -571,7 +571,7 @@ def test_profile_load_refuses_what_it_cannot_use(tmp_path):
     with pytest.raises(ValueError, match="missing intra, inter"):
         efficiency.load(str(path))
     # held-out: /dev/zero was read forever; /etc/passwd and a folder were json's / the OS's words, no path
-    for bad, says in (("/dev/zero", "more than 64 MiB"), (str(tmp_path), "cannot read it")):
+    for bad, says in (("/dev/zero", "a device or socket, not a file"), (str(tmp_path), "a folder, not a bench")):
         if os.path.exists(bad):
             with pytest.raises(ValueError, match=says):
                 efficiency.load(bad)

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from shared import preempt
 from shared.checkpoint import (
     CheckpointError,
     Plan,
@@ -52,6 +53,7 @@ from shared.checkpoint import (
     manifest,
     read_state,
     save_error,
+    step_name,
     verify,
 )
 from shared.problem import param_shapes
@@ -230,10 +232,26 @@ def writer_lock(plan: Plan, run_dir: str, ctx):
         lock.__exit__()
 
 
+def preempted(s: Session, step: int) -> preempt.Preempted:
+    """What the training loop raises once every rank saved ``step`` on a signal (shared/preempt.py)."""
+    return preempt.Preempted(step, os.path.join(s.run_dir, step_name(step)))
+
+
+def stop_requested(ctx) -> bool:
+    """Whether any rank got SIGTERM or SIGINT (one all-reduce (MAX) of the flag, outside any ledger):
+    every rank answers the same."""
+    flag = torch.tensor([float(preempt.requested())], device=ctx.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def run(module, pattern: str, cfg, problem, style: str, variant: str, ctx, plan: Plan):
     """One (style, variant) run of ``module`` under ``plan``: from step 0, or from the checkpoint
     plan.source() names (the pattern rebuilt from its arrays, its moments probed, then trained on).
-    Rank 0 holds the run folder's lock throughout (``writer_lock``)."""
+    Rank 0 holds the run folder's lock throughout (``writer_lock``). A signal that came before it
+    began (during a reference run, say) stops it before its first step: nothing saved."""
+    if plan.writes and stop_requested(ctx):
+        raise preempt.Preempted(None)
     run_dir = plan.run_dir("torch", pattern, style, variant, cfg)
     with writer_lock(plan, run_dir, ctx):
         return _run(module, pattern, cfg, problem, style, variant, ctx, plan, run_dir)

@@ -219,7 +219,7 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
                 if not session.plan.due(k + 1):
                     ckpt.save(cfg, ctx, setup, k + 1, session)
                 dist.barrier()  # saved everywhere before any rank reports
-                raise preempt.Preempted(k + 1)
+                raise ckpt.preempted(session, k + 1)  # one line: the step, the folder saved
     params = setup.fixture(setup.params)  # before any bare step (bench --overhead) moves them
     state = setup.state() if setup.state else {
         "params": tensor_bytes(setup.params), "grads": tensor_bytes(g for g in setup.grads() if g is not None),
@@ -354,7 +354,7 @@ def run_jobs(ctx: RankContext, jobs: list[tuple], checkpoint: Plan | None = None
 def _run_jobs(ctx: RankContext, jobs: list[tuple], checkpoint: Plan | None = None) -> dict[str, object]:
     out: dict[str, object] = {}
     if checkpoint is not None:
-        preempt.install()  # SIGTERM: finish the step, save, stop (train_loop)
+        preempt.install()  # SIGTERM / SIGINT: finish the step, save, stop (train_loop)
     for pattern, cfgs, *chosen in jobs:
         if pattern == "collectives":
             ctx.progress(("start", "collectives"))

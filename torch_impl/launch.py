@@ -39,10 +39,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shared import preempt
+from shared.checkpoint_io import CheckpointError
 from shared.env import die_with_parent, die_with_process
 from torch_impl.ledger import AUDIT_ENV, CommLedger
 
 DEFAULT_TIMEOUT_S = 300.0  # whole launch; collectives time out after the same
+ONE_LINE = (preempt.Preempted, CheckpointError)  # a rank's exceptions reported by their line, not a traceback
 
 
 @dataclass
@@ -165,8 +167,9 @@ def launch(
     forward = functools.partial(_forward_sigterm, procs)  # preemption: SIGTERM reaches every rank
     preempt.forwarders.append(forward)
     try:
-        for p in procs:
-            p.start()
+        with preempt.deferred():  # a stop raised mid-start would leave a rank the teardown cannot see
+            for p in procs:
+                p.start()
         while len(results) < world_size:
             try:
                 rank, status, payload = results_q.get(timeout=0.05)
@@ -188,6 +191,8 @@ def launch(
                 continue
             if status == "error":
                 raise LaunchError(_died_first(procs, results) + f"rank {rank} raised:\n{payload}")
+            if status == "refused":  # one line of its own (a stop by signal, a checkpoint refused)
+                raise LaunchError(f"rank {rank}: {payload}")
             results[rank] = payload
     finally:
         preempt.forwarders.remove(forward)
@@ -212,7 +217,26 @@ def _start_method():
     ctx = mp.get_context(os.environ.get(START_METHOD_ENV, "forkserver"))
     if ctx.get_start_method() == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)
+        _start_forkserver()
     return ctx
+
+
+def _start_forkserver() -> None:
+    """Start the forkserver now with SIGTERM blocked in this thread, a mask it keeps across its exec:
+    ``kill -TERM -PGID``, GNU ``timeout`` and batch schedulers signal the whole process group, and a
+    forkserver that died of it would take every rank with it (a rank dies with its parent:
+    PR_SET_PDEATHSIG) in the middle of the step they were finishing to save. It still ends with this
+    process (its pipe closes); each rank unblocks SIGTERM and restores its default as it starts
+    (``_rank_main``). Blocked in this thread only, and only while the forkserver starts: a SIGTERM to
+    this process meanwhile is delivered (to the main thread), not lost; any thread may launch."""
+    from multiprocessing import forkserver, resource_tracker
+
+    resource_tracker.ensure_running()  # first: starting it unblocks SIGTERM in this thread, whatever was set
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _forward_sigterm(procs) -> None:
@@ -231,6 +255,8 @@ def _drain(q, results: dict[int, Any], procs) -> None:
             continue
         if status == "error":  # maybe a reaction to the rank that died: name the dead first
             raise LaunchError(_died_first(procs, results) + f"rank {rank} raised:\n{payload}")
+        if status == "refused":
+            raise LaunchError(f"rank {rank}: {payload}")
         results[rank] = payload
 
 
@@ -250,14 +276,17 @@ def _describe_exit(code: int) -> str:
 
 
 def _stop(procs, graceful: bool) -> None:
-    """Join finished ranks briefly; terminate, then kill, whatever is left."""
+    """Join finished ranks briefly; terminate, then kill, whatever is left. Not graceful (a rank
+    failed, a signal stopped the launch): killed at once: a rank still starting has SIGTERM blocked
+    (the forkserver's mask, until ``_rank_main`` unblocks it), and a rank that saves on a signal has
+    already saved when it reports."""
     if graceful:
         end = time.monotonic() + 10.0
         for p in procs:
             p.join(timeout=max(0.0, end - time.monotonic()))
     for p in procs:
         if p.is_alive():
-            p.terminate()
+            p.terminate() if graceful else p.kill()
     for p in procs:
         p.join(timeout=2.0)
         if p.is_alive():
@@ -324,6 +353,8 @@ def _rank_main(rank, world_size, port, fn, args, kind, results_q, timeout_s, thr
     if environ is not None:  # the launching process's environment now, not the forkserver's at its start
         os.environ.clear()
         os.environ.update(environ)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # the forkserver blocks it; a rank does not
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     die_with_parent()  # the forkserver
     if "PARALLEL_TWINS_LAUNCHER_PID" in os.environ:  # and the launcher: a forkserver may outlive it
         die_with_process(int(os.environ["PARALLEL_TWINS_LAUNCHER_PID"]))
@@ -337,6 +368,9 @@ def _rank_main(rank, world_size, port, fn, args, kind, results_q, timeout_s, thr
         result = fn(ctx, *args)
         results_q.put((rank, "ok", result))
         status = 0
+    except ONE_LINE as exc:  # a stop by signal, a checkpoint refused: their own line says it all
+        results_q.put((rank, "refused", f"{type(exc).__name__}: {exc}"))
+        status = 1
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results_q.put((rank, "error", traceback.format_exc()))
         status = 1
