@@ -240,9 +240,16 @@ def checkpoint_plan(args, cfgs):
     if plan.every > steps and not args.quiet:  # legitimate (save on a signal only), but say so
         print(f"{prog()}: note: --checkpoint-every {plan.every} is more than --steps {steps}: no step is saved on "
               "the schedule, only on SIGTERM / SIGINT", file=sys.stderr)
-    check_runs(plan, [(fw, pattern, style, variant, cfg) for fw in args.frameworks
-                      for pattern in args.patterns if pattern != "collectives" for cfg in cfgs_for(cfgs, pattern)
-                      for style, variant in chosen_variants(fw, pattern, cfg, args.styles)])
+    runs = [(fw, pattern, style, variant, cfg) for fw in args.frameworks
+            for pattern in args.patterns if pattern != "collectives" for cfg in cfgs_for(cfgs, pattern)
+            for style, variant in chosen_variants(fw, pattern, cfg, args.styles)]
+    check_runs(plan, runs)
+    if plan.writes and not any(k in os.environ for k in ("RANK", "JAX_PROCESS_ID")):
+        # this invocation is the writer of its run folders from now until it exits: a second compare.py on one
+        # of them is refused here, before any process starts (under torchrun / multi-process JAX, rank 0 locks)
+        from shared.checkpoint_io import hold_locks
+
+        args.held_locks = hold_locks(plan.run_dir(*run) for run in runs)
     return plan
 
 
@@ -400,6 +407,9 @@ def main(argv=None) -> int:
         return 130
     finally:
         preempt.reset()  # the handlers there were before the runs (a caller that goes on: the tests)
+        from shared.checkpoint_io import release_locks
+
+        release_locks()  # the run folders this invocation locked (checkpoint_plan)
 
 
 def _main(argv=None) -> int:

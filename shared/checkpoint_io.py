@@ -229,16 +229,69 @@ def _holder(fd: int) -> str:
     return text or "a process that has not yet written its pid"
 
 
+# compare.py takes every run folder's lock before any process starts (hold_locks) and keeps them until it
+# exits, so a second writer is refused up front; its runs (JAX in the same process, torch ranks it launched)
+# then find the lock held by their own invocation: this names its pid.
+HELD_ENV = "PARALLEL_TWINS_LOCKS_HELD_BY"
+
+
+def _held_by_my_invocation(run_dir: str) -> bool:
+    """Whether compare.py, this process or the launcher of this rank, holds ``run_dir``'s lock (HELD_ENV names
+    that pid, and the lock file says so)."""
+    holder = os.environ.get(HELD_ENV)
+    if not holder or holder not in (str(os.getpid()), os.environ.get("PARALLEL_TWINS_LAUNCHER_PID")):
+        return False
+    try:
+        fd = os.open(os.path.join(run_dir, LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return _holder(fd).startswith(f"pid {holder} ")
+    finally:
+        os.close(fd)
+
+
+def hold_locks(run_dirs) -> list:
+    """Take every run folder's lock for this process (compare.py, before any rank or device starts) and name
+    it for the runs it launches (HELD_ENV); the locks stay until the process ends. CheckpointError, one line
+    naming the holder, when another process writes one of them."""
+    held = []
+    try:
+        for d in dict.fromkeys(run_dirs):
+            held.append(RunLock(d).__enter__())
+    except CheckpointError:
+        for lock in held:
+            lock.__exit__()
+        raise
+    _HELD.extend(held)
+    os.environ[HELD_ENV] = str(os.getpid())
+    return held
+
+
+_HELD: list = []  # hold_locks' locks, until release_locks (compare.py's end) or the process's
+
+
+def release_locks() -> None:
+    """Drop every lock hold_locks took (compare.py, as it returns)."""
+    while _HELD:
+        _HELD.pop().__exit__()
+    if os.environ.get(HELD_ENV) == str(os.getpid()):
+        del os.environ[HELD_ENV]
+
+
 class RunLock:
     """``with RunLock(run_dir):`` — this process is the one writer of ``run_dir`` (created if absent)
     until the block ends or the process dies. CheckpointError (one line: the folder, the holder) when
-    another process holds it, or the folder cannot be created or locked."""
+    another process holds it, or the folder cannot be created or locked. A lock this run's own compare.py
+    already holds (hold_locks) is its own: nothing more is taken."""
 
     def __init__(self, run_dir: str):
         self.run_dir, self.fd = run_dir, None
 
     def __enter__(self) -> RunLock:
         run_folder(self.run_dir, create=True)  # never through a link: refused before anything is created
+        if _held_by_my_invocation(self.run_dir):
+            return self
         try:
             fd = os.open(os.path.join(self.run_dir, LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o644)

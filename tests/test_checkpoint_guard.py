@@ -293,3 +293,29 @@ def test_an_unwritable_run_folder_is_one_line(tmp_path, monkeypatch):
     finally:
         os.chmod(run, 0o755)
     assert verify(first, CFG)
+
+
+def test_two_compare_runs_on_one_folder_the_second_refused_before_it_starts(tmp_path):
+    """Issue 46: compare.py takes its run folders' locks before any process starts and keeps them, so a second
+    compare.py on the same --checkpoint-dir is refused at once (exit 2, one line naming the holder), never
+    after its ranks are up; its own runs (torch ranks it launched, JAX in its process) write under its locks."""
+    argv = ["compare.py", "--frameworks", "torch", "--patterns", "dp", "--model", "mlp", "--size", "tiny",
+            "--world-size", "2", "--steps", "200", "--checkpoint-dir", str(tmp_path), "--quiet"]
+    first = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        lock = tmp_path / "torch-dp-explicit-naive-mlp" / ".lock"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (lock.exists() and lock.read_text().startswith(f"pid {first.pid}")):
+            time.sleep(0.1)
+        assert lock.read_text().startswith(f"pid {first.pid} "), lock.read_text() if lock.exists() else "no lock"
+        t0 = time.monotonic()
+        second = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2, second.stderr
+        err = second.stderr.strip()
+        assert len(err.splitlines()) == 1 and "another run is writing" in err and f"pid {first.pid} " in err, err
+        assert time.monotonic() - t0 < 30  # refused before any rank started
+        assert first.poll() is None  # the first goes on
+    finally:
+        first.kill()
+        first.wait()
