@@ -77,6 +77,10 @@ from torch_impl.parallel.fsdp import FSDP, average_flat
 from torch_impl.parallel.tp import check_plan, matches, unshard
 
 
+CLIP_FIX = ("clip with trainer.train_step(tokens, targets, max_norm=...) (the global norm), not "
+            "torch.nn.utils.clip_grad_norm_ inside the optimizer's step")
+
+
 class Trainer:
     """``parallelize``'s result: ``train_step(tokens, targets)`` -> the global mean loss;
     ``full_state_dict()`` -> every parameter whole (the model's names), on every rank."""
@@ -119,6 +123,7 @@ class Trainer:
         self._loss = stage_loss(loss, self.styles, mesh["tp"] if self.t > 1 else None, style)
         self.schedule_name = schedule
         self.clipped = False  # did the last step clip (comm_theory counts the norm's scalar all-reduce)
+        self.steps = 0  # optimizer steps taken (a refused first step's update is undone)
         self.schedule = apply_pp(self.run, self.s, self.S, mesh["pp"], self._loss, self.M, schedule,
                                  scale_grads=self.fsdp is None) if self.S > 1 else None
 
@@ -172,7 +177,11 @@ class Trainer:
         self.clipped = max_norm is not None
         if self.clipped:
             self.norm = self.clip_grad_norm_(max_norm)
-        self.optimizer.step()
+        if self.S > 1 or self.t > 1 or self.fsdp is not None:  # pieces: a clip in the optimizer is local
+            recipe.sealed_step(self.optimizer, self.params, "compose", CLIP_FIX, undo=not self.steps)
+        else:  # whole averaged gradients (dp, cp) or FSDP2's DTensors: torch's own clip is the model's
+            self.optimizer.step()
+        self.steps += 1
         return float(out[0]) / (self.d * self.c)
 
     @torch.no_grad()
