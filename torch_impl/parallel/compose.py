@@ -28,8 +28,11 @@ explicit  the project's wrappers on the same sub-meshes' groups: apply_plan + th
           CE, the FSDP wrapper (no pp: refused), the same pipeline, cp seam and dp all-reduce.
           explicit fsdp × pp: the wrapper's shard gradients arrive after the schedule (which would
           scale them by 1/M too early), so the composition divides by M after they arrive.
-Refused before anything changes (ComposeError, one line: what, which axes, the fix): both dp and
-fsdp > 1 (HSDP), an axis not in AXES, explicit tp with a loss other than ``cross_entropy``, builtin
+HSDP (dp and fsdp both > 1: torchtitan's dp_replicate × dp_shard): the data index is row-major over
+(dp, fsdp) in mesh order; builtin FSDP2 on the 2-D (dp, fsdp[_cp]) mesh (reduce-scatter over the
+shard group, then an all-reduce of each shard over dp); explicit the FSDP wrapper over fsdp(+cp), then
+ONE flat all-reduce of its shards' and vectors' gradients over dp.
+Refused before anything changes (ComposeError, one line: what, which axes, the fix): an axis not in AXES, explicit tp with a loss other than ``cross_entropy``, builtin
 tp of a vocabulary not divisible by tp (DTensor's uneven shards; explicit pads it), cp
 without a ``positions`` attribute, a parameter in two stages or in none, a cp variant other than
 ring; a plan tp cannot carry out (tp.PlanError); indivisible rows / sequence / micro-batches (at
@@ -71,6 +74,7 @@ from torch_impl.parallel.compose_axes import (  # noqa: F401  (ComposeError, che
     local_logits,
     sizes,
     stage_loss,
+    transformers_plan,
 )
 from torch_impl.parallel.ep import refuse_split_experts
 from torch_impl.parallel.fsdp import FSDP, average_flat
@@ -92,8 +96,11 @@ class Trainer:
         ax = lambda a: self.layout.get(a, 1)
         self.S, self.t, self.c, self.M = ax("pp"), ax("tp"), ax("cp"), microbatches if ax("pp") > 1 else 1
         coord = lambda a: mesh[a].get_local_rank() if ax(a) > 1 else 0
-        self.data = "fsdp" if ax("fsdp") > 1 else "dp"
-        self.d, self.i, self.j, self.s = ax(self.data), coord(self.data), coord("cp"), coord("pp")
+        self.data = "fsdp" if ax("fsdp") > 1 else "dp"  # the axis the gradient group shards (fsdp) or reduces over
+        self.hsdp = ax("dp") > 1 and ax("fsdp") > 1  # replicate over dp × shard over fsdp (+cp)
+        self.d, self.i, self.j, self.s = ax("dp") * ax("fsdp"), 0, coord("cp"), coord("pp")
+        for a in (a for a in self.layout if a in ("dp", "fsdp")):  # the data index: row-major, mesh order
+            self.i = self.i * ax(a) + coord(a)
         if self.t > 1 and plan:
             check_plan(model, plan, self.t)  # PlanError (e.g. GQA heads that tp does not divide), nothing changed
             check_vocab(model, plan, self.t, style)
@@ -103,14 +110,19 @@ class Trainer:
             raise ComposeError(f"compose: cp={self.c} needs the stage module to read a `positions` attribute "
                                "(its tokens' global positions); fix: give the module one (parallel/llama.py Stage)")
         self.styles = apply_tp(self.module, plan, mesh["tp"], style) if self.t > 1 and plan else {}
+        # the model's own length along each split dim (explicit pads a vocabulary tp does not divide)
+        self._sizes = {n: p.tp_size for n, p in self.module.named_parameters(remove_duplicate=False)
+                       if hasattr(p, "tp_size")}
         grad_axes = [a for a in (self.data, "cp") if ax(a) > 1]
         self.grad_mesh, self.grad_group = group_over(mesh, grad_axes)
+        self.rep_group = mesh["dp"].get_group() if self.hsdp else None  # HSDP: the shards' replicas
         held = lambda: {(id(o), a): p for o in self.module.modules() for a, p in o._parameters.items() if p is not None}
         tp_split = {k for k, p in held().items() if hasattr(p, "tp_size")}  # explicit tp's pieces, before FSDP
         self.fsdp, self.fsdp2 = None, []
         if self.data == "fsdp" and self.d > 1:
-            if style == "builtin":
-                self.fsdp2 = apply_fsdp(self.module, self.grad_mesh, units)
+            if style == "builtin":  # HSDP: FSDP2 on the 2-D (dp, fsdp[_cp]) mesh (torchtitan's dp_replicate)
+                data_mesh = mesh["dp", self.grad_mesh.mesh_dim_names[0]] if self.hsdp else self.grad_mesh
+                self.fsdp2 = apply_fsdp(self.module, data_mesh, units)
             else:
                 self.fsdp = FSDP(self.module, group=self.grad_group)
         self.run = self.fsdp or self.module
@@ -222,6 +234,9 @@ class Trainer:
                 if p.grad is not None:
                     p.grad.div_(self.M)  # the schedule's scale_grads would have scaled them before they came
                     recipe.refresh([p.grad])
+            if self.rep_group is not None:  # HSDP: the shards (and the vectors) averaged over dp, ONE all-reduce
+                grads = [p.grad for p in self.params if p.grad is not None]
+                average_flat(grads, self.rep_group)
         elif self.grad_group is not None and not (self.data == "fsdp" and self.style == "builtin"):
             grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params
                      if p.grad is not None]
@@ -284,12 +299,17 @@ class Trainer:
             for op, (n, nbytes) in self.fsdp.comm_theory().items():
                 k = M if op in ("all_gather", "reduce_scatter") else 1  # the vectors' all-reduce: once, at the end
                 add(self.grad_label, op, k * n, k * nbytes)
+            if self.hsdp:  # the shards and vectors averaged over dp: one flat all-reduce
+                add("dp", "all_reduce", 1, sum(p.grad.numel() for p in self.params if p.grad is not None) * b)
         elif self.fsdp2:  # a unit: gathered in each micro-batch's forward and once in backward; the root once
+            n = self.grad_mesh.size()
             for path, nbytes, trainable in self.fsdp2:
                 k = 1 if path == "" else M + 1
                 add(self.grad_label, "all_gather", k, k * nbytes)
                 if trainable:
                     add(self.grad_label, "reduce_scatter", 1, nbytes)
+                    if self.hsdp:  # HSDP: each group's reduce-scattered shard all-reduced over dp
+                        add("dp", "all_reduce", 1, nbytes // n)
         elif self.grad_group is not None and not (self.data == "fsdp" and self.style == "builtin"):
             add(self.grad_label, "all_reduce", 1, sum(p.grad.to_local().numel() if isinstance(p.grad, DTensor)
                                                       else p.grad.numel() for p in self.params
@@ -307,25 +327,33 @@ class Trainer:
                 if p and matches(p, k)}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every stage's parameters whole, by the model's names (all_gather_object: bookkeeping)."""
-        mine = {}
-        for name, p in self.module.named_parameters():
+        """Every stage's parameters whole, by the model's names and in its shapes (a padded vocabulary's
+        rows dropped; a tied weight under each of its names), so ``model.load_state_dict(...)`` takes it
+        (all_gather_object: bookkeeping)."""
+        mine, done = {}, {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if id(p) in done:  # tied: one gather, every name
+                mine[name] = done[id(p)]
+                continue
             w = self.fsdp.full_tensor(name, p) if self.fsdp is not None else p
             w = w.full_tensor() if isinstance(w, DTensor) else w.detach()
             if name in self.styles and self.style == "explicit":
-                w = unshard(w, self.styles[name], self.mesh["tp"].get_group())
-            mine[name] = w.detach().clone()
+                w = unshard(w, self.styles[name], self.mesh["tp"].get_group(), self._sizes.get(name))
+            mine[name] = done[id(p)] = w.detach().clone()
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, (self.s, mine))
         return {k: v for s in range(self.S) for st, d in every if st == s for k, v in d.items()}
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, *, plan: dict[str, str] | None = None,
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, plan: dict[str, str] | str | None = None,
                 stage: Callable | None = None, units: list[str] = (), loss: Callable = cross_entropy,
                 optimizer: Callable, microbatches: int = 2, style: str = "builtin", cp: str = "ring",
                 schedule: str = "gpipe") -> Trainer:
     """dp|fsdp × pp × cp × tp on ``mesh`` (dims named from AXES) for ``model``: the module docstring.
-    ``optimizer(params)`` builds the optimizer over this rank's (sharded) trainable parameters."""
+    ``optimizer(params)`` builds the optimizer over this rank's (sharded) trainable parameters.
+    ``plan="auto"``: a transformers model's own tp plan (``transformers_plan``)."""
+    if plan == "auto":
+        plan = transformers_plan(model)
     check(sizes(mesh), style, loss, plan)
     refuse_split_experts(model.named_parameters(), "compose")
     if sizes(mesh).get("pp", 1) > 1 and stage is None:
