@@ -32,9 +32,9 @@ HSDP (dp and fsdp both > 1: torchtitan's dp_replicate × dp_shard): the data ind
 (dp, fsdp) in mesh order; builtin FSDP2 on the 2-D (dp, fsdp[_cp]) mesh (reduce-scatter over the
 shard group, then an all-reduce of each shard over dp); explicit the FSDP wrapper over fsdp(+cp), then
 ONE flat all-reduce of its shards' and vectors' gradients over dp.
-Refused before anything changes (ComposeError, one line: what, which axes, the fix): an axis not in AXES, explicit tp with a loss other than ``cross_entropy``, builtin
-tp of a vocabulary not divisible by tp (DTensor's uneven shards; explicit pads it), cp
-without a ``positions`` attribute, a parameter in two stages or in none, a cp variant other than
+Refused before anything changes (ComposeError, one line: what, which axes, the fix): an axis not in
+AXES, explicit tp with a loss other than ``cross_entropy``, builtin tp of a vocabulary not divisible
+by tp (DTensor's uneven shards; explicit pads it), cp without a ``positions`` attribute, a parameter in two stages or in none, a cp variant other than
 ring; a plan tp cannot carry out (tp.PlanError); indivisible rows / sequence / micro-batches (at
 the first step, before any collective). Inside a step, a cp seam refusal (e.g. local position ids)
 raises on every rank before the update (parallel/cp.py).
@@ -79,7 +79,6 @@ from torch_impl.parallel.compose_axes import (  # noqa: F401  (ComposeError, che
 from torch_impl.parallel.ep import refuse_split_experts
 from torch_impl.parallel.fsdp import FSDP, average_flat
 from torch_impl.parallel.tp import check_plan, matches, unshard
-
 
 CLIP_FIX = ("clip with trainer.train_step(tokens, targets, max_norm=...) (the global norm), not "
             "torch.nn.utils.clip_grad_norm_ inside the optimizer's step")
