@@ -34,10 +34,12 @@ shard group, then an all-reduce of each shard over dp); explicit the FSDP wrappe
 ONE flat all-reduce of its shards' and vectors' gradients over dp.
 Refused before anything changes (ComposeError, one line: what, which axes, the fix): an axis not in
 AXES, explicit tp with a loss other than ``cross_entropy``, builtin tp of a vocabulary not divisible
-by tp (DTensor's uneven shards; explicit pads it), cp without a ``positions`` attribute, a parameter in two stages or in none, a cp variant other than
-ring; a plan tp cannot carry out (tp.PlanError); indivisible rows / sequence / micro-batches (at
-the first step, before any collective). Inside a step, a cp seam refusal (e.g. local position ids)
-raises on every rank before the update (parallel/cp.py).
+by tp (DTensor's uneven shards; explicit pads it), cp without a ``positions`` attribute, a parameter
+in two stages or in none, a cp variant other than ring; a plan tp cannot carry out (tp.PlanError);
+indivisible rows / sequence / micro-batches (at the first step, before any collective). Inside a
+step, a cp seam refusal (e.g. local position ids) raises on every rank before the update
+(parallel/cp.py); torch's clip_grad_norm_ inside the optimizer where a rank holds pieces (pp, tp,
+explicit fsdp) at the step (recipe.sealed_step: LocalClipError).
 Collectives per step: tp's 2 all-reduces per layer forward and 2 backward (+ the loss's);
 fsdp's all-gathers and reduce-scatters per unit per micro-batch; pp's one message (m, T/c, D) per
 micro-batch and boundary each way; cp's ring (3c−2 K|V messages per attention call); dp's one flat
