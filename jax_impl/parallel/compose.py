@@ -14,7 +14,8 @@ The mesh: axes in the layout's order, device id row-major (innermost last). Per 
                stages (torchtitan keeps FSDP unsharded across a step's micro-batches under PP); backward:
                the gather's transpose, one reduce-scatter per array.
     tp         Megatron over the plan's Linear modules inside the blocks: colwise (kernel (in, out/tp), f =
-               pcast to varying: psum in backward), rowwise (kernel (in/tp, out), g = psum after),
+               pcast to varying: psum in backward; a bias split with the columns), rowwise (kernel (in/tp,
+               out), g = psum after, then its bias once, as torch's RowwiseParallel),
                colwise_heads (a fused [q|k|v] kernel (D, 3·H·dh): shard_map holds its columns permuted,
                device r [q_r|k_r|v_r], parallel.tp.heads_perm; params() / to_paths() put them back).
                Head counts come from the weights, so q/k/v shards must be whole heads (checked).
@@ -48,7 +49,8 @@ no formula for jit with fsdp or cp). typed: refused (see ``refusal``). Papers: N
 
 Refused before compiling (``ComposeError``, one line: what, which axes, fix): an unknown axis or style,
 pp under jit or typed, sizes that do not divide (rows, sequence, layers, heads, features, dim 0 under
-fsdp), plan keys outside the blocks or on non-Linear modules, rowwise biases, a split whose chain is
+fsdp), plan keys outside the blocks or on non-Linear modules, a rowwise bias on a Linear subclass with its
+own __call__, a split whose chain is
 not the model's forward, a model that never calls the cp seam (at the first trace).
 """
 
@@ -166,8 +168,9 @@ class Composed:
         if self.f > 1 and len(shape) >= 2 and self._unit(path):
             local = shape[0] // (self.tp if axes[0] == "tp" else 1)
             if local % self.f:
-                raise ComposeError(f"compose: {path} dim 0 = {local} (per tp shard) does not divide by fsdp={self.f}; "
-                                   "leave its module out of the units or change fsdp")
+                what = f"{local} per tp shard" if axes[0] == "tp" else f"{local} (tp does not split it)"
+                raise ComposeError(f"compose: {path} dim 0 = {what} does not divide by fsdp={self.f}; leave its "
+                                   "module out of the ZeRO units (units=[...]) or change fsdp")
             axes[0] = one(((axes[0],) if axes[0] else ()) + ("fsdp",))
         return axes
 
@@ -248,7 +251,7 @@ class Composed:
         if manual and self.tp > 1 and self._trace is not None:  # f casts per block call: comm_theory
             self._trace["f"] = lambda: (len(f_cache), sum(x.shape[-1] for x, _ in f_cache.values()), len(block_calls))
         if S == 1:
-            return self.loss(sp.head(self.root, parts, stage(h0)), targets)
+            return self.loss(sp.head(self.root, self._head_parts(parts), stage(h0)), targets)
         m = rows // M
         h0 = h0.reshape((M, m) + h0.shape[1:])
         if manual and "pp" not in varying(h0):  # varying over pp once: its cotangent summed once
@@ -259,9 +262,22 @@ class Composed:
             if t >= S - 1:
                 outs.append(out)
             state = lax.ppermute(out, "pp", [(s, s + 1) for s in range(S - 1)])
-        logits = sp.head(self.root, parts, jnp.concatenate(outs))
+        logits = sp.head(self.root, self._head_parts(parts), jnp.concatenate(outs))
         loss = self.loss(logits, targets)  # micro-batch k = rows [k·m, (k+1)·m)
         return lax.psum(jnp.where(idx == S - 1, loss, 0), "pp")
+
+    def _head_parts(self, parts: dict) -> dict:
+        """The modules the head gets (the first's too: a tied head reads the embedding), the first ones it
+        reads recorded for comm_theory (their gradient meets the last stage's pp-varying stream)."""
+        trace, first = self._trace, set(self.split.first)
+
+        class Reads(dict):
+            def __getitem__(self, key):
+                if trace is not None and key in first:
+                    trace.setdefault("tied", set()).add(key)
+                return super().__getitem__(key)
+
+        return Reads(parts)
 
     def _shard_map_loss(self):
         specs, data, seq = self.specs, one(self.data), self.seq
@@ -411,7 +427,8 @@ class Composed:
         shape, b = self._trace["stream"]
         calls, widths = theory.tp_widths(self.rel_plan, self.block_parts[3], self._trace["f"]) if self.tp > 1 \
             else (0, 0)
-        placed = theory.placed(self.params_, self.specs, self.layout, self.split.first)
+        placed = theory.placed(self.params_, self.specs, self.layout, self.split.first,
+                               frozenset(self._trace.get("tied", ())))
         return theory.compose_comm(self.layout, placed, microbatches=self.M,
                                    tp_call=(calls, int(np.prod(shape[:-1])) * b * widths),
                                    stream=int(np.prod(shape)) * b, seam=self._trace["seam"],
