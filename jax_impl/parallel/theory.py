@@ -163,8 +163,9 @@ def compose_comm(layout: dict[str, int], arrays: list[Placed], *, microbatches: 
     Every array is cast to varying once over the axes its inputs vary on that it is not split on (dp /
     fsdp, cp; pp but for the first modules): the cast's transpose psums its gradient once per step, the
     array as this device holds it (gathered over fsdp). A first module's array the head reads too (a
-    tied embedding) meets the last stage's pp-varying stream there: one more psum over pp (its own cast). pp also sums the embedding's output once (M·stream:
-    the micro-batches meet the pipeline's pp-varying state) and the last stage's loss; dp / fsdp / cp sum
+    tied embedding) meets the last stage's pp-varying stream there: one more psum over pp (its own
+    cast). pp also sums the embedding's output once (M·stream: the micro-batches meet the pipeline's
+    pp-varying state) and the last stage's loss; dp / fsdp / cp sum
     the loss mean. XLA's all-reduce combiner merges these per group into ONE all-reduce (a tuple: they are
     independent); tp's g / f chain through the blocks and stay one each. fsdp: one all-gather and one
     reduce-scatter (its transpose) of every array split over "fsdp", bytes the device's gathered layers."""
