@@ -86,8 +86,8 @@ def grad_axes(cfg: Config) -> tuple[str, ...]:
 
 
 def fsdp_axes(cfg: Config) -> tuple[str, ...]:
-    """The group fsdp shards over: fsdp and cp (empty without fsdp)."""
-    return grad_axes(cfg) if cfg.data_axis == "fsdp" else ()
+    """The group fsdp shards over: fsdp and cp (empty without fsdp; HSDP: dp replicates, not in it)."""
+    return tuple(a for a in grad_axes(cfg) if a != "dp") if cfg.data_axis == "fsdp" else ()
 
 
 def _one(axes: tuple):

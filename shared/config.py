@@ -160,9 +160,6 @@ class Config:
                 raise ValueError(f"mesh: unknown axis {unknown[0]!r}; choose from {', '.join(MESH_AXES)}")
             if len(set(names)) != len(names):
                 raise ValueError(f"mesh: axis named twice in {format_mesh(self.mesh)}")
-            if all(a in names for a in DATA_AXES):
-                raise ValueError("mesh: dp and fsdp are both data axes (HSDP, replicate × shard, is not built): "
-                                 "name one of them")
             bad = [(a, n) for a, n in self.mesh if n < 1]
             if bad:
                 raise ValueError(f"mesh: axis {bad[0][0]}={bad[0][1]} must be a positive size")
@@ -200,13 +197,29 @@ class Config:
 
     @property
     def data_axis(self) -> str | None:
-        """The layout's data axis, "dp" or "fsdp" (None: no data parallelism)."""
-        return next((a for a, _ in self.mesh if a in DATA_AXES), None)
+        """The layout's data axis, "dp" or "fsdp" (None: no data parallelism); HSDP (both named): "fsdp",
+        the axis that shards (dp replicates the shards: ``replicate``)."""
+        names = [a for a, _ in self.mesh]
+        return "fsdp" if "fsdp" in names else "dp" if "dp" in names else None
 
     @property
     def data_size(self) -> int:
-        """Ranks the batch is split over: the dp or fsdp axis size (1 without one)."""
-        return self.axis(self.data_axis) if self.data_axis else 1
+        """Ranks the batch is split over: the dp and fsdp axes' sizes multiplied (1 without either)."""
+        return self.axis("dp") * self.axis("fsdp")
+
+    @property
+    def replicate(self) -> int:
+        """HSDP's replicas of each fsdp shard: the dp axis' size when fsdp is named too, else 1."""
+        return self.axis("dp") if "fsdp" in [a for a, _ in self.mesh] else 1
+
+    def data_index(self, coords: dict[str, int]) -> int:
+        """A rank's data index from its mesh coordinates: row-major over (dp, fsdp) in mesh order (rows
+        [i·B/d, (i+1)·B/d) are its own)."""
+        i = 0
+        for a, n in self.mesh:
+            if a in DATA_AXES:
+                i = i * n + coords.get(a, 0)
+        return i
 
     @property
     def pipeline_microbatches(self) -> int:
@@ -405,7 +418,8 @@ class Config:
         d, pp, cp, tp, f = self.data_size, self.axis("pp"), self.axis("cp"), self.axis("tp"), self.axis("fsdp")
         out = []
         if d > 1:
-            out.append(("batch", self.batch, self.data_axis, d, "every data rank takes B/dp sequences"))
+            by = "dp·fsdp" if self.replicate > 1 else self.data_axis
+            out.append(("batch", self.batch, by, d, "every data rank takes B/dp sequences"))
         if pp > 1:
             out += [("layers", self.layers, "pp", pp, "every stage holds L/pp blocks"),
                     ("batch", self.batch, f"{self.data_axis or 'data'}·microbatches", d * self.microbatches,

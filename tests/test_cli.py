@@ -62,7 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
         # N-D layouts (the mesh pattern): refused before any rank starts
         (["--mesh", "dp=2,tp=2", "--world-size", "8"], "mesh dp=2,tp=2: the axes multiply to 4, not the world size 8"),
         (["--mesh", "dp=2,ep=2"], "mesh: unknown axis 'ep'; choose from dp, fsdp, pp, cp, tp"),
-        (["--mesh", "dp=2,fsdp=2"], "mesh: dp and fsdp are both data axes"),
+        (["--mesh", "dp=2,fsdp=2", "--batch", "6"], "mesh dp=2,fsdp=2: batch=6 is not divisible by dp·fsdp=4"),
         (["--mesh", "dp=2,tp=2", "--heads", "3", "--dim", "12"], "mesh dp=2,tp=2: heads=3 is not divisible by tp=2"),
         (["--mesh", "dp=2,pp=4", "--layers", "6"], "mesh dp=2,pp=4: layers=6 is not divisible by pp=4"),
         (["--mesh", "dp=2,cp=4", "--seq", "10"], "mesh dp=2,cp=4: seq=10 is not divisible by cp=4"),

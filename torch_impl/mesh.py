@@ -103,7 +103,7 @@ def builtin_refusal(cfg: Config) -> str | None:
 def hsdp_dp(cfg: Config) -> bool:
     """builtin dp × tp: FSDP2 HSDP on a (dp, dp_shard = 1) mesh instead of DDP, whose first broadcast
     fails on DTensor weights ('aten.cat.default got mixed torch.Tensor and DTensor')."""
-    return cfg.axis("dp") > 1 and cfg.axis("tp") > 1
+    return cfg.axis("dp") > 1 and cfg.axis("tp") > 1 and cfg.replicate == 1
 
 
 def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
@@ -132,7 +132,8 @@ def make_layout(cfg: Config, ctx: RankContext, style: str = "explicit") -> Layou
     dm = init_device_mesh(ctx.device.type, [n for _, n in dims], mesh_dim_names=[a for a, _ in dims])
     groups = {a: dm[a].get_group() for a in names}
     labels = {g: a for a, g in groups.items()}
-    grad_axes = [a for a in names if a in ("dp", "fsdp", "cp") and cfg.axis(a) > 1]
+    data = ("fsdp",) if cfg.replicate > 1 else ("dp", "fsdp")  # HSDP: shard over fsdp(+cp), dp replicates
+    grad_axes = [a for a in names if a in data + ("cp",) and cfg.axis(a) > 1]
     grad_group = groups[grad_axes[0]] if len(grad_axes) == 1 else None
     if len(grad_axes) > 1:  # ranks that differ only in their data and cp coordinates: one group each
         others = [a for a in names if a not in grad_axes]
@@ -142,13 +143,14 @@ def make_layout(cfg: Config, ctx: RankContext, style: str = "explicit") -> Layou
         grad_group, _ = dist.new_subgroups_by_enumeration(enumeration)  # every rank, the same list
         labels[grad_group] = mesh_grad_axes(cfg)
     if grad_group is not None:
-        assert dist.get_world_size(grad_group) == cfg.data_size * cfg.axis("cp"), dist.get_world_size(grad_group)
+        want = cfg.data_size // cfg.replicate * cfg.axis("cp")
+        assert dist.get_world_size(grad_group) == want, dist.get_world_size(grad_group)
     return Layout(dm, mesh_coords(cfg, ctx.rank), groups, grad_group, labels)
 
 
 def local_batch(cfg: Config, problem: Problem, lay: Layout, device):
     """(tokens, targets) (B/d, T/c) of this rank's data and cp coordinates, and positions (T/c,)."""
-    rows, i, j = cfg.batch // cfg.data_size, lay.coords.get(cfg.data_axis, 0), lay.coords.get("cp", 0)
+    rows, i, j = cfg.batch // cfg.data_size, cfg.data_index(lay.coords), lay.coords.get("cp", 0)
     pos = torch.tensor(cp_positions(cfg.seq, cfg.axis("cp"), j, "ring"), device=device)  # (T/c,) global
     x, y = inputs(cfg, problem, device), targets(cfg, problem, device)  # (B, T) each
     x, y = x[i * rows:(i + 1) * rows][:, pos], y[i * rows:(i + 1) * rows][:, pos]  # (B/d, T/c)
@@ -192,6 +194,8 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
             act_shape=(m, tc, cfg.dim), loss_of=loss_of)
         if fsdp is not None:
             fsdp.finish_gradient_synchronization()  # M reduce-scatters per unit waited, summed; gains averaged
+            if cfg.replicate > 1:  # HSDP: the shards and gains averaged over the dp replicas, one all-reduce
+                average_flat([p.grad for p in params], lay.groups["dp"])
         elif lay.grad_group is not None:
             average_flat([p.grad for p in params], lay.grad_group)  # ONE all-reduce over data + cp
         # mean over the world = the global loss: last-stage ranks hold their local mean, scaled by
@@ -275,7 +279,9 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
         parallel_loss = loss_parallel  # CE over the Shard(-1) logits: 3 all-reduces of (m, T)
         if S > 1 and s == S - 1:  # the pipeline passes plain tensors: local logits out, DTensor again in the loss
             local_logits(stage.head)  # (m, T, V/t)
-    if cfg.data_axis == "fsdp" and cfg.data_size > 1:
+    if cfg.replicate > 1:  # HSDP: FSDP2 on the 2-D (dp, fsdp) mesh (builtin has no cp)
+        apply_fsdp(stage, dm["dp", "fsdp"], UNITS)
+    elif cfg.data_axis == "fsdp" and cfg.data_size > 1:
         apply_fsdp(stage, dm["fsdp"], UNITS)  # root: this stage's embeddings / final norm + head
     elif hsdp_dp(cfg):  # HSDP: replicated over dp, "sharded" over dp_shard = 1 (DDP fails on DTensors)
         apply_fsdp(stage, dm["dp", "dp_shard"], UNITS)

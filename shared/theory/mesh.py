@@ -35,8 +35,10 @@ def mesh_coords(cfg: Config, rank: int) -> dict[str, int]:
 
 def mesh_grad_axes(cfg: Config) -> str | None:
     """The label of the group the gradients are averaged (dp) or sharded (fsdp) over: the data
-    axis and cp, those of size > 1, in mesh order, joined by "+"; None if neither."""
-    names = [a for a, n in cfg.mesh if a in ("dp", "fsdp", "cp") and n > 1]
+    axis and cp, those of size > 1, in mesh order, joined by "+"; None if neither. HSDP: fsdp (+cp),
+    the shard group (dp, the replicas, all-reduces the shards: its own group, "dp")."""
+    data = ("fsdp",) if cfg.replicate > 1 else ("dp", "fsdp")
+    names = [a for a, n in cfg.mesh if a in data + ("cp",) and n > 1]
     return "+".join(names) or None
 
 
@@ -92,7 +94,7 @@ def state(model: Model, layout: Layout, stage: int, b: int, style: str = "builti
     shards (experts: dp·cp/ep). pure: b, b, 2b per element; mixed: 2, 2, 12 (bf16 + fp32 master, m, v)."""
     sp = stage_params(model, layout, stage)
     total = sp["units"] + sp["vectors"]
-    g = layout.dp * layout.cp
+    g = layout.dp // layout.replicate * layout.cp  # HSDP: the shard group only
     if layout.zero == 3:
         held = total // g if style == "builtin" else sp["units"] // g + sp["vectors"]
         return zero_state(held, 1, 0, precision, b)
@@ -169,6 +171,12 @@ def comm(model: Model, layout: Layout, stage: int, batch: int, b: int,
     label = layout.grad_label
     if label is not None:
         out.setdefault(label, {}).update(_grad_comm(model, layout, stage, b, style, sp))
+    if layout.replicate > 1:  # HSDP: the shards' gradients all-reduced over the dp replicas
+        g, root = layout.dp // layout.replicate * c, sp["units"] + sp["vectors"] - sp["per"] * sp["block"]
+        if style == "builtin":  # FSDP2: one per group (each block, the root), its reduce-scattered shard
+            out["dp"] = {"all_reduce": (sp["per"] + (root > 0), (sp["units"] + sp["vectors"]) // g * b)}
+        else:  # the FSDP wrapper's shards and its whole vectors: one flat all-reduce
+            out["dp"] = {"all_reduce": (1, (sp["units"] // g + sp["vectors"]) * b)}
     edp = layout.dp // layout.ep
     if model.moe and layout.ep > 1 and edp > 1 and sp["experts"]:
         op = "all_reduce" if layout.zero == 0 else None
@@ -327,5 +335,5 @@ def mesh_state_bytes_jax(cfg: Config, style: str) -> dict[str, int]:
         held = mesh_stage_param_count(cfg, 0, spmd=True)
     else:
         units, vectors = mesh_units_jax(cfg)
-        held = sum(units.values()) // (cfg.data_size * cfg.axis("cp")) + sum(vectors.values())
+        held = sum(units.values()) // (cfg.axis("fsdp") * cfg.axis("cp")) + sum(vectors.values())
     return {"params": held * b, "grads": held * b, "optimizer": 2 * held * b}
