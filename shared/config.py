@@ -37,7 +37,7 @@ PRECISIONS = ("pure", "mixed")
 MIXED_DTYPES = ("bfloat16", "float16")
 # The patterns whose runs (every style) build mixed precision, per framework; the others refuse it in
 # Config.check (which names the framework, or without one takes what every framework builds).
-MIXED_PATTERNS = {"torch": ("dp", "fsdp", "tp", "pp", "cp"), "jax": ("dp", "fsdp", "tp", "pp", "cp")}
+MIXED_PATTERNS = {"torch": ("dp", "fsdp", "tp", "pp", "cp", "mesh"), "jax": ("dp", "fsdp", "tp", "pp", "cp", "mesh")}
 # The patterns whose runs build --dtype float16 (mixed, with dynamic loss scaling), per framework.
 FLOAT16_PATTERNS = {
     "torch": ("dp", "fsdp", "cp", "tp", "pp"),
@@ -45,7 +45,8 @@ FLOAT16_PATTERNS = {
 }
 # The training recipe (shared/recipe.py: --clip, --accumulate, --schedule, --decay-mask, --freeze, --recipe):
 # the patterns whose runs (every style, both frameworks) apply it exactly; the others refuse it in Config.check.
-RECIPE_PATTERNS = ("dp", "fsdp", "tp", "cp")
+RECIPE_PATTERNS = ("dp", "fsdp", "tp", "cp", "mesh")
+MIXED_RECIPE_PATTERNS = ("mesh",)  # the recipe under --precision mixed (bfloat16; float16 is refused under mesh)
 SCHEDULES = ("constant", "warmup-cosine")  # the lr schedules (shared.recipe.lr_factors)
 
 
@@ -181,9 +182,6 @@ class Config:
         bad = [g for g in self.freeze if not isinstance(g, str) or not g]
         if bad:  # whether each glob names a parameter: shared.recipe.check_freeze (it knows the names)
             raise ValueError(f"freeze: every entry is a parameter-name glob (a non-empty string), got {bad[0]!r}")
-        if self.recipe_active and self.precision == "mixed":
-            raise ValueError("the recipe flags (--clip, --accumulate, --schedule, --decay-mask, --freeze, --recipe) "
-                             "are not built with --precision mixed: use --precision pure")
 
     @property
     def recipe_active(self) -> bool:
@@ -223,8 +221,10 @@ class Config:
 
     @property
     def pipeline_microbatches(self) -> int:
-        """Micro-batches of one step in a mesh layout: cfg.microbatches with a pp axis > 1, else 1."""
-        return self.microbatches if self.axis("pp") > 1 else 1
+        """Micro-batches of one step in a mesh layout: cfg.microbatches with a pp axis > 1, else 1; times
+        --accumulate (K parts of M micro-batches each: one schedule of K·M equal micro-batches gives the
+        same averaged gradient, as Megatron's gradient accumulation does; without pp, K parts)."""
+        return (self.microbatches if self.axis("pp") > 1 else 1) * self.accumulate
 
     @property
     def mesh_name(self) -> str:
@@ -325,6 +325,10 @@ class Config:
             fix = "--dtype bfloat16" if self.dtype == "float16" else "--precision pure"
             which = ", ".join(built) + " only" if built else "no pattern yet"
             raise ValueError(f"{pattern}: {what} is built{where} for {which}{hint}; use {fix} for {pattern}")
+        if self.recipe_active and self.precision == "mixed" and pattern not in MIXED_RECIPE_PATTERNS + ("collectives",):
+            raise ValueError(f"{pattern}: the recipe flags (--clip, --accumulate, --schedule, --decay-mask, --freeze, "
+                             f"--recipe) with --precision mixed are built for {', '.join(MIXED_RECIPE_PATTERNS)} only: "
+                             f"use --precision pure for {pattern}")
         if self.recipe_active and pattern not in RECIPE_PATTERNS + ("collectives",):  # collectives: no model
             raise ValueError(f"{pattern}: the recipe flags (--clip, --accumulate, --schedule, --decay-mask, --freeze, "
                              f"--recipe) are built for {', '.join(RECIPE_PATTERNS)} only; drop them for {pattern}")
@@ -421,9 +425,11 @@ class Config:
             by = "dp·fsdp" if self.replicate > 1 else self.data_axis
             out.append(("batch", self.batch, by, d, "every data rank takes B/dp sequences"))
         if pp > 1:
-            out += [("layers", self.layers, "pp", pp, "every stage holds L/pp blocks"),
-                    ("batch", self.batch, f"{self.data_axis or 'data'}·microbatches", d * self.microbatches,
-                     "every micro-batch of every data rank has the same number of sequences")]
+            out.append(("layers", self.layers, "pp", pp, "every stage holds L/pp blocks"))
+        if self.pipeline_microbatches > 1:
+            what = "·".join(["microbatches"] * (pp > 1) + ["accumulate"] * (self.accumulate > 1))
+            out.append(("batch", self.batch, f"{self.data_axis or 'data'}·{what}", d * self.pipeline_microbatches,
+                        "every micro-batch of every data rank has the same number of sequences"))
         if tp > 1:
             out += [("heads", self.heads, "tp", tp, "every tp rank owns whole attention heads"),
                     ("vocab", self.vocab, "tp", tp, "embedding and head are split over the vocabulary")]

@@ -63,12 +63,21 @@ from torch_impl.model import (
     inputs,
     load_fixture,
     loss_fn,
-    make_optimizer,
     targets,
     to_fixture,
+    TORCH_DTYPES,
     torch_dtype,
 )
-from torch_impl.parallel.compose_axes import apply_ddp, apply_fsdp, apply_pp, apply_tp, local_logits, stage_loss
+from torch_impl import recipe
+from torch_impl.parallel.compose_axes import (
+    apply_ddp,
+    apply_fsdp,
+    apply_pp,
+    apply_tp,
+    global_clip_,
+    local_logits,
+    stage_loss,
+)
 from torch_impl.parallel.cp import RingCore
 from torch_impl.parallel.fsdp import FSDP, average_flat
 from torch_impl.parallel.tp import unshard
@@ -172,17 +181,23 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
     x, y, pos = local_batch(cfg, problem, lay, ctx.device)
     assert x.shape == y.shape == (M * m, tc), (x.shape, (M * m, tc))
     stage = build_stage(cfg, problem, s, ctx.device)
+    recipe.freeze_(stage, cfg)  # --freeze: before every wrapper (fixture names)
     styles = apply_tp(stage, TRANSFORMER_PLAN, lay.dm["tp"], "explicit") if t > 1 else {}  # this stage's modules
+    held = lambda: {(id(o), a): p for o in stage.modules() for a, p in o._parameters.items() if p is not None}
+    tp_held = {k for k, p in held().items() if hasattr(p, "tp_size")}  # split over tp (FSDP shards them next)
     loss_of = stage_loss(loss_fn, styles, lay.dm["tp"] if t > 1 else None, "explicit")  # vocab CE on (m, T/c, V/t)
     if c > 1:
         core = RingCore(cfg.seq, "ring", lay.groups["cp"])
         for block in stage.blocks.values():
             block.attn.core = core  # q, k, v: (m, H/t, T/c, dh)
-    fsdp = FSDP(stage, group=lay.grad_group) if cfg.data_axis == "fsdp" and lay.grad_group else None
+    low = TORCH_DTYPES[cfg.dtype] if cfg.precision == "mixed" else None  # mixed: shards cast before the gather
+    fsdp = FSDP(stage, group=lay.grad_group, compute_dtype=low) if cfg.data_axis == "fsdp" and lay.grad_group else None
     net = fsdp or stage
     named = list(stage.named_parameters())  # after FSDP: shards (≥2-D) + replicated gains
     params = [p for _, p in named]
-    opt = make_optimizer(params, cfg)
+    opt = recipe.optimizer(named, cfg)  # --decay-mask: the matrices' shards (≥ 2-D) decay, the gains not
+    tp_split = {id(p) for k, p in held().items() if k in tp_held}
+    clip = lambda max_norm: global_clip_(params, max_norm, S, tp_split, t, fsdp)  # noqa: E731  (one scalar)
     pipe = pp.Pipe(s, S, lay.groups.get("pp"))
     run = functools.partial(net, positions=pos)  # stage 0 embeds at the global positions
     last_step: dict = {}
@@ -195,9 +210,9 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
         if fsdp is not None:
             fsdp.finish_gradient_synchronization()  # M reduce-scatters per unit waited, summed; gains averaged
             if cfg.replicate > 1:  # HSDP: the shards and gains averaged over the dp replicas, one all-reduce
-                average_flat([p.grad for p in params], lay.groups["dp"])
+                average_flat([p.grad for p in params if p.grad is not None], lay.groups["dp"])
         elif lay.grad_group is not None:
-            average_flat([p.grad for p in params], lay.grad_group)  # ONE all-reduce over data + cp
+            average_flat([p.grad for p in params if p.grad is not None], lay.grad_group)  # ONE all-reduce: data+cp
         # mean over the world = the global loss: last-stage ranks hold their local mean, scaled by
         # S (only 1/S of the ranks hold one); the tp copies are equal
         return loss * S if s == S - 1 else torch.zeros_like(loss)
@@ -206,7 +221,8 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
         tensor = fsdp.full_tensor(name, tensor) if fsdp is not None else tensor.detach()  # tp-local
         return unshard(tensor, styles[name], lay.groups["tp"]) if name in styles else tensor
 
-    return Setup(forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for p in params],
+    return Setup(forward_backward=forward_backward, update=recipe.stepper(opt, cfg, clip),
+                 grads=lambda: [p.grad for p in params],
                  fixture=stage_fixture(cfg, lay, stage, named, full), params=params, optimizer=opt,
                  loss_reduction="mean", group=None,
                  extra={"last_step": last_step})
@@ -241,11 +257,13 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     ctx.ledger.label_groups(_LABELS)
     try:
         setup = explicit_setup(cfg, problem, ctx, lay) if style == "explicit" else builtin_setup(cfg, problem, ctx, lay)
-        setup.comm_theory = mesh_comm_bytes_torch(cfg, style, ctx.rank)
+        # --freeze: the frozen parameters skip their reductions and AdamW state: measured, no formula here
+        known = not cfg.freeze
+        setup.comm_theory = mesh_comm_bytes_torch(cfg, style, ctx.rank) if known else None
         theory = {label: {op: {"count": n, "bytes": b} for op, (n, b) in ops.items()}
-                  for label, ops in mesh_comm_torch(cfg, style, ctx.rank).items()}
+                  for label, ops in mesh_comm_torch(cfg, style, ctx.rank).items()} if known else None
         setup.extra.update(comm_by_axis_theory=theory,
-                           state_bytes_theory=mesh_state_bytes_torch(cfg, style, ctx.rank))
+                           state_bytes_theory=mesh_state_bytes_torch(cfg, style, ctx.rank) if known else None)
         last_step, schedule = setup.extra.pop("last_step", {}), setup.extra.pop("schedule", None)
         trained = train_loop(cfg, ctx, setup)
     finally:
@@ -273,12 +291,14 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
     M, m, tc = mesh_micro(cfg)
     x, y, _ = local_batch(cfg, problem, lay, ctx.device)  # (B/d, T): no cp here
     stage = build_stage(cfg, problem, s, ctx.device)
+    recipe.freeze_(stage, cfg)  # --freeze: before every wrapper (fixture names)
     styles, parallel_loss, tp_mesh = {}, contextlib.nullcontext, dm["tp"] if t > 1 else None
     if t > 1:
         styles = apply_tp(stage, TRANSFORMER_PLAN, tp_mesh, "builtin")  # W_qkv rows permuted (heads_perm)
         parallel_loss = loss_parallel  # CE over the Shard(-1) logits: 3 all-reduces of (m, T)
         if S > 1 and s == S - 1:  # the pipeline passes plain tensors: local logits out, DTensor again in the loss
             local_logits(stage.head)  # (m, T, V/t)
+    quiet = lambda last: contextlib.nullcontext()  # noqa: E731  (accumulation without pp: the reduction once)
     if cfg.replicate > 1:  # HSDP: FSDP2 on the 2-D (dp, fsdp) mesh (builtin has no cp)
         apply_fsdp(stage, dm["dp", "fsdp"], UNITS)
     elif cfg.data_axis == "fsdp" and cfg.data_size > 1:
@@ -287,9 +307,16 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
         apply_fsdp(stage, dm["dp", "dp_shard"], UNITS)
     elif cfg.data_axis == "dp" and cfg.data_size > 1:
         stage = apply_ddp(stage, lay.groups["dp"])  # plain tensors (tp = 1)
+        quiet = lambda last: contextlib.nullcontext() if last else stage.no_sync()  # noqa: E731
+    if hasattr(stage, "set_requires_gradient_sync"):  # FSDP2: as the pipeline does, reduce once, keep unsharded
+        def quiet(last):
+            stage.set_requires_gradient_sync(last)
+            stage.set_reshard_after_backward(last)
+            return contextlib.nullcontext()
     named = list(stage.named_parameters())
     params = [p for _, p in named]
-    opt = make_optimizer(params, cfg)
+    opt = recipe.optimizer(named, cfg)  # --decay-mask: DTensors report the global shape
+    clip = lambda max_norm: global_clip_(params, max_norm, S, set(), t)  # noqa: E731  (DTensor placements)
     loss_of = stage_loss(loss_fn, styles, tp_mesh, "builtin")  # the micro-batch's mean CE, a local scalar
 
     schedule = None
@@ -303,9 +330,14 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
     def forward_backward() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
         with parallel_loss():
-            if schedule is None:
-                loss = loss_of(stage(x), y)
-                loss.backward()
+            if schedule is None:  # M = --accumulate parts (1 without it), each loss / M
+                loss = 0
+                for k, (xs, ys) in enumerate(zip(x.chunk(M), y.chunk(M))):
+                    with quiet(k == M - 1):
+                        part = loss_of(stage(xs), ys) / M
+                        part.backward()
+                    torch.clear_autocast_cache()  # FSDP2 re-gathers into the same tensors: no stale bf16 cast
+                    loss = loss + part.detach()
             elif s == S - 1:
                 losses = []  # M micro-batch means
                 schedule.step(*(() if s else (x,)), target=y, losses=losses)
@@ -321,7 +353,8 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
             return tensor
         return tensor[torch.argsort(heads_perm(tensor.shape[0], t, tensor.device))]
 
-    return Setup(forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for p in params],
+    return Setup(forward_backward=forward_backward, update=recipe.stepper(opt, cfg, clip),
+                 grads=lambda: [p.grad for p in params],
                  fixture=stage_fixture(cfg, lay, stage, named, full), params=params, optimizer=opt,
                  loss_reduction="mean", group=None,
                  extra={"schedule": schedule})

@@ -95,7 +95,7 @@ class Composed:
     """The composed trainer: ``train_step(tokens, targets)``, ``params()``, ``mesh``, ``specs``."""
 
     def __init__(self, model, layout, loss, tx, plan, split, units, style, microbatches, devices, cp_variant,
-                 clip=None):
+                 clip=None, freeze=()):
         why = refusal(layout, style)
         if why:
             raise ComposeError(why)
@@ -128,6 +128,7 @@ class Composed:
         self.block_parts = flat(mods[f"{split.blocks}.0"])
         self.parts = {p: flat(mods[p]) for p in split.first + split.last}
         params, self.specs = self._arrange(mods)
+        self.frozen = self._frozen(params, freeze)
         self._probe(tx, params)
         # placed from host copies: the step donates its params, which must not delete the model's own arrays
         # (device_put to a sharding over the array's own device reuses its buffer there, may_alias or not)
@@ -193,6 +194,21 @@ class Composed:
                             for k, a in blocks.items()}}
         return {"rest": rest, "blocks": blocks}, specs
 
+    def _frozen(self, params, globs) -> dict[str, set[str]]:
+        """{"rest" | "blocks": keys} of the Params ``globs`` freeze (their gradient stopped: zero, so AdamW with
+        them out of the decay mask leaves them unchanged, and clip= does not count them). A stacked block
+        leaf is all its layers: a glob freezing some layers of it and not the others is refused."""
+        out = {"rest": {k for k in params["rest"] if any(matches(k, g) for g in globs)}, "blocks": set()}
+        for k in params["blocks"]:
+            hits = [any(matches(f"{self.split.blocks}.{i}.{k}", g) for g in globs) for i in range(self.L)]
+            if any(hits) and not all(hits):
+                raise ComposeError(f"compose: freeze={list(globs)} freezes {sum(hits)} of the {self.L} layers' "
+                                   f"{self.split.blocks}.*.{k}; compose stacks the blocks' Params (S, L/S, …): "
+                                   "freeze that Param in every layer or in none")
+            if all(hits):
+                out["blocks"].add(k)
+        return out
+
     def _probe(self, tx, params):
         """optax sees {"rest": {path: array}, "blocks": {block path: (S, L/S, …)}}: refuse (recipe.check)
         a tx that would update that tree otherwise than the model's {path: array} dict (masks or labels
@@ -247,12 +263,17 @@ class Composed:
 
         h0 = sp.embed(self.root, parts, tokens, positions)  # (rows, T, D): stage 0's input
         if manual and self._trace is not None:  # one micro-batch's stream: comm_theory's A
-            self._trace["stream"] = (h0.shape if S == 1 else (rows // M,) + h0.shape[1:], h0.dtype.itemsize)
+            self._trace["stream"] = ((rows // M,) + h0.shape[1:], h0.dtype.itemsize)
         if manual and self.tp > 1 and self._trace is not None:  # f casts per block call: comm_theory
             self._trace["f"] = lambda: (len(f_cache), sum(x.shape[-1] for x, _ in f_cache.values()), len(block_calls))
+        m = rows // M
+        if S == 1 and M > 1:  # accumulation: M row chunks, their mean losses averaged (one gradient of it)
+            if manual and self._trace is not None:
+                self._trace["stream"] = ((m,) + h0.shape[1:], h0.dtype.itemsize)
+            return sum(self.loss(sp.head(self.root, self._head_parts(parts), stage(h0[k * m:(k + 1) * m])),
+                                 targets[k * m:(k + 1) * m]) for k in range(M)) / M
         if S == 1:
             return self.loss(sp.head(self.root, self._head_parts(parts), stage(h0)), targets)
-        m = rows // M
         h0 = h0.reshape((M, m) + h0.shape[1:])
         if manual and "pp" not in varying(h0):  # varying over pp once: its cotangent summed once
             h0 = lax.pcast(h0, "pp", to="varying")
@@ -324,13 +345,16 @@ class Composed:
         self._trace["seam"].append((key.size, key.dtype.itemsize))
 
     def _step_fn(self, params, opt_state, tokens, targets, positions, grads: bool = False):
+        stop = lambda p: {part: {k: lax.stop_gradient(a) if k in self.frozen[part] else a  # noqa: E731
+                                 for k, a in arrays.items()} for part, arrays in p.items()}
         if self.style == "shard_map":
             losses = self._shard_map_loss()
-            value = lambda p: jnp.mean(losses(p, tokens, targets, positions))
+            value = lambda p: jnp.mean(losses(stop(p), tokens, targets, positions))
         else:
             unstack = lambda p: {"rest": p["rest"], "blocks": {k: a[0] for k, a in p["blocks"].items()}}  # S = 1
-            value = lambda p: self._forward_loss(unstack(p), tokens, targets, positions, False)
-        loss, g = jax.value_and_grad(value)(params)
+            value = lambda p: self._forward_loss(unstack(stop(p)), tokens, targets, positions, False)
+        loss, raw = jax.value_and_grad(value)(params)
+        g = raw
         if self.clip is not None:  # the global tree (global arrays): its norm is the whole model's
             g = recipe.scale_by_norm(g, recipe.sumsq(g), self.clip)
         updates, opt_state = self.tx.update(g, opt_state, params)
@@ -338,7 +362,7 @@ class Composed:
         new = jax.tree.map(lambda a, s: lax.with_sharding_constraint(a, NamedSharding(self.mesh, s)), new, self.specs)
         opt_state = jax.tree.map(lambda a, s: a if s is None else lax.with_sharding_constraint(a, s),  # as it came
                                  opt_state, self._opt_placed, is_leaf=lambda x: x is None)
-        return (new, opt_state, loss, g) if grads else (new, opt_state, loss)
+        return (new, opt_state, loss, raw) if grads else (new, opt_state, loss)  # the gradient before the clip
 
     # --- public --------------------------------------------------------------------------------------
 
@@ -406,7 +430,7 @@ class Composed:
     def program(self, tokens, targets, grads: bool = False) -> tuple:
         """(step, state, batch) for a training loop of your own: ``step(*state, *batch)`` -> (params,
         opt_state, loss[, grads]) jitted (the state donated, compile with ``compiler_options``), the
-        program train_step runs (``grads``: also the gradients, laid out like the params: ``to_paths``);
+        program train_step runs (``grads``: also the gradients before clip=, laid out like the params: ``to_paths``);
         state = (params, opt_state) as placed; batch = (tokens, targets, positions) placed. The checks of
         train_step's first call are made here."""
         step = self._step_grads if grads else self._step
@@ -428,7 +452,7 @@ class Composed:
         calls, widths = theory.tp_widths(self.rel_plan, self.block_parts[3], self._trace["f"]) if self.tp > 1 \
             else (0, 0)
         placed = theory.placed(self.params_, self.specs, self.layout, self.split.first,
-                               frozenset(self._trace.get("tied", ())))
+                               frozenset(self._trace.get("tied", ())), self.frozen)
         return theory.compose_comm(self.layout, placed, microbatches=self.M,
                                    tp_call=(calls, int(np.prod(shape[:-1])) * b * widths),
                                    stream=int(np.prod(shape)) * b, seam=self._trace["seam"],
@@ -465,12 +489,17 @@ class Composed:
 def compose(model: nnx.Module, layout: dict[str, int], loss: Callable, tx: optax.GradientTransformation, *,
             plan: dict[str, str] | None = None, split: Split, units=None, style: str = "shard_map",
             microbatches: int | None = None, devices=None, cp_variant: str = "ring",
-            clip: float | None = None) -> Composed:
+            clip: float | None = None, freeze=()) -> Composed:
     """Train ``model`` on one mesh of ``layout`` ({axis: size}, axes dp fsdp pp cp tp); ``loss(logits,
     targets)`` a mean over the tokens it gets; ``plan`` {module path glob: colwise | rowwise};
     ``split`` the model's stage split; ``units`` module-path globs whose Params fsdp shards (default
     all); ``microbatches`` under pp (default pp); ``cp_variant`` the seam's ring / ring_zigzag / ulysses
     (shard_map); ``clip`` global-norm clipping of the whole model's gradient (torch's formula,
-    parallel.recipe), as torch's ``train_step(..., max_norm=)``. The model's attention must call
-    parallel.cp.attention."""
-    return Composed(model, layout, loss, tx, plan, split, units, style, microbatches, devices, cp_variant, clip)
+    parallel.recipe), as torch's ``train_step(..., max_norm=)``; ``freeze`` NNX Param-path globs not
+    trained (their gradient stopped; keep them out of the tx's decay mask). Gradient accumulation: K
+    parts of the batch are ``microbatches=K·M`` under pp (one schedule of K·M micro-batches: the same
+    averaged gradient) and ``microbatches=K`` without (K row chunks, their mean losses averaged); both
+    differentiate one program (memory: every part's activations live until the one backward). The
+    model's attention must call parallel.cp.attention."""
+    return Composed(model, layout, loss, tx, plan, split, units, style, microbatches, devices, cp_variant, clip,
+                    tuple(freeze))

@@ -107,6 +107,7 @@ class Placed:
     use_bytes: int
     layers: int
     axes: frozenset[str]
+    trains: bool = True  # False: frozen (its gradient stopped: no psum, no reduce-scatter; still gathered)
 
 
 def seam_comm(calls: list[tuple[int, int]], n: int, variant: str) -> Comm:
@@ -132,7 +133,7 @@ def tp_widths(rel_plan: dict[str, str], block: dict, f_inputs: tuple[int, int]) 
 
 
 def placed(params: dict, specs: dict, layout: dict[str, int], first: tuple[str, ...],
-           tied: frozenset[str] = frozenset()) -> list[Placed]:
+           tied: frozenset[str] = frozenset(), frozen: dict | None = None) -> list[Placed]:
     """compose's {"rest" | "blocks": {path: global array}} and their PartitionSpecs as ``Placed``: blocks
     (S, L/S, …) with "pp" on the stage dim; a use reads one layer split by tp, gathered over fsdp.
     ``tied``: the first modules the head reads too (a tied embedding)."""
@@ -148,14 +149,14 @@ def placed(params: dict, specs: dict, layout: dict[str, int], first: tuple[str, 
             where = part if part == "blocks" else "last" if own_first is None else \
                 "tied" if own_first in tied else "first"
             out.append(Placed(where, prod(shape) * a.dtype.itemsize // split, a.shape[1] if part == "blocks" else 1,
-                              frozenset(x for e in spec for x in names(e))))
+                              frozenset(x for e in spec for x in names(e)), k not in (frozen or {}).get(part, ())))
     return out
 
 
 def compose_comm(layout: dict[str, int], arrays: list[Placed], *, microbatches: int, tp_call: tuple[int, int],
                  stream: int, seam: list[tuple[int, int]], cp_variant: str, loss: int) -> dict[str, Comm]:
     """compose's shard_map step (its module docstring), by axis label (jax_impl/ledger.py: the axes a group
-    spans, "+"-joined in mesh order). S stages, M micro-batches, I = M + S − 1 iterations (1 at S = 1),
+    spans, "+"-joined in mesh order). S stages, M micro-batches, I = M + S − 1 iterations (M at S = 1),
     every local block runs I times; ``tp_call`` (all-reduces, bytes) of one block call (g per rowwise
     module, f per colwise input); ``stream`` one micro-batch's (m, T/c, D) bytes (the stage message);
     ``seam`` the attention calls of one trace; ``loss`` the loss's itemsize.
@@ -170,7 +171,8 @@ def compose_comm(layout: dict[str, int], arrays: list[Placed], *, microbatches: 
     independent); tp's g / f chain through the blocks and stay one each. fsdp: one all-gather and one
     reduce-scatter (its transpose) of every array split over "fsdp", bytes the device's gathered layers."""
     big = [a for a, n in layout.items() if n > 1]
-    S, I = layout.get("pp", 1), (microbatches + layout.get("pp", 1) - 1 if layout.get("pp", 1) > 1 else 1)
+    S = layout.get("pp", 1)
+    I = microbatches + S - 1  # S = 1: the M row chunks of accumulation (1 without), each through every block
     data = {a for a in big if a in ("dp", "fsdp", "cp")}
     label = lambda axes: "+".join(a for a in big if a in axes)
     out: dict[str, Comm] = {}
@@ -187,12 +189,14 @@ def compose_comm(layout: dict[str, int], arrays: list[Placed], *, microbatches: 
     layers = max((p.layers for p in arrays if p.part == "blocks"), default=0)
     for p in arrays:
         varying = data | ({"pp"} if p.part not in ("first", "tied") and S > 1 else set())
-        psum(varying - p.axes, p.layers * p.use_bytes)
-        if p.part == "tied" and S > 1:
+        if p.trains:
+            psum(varying - p.axes, p.layers * p.use_bytes)
+        if p.trains and p.part == "tied" and S > 1:
             psum({"pp"} - p.axes, p.use_bytes)
         if "fsdp" in p.axes:
             add("fsdp", "all_gather", 1, p.layers * p.use_bytes)
-            add("fsdp", "reduce_scatter", 1, p.layers * p.use_bytes)
+            if p.trains:
+                add("fsdp", "reduce_scatter", 1, p.layers * p.use_bytes)
     if layout.get("tp", 1) > 1 and tp_call[0]:
         add("tp", "all_reduce", I * layers * tp_call[0], I * layers * tp_call[1])
     if S > 1:

@@ -72,6 +72,7 @@ from torch_impl.parallel.compose_axes import (  # noqa: F401  (ComposeError, che
     check_stages,
     check_vocab,
     cross_entropy,
+    global_clip_,
     group_over,
     local_logits,
     sizes,
@@ -197,35 +198,10 @@ class Trainer:
         self.steps += 1
         return float(out[0]) / (self.d * self.c)
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """torch's ``clip_grad_norm_`` of the whole model, on every rank, after the step's reductions: each
-        rank's gradient squares, each divided by the number of ranks holding that same piece, summed over
-        the world by ONE all-reduce of one scalar. A stage's d·c·t ranks hold a piece split k ways (tp:
-        ``tp_size`` or a DTensor Shard on the tp dim; fsdp: the wrapper's shards or FSDP2's (Strided)Shard over
-        data × cp) d·c·t / k times; stages hold different parameters (summed over pp: Megatron's rule,
-        replicas once). The divisions by powers of two are exact."""
-        shards = {id(u.shard) for _, _, u in self.fsdp.units} if self.fsdp is not None else set()
-        per_stage = dist.get_world_size() // self.S
-        sq, grads = torch.zeros((), dtype=torch.float64 if self.params[0].dtype == torch.float64 else
-                                torch.float32, device=self.params[0].device), []
-        for p in self.params:
-            if p.grad is None:
-                continue
-            if isinstance(p.grad, DTensor):
-                local, split = p.grad.to_local(), 1
-                for dim, placement in enumerate(p.grad.placements):  # Shard, FSDP2's _StridedShard: split
-                    assert not placement.is_partial(), (p.grad.placements, "a gradient not reduced yet")
-                    split *= 1 if placement.is_replicate() else p.grad.device_mesh.size(dim)
-            else:
-                local = p.grad
-                split = (self.t if id(p) in self._tp_split else 1) * (self.fsdp.n if id(p) in shards else 1)
-            sq += torch.linalg.vector_norm(local, 2).to(sq.dtype) ** 2 / (per_stage // split)
-            grads.append(local)
-        dist.all_reduce(sq)
-        total = sq.sqrt()
-        recipe.scale_(grads, max_norm, total)
-        return total
+        """torch's ``clip_grad_norm_`` of the whole model, on every rank, after the step's reductions
+        (``compose_axes.global_clip_``: ONE world all-reduce of one scalar)."""
+        return global_clip_(self.params, max_norm, self.S, self._tp_split, self.t, self.fsdp)
 
     def _sync(self) -> None:
         """The data × cp gradient reduction FSDP2 does not do: the explicit FSDP's, or dp's all-reduce."""

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,6 +31,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
+from torch_impl.parallel import recipe
 from torch_impl.parallel.tp import apply_dtensor_plan, apply_plan, matches
 from torch_impl.parallel.tp_ops import VocabParallelCrossEntropy
 
@@ -215,6 +217,36 @@ def stage_loss(loss: Callable, styles: dict[str, str], tp_mesh: DeviceMesh | Non
         return value.to_local() if isinstance(value, DTensor) else value
 
     return of
+
+
+@torch.no_grad()
+def global_clip_(params, max_norm: float, stages: int, tp_split: set[int], tp: int, fsdp=None) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` of the whole model on an N-D layout, on every rank, after the step's
+    reductions: each rank's gradient squares, each divided by the number of ranks holding that same piece,
+    summed over the world by ONE all-reduce of one scalar. A stage's world/S ranks hold a piece split k
+    ways (tp: ``tp_split`` ids, ``tp`` ways, or a DTensor Shard on the tp dim; fsdp: the explicit wrapper's
+    shards over its group, or FSDP2's (Strided)Shard) world/(S·k) times; stages hold different parameters
+    (summed over pp: Megatron's rule, replicas once). The divisions by powers of two are exact."""
+    shards = {id(u.shard) for _, _, u in fsdp.units} if fsdp is not None else set()
+    per_stage = dist.get_world_size() // stages
+    params = [p for p in params if p.grad is not None]
+    dt = torch.float64 if params and params[0].dtype == torch.float64 else torch.float32
+    sq, grads = torch.zeros((), dtype=dt, device=params[0].device if params else None), []
+    for p in params:
+        if isinstance(p.grad, DTensor):
+            local, split = p.grad.to_local(), 1
+            for dim, placement in enumerate(p.grad.placements):  # Shard, FSDP2's _StridedShard: split
+                assert not placement.is_partial(), (p.grad.placements, "a gradient not reduced yet")
+                split *= 1 if placement.is_replicate() else p.grad.device_mesh.size(dim)
+        else:
+            local = p.grad
+            split = (tp if id(p) in tp_split else 1) * (fsdp.n if id(p) in shards else 1)
+        sq += torch.linalg.vector_norm(local, 2).to(sq.dtype) ** 2 / (per_stage // split)
+        grads.append(local)
+    dist.all_reduce(sq)
+    total = sq.sqrt()
+    recipe.scale_(grads, max_norm, total)
+    return total
 
 
 def group_over(mesh: DeviceMesh, axes: list[str]):
