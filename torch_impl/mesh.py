@@ -55,20 +55,19 @@ from shared.theory import (
     mesh_micro,
     mesh_state_bytes_torch,
 )
-from torch_impl import pp
+from torch_impl import pp, recipe
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
+    TORCH_DTYPES,
     empty_model,
     inputs,
     load_fixture,
     loss_fn,
     targets,
     to_fixture,
-    TORCH_DTYPES,
     torch_dtype,
 )
-from torch_impl import recipe
 from torch_impl.parallel.compose_axes import (
     apply_ddp,
     apply_fsdp,
