@@ -52,7 +52,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl import pp, tp, transformer
+from jax_impl import pp, recipe, tp, transformer
 from jax_impl.devices import make_mesh
 from jax_impl.harness import Setup, train_loop
 from jax_impl.model import (
@@ -191,39 +191,6 @@ def jit_loss(cfg: Config, mesh):
     return loss
 
 
-def stacked_recipe(cfg: Config, tree: dict):
-    """(tx, stop) of the recipe on pp.split's tree ({"first" | "last": {name: (S, …)}, "blocks": {suffix:
-    (S, L/S, …)}}): AdamW with the schedule and its decay mask on the Params' own dims, --clip's global
-    norm first (the stacked tree is the whole model: the slots' unused copies have zero gradients), and
-    ``stop`` putting the --freeze Params behind stop_gradient (a stacked suffix frozen in some layers and
-    not all: refused)."""
-    from jax_impl import recipe
-    from jax_impl.parallel.recipe import clip_by_global_norm
-    from shared.recipe import is_frozen
-
-    L = cfg.layers
-    frozen = {g: {k for k in tree[g] if is_frozen(k, cfg.freeze)} for g in ("first", "last")}
-    hits = {k: [is_frozen(f"blocks.{l}.{k}", cfg.freeze) for l in range(L)] for k in tree["blocks"]}
-    partial_ = [k for k, h in hits.items() if any(h) and not all(h)]
-    if partial_:
-        raise ValueError(f"mesh jit: --freeze {','.join(cfg.freeze)} freezes some layers' blocks.*.{partial_[0]} "
-                         "and not the others: the jit pipeline stacks the layers (S, L/S, …); freeze all or none")
-    frozen["blocks"] = {k for k, h in hits.items() if all(h)}
-    lead = {"first": 1, "last": 1, "blocks": 2}
-
-    def mask(t):
-        return {g: {k: (a.ndim - lead[g] >= 2 or not cfg.decay_mask) and k not in frozen[g] for k, a in arrays.items()}
-                for g, arrays in t.items()}
-
-    tx = optax.adamw(recipe.learning_rate(cfg), b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps,
-                     weight_decay=cfg.weight_decay, mask=mask if (cfg.decay_mask or any(frozen.values())) else None)
-    if cfg.clip is not None:
-        tx = optax.chain(clip_by_global_norm(cfg.clip), tx)
-    stop = lambda p: {g: {k: lax.stop_gradient(a) if k in frozen[g] else a for k, a in arrays.items()}  # noqa: E731
-                      for g, arrays in p.items()}
-    return tx, stop
-
-
 def compose_tx(cfg: Config, frozen: set[str], blocks: str) -> optax.GradientTransformation:
     """The recipe's AdamW (jax_impl.recipe: the schedule) with its decay mask written for either tree optax
     may see: compose's {"rest": {path: a}, "blocks": {path in a block: (S, L/S, …)}} (the blocks' leaves 2
@@ -310,16 +277,17 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     rows = NamedSharding(mesh, P(data, seq))
     batch = (jax.device_put(inputs(cfg, problem), rows), jax.device_put(targets(cfg, problem), rows),
              jax.device_put(jnp.arange(cfg.seq, dtype=jnp.int32), NamedSharding(mesh, P(seq))))
-    tx, stop = stacked_recipe(cfg, tree) if cfg.recipe_active else (make_optimizer(cfg), lambda p: p)
+    tx, zero = recipe.stacked(cfg, tree) if cfg.recipe_active else (make_optimizer(cfg), lambda g: g)
     to_loss = mesh_typed.loss_for(cfg, stated) if typed else jit_loss(cfg, mesh)
     # (differentiated, reported): the mean of the local losses is differentiated and never computed
-    loss_of = lambda p, *b: (lambda v: (jnp.mean(v), v))(to_loss(stop(p), *b))
+    loss_of = lambda p, *b: (lambda v: (jnp.mean(v), v))(to_loss(p, *b))
 
     state = (params, tx.init(params))
     placed = jax.tree.map(lambda a: a.sharding if isinstance(a.sharding, NamedSharding) else None, state)
 
     def step(params, opt_state, *batch):
         (_, loss), grads = jax.value_and_grad(loss_of, has_aux=True)(params, *batch)
+        grads = zero(grads)  # --freeze: the frozen Params' gradients zero (stop_gradient's)
         updates, opt_state = tx.update(grads, opt_state, params)
         new = (optax.apply_updates(params, updates), opt_state)
         if style == "jit":  # the state leaves as it came (XLA might keep another layout)

@@ -45,8 +45,8 @@ FLOAT16_PATTERNS = {
 }
 # The training recipe (shared/recipe.py: --clip, --accumulate, --schedule, --decay-mask, --freeze, --recipe):
 # the patterns whose runs (every style, both frameworks) apply it exactly; the others refuse it in Config.check.
-RECIPE_PATTERNS = ("dp", "fsdp", "tp", "cp", "mesh")
-MIXED_RECIPE_PATTERNS = ("mesh",)  # the recipe under --precision mixed (bfloat16; float16 is refused under mesh)
+RECIPE_PATTERNS = ("dp", "fsdp", "tp", "cp", "mesh", "pp")
+MIXED_RECIPE_PATTERNS = ("mesh", "pp")  # the recipe under --precision mixed (bfloat16; float16 is refused under mesh)
 SCHEDULES = ("constant", "warmup-cosine")  # the lr schedules (shared.recipe.lr_factors)
 
 
@@ -227,6 +227,16 @@ class Config:
         return (self.microbatches if self.axis("pp") > 1 else 1) * self.accumulate
 
     @property
+    def pipeline_parts(self) -> int:
+        """The pp pattern's micro-batches per step: microbatches × --accumulate (``pipelined``)."""
+        return self.microbatches * self.accumulate
+
+    def pipelined(self) -> Config:
+        """The pp runs' config: --accumulate K as K·M micro-batches of ONE schedule (the gradient of the same
+        mean over K·M equal parts, as Megatron accumulates: its micro-batches), accumulate 1."""
+        return self if self.accumulate == 1 else self.replace(microbatches=self.pipeline_parts, accumulate=1)
+
+    @property
     def mesh_name(self) -> str:
         """The layout as written on the command line, e.g. "dp=2,tp=2,pp=2"."""
         return format_mesh(self.mesh)
@@ -380,7 +390,8 @@ class Config:
                     ("seq", n, "megatron_sp splits the sequence outside the matmuls")]
         if pattern == "pp":
             return [("layers", n, f"every stage holds the same number of {'layers' if mlp else 'blocks'}"),
-                    ("batch", "microbatches", "every micro-batch has the same number of rows")]
+                    ("batch", "pipeline_parts" if self.accumulate > 1 else "microbatches",
+                     "every micro-batch has the same number of rows")]
         if pattern == "ep":
             return [("experts", n, "every rank owns E/ep whole experts"),
                     ("batch", n, "every rank routes B/ep sequences (EP inside DP)")]
