@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import jax
 import pytest
@@ -26,6 +27,7 @@ from flax import nnx
 jax.config.update("jax_enable_x64", True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))  # gpt2_nnx: the user's model beside the example
 
 
 def example():
@@ -37,7 +39,7 @@ def example():
 
 
 def small():
-    import gpt2_nnx  # examples/ is on sys.path once the example is loaded
+    import gpt2_nnx
 
     return gpt2_nnx.GPT2Shape(vocab=97, dim=16, layers=2, heads=2, seq=8)
 
@@ -86,6 +88,63 @@ def test_refusals_that_compile_nothing():
     odd.h[0].c_proj = Scaled(16, 16, param_dtype=odd.h[0].c_proj.kernel.dtype, rngs=nnx.Rngs(1))
     with pytest.raises(ComposeError, match="has a bias and its own __call__"):
         make({"tp": 2}, odd, units=gpt2_nnx.UNITS)
+
+
+class _Layer(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jax.numpy.tanh(self.lin(x))
+
+
+class _Stack(nnx.Module):
+    """4 layers made by nnx.vmap and run by nnx.scan: their Params carry a leading (4,) layer axis."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=4)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return _Layer(rngs)
+        self.layers = make(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, layer):
+            return layer(x)
+        return body(x, self.layers)
+
+
+class _Scanned(nnx.Module):
+    def __init__(self):
+        r = nnx.Rngs(0)
+        self.embed, self.blocks, self.head = nnx.Embed(16, 8, rngs=r), _Stack(r), nnx.Linear(8, 16, rngs=r)
+
+    def __call__(self, x, positions=None):
+        return self.head(self.blocks(self.embed(x)))
+
+
+def test_scan_stacked_layers_are_named_as_the_cause():
+    """compose (its split's blocks) and the pp seam (a stage listing the vmapped module) name the stacked
+    module and its (4, 8, 8) kernel, not the forward's chain."""
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh
+
+    from jax_impl.parallel import pp
+    from jax_impl.parallel.compose import ComposeError, Split, compose
+    from jax_impl.parallel.tree import WrapError
+
+    split = Split(first=("embed",), blocks="blocks", last=("head",), embed=lambda r, m, t, p: m["embed"](t),
+                  block=lambda r, layer, h, p: layer(h), head=lambda r, m, h: m["head"](h))
+    with pytest.raises(ComposeError, match=r"'blocks.layers.lin' holds kernel \(4, 8, 8\).*stacked layers"):
+        compose(_Scanned(), {"dp": 2}, lambda logits, y: logits.mean(), optax.sgd(0.1), split=split)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("pp",))
+    trainer = pp.pipeline(_Scanned(), [["embed", "blocks.layers"], ["head"]], lambda m, x, y: m(x).mean(),
+                          optax.sgd(0.1), mesh)
+    x = np.zeros((8, 4), np.int32)
+    with pytest.raises(WrapError, match=r"module 'blocks.layers' holds stacked layers .* list that module"):
+        trainer.train_step(x, x)
 
 
 @pytest.mark.slow  # 4-8 simulated devices, a compile each: ~20-40 s per layout on 2 cores

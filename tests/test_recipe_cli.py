@@ -102,7 +102,9 @@ def test_recipe_jax_dp_fsdp_tp(tmp_path, capsys):
     (["--recipe", "llama", "--patterns", "ep", "--model", "transformer", "--experts", "2"], "ep: the recipe flags"),
     (["--accumulate", "3", "--patterns", "tp", "--model", "transformer", "--batch", "8"], "tp (transformer): batch=8"),
     (["--accumulate", "3", "--patterns", "cp", "--model", "transformer", "--batch", "8"], "cp (transformer): batch=8"),
-    (["--clip", "1", "--patterns", "pp", "--model", "mlp"], "pp: the recipe flags"),
+    (["--clip", "1", "--patterns", "ep", "--model", "transformer", "--experts", "2"], "ep: the recipe flags"),
+    (["--accumulate", "3", "--patterns", "pp", "--model", "mlp", "--batch", "16", "--microbatches", "2"],
+     "pp: batch=16 is not divisible by pipeline_parts=6"),
     (["--freeze", "nothing.*", "--patterns", "dp", "--model", "mlp"], "freeze: 'nothing.*' matches no parameter"),
     (["--freeze", "layers.*", "--patterns", "dp", "--model", "mlp"], "freezes every parameter"),
     (["--accumulate", "3", "--patterns", "dp", "--model", "mlp", "--batch", "32"],  # given: kept (default: 36)
@@ -187,3 +189,19 @@ def test_mesh_recipe_mixed_both_frameworks(tmp_path):
     assert {(r["framework"], r["style"]) for r in data["runs"]} == {
         ("torch", "explicit"), ("torch", "builtin"), ("jax", "shard_map"), ("jax", "jit")}
     assert all(r["ok"] for r in data["runs"]) and all(x["ok"] for x in data["cross_framework"])
+
+
+@pytest.mark.slow  # 2 gloo ranks / 2 simulated devices, every pp variant of both frameworks: ~3-7 min on 2 cores
+def test_pp_recipe_both_frameworks(tmp_path):
+    """--patterns pp with every recipe flag (issue 48): accumulation as K·M micro-batches of one schedule, the
+    stages' global clip (binding), frozen wpe, the decay mask on the stacked tree; float64: every variant of
+    both frameworks within the default tolerance of the same recipe on one device, and across frameworks."""
+    out = tmp_path / "pp.json"
+    argv = ["--model", "transformer", "--patterns", "pp", "--world-size", "2", "--layers", "2", "--dim", "16",
+            "--heads", "4", "--seq", "8", "--vocab", "16", "--batch", "16", "--microbatches", "2", "--steps", "3",
+            "--clip", "0.05", "--accumulate", "2", "--schedule", "warmup-cosine", "--decay-mask", "--freeze", "wpe.*",
+            "--quiet", "--json", str(out)]
+    assert compare.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert len(data["runs"]) >= 10 and all(r["ok"] for r in data["runs"]), [r["variant"] for r in data["runs"]]
+    assert all(x["ok"] for x in data["cross_framework"])

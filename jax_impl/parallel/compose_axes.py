@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jax_impl.parallel.tree import WrapError, key_of, matches, param_holders, put_child, submodules
+from jax_impl.parallel.tree import WrapError, key_of, matches, param_holders, put_child, stacked, submodules
 
 AXES = ("dp", "fsdp", "pp", "cp", "tp")
 CP_VARIANTS = ("ring", "ring_zigzag", "ulysses")  # parallel.cp's seam
@@ -96,8 +96,11 @@ def check_split(root, sp: Split, stages: int) -> int:
                                "fix the split")
     blocks = mods[sp.blocks]
     if not isinstance(blocks, nnx.List) or not len(blocks):
+        layered = [why for p, why in stacked(root).items() if p == sp.blocks or p.startswith(sp.blocks + ".")]
+        cause = f"; {layered[0]} — compose stacks an nnx.List's blocks per stage itself" if layered else \
+            " (a scan/vmap-stacked module is not split)"
         raise ComposeError(f"compose: split.blocks {sp.blocks!r} is a {type(blocks).__name__}, not a non-empty "
-                           "nnx.List of blocks (a scan/vmap-stacked module is not split): hold the blocks in one")
+                           f"nnx.List of blocks{cause}: hold the blocks in an nnx.List of identical modules")
     L = len(blocks)
     if L % stages:
         raise ComposeError(f"compose: {L} blocks ({sp.blocks}) do not split evenly over pp={stages}; "
