@@ -222,7 +222,8 @@ class Trainer:
                 h = stage(flat, h)
             except Exception as e:  # noqa: BLE001 - a module fed what its forward never gives it
                 layered = stacked(self.model)  # a listed module holding scan/vmap-stacked layers: name it as the cause
-                inside = [(p, why) for p in stage.paths for q, why in layered.items() if q == p or q.startswith(p + ".")]
+                inside = [(p, why) for p in stage.paths for q, why in layered.items()
+                          if q == p or q.startswith(p + ".")]
                 if inside:
                     p, why = inside[0]
                     raise WrapError(f"pp: stage {s}'s module {p!r} holds stacked layers ({why}), and calling it on the "
