@@ -7,8 +7,8 @@ against the compiled step's ledger.
 Default tier: a small GPT-2 (D 16, 2 layers, 2 heads, T 8) under dp × fsdp × tp (HSDP with tp: the
 rowwise biases added once after the psum, the fused qkv split by whole heads) and tp × pp (the tied head
 on the last stage: the table's gradient summed over the stages), and the refusals that compile nothing.
-Slow: the default GPT-2 under fsdp × tp, fsdp × tp × pp and dp × tp × cp in both styles, and the Llama
-under HSDP with tp in both styles.
+Slow: the default GPT-2 under fsdp × tp, fsdp × tp × pp (jit: compose's vmapped GPipe) and dp × tp × cp
+in both styles, and the Llama under HSDP with tp in both styles.
 
 Tolerance: 1e-12 relative on losses and parameters (the example's ``exact``): float64 throughout, the
 shards only reorder sums (measured ~3e-15 on the parameters, 2e-16 on the losses).
@@ -150,7 +150,7 @@ def test_scan_stacked_layers_are_named_as_the_cause():
 @pytest.mark.slow  # 4-8 simulated devices, a compile each: ~20-40 s per layout on 2 cores
 @pytest.mark.parametrize("layout,style", [
     ({"fsdp": 2, "tp": 2}, "shard_map"), ({"fsdp": 2, "tp": 2}, "jit"),
-    ({"fsdp": 2, "tp": 2, "pp": 2}, "shard_map"),
+    ({"fsdp": 2, "tp": 2, "pp": 2}, "shard_map"), ({"fsdp": 2, "tp": 2, "pp": 2}, "jit"),  # jit: vmapped GPipe
     ({"dp": 2, "tp": 2, "cp": 2}, "shard_map"), ({"dp": 2, "tp": 2, "cp": 2}, "jit")])
 def test_gpt2_style_model_in_every_issue_layout(layout, style, measured):
     assert_exact_and_theory(example().run(layout, style, family="gpt2"), measured)

@@ -43,12 +43,13 @@ once over the data / cp (/ pp) axes it is not split on, the embedding's output o
 pipeline's pp-varying state), and the losses' scalars (pp's psum, the data × cp mean). Derived where
 the unplanned modules read tp-replicated activations (a norm on a tp-split one adds tp psums) and the
 tx has no reductions of its own (global-norm clipping adds them). jit: the same arrays under NamedShardings, the
-plain forward (no pp: refused), XLA picks the collectives (comm_theory() is None, as the mesh runner has
+plain forward (pp: the stages at once under vmap, rolled one stage on per GPipe iteration:
+``_jit_pipeline_loss``), XLA picks the collectives (comm_theory() is None, as the mesh runner has
 no formula for jit with fsdp or cp). typed: refused (see ``refusal``). Papers: Narayanan et al. 2021
 (PTD-P, arXiv:2104.04473); torchtitan (Liang et al. 2024, arXiv:2410.06511).
 
 Refused before compiling (``ComposeError``, one line: what, which axes, fix): an unknown axis or style,
-pp under jit or typed, sizes that do not divide (rows, sequence, layers, heads, features, dim 0 under
+typed, sizes that do not divide (rows, sequence, layers, heads, features, dim 0 under
 fsdp), plan keys outside the blocks or on non-Linear modules, a rowwise bias on a Linear subclass with its
 own __call__, a split whose chain is
 not the model's forward, a model that never calls the cp seam (at the first trace).
@@ -287,6 +288,36 @@ class Composed:
         loss = self.loss(logits, targets)  # micro-batch k = rows [k·m, (k+1)·m)
         return lax.psum(jnp.where(idx == S - 1, loss, 0), "pp")
 
+    def _jit_pipeline_loss(self, params, tokens, targets, positions):
+        """jit with pp (global arrays): GPipe over the stacked blocks (S, L/S, …), every stage at once under
+        vmap (spmd_axis_name "pp"), the stream rolled one stage on per iteration (jax_impl/pp.py's jit
+        pipeline's circular shift), pinned to P("pp", data, cp); micro-batch k = global rows [k·m, (k+1)·m)
+        (the mean over equal micro-batches is the batch's). XLA places the collectives."""
+        sp, S, M = self.split, self.S, self.M
+        m = tokens.shape[0] // M
+        parts = {p: self._module(self.parts[p], {k[len(p) + 1:]: v for k, v in params["rest"].items()
+                                                 if k.startswith(p + ".")}) for p in sp.first + sp.last}
+
+        def stage(blocks, h):  # one stage's L/S layers on (m, T, D)
+            for l in range(next(iter(blocks.values())).shape[0]):
+                h = sp.block(self.root, self._module(self.block_parts, {k: a[l] for k, a in blocks.items()}), h,
+                             positions)
+            return h
+
+        every = jax.vmap(stage, spmd_axis_name="pp")
+        h0 = sp.embed(self.root, parts, tokens, positions)
+        h0 = h0.reshape((M, m) + h0.shape[1:])  # (M, m, T, D)
+        spec = P("pp", one(self.data), self.seq, *([None] * (h0.ndim - 3)))
+        pin = lambda a: lax.with_sharding_constraint(a, NamedSharding(self.mesh, spec))  # noqa: E731
+        first = (np.arange(S) == 0).reshape((S,) + (1,) * (h0.ndim - 1))
+        state, outs = jnp.zeros((S,) + h0.shape[1:], h0.dtype), []
+        for t in range(M + S - 1):  # stage s runs micro-batch t − s; bubbles compute on zeros, unused
+            y = every(params["blocks"], pin(jnp.where(first, h0[min(t, M - 1)][None], state)))  # (S, m, T, D)
+            if t >= S - 1:
+                outs.append(y[S - 1])
+            state = pin(jnp.roll(y, 1, axis=0))  # stage s's output is stage s+1's input
+        return self.loss(sp.head(self.root, self._head_parts(parts), jnp.concatenate(outs)), targets)
+
     def _head_parts(self, parts: dict) -> dict:
         """The modules the head gets (the first's too: a tied head reads the embedding), the first ones it
         reads recorded for comm_theory (their gradient meets the last stage's pp-varying stream)."""
@@ -350,6 +381,8 @@ class Composed:
         if self.style == "shard_map":
             losses = self._shard_map_loss()
             value = lambda p: jnp.mean(losses(stop(p), tokens, targets, positions))
+        elif self.S > 1:
+            value = lambda p: self._jit_pipeline_loss(stop(p), tokens, targets, positions)
         else:
             unstack = lambda p: {"rest": p["rest"], "blocks": {k: a[0] for k, a in p["blocks"].items()}}  # S = 1
             value = lambda p: self._forward_loss(unstack(stop(p)), tokens, targets, positions, False)

@@ -71,9 +71,6 @@ def refusal(layout: dict[str, int], style: str) -> str | None:
                 "cp's ring) with sharding-in-types; use style='shard_map' or 'jit'")
     if style not in STYLES:
         return f"compose: unknown style {style!r}; use one of {STYLES}"
-    if style == "jit" and layout.get("pp", 1) > 1:
-        return (f"compose: pp={layout['pp']} under jit is refused (the pipeline's schedule is manual); "
-                "use style='shard_map' or drop pp from the layout")
     return None
 
 
