@@ -183,7 +183,7 @@ class FSDP(nn.Module):
                             "fsdp.module.named_parameters() (the shards keep the names)")
         self.unit_of_name = {}  # parameter name -> Unit (shards keep their original names)
         shard_ids = {id(u.shard): u for _, _, u in self.units}
-        for name, p in module.named_parameters():
+        for name, p in module.named_parameters(remove_duplicate=False):  # a tied weight: every name
             if id(p) in shard_ids:
                 self.unit_of_name[name] = shard_ids[id(p)]
         owners = {id(o): o for o, _, _ in self.units}
@@ -389,7 +389,9 @@ class FSDP(nn.Module):
         return gather_full(unit, t, self.group) if unit is not None else t.detach().clone()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: self.full_tensor(name, p) for name, p in self.module.named_parameters()}
+        """Every parameter whole under every name it has (a tied weight under each: ``load_state_dict``
+        of the model takes it, strict)."""
+        return {name: self.full_tensor(name, p) for name, p in self.module.named_parameters(remove_duplicate=False)}
 
 
 # --- explicit/zero2 ----------------------------------------------------------------------------
