@@ -371,7 +371,9 @@ class FSDP(nn.Module):
         nn.Embedding — theory.default_regathered)."""
         regathered = None
         if hasattr(self, "_bwd_order"):
-            names = {id(u): name for name, u in self.unit_of_name.items()}
+            names = {}
+            for name, u in self.unit_of_name.items():  # a tied unit: its first name (theory's)
+                names.setdefault(id(u), name)
             regathered = [names[id(u)] for u in self._bwd_order if id(u) in names]
         itemsize = torch.empty((), dtype=self.compute_dtype).element_size() if self.compute_dtype else None
         comm = theory.zero3_comm(self._infos, self.n, regathered, itemsize)

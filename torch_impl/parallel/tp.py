@@ -286,10 +286,11 @@ def unshard(local: torch.Tensor, style: str, group, size: int | None = None) -> 
 def full_tensors(model: nn.Module, styles: dict[str, str], group, grads: bool = False) -> dict[str, torch.Tensor]:
     """{name: full tensor} of ``model``'s parameters (``grads``: their gradients) after
     ``apply_plan``: split ones all-gathered and un-padded, the rest as they are. Call on every rank."""
-    out, style_of = {}, {id(p): styles[n] for n, p in model.named_parameters(remove_duplicate=False) if n in styles}
-    for name, p in model.named_parameters(remove_duplicate=False):  # a tied weight under each of its names
-        t, style = p.grad if grads else p, styles.get(name, style_of.get(id(p)))
-        out[name] = unshard(t, style, group, p.tp_size) if style not in (None, *SEQUENCE_STYLES) else t.detach()
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.grad if grads else p
+        out[name] = unshard(t, styles[name], group, p.tp_size) if styles.get(name) not in (None, *SEQUENCE_STYLES) \
+            else t.detach()
     return out
 
 
