@@ -168,7 +168,7 @@ def test_mesh_recipe_config_and_theory():
     assert mesh_comm_torch(cfg, "explicit", 0)["world"] == {"all_reduce": (1, 8)} and "world" not in plain
     mixed = cfg.replace(dtype="bfloat16", precision="mixed")
     assert mixed.check("mesh", "torch") is mixed and mixed.check("mesh", "jax") is mixed
-    with pytest.raises(ValueError, match="dp: the recipe flags .* with --precision mixed are built for mesh only"):
+    with pytest.raises(ValueError, match="dp: the recipe flags .* with --precision mixed are built for mesh, pp only"):
         mixed.replace(world_size=2, mesh=()).check("dp")
     with pytest.raises(ValueError, match=r"mesh: --precision mixed --dtype float16 is built"):
         mixed.replace(dtype="float16").check("mesh")
