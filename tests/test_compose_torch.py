@@ -55,7 +55,14 @@ CASES_8 = [({"fsdp": 2, "tp": 2, "pp": 2}, "builtin"), ({"dp": 2, "tp": 2, "cp":
            ({"fsdp": 2, "tp": 2, "pp": 2}, "explicit"), ({"dp": 2, "tp": 2, "cp": 2}, "explicit"),
            ({"fsdp": 2, "tp": 2, "pp": 2}, "builtin", {"max_norm": CLIP}),
            ({"fsdp": 2, "tp": 2, "pp": 2}, "explicit", {"max_norm": CLIP}),
-           ({"dp": 2, "tp": 2, "cp": 2}, "explicit", {"max_norm": CLIP})]
+           ({"dp": 2, "tp": 2, "cp": 2}, "explicit", {"max_norm": CLIP}),
+           # transformers' Qwen2 (biased q/k/v) with plan="auto": V = 97 explicit (padded), 96 builtin; HSDP × tp
+           ({"fsdp": 2, "tp": 2, "pp": 2}, "builtin", {"family": "qwen2", "vocab": 96, "plan": "auto"}),
+           ({"fsdp": 2, "tp": 2, "pp": 2}, "explicit", {"family": "qwen2", "vocab": 97, "plan": "auto"}),
+           ({"dp": 2, "tp": 2, "cp": 2}, "builtin", {"family": "qwen2", "vocab": 96, "plan": "auto"}),
+           ({"dp": 2, "tp": 2, "cp": 2}, "explicit", {"family": "qwen2", "vocab": 97, "plan": "auto"}),
+           ({"dp": 2, "fsdp": 2, "tp": 2}, "explicit", {"family": "qwen2", "vocab": 97, "plan": "auto",
+                                                      "max_norm": CLIP})]
 
 
 def name(case) -> str:
@@ -126,7 +133,8 @@ def test_two_axis_layouts_train_like_one_process(four, case, measured):
 @pytest.mark.slow
 def test_issue_layouts_on_8_ranks_train_like_one_process(measured):
     """fsdp × tp × pp (FSDP2 over DTensor TP in pipeline stages) and dp × tp × cp (the cp seam's ring
-    over tp-local heads, one gradient all-reduce over dp × cp), builtin and explicit, in one launch."""
+    over tp-local heads, one gradient all-reduce over dp × cp), builtin and explicit, in one launch; the
+    Llama and transformers' Qwen2 (its own tp plan; V = 97 under explicit), every state dict loaded back."""
     for r in compose_torch.run(CASES_8):
         assert_exact(r, measured)
         assert_theory_is_the_ledger(r)
