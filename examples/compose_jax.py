@@ -5,6 +5,7 @@ device; the twin of examples/compose_torch.py (transformers' LlamaForCausalLM fr
     python examples/compose_jax.py --layout fsdp=2,tp=2,pp=2 --json out.json   # 8 simulated devices
     python examples/compose_jax.py --layout dp=2,tp=2,cp=2 [--style jit]       # jit: no pp
     python examples/compose_jax.py --layout dp=2,tp=2,cp=2 --cp-variant ulysses  # or ring_zigzag
+    python examples/compose_jax.py --family gpt2 --layout fsdp=2,tp=2,pp=2     # GPT-2-style: examples/gpt2_nnx.py
 
 The glue (a user's copy):
 
@@ -33,6 +34,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # gpt2_nnx beside it, when imported by path
 from shared.env import simulate_host_devices  # noqa: E402
 
 simulate_host_devices(8)  # before JAX starts
@@ -83,24 +85,37 @@ def single_device(model, tokens, targets, steps: int, clip: float | None = None)
     return losses, {key_of(p): np.asarray(a) for p, a in flat}
 
 
-def run(layout: dict[str, int], style: str = "shard_map", steps: int = STEPS, units=None,
-        cp_variant: str = "ring", clip: float | None = None) -> dict:
+def family_of(name: str, gpt2_shape=None):
+    """(make a fresh model, plan, split, default units, tokens, targets) of a model family: the Llama from
+    shared/llama.py's weights, or examples/gpt2_nnx.py's GPT-2 (biases everywhere, tied head, V = 97)."""
+    if name == "gpt2":
+        import gpt2_nnx
+
+        s = gpt2_shape or gpt2_nnx.GPT2Shape()
+        data = batch(LlamaShape(vocab=s.vocab, seq=s.seq), ROWS, SEED)
+        return (lambda: gpt2_nnx.GPT2(s, rngs=nnx.Rngs(SEED))), gpt2_nnx.PLAN, gpt2_nnx.SPLIT, gpt2_nnx.UNITS, *data
     shape = LlamaShape()
-    w, (tokens, targets) = weights(shape, SEED), batch(shape, ROWS, SEED)
-    trainer = compose(llama.from_numpy(w, shape), layout, cross_entropy, adamw(), plan=llama.PLAN,
-                      split=llama.SPLIT, style=style, units=units, cp_variant=cp_variant, clip=clip)
+    w = weights(shape, SEED)
+    return (lambda: llama.from_numpy(w, shape)), llama.PLAN, llama.SPLIT, None, *batch(shape, ROWS, SEED)
+
+
+def run(layout: dict[str, int], style: str = "shard_map", steps: int = STEPS, units=None,
+        cp_variant: str = "ring", clip: float | None = None, family: str = "llama", gpt2_shape=None) -> dict:
+    make, plan, split, default_units, tokens, targets = family_of(family, gpt2_shape)
+    trainer = compose(make(), layout, cross_entropy, adamw(), plan=plan, split=split, style=style,
+                      units=units if units is not None else default_units, cp_variant=cp_variant, clip=clip)
     losses = [trainer.train_step(tokens, targets) for _ in range(steps)]
     by_axis = ledger.comm_by_axis(trainer.compiled_text(tokens, targets), trainer.mesh)  # jit's cache: no recompile
     comm = {"ledger": {a: {op: (v["count"], v["bytes"]) for op, v in ops.items()} for a, ops in by_axis.items()},
             "theory": trainer.comm_theory()}
-    ref_losses, ref = single_device(llama.from_numpy(w, shape), jnp.asarray(tokens), jnp.asarray(targets), steps,
-                                    clip)
+    ref_losses, ref = single_device(make(), jnp.asarray(tokens), jnp.asarray(targets), steps, clip)
     got = trainer.params()
     assert set(got) == set(ref), set(got) ^ set(ref)
     diff = max(float(np.abs(got[k] - ref[k]).max()) for k in ref)
     scale = max(float(np.abs(a).max()) for a in ref.values())
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
-    return {"framework": "jax", "layout": layout, "style": style, "cp_variant": cp_variant, "losses": losses,
+    return {"framework": "jax", "family": family, "layout": layout, "style": style, "cp_variant": cp_variant,
+            "losses": losses,
             "reference_losses": ref_losses,
             "max_abs_param_diff": diff, "max_rel_loss_diff": loss_rel,
             "exact": bool(loss_rel <= TOL and diff <= TOL * scale), "comm": comm}
@@ -122,10 +137,13 @@ def main(argv=None) -> int:
     ap.add_argument("--style", default="shard_map", choices=("shard_map", "jit", "typed"))
     ap.add_argument("--cp-variant", default="ring", choices=("ring", "ring_zigzag", "ulysses"))
     ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--family", default="llama", choices=("llama", "gpt2"),
+                    help="the NNX Llama, or examples/gpt2_nnx.py's GPT-2 (biases, tied head, V = 97)")
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args(argv)
     try:
-        result = run(parse_layout(args.layout), args.style, args.steps, cp_variant=args.cp_variant)
+        result = run(parse_layout(args.layout), args.style, args.steps, cp_variant=args.cp_variant,
+                     family=args.family)
     except ComposeError as e:  # refused before compiling: one line
         print(e, file=sys.stderr)
         return 2

@@ -5,6 +5,12 @@ NumPy weights (shared/llama.py) with the same data, loss and optimizer, so both 
     python examples/compose_torch.py --layout fsdp=2,tp=2,pp=2 --json out.json   # 8 gloo ranks
     python examples/compose_torch.py --layout dp=2,tp=2,cp=2                       # 8 ranks
     python examples/compose_torch.py --layout fsdp=2,tp=2 --style explicit          # 4 ranks
+    python examples/compose_torch.py --family qwen2 --vocab 97 --plan auto --layout fsdp=2,tp=2 --style explicit
+
+``--family qwen2``: transformers' Qwen2ForCausalLM (q/k/v biases, grouped-query attention), the same weights
+plus random q/k/v biases; ``--plan auto``: the model's own tp plan (``config.base_model_tp_plan``, prefixed,
+with the vocabulary split added); ``--vocab 97``: a vocabulary tp does not divide (explicit pads it;
+builtin refuses it). Every run loads ``trainer.full_state_dict()`` back into a fresh model (strict).
 
 The contract both frameworks follow: model ``LlamaShape()`` (V 64, D 32, 4 layers, 4 heads / 2 key-value
 heads, F 64, T 16) in float64 from ``shared.llama.weights(shape, seed=0)``; data ``batch(shape, rows=8,
@@ -33,6 +39,7 @@ parallel runs add the same products in another order, ~1e-16 per op; measured <=
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -48,19 +55,27 @@ from shared import llama as shared_llama  # noqa: E402
 from torch_impl.launch import launch  # noqa: E402
 from torch_impl.parallel.compose import cross_entropy, parallelize  # noqa: E402
 from torch_impl.parallel.llama import TP_PLAN, Stage, cp_attention, full_precision  # noqa: E402
+from torch_impl.parallel.recipe import LocalClipError  # noqa: E402
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 ROWS, STEPS, SEED, TOL = 8, 3, 0, 1e-12  # TOL: relative, float64 (module docstring)
 
 
-def build(shape: shared_llama.LlamaShape, cp: bool = False):
-    """LlamaForCausalLM in float64 holding shared/llama.py's weights; cp: attention through the cp seam."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build(shape: shared_llama.LlamaShape, cp: bool = False, family: str = "llama"):
+    """LlamaForCausalLM in float64 holding shared/llama.py's weights; cp: attention through the cp seam.
+    ``family="qwen2"``: transformers' Qwen2ForCausalLM (biased q/k/v) with the same weights and random
+    q/k/v biases (transformers inits them at zero: they would not show a bias split wrongly)."""
+    import transformers
 
-    config = LlamaConfig(**shared_llama.hf_config(shape), use_cache=False)
+    kind = {"llama": "Llama", "qwen2": "Qwen2"}[family]
+    config = getattr(transformers, f"{kind}Config")(**shared_llama.hf_config(shape), use_cache=False)
     config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config).to(torch.float64)
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in shared_llama.weights(shape, SEED).items()})
+    model = getattr(transformers, f"{kind}ForCausalLM")(config).to(torch.float64)
+    state = {k: torch.from_numpy(v) for k, v in shared_llama.weights(shape, SEED).items()}
+    rng = torch.Generator().manual_seed(SEED)
+    state |= {k: 0.02 * torch.randn(p.shape, generator=rng, dtype=torch.float64)
+              for k, p in model.named_parameters() if k.endswith("_proj.bias")}
+    model.load_state_dict(state, strict=True)
     full_precision(model)  # RMSNorm and RoPE in float64 too, as the JAX twin (transformers casts to float32)
     if cp:
         cp_attention(model.config)  # every attention layer reads the shared config at call time
@@ -71,9 +86,9 @@ def data(shape):
     return tuple(torch.from_numpy(a) for a in shared_llama.batch(shape, ROWS, SEED))  # tokens, targets (B, T)
 
 
-def reference(shape, max_norm=None) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(shape, max_norm=None, family="llama") -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same model on one process: plain forward, mean CE, (torch's clip_grad_norm_,) AdamW."""
-    model, (tokens, targets) = build(shape), data(shape)
+    model, (tokens, targets) = build(shape, family=family), data(shape)
     opt, losses = torch.optim.AdamW(model.parameters(), **ADAMW), []
     for _ in range(STEPS):
         opt.zero_grad(set_to_none=True)
@@ -86,15 +101,36 @@ def reference(shape, max_norm=None) -> tuple[list[float], dict[str, torch.Tensor
     return losses, {k: p.detach() for k, p in model.named_parameters()}
 
 
-def train(layout: dict[str, int], style: str, shape, ledger=None, **pp) -> tuple[list[float], dict, dict]:
+def clipping_adamw(params):
+    """A training loop's optimizer that clips inside its step (torch's clip over what the rank holds)."""
+    opt = torch.optim.AdamW(params, **ADAMW)
+
+    def clip(optimizer, args, kwargs):
+        torch.nn.utils.clip_grad_norm_(params, 0.05)
+
+    opt.register_step_pre_hook(clip)
+    return opt
+
+
+def train(layout: dict[str, int], style: str, shape, ledger=None, **pp):
     """This rank's part of training under ``layout``: the losses, every parameter whole, and (given the
     project's CommLedger) the last step's collectives per axis beside the composition's theory of them.
-    ``pp``: parallelize's schedule= / microbatches=, and train_step's max_norm=."""
-    max_norm = pp.pop("max_norm", None)
-    model, (tokens, targets) = build(shape, cp=layout.get("cp", 1) > 1), data(shape)
+    ``pp``: parallelize's schedule= / microbatches= / plan=, train_step's max_norm=, the model's
+    ``family`` and ``vocab`` (``case_shape``), and ``clip_in_optimizer``: torch's clip inside the
+    optimizer (refused: the LocalClipError's message)."""
+    max_norm, local = pp.pop("max_norm", None), pp.pop("clip_in_optimizer", False)
+    shape, family = case_shape(shape, pp.pop("vocab", None)), pp.pop("family", "llama")
+    model, (tokens, targets) = build(shape, layout.get("cp", 1) > 1, family), data(shape)
     mesh = init_device_mesh("cpu", tuple(layout.values()), mesh_dim_names=tuple(layout))  # glue
-    trainer = parallelize(model, mesh, plan=TP_PLAN, stage=Stage, units=["model.layers.*"], style=style,
-                          optimizer=lambda ps: torch.optim.AdamW(ps, **ADAMW), **pp)  # glue
+    trainer = parallelize(model, mesh, **({"plan": TP_PLAN} | pp), stage=Stage, units=["model.layers.*"],
+                          style=style, optimizer=clipping_adamw if local else
+                          lambda ps: torch.optim.AdamW(ps, **ADAMW))  # glue
+    if local:
+        try:
+            trainer.train_step(tokens, targets)
+            return "not refused", {}, {}
+        except LocalClipError as e:
+            return str(e), {}, {}
     losses = [trainer.train_step(tokens, targets, max_norm) for _ in range(STEPS - 1)]  # glue
     comm = {}
     if ledger is not None:
@@ -108,7 +144,9 @@ def train(layout: dict[str, int], style: str, shape, ledger=None, **pp) -> tuple
                            for a, ops in ledger.by_axis().items()}, "theory": trainer.comm_theory()}
     else:
         losses.append(trainer.train_step(tokens, targets, max_norm))
-    return losses, {k: v.numpy() for k, v in trainer.full_state_dict().items()}, comm  # NumPy: rank -> parent
+    state = trainer.full_state_dict()
+    build(shape, family=family).load_state_dict(state, strict=True)  # the model's own names and shapes
+    return losses, {k: v.numpy() for k, v in state.items()}, comm  # NumPy: rank -> parent
 
 
 # {group name: ledger label} of every layout this process ran: DTensor caches its sharding decisions by
@@ -116,6 +154,10 @@ def train(layout: dict[str, int], style: str, shape, ledger=None, **pp) -> tuple
 # earlier layout's equal tp group, which keeps its (same) label (as torch_impl/mesh.py); the world's
 # group is labelled per layout (a sub-mesh spanning every rank is the world's group)
 _LABELS: dict[str, str] = {}
+
+
+def case_shape(shape, vocab):
+    return shape if vocab is None else dataclasses.replace(shape, vocab=vocab)
 
 
 def rank(ctx, cases: list[tuple[dict, str, dict]], shape):
@@ -135,6 +177,8 @@ def parse_layout(text: str) -> dict[str, int]:
 
 def compare(layout, style, got, ref) -> dict:
     (losses, params, _), (ref_losses, ref_params) = got, ref
+    if isinstance(losses, str):  # clip_in_optimizer: the refusal's message
+        return {"framework": "torch", "layout": layout, "style": style, "refused": losses}
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
     diff = max(float((torch.from_numpy(params[k]) - v).abs().max()) for k, v in ref_params.items())
     return {"framework": "torch", "layout": layout, "style": style, "losses": losses,
@@ -142,16 +186,17 @@ def compare(layout, style, got, ref) -> dict:
 
 
 def run(cases: list[tuple], shape=None) -> list[dict]:
-    """Train every (layout, style[, {"schedule": …, "microbatches": …}]) in ONE launch (all layouts of one
-    world size) and on one process."""
+    """Train every (layout, style[, {"schedule": …, "microbatches": …, "family": "qwen2", "vocab": 97, …}])
+    in ONE launch (all layouts of one world size) and on one process (``train``'s options)."""
     shape = shape or shared_llama.LlamaShape()
     cases = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in cases]
     worlds = {math.prod(c[0].values()) for c in cases}
     if len(worlds) != 1:
         raise ValueError(f"compose_torch.run: one launch per world size; these layouts need {sorted(worlds)}")
     every = launch(rank, worlds.pop(), cases, shape)
-    refs = {norm: reference(shape, norm) for norm in {pp.get("max_norm") for _, _, pp in cases}}
-    out = [compare(layout, style, got, refs[pp.get("max_norm")]) | pp
+    key = lambda pp: (pp.get("max_norm"), pp.get("family", "llama"), pp.get("vocab"))  # noqa: E731
+    refs = {k: reference(case_shape(shape, k[2]), k[0], k[1]) for k in {key(pp) for _, _, pp in cases}}
+    out = [compare(layout, style, got, refs[key(pp)]) | pp
            for (layout, style, pp), got in zip(cases, every[0], strict=True)]
     for i, r in enumerate(out):
         r["comm_per_rank"] = [answers[i][2] for answers in every]  # {"ledger", "theory"} per axis, per rank
@@ -163,9 +208,15 @@ def main(argv=None) -> int:
     parser.add_argument("--layout", default="fsdp=2,tp=2,pp=2", help="axis=size,... outermost first")
     parser.add_argument("--style", default="builtin", choices=("builtin", "explicit"))
     parser.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b"), help="under pp")
+    parser.add_argument("--family", default="llama", choices=("llama", "qwen2"), help="transformers' model")
+    parser.add_argument("--vocab", type=int, default=64, help="V (explicit tp pads one it does not divide)")
+    parser.add_argument("--plan", default="llama", choices=("llama", "auto"),
+                        help="parallel/llama.py's TP_PLAN or the model's own (config.base_model_tp_plan)")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
-    result = run([(parse_layout(args.layout), args.style, {"schedule": args.schedule})])[0]
+    opts = {"schedule": args.schedule, "family": args.family, "vocab": args.vocab} | (
+        {"plan": "auto"} if args.plan == "auto" else {})
+    result = run([(parse_layout(args.layout), args.style, opts)])[0]
     agree = all(c["theory"].get(a) == ops for c in result["comm_per_rank"] for a, ops in c["ledger"].items()
                 if a in c["theory"])
     print(json.dumps({k: v for k, v in result.items() if k != "comm_per_rank"}, indent=1))

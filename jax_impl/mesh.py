@@ -52,10 +52,19 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl import pp, tp, transformer
+from jax_impl import pp, recipe, tp, transformer
 from jax_impl.devices import make_mesh
 from jax_impl.harness import Setup, train_loop
-from jax_impl.model import build_model, inputs, jax_dtype, make_optimizer, output_loss, targets, to_numpy
+from jax_impl.model import (
+    build_model,
+    compute_dtype,
+    inputs,
+    jax_dtype,
+    make_optimizer,
+    output_loss,
+    targets,
+    to_numpy,
+)
 from jax_impl.parallel.compose import Composed, compose
 from jax_impl.parallel.typed import InMesh, Stated, explicit_mesh
 from shared.config import Config
@@ -86,8 +95,8 @@ def grad_axes(cfg: Config) -> tuple[str, ...]:
 
 
 def fsdp_axes(cfg: Config) -> tuple[str, ...]:
-    """The group fsdp shards over: fsdp and cp (empty without fsdp)."""
-    return grad_axes(cfg) if cfg.data_axis == "fsdp" else ()
+    """The group fsdp shards over: fsdp and cp (empty without fsdp; HSDP: dp replicates, not in it)."""
+    return tuple(a for a in grad_axes(cfg) if a != "dp") if cfg.data_axis == "fsdp" else ()
 
 
 def _one(axes: tuple):
@@ -164,26 +173,58 @@ def jit_loss(cfg: Config, mesh):
             x = tp.block_forward(lambda n, l=l: blocks[f"{n}.weight"][l], x, cfg.head_dim, ops)
         return x
 
+    low = compute_dtype(cfg)  # mixed precision: every Param cast inside the step (master weights float32)
+
     def loss(params, tokens, y, pos):
+        params = jax.tree.map(lambda a: a.astype(low), params) if cfg.precision == "mixed" else params
         # micro-batch k = rows chunk k of every data rank's B/d rows: (B, T) -> (M, d·m, T)
         micro = lambda a: at(None, data, seq)(a.reshape(d, M, m, cfg.seq).swapaxes(0, 1).reshape(M, d * m, cfg.seq))
         xs, ys = micro(tokens), micro(y)
         first = lambda f: embed(f["wte.weight"], xs) + f["wpe.weight"][pos]  # (M, d·m, T, D) per stage slot
         inp = pin(vmap(first)(params["first"]))  # (S, M, d·m, T, D)
         run = lambda x: vmap(stage)(params["blocks"], x)  # (S, d·m, T, D): every stage at once
-        outs = pp.jit_circular(run, inp, pin) if S > 1 else run(inp[:, 0])[:, None]  # (S, M, d·m, T, D)
-        head = lambda last, o: cross_entropy(tp.head_logits(last, o, head_ops), ys)
+        outs = pp.jit_circular(run, inp, pin) if S > 1 else \
+            jnp.stack([run(inp[:, k]) for k in range(M)], axis=1)  # (S, M, d·m, T, D); S = 1: --accumulate's M
+        head = lambda last, o: cross_entropy(tp.head_logits(last, o, head_ops).astype(jax_dtype(cfg)), ys)
         losses = vmap(head)(params["last"], outs)  # (S,)
         return jnp.sum(jnp.where(is_last, losses, 0))[None]  # the last stage's
     return loss
 
 
+def compose_tx(cfg: Config, frozen: set[str], blocks: str) -> optax.GradientTransformation:
+    """The recipe's AdamW (jax_impl.recipe: the schedule) with its decay mask written for either tree optax
+    may see: compose's {"rest": {path: a}, "blocks": {path in a block: (S, L/S, …)}} (the blocks' leaves 2
+    dims more) or the model's {path: a} (compose's probe compares the two); frozen paths never decay."""
+    from jax_impl import recipe
+
+    if not (cfg.decay_mask or frozen):
+        return optax.adamw(recipe.learning_rate(cfg), b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps,
+                           weight_decay=cfg.weight_decay)
+    decays = lambda path, ndim: (ndim >= 2 or not cfg.decay_mask) and path not in frozen  # noqa: E731
+
+    def mask(tree):
+        if set(tree) == {"rest", "blocks"}:
+            return {"rest": {k: decays(k, a.ndim) for k, a in tree["rest"].items()},
+                    "blocks": {k: decays(f"{blocks}.0.{k}", a.ndim - 2) for k, a in tree["blocks"].items()}}
+        return {k: decays(k, a.ndim) for k, a in tree.items()}
+
+    return optax.adamw(recipe.learning_rate(cfg), b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps,
+                       weight_decay=cfg.weight_decay, mask=mask)
+
+
 def composed(cfg: Config, problem: Problem, style: str, mesh) -> Composed:
     """The transformer of ``problem`` composed on ``mesh`` (jax_impl/parallel/compose.py): its plan and
-    split (transformer.PLAN, SPLIT), the mean CE, AdamW with torch's semantics, cfg's micro-batches."""
-    return compose(build_model(cfg, problem), dict(cfg.mesh), output_loss, make_optimizer(cfg),
-                   plan=transformer.PLAN, split=transformer.SPLIT, style=style,
-                   microbatches=cfg.pipeline_microbatches, devices=list(mesh.devices.flat))
+    split (transformer.PLAN, SPLIT), the mean CE, AdamW with torch's semantics, cfg's micro-batches (times
+    --accumulate), and the recipe: --clip (clip=), --freeze (freeze=, the fixture names' NNX paths), the
+    schedule and the decay mask (compose_tx)."""
+    from jax_impl import recipe
+
+    model = build_model(cfg, problem)
+    frozen = recipe.frozen_paths(cfg, recipe.fixture_paths(model)) if cfg.freeze else set()
+    tx = compose_tx(cfg, frozen, transformer.SPLIT.blocks) if cfg.recipe_active else make_optimizer(cfg)
+    return compose(model, dict(cfg.mesh), output_loss, tx, plan=transformer.PLAN, split=transformer.SPLIT, style=style,
+                   microbatches=cfg.pipeline_microbatches, devices=list(mesh.devices.flat), clip=cfg.clip,
+                   freeze=sorted(frozen))
 
 
 def composed_setup(cfg: Config, problem: Problem, style: str, mesh) -> Setup:
@@ -236,7 +277,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     rows = NamedSharding(mesh, P(data, seq))
     batch = (jax.device_put(inputs(cfg, problem), rows), jax.device_put(targets(cfg, problem), rows),
              jax.device_put(jnp.arange(cfg.seq, dtype=jnp.int32), NamedSharding(mesh, P(seq))))
-    tx = make_optimizer(cfg)
+    tx, zero = recipe.stacked(cfg, tree) if cfg.recipe_active else (make_optimizer(cfg), lambda g: g)
     to_loss = mesh_typed.loss_for(cfg, stated) if typed else jit_loss(cfg, mesh)
     # (differentiated, reported): the mean of the local losses is differentiated and never computed
     loss_of = lambda p, *b: (lambda v: (jnp.mean(v), v))(to_loss(p, *b))
@@ -246,6 +287,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
 
     def step(params, opt_state, *batch):
         (_, loss), grads = jax.value_and_grad(loss_of, has_aux=True)(params, *batch)
+        grads = zero(grads)  # --freeze: the frozen Params' gradients zero (stop_gradient's)
         updates, opt_state = tx.update(grads, opt_state, params)
         new = (optax.apply_updates(params, updates), opt_state)
         if style == "jit":  # the state leaves as it came (XLA might keep another layout)
@@ -256,7 +298,8 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     def fixture(tree):  # stacked, TP layout -> fixture arrays in param_names order (device_get gathers)
         return [a.reshape(shapes[k]) for k, a in zip(order, pp.unsplit(tree, order), strict=True)]
 
-    theory = None if typed else mesh_comm_jax(cfg, style)
+    # --clip (XLA reduces the norm's squares per sharded leaf) and mixed precision: measured, no formula here
+    theory = None if typed or cfg.clip is not None or cfg.precision == "mixed" else mesh_comm_jax(cfg, style)
     jitted = jax.jit(stated.traced(step) if typed else step, donate_argnums=(0, 1))
     return train_loop(cfg, Setup(
         step=InMesh(jitted, mesh) if typed else jitted, state=state, batch=batch,

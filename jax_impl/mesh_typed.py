@@ -36,6 +36,12 @@ def refusal(cfg) -> str | None:
         return f"mesh {cfg.mesh_name}: the typed style has no pp: {TYPED_REFUSAL}"
     if "cp" in axes:
         return f"mesh {cfg.mesh_name}: the typed style is written for data (dp | fsdp) x tp; cp is typed alone (cp)"
+    if getattr(cfg, "recipe_active", False) or getattr(cfg, "precision", "pure") == "mixed":
+        return (f"mesh {cfg.mesh_name}: the typed style's step has no recipe (--clip, --accumulate, ...) or mixed "
+                "precision: shard_map and jit run them")
+    if "dp" in axes and "fsdp" in axes:
+        return (f"mesh {cfg.mesh_name}: the typed style is written for ONE data axis (dp | fsdp) x tp; HSDP "
+                "(dp x fsdp) runs in shard_map and jit")
     return None
 
 

@@ -308,7 +308,8 @@ def jit_loss(params: dict, xs: jax.Array, ys: jax.Array | None, mesh, head_dim: 
     return jnp.sum(jnp.where(is_last, losses, 0))  # the last stage's: kept (S,)-sharded, [S − 1] would gather
 
 
-def make_step(cfg: Config, style: str, mesh, tx, variant: str = "circular", info: dict | None = None):
+def make_step(cfg: Config, style: str, mesh, tx, variant: str = "circular", info: dict | None = None,
+              zero=lambda grads: grads):
     """The jitted step. float16 (``recipe.loss_scale``): the state carries the scale; the logits' cotangent
     is multiplied by it (scaling.scale_cotangent: the schedules seed their backward by hand), the gradients
     divided by it; they come back as global arrays (stages over pp): the finite check over them is XLA's."""
@@ -325,7 +326,7 @@ def make_step(cfg: Config, style: str, mesh, tx, variant: str = "circular", info
     def step(params, opt_state, *rest):
         sc, (xs, ys) = (rest[0], rest[1:]) if scaler else (None, rest)
         loss, grads = grad_of(None if sc is None else sc["scale"])(params, xs, ys, mesh, cfg.head_dim)  # like params
-        grads = grads if sc is None else scaler.unscale(grads, sc)
+        grads = zero(grads if sc is None else scaler.unscale(grads, sc))  # --freeze: frozen gradients zero
         updates, new_opt = tx.update(grads, opt_state, params)
         new = (jax.tree.map(lambda a, u: a + u, params, updates), new_opt)
         if sc is None:
@@ -341,6 +342,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     if style == "typed":
         raise ValueError(f"pp: the typed style (sharding in types) is refused: {TYPED_REFUSAL}")
     cfg.check("pp", "jax")
+    recipe_cfg, cfg = cfg, cfg.pipelined()  # --accumulate K: the schedule runs K·M micro-batches (the same mean)
     by_hand = variant in BY_HAND
     S, M, v = cfg.world_size, cfg.microbatches, cfg.virtual_stages if variant == "interleaved" else 1
     names = [interleaved_name(n, cfg.layers, S, v) for n in param_names(cfg)]  # v = 1: the fixture's
@@ -351,7 +353,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     micro = lambda a: None if a is None else jax.device_put(
         a.reshape((M, cfg.batch // M) + a.shape[1:]), NamedSharding(mesh, P()))  # (M, B/M, …), replicated
     xs, ys = micro(inputs(cfg, problem)), micro(targets(cfg, problem))
-    tx = make_optimizer(cfg)
+    tx, zero = recipe.stacked(recipe_cfg, params) if recipe_cfg.recipe_active else (make_optimizer(cfg), lambda g: g)
     opt_state = jax.jit(tx.init)(params)  # moments inherit the params' sharding: over pp
     extra = {"bubble_theory": pp_bubble_fraction(S, M), "iterations": M + S - 1,
              "permute_count_theory": pp_ticks_permute_count(cfg, variant, v) if by_hand else
@@ -369,9 +371,10 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     state = (params, opt_state) + ((jax.device_put(scaler.init(), NamedSharding(mesh, P())),) if scaler else ())
     flags = len(jax.tree.leaves(params)) if scaler else 0  # XLA's 1-byte non-finite flag per (pp-split) leaf
     setup = Setup(
-        step=make_step(cfg, style, mesh, tx, variant, extra), state=state, batch=(xs, ys),
+        step=make_step(cfg, style, mesh, tx, variant, extra, zero), state=state, batch=(xs, ys),
         grads_fixture=lambda grads: unsplit(grads, names), params_fixture=lambda state: unsplit(state[0], names),
-        comm_theory=(pp_ticks_permute_bytes(wire, variant, v) if by_hand else pp_circular_permute_bytes(wire, style))
+        comm_theory=None if recipe_cfg.clip is not None else  # --clip: XLA reduces the norm's squares (measured)
+        (pp_ticks_permute_bytes(wire, variant, v) if by_hand else pp_circular_permute_bytes(wire, style))
         + wire.bytes_per_element + flags,  # + the loss all-reduce (float32 under mixed precision)
         extra=extra, per_step=("skipped", "loss_scale") if scaler else (),
     )

@@ -180,3 +180,34 @@ def clip_bytes(cfg: Config, variant: str, style: str) -> int:
     from shared.problem import param_shapes
 
     return cfg.bytes_per_element * sum(rule(s, cfg.world_size, variant) for s in param_shapes(cfg).values())
+
+
+def stacked(cfg: Config, tree: dict):
+    """(tx, zero) of the recipe on pp.split's tree ({"first" | "last": {name: (S, …)}, "blocks": {suffix:
+    (S, L/S, …)}}): AdamW with the schedule and its decay mask on the Params' own dims, --clip's global
+    norm first (the stacked tree is the whole model: the slots' unused copies have zero gradients), and
+    ``zero`` setting the --freeze Params' gradients to zero (stop_gradient's; a stacked suffix frozen in
+    some layers and not all: refused)."""
+    from jax_impl.parallel.recipe import clip_by_global_norm
+
+    L = cfg.layers
+    frozen = {g: {k for k in tree[g] if is_frozen(k, cfg.freeze)} for g in ("first", "last")}
+    hits = {k: [is_frozen(f"blocks.{l}.{k}", cfg.freeze) for l in range(L)] for k in tree["blocks"]}
+    partial_ = [k for k, h in hits.items() if any(h) and not all(h)]
+    if partial_:
+        raise ValueError(f"--freeze {','.join(cfg.freeze)} freezes some layers' blocks.*.{partial_[0]} "
+                         "and not the others: the pipeline stacks the layers (S, L/S, …); freeze all or none")
+    frozen["blocks"] = {k for k, h in hits.items() if all(h)}
+    lead = {"first": 1, "last": 1, "blocks": 2}
+
+    def mask(t):
+        return {g: {k: (a.ndim - lead[g] >= 2 or not cfg.decay_mask) and k not in frozen[g] for k, a in arrays.items()}
+                for g, arrays in t.items()}
+
+    tx = optax.adamw(learning_rate(cfg), b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps,
+                     weight_decay=cfg.weight_decay, mask=mask if (cfg.decay_mask or any(frozen.values())) else None)
+    if cfg.clip is not None:
+        tx = optax.chain(clip_by_global_norm(cfg.clip), tx)
+    zero = lambda grads: {g: {k: jnp.zeros_like(a) if k in frozen[g] else a for k, a in arrays.items()}  # noqa: E731
+                          for g, arrays in grads.items()}
+    return tx, zero

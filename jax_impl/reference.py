@@ -63,12 +63,15 @@ def train(cfg: Config, problem: Problem, device=None, split: int = 1) -> Trained
             opt.update(model, grads)
             return loss, grads
 
-        def split_step(model, opt, x, y, s):  # the batch in `split` equal parts, gradients added (dense only)
-            parts = zip(jnp.split(x, split), [None] * split if y is None else jnp.split(y, split))
+        part_loss = recipe.loss_fn(cfg.replace(accumulate=1), paths)  # the recipe's frozen Params stopped
+
+        def split_step(model, opt, x, y, s):  # the batch in `split` equal parts, gradients added (dense only);
+            n = split * cfg.accumulate  # --accumulate K: each of its K parts in `split` (else the same sums)
+            parts = zip(jnp.split(x, n), [None] * n if y is None else jnp.split(y, n))
             loss, grads = 0.0, None
             for xs, ys in parts:
                 (_, part), g = nnx.value_and_grad(lambda m, xs=xs, ys=ys: (
-                    (l := output_loss(m(xs), ys) / split) * s, l), has_aux=True)(model)
+                    (l := part_loss(m, *(xs,) if ys is None else (xs, ys)) / n) * s, l), has_aux=True)(model)
                 loss, grads = loss + part, g if grads is None else jax.tree.map(jnp.add, grads, g)
             grads = jax.tree.map(lambda g: g / s, grads)
             opt.update(model, grads)

@@ -24,7 +24,8 @@ def chosen_variants(framework, pattern, cfg, styles=None, full=False) -> list[tu
     import importlib
 
     module = importlib.import_module(f"{'torch_impl' if framework == 'torch' else 'jax_impl'}.{pattern}")
-    every = list(module.VARIANTS if full else getattr(module, "variants", lambda c: module.VARIANTS)(cfg))
+    every = list(module.VARIANTS if full and hasattr(module, "VARIANTS") else  # mesh: per layout only
+                 getattr(module, "variants", lambda c: module.VARIANTS)(cfg))
     return [sv for sv in every if styles is None or sv[0] in styles]
 
 

@@ -37,7 +37,7 @@ PRECISIONS = ("pure", "mixed")
 MIXED_DTYPES = ("bfloat16", "float16")
 # The patterns whose runs (every style) build mixed precision, per framework; the others refuse it in
 # Config.check (which names the framework, or without one takes what every framework builds).
-MIXED_PATTERNS = {"torch": ("dp", "fsdp", "tp", "pp", "cp"), "jax": ("dp", "fsdp", "tp", "pp", "cp")}
+MIXED_PATTERNS = {"torch": ("dp", "fsdp", "tp", "pp", "cp", "mesh"), "jax": ("dp", "fsdp", "tp", "pp", "cp", "mesh")}
 # The patterns whose runs build --dtype float16 (mixed, with dynamic loss scaling), per framework.
 FLOAT16_PATTERNS = {
     "torch": ("dp", "fsdp", "cp", "tp", "pp"),
@@ -45,7 +45,8 @@ FLOAT16_PATTERNS = {
 }
 # The training recipe (shared/recipe.py: --clip, --accumulate, --schedule, --decay-mask, --freeze, --recipe):
 # the patterns whose runs (every style, both frameworks) apply it exactly; the others refuse it in Config.check.
-RECIPE_PATTERNS = ("dp", "fsdp", "tp", "cp")
+RECIPE_PATTERNS = ("dp", "fsdp", "tp", "cp", "mesh", "pp")
+MIXED_RECIPE_PATTERNS = ("mesh", "pp")  # the recipe under --precision mixed (bfloat16; float16 is refused under mesh)
 SCHEDULES = ("constant", "warmup-cosine")  # the lr schedules (shared.recipe.lr_factors)
 
 
@@ -160,9 +161,6 @@ class Config:
                 raise ValueError(f"mesh: unknown axis {unknown[0]!r}; choose from {', '.join(MESH_AXES)}")
             if len(set(names)) != len(names):
                 raise ValueError(f"mesh: axis named twice in {format_mesh(self.mesh)}")
-            if all(a in names for a in DATA_AXES):
-                raise ValueError("mesh: dp and fsdp are both data axes (HSDP, replicate × shard, is not built): "
-                                 "name one of them")
             bad = [(a, n) for a, n in self.mesh if n < 1]
             if bad:
                 raise ValueError(f"mesh: axis {bad[0][0]}={bad[0][1]} must be a positive size")
@@ -184,9 +182,6 @@ class Config:
         bad = [g for g in self.freeze if not isinstance(g, str) or not g]
         if bad:  # whether each glob names a parameter: shared.recipe.check_freeze (it knows the names)
             raise ValueError(f"freeze: every entry is a parameter-name glob (a non-empty string), got {bad[0]!r}")
-        if self.recipe_active and self.precision == "mixed":
-            raise ValueError("the recipe flags (--clip, --accumulate, --schedule, --decay-mask, --freeze, --recipe) "
-                             "are not built with --precision mixed: use --precision pure")
 
     @property
     def recipe_active(self) -> bool:
@@ -200,18 +195,46 @@ class Config:
 
     @property
     def data_axis(self) -> str | None:
-        """The layout's data axis, "dp" or "fsdp" (None: no data parallelism)."""
-        return next((a for a, _ in self.mesh if a in DATA_AXES), None)
+        """The layout's data axis, "dp" or "fsdp" (None: no data parallelism); HSDP (both named): "fsdp",
+        the axis that shards (dp replicates the shards: ``replicate``)."""
+        names = [a for a, _ in self.mesh]
+        return "fsdp" if "fsdp" in names else "dp" if "dp" in names else None
 
     @property
     def data_size(self) -> int:
-        """Ranks the batch is split over: the dp or fsdp axis size (1 without one)."""
-        return self.axis(self.data_axis) if self.data_axis else 1
+        """Ranks the batch is split over: the dp and fsdp axes' sizes multiplied (1 without either)."""
+        return self.axis("dp") * self.axis("fsdp")
+
+    @property
+    def replicate(self) -> int:
+        """HSDP's replicas of each fsdp shard: the dp axis' size when fsdp is named too, else 1."""
+        return self.axis("dp") if "fsdp" in [a for a, _ in self.mesh] else 1
+
+    def data_index(self, coords: dict[str, int]) -> int:
+        """A rank's data index from its mesh coordinates: row-major over (dp, fsdp) in mesh order (rows
+        [i·B/d, (i+1)·B/d) are its own)."""
+        i = 0
+        for a, n in self.mesh:
+            if a in DATA_AXES:
+                i = i * n + coords.get(a, 0)
+        return i
 
     @property
     def pipeline_microbatches(self) -> int:
-        """Micro-batches of one step in a mesh layout: cfg.microbatches with a pp axis > 1, else 1."""
-        return self.microbatches if self.axis("pp") > 1 else 1
+        """Micro-batches of one step in a mesh layout: cfg.microbatches with a pp axis > 1, else 1; times
+        --accumulate (K parts of M micro-batches each: one schedule of K·M equal micro-batches gives the
+        same averaged gradient, as Megatron's gradient accumulation does; without pp, K parts)."""
+        return (self.microbatches if self.axis("pp") > 1 else 1) * self.accumulate
+
+    @property
+    def pipeline_parts(self) -> int:
+        """The pp pattern's micro-batches per step: microbatches × --accumulate (``pipelined``)."""
+        return self.microbatches * self.accumulate
+
+    def pipelined(self) -> Config:
+        """The pp runs' config: --accumulate K as K·M micro-batches of ONE schedule (the gradient of the same
+        mean over K·M equal parts, as Megatron accumulates: its micro-batches), accumulate 1."""
+        return self if self.accumulate == 1 else self.replace(microbatches=self.pipeline_parts, accumulate=1)
 
     @property
     def mesh_name(self) -> str:
@@ -312,6 +335,10 @@ class Config:
             fix = "--dtype bfloat16" if self.dtype == "float16" else "--precision pure"
             which = ", ".join(built) + " only" if built else "no pattern yet"
             raise ValueError(f"{pattern}: {what} is built{where} for {which}{hint}; use {fix} for {pattern}")
+        if self.recipe_active and self.precision == "mixed" and pattern not in MIXED_RECIPE_PATTERNS + ("collectives",):
+            raise ValueError(f"{pattern}: the recipe flags (--clip, --accumulate, --schedule, --decay-mask, --freeze, "
+                             f"--recipe) with --precision mixed are built for {', '.join(MIXED_RECIPE_PATTERNS)} only: "
+                             f"use --precision pure for {pattern}")
         if self.recipe_active and pattern not in RECIPE_PATTERNS + ("collectives",):  # collectives: no model
             raise ValueError(f"{pattern}: the recipe flags (--clip, --accumulate, --schedule, --decay-mask, --freeze, "
                              f"--recipe) are built for {', '.join(RECIPE_PATTERNS)} only; drop them for {pattern}")
@@ -363,7 +390,8 @@ class Config:
                     ("seq", n, "megatron_sp splits the sequence outside the matmuls")]
         if pattern == "pp":
             return [("layers", n, f"every stage holds the same number of {'layers' if mlp else 'blocks'}"),
-                    ("batch", "microbatches", "every micro-batch has the same number of rows")]
+                    ("batch", "pipeline_parts" if self.accumulate > 1 else "microbatches",
+                     "every micro-batch has the same number of rows")]
         if pattern == "ep":
             return [("experts", n, "every rank owns E/ep whole experts"),
                     ("batch", n, "every rank routes B/ep sequences (EP inside DP)")]
@@ -405,11 +433,14 @@ class Config:
         d, pp, cp, tp, f = self.data_size, self.axis("pp"), self.axis("cp"), self.axis("tp"), self.axis("fsdp")
         out = []
         if d > 1:
-            out.append(("batch", self.batch, self.data_axis, d, "every data rank takes B/dp sequences"))
+            by = "dp·fsdp" if self.replicate > 1 else self.data_axis
+            out.append(("batch", self.batch, by, d, "every data rank takes B/dp sequences"))
         if pp > 1:
-            out += [("layers", self.layers, "pp", pp, "every stage holds L/pp blocks"),
-                    ("batch", self.batch, f"{self.data_axis or 'data'}·microbatches", d * self.microbatches,
-                     "every micro-batch of every data rank has the same number of sequences")]
+            out.append(("layers", self.layers, "pp", pp, "every stage holds L/pp blocks"))
+        if self.pipeline_microbatches > 1:
+            what = "·".join(["microbatches"] * (pp > 1) + ["accumulate"] * (self.accumulate > 1))
+            out.append(("batch", self.batch, f"{self.data_axis or 'data'}·{what}", d * self.pipeline_microbatches,
+                        "every micro-batch of every data rank has the same number of sequences"))
         if tp > 1:
             out += [("heads", self.heads, "tp", tp, "every tp rank owns whole attention heads"),
                     ("vocab", self.vocab, "tp", tp, "embedding and head are split over the vocabulary")]

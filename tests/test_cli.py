@@ -39,11 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
         # mixed precision (issue 34): a 16-bit compute dtype; the patterns it is not built for refuse it
         (["--precision", "mixed"], "precision mixed computes in a 16-bit dtype: give --dtype bfloat16"),
         (["--precision", "mixed", "--dtype", "float32", "--patterns", "dp"], "precision mixed computes in a 16-bit"),
-        # (per framework, shared.config.MIXED_PATTERNS: both build dp, fsdp, tp, pp, cp; ep and the mesh neither)
+        # (per framework, shared.config.MIXED_PATTERNS: both build dp, fsdp, tp, pp, cp, mesh; ep neither;
+        # float16 (loss scaling) not under mesh)
         (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "ep", "--frameworks", "jax"],
-         "ep: --precision mixed is built in jax for dp, fsdp, tp, pp, cp only; use --precision pure for ep"),
+         "ep: --precision mixed is built in jax for dp, fsdp, tp, pp, cp, mesh only; use --precision pure for ep"),
         (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "ep"], "ep: --precision mixed is built"),
-        (["--precision", "mixed", "--dtype", "bfloat16", "--mesh", "dp=2,tp=2"], "mesh: --precision mixed is built"),
+        (["--precision", "mixed", "--dtype", "float16", "--mesh", "dp=2,tp=2"],
+         "mesh: --precision mixed --dtype float16 is built"),
         (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "dp", "--checkpoint-dir", "/tmp"],
          "--checkpoint-dir: --precision mixed is not built for checkpoints; use --precision pure"),
         (["checkpoint", "--precision", "mixed", "--dtype", "bfloat16"], "checkpoint: --precision mixed is not built"),
@@ -62,7 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
         # N-D layouts (the mesh pattern): refused before any rank starts
         (["--mesh", "dp=2,tp=2", "--world-size", "8"], "mesh dp=2,tp=2: the axes multiply to 4, not the world size 8"),
         (["--mesh", "dp=2,ep=2"], "mesh: unknown axis 'ep'; choose from dp, fsdp, pp, cp, tp"),
-        (["--mesh", "dp=2,fsdp=2"], "mesh: dp and fsdp are both data axes"),
+        (["--mesh", "dp=2,fsdp=2", "--batch", "6"], "mesh dp=2,fsdp=2: batch=6 is not divisible by dp·fsdp=4"),
         (["--mesh", "dp=2,tp=2", "--heads", "3", "--dim", "12"], "mesh dp=2,tp=2: heads=3 is not divisible by tp=2"),
         (["--mesh", "dp=2,pp=4", "--layers", "6"], "mesh dp=2,pp=4: layers=6 is not divisible by pp=4"),
         (["--mesh", "dp=2,cp=4", "--seq", "10"], "mesh dp=2,cp=4: seq=10 is not divisible by cp=4"),

@@ -176,8 +176,7 @@ def test_refusals(monkeypatch):
     model = llama.from_numpy(weights(LlamaShape(), 0))
     make = lambda layout, **kw: compose(model, layout, ex.cross_entropy, ex.adamw(),
                                         **({"plan": llama.PLAN, "split": llama.SPLIT} | kw))
-    cases = [({"pp": 2, "tp": 2}, {"style": "jit"}, "under jit is refused"),
-             ({"tp": 2}, {"style": "typed"}, "'typed' is refused"),
+    cases = [({"tp": 2}, {"style": "typed"}, "'typed' is refused"),
              ({"tp": 4}, {}, "heads, not divisible by tp=4"),  # kv_heads = 2
              ({"pp": 3}, {}, "do not split evenly over pp=3"),
              ({"sp": 2}, {}, "unknown axes"),

@@ -43,12 +43,26 @@ CASES_4 = [({"fsdp": 2, "tp": 2}, "builtin"), ({"fsdp": 2, "tp": 2}, "explicit")
            ({"fsdp": 2, "pp": 2}, "builtin", {"schedule": "1f1b", "microbatches": 4}),  # FSDP2, B0 before F2
            # clipped by the global norm (binding: the gradients' norms are ~1): shards over fsdp and tp, stages
            ({"fsdp": 2, "tp": 2}, "explicit", {"max_norm": CLIP}),
-           ({"fsdp": 2, "pp": 2}, "builtin", {"max_norm": CLIP})]
+           ({"fsdp": 2, "pp": 2}, "builtin", {"max_norm": CLIP}),
+           # transformers' Qwen2 (q/k/v biases, GQA) with its own tp plan and a vocabulary tp does not divide
+           ({"fsdp": 2, "tp": 2}, "explicit", {"family": "qwen2", "vocab": 97, "plan": "auto"}),
+           # HSDP: replicate over dp × shard over fsdp (FSDP2's 2-D mesh; the wrapper + one dp all-reduce)
+           ({"dp": 2, "fsdp": 2}, "builtin"), ({"dp": 2, "fsdp": 2}, "explicit")]
+# torch's clip_grad_norm_ inside the optimizer's step (a pre-hook): refused, plain pieces and FSDP2's DTensors
+REFUSED_4 = [({"fsdp": 2, "tp": 2}, "explicit", {"clip_in_optimizer": True}),
+             ({"fsdp": 2, "pp": 2}, "builtin", {"clip_in_optimizer": True})]
 CASES_8 = [({"fsdp": 2, "tp": 2, "pp": 2}, "builtin"), ({"dp": 2, "tp": 2, "cp": 2}, "builtin"),
            ({"fsdp": 2, "tp": 2, "pp": 2}, "explicit"), ({"dp": 2, "tp": 2, "cp": 2}, "explicit"),
            ({"fsdp": 2, "tp": 2, "pp": 2}, "builtin", {"max_norm": CLIP}),
            ({"fsdp": 2, "tp": 2, "pp": 2}, "explicit", {"max_norm": CLIP}),
-           ({"dp": 2, "tp": 2, "cp": 2}, "explicit", {"max_norm": CLIP})]
+           ({"dp": 2, "tp": 2, "cp": 2}, "explicit", {"max_norm": CLIP}),
+           # transformers' Qwen2 (biased q/k/v) with plan="auto": V = 97 explicit (padded), 96 builtin; HSDP × tp
+           ({"fsdp": 2, "tp": 2, "pp": 2}, "builtin", {"family": "qwen2", "vocab": 96, "plan": "auto"}),
+           ({"fsdp": 2, "tp": 2, "pp": 2}, "explicit", {"family": "qwen2", "vocab": 97, "plan": "auto"}),
+           ({"dp": 2, "tp": 2, "cp": 2}, "builtin", {"family": "qwen2", "vocab": 96, "plan": "auto"}),
+           ({"dp": 2, "tp": 2, "cp": 2}, "explicit", {"family": "qwen2", "vocab": 97, "plan": "auto"}),
+           ({"dp": 2, "fsdp": 2, "tp": 2}, "explicit", {"family": "qwen2", "vocab": 97, "plan": "auto",
+                                                      "max_norm": CLIP})]
 
 
 def name(case) -> str:
@@ -59,7 +73,15 @@ def name(case) -> str:
 
 @pytest.fixture(scope="module")
 def four():
-    return dict(zip(map(name, CASES_4), compose_torch.run(CASES_4), strict=True))
+    return dict(zip(map(name, CASES_4 + REFUSED_4), compose_torch.run(CASES_4 + REFUSED_4), strict=True))
+
+
+@pytest.mark.parametrize("case", [name(c) for c in REFUSED_4])
+def test_a_clip_inside_the_optimizer_is_refused(four, case):
+    """Each rank would clip its pieces (a tp / fsdp shard, a stage) by their own norm: LocalClipError at the
+    first step, naming train_step's max_norm= (every rank raised it: compare_torch reports the message)."""
+    message = four[case]["refused"]
+    assert message.startswith("compose: a gradient") and "LOCAL norm" in message and "max_norm=" in message, message
 
 
 def assert_theory_is_the_ledger(r):
@@ -111,7 +133,8 @@ def test_two_axis_layouts_train_like_one_process(four, case, measured):
 @pytest.mark.slow
 def test_issue_layouts_on_8_ranks_train_like_one_process(measured):
     """fsdp × tp × pp (FSDP2 over DTensor TP in pipeline stages) and dp × tp × cp (the cp seam's ring
-    over tp-local heads, one gradient all-reduce over dp × cp), builtin and explicit, in one launch."""
+    over tp-local heads, one gradient all-reduce over dp × cp), builtin and explicit, in one launch; the
+    Llama and transformers' Qwen2 (its own tp plan; V = 97 under explicit), every state dict loaded back."""
     for r in compose_torch.run(CASES_8):
         assert_exact(r, measured)
         assert_theory_is_the_ledger(r)
@@ -121,7 +144,6 @@ def test_issue_layouts_on_8_ranks_train_like_one_process(measured):
 
 
 @pytest.mark.parametrize("layout, style, match", [
-    ({"dp": 2, "fsdp": 2}, "builtin", "HSDP"),
     ({"data": 2}, "builtin", "unknown mesh axes"),
     ({"tp": 2}, "typed", "unknown style"),
 ])

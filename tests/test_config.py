@@ -86,9 +86,9 @@ def test_frozen():
         Config().dim = 8  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("pattern", ["ep", "mesh"])
+@pytest.mark.parametrize("pattern", ["ep"])
 def test_mixed_precision_is_refused_where_not_built(pattern):
-    """Per framework (shared.config.MIXED_PATTERNS): both build dp, fsdp, tp, pp, cp; ep and the mesh
+    """Per framework (shared.config.MIXED_PATTERNS): both build dp, fsdp, tp, pp, cp and the mesh; ep
     neither (one line, naming the framework when the check has one)."""
     cfg = Config(model="transformer", world_size=2, heads=2, dim=8, seq=4, vocab=8, batch=4, layers=2,
                  dtype="bfloat16", precision="mixed")
@@ -98,7 +98,7 @@ def test_mixed_precision_is_refused_where_not_built(pattern):
     for fw in (None, "torch", "jax"):
         where = f" in {fw}" if fw else ""
         with pytest.raises(ValueError, match=f"{pattern}: --precision mixed is built{where} for dp, fsdp, tp, pp, "
-                                             f"cp only; use --precision pure for {pattern}"):
+                                             f"cp, mesh only; use --precision pure for {pattern}"):
             odd.check(pattern, fw)
 
 

@@ -12,12 +12,12 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_example(name: str) -> str:
+def run_example(name: str, *args: str) -> str:
     # the script asks for its own devices; the suite's compile-time flags (tests/conftest.py) stay
     flags = [w for w in os.environ.get("XLA_FLAGS", "").split() if not w.startswith("--xla_force_host_platform")]
     env = {**os.environ, "XLA_FLAGS": " ".join(flags)}
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name)], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=ROOT)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), *args], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -37,3 +37,22 @@ def test_own_model_torch_example(measured):
     patterns = {line.split()[0] for line in out.splitlines()[1:-1]}
     assert patterns == {"ddp", "zero1", "zero2", "fsdp", "tp", "pp", "cp"}, out
     measured(last)
+
+
+# docs/compose.md's examples per model family (the Llama's: tests/test_compose_torch.py / _jax.py)
+@pytest.mark.slow  # 4 gloo ranks importing transformers: ~60 s on 2 cores
+def test_compose_qwen2_example(measured):
+    """transformers' Qwen2 (biased q/k/v), its own tp plan (plan="auto"), V = 97 under explicit fsdp × tp:
+    exit 0 (every loss and parameter within 1e-12 of one process; the state dict loaded back strict)."""
+    out = run_example("compose_torch.py", "--family", "qwen2", "--vocab", "97", "--plan", "auto", "--layout",
+                      "fsdp=2,tp=2", "--style", "explicit")
+    assert "theory per axis == ledger on every rank (axes derived): True" in out, out
+    measured(out.rstrip().splitlines()[-1])
+
+
+@pytest.mark.slow  # 8 simulated devices, two compiles: ~60 s on 2 cores
+def test_compose_gpt2_example(measured):
+    """The GPT-2-style NNX model (biases, tied head, V = 97) under fsdp × tp × pp: exit 0 (1e-12)."""
+    out = run_example("compose_jax.py", "--family", "gpt2", "--layout", "fsdp=2,tp=2,pp=2")
+    assert "theory per axis == ledger (one SPMD program): True" in out, out
+    measured(out.rstrip().splitlines()[-1])

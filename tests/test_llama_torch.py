@@ -135,7 +135,8 @@ def data_parallel(ctx, ref, tied=False):
     model = llama(tied)
     fsdp = FSDP(model)
     losses, _ = train(loss_of(fsdp), fsdp.parameters(), fsdp.finish_gradient_synchronization, ctx.ledger)
-    out["fsdp"] = errs(losses, fsdp.full_state_dict()) | {
+    whole = fsdp.full_state_dict()  # a tied weight under both names (load_state_dict's); the numbers by ref's
+    out["fsdp"] = errs(losses, {k: whole[k] for k in ref["params"]}) | {
         "ledger": ctx.ledger.summary(), "theory": fsdp.comm_theory(), "state": fsdp.state_theory(),
         "measured": {"params": sum(p.numel() * 8 for p in fsdp.parameters())}}
     return out

@@ -31,7 +31,7 @@ from torch_impl.launch import launch
 
 TORCH_LAYOUTS = {
     4: ("dp=2,tp=2", "fsdp=2,tp=2", "dp=2,pp=2", "tp=2,pp=2", "dp=2,cp=2", "cp=2,tp=2"),
-    8: ("dp=2,tp=2,pp=2", "fsdp=2,tp=2,pp=2", "dp=2,pp=2,cp=2"),
+    8: ("dp=2,tp=2,pp=2", "fsdp=2,tp=2,pp=2", "dp=2,pp=2,cp=2", "dp=2,fsdp=2,tp=2"),  # the last: HSDP
 }
 FLOAT32_LAYOUT = "fsdp=2,tp=2"  # both styles; tp + fsdp: the most collectives of the 2-D layouts
 

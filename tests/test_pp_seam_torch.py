@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from torch_impl.launch import launch
 from torch_impl.parallel import pp
+from torch_impl.parallel.recipe import LocalClipError
 
 TOL = 1e-12  # float64: see the module docstring
 DT = torch.float64
@@ -119,6 +120,41 @@ def rank_checks(ctx):
             "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
             "param_err": max(float((p - want[k]).detach().abs().max()) for k, p in got.items()),
             "names": sorted(got), "ledger": ctx.ledger.summary(), "theory": trainer.comm_theory()}
+        out[schedule]["local_clip"] = local_clips(ctx, schedule, x, y)
+    return out
+
+
+class ClippingSGD(torch.optim.SGD):
+    """A training loop's optimizer that clips in its own step (torch's clip over what it holds: a stage)."""
+
+    def step(self, closure=None):
+        torch.nn.utils.clip_grad_norm_([p for g in self.param_groups for p in g["params"]], 0.05)
+        return super().step(closure)
+
+
+def local_clips(ctx, schedule, x, y):
+    """torch's clip_grad_norm_ in the user's optimizer (a step pre-hook; a subclass's step): each stage would
+    clip by its own norm. Refused at the first step, the update undone: {how: (message, params unchanged)}."""
+    out = {}
+
+    def hooked(ps):
+        opt = adamw(ps)
+
+        def clip(optimizer, args, kwargs):
+            torch.nn.utils.clip_grad_norm_(ps, 0.05)
+
+        opt.register_step_pre_hook(clip)
+        return opt
+
+    for how, make in (("pre-hook", hooked), ("subclass", lambda ps: ClippingSGD(ps, lr=0.1))):
+        trainer = pp.pipeline(made(), STAGES, ce, make, ctx.group, microbatches=M, schedule=schedule)
+        before = {k: p.detach().clone() for k, p in trainer.named_parameters().items()}
+        try:
+            trainer.train_step(x, y)
+            message = ""
+        except LocalClipError as e:
+            message = str(e)
+        out[how] = (message, all(torch.equal(p, before[k]) for k, p in trainer.named_parameters().items()))
     return out
 
 
@@ -135,6 +171,16 @@ def test_pipeline_trains_a_foreign_chain_like_one_process(result, schedule, meas
     assert loss_err <= TOL and param_err <= TOL, (loss_err, param_err)
     assert sorted(result[0][schedule]["names"] + result[1][schedule]["names"]) == sorted(
         k for k, _ in made().named_parameters())  # every parameter trained, on exactly one rank
+
+
+@pytest.mark.parametrize("schedule", list(pp.SCHEDULES))
+def test_a_clip_inside_the_optimizer_is_refused(result, schedule):
+    """torch's clip_grad_norm_ in the optimizer's step (a pre-hook; a subclass) clips each stage by its own
+    norm (the issue measured 6.6e-4 off): LocalClipError on every rank at the first step, nothing updated."""
+    for r in result:
+        for how, (message, unchanged) in r[schedule]["local_clip"].items():
+            assert "pp.pipeline" in message and "max_norm=" in message and "LOCAL norm" in message, (how, message)
+            assert unchanged, how
 
 
 @pytest.mark.parametrize("schedule", list(pp.SCHEDULES))

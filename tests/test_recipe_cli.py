@@ -102,7 +102,9 @@ def test_recipe_jax_dp_fsdp_tp(tmp_path, capsys):
     (["--recipe", "llama", "--patterns", "ep", "--model", "transformer", "--experts", "2"], "ep: the recipe flags"),
     (["--accumulate", "3", "--patterns", "tp", "--model", "transformer", "--batch", "8"], "tp (transformer): batch=8"),
     (["--accumulate", "3", "--patterns", "cp", "--model", "transformer", "--batch", "8"], "cp (transformer): batch=8"),
-    (["--clip", "1", "--patterns", "pp", "--model", "mlp"], "pp: the recipe flags"),
+    (["--clip", "1", "--patterns", "ep", "--model", "transformer", "--experts", "2"], "ep: the recipe flags"),
+    (["--accumulate", "3", "--patterns", "pp", "--model", "mlp", "--batch", "16", "--microbatches", "2"],
+     "pp: batch=16 is not divisible by pipeline_parts=6"),
     (["--freeze", "nothing.*", "--patterns", "dp", "--model", "mlp"], "freeze: 'nothing.*' matches no parameter"),
     (["--freeze", "layers.*", "--patterns", "dp", "--model", "mlp"], "freezes every parameter"),
     (["--accumulate", "3", "--patterns", "dp", "--model", "mlp", "--batch", "32"],  # given: kept (default: 36)
@@ -151,3 +153,55 @@ def test_recipe_sweep_both_models_frozen(tmp_path):
                 assert r["comm_bytes_theory"] is None, r
             elif r["style"] == "explicit":
                 assert r["comm_bytes"] == r["comm_bytes_theory"], r
+
+
+def test_mesh_recipe_config_and_theory():
+    """The recipe under --mesh (issue 48): --accumulate K is K·M micro-batches (K parts without pp), --clip one
+    world all-reduce of one scalar, --precision mixed with the recipe built for the mesh only, float16 refused."""
+    from shared.theory import mesh_comm_torch
+
+    cfg = Config(world_size=4, model="transformer", layers=2, dim=16, heads=4, seq=8, vocab=16, batch=16,
+                 microbatches=2, mesh=(("tp", 2), ("pp", 2)), accumulate=2, clip=1.0)
+    assert cfg.pipeline_microbatches == 4 and cfg.check("mesh") is cfg
+    assert cfg.replace(mesh=(("dp", 2), ("tp", 2))).pipeline_microbatches == 2  # no pp: the K parts
+    plain = mesh_comm_torch(cfg.replace(clip=None), "explicit", 0)
+    assert mesh_comm_torch(cfg, "explicit", 0)["world"] == {"all_reduce": (1, 8)} and "world" not in plain
+    mixed = cfg.replace(dtype="bfloat16", precision="mixed")
+    assert mixed.check("mesh", "torch") is mixed and mixed.check("mesh", "jax") is mixed
+    with pytest.raises(ValueError, match="dp: the recipe flags .* with --precision mixed are built for mesh, pp only"):
+        mixed.replace(world_size=2, mesh=()).check("dp")
+    with pytest.raises(ValueError, match=r"mesh: --precision mixed --dtype float16 is built"):
+        mixed.replace(dtype="float16").check("mesh")
+
+
+@pytest.mark.slow  # 4 gloo ranks and 4 simulated devices, tp × pp: ~2-4 min on 2 cores
+def test_mesh_recipe_mixed_both_frameworks(tmp_path):
+    """--mesh tp=2,pp=2 with every recipe flag and bf16 mixed precision: every style (typed refuses) within
+    its measured floor, both frameworks; per-axis ledger = theory where a formula exists (torch: --freeze
+    has none; JAX: --clip and mixed have none)."""
+    out = tmp_path / "mesh.json"
+    argv = ["--model", "transformer", "--mesh", "tp=2,pp=2", "--layers", "2", "--dim", "16", "--heads", "4",
+            "--seq", "8", "--vocab", "16", "--batch", "16", "--microbatches", "2", "--steps", "3", "--clip", "1.0",
+            "--accumulate", "2", "--precision", "mixed", "--dtype", "bfloat16", "--schedule", "warmup-cosine",
+            "--decay-mask", "--freeze", "wpe.*", "--quiet", "--json", str(out)]
+    assert compare.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert {(r["framework"], r["style"]) for r in data["runs"]} == {
+        ("torch", "explicit"), ("torch", "builtin"), ("jax", "shard_map"), ("jax", "jit")}
+    assert all(r["ok"] for r in data["runs"]) and all(x["ok"] for x in data["cross_framework"])
+
+
+@pytest.mark.slow  # 2 gloo ranks / 2 simulated devices, every pp variant of both frameworks: ~3-7 min on 2 cores
+def test_pp_recipe_both_frameworks(tmp_path):
+    """--patterns pp with every recipe flag (issue 48): accumulation as K·M micro-batches of one schedule, the
+    stages' global clip (binding), frozen wpe, the decay mask on the stacked tree; float64: every variant of
+    both frameworks within the default tolerance of the same recipe on one device, and across frameworks."""
+    out = tmp_path / "pp.json"
+    argv = ["--model", "transformer", "--patterns", "pp", "--world-size", "2", "--layers", "2", "--dim", "16",
+            "--heads", "4", "--seq", "8", "--vocab", "16", "--batch", "16", "--microbatches", "2", "--steps", "3",
+            "--clip", "0.05", "--accumulate", "2", "--schedule", "warmup-cosine", "--decay-mask", "--freeze", "wpe.*",
+            "--quiet", "--json", str(out)]
+    assert compare.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert len(data["runs"]) >= 10 and all(r["ok"] for r in data["runs"]), [r["variant"] for r in data["runs"]]
+    assert all(x["ok"] for x in data["cross_framework"])

@@ -55,20 +55,28 @@ from shared.theory import (
     mesh_micro,
     mesh_state_bytes_torch,
 )
-from torch_impl import pp
+from torch_impl import pp, recipe
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
+    TORCH_DTYPES,
     empty_model,
     inputs,
     load_fixture,
     loss_fn,
-    make_optimizer,
     targets,
     to_fixture,
     torch_dtype,
 )
-from torch_impl.parallel.compose_axes import apply_ddp, apply_fsdp, apply_pp, apply_tp, local_logits, stage_loss
+from torch_impl.parallel.compose_axes import (
+    apply_ddp,
+    apply_fsdp,
+    apply_pp,
+    apply_tp,
+    global_clip_,
+    local_logits,
+    stage_loss,
+)
 from torch_impl.parallel.cp import RingCore
 from torch_impl.parallel.fsdp import FSDP, average_flat
 from torch_impl.parallel.tp import unshard
@@ -103,7 +111,7 @@ def builtin_refusal(cfg: Config) -> str | None:
 def hsdp_dp(cfg: Config) -> bool:
     """builtin dp × tp: FSDP2 HSDP on a (dp, dp_shard = 1) mesh instead of DDP, whose first broadcast
     fails on DTensor weights ('aten.cat.default got mixed torch.Tensor and DTensor')."""
-    return cfg.axis("dp") > 1 and cfg.axis("tp") > 1
+    return cfg.axis("dp") > 1 and cfg.axis("tp") > 1 and cfg.replicate == 1
 
 
 def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
@@ -132,7 +140,8 @@ def make_layout(cfg: Config, ctx: RankContext, style: str = "explicit") -> Layou
     dm = init_device_mesh(ctx.device.type, [n for _, n in dims], mesh_dim_names=[a for a, _ in dims])
     groups = {a: dm[a].get_group() for a in names}
     labels = {g: a for a, g in groups.items()}
-    grad_axes = [a for a in names if a in ("dp", "fsdp", "cp") and cfg.axis(a) > 1]
+    data = ("fsdp",) if cfg.replicate > 1 else ("dp", "fsdp")  # HSDP: shard over fsdp(+cp), dp replicates
+    grad_axes = [a for a in names if a in data + ("cp",) and cfg.axis(a) > 1]
     grad_group = groups[grad_axes[0]] if len(grad_axes) == 1 else None
     if len(grad_axes) > 1:  # ranks that differ only in their data and cp coordinates: one group each
         others = [a for a in names if a not in grad_axes]
@@ -142,13 +151,14 @@ def make_layout(cfg: Config, ctx: RankContext, style: str = "explicit") -> Layou
         grad_group, _ = dist.new_subgroups_by_enumeration(enumeration)  # every rank, the same list
         labels[grad_group] = mesh_grad_axes(cfg)
     if grad_group is not None:
-        assert dist.get_world_size(grad_group) == cfg.data_size * cfg.axis("cp"), dist.get_world_size(grad_group)
+        want = cfg.data_size // cfg.replicate * cfg.axis("cp")
+        assert dist.get_world_size(grad_group) == want, dist.get_world_size(grad_group)
     return Layout(dm, mesh_coords(cfg, ctx.rank), groups, grad_group, labels)
 
 
 def local_batch(cfg: Config, problem: Problem, lay: Layout, device):
     """(tokens, targets) (B/d, T/c) of this rank's data and cp coordinates, and positions (T/c,)."""
-    rows, i, j = cfg.batch // cfg.data_size, lay.coords.get(cfg.data_axis, 0), lay.coords.get("cp", 0)
+    rows, i, j = cfg.batch // cfg.data_size, cfg.data_index(lay.coords), lay.coords.get("cp", 0)
     pos = torch.tensor(cp_positions(cfg.seq, cfg.axis("cp"), j, "ring"), device=device)  # (T/c,) global
     x, y = inputs(cfg, problem, device), targets(cfg, problem, device)  # (B, T) each
     x, y = x[i * rows:(i + 1) * rows][:, pos], y[i * rows:(i + 1) * rows][:, pos]  # (B/d, T/c)
@@ -170,17 +180,23 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
     x, y, pos = local_batch(cfg, problem, lay, ctx.device)
     assert x.shape == y.shape == (M * m, tc), (x.shape, (M * m, tc))
     stage = build_stage(cfg, problem, s, ctx.device)
+    recipe.freeze_(stage, cfg)  # --freeze: before every wrapper (fixture names)
     styles = apply_tp(stage, TRANSFORMER_PLAN, lay.dm["tp"], "explicit") if t > 1 else {}  # this stage's modules
+    held = lambda: {(id(o), a): p for o in stage.modules() for a, p in o._parameters.items() if p is not None}
+    tp_held = {k for k, p in held().items() if hasattr(p, "tp_size")}  # split over tp (FSDP shards them next)
     loss_of = stage_loss(loss_fn, styles, lay.dm["tp"] if t > 1 else None, "explicit")  # vocab CE on (m, T/c, V/t)
     if c > 1:
         core = RingCore(cfg.seq, "ring", lay.groups["cp"])
         for block in stage.blocks.values():
             block.attn.core = core  # q, k, v: (m, H/t, T/c, dh)
-    fsdp = FSDP(stage, group=lay.grad_group) if cfg.data_axis == "fsdp" and lay.grad_group else None
+    low = TORCH_DTYPES[cfg.dtype] if cfg.precision == "mixed" else None  # mixed: shards cast before the gather
+    fsdp = FSDP(stage, group=lay.grad_group, compute_dtype=low) if cfg.data_axis == "fsdp" and lay.grad_group else None
     net = fsdp or stage
     named = list(stage.named_parameters())  # after FSDP: shards (≥2-D) + replicated gains
     params = [p for _, p in named]
-    opt = make_optimizer(params, cfg)
+    opt = recipe.optimizer(named, cfg)  # --decay-mask: the matrices' shards (≥ 2-D) decay, the gains not
+    tp_split = {id(p) for k, p in held().items() if k in tp_held}
+    clip = lambda max_norm: global_clip_(params, max_norm, S, tp_split, t, fsdp)  # noqa: E731  (one scalar)
     pipe = pp.Pipe(s, S, lay.groups.get("pp"))
     run = functools.partial(net, positions=pos)  # stage 0 embeds at the global positions
     last_step: dict = {}
@@ -192,8 +208,10 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
             act_shape=(m, tc, cfg.dim), loss_of=loss_of)
         if fsdp is not None:
             fsdp.finish_gradient_synchronization()  # M reduce-scatters per unit waited, summed; gains averaged
+            if cfg.replicate > 1:  # HSDP: the shards and gains averaged over the dp replicas, one all-reduce
+                average_flat([p.grad for p in params if p.grad is not None], lay.groups["dp"])
         elif lay.grad_group is not None:
-            average_flat([p.grad for p in params], lay.grad_group)  # ONE all-reduce over data + cp
+            average_flat([p.grad for p in params if p.grad is not None], lay.grad_group)  # ONE all-reduce: data+cp
         # mean over the world = the global loss: last-stage ranks hold their local mean, scaled by
         # S (only 1/S of the ranks hold one); the tp copies are equal
         return loss * S if s == S - 1 else torch.zeros_like(loss)
@@ -202,7 +220,8 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
         tensor = fsdp.full_tensor(name, tensor) if fsdp is not None else tensor.detach()  # tp-local
         return unshard(tensor, styles[name], lay.groups["tp"]) if name in styles else tensor
 
-    return Setup(forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for p in params],
+    return Setup(forward_backward=forward_backward, update=recipe.stepper(opt, cfg, clip),
+                 grads=lambda: [p.grad for p in params],
                  fixture=stage_fixture(cfg, lay, stage, named, full), params=params, optimizer=opt,
                  loss_reduction="mean", group=None,
                  extra={"last_step": last_step})
@@ -237,11 +256,13 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     ctx.ledger.label_groups(_LABELS)
     try:
         setup = explicit_setup(cfg, problem, ctx, lay) if style == "explicit" else builtin_setup(cfg, problem, ctx, lay)
-        setup.comm_theory = mesh_comm_bytes_torch(cfg, style, ctx.rank)
+        # --freeze: the frozen parameters skip their reductions and AdamW state: measured, no formula here
+        known = not cfg.freeze
+        setup.comm_theory = mesh_comm_bytes_torch(cfg, style, ctx.rank) if known else None
         theory = {label: {op: {"count": n, "bytes": b} for op, (n, b) in ops.items()}
-                  for label, ops in mesh_comm_torch(cfg, style, ctx.rank).items()}
+                  for label, ops in mesh_comm_torch(cfg, style, ctx.rank).items()} if known else None
         setup.extra.update(comm_by_axis_theory=theory,
-                           state_bytes_theory=mesh_state_bytes_torch(cfg, style, ctx.rank))
+                           state_bytes_theory=mesh_state_bytes_torch(cfg, style, ctx.rank) if known else None)
         last_step, schedule = setup.extra.pop("last_step", {}), setup.extra.pop("schedule", None)
         trained = train_loop(cfg, ctx, setup)
     finally:
@@ -269,21 +290,32 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
     M, m, tc = mesh_micro(cfg)
     x, y, _ = local_batch(cfg, problem, lay, ctx.device)  # (B/d, T): no cp here
     stage = build_stage(cfg, problem, s, ctx.device)
+    recipe.freeze_(stage, cfg)  # --freeze: before every wrapper (fixture names)
     styles, parallel_loss, tp_mesh = {}, contextlib.nullcontext, dm["tp"] if t > 1 else None
     if t > 1:
         styles = apply_tp(stage, TRANSFORMER_PLAN, tp_mesh, "builtin")  # W_qkv rows permuted (heads_perm)
         parallel_loss = loss_parallel  # CE over the Shard(-1) logits: 3 all-reduces of (m, T)
         if S > 1 and s == S - 1:  # the pipeline passes plain tensors: local logits out, DTensor again in the loss
             local_logits(stage.head)  # (m, T, V/t)
-    if cfg.data_axis == "fsdp" and cfg.data_size > 1:
+    quiet = lambda last: contextlib.nullcontext()  # noqa: E731  (accumulation without pp: the reduction once)
+    if cfg.replicate > 1:  # HSDP: FSDP2 on the 2-D (dp, fsdp) mesh (builtin has no cp)
+        apply_fsdp(stage, dm["dp", "fsdp"], UNITS)
+    elif cfg.data_axis == "fsdp" and cfg.data_size > 1:
         apply_fsdp(stage, dm["fsdp"], UNITS)  # root: this stage's embeddings / final norm + head
     elif hsdp_dp(cfg):  # HSDP: replicated over dp, "sharded" over dp_shard = 1 (DDP fails on DTensors)
         apply_fsdp(stage, dm["dp", "dp_shard"], UNITS)
     elif cfg.data_axis == "dp" and cfg.data_size > 1:
         stage = apply_ddp(stage, lay.groups["dp"])  # plain tensors (tp = 1)
+        quiet = lambda last: contextlib.nullcontext() if last else stage.no_sync()  # noqa: E731
+    if hasattr(stage, "set_requires_gradient_sync"):  # FSDP2: as the pipeline does, reduce once, keep unsharded
+        def quiet(last):
+            stage.set_requires_gradient_sync(last)
+            stage.set_reshard_after_backward(last)
+            return contextlib.nullcontext()
     named = list(stage.named_parameters())
     params = [p for _, p in named]
-    opt = make_optimizer(params, cfg)
+    opt = recipe.optimizer(named, cfg)  # --decay-mask: DTensors report the global shape
+    clip = lambda max_norm: global_clip_(params, max_norm, S, set(), t)  # noqa: E731  (DTensor placements)
     loss_of = stage_loss(loss_fn, styles, tp_mesh, "builtin")  # the micro-batch's mean CE, a local scalar
 
     schedule = None
@@ -297,9 +329,14 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
     def forward_backward() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
         with parallel_loss():
-            if schedule is None:
-                loss = loss_of(stage(x), y)
-                loss.backward()
+            if schedule is None:  # M = --accumulate parts (1 without it), each loss / M
+                loss = 0
+                for k, (xs, ys) in enumerate(zip(x.chunk(M), y.chunk(M))):
+                    with quiet(k == M - 1):
+                        part = loss_of(stage(xs), ys) / M
+                        part.backward()
+                    torch.clear_autocast_cache()  # FSDP2 re-gathers into the same tensors: no stale bf16 cast
+                    loss = loss + part.detach()
             elif s == S - 1:
                 losses = []  # M micro-batch means
                 schedule.step(*(() if s else (x,)), target=y, losses=losses)
@@ -315,7 +352,8 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
             return tensor
         return tensor[torch.argsort(heads_perm(tensor.shape[0], t, tensor.device))]
 
-    return Setup(forward_backward=forward_backward, update=opt.step, grads=lambda: [p.grad for p in params],
+    return Setup(forward_backward=forward_backward, update=recipe.stepper(opt, cfg, clip),
+                 grads=lambda: [p.grad for p in params],
                  fixture=stage_fixture(cfg, lay, stage, named, full), params=params, optimizer=opt,
                  loss_reduction="mean", group=None,
                  extra={"schedule": schedule})

@@ -57,11 +57,11 @@ from torch_impl.model import (
     inputs,
     load_fixture,
     loss_fn,
-    make_optimizer,
     targets,
     to_fixture,
     torch_dtype,
 )
+from torch_impl.parallel import recipe as parallel_recipe
 from torch_impl.pp_schedules import StepClock, interleaved_step
 
 VARIANTS = (("explicit", "gpipe"), ("explicit", "1f1b"), ("explicit", "interleaved"), ("explicit", "zb"),
@@ -289,12 +289,18 @@ def bubble_stats(timeline: list[dict], stages: int) -> dict:
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankContext) -> Trained:
     cfg.check("pp", "torch")
+    recipe_cfg, cfg = cfg, cfg.pipelined()  # --accumulate K: the schedule runs K·M micro-batches (the same mean)
     S, s, M = ctx.world_size, ctx.rank, cfg.microbatches
     assert cfg.world_size == S, (cfg.world_size, S)
     v = cfg.virtual_stages if variant == "interleaved" else 1  # chunk c = virtual stage c·S + s
     chunks = [build_stage(cfg, problem, c * S + s, ctx.device, S * v) for c in range(v)]
+    for chunk in chunks:
+        recipe.freeze_(chunk, recipe_cfg)  # --freeze: fixture names, before the schedule holds the stage
     named = [(c, name, p) for c, chunk in enumerate(chunks) for name, p in chunk.named_parameters()]
-    opt = make_optimizer([p for *_, p in named], cfg)
+    opt = recipe.optimizer([(name, p) for _, name, p in named], recipe_cfg)  # --decay-mask: param groups
+    trainable = [p for *_, p in named if p.requires_grad]
+    clip = lambda max_norm: parallel_recipe.clip_([p.grad for p in trainable], [], max_norm, ctx.group,  # noqa: E731
+                                                  torch_dtype(cfg))  # the stages' squares: one scalar all-reduce
     x, y = inputs(cfg, problem, ctx.device), targets(cfg, problem, ctx.device)  # (B, D) / (B, T), (B, T)
     # float16: the last stage's loss scaled (the whole batch's mean: no share), the skip agreed over the stages
     scaler = recipe.loss_scaler(cfg, ctx.group)
@@ -326,9 +332,10 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
 
     setup = Setup(
         forward_backward=forward_backward, grads=lambda: [p.grad for *_, p in named],
-        update=opt.step if scaler is None else recipe.stepper(opt, cfg, scaler=scaler),  # float16: unscale, skip
+        update=recipe.stepper(opt, recipe_cfg, clip, scaler=scaler),  # clip, schedule; float16: unscale, skip
         fixture=fixture, params=[p for *_, p in named], optimizer=opt,
-        comm_theory=pp_p2p_bytes_per_rank(cfg, s, v) + recipe.scaler_bytes(cfg), loss_reduction=f"src:{S - 1}",
+        comm_theory=pp_p2p_bytes_per_rank(cfg, s, v) + recipe.scaler_bytes(cfg) + recipe.clip_bytes(recipe_cfg),
+        loss_reduction=f"src:{S - 1}",
         before_step=dist.barrier,  # a common start for every stage's timeline
         scaler=scaler,
     )
@@ -341,9 +348,11 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     trained.extra.update({
         "losses_per_rank": [e["losses"] for e in every],
         "comm_per_rank": [e["comm"] for e in every],
-        "comm_theory_per_rank": [pp_p2p_bytes_per_rank(cfg, r, v) + recipe.scaler_bytes(cfg) for r in range(S)],
+        "comm_theory_per_rank": [pp_p2p_bytes_per_rank(cfg, r, v) + recipe.scaler_bytes(cfg) +
+                                 recipe.clip_bytes(recipe_cfg) for r in range(S)],
         "state_bytes_per_rank": [e["state"] for e in every],  # uneven: embeddings on 0, head on S−1
-        "state_bytes_theory_per_rank": [pp_state_bytes(pp_stage_param_count(cfg, r), cfg) for r in range(S)],
+        "state_bytes_theory_per_rank": None if recipe_cfg.freeze else  # frozen: no AdamW state (measured)
+        [pp_state_bytes(pp_stage_param_count(cfg, r), cfg) for r in range(S)],
         "loss_broadcast_bytes": cfg.bytes_per_element,  # per step, outside the ledger
         # F = B = W; ZB-H1's closed form needs M ≥ S (below, the simulator's)
         "bubble_theory": simulate("zb", S, M).bubble if variant == "zb" and M < S else closed_form_bubble(

@@ -55,11 +55,12 @@ def train(cfg: Config, problem: Problem, device="cpu", split: int = 1, casts: st
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        if split > 1:  # the same step over the batch in `split` equal parts, gradients added (dense only)
+        if split > 1:  # the same step over the batch in `split` equal parts, gradients added (dense only);
+            n = split * cfg.accumulate  # --accumulate K: each of its K parts in `split` (else the same sums)
             loss = 0.0
-            for xs, ys in zip(x.chunk(split), [None] * split if y is None else y.chunk(split)):
+            for xs, ys in zip(x.chunk(n), [None] * n if y is None else y.chunk(n)):
                 with autocast(cfg, device):
-                    part = loss_fn(net(xs), ys) / split
+                    part = loss_fn(net(xs), ys) / n
                     recipe.backward(part, scaler)
                 loss = loss + part.detach()
         elif cfg.accumulate > 1:  # K micro-batches, loss / K each (the recipe's accumulation)

@@ -14,7 +14,8 @@ The mesh: axes in the layout's order, device id row-major (innermost last). Per 
                stages (torchtitan keeps FSDP unsharded across a step's micro-batches under PP); backward:
                the gather's transpose, one reduce-scatter per array.
     tp         Megatron over the plan's Linear modules inside the blocks: colwise (kernel (in, out/tp), f =
-               pcast to varying: psum in backward), rowwise (kernel (in/tp, out), g = psum after),
+               pcast to varying: psum in backward; a bias split with the columns), rowwise (kernel (in/tp,
+               out), g = psum after, then its bias once, as torch's RowwiseParallel),
                colwise_heads (a fused [q|k|v] kernel (D, 3·H·dh): shard_map holds its columns permuted,
                device r [q_r|k_r|v_r], parallel.tp.heads_perm; params() / to_paths() put them back).
                Head counts come from the weights, so q/k/v shards must be whole heads (checked).
@@ -42,13 +43,15 @@ once over the data / cp (/ pp) axes it is not split on, the embedding's output o
 pipeline's pp-varying state), and the losses' scalars (pp's psum, the data × cp mean). Derived where
 the unplanned modules read tp-replicated activations (a norm on a tp-split one adds tp psums) and the
 tx has no reductions of its own (global-norm clipping adds them). jit: the same arrays under NamedShardings, the
-plain forward (no pp: refused), XLA picks the collectives (comm_theory() is None, as the mesh runner has
+plain forward (pp: the stages at once under vmap, rolled one stage on per GPipe iteration:
+``_jit_pipeline_loss``), XLA picks the collectives (comm_theory() is None, as the mesh runner has
 no formula for jit with fsdp or cp). typed: refused (see ``refusal``). Papers: Narayanan et al. 2021
 (PTD-P, arXiv:2104.04473); torchtitan (Liang et al. 2024, arXiv:2410.06511).
 
 Refused before compiling (``ComposeError``, one line: what, which axes, fix): an unknown axis or style,
-pp under jit or typed, sizes that do not divide (rows, sequence, layers, heads, features, dim 0 under
-fsdp), plan keys outside the blocks or on non-Linear modules, rowwise biases, a split whose chain is
+typed, sizes that do not divide (rows, sequence, layers, heads, features, dim 0 under
+fsdp), plan keys outside the blocks or on non-Linear modules, a rowwise bias on a Linear subclass with its
+own __call__, a split whose chain is
 not the model's forward, a model that never calls the cp seam (at the first trace).
 """
 
@@ -93,7 +96,7 @@ class Composed:
     """The composed trainer: ``train_step(tokens, targets)``, ``params()``, ``mesh``, ``specs``."""
 
     def __init__(self, model, layout, loss, tx, plan, split, units, style, microbatches, devices, cp_variant,
-                 clip=None):
+                 clip=None, freeze=()):
         why = refusal(layout, style)
         if why:
             raise ComposeError(why)
@@ -126,6 +129,7 @@ class Composed:
         self.block_parts = flat(mods[f"{split.blocks}.0"])
         self.parts = {p: flat(mods[p]) for p in split.first + split.last}
         params, self.specs = self._arrange(mods)
+        self.frozen = self._frozen(params, freeze)
         self._probe(tx, params)
         # placed from host copies: the step donates its params, which must not delete the model's own arrays
         # (device_put to a sharding over the array's own device reuses its buffer there, may_alias or not)
@@ -166,8 +170,9 @@ class Composed:
         if self.f > 1 and len(shape) >= 2 and self._unit(path):
             local = shape[0] // (self.tp if axes[0] == "tp" else 1)
             if local % self.f:
-                raise ComposeError(f"compose: {path} dim 0 = {local} (per tp shard) does not divide by fsdp={self.f}; "
-                                   "leave its module out of the units or change fsdp")
+                what = f"{local} per tp shard" if axes[0] == "tp" else f"{local} (tp does not split it)"
+                raise ComposeError(f"compose: {path} dim 0 = {what} does not divide by fsdp={self.f}; leave its "
+                                   "module out of the ZeRO units (units=[...]) or change fsdp")
             axes[0] = one(((axes[0],) if axes[0] else ()) + ("fsdp",))
         return axes
 
@@ -189,6 +194,21 @@ class Composed:
                  "blocks": {k: P(stage, None, *self._spec(f"{sp.blocks}.0.{k}", k, a.shape[2:]))
                             for k, a in blocks.items()}}
         return {"rest": rest, "blocks": blocks}, specs
+
+    def _frozen(self, params, globs) -> dict[str, set[str]]:
+        """{"rest" | "blocks": keys} of the Params ``globs`` freeze (their gradient stopped: zero, so AdamW with
+        them out of the decay mask leaves them unchanged, and clip= does not count them). A stacked block
+        leaf is all its layers: a glob freezing some layers of it and not the others is refused."""
+        out = {"rest": {k for k in params["rest"] if any(matches(k, g) for g in globs)}, "blocks": set()}
+        for k in params["blocks"]:
+            hits = [any(matches(f"{self.split.blocks}.{i}.{k}", g) for g in globs) for i in range(self.L)]
+            if any(hits) and not all(hits):
+                raise ComposeError(f"compose: freeze={list(globs)} freezes {sum(hits)} of the {self.L} layers' "
+                                   f"{self.split.blocks}.*.{k}; compose stacks the blocks' Params (S, L/S, …): "
+                                   "freeze that Param in every layer or in none")
+            if all(hits):
+                out["blocks"].add(k)
+        return out
 
     def _probe(self, tx, params):
         """optax sees {"rest": {path: array}, "blocks": {block path: (S, L/S, …)}}: refuse (recipe.check)
@@ -244,12 +264,17 @@ class Composed:
 
         h0 = sp.embed(self.root, parts, tokens, positions)  # (rows, T, D): stage 0's input
         if manual and self._trace is not None:  # one micro-batch's stream: comm_theory's A
-            self._trace["stream"] = (h0.shape if S == 1 else (rows // M,) + h0.shape[1:], h0.dtype.itemsize)
+            self._trace["stream"] = ((rows // M,) + h0.shape[1:], h0.dtype.itemsize)
         if manual and self.tp > 1 and self._trace is not None:  # f casts per block call: comm_theory
             self._trace["f"] = lambda: (len(f_cache), sum(x.shape[-1] for x, _ in f_cache.values()), len(block_calls))
-        if S == 1:
-            return self.loss(sp.head(self.root, parts, stage(h0)), targets)
         m = rows // M
+        if S == 1 and M > 1:  # accumulation: M row chunks, their mean losses averaged (one gradient of it)
+            if manual and self._trace is not None:
+                self._trace["stream"] = ((m,) + h0.shape[1:], h0.dtype.itemsize)
+            return sum(self.loss(sp.head(self.root, self._head_parts(parts), stage(h0[k * m:(k + 1) * m])),
+                                 targets[k * m:(k + 1) * m]) for k in range(M)) / M
+        if S == 1:
+            return self.loss(sp.head(self.root, self._head_parts(parts), stage(h0)), targets)
         h0 = h0.reshape((M, m) + h0.shape[1:])
         if manual and "pp" not in varying(h0):  # varying over pp once: its cotangent summed once
             h0 = lax.pcast(h0, "pp", to="varying")
@@ -259,9 +284,52 @@ class Composed:
             if t >= S - 1:
                 outs.append(out)
             state = lax.ppermute(out, "pp", [(s, s + 1) for s in range(S - 1)])
-        logits = sp.head(self.root, parts, jnp.concatenate(outs))
+        logits = sp.head(self.root, self._head_parts(parts), jnp.concatenate(outs))
         loss = self.loss(logits, targets)  # micro-batch k = rows [k·m, (k+1)·m)
         return lax.psum(jnp.where(idx == S - 1, loss, 0), "pp")
+
+    def _jit_pipeline_loss(self, params, tokens, targets, positions):
+        """jit with pp (global arrays): GPipe over the stacked blocks (S, L/S, …), every stage at once under
+        vmap (spmd_axis_name "pp"), the stream rolled one stage on per iteration (jax_impl/pp.py's jit
+        pipeline's circular shift), pinned to P("pp", data, cp); micro-batch k = global rows [k·m, (k+1)·m)
+        (the mean over equal micro-batches is the batch's). XLA places the collectives."""
+        sp, S, M = self.split, self.S, self.M
+        m = tokens.shape[0] // M
+        parts = {p: self._module(self.parts[p], {k[len(p) + 1:]: v for k, v in params["rest"].items()
+                                                 if k.startswith(p + ".")}) for p in sp.first + sp.last}
+
+        def stage(blocks, h):  # one stage's L/S layers on (m, T, D)
+            for l in range(next(iter(blocks.values())).shape[0]):
+                h = sp.block(self.root, self._module(self.block_parts, {k: a[l] for k, a in blocks.items()}), h,
+                             positions)
+            return h
+
+        every = jax.vmap(stage, spmd_axis_name="pp")
+        h0 = sp.embed(self.root, parts, tokens, positions)
+        h0 = h0.reshape((M, m) + h0.shape[1:])  # (M, m, T, D)
+        spec = P("pp", one(self.data), self.seq, *([None] * (h0.ndim - 3)))
+        pin = lambda a: lax.with_sharding_constraint(a, NamedSharding(self.mesh, spec))  # noqa: E731
+        first = (np.arange(S) == 0).reshape((S,) + (1,) * (h0.ndim - 1))
+        state, outs = jnp.zeros((S,) + h0.shape[1:], h0.dtype), []
+        for t in range(M + S - 1):  # stage s runs micro-batch t − s; bubbles compute on zeros, unused
+            y = every(params["blocks"], pin(jnp.where(first, h0[min(t, M - 1)][None], state)))  # (S, m, T, D)
+            if t >= S - 1:
+                outs.append(y[S - 1])
+            state = pin(jnp.roll(y, 1, axis=0))  # stage s's output is stage s+1's input
+        return self.loss(sp.head(self.root, self._head_parts(parts), jnp.concatenate(outs)), targets)
+
+    def _head_parts(self, parts: dict) -> dict:
+        """The modules the head gets (the first's too: a tied head reads the embedding), the first ones it
+        reads recorded for comm_theory (their gradient meets the last stage's pp-varying stream)."""
+        trace, first = self._trace, set(self.split.first)
+
+        class Reads(dict):
+            def __getitem__(self, key):
+                if trace is not None and key in first:
+                    trace.setdefault("tied", set()).add(key)
+                return super().__getitem__(key)
+
+        return Reads(parts)
 
     def _shard_map_loss(self):
         specs, data, seq = self.specs, one(self.data), self.seq
@@ -308,13 +376,18 @@ class Composed:
         self._trace["seam"].append((key.size, key.dtype.itemsize))
 
     def _step_fn(self, params, opt_state, tokens, targets, positions, grads: bool = False):
+        stop = lambda p: {part: {k: lax.stop_gradient(a) if k in self.frozen[part] else a  # noqa: E731
+                                 for k, a in arrays.items()} for part, arrays in p.items()}
         if self.style == "shard_map":
             losses = self._shard_map_loss()
-            value = lambda p: jnp.mean(losses(p, tokens, targets, positions))
+            value = lambda p: jnp.mean(losses(stop(p), tokens, targets, positions))
+        elif self.S > 1:
+            value = lambda p: self._jit_pipeline_loss(stop(p), tokens, targets, positions)
         else:
             unstack = lambda p: {"rest": p["rest"], "blocks": {k: a[0] for k, a in p["blocks"].items()}}  # S = 1
-            value = lambda p: self._forward_loss(unstack(p), tokens, targets, positions, False)
-        loss, g = jax.value_and_grad(value)(params)
+            value = lambda p: self._forward_loss(unstack(stop(p)), tokens, targets, positions, False)
+        loss, raw = jax.value_and_grad(value)(params)
+        g = raw
         if self.clip is not None:  # the global tree (global arrays): its norm is the whole model's
             g = recipe.scale_by_norm(g, recipe.sumsq(g), self.clip)
         updates, opt_state = self.tx.update(g, opt_state, params)
@@ -322,7 +395,7 @@ class Composed:
         new = jax.tree.map(lambda a, s: lax.with_sharding_constraint(a, NamedSharding(self.mesh, s)), new, self.specs)
         opt_state = jax.tree.map(lambda a, s: a if s is None else lax.with_sharding_constraint(a, s),  # as it came
                                  opt_state, self._opt_placed, is_leaf=lambda x: x is None)
-        return (new, opt_state, loss, g) if grads else (new, opt_state, loss)
+        return (new, opt_state, loss, raw) if grads else (new, opt_state, loss)  # the gradient before the clip
 
     # --- public --------------------------------------------------------------------------------------
 
@@ -390,7 +463,7 @@ class Composed:
     def program(self, tokens, targets, grads: bool = False) -> tuple:
         """(step, state, batch) for a training loop of your own: ``step(*state, *batch)`` -> (params,
         opt_state, loss[, grads]) jitted (the state donated, compile with ``compiler_options``), the
-        program train_step runs (``grads``: also the gradients, laid out like the params: ``to_paths``);
+        program train_step runs (``grads``: also the gradients before clip=, laid out like the params: ``to_paths``);
         state = (params, opt_state) as placed; batch = (tokens, targets, positions) placed. The checks of
         train_step's first call are made here."""
         step = self._step_grads if grads else self._step
@@ -411,7 +484,8 @@ class Composed:
         shape, b = self._trace["stream"]
         calls, widths = theory.tp_widths(self.rel_plan, self.block_parts[3], self._trace["f"]) if self.tp > 1 \
             else (0, 0)
-        placed = theory.placed(self.params_, self.specs, self.layout, self.split.first)
+        placed = theory.placed(self.params_, self.specs, self.layout, self.split.first,
+                               frozenset(self._trace.get("tied", ())), self.frozen)
         return theory.compose_comm(self.layout, placed, microbatches=self.M,
                                    tp_call=(calls, int(np.prod(shape[:-1])) * b * widths),
                                    stream=int(np.prod(shape)) * b, seam=self._trace["seam"],
@@ -448,12 +522,17 @@ class Composed:
 def compose(model: nnx.Module, layout: dict[str, int], loss: Callable, tx: optax.GradientTransformation, *,
             plan: dict[str, str] | None = None, split: Split, units=None, style: str = "shard_map",
             microbatches: int | None = None, devices=None, cp_variant: str = "ring",
-            clip: float | None = None) -> Composed:
+            clip: float | None = None, freeze=()) -> Composed:
     """Train ``model`` on one mesh of ``layout`` ({axis: size}, axes dp fsdp pp cp tp); ``loss(logits,
     targets)`` a mean over the tokens it gets; ``plan`` {module path glob: colwise | rowwise};
     ``split`` the model's stage split; ``units`` module-path globs whose Params fsdp shards (default
     all); ``microbatches`` under pp (default pp); ``cp_variant`` the seam's ring / ring_zigzag / ulysses
     (shard_map); ``clip`` global-norm clipping of the whole model's gradient (torch's formula,
-    parallel.recipe), as torch's ``train_step(..., max_norm=)``. The model's attention must call
-    parallel.cp.attention."""
-    return Composed(model, layout, loss, tx, plan, split, units, style, microbatches, devices, cp_variant, clip)
+    parallel.recipe), as torch's ``train_step(..., max_norm=)``; ``freeze`` NNX Param-path globs not
+    trained (their gradient stopped; keep them out of the tx's decay mask). Gradient accumulation: K
+    parts of the batch are ``microbatches=K·M`` under pp (one schedule of K·M micro-batches: the same
+    averaged gradient) and ``microbatches=K`` without (K row chunks, their mean losses averaged); both
+    differentiate one program (memory: every part's activations live until the one backward). The
+    model's attention must call parallel.cp.attention."""
+    return Composed(model, layout, loss, tx, plan, split, units, style, microbatches, devices, cp_variant, clip,
+                    tuple(freeze))

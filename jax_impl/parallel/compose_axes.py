@@ -5,10 +5,12 @@
     check_split(model, split, S)        the stage split: tied parts, blocks that are no nnx.List of
                                         identical modules (a scan/vmap-stacked module is refused), L % S
     check_plan(model, split, plan, tp)  the tp plan: colwise / colwise_heads (a fused [q|k|v] kernel) /
-                                        rowwise nnx.Linear inside the blocks, whole heads, no rowwise bias
+                                        rowwise nnx.Linear inside the blocks (biases: colwise split,
+                                        rowwise added once after the psum), whole heads
     flat(module)                        (graphdef, treedef, keys, {key: array}): what pp stacks per stage
     Col / Row, stand_ins                Megatron's f (pcast to varying: psum of dL/dx in backward, one per
-                                        input array) and g (psum over "tp") around the local shard
+                                        input array) and g (psum over "tp"; then a rowwise bias) around
+                                        the local shard
 
 Module paths match by ONE glob rule (parallel.tree.matches: ``*`` one segment, ``**`` any), shared
 with parallel.tp's plans and parallel.fsdp's units. Collectives: tp's f and g above (2 all-reduces
@@ -21,10 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jax_impl.parallel.tree import WrapError, key_of, matches, param_holders, put_child, submodules
+from jax_impl.parallel.tree import WrapError, key_of, matches, param_holders, put_child, stacked, submodules
 
 AXES = ("dp", "fsdp", "pp", "cp", "tp")
 CP_VARIANTS = ("ring", "ring_zigzag", "ulysses")  # parallel.cp's seam
@@ -68,9 +71,6 @@ def refusal(layout: dict[str, int], style: str) -> str | None:
                 "cp's ring) with sharding-in-types; use style='shard_map' or 'jit'")
     if style not in STYLES:
         return f"compose: unknown style {style!r}; use one of {STYLES}"
-    if style == "jit" and layout.get("pp", 1) > 1:
-        return (f"compose: pp={layout['pp']} under jit is refused (the pipeline's schedule is manual); "
-                "use style='shard_map' or drop pp from the layout")
     return None
 
 
@@ -93,8 +93,11 @@ def check_split(root, sp: Split, stages: int) -> int:
                                "fix the split")
     blocks = mods[sp.blocks]
     if not isinstance(blocks, nnx.List) or not len(blocks):
+        layered = [why for p, why in stacked(root).items() if p == sp.blocks or p.startswith(sp.blocks + ".")]
+        cause = f"; {layered[0]} — compose stacks an nnx.List's blocks per stage itself" if layered else \
+            " (a scan/vmap-stacked module is not split)"
         raise ComposeError(f"compose: split.blocks {sp.blocks!r} is a {type(blocks).__name__}, not a non-empty "
-                           "nnx.List of blocks (a scan/vmap-stacked module is not split): hold the blocks in one")
+                           f"nnx.List of blocks{cause}: hold the blocks in an nnx.List of identical modules")
     L = len(blocks)
     if L % stages:
         raise ComposeError(f"compose: {L} blocks ({sp.blocks}) do not split evenly over pp={stages}; "
@@ -131,9 +134,10 @@ def check_plan(root, sp: Split, plan: dict[str, str], tp: int) -> dict[str, str]
             if not p.startswith(prefix) or not isinstance(m, nnx.Linear):
                 raise ComposeError(f"compose: plan key {pattern!r} hits {p!r} ({type(m).__name__}); compose "
                                    f"splits nnx.Linear modules inside {sp.blocks} only: drop the key")
-            if style == "rowwise" and m.bias is not None:
-                raise ComposeError(f"compose: rowwise {p!r} has a bias; compose has no rowwise bias: "
-                                   "use_bias=False")
+            if style == "rowwise" and m.bias is not None and type(m).__call__ is not nnx.Linear.__call__:
+                raise ComposeError(f"compose: rowwise {p!r} ({type(m).__name__}) has a bias and its own __call__; "
+                                   "compose adds a rowwise bias once after the psum by nnx.Linear's own steps: "
+                                   "use nnx.Linear, or use_bias=False and add the bias in the parent")
             rel = p[len(prefix):].split(".", 1)[1]
             dim = m.kernel.shape[0 if style == "rowwise" else 1]
             parent = mods[p.rsplit(".", 1)[0]]
@@ -200,13 +204,20 @@ class Col:
 
 
 class Row:
-    """rowwise stand-in: the local shard's partial sums, then g (psum over "tp")."""
+    """rowwise stand-in: the local shard's partial sums, then g (psum over "tp"), then the bias ONCE (as
+    torch's RowwiseParallel: all_reduce(x·W) + b): nnx.Linear's own steps with the bias held back."""
 
     def __init__(self, m):
         self.m = m
 
     def __call__(self, x):
-        return lax.psum(self.m(x), "tp")
+        m = self.m
+        if m.bias is None:
+            return lax.psum(m(x), "tp")
+        x, kernel, bias = m.promote_dtype((x, m.kernel[...], m.bias[...]), dtype=m.dtype)
+        more = {} if m.preferred_element_type is None else {"preferred_element_type": m.preferred_element_type}
+        y = m.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=m.precision, **more)
+        return lax.psum(y, "tp") + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))  # (…, D): the bias after g
 
 
 def stand_ins(layer, rel_plan: dict[str, str], f_cache: dict):

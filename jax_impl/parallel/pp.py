@@ -221,6 +221,15 @@ class Trainer:
             try:
                 h = stage(flat, h)
             except Exception as e:  # noqa: BLE001 - a module fed what its forward never gives it
+                layered = stacked(self.model)  # a listed module holding scan/vmap-stacked layers: name it as the cause
+                inside = [(p, why) for p in stage.paths for q, why in layered.items()
+                          if q == p or q.startswith(p + ".")]
+                if inside:
+                    p, why = inside[0]
+                    raise WrapError(f"pp: stage {s}'s module {p!r} holds stacked layers ({why}), and calling it on the "
+                                    f"message fails ({type(e).__name__}: {str(e)[:120]}): stacked layers run only "
+                                    "inside the nnx.scan of the module that owns them. Fix: list that module (its "
+                                    "whole stack in one stage) or unstack the layers into an nnx.List") from None
                 raise WrapError(f"pp: the chain of the stages' modules fails at stage {s} ({type(e).__name__}: "
                                 f"{str(e)[:160]}): the model's forward is not the chain module(…module(x)) (e.g. two "
                                 "embeddings added, a tied head): list every module its forward calls, in order, "

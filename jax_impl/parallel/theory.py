@@ -99,13 +99,15 @@ def state(infos: list[ParamInfo], variant: str, n: int, style: str = "shard_map"
 
 @dataclass(frozen=True)
 class Placed:
-    """One of compose's arrays: ``part`` first | blocks | last; ``use_bytes`` what one call of its module
+    """One of compose's arrays: ``part`` first | tied (a first module's, read by the head too) | blocks |
+    last; ``use_bytes`` what one call of its module
     reads (one layer, tp-local, fsdp-gathered); ``layers`` the stacked layers this device holds (1 outside
     the blocks); ``axes`` the mesh axes it is split on."""
     part: str
     use_bytes: int
     layers: int
     axes: frozenset[str]
+    trains: bool = True  # False: frozen (its gradient stopped: no psum, no reduce-scatter; still gathered)
 
 
 def seam_comm(calls: list[tuple[int, int]], n: int, variant: str) -> Comm:
@@ -130,9 +132,11 @@ def tp_widths(rel_plan: dict[str, str], block: dict, f_inputs: tuple[int, int]) 
     return len(row) + f_inputs[0], sum(row) + f_inputs[1]
 
 
-def placed(params: dict, specs: dict, layout: dict[str, int], first: tuple[str, ...]) -> list[Placed]:
+def placed(params: dict, specs: dict, layout: dict[str, int], first: tuple[str, ...],
+           tied: frozenset[str] = frozenset(), frozen: dict | None = None) -> list[Placed]:
     """compose's {"rest" | "blocks": {path: global array}} and their PartitionSpecs as ``Placed``: blocks
-    (S, L/S, …) with "pp" on the stage dim; a use reads one layer split by tp, gathered over fsdp."""
+    (S, L/S, …) with "pp" on the stage dim; a use reads one layer split by tp, gathered over fsdp.
+    ``tied``: the first modules the head reads too (a tied embedding)."""
     names = lambda e: () if e is None else (e,) if isinstance(e, str) else tuple(e)
     out = []
     for part, arrays in params.items():
@@ -141,29 +145,34 @@ def placed(params: dict, specs: dict, layout: dict[str, int], first: tuple[str, 
             own = spec[2:a.ndim] if part == "blocks" else spec[:a.ndim]  # the Param's own dims
             split = prod(layout[x] for e in own for x in names(e) if x != "fsdp")
             shape = a.shape[2:] if part == "blocks" else a.shape
-            where = part if part == "blocks" else "first" if any(k.startswith(p + ".") for p in first) else "last"
+            own_first = next((p for p in first if k.startswith(p + ".")), None)
+            where = part if part == "blocks" else "last" if own_first is None else \
+                "tied" if own_first in tied else "first"
             out.append(Placed(where, prod(shape) * a.dtype.itemsize // split, a.shape[1] if part == "blocks" else 1,
-                              frozenset(x for e in spec for x in names(e))))
+                              frozenset(x for e in spec for x in names(e)), k not in (frozen or {}).get(part, ())))
     return out
 
 
 def compose_comm(layout: dict[str, int], arrays: list[Placed], *, microbatches: int, tp_call: tuple[int, int],
                  stream: int, seam: list[tuple[int, int]], cp_variant: str, loss: int) -> dict[str, Comm]:
     """compose's shard_map step (its module docstring), by axis label (jax_impl/ledger.py: the axes a group
-    spans, "+"-joined in mesh order). S stages, M micro-batches, I = M + S − 1 iterations (1 at S = 1),
+    spans, "+"-joined in mesh order). S stages, M micro-batches, I = M + S − 1 iterations (M at S = 1),
     every local block runs I times; ``tp_call`` (all-reduces, bytes) of one block call (g per rowwise
     module, f per colwise input); ``stream`` one micro-batch's (m, T/c, D) bytes (the stage message);
     ``seam`` the attention calls of one trace; ``loss`` the loss's itemsize.
 
     Every array is cast to varying once over the axes its inputs vary on that it is not split on (dp /
     fsdp, cp; pp but for the first modules): the cast's transpose psums its gradient once per step, the
-    array as this device holds it (gathered over fsdp). pp also sums the embedding's output once (M·stream:
-    the micro-batches meet the pipeline's pp-varying state) and the last stage's loss; dp / fsdp / cp sum
+    array as this device holds it (gathered over fsdp). A first module's array the head reads too (a
+    tied embedding) meets the last stage's pp-varying stream there: one more psum over pp (its own
+    cast). pp also sums the embedding's output once (M·stream: the micro-batches meet the pipeline's
+    pp-varying state) and the last stage's loss; dp / fsdp / cp sum
     the loss mean. XLA's all-reduce combiner merges these per group into ONE all-reduce (a tuple: they are
     independent); tp's g / f chain through the blocks and stay one each. fsdp: one all-gather and one
     reduce-scatter (its transpose) of every array split over "fsdp", bytes the device's gathered layers."""
     big = [a for a, n in layout.items() if n > 1]
-    S, I = layout.get("pp", 1), (microbatches + layout.get("pp", 1) - 1 if layout.get("pp", 1) > 1 else 1)
+    S = layout.get("pp", 1)
+    I = microbatches + S - 1  # S = 1: the M row chunks of accumulation (1 without), each through every block
     data = {a for a in big if a in ("dp", "fsdp", "cp")}
     label = lambda axes: "+".join(a for a in big if a in axes)
     out: dict[str, Comm] = {}
@@ -179,11 +188,15 @@ def compose_comm(layout: dict[str, int], arrays: list[Placed], *, microbatches: 
 
     layers = max((p.layers for p in arrays if p.part == "blocks"), default=0)
     for p in arrays:
-        varying = data | ({"pp"} if p.part != "first" and S > 1 else set())
-        psum(varying - p.axes, p.layers * p.use_bytes)
+        varying = data | ({"pp"} if p.part not in ("first", "tied") and S > 1 else set())
+        if p.trains:
+            psum(varying - p.axes, p.layers * p.use_bytes)
+        if p.trains and p.part == "tied" and S > 1:
+            psum({"pp"} - p.axes, p.use_bytes)
         if "fsdp" in p.axes:
             add("fsdp", "all_gather", 1, p.layers * p.use_bytes)
-            add("fsdp", "reduce_scatter", 1, p.layers * p.use_bytes)
+            if p.trains:
+                add("fsdp", "reduce_scatter", 1, p.layers * p.use_bytes)
     if layout.get("tp", 1) > 1 and tp_call[0]:
         add("tp", "all_reduce", I * layers * tp_call[0], I * layers * tp_call[1])
     if S > 1:

@@ -147,7 +147,8 @@ class Layout:
     data axis, M micro-batches per step (each of B/(dp·M) sequences per rank), sequence parallelism,
     the recompute policy and the model chunks per pipeline rank. ``invalid`` says what it cannot run."""
 
-    dp: int = 1  # the data axis' size ("dp" with zero 0/1/2, "fsdp" with zero 3)
+    dp: int = 1  # the data axis' size ("dp" with zero 0/1/2, "fsdp" with zero 3; HSDP: dp · fsdp)
+    replicate: int = 1  # HSDP (zero 3): replicas of each shard, the dp axis (the shard group: dp / replicate)
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -183,7 +184,9 @@ class Layout:
     @property
     def mesh(self) -> tuple[tuple[str, int], ...]:
         """Axes of size > 1, outermost first (pp, data, cp, tp)."""
-        axes = (("pp", self.pp), (self.data_axis, self.dp), ("cp", self.cp), ("tp", self.tp))
+        data = (("dp", self.replicate), ("fsdp", self.dp // self.replicate)) if self.replicate > 1 else \
+            ((self.data_axis, self.dp),)
+        axes = (("pp", self.pp), *data, ("cp", self.cp), ("tp", self.tp))
         return tuple((a, n) for a, n in axes if n > 1)
 
     @property
@@ -194,7 +197,8 @@ class Layout:
     @property
     def grad_label(self) -> str | None:
         """The group the gradients are averaged / sharded over: data and cp (theory.mesh_grad_axes)."""
-        return "+".join(a for a, n in ((self.data_axis, self.dp), ("cp", self.cp)) if n > 1) or None
+        shard = self.dp // self.replicate  # HSDP: the shard group (the replicas all-reduce over "dp")
+        return "+".join(a for a, n in ((self.data_axis, shard), ("cp", self.cp)) if n > 1) or None
 
     @classmethod
     def from_config(cls, cfg, pattern: str = "mesh", variant: str = "") -> Layout:
@@ -203,4 +207,4 @@ class Layout:
             return cls(dp=cfg.world_size, ep=cfg.world_size)
         fsdp = cfg.data_axis == "fsdp"
         return cls(dp=cfg.data_size, tp=cfg.axis("tp"), pp=cfg.axis("pp"), cp=cfg.axis("cp"),
-                   zero=3 if fsdp else 0, microbatches=cfg.pipeline_microbatches)
+                   zero=3 if fsdp else 0, microbatches=cfg.pipeline_microbatches, replicate=cfg.replicate)

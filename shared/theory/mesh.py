@@ -35,8 +35,10 @@ def mesh_coords(cfg: Config, rank: int) -> dict[str, int]:
 
 def mesh_grad_axes(cfg: Config) -> str | None:
     """The label of the group the gradients are averaged (dp) or sharded (fsdp) over: the data
-    axis and cp, those of size > 1, in mesh order, joined by "+"; None if neither."""
-    names = [a for a, n in cfg.mesh if a in ("dp", "fsdp", "cp") and n > 1]
+    axis and cp, those of size > 1, in mesh order, joined by "+"; None if neither. HSDP: fsdp (+cp),
+    the shard group (dp, the replicas, all-reduces the shards: its own group, "dp")."""
+    data = ("fsdp",) if cfg.replicate > 1 else ("dp", "fsdp")
+    names = [a for a, n in cfg.mesh if a in data + ("cp",) and n > 1]
     return "+".join(names) or None
 
 
@@ -92,7 +94,7 @@ def state(model: Model, layout: Layout, stage: int, b: int, style: str = "builti
     shards (experts: dp·cp/ep). pure: b, b, 2b per element; mixed: 2, 2, 12 (bf16 + fp32 master, m, v)."""
     sp = stage_params(model, layout, stage)
     total = sp["units"] + sp["vectors"]
-    g = layout.dp * layout.cp
+    g = layout.dp // layout.replicate * layout.cp  # HSDP: the shard group only
     if layout.zero == 3:
         held = total // g if style == "builtin" else sp["units"] // g + sp["vectors"]
         return zero_state(held, 1, 0, precision, b)
@@ -106,7 +108,7 @@ def state(model: Model, layout: Layout, stage: int, b: int, style: str = "builti
 
 
 def comm(model: Model, layout: Layout, stage: int, batch: int, b: int,
-         style: str = "builtin") -> dict[str, dict[str, tuple[int, int]]]:
+         style: str = "builtin", low: int | None = None) -> dict[str, dict[str, tuple[int, int]]]:
     """{axis label: {op: (count, payload bytes)}} per step on one rank of ``stage`` (recv listed, as the
     ledgers; theory.mesh_comm_torch, ep_comm_torch under balanced routing). M micro-batches of
     m = B/(dp·M) sequences × Tc = T/cp tokens; A = m·Tc·D·b.
@@ -124,7 +126,11 @@ def comm(model: Model, layout: Layout, stage: int, batch: int, b: int,
         every micro-batch (the full gradient is never kept: why Megatron's distributed optimizer is ZeRO-1);
         ZeRO-3 explicit: per micro-batch every unit gathered forward, again backward (but the
         embeddings), reduce-scattered, the gains all-reduced once;
-        FSDP2 (builtin): theory.mesh_builtin_grad_comm_torch."""
+        FSDP2 (builtin): theory.mesh_builtin_grad_comm_torch.
+    ``low`` (torch's autocast, mixed precision): the compute dtype's bytes of what autocast computes
+    low — the 2 forward g's per block (W_o's and W_down's outputs) and the ring's K|V; the rest in b.
+    The explicit FSDP wrapper casts the weights before gathering (compute_dtype): its gathers, and then
+    every activation tp all-reduces (the stream is bf16 from the embedding on), travel low."""
     d, t, c, S = model.dim, layout.tp, layout.cp, layout.pp
     first, last = int(stage == 0), int(stage == S - 1)
     M = layout.microbatches
@@ -143,16 +149,20 @@ def comm(model: Model, layout: Layout, stage: int, batch: int, b: int,
             out["tp"] = {"all_gather": (M * n_act, M * n_act * act), "reduce_scatter": (M * n_act, M * n_act * act),
                          "all_reduce": (loss[0] + 1, loss[1] + gains * b)}
         else:
-            out["tp"] = {"all_reduce": (M * n_act + loss[0], M * n_act * act + loss[1])}
-    kv_row = 2 * max(model.kv // t, 1) * model.head_dim * b  # K|V of one token (GQA: the kv heads, ≥ 1 per rank)
+            # autocast: W_o's and W_down's outputs low; the explicit FSDP's bf16 gathers (compute_dtype): every one
+            n_low = 0 if low is None else n_act if style == "explicit" and layout.zero == 3 else 2 * per
+            g_low = n_low * m * tc * d * (b - (low or b))
+            out["tp"] = {"all_reduce": (M * n_act + loss[0], M * n_act * act + loss[1] - M * g_low)}
+    kv_row = 2 * max(model.kv // t, 1) * model.head_dim * (low or b)  # K|V of one token (GQA: kv heads ≥ 1 per rank)
     if c > 1 and layout.cp_style == "allgather":  # every block: K|V of the whole sequence gathered forward and
         gathers = 2 * M * per  # again for backward (not kept: T·kv memory), dK|dV reduce-scattered back
         whole = m * model.seq * kv_row
         out["cp"] = {"all_gather": (gathers, gathers * whole), "reduce_scatter": (M * per, M * per * whole)}
-    elif c > 1:
+    elif c > 1:  # autocast: K|V travel in the compute dtype, the dK|dV accumulators (c hops) in b
         hops = M * per * (3 * c - 2)
         msg = m * tc * kv_row
-        out["cp"] = {"send": (hops, hops * msg), "recv": (hops, hops * msg)}
+        nbytes = hops * msg if low is None else M * per * m * tc * (kv_row * (2 * c - 2) + kv_row // low * b * c)
+        out["cp"] = {"send": (hops, nbytes), "recv": (hops, nbytes)}
     if S > 1:  # interleaved: every chunk's output goes on, but the last virtual stage's (and back, but the first)
         n = (2 * layout.virtual - (stage == S - 1) - (stage == 0)) * M
         scatter = layout.pp_scatter and t > 1 and not layout.sp  # Narayanan et al. 2021 §4.1: each tp rank
@@ -168,7 +178,13 @@ def comm(model: Model, layout: Layout, stage: int, batch: int, b: int,
                      "all_to_all": (4 * M * per, 4 * M * per * k_n * d * b)}
     label = layout.grad_label
     if label is not None:
-        out.setdefault(label, {}).update(_grad_comm(model, layout, stage, b, style, sp))
+        out.setdefault(label, {}).update(_grad_comm(model, layout, stage, b, style, sp, low))
+    if layout.replicate > 1:  # HSDP: the shards' gradients all-reduced over the dp replicas
+        g, root = layout.dp // layout.replicate * c, sp["units"] + sp["vectors"] - sp["per"] * sp["block"]
+        if style == "builtin":  # FSDP2: one per group (each block, the root), its reduce-scattered shard
+            out["dp"] = {"all_reduce": (sp["per"] + (root > 0), (sp["units"] + sp["vectors"]) // g * b)}
+        else:  # the FSDP wrapper's shards and its whole vectors: one flat all-reduce
+            out["dp"] = {"all_reduce": (1, (sp["units"] // g + sp["vectors"]) * b)}
     edp = layout.dp // layout.ep
     if model.moe and layout.ep > 1 and edp > 1 and sp["experts"]:
         op = "all_reduce" if layout.zero == 0 else None
@@ -177,7 +193,9 @@ def comm(model: Model, layout: Layout, stage: int, batch: int, b: int,
     return out
 
 
-def _grad_comm(model: Model, layout: Layout, stage: int, b: int, style: str, sp: dict) -> dict:
+def _grad_comm(model: Model, layout: Layout, stage: int, b: int, style: str, sp: dict, low: int | None = None) -> dict:
+    """The gradient group's ops (``comm``); ``low``: the explicit FSDP wrapper casts before its gathers
+    (FSDP(compute_dtype=…), mixed precision), its reduce-scatters stay in b."""
     M, total = layout.microbatches, sp["units"] + sp["vectors"]
     dense = total - (sp["experts"] if layout.ep > 1 else 0)  # ep: the experts' gradients go over edp
     if layout.zero in (1, 2):  # ZeRO-2 keeps only its shard of the gradients: it reduces every micro-batch's
@@ -192,7 +210,7 @@ def _grad_comm(model: Model, layout: Layout, stage: int, b: int, style: str, sp:
         gathers = fsdp2_pipeline_gathers(M, layout.pp, stage)
         return {"all_gather": (sp["per"] * gathers + (root > 0), (sp["per"] * gathers * sp["block"] + root) * b),
                 "reduce_scatter": (sp["per"] + (root > 0), total * b)}
-    return {"all_gather": (M * (sp["n_units"] + sp["n_regathered"]), M * (sp["units"] + sp["regathered"]) * b),
+    return {"all_gather": (M * (sp["n_units"] + sp["n_regathered"]), M * (sp["units"] + sp["regathered"]) * (low or b)),
             "reduce_scatter": (M * sp["n_units"], M * sp["units"] * b),
             "all_reduce": (1, sp["vectors"] * b)}
 
@@ -219,9 +237,18 @@ def fsdp2_pipeline_gathers(microbatches: int, stages: int, stage: int) -> int:
 
 def mesh_comm_torch(cfg: Config, style: str, rank: int) -> dict[str, dict[str, tuple[int, int]]]:
     """The torch styles' ledger on world rank ``rank`` of a runnable layout: ``comm`` at the run's sizes
-    (its stage = the rank's pp coordinate; every rank of a stage sends alike)."""
+    (its stage = the rank's pp coordinate; every rank of a stage sends alike; --accumulate K: K·M
+    micro-batches, cfg.pipeline_microbatches; --precision mixed: autocast's low outputs), and --clip's
+    global norm: one all-reduce of one scalar (b) over the world ("world", or the axis / group spanning it)."""
     stage = mesh_coords(cfg, rank).get("pp", 0)
-    return comm(Model.from_config(cfg), Layout.from_config(cfg), stage, cfg.batch, cfg.bytes_per_element, style)
+    low = cfg.compute_bytes if cfg.precision == "mixed" else None
+    out = comm(Model.from_config(cfg), Layout.from_config(cfg), stage, cfg.batch, cfg.bytes_per_element, style, low)
+    if cfg.clip is not None:  # the world's default group ("world"), or the one axis that spans it
+        whole = [a for a, n in cfg.mesh if n == cfg.world_size]
+        label = whole[0] if whole else "world"
+        k, nb = out.setdefault(label, {}).get("all_reduce", (0, 0))
+        out[label]["all_reduce"] = (k + 1, nb + cfg.bytes_per_element)
+    return out
 
 
 def mesh_comm_bytes_torch(cfg: Config, style: str, rank: int) -> int:
@@ -327,5 +354,5 @@ def mesh_state_bytes_jax(cfg: Config, style: str) -> dict[str, int]:
         held = mesh_stage_param_count(cfg, 0, spmd=True)
     else:
         units, vectors = mesh_units_jax(cfg)
-        held = sum(units.values()) // (cfg.data_size * cfg.axis("cp")) + sum(vectors.values())
+        held = sum(units.values()) // (cfg.axis("fsdp") * cfg.axis("cp")) + sum(vectors.values())
     return {"params": held * b, "grads": held * b, "optimizer": 2 * held * b}

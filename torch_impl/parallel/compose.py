@@ -28,13 +28,18 @@ explicit  the project's wrappers on the same sub-meshes' groups: apply_plan + th
           CE, the FSDP wrapper (no pp: refused), the same pipeline, cp seam and dp all-reduce.
           explicit fsdp × pp: the wrapper's shard gradients arrive after the schedule (which would
           scale them by 1/M too early), so the composition divides by M after they arrive.
-Refused before anything changes (ComposeError, one line: what, which axes, the fix): both dp and
-fsdp > 1 (HSDP), an axis not in AXES, explicit tp with a loss other than ``cross_entropy``, builtin
-tp of a vocabulary not divisible by tp (DTensor's uneven shards; explicit pads it), cp
-without a ``positions`` attribute, a parameter in two stages or in none, a cp variant other than
-ring; a plan tp cannot carry out (tp.PlanError); indivisible rows / sequence / micro-batches (at
-the first step, before any collective). Inside a step, a cp seam refusal (e.g. local position ids)
-raises on every rank before the update (parallel/cp.py).
+HSDP (dp and fsdp both > 1: torchtitan's dp_replicate × dp_shard): the data index is row-major over
+(dp, fsdp) in mesh order; builtin FSDP2 on the 2-D (dp, fsdp[_cp]) mesh (reduce-scatter over the
+shard group, then an all-reduce of each shard over dp); explicit the FSDP wrapper over fsdp(+cp), then
+ONE flat all-reduce of its shards' and vectors' gradients over dp.
+Refused before anything changes (ComposeError, one line: what, which axes, the fix): an axis not in
+AXES, explicit tp with a loss other than ``cross_entropy``, builtin tp of a vocabulary not divisible
+by tp (DTensor's uneven shards; explicit pads it), cp without a ``positions`` attribute, a parameter
+in two stages or in none, a cp variant other than ring; a plan tp cannot carry out (tp.PlanError);
+indivisible rows / sequence / micro-batches (at the first step, before any collective). Inside a
+step, a cp seam refusal (e.g. local position ids) raises on every rank before the update
+(parallel/cp.py); torch's clip_grad_norm_ inside the optimizer where a rank holds pieces (pp, tp,
+explicit fsdp) at the step (recipe.sealed_step: LocalClipError).
 Collectives per step: tp's 2 all-reduces per layer forward and 2 backward (+ the loss's);
 fsdp's all-gathers and reduce-scatters per unit per micro-batch; pp's one message (m, T/c, D) per
 micro-batch and boundary each way; cp's ring (3c−2 K|V messages per attention call); dp's one flat
@@ -67,14 +72,19 @@ from torch_impl.parallel.compose_axes import (  # noqa: F401  (ComposeError, che
     check_stages,
     check_vocab,
     cross_entropy,
+    global_clip_,
     group_over,
     local_logits,
     sizes,
     stage_loss,
+    transformers_plan,
 )
 from torch_impl.parallel.ep import refuse_split_experts
 from torch_impl.parallel.fsdp import FSDP, average_flat
 from torch_impl.parallel.tp import check_plan, matches, unshard
+
+CLIP_FIX = ("clip with trainer.train_step(tokens, targets, max_norm=...) (the global norm), not "
+            "torch.nn.utils.clip_grad_norm_ inside the optimizer's step")
 
 
 class Trainer:
@@ -88,8 +98,11 @@ class Trainer:
         ax = lambda a: self.layout.get(a, 1)
         self.S, self.t, self.c, self.M = ax("pp"), ax("tp"), ax("cp"), microbatches if ax("pp") > 1 else 1
         coord = lambda a: mesh[a].get_local_rank() if ax(a) > 1 else 0
-        self.data = "fsdp" if ax("fsdp") > 1 else "dp"
-        self.d, self.i, self.j, self.s = ax(self.data), coord(self.data), coord("cp"), coord("pp")
+        self.data = "fsdp" if ax("fsdp") > 1 else "dp"  # the axis the gradient group shards (fsdp) or reduces over
+        self.hsdp = ax("dp") > 1 and ax("fsdp") > 1  # replicate over dp × shard over fsdp (+cp)
+        self.d, self.i, self.j, self.s = ax("dp") * ax("fsdp"), 0, coord("cp"), coord("pp")
+        for a in (a for a in self.layout if a in ("dp", "fsdp")):  # the data index: row-major, mesh order
+            self.i = self.i * ax(a) + coord(a)
         if self.t > 1 and plan:
             check_plan(model, plan, self.t)  # PlanError (e.g. GQA heads that tp does not divide), nothing changed
             check_vocab(model, plan, self.t, style)
@@ -99,14 +112,19 @@ class Trainer:
             raise ComposeError(f"compose: cp={self.c} needs the stage module to read a `positions` attribute "
                                "(its tokens' global positions); fix: give the module one (parallel/llama.py Stage)")
         self.styles = apply_tp(self.module, plan, mesh["tp"], style) if self.t > 1 and plan else {}
+        # the model's own length along each split dim (explicit pads a vocabulary tp does not divide)
+        self._sizes = {n: p.tp_size for n, p in self.module.named_parameters(remove_duplicate=False)
+                       if hasattr(p, "tp_size")}
         grad_axes = [a for a in (self.data, "cp") if ax(a) > 1]
         self.grad_mesh, self.grad_group = group_over(mesh, grad_axes)
+        self.rep_group = mesh["dp"].get_group() if self.hsdp else None  # HSDP: the shards' replicas
         held = lambda: {(id(o), a): p for o in self.module.modules() for a, p in o._parameters.items() if p is not None}
         tp_split = {k for k, p in held().items() if hasattr(p, "tp_size")}  # explicit tp's pieces, before FSDP
         self.fsdp, self.fsdp2 = None, []
         if self.data == "fsdp" and self.d > 1:
-            if style == "builtin":
-                self.fsdp2 = apply_fsdp(self.module, self.grad_mesh, units)
+            if style == "builtin":  # HSDP: FSDP2 on the 2-D (dp, fsdp[_cp]) mesh (torchtitan's dp_replicate)
+                data_mesh = mesh["dp", self.grad_mesh.mesh_dim_names[0]] if self.hsdp else self.grad_mesh
+                self.fsdp2 = apply_fsdp(self.module, data_mesh, units)
             else:
                 self.fsdp = FSDP(self.module, group=self.grad_group)
         self.run = self.fsdp or self.module
@@ -119,6 +137,7 @@ class Trainer:
         self._loss = stage_loss(loss, self.styles, mesh["tp"] if self.t > 1 else None, style)
         self.schedule_name = schedule
         self.clipped = False  # did the last step clip (comm_theory counts the norm's scalar all-reduce)
+        self.steps = 0  # optimizer steps taken (a refused first step's update is undone)
         self.schedule = apply_pp(self.run, self.s, self.S, mesh["pp"], self._loss, self.M, schedule,
                                  scale_grads=self.fsdp is None) if self.S > 1 else None
 
@@ -172,38 +191,17 @@ class Trainer:
         self.clipped = max_norm is not None
         if self.clipped:
             self.norm = self.clip_grad_norm_(max_norm)
-        self.optimizer.step()
+        if self.S > 1 or self.t > 1 or self.fsdp is not None:  # pieces: a clip in the optimizer is local
+            recipe.sealed_step(self.optimizer, self.params, "compose", CLIP_FIX, undo=not self.steps)
+        else:  # whole averaged gradients (dp, cp) or FSDP2's DTensors: torch's own clip is the model's
+            self.optimizer.step()
+        self.steps += 1
         return float(out[0]) / (self.d * self.c)
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """torch's ``clip_grad_norm_`` of the whole model, on every rank, after the step's reductions: each
-        rank's gradient squares, each divided by the number of ranks holding that same piece, summed over
-        the world by ONE all-reduce of one scalar. A stage's d·c·t ranks hold a piece split k ways (tp:
-        ``tp_size`` or a DTensor Shard on the tp dim; fsdp: the wrapper's shards or FSDP2's (Strided)Shard over
-        data × cp) d·c·t / k times; stages hold different parameters (summed over pp: Megatron's rule,
-        replicas once). The divisions by powers of two are exact."""
-        shards = {id(u.shard) for _, _, u in self.fsdp.units} if self.fsdp is not None else set()
-        per_stage = dist.get_world_size() // self.S
-        sq, grads = torch.zeros((), dtype=torch.float64 if self.params[0].dtype == torch.float64 else
-                                torch.float32, device=self.params[0].device), []
-        for p in self.params:
-            if p.grad is None:
-                continue
-            if isinstance(p.grad, DTensor):
-                local, split = p.grad.to_local(), 1
-                for dim, placement in enumerate(p.grad.placements):  # Shard, FSDP2's _StridedShard: split
-                    assert not placement.is_partial(), (p.grad.placements, "a gradient not reduced yet")
-                    split *= 1 if placement.is_replicate() else p.grad.device_mesh.size(dim)
-            else:
-                local = p.grad
-                split = (self.t if id(p) in self._tp_split else 1) * (self.fsdp.n if id(p) in shards else 1)
-            sq += torch.linalg.vector_norm(local, 2).to(sq.dtype) ** 2 / (per_stage // split)
-            grads.append(local)
-        dist.all_reduce(sq)
-        total = sq.sqrt()
-        recipe.scale_(grads, max_norm, total)
-        return total
+        """torch's ``clip_grad_norm_`` of the whole model, on every rank, after the step's reductions
+        (``compose_axes.global_clip_``: ONE world all-reduce of one scalar)."""
+        return global_clip_(self.params, max_norm, self.S, self._tp_split, self.t, self.fsdp)
 
     def _sync(self) -> None:
         """The data × cp gradient reduction FSDP2 does not do: the explicit FSDP's, or dp's all-reduce."""
@@ -213,6 +211,9 @@ class Trainer:
                 if p.grad is not None:
                     p.grad.div_(self.M)  # the schedule's scale_grads would have scaled them before they came
                     recipe.refresh([p.grad])
+            if self.rep_group is not None:  # HSDP: the shards (and the vectors) averaged over dp, ONE all-reduce
+                grads = [p.grad for p in self.params if p.grad is not None]
+                average_flat(grads, self.rep_group)
         elif self.grad_group is not None and not (self.data == "fsdp" and self.style == "builtin"):
             grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params
                      if p.grad is not None]
@@ -275,12 +276,17 @@ class Trainer:
             for op, (n, nbytes) in self.fsdp.comm_theory().items():
                 k = M if op in ("all_gather", "reduce_scatter") else 1  # the vectors' all-reduce: once, at the end
                 add(self.grad_label, op, k * n, k * nbytes)
+            if self.hsdp:  # the shards and vectors averaged over dp: one flat all-reduce
+                add("dp", "all_reduce", 1, sum(p.grad.numel() for p in self.params if p.grad is not None) * b)
         elif self.fsdp2:  # a unit: gathered in each micro-batch's forward and once in backward; the root once
+            n = self.grad_mesh.size()
             for path, nbytes, trainable in self.fsdp2:
                 k = 1 if path == "" else M + 1
                 add(self.grad_label, "all_gather", k, k * nbytes)
                 if trainable:
                     add(self.grad_label, "reduce_scatter", 1, nbytes)
+                    if self.hsdp:  # HSDP: each group's reduce-scattered shard all-reduced over dp
+                        add("dp", "all_reduce", 1, nbytes // n)
         elif self.grad_group is not None and not (self.data == "fsdp" and self.style == "builtin"):
             add(self.grad_label, "all_reduce", 1, sum(p.grad.to_local().numel() if isinstance(p.grad, DTensor)
                                                       else p.grad.numel() for p in self.params
@@ -298,25 +304,33 @@ class Trainer:
                 if p and matches(p, k)}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every stage's parameters whole, by the model's names (all_gather_object: bookkeeping)."""
-        mine = {}
-        for name, p in self.module.named_parameters():
+        """Every stage's parameters whole, by the model's names and in its shapes (a padded vocabulary's
+        rows dropped; a tied weight under each of its names), so ``model.load_state_dict(...)`` takes it
+        (all_gather_object: bookkeeping)."""
+        mine, done = {}, {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if id(p) in done:  # tied: one gather, every name
+                mine[name] = done[id(p)]
+                continue
             w = self.fsdp.full_tensor(name, p) if self.fsdp is not None else p
             w = w.full_tensor() if isinstance(w, DTensor) else w.detach()
             if name in self.styles and self.style == "explicit":
-                w = unshard(w, self.styles[name], self.mesh["tp"].get_group())
-            mine[name] = w.detach().clone()
+                w = unshard(w, self.styles[name], self.mesh["tp"].get_group(), self._sizes.get(name))
+            mine[name] = done[id(p)] = w.detach().clone()
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, (self.s, mine))
         return {k: v for s in range(self.S) for st, d in every if st == s for k, v in d.items()}
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, *, plan: dict[str, str] | None = None,
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, plan: dict[str, str] | str | None = None,
                 stage: Callable | None = None, units: list[str] = (), loss: Callable = cross_entropy,
                 optimizer: Callable, microbatches: int = 2, style: str = "builtin", cp: str = "ring",
                 schedule: str = "gpipe") -> Trainer:
     """dp|fsdp × pp × cp × tp on ``mesh`` (dims named from AXES) for ``model``: the module docstring.
-    ``optimizer(params)`` builds the optimizer over this rank's (sharded) trainable parameters."""
+    ``optimizer(params)`` builds the optimizer over this rank's (sharded) trainable parameters.
+    ``plan="auto"``: a transformers model's own tp plan (``transformers_plan``)."""
+    if plan == "auto":
+        plan = transformers_plan(model)
     check(sizes(mesh), style, loss, plan)
     refuse_split_experts(model.named_parameters(), "compose")
     if sizes(mesh).get("pp", 1) > 1 and stage is None:

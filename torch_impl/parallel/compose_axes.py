@@ -4,6 +4,7 @@ calls for its transformer. The twin: jax_impl/parallel/compose_axes.py.
 
     check(layout, style, loss, plan)       refusals that need no process group (ComposeError, one line)
     check_stages / check_vocab             a parameter in two stages or none; builtin tp of V % tp != 0
+    transformers_plan(model)               plan="auto": a transformers model's own tp plan, prefixed, + the vocabulary
     apply_tp(module, plan, mesh["tp"], style)      the plan's entries naming a module of this stage
     apply_fsdp(module, data_mesh, units)           FSDP2 per unit + root (a 2-D (dp, shard=1) mesh: HSDP)
     apply_ddp(module, group)                       DDP over 1-D dp (plain tensors only: DDP takes no DTensor)
@@ -21,6 +22,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
@@ -29,6 +31,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
+from torch_impl.parallel import recipe
 from torch_impl.parallel.tp import apply_dtensor_plan, apply_plan, matches
 from torch_impl.parallel.tp_ops import VocabParallelCrossEntropy
 
@@ -62,9 +65,6 @@ def check(layout: dict[str, int], style: str, loss: Callable, plan: dict | None)
     bad = [a for a in layout if a not in AXES]
     if bad:
         raise ComposeError(f"compose: unknown mesh axes {bad}; name the DeviceMesh's dims from {AXES}")
-    if layout.get("dp", 1) > 1 and layout.get("fsdp", 1) > 1:
-        raise ComposeError("compose: dp and fsdp both > 1 (HSDP) is not composed here; fix: one data axis "
-                           "(dp=N or fsdp=N)")
     if style == "explicit" and layout.get("tp", 1) > 1 and plan and loss is not cross_entropy:
         raise ComposeError("compose explicit: tp splits the head's vocabulary, so the loss must be the "
                            "vocabulary-parallel CE; fix: loss=compose.cross_entropy (or style='builtin')")
@@ -103,6 +103,42 @@ def check_vocab(model: nn.Module, plan: dict[str, str], tp: int, style: str) -> 
                                f"by tp={tp}; fix: style='explicit' (pads the vocabulary) or V divisible by tp")
 
 
+# transformers' tp plan styles -> this project's (the rest, e.g. "colwise_rep", "local_rowwise", the MoE
+# ones, have no exact twin here: refused by name)
+HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "embedding_rowwise": "vocab_embed",
+             "colwise_gather_output": "colwise_vocab"}
+
+
+def transformers_plan(model: nn.Module) -> dict[str, str]:
+    """``plan="auto"``: a transformers model's own tp plan — ``config.base_model_tp_plan`` (paths inside the
+    base model, prefixed with ``base_model_prefix``) and the head's class-level ``_tp_plan`` — in this
+    project's styles, with Megatron's vocabulary split added: the input embedding ``vocab_embed``, the
+    output embedding ``colwise_vocab`` (the vocabulary-parallel CE; any V under the explicit style).
+    transformers is not imported: the attributes are read."""
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None)
+    if not base:
+        raise ComposeError(f"compose: plan='auto' reads a transformers model's config.base_model_tp_plan; "
+                           f"{type(model).__name__} has none: pass plan={{module path: style}}")
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = prefix + "." if prefix and hasattr(model, prefix) else ""
+    entries = {prefix + k: v for k, v in base.items()} | dict(getattr(model, "_tp_plan", None) or {})
+    out = {}
+    for path, style in entries.items():
+        if style not in HF_STYLES:
+            raise ComposeError(f"compose: plan='auto': {type(model).__name__}'s tp plan has {path!r}: {style!r}, "
+                               f"which compose has no exact twin of (it takes {tuple(HF_STYLES)}); fix: pass a "
+                               "plan of your own without it")
+        out[path] = HF_STYLES[style]
+    names = {id(m): p for p, m in model.named_modules()}
+    for get, style in (("get_input_embeddings", "vocab_embed"), ("get_output_embeddings", "colwise_vocab")):
+        module = getattr(model, get, lambda: None)()
+        path = names.get(id(module))
+        if path and not any(matches(path, k) for k in out):
+            out[path] = style
+    return out
+
+
 # --- one step per axis, in torchtitan's order: tp, then the data axis, then pp ----------------------
 
 
@@ -125,8 +161,8 @@ def apply_fsdp(module: nn.Module, mesh: DeviceMesh, units: list[str]) -> list[tu
     """FSDP2: ``fully_shard`` every module matching a unit glob, then the root (torchtitan's order);
     on a 2-D (replicate, shard) mesh this is HSDP. Returns each group's (path, bytes all-gathered,
     trainable?), the root last: its (tp-local) parameters with dim 0 padded to a multiple of the
-    mesh size, as FSDP2 shards them."""
-    n = mesh.size()
+    shard dim's size, as FSDP2 shards them."""
+    n = mesh.size(mesh.ndim - 1)
     paths = [path for path, _ in module.named_modules() if path and any(matches(path, u) for u in units)]
     owner = lambda name: next((u for u in paths if name.startswith(u + ".")), "")  # "" = the root's
     groups: dict[str, list] = {u: [] for u in [*paths, ""]}
@@ -181,6 +217,36 @@ def stage_loss(loss: Callable, styles: dict[str, str], tp_mesh: DeviceMesh | Non
         return value.to_local() if isinstance(value, DTensor) else value
 
     return of
+
+
+@torch.no_grad()
+def global_clip_(params, max_norm: float, stages: int, tp_split: set[int], tp: int, fsdp=None) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` of the whole model on an N-D layout, on every rank, after the step's
+    reductions: each rank's gradient squares, each divided by the number of ranks holding that same piece,
+    summed over the world by ONE all-reduce of one scalar. A stage's world/S ranks hold a piece split k
+    ways (tp: ``tp_split`` ids, ``tp`` ways, or a DTensor Shard on the tp dim; fsdp: the explicit wrapper's
+    shards over its group, or FSDP2's (Strided)Shard) world/(S·k) times; stages hold different parameters
+    (summed over pp: Megatron's rule, replicas once). The divisions by powers of two are exact."""
+    shards = {id(u.shard) for _, _, u in fsdp.units} if fsdp is not None else set()
+    per_stage = dist.get_world_size() // stages
+    params = [p for p in params if p.grad is not None]
+    dt = torch.float64 if params and params[0].dtype == torch.float64 else torch.float32
+    sq, grads = torch.zeros((), dtype=dt, device=params[0].device if params else None), []
+    for p in params:
+        if isinstance(p.grad, DTensor):
+            local, split = p.grad.to_local(), 1
+            for dim, placement in enumerate(p.grad.placements):  # Shard, FSDP2's _StridedShard: split
+                assert not placement.is_partial(), (p.grad.placements, "a gradient not reduced yet")
+                split *= 1 if placement.is_replicate() else p.grad.device_mesh.size(dim)
+        else:
+            local = p.grad
+            split = (tp if id(p) in tp_split else 1) * (fsdp.n if id(p) in shards else 1)
+        sq += torch.linalg.vector_norm(local, 2).to(sq.dtype) ** 2 / (per_stage // split)
+        grads.append(local)
+    dist.all_reduce(sq)
+    total = sq.sqrt()
+    recipe.scale_(grads, max_norm, total)
+    return total
 
 
 def group_over(mesh: DeviceMesh, axes: list[str]):

@@ -183,7 +183,7 @@ class FSDP(nn.Module):
                             "fsdp.module.named_parameters() (the shards keep the names)")
         self.unit_of_name = {}  # parameter name -> Unit (shards keep their original names)
         shard_ids = {id(u.shard): u for _, _, u in self.units}
-        for name, p in module.named_parameters():
+        for name, p in module.named_parameters(remove_duplicate=False):  # a tied weight: every name
             if id(p) in shard_ids:
                 self.unit_of_name[name] = shard_ids[id(p)]
         owners = {id(o): o for o, _, _ in self.units}
@@ -371,7 +371,9 @@ class FSDP(nn.Module):
         nn.Embedding — theory.default_regathered)."""
         regathered = None
         if hasattr(self, "_bwd_order"):
-            names = {id(u): name for name, u in self.unit_of_name.items()}
+            names = {}
+            for name, u in self.unit_of_name.items():  # a tied unit: its first name (theory's)
+                names.setdefault(id(u), name)
             regathered = [names[id(u)] for u in self._bwd_order if id(u) in names]
         itemsize = torch.empty((), dtype=self.compute_dtype).element_size() if self.compute_dtype else None
         comm = theory.zero3_comm(self._infos, self.n, regathered, itemsize)
@@ -389,7 +391,9 @@ class FSDP(nn.Module):
         return gather_full(unit, t, self.group) if unit is not None else t.detach().clone()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: self.full_tensor(name, p) for name, p in self.module.named_parameters()}
+        """Every parameter whole under every name it has (a tied weight under each: ``load_state_dict``
+        of the model takes it, strict)."""
+        return {name: self.full_tensor(name, p) for name, p in self.module.named_parameters(remove_duplicate=False)}
 
 
 # --- explicit/zero2 ----------------------------------------------------------------------------

@@ -14,7 +14,9 @@ over the micro-batch's rows, on the last stage's output.
 
 Sharded: stage s's parameters, gradients and optimizer state on rank s; the batch cut into M
 micro-batches (inputs read by stage 0, targets by stage S−1); ``scale_grads=True`` divides the
-summed micro-batch gradients by M.
+summed micro-batch gradients by M. The trainer steps the optimizer itself: torch's ``clip_grad_norm_``
+inside that optimizer (a step pre-hook, a subclass's ``step``) would clip each stage by its own norm,
+so it is refused at the step (``recipe.sealed_step``: LocalClipError; the first step's update undone).
 Collectives: none; send/recv of the message forward and its gradient back across each boundary
 the rank touches: M·((s < S−1) + (s > 0)) messages of (B/M, …)·b on stage s, and one broadcast of
 the loss from the last stage (b).
@@ -34,6 +36,8 @@ from torch_impl.parallel import recipe
 from torch_impl.parallel.ep import refuse_split_experts
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+CLIP_FIX = ("clip with trainer.train_step(x, y, max_norm=...) (the stages' squares summed over the pipeline), "
+            "not torch.nn.utils.clip_grad_norm_ inside the optimizer's step")
 
 
 class StageError(ValueError):
@@ -107,6 +111,7 @@ class Trainer:
         self.schedule, self.message = None, None  # built at the first step, from the checked chain
         self.clipped = False  # the last step clipped: one more all-reduce in comm_theory
         self.scaled, self._scale = False, 1.0  # the last step's loss scaler (its flag: one more all-reduce)
+        self.steps = 0  # optimizer steps taken (the first one's update is undone when it is refused)
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         return {f"{path}.{k}": p for path in self.paths[self.rank]
@@ -190,7 +195,11 @@ class Trainer:
         self.clipped = max_norm is not None
         if self.clipped:
             self.norm = recipe.clip_([p.grad for p in params], [], max_norm, self.group, self._dtype())
-        self.optimizer.step()
+        if self.n > 1:  # a clip inside the user's optimizer (its own norm per stage): refused
+            recipe.sealed_step(self.optimizer, params, "pp.pipeline", CLIP_FIX, undo=not self.steps)
+        else:
+            self.optimizer.step()
+        self.steps += 1
         if scaler is not None:
             scaler.update()
         return float(value)

@@ -37,6 +37,7 @@ apply_dtensor_plan no longer leaves: tp.replicate_unplanned). One rule for every
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Iterable
 
@@ -319,3 +320,54 @@ def check_sealed(grads: Iterable[torch.Tensor | None]) -> None:
                 "the optimizer step — torch.nn.utils.clip_grad_norm_ over what this rank holds computes the LOCAL "
                 "norm (not the model's: silently wrong), and any other in-place edit would miss the layout. Fix: "
                 f"{entry[3]}")
+
+
+# --- the step a trainer makes for its user (pp, compose): a clip inside the user's optimizer --------------
+
+
+def _fingerprint(g: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient's local norm: DTensor's in-place ops bump no version counter (checked, torch 2.13)."""
+    return torch.linalg.vector_norm(g.to_local().detach(), 2)
+
+
+@torch.no_grad()
+def sealed_step(optimizer, params: list[torch.Tensor], wrapper: str, fix: str, undo: bool = False) -> None:
+    """``optimizer.step()`` for a trainer that steps inside its own ``train_step`` (pp.pipeline, compose),
+    where the gradients are a stage's or a rank's pieces: torch's ``clip_grad_norm_`` in the user's
+    optimizer — a step pre-hook, or a subclass whose ``step()`` clips before ``super().step()`` — would
+    scale them by a LOCAL norm (each stage its own: silently wrong). The gradients are sealed as the trainer
+    made them; a pre-hook registered after the user's checks them before the update; a change made
+    inside ``step()`` itself is found after it: ``LocalClipError``. ``undo`` (the first step): the
+    parameters and the optimizer state are put back first, so nothing trained."""
+    grads = [p.grad for p in params if p.grad is not None]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    dts = [g for g in grads if isinstance(g, DTensor)]
+    seal(plain, wrapper, fix)
+    prints = [_fingerprint(g) for g in dts]
+
+    def check(*_):
+        check_sealed(plain)
+        for g, n in zip(dts, prints):
+            if not torch.equal(_fingerprint(g), n):
+                raise LocalClipError(
+                    f"{wrapper}: a gradient {tuple(g.shape)} was changed in place after {wrapper} produced it and "
+                    "before the optimizer step — torch.nn.utils.clip_grad_norm_ over what this rank holds computes "
+                    f"a LOCAL norm (not the model's: silently wrong). Fix: {fix}")
+
+    saved = None
+    if undo:
+        saved = ([p.detach().clone() for p in params], copy.deepcopy(optimizer.state_dict()))
+    handle = optimizer.register_step_pre_hook(check)  # after the user's hooks: they run first
+    try:
+        optimizer.step()
+    finally:
+        handle.remove()
+    try:
+        check()
+    except LocalClipError as e:
+        if saved is None:
+            raise LocalClipError(f"{e} (found after this step's update, which used it)") from None
+        for p, w in zip(params, saved[0]):
+            p.copy_(w)
+        optimizer.load_state_dict(saved[1])
+        raise LocalClipError(f"{e} (inside the optimizer's step(); its update was undone)") from None
