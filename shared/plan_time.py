@@ -58,8 +58,6 @@ def train_matmul_seconds(m: int, n: int, k: int, cluster: Cluster, b: int = 2, b
     return forwards * fwd + matmul_seconds(m, k, n, cluster, b, batch) + matmul_seconds(k, n, m, cluster, b, batch)
 
 
-
-
 def _strides(layout: Layout) -> dict[str, tuple[int, int]]:
     """Axis label -> (stride, size) on the device order pp, data, cp, tp (ep: the innermost part of data)."""
     t, c, d = layout.tp, layout.cp, layout.dp
