@@ -192,6 +192,7 @@ def tp_page() -> Page:
                   dtype="float64")
     O, TP, JR, JP = ("torch_impl/parallel/tp_ops.py", "torch_impl/parallel/tp.py", "jax_impl/tp.py",
                      "jax_impl/parallel/tp.py")
+    TD = "torch_impl/parallel/tp_dtensor.py"
     rows = (
         Row("Megatron's f and g", f"MLP: {ops(tp_comm(cfg, 'megatron'))} (`tp_comm`; each S = B·D·b)", (
             _ex("explicit", O, "CopyToTP", "f, before a column-parallel matmul: identity forward, `all_reduce` of "
@@ -232,9 +233,9 @@ def tp_page() -> Page:
             )),
         Row("The builtin, the compiler, the types", f"DTensor, transformer: {ops(tp_comm(tcfg, 'dtensor'))} "
             "(`tp_comm`: `loss_parallel` takes one all-reduce more)", (
-                _ex("builtin", TP, "DTENSOR_STYLES", "The same plan's styles as DTensor's parallel styles …",
+                _ex("builtin", TD, "DTENSOR_STYLES", "The same plan's styles as DTensor's parallel styles …",
                     key='"rowwise": lambda'),
-                _ex("builtin", TP, "apply_dtensor_plan", "… applied by `parallelize_module`: DTensor issues the "
+                _ex("builtin", TD, "apply_dtensor_plan", "… applied by `parallelize_module`: DTensor issues the "
                     "all-reduces.", start="parallelize_module(model, mesh", end="parallelize_module(model, mesh"),
                 _ex("jit", JR, "jit_ops", "The same places as sharding constraints (f's input and g's output "
                     "replicated, split activations on their last dim); XLA derives the all-reduces.",
