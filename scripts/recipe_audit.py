@@ -27,47 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import linecache
 import os
 import sys
 import time
-import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-TOL = 1e-12  # see the module docstring
-PROJECT = ("torch_impl", "jax_impl", "shared")
 
-
-class NotOffered(Exception):
-    """Raised by the audit itself: the API does not offer this recipe ingredient (the case is n/a)."""
-
-
-if __name__ == "__main__":  # the halves import NotOffered from "recipe_audit": the same class as here, not a copy
-    sys.modules.setdefault("recipe_audit", sys.modules[__name__])
-
-
-def classify(run) -> dict:
-    """Runs ``run() -> error``; returns {"verdict", "error" | "message"}."""
-    try:
-        err = run()
-    except NotOffered as e:
-        return {"verdict": "n/a", "message": str(e)}
-    except Exception as e:  # noqa: BLE001 - classified below
-        return {"verdict": "refused" if refused(e) else "CRASH", "message": f"{type(e).__name__}: {e}"[:400]}
-    return {"verdict": "exact" if err <= TOL else "WRONG", "error": err}
-
-
-def refused(e: BaseException) -> bool:
-    """The project's own refusal: an exception class of its packages, or a ``raise`` in its code."""
-    if type(e).__module__.split(".")[0] in PROJECT:
-        return True
-    tb = traceback.extract_tb(e.__traceback__)
-    if not tb:
-        return False
-    last = tb[-1]
-    rel = os.path.relpath(last.filename, ROOT)
-    return rel.split(os.sep)[0] in PROJECT and linecache.getline(last.filename, last.lineno).strip().startswith("raise")
+from recipe_audit_common import classify  # noqa: E402  (scripts/, put on the path above; TOL is there)
 
 
 def cell(r: dict) -> str:

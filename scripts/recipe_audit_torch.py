@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from recipe_audit import NotOffered, classify
+from recipe_audit_common import NotOffered, classify
 
 from torch_impl.launch import launch
 from torch_impl.parallel import compose, cp, dp, fsdp, pp, tp

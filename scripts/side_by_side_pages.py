@@ -96,6 +96,7 @@ def collectives_page() -> Page:
 def dp_page() -> Page:
     cfg = Config(model="mlp", layers=4, dim=16, batch=16, world_size=4, dtype="float64")
     P, F, TY = "torch_impl/parallel/dp.py", "jax_impl/parallel/fsdp.py", "jax_impl/parallel/typed.py"
+    Z = "jax_impl/parallel/zero.py"
     rows = (
         Row("DP: average the gradients", f"all-reduce Φ·b = {kib(dp_comm_bytes(cfg))} (`dp_comm_bytes`)", (
             _ex("explicit", P, "allreduce_gradients", "CS336's: after backward, one blocking `all_reduce` per "
@@ -105,9 +106,9 @@ def dp_page() -> Page:
                 end="self.next_bucket += 1"),
             _ex("builtin", "torch_impl/dp.py", "make_setup", "`DistributedDataParallel`: the same in C++.",
                 start="net = DistributedDataParallel(", end="bucket_cap_mb=cfg.bucket_mb)"),
-            _ex("shard_map", F, "Trainer._local", "The local gradients: of copies cast to varying over 'dp' …",
+            _ex("shard_map", Z, "ZeroSteps._local", "The local gradients: of copies cast to varying over 'dp' …",
                 start="mine = {k:", end="for k, a in params.items()}"),
-            _ex("shard_map", F, "Trainer._dp_step", "… averaged by one `lax.pmean`: an all-reduce.",
+            _ex("shard_map", Z, "ZeroSteps._dp_step", "… averaged by one `lax.pmean`: an all-reduce.",
                 start="grads = lax.pmean", end="grads = lax.pmean"),
             _ex("jit", F, "Trainer._jit_step", "The global loss of a batch in `P('dp')`: XLA inserts the "
                 "all-reduce (typed: the same step, its layouts as types).",
@@ -119,9 +120,9 @@ def dp_page() -> Page:
                     "rank's 1/N of their mean …", start="dist.reduce_scatter_single", end="mine.grad.div_("),
                 _ex("explicit", P, "Zero1Optimizer.update", "… AdamW on it, then an all-gather writes the new "
                     "weights into the model.", start="self.local.step()", end="dist.all_gather_single"),
-                _ex("shard_map", F, "Trainer._zero1_step", "`psum_scatter` of the flat gradient; optax on this "
+                _ex("shard_map", Z, "ZeroSteps._zero1_step", "`psum_scatter` of the flat gradient; optax on this "
                     "device's slice …", start="g = lax.psum_scatter", end="w = lax.dynamic_slice_in_dim"),
-                _ex("shard_map", F, "Trainer._zero1_step", "… then `all_gather` of the update.",
+                _ex("shard_map", Z, "ZeroSteps._zero1_step", "… then `all_gather` of the update.",
                     start="flat = lax.all_gather", end="flat = lax.all_gather"),
                 _ex("typed", TY, "TypedTrainer._step", "Gradients and weights stated in the moments' rows "
                     "`P('dp')` (a slice) …", start="g = {k: self.stated.reshard", end="w = {k: self.stated.reshard"),
@@ -138,6 +139,7 @@ def dp_page() -> Page:
 def fsdp_page() -> Page:
     cfg = Config(model="mlp", layers=4, dim=32, world_size=4, dtype="float64")
     T, F, TY = "torch_impl/parallel/fsdp.py", "jax_impl/parallel/fsdp.py", "jax_impl/parallel/typed.py"
+    Z = "jax_impl/parallel/zero.py"
     rows = (
         Row("ZeRO-3: gather each weight before use, reduce-scatter its gradient",
             f"{ops(fsdp_comm(cfg, 'zero3'))} (`fsdp_comm`: 3·Φ·b less layer 0's backward gather)", (
@@ -151,7 +153,7 @@ def fsdp_page() -> Page:
                     key='self._wait(unit)'),
                 _ex("explicit", T, "FSDP._reduce_scatter", "The gradient's async `reduce_scatter_single` into this "
                     "rank's rows.", start="out = torch.empty_like(unit.shard)", end="self._pending.append"),
-                _ex("shard_map", F, "_Gathering.__call__", "Each unit's rows `all_gather`ed at its call inside "
+                _ex("shard_map", Z, "_Gathering.__call__", "Each unit's rows `all_gather`ed at its call inside "
                     "`jax.checkpoint` (so backward gathers again); autodiff transposes each gather into the "
                     "gradient's `psum_scatter`.", start="gdef, state = nnx.split", end="return jax.checkpoint"),
             )),
@@ -160,9 +162,9 @@ def fsdp_page() -> Page:
                 "full one is dropped.", start="out = torch.empty_like(unit.shard)", end="p.grad = None"),
             _ex("explicit", T, "Zero2.all_gather_params", "After the step: every updated row block all-gathered "
                 "into the full weight.", start="for unit in self.units.values()", end="unit.full.copy_("),
-            _ex("shard_map", F, "Trainer._zero_step", "Every row-split gradient `psum_scatter`ed …",
+            _ex("shard_map", Z, "ZeroSteps._zero_step", "Every row-split gradient `psum_scatter`ed …",
                 start="grads |= {k: lax.psum_scatter", end="grads |= {k: lax.psum_scatter"),
-            _ex("shard_map", F, "Trainer._zero_step", "… and after optax, every updated row block `all_gather`ed.",
+            _ex("shard_map", Z, "ZeroSteps._zero_step", "… and after optax, every updated row block `all_gather`ed.",
                 start="mine |= {k: lax.all_gather", end="mine |= {k: lax.all_gather"),
         )),
         Row("The builtin, the compiler, the types", f"FSDP2: {ops(fsdp_comm(cfg, 'fsdp2'))} (`fsdp_comm`: it "
@@ -192,6 +194,7 @@ def tp_page() -> Page:
                   dtype="float64")
     O, TP, JR, JP = ("torch_impl/parallel/tp_ops.py", "torch_impl/parallel/tp.py", "jax_impl/tp.py",
                      "jax_impl/parallel/tp.py")
+    TD = "torch_impl/parallel/tp_dtensor.py"
     rows = (
         Row("Megatron's f and g", f"MLP: {ops(tp_comm(cfg, 'megatron'))} (`tp_comm`; each S = B·D·b)", (
             _ex("explicit", O, "CopyToTP", "f, before a column-parallel matmul: identity forward, `all_reduce` of "
@@ -232,9 +235,9 @@ def tp_page() -> Page:
             )),
         Row("The builtin, the compiler, the types", f"DTensor, transformer: {ops(tp_comm(tcfg, 'dtensor'))} "
             "(`tp_comm`: `loss_parallel` takes one all-reduce more)", (
-                _ex("builtin", TP, "DTENSOR_STYLES", "The same plan's styles as DTensor's parallel styles …",
+                _ex("builtin", TD, "DTENSOR_STYLES", "The same plan's styles as DTensor's parallel styles …",
                     key='"rowwise": lambda'),
-                _ex("builtin", TP, "apply_dtensor_plan", "… applied by `parallelize_module`: DTensor issues the "
+                _ex("builtin", TD, "apply_dtensor_plan", "… applied by `parallelize_module`: DTensor issues the "
                     "all-reduces.", start="parallelize_module(model, mesh", end="parallelize_module(model, mesh"),
                 _ex("jit", JR, "jit_ops", "The same places as sharding constraints (f's input and g's output "
                     "replicated, split activations on their last dim); XLA derives the all-reduces.",

@@ -22,14 +22,14 @@ A checkpoint is complete or absent: written into a hidden ``.tmp-`` folder, its 
 (step, config, layout, framework, and the size and SHA-256 of every file), then renamed into place.
 Files are read only inside their checkpoint folder, one run writes a run folder at a time, a checkpoint
 of another run (seed, batch, learning rate, …) is refused, ``Plan.keep`` prunes old ones, and a failed
-save is one line (shared.checkpoint_io; docs/reliability.md).
+save is one line (shared.checkpoint_io; docs/reliability.md). The checks a load passes are
+shared/checkpoint_verify.py's (``verify``, ``check_runs``), the NumPy reader of torch's DCP files
+shared/dcp_files.py's (``read_dcp``; JAX's Orbax files: shared/orbax_files.py); re-exported here.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -55,16 +55,19 @@ from shared.checkpoint_io import (  # noqa: F401
     save_error,
     walk_files,
 )
+from shared.checkpoint_verify import (  # noqa: F401 - re-exported: the checks a load passes
+    IDENTITY_FIELDS,
+    MODEL_FIELDS,
+    WRITERS,
+    check_identity,
+    check_runs,
+    data_files,
+    file_sha256,
+    verify,
+)
+from shared.dcp_files import read_dcp, read_safetensors  # noqa: F401
 
-# What must be equal for a checkpoint to load (the model's shapes and numerics). The layout (world size,
-# pattern, mesh) may differ: loading reshards.
-MODEL_FIELDS = ("model", "layers", "dim", "heads", "seq", "vocab", "experts", "dtype")
-# The run's identity beyond its shapes: what makes its numbers (the data and weights from the seed and
-# batch, AdamW's hyperparameters, MoE routing). A checkpoint of another run is refused, not continued.
-IDENTITY_FIELDS = ("seed", "batch", "lr", "beta1", "beta2", "eps", "weight_decay", "topk")
-WRITERS = {"dcp": "torch", "orbax": "jax"}  # writer -> framework; the writer's files are under <writer>/
 _STEP = re.compile(r"^step_(\d{6,})$")  # shared.checkpoint_io.STEP
-
 
 
 @dataclass(frozen=True)
@@ -253,18 +256,6 @@ def abandon(tmp: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _sha256(fd: int) -> str:
-    h = hashlib.sha256()
-    with os.fdopen(fd, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _files(folder: str) -> list[str]:
-    return [f for f in walk_files(folder) if f != MANIFEST]
-
-
 def manifest(cfg, step: int, framework: str, writer: str, layout: dict) -> dict:
     """What ``commit`` writes (files are added there): ``layout`` = {"pattern", "style", "variant",
     "world_size", "mesh"} of the run that saved; the config holds the model's shapes and the run's
@@ -294,9 +285,9 @@ def commit(tmp: str, info: dict, keep: int = 0) -> str:
         raise
     try:
         files = {}
-        for f in _files(tmp):
+        for f in data_files(tmp):
             fd, size = open_confined(tmp, f)
-            files[f] = {"bytes": size, "sha256": _sha256(fd)}
+            files[f] = {"bytes": size, "sha256": file_sha256(fd)}
         info = dict(info, files=files)
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(info, f, indent=1)
@@ -359,190 +350,6 @@ def complete(run_dir: str) -> list[tuple[int, str]]:
 def latest(run_dir: str) -> str | None:
     found = complete(run_dir)
     return found[-1][1] if found else None
-
-
-def _read_manifest(path: str) -> tuple[str, dict]:
-    mpath = os.path.join(path, MANIFEST)
-    if os.path.islink(os.path.normpath(path)):
-        raise CheckpointError(f"{path}: a symlink: a checkpoint is a folder of its run, not a link to one")
-    if not os.path.lexists(mpath):
-        raise CheckpointError(f"{path}: no {MANIFEST}: not a checkpoint, or a save that did not finish")
-    try:
-        fd, size = open_confined(path, MANIFEST)
-        if size > 1 << 24:
-            os.close(fd)
-            raise CheckpointError(f"{mpath}: {size} bytes: not a manifest of this project")
-        with os.fdopen(fd, "rb") as f:
-            info = json.loads(f.read())
-    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested past Python's stack
-        if isinstance(exc, CheckpointError):
-            raise
-        raise CheckpointError(f"{mpath}: unreadable manifest ({exc})") from None
-    if not isinstance(info, dict) or info.get("format") != FORMAT:
-        raise CheckpointError(f"{mpath}: format {info.get('format') if isinstance(info, dict) else None!r}, "
-                              f"this reads {FORMAT!r}")
-    return mpath, info
-
-
-def _byte_budget(cfg, nfiles: int) -> int:
-    """The most bytes a checkpoint of ``cfg``'s model can hold: 3 arrays per parameter in float64,
-    twice over for the formats' own layout, plus 64 KiB of headers and metadata per file and 1 MiB."""
-    from shared.problem import param_shapes
-
-    return 2 * 3 * 8 * sum(math.prod(s) for s in param_shapes(cfg).values()) + 65536 * nfiles + (1 << 20)
-
-
-def _model_of(mpath: str, saved: dict):
-    """A Config of the model the manifest describes (for its byte budget when no run's cfg is given)."""
-    from shared.config import Config
-
-    try:
-        return Config(**{k: saved[k] for k in MODEL_FIELDS if k in saved})
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{mpath}: its config is not a model of this project ({exc})") from None
-
-
-def check_identity(info: dict, cfg, where: str = "checkpoint") -> None:
-    """Refuse (one line: the field and both values) a checkpoint another run wrote: saved with other
-    model shapes or dtype (MODEL_FIELDS), or another seed, batch or AdamW setting (IDENTITY_FIELDS).
-    The layout (pattern, world size, mesh) may differ: loading reshards."""
-    saved = info.get("config") or {}
-    for k in MODEL_FIELDS:
-        if saved.get(k) != getattr(cfg, k):
-            raise CheckpointError(f"{where}: saved with {k}={saved.get(k)!r}, this run has {k}={getattr(cfg, k)!r}")
-    for k in IDENTITY_FIELDS:
-        if k not in saved:
-            raise CheckpointError(f"{where}: records no {k} (saved by an older version?): cannot tell it is this "
-                                  "run's; start without --resume or use another --checkpoint-dir")
-        if saved[k] != getattr(cfg, k):
-            raise CheckpointError(f"{where}: another run's checkpoint: saved with {k}={saved[k]!r}, this run has "
-                                  f"{k}={getattr(cfg, k)!r}")
-
-
-def verify(path: str, cfg=None) -> dict:
-    """The manifest of the checkpoint at ``path``, after checking it: complete; its step, writer and
-    framework consistent with its folder; every file it lists a plain relative name inside ``path``,
-    a regular file (no symlink on the way), of its size (from fstat, before hashing; the sizes within
-    what a model of this config can hold) and SHA-256; no other file; and (with ``cfg``) written by
-    this run (``check_identity``). CheckpointError (one line: file and mismatch) otherwise."""
-    mpath, info = _read_manifest(path)
-    if not info.get("optimizer"):
-        raise CheckpointError(f"{mpath}: no optimizer state in this checkpoint: it cannot resume AdamW")
-    step, writer = info.get("step"), info.get("writer")
-    m = _STEP.match(os.path.basename(os.path.normpath(path)))
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0 or (m and int(m.group(1)) != step):
-        raise CheckpointError(f"{mpath}: step {step!r} does not match the folder {os.path.basename(path)!r}")
-    if writer not in WRITERS or info.get("framework") != WRITERS[writer]:
-        raise CheckpointError(f"{mpath}: writer {writer!r} / framework {info.get('framework')!r}: not dcp/torch "
-                              "nor orbax/jax")
-    files = info.get("files")
-    if not isinstance(files, dict) or not all(isinstance(v, dict) and isinstance(v.get("bytes"), int)
-                                              and isinstance(v.get("sha256"), str) for v in files.values()):
-        raise CheckpointError(f"{mpath}: its file list is not {{name: {{bytes, sha256}}}}")
-    for name, meta in files.items():  # every size first (fstat): nothing is hashed before all are right
-        parts = entry_parts(path, name)
-        if len(parts) < 2 or parts[0] != writer:
-            raise CheckpointError(f"{mpath}: entry {name!r} is not under {writer}/, where its writer's files are")
-        fd, size = open_confined(path, name)
-        os.close(fd)
-        if size != meta["bytes"]:
-            raise CheckpointError(f"{os.path.join(path, name)}: {size} bytes, the manifest says {meta['bytes']} "
-                                  "(truncated or grown)")
-    budget = _byte_budget(cfg if cfg is not None else _model_of(mpath, info.get("config") or {}), len(files))
-    total = sum(meta["bytes"] for meta in files.values())
-    if total > budget:
-        raise CheckpointError(f"{mpath}: its files hold {total} bytes, a checkpoint of this model at most {budget}")
-    extra = [f for f in _files(path) if f not in files]
-    if extra:
-        raise CheckpointError(f"{os.path.join(path, extra[0])}: not in the manifest (written after the commit?)")
-    for name, meta in files.items():
-        if _sha256(open_confined(path, name)[0]) != meta["sha256"]:
-            raise CheckpointError(f"{os.path.join(path, name)}: SHA-256 differs from the manifest's (corrupted)")
-    if cfg is not None:
-        check_identity(info, cfg, mpath)
-    return info
-
-
-def check_runs(plan: Plan, runs) -> None:
-    """compare.py's check before any process starts, over the runs this invocation makes and only
-    those (another run's folder in the same --checkpoint-dir is not looked at): ``runs`` =
-    [(framework, pattern, style, variant, cfg)]. A run folder another process is writing is refused
-    (its lock holder named); with ``plan.resume``, the checkpoint each run would start from is verified
-    against its own cfg (files, shapes, identity); the checkpoint folder, a run folder, or a folder
-    of the project's in it (step_N, .tmp-step_N, .old-step_N, .lock) that is a symlink is refused.
-    CheckpointError, one line."""
-    for framework, pattern, style, variant, cfg in runs:
-        run_dir = plan.run_dir(framework, pattern, style, variant, cfg)
-        check_run_folder(run_dir)  # no symlink where a folder of the run goes (nothing written through one)
-        holder = lock_holder(run_dir) if plan.writes else None
-        if holder:
-            raise CheckpointError(f"{run_dir}: another run is writing this checkpoint folder ({holder}): wait for "
-                                  "it to end, or give another --checkpoint-dir")
-        path = plan.source(run_dir, cfg.steps)
-        if path is not None:
-            verify(path, cfg)
-
-
-# --- safetensors, read with NumPy: how JAX reads what torch's DCP wrote (HuggingFaceStorageWriter) ---
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
-              "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
-
-
-def read_safetensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """({name: array}, the header's __metadata__) of one .safetensors file (little-endian: an 8-byte
-    header length, a JSON header {name: {dtype, shape, data_offsets}}, then the bytes)."""
-    with open(path, "rb") as f:
-        blob = f.read()
-    if len(blob) < 8:
-        raise CheckpointError(f"{path}: {len(blob)} bytes: truncated")
-    n = int.from_bytes(blob[:8], "little")
-    if 8 + n > len(blob):
-        raise CheckpointError(f"{path}: header of {n} bytes past the end of the file: truncated")
-    try:
-        header = json.loads(blob[8:8 + n])
-    except (ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{path}: unreadable header ({exc})") from None
-    meta, out, data = header.pop("__metadata__", {}) or {}, {}, memoryview(blob)[8 + n:]
-    for name, h in header.items():
-        if h["dtype"] not in _ST_DTYPES:
-            raise CheckpointError(f"{path}: {name} has dtype {h['dtype']}, not readable with NumPy")
-        begin, end = h["data_offsets"]
-        if end > len(data):
-            raise CheckpointError(f"{path}: {name} ends past the end of the file: truncated")
-        dt = np.dtype(_ST_DTYPES[h["dtype"]]).newbyteorder("<")
-        out[name] = np.frombuffer(data[begin:end], dtype=dt).reshape(h["shape"]).astype(dt.newbyteorder("="))
-    return out, meta
-
-
-def read_dcp(folder: str) -> dict[str, np.ndarray]:
-    """The whole arrays of a DCP checkpoint written with HuggingFaceStorageWriter(save_distributed=True):
-    one safetensors file per rank, each holding that rank's chunk of every array and, in its header's
-    __metadata__["DCP_SHARDING_INFO"], each chunk's offset in the whole array. NumPy only (no torch)."""
-    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")) if os.path.isdir(folder) else []
-    if not files:
-        raise CheckpointError(f"{folder}: no .safetensors files (not a DCP checkpoint of this project)")
-    chunks: dict[str, list] = {}
-    for name in files:
-        path = os.path.join(folder, name)
-        arrays, meta = read_safetensors(path)
-        try:
-            info = json.loads(meta.get("DCP_SHARDING_INFO", "{}"))
-        except (ValueError, RecursionError):
-            raise CheckpointError(f"{path}: unreadable DCP_SHARDING_INFO") from None
-        for key, a in arrays.items():
-            offset = info.get(key, {}).get("saved_offsets", [0] * a.ndim)
-            chunks.setdefault(key, []).append((tuple(offset), a))
-    out = {}
-    for key, parts in chunks.items():
-        shape = tuple(max(o[d] + a.shape[d] for o, a in parts) for d in range(parts[0][1].ndim))
-        whole, seen = np.zeros(shape, parts[0][1].dtype), np.zeros(shape, bool)
-        for o, a in parts:
-            where = tuple(slice(o[d], o[d] + a.shape[d]) for d in range(a.ndim))
-            whole[where], seen[where] = a, True
-        if not seen.all():
-            raise CheckpointError(f"{folder}: {key}: chunks cover {int(seen.sum())} of {seen.size} elements")
-        out[key] = whole
-    return out
 
 
 def read_state(path: str, info: dict) -> State:
