@@ -139,6 +139,7 @@ def dp_page() -> Page:
 def fsdp_page() -> Page:
     cfg = Config(model="mlp", layers=4, dim=32, world_size=4, dtype="float64")
     T, F, TY = "torch_impl/parallel/fsdp.py", "jax_impl/parallel/fsdp.py", "jax_impl/parallel/typed.py"
+    Z2 = "torch_impl/parallel/zero.py"  # Zero2 and the Units
     Z = "jax_impl/parallel/zero.py"
     rows = (
         Row("ZeRO-3: gather each weight before use, reduce-scatter its gradient",
@@ -158,9 +159,9 @@ def fsdp_page() -> Page:
                     "gradient's `psum_scatter`.", start="gdef, state = nnx.split", end="return jax.checkpoint"),
             )),
         Row("ZeRO-2: gradients and state split, weights whole", f"{ops(fsdp_comm(cfg, 'zero2'))} (`fsdp_comm`)", (
-            _ex("explicit", T, "Zero2._reduce_scatter", "Each full gradient reduce-scattered as it completes; the "
+            _ex("explicit", Z2, "Zero2._reduce_scatter", "Each full gradient reduce-scattered as it completes; the "
                 "full one is dropped.", start="out = torch.empty_like(unit.shard)", end="p.grad = None"),
-            _ex("explicit", T, "Zero2.all_gather_params", "After the step: every updated row block all-gathered "
+            _ex("explicit", Z2, "Zero2.all_gather_params", "After the step: every updated row block all-gathered "
                 "into the full weight.", start="for unit in self.units.values()", end="unit.full.copy_("),
             _ex("shard_map", Z, "ZeroSteps._zero_step", "Every row-split gradient `psum_scatter`ed …",
                 start="grads |= {k: lax.psum_scatter", end="grads |= {k: lax.psum_scatter"),
