@@ -48,6 +48,9 @@ class Trained:
     # The first step this run trained (a run resumed from a checkpoint of step K starts at K): its
     # ``losses`` are those of steps K.., and ``grads0`` is empty unless it ran step 0.
     start_step: int = 0
+    # Seconds the run spent compiling its step (JAX: lower + compile; torch compiled: the first step minus the
+    # median step, i.e. dynamo + inductor or a cache load); None for an eager run.
+    compile_s: float | None = None
 
 
 def comm_bytes(comm: dict[str, dict[str, int]]) -> int:
@@ -282,6 +285,7 @@ class RunResult:
     fallback: str | None = None
     start_step: int = 0  # resumed from a checkpoint of this step: ``losses`` are those of the steps it ran
     recipe: dict[str, Any] | None = None  # shared.recipe.describe: what the step applied (None: plain AdamW)
+    compile_s: float | None = None  # seconds compiling the step (Trained.compile_s); None: an eager run
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -362,6 +366,7 @@ def make_result(
         fallback=run.where.get("fallback"),
         start_step=run.start_step,
         recipe=describe_recipe(cfg) if hasattr(cfg, "accumulate") else None,
+        compile_s=run.compile_s,
         **errors,
     )
 

@@ -35,6 +35,7 @@ from shared.problem import make_problem
 from shared.results import Trained, floor_extra, mixed_extra, needs_floor
 from torch_impl import checkpoint as ckpt
 from torch_impl import reference
+from torch_impl.compiled import CompiledRun
 from torch_impl.launch import RankContext
 from torch_impl.model import autocast, optimizer_state_bytes, tensor_bytes
 
@@ -60,6 +61,8 @@ class Setup:
         tensor_bytes(grads()), optimizer_state_bytes(optimizer).
     before_step: called before every step, outside the timer and the ledger (e.g. a barrier
         that gives every rank's pipeline timeline a common start).
+    compiled: the ``compiled`` style: the module paths compiled; the loop then runs the step as
+        torch_impl.compiled.CompiledRun says (first step compiles, later ones must not recompile).
     scaler: --dtype float16: the run's LossScaler (torch_impl/recipe.loss_scaler), which
         ``forward_backward`` scales by and ``update`` unscales / skips with; the loop records its final
         scale and skipped steps (``extra["loss_scale"]``, ``extra["skipped_steps"]``).
@@ -79,6 +82,7 @@ class Setup:
     extra: dict[str, Any] = field(default_factory=dict)
     grads_fixture: Callable[[list[torch.Tensor]], list[np.ndarray]] | None = None
     scaler: Any = None
+    compiled: list[str] | None = None  # the compiled style: the units torch.compile'd (torch_impl/compiled.py)
 
 
 class _Saved:
@@ -181,13 +185,18 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
     if session and (session.moments or session.plan):
         where = f"torch {session.layout['pattern']} {session.layout['style']}/{session.layout['variant']}"
         ckpt.restore(setup, session, where) if session.moments else ckpt.moments_fixture(setup, where)
+    run = CompiledRun(setup.compiled, setup.params) if setup.compiled is not None else None  # the compiled style
     for k in range(start, cfg.steps):
         last = k == cfg.steps - 1
         if setup.before_step:
             setup.before_step()
-        with ctx.ledger.recording() if last else contextlib.nullcontext():
+        # compiled: its own ledger (the profiler's: a dispatch mode would not run the compiled code)
+        with (run.recording() if run else ctx.ledger.recording()) if last else contextlib.nullcontext(), \
+                run.step(k == start) if run else contextlib.nullcontext():
             t0 = time.perf_counter()
-            with meter.recording() if k == start else contextlib.nullcontext(), autocast(cfg, ctx.device):
+            # compiled: no saved-tensor hooks while it traces (the activation meter is eager-only)
+            with meter.recording() if k == start and run is None else contextlib.nullcontext(), \
+                    autocast(cfg, ctx.device):
                 loss = setup.forward_backward()  # mixed precision: under autocast (float32 params and grads)
             if k == 0:
                 unscale = 1.0 if setup.scaler is None else setup.scaler.get_scale() / setup.scaler.share  # float16
@@ -197,8 +206,8 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
             loss.item()  # waits for the device, so the step time is real on GPU too
             step_times.append(time.perf_counter() - t0)
         if last:
-            comm = ctx.ledger.summary()
-            by_axis = ctx.ledger.by_axis() if ctx.ledger.labels else None  # the mesh pattern labels its groups
+            comm = run.comm if run else ctx.ledger.summary()
+            by_axis = ctx.ledger.by_axis() if ctx.ledger.labels and not run else None  # the mesh labels its groups
         if k == 0:
             grads0 = (setup.grads_fixture or setup.fixture)(grads0)  # the check's gathers: outside every ledger
         losses.append(reported_loss(loss, setup.loss_reduction, setup.group))
@@ -214,7 +223,11 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
     state = setup.state() if setup.state else {
         "params": tensor_bytes(setup.params), "grads": tensor_bytes(g for g in setup.grads() if g is not None),
         "optimizer": optimizer_state_bytes(setup.optimizer)}
-    extra = dict(setup.extra, activation_bytes=meter.peak)
+    extra = dict(setup.extra, activation_bytes=meter.peak if run is None else None)
+    compile_s = None
+    if run:
+        extra.update(run.extra(step_times))
+        compile_s = extra.pop("compile_s")
     if setup.scaler is not None:  # float16: the check requires the reference's skipped steps
         extra.update(loss_scale=setup.scaler.get_scale(), skipped_steps=list(setup.scaler.skipped_at))
     if by_axis is not None:
@@ -226,7 +239,7 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
         extra["peak_bytes_baseline"] = baseline  # allocated when it began (not this run's)
     return Trained(losses=losses, grads0=grads0, params=setup.fixture(setup.params), step_times=step_times,
                    comm=comm, comm_theory=setup.comm_theory, state_bytes=state, extra=extra, where=ctx.where,
-                   start_step=start)
+                   start_step=start, compile_s=compile_s)
 
 
 def _reference(cfg: Config, device, casts: str = "autocast"):
