@@ -519,6 +519,7 @@ def _main(argv=None) -> int:
         shown.collectives_table(rows, args.show_collectives, console)
     else:
         report.print_table(rows, cfgs, console, wide=args.wide)
+    report.compile_lines(rows, console)
     if args.recompute != "none":
         report.recompute_lines(rows, cfgs, console)
     if "pp" in args.patterns and not args.show_collectives:

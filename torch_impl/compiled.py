@@ -13,7 +13,8 @@ fsdp.py, tp.py, pp.py, mesh.py) and mark the Setup ``compiled``; harness.train_l
     compiled/megatron     the hand-written Megatron f/g (autograd Functions over dist.all_reduce), each block
                           compiled: dynamo rewrites dist.all_reduce into the same functional collective
     compiled/<schedule>   torch.distributed.pipelining with each stage compiled; send/recv stay eager
-    compiled/<layout>     the mesh: FSDP2 + DTensor TP + pipelining with each block compiled
+                          (not zb: VARIANT_REFUSALS)
+The N-D mesh: compose.parallelize(compile=True) (library), not a compare.py row (MESH_REFUSAL).
 
 A compiled run's row: ``compile_s`` (the first step's time minus the median step: dynamo + inductor, or a
 cache load); extra ``compiled`` (units, graphs, graph breaks, inductor's collective-changing passes on),
@@ -56,11 +57,16 @@ VARIANT_REFUSALS = {
 }
 
 
+MESH_REFUSAL = (
+    "mesh compiled: no compare.py row: the N-D ledger splits every collective by the mesh axis of its process group, "
+    "and of a compiled step torch shows the collectives only through its profiler, which records no process group "
+    "(a TorchDispatchMode, the eager ledger, makes dynamo run the units eagerly instead); the compiled layout runs "
+    "through compose.parallelize(compile=True) (examples/compose_torch.py --compile), its ledger summed over axes")
+
+
 def refusal(pattern: str, cfg=None) -> str | None:
     """Why the compiled style has no row for ``pattern`` (None: it has)."""
-    if pattern == "mesh" and cfg is not None and cfg.axis("cp") > 1:
-        return "mesh compiled: " + REFUSALS["cp"].removeprefix("cp compiled: ")
-    return REFUSALS.get(pattern)
+    return MESH_REFUSAL if pattern == "mesh" else REFUSALS.get(pattern)
 
 
 def begin(device_type: str) -> None:
