@@ -48,7 +48,8 @@ def five_styles(rows, pattern, model, console) -> None:
     cols = [c for c in STYLE_COLUMNS.values() if any(k[1] == c for k in cell)]
     if not ideas:
         return
-    table = Table(title=f"one {pattern} step on the {model}, five ways of writing it (per rank: count × payload)")
+    ways = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}.get(len(cols), str(len(cols)))
+    table = Table(title=f"one {pattern} step on the {model}, {ways} ways of writing it (per rank: count × payload)")
     table.add_column("idea", no_wrap=True)
     table.add_column("collective", no_wrap=True)
     for c in cols:

@@ -103,7 +103,7 @@ def test_compiled_dtensor_tp_runs_compiled_code_equal_to_the_reference_and_theor
     assert row.ok and max(row.max_rel_err_loss, row.max_rel_err_grad, row.max_rel_err_param) <= 1e-12, row
     assert row.comm == builtin.comm and row.comm_bytes == row.comm_bytes_theory == tp_comm_bytes(cfg, "dtensor")
     assert row.extra["comm_compiled"] == row.comm and row.extra["comm_eager"] == {}  # every one compiled
-    assert {p["pass"] for p in row.extra["programs"]} == {"forward", "backward"}
+    assert {p["pass"] for p in row.extra["programs"]} == {"forward"}  # layer 0's input needs no gradient: no f
     info = row.extra["compiled"]
     assert info["units"] == ["layers.0", "layers.1"] and info["graphs"] >= 2 and info["graph_breaks"] == {}
     assert row.compile_s is not None and row.compile_s > 0

@@ -113,6 +113,7 @@ class CompiledRun:
         return {"compile_s": max(0.0, first - float(np.median(rest))) if rest else first,
                 "compiled": {"units": self.units, "graphs": self.watch.graphs if self.watch else None,
                              "graph_breaks": self.watch.breaks if self.watch else {},
+                             "fx_graph_cache": self.watch.cache if self.watch else {},
                              "comm_passes": lib.comm_passes()},
                 "comm_compiled": self.rec.compiled if self.rec else {},
                 "comm_eager": self.rec.eager if self.rec else {},

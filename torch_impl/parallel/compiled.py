@@ -106,12 +106,14 @@ def _counters() -> dict:
     from torch._dynamo.utils import counters
 
     return {"graphs": counters["stats"]["unique_graphs"], "frames": counters["frames"]["ok"],
-            "breaks": dict(counters["graph_break"])}
+            "breaks": dict(counters["graph_break"]), "cache_hits": counters["inductor"]["fxgraph_cache_hit"],
+            "cache_misses": counters["inductor"]["fxgraph_cache_miss"]}
 
 
 class Watch:
-    """What dynamo compiled while the block ran: ``graphs`` (new graphs), ``frames`` (frames compiled) and
-    ``breaks`` ({reason: count}: where a unit's trace stopped and ran the rest eagerly)."""
+    """What dynamo compiled while the block ran: ``graphs`` (new graphs), ``frames`` (frames compiled),
+    ``breaks`` ({reason: count}: where a unit's trace stopped and ran the rest eagerly) and ``cache`` (inductor's
+    FX graph cache: {"hits", "misses"}, forward and backward graphs apart)."""
 
     def __enter__(self):
         self._before = _counters()
@@ -123,6 +125,8 @@ class Watch:
         self.frames = after["frames"] - self._before["frames"]
         self.breaks = {k.split("\n")[0][:160]: v - self._before["breaks"].get(k, 0)
                        for k, v in after["breaks"].items() if v > self._before["breaks"].get(k, 0)}
+        # inductor's FX graph cache: graphs loaded from it (a warm cache: no C++ compile) and graphs compiled
+        self.cache = {k: after[f"cache_{k}"] - self._before[f"cache_{k}"] for k in ("hits", "misses")}
         return False
 
 

@@ -87,7 +87,7 @@ class Recording:
                 entry["count"] += 1
                 entry["bytes"] += nbytes
             if call is not None:
-                backward = call.cpu_parent is not None and "Backward" in call.cpu_parent.name
+                backward = any("Backward" in a.name for a in _ancestors(call))
                 key = (call.name[len(CALL):].split(" ")[0][:12], "backward" if backward else "forward")
                 calls.setdefault(id(call), (key, []))[1].append(name)
         runs: dict[tuple, int] = {}
@@ -117,21 +117,18 @@ class Recording:
 
     @staticmethod
     def _under_functional(e) -> bool:
-        p = e.cpu_parent
-        while p is not None:
-            if p.name.startswith("_c10d_functional::"):
-                return True
-            p = p.cpu_parent
-        return False
+        return any(a.name.startswith("_c10d_functional::") for a in _ancestors(e))
 
     @staticmethod
     def _compiled_call(e):
-        p = e.cpu_parent
-        while p is not None:
-            if p.name.startswith(CALL):
-                return p
-            p = p.cpu_parent
-        return None
+        return next((a for a in _ancestors(e) if a.name.startswith(CALL)), None)
+
+
+def _ancestors(e):
+    p = e.cpu_parent
+    while p is not None:
+        yield p
+        p = p.cpu_parent
 
 
 @contextlib.contextmanager
