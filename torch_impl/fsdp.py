@@ -78,7 +78,7 @@ def fsdp2_model(model: nn.Module, ctx: RankContext, cfg: Config | None = None, c
     for block in getattr(model, "blocks", None) or model.layers:
         fully_shard(block, mesh=mesh, **mp)  # one all-gather / reduce-scatter group per block
         if compile:  # the block's compute compiled; FSDP2's hooks (gathers, reduce-scatters) stay eager
-            block.compile()
+            compiled.compile_units(block, [""])
     fully_shard(model, mesh=mesh, **mp)  # root: the embeddings, final norm and head (MLP: nothing)
     return model
 

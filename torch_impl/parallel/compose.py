@@ -101,7 +101,8 @@ class Trainer:
                                "(its tokens' global positions); fix: give the module one (parallel/llama.py Stage)")
         self.styles = apply_tp(self.module, plan, mesh["tp"], style) if self.t > 1 and plan else {}
         # compile=True: each unit compiled after tp, before FSDP (torchtitan's order); parallel/compiled.py
-        self.compiled = compiled.compile_units(self.module, units) if compile else None
+        self.compiled = compiled.compile_units(self.module, units if compile is True else compile) if compile \
+            else None
         self._steps = 0
         grad_axes = [a for a in (self.data, "cp") if ax(a) > 1]
         self.grad_mesh, self.grad_group = group_over(mesh, grad_axes)
@@ -323,11 +324,12 @@ class Trainer:
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, plan: dict[str, str] | None = None,
                 stage: Callable | None = None, units: list[str] = (), loss: Callable = cross_entropy,
                 optimizer: Callable, microbatches: int = 2, style: str = "builtin", cp: str = "ring",
-                schedule: str = "gpipe", compile: bool = False) -> Trainer:
+                schedule: str = "gpipe", compile: bool | list[str] = False) -> Trainer:
     """dp|fsdp × pp × cp × tp on ``mesh`` (dims named from AXES) for ``model``: the module docstring.
     ``optimizer(params)`` builds the optimizer over this rank's (sharded) trainable parameters.
-    ``compile``: torch.compile each of ``units`` on this stage (parallel/compiled.py): the first step compiles
-    (a step that compiles nothing is refused), a later step that would recompile raises."""
+    ``compile``: True compiles each of ``units`` on this stage, a list of globs those modules instead
+    (parallel/compiled.py); the first step compiles (a step that compiles nothing is refused), a later step that
+    would recompile raises."""
     check(sizes(mesh), style, loss, plan)
     refuse_split_experts(model.named_parameters(), "compose")
     if sizes(mesh).get("pp", 1) > 1 and stage is None:
