@@ -170,6 +170,9 @@ def check_styles(args, cfgs) -> None:
     from parallel_twins.runs import chosen_variants, compiled_notes, compiled_refusal, typed_refusal
 
     compiled = "compiled" in args.styles and "torch" in args.frameworks
+    if compiled and compiled_unbuilt(args, cfgs):
+        raise ValueError(f"--styles compiled: not built with {compiled_unbuilt(args, cfgs)} (untested under "
+                         "torch.compile: no row is reported that was not checked); drop it, or the compiled style")
     for pattern in (p for p in args.patterns if p != "collectives"):
         if compiled and compiled_notes(pattern):  # a variant torch cannot compile: said once, the rest run
             print(f"compare.py: note: {compiled_notes(pattern)}", file=sys.stderr)
@@ -192,11 +195,22 @@ def check_styles(args, cfgs) -> None:
     args.frameworks = [fw for fw in args.frameworks if runs_any(fw)]  # --styles typed: JAX alone
 
 
-def default_styles(args) -> None:
+def compiled_unbuilt(args, cfgs) -> str | None:
+    """What the compiled style is not built for (the recipe flags, float16's loss scaling, checkpoints), or None."""
+    cfg = cfgs[0] if cfgs else None
+    if cfg is not None and cfg.recipe_active:
+        return "the recipe flags (--clip, --accumulate, --schedule, --decay-mask, --freeze, --recipe)"
+    if cfg is not None and cfg.dtype == "float16":
+        return "--dtype float16 (dynamic loss scaling)"
+    return "--checkpoint-dir" if args.checkpoint_dir is not None else None
+
+
+def default_styles(args, cfgs=()) -> None:
     """--styles not given: every style but torch's compiled one on CPU (torch.compile of every pattern costs
     minutes on a few shared cores: compare.py --styles compiled asks for it), every style on a GPU node
     (where torch runs on CUDA: the compiled rows belong beside JAX's jit there)."""
-    if args.styles is not None or "torch" not in args.frameworks or args.device == "cpu":
+    if args.styles is not None or "torch" not in args.frameworks or args.device == "cpu" or \
+            compiled_unbuilt(args, cfgs):
         return
     from shared.env import local_gpu_count  # the driver's count: loads neither framework's CUDA libraries
 
@@ -439,7 +453,7 @@ def _main(argv=None) -> int:
         # --- end multi-process JAX ---
         check_devices(args.frameworks, cfg.world_size, args.device)
         plan = checkpoint_plan(args, cfgs)
-        default_styles(args)
+        default_styles(args, cfgs)
         check_styles(args, cfgs)
         recipe_notes(args, cfgs)
     except (ArgumentError, ValueError) as exc:
