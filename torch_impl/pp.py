@@ -304,8 +304,9 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     if style == "compiled":
         compiled.begin(ctx.device.type)
     chunks = [build_stage(cfg, problem, c * S + s, ctx.device, S * v) for c in range(v)]
-    units = [compiled.compile_units(chunk, [""]) and f"stage {c * S + s}" for c, chunk in enumerate(chunks)] \
-        if style == "compiled" else None  # each stage compiled whole
+    units = None
+    if style == "compiled":  # each stage compiled whole
+        units = [f"stage {c * S + s}" for c, chunk in enumerate(chunks) if compiled.compile_units(chunk, [""])]
     named = [(c, name, p) for c, chunk in enumerate(chunks) for name, p in chunk.named_parameters()]
     opt = make_optimizer([p for *_, p in named], cfg)
     x, y = inputs(cfg, problem, ctx.device), targets(cfg, problem, ctx.device)  # (B, D) / (B, T), (B, T)
