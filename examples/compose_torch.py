@@ -6,6 +6,7 @@ NumPy weights (shared/llama.py) with the same data, loss and optimizer, so both 
     python examples/compose_torch.py --layout dp=2,tp=2,cp=2                       # 8 ranks
     python examples/compose_torch.py --layout fsdp=2,tp=2 --style explicit          # 4 ranks
     python examples/compose_torch.py --family qwen2 --vocab 97 --plan auto --layout fsdp=2,tp=2 --style explicit
+    python examples/compose_torch.py --layout fsdp=2,tp=2 --compile                 # each layer torch.compile'd
 
 ``--family qwen2``: transformers' Qwen2ForCausalLM (q/k/v biases, grouped-query attention), the same weights
 plus random q/k/v biases; ``--plan auto``: the model's own tp plan (``config.base_model_tp_plan``, prefixed,
@@ -53,6 +54,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from shared import llama as shared_llama  # noqa: E402
 from torch_impl.launch import launch  # noqa: E402
+from torch_impl.parallel import compiled_ledger  # noqa: E402
 from torch_impl.parallel.compose import cross_entropy, parallelize  # noqa: E402
 from torch_impl.parallel.llama import TP_PLAN, Stage, cp_attention, full_precision  # noqa: E402
 from torch_impl.parallel.recipe import LocalClipError  # noqa: E402
@@ -133,7 +135,16 @@ def train(layout: dict[str, int], style: str, shape, ledger=None, **pp):
             return str(e), {}, {}
     losses = [trainer.train_step(tokens, targets, max_norm) for _ in range(STEPS - 1)]  # glue
     comm = {}
-    if ledger is not None:
+    if ledger is not None and trainer.compiled:  # compiled: the profiler's ledger (a dispatch mode runs eagerly)
+        with compiled_ledger.recording(torch.float64) as rec:
+            losses.append(trainer.train_step(tokens, targets, max_norm))
+        theory: dict[str, list[int]] = {}
+        for ops in trainer.comm_theory().values():  # the theory's axes summed: the profiler sees no groups
+            for op, (n, nbytes) in ops.items():
+                theory[op] = [theory.get(op, [0, 0])[0] + n, theory.get(op, [0, 0])[1] + nbytes]
+        comm = {"total": {op: [v["count"], v["bytes"]] for op, v in rec.comm.items()}, "theory_total": theory,
+                "compiled": rec.compiled, "eager": rec.eager, "programs": rec.programs}
+    elif ledger is not None:
         current = {g.group_name: label for g, label in trainer.labels().items()}
         ledger.label_groups(_LABELS | current)
         _LABELS.update({k: v for k, v in current.items() if k != torch.distributed.group.WORLD.group_name})
@@ -212,15 +223,23 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=64, help="V (explicit tp pads one it does not divide)")
     parser.add_argument("--plan", default="llama", choices=("llama", "auto"),
                         help="parallel/llama.py's TP_PLAN or the model's own (config.base_model_tp_plan)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each decoder layer (parallelize(compile=True): parallel/compiled.py)")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
     opts = {"schedule": args.schedule, "family": args.family, "vocab": args.vocab} | (
-        {"plan": "auto"} if args.plan == "auto" else {})
+        {"plan": "auto"} if args.plan == "auto" else {}) | ({"compile": True} if args.compile else {})
     result = run([(parse_layout(args.layout), args.style, opts)])[0]
-    agree = all(c["theory"].get(a) == ops for c in result["comm_per_rank"] for a, ops in c["ledger"].items()
-                if a in c["theory"])
+    if args.compile:  # the profiler's ledger: totals (no process group), each op's count and bytes
+        agree = all(c["total"] == {op: c["theory_total"][op] for op in c["total"] if op in c["theory_total"]}
+                    and set(c["total"]) == set(c["theory_total"]) for c in result["comm_per_rank"])
+        what = "theory (summed over axes) == the compiled step's ledger on every rank"
+    else:
+        agree = all(c["theory"].get(a) == ops for c in result["comm_per_rank"] for a, ops in c["ledger"].items()
+                    if a in c["theory"])
+        what = "theory per axis == ledger on every rank (axes derived)"
     print(json.dumps({k: v for k, v in result.items() if k != "comm_per_rank"}, indent=1))
-    print(f"theory per axis == ledger on every rank (axes derived): {agree}")
+    print(f"{what}: {agree}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -119,8 +119,10 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
         raise checkpoints.Probed(setup.state[0])
     if s is not None and (s.mu is not None or s.plan.every or s.plan.save_at):
         checkpoints.check_layout(setup, s.what)  # refused before training, not at the first save
+    t_compile = time.perf_counter()
     compiled = setup.step.lower(*setup.state, *setup.batch).compile(  # outside the timed loop
         compiler_options=compiler_options(cfg, setup.compiler_options))  # mixed: no excess precision (model.py)
+    compile_s = time.perf_counter() - t_compile  # trace + lower + XLA compile (or its cache) of the whole step
     if s is not None and s.mu is not None:  # resumed: the same program as from step 0, its state placed as
         placed = compiled.input_shardings[0][:len(setup.state)]  # that program takes it (as at step K)
         setup.state, start = checkpoints.restore(setup, s.start, s.mu, s.nu, s.what, placed), s.start
@@ -171,7 +173,7 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
     placed = sorted({d for leaf in jax.tree.leaves(state) for d in leaf.sharding.device_set}, key=lambda d: d.id)
     return Trained(losses=losses, grads0=grads0, params=params, step_times=step_times,
                    comm=comm, comm_theory=setup.comm_theory, state_bytes=state_bytes, extra=extra,
-                   where=devices_where(placed), start_step=start, timed=timed)
+                   where=devices_where(placed), start_step=start, timed=timed, compile_s=compile_s)
 
 
 # compare.py bench --overhead (parallel_twins/overhead.py), as torch_impl.harness's: after a run, this many

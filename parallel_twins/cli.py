@@ -69,7 +69,8 @@ from shared.collectives import BENCH_OPS, BENCH_SIZES  # NumPy only: safe before
 from shared.config import MODELS, PATTERNS, RECOMPUTE, format_mesh, parse_mesh
 from shared.env import simulate_host_devices, use_compile_cache
 
-STYLES = ("explicit", "builtin", "shard_map", "typed", "jit")  # torch's two, JAX's three
+# torch's three (compiled: torch.compile over the builtins, run when asked for or on a GPU node), JAX's three
+STYLES = ("explicit", "builtin", "compiled", "shard_map", "typed", "jit")
 MAX_TIMEOUT_S = 7 * 24 * 3600  # --timeout: a week at most (torch takes it as a C int of milliseconds)
 
 
@@ -176,13 +177,24 @@ def check_styles(args, cfgs) -> None:
     for the typed style, JAX's reason (a layout that cannot be written in types)."""
     if not args.styles:
         return
-    from parallel_twins.runs import chosen_variants, typed_refusal
+    from parallel_twins.runs import chosen_variants, compiled_notes, compiled_refusal, typed_refusal
 
+    compiled = "compiled" in args.styles and "torch" in args.frameworks
+    if compiled and compiled_unbuilt(args, cfgs):
+        raise ValueError(f"--styles compiled: not built with {compiled_unbuilt(args, cfgs)} (untested under "
+                         "torch.compile: no row is reported that was not checked); drop it, or the compiled style")
     for pattern in (p for p in args.patterns if p != "collectives"):
+        if compiled and compiled_notes(pattern):  # a variant torch cannot compile: said once, the rest run
+            print(f"compare.py: note: {compiled_notes(pattern)}", file=sys.stderr)
         for cfg in cfgs_for(cfgs, pattern):
+            refused = compiled_refusal(pattern, cfg) if compiled else None
             if any(chosen_variants(fw, pattern, cfg, args.styles) for fw in args.frameworks):
+                if refused:  # the other styles asked for run it: say once why torch compiled does not
+                    print(f"compare.py: note: {refused}", file=sys.stderr)
                 continue
             reason = typed_refusal(pattern, cfg) if "typed" in args.styles and "jax" in args.frameworks else None
+            if refused:
+                raise ValueError(f"--styles compiled: {refused}")
             if reason:
                 raise ValueError(f"--styles typed: {reason}")
             have = sorted({s for fw in args.frameworks for s, _ in chosen_variants(fw, pattern, cfg)})
@@ -191,6 +203,29 @@ def check_styles(args, cfgs) -> None:
     runs_any = lambda fw: any(chosen_variants(fw, p, c, args.styles) for p in args.patterns if p != "collectives"
                               for c in cfgs_for(cfgs, p))
     args.frameworks = [fw for fw in args.frameworks if runs_any(fw)]  # --styles typed: JAX alone
+
+
+def compiled_unbuilt(args, cfgs) -> str | None:
+    """What the compiled style is not built for (the recipe flags, float16's loss scaling, checkpoints), or None."""
+    cfg = cfgs[0] if cfgs else None
+    if cfg is not None and cfg.recipe_active:
+        return "the recipe flags (--clip, --accumulate, --schedule, --decay-mask, --freeze, --recipe)"
+    if cfg is not None and cfg.dtype == "float16":
+        return "--dtype float16 (dynamic loss scaling)"
+    return "--checkpoint-dir" if args.checkpoint_dir is not None else None
+
+
+def default_styles(args, cfgs=()) -> None:
+    """--styles not given: every style but torch's compiled one on CPU (torch.compile of every pattern costs
+    minutes on a few shared cores: compare.py --styles compiled asks for it), every style on a GPU node
+    (where torch runs on CUDA: the compiled rows belong beside JAX's jit there)."""
+    if args.styles is not None or "torch" not in args.frameworks or args.device == "cpu" or \
+            compiled_unbuilt(args, cfgs):
+        return
+    from shared.env import local_gpu_count  # the driver's count: loads neither framework's CUDA libraries
+
+    if local_gpu_count() > 0:
+        args.styles = list(STYLES)
 
 
 def recipe_notes(args, cfgs) -> list[str]:
@@ -470,6 +505,7 @@ def _main(argv=None) -> int:
         # --- end multi-process JAX ---
         check_devices(args.frameworks, cfg.world_size, args.device)
         plan = checkpoint_plan(args, cfgs)
+        default_styles(args, cfgs)
         check_styles(args, cfgs)
         recipe_notes(args, cfgs)
     except (ArgumentError, ValueError) as exc:
@@ -558,6 +594,7 @@ def _main(argv=None) -> int:
             console.print("step ms: torch's ranks ran while JAX compiled, on the same cores (--sequential: one "
                           "framework at a time; compare.py bench --overhead: each step alone and bare)", style="dim",
                           highlight=False)
+    report.compile_lines(rows, console)
     if args.recompute != "none":
         report.recompute_lines(rows, cfgs, console)
     if "pp" in args.patterns and not args.show_collectives:

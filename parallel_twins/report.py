@@ -376,6 +376,22 @@ def recompute_lines(rows, cfgs, console) -> None:
                       + (f" (theory {fmt_bytes(theory)}{', equal' if theory == measured else ''})" if theory else ""))
 
 
+def compile_lines(rows, console) -> None:
+    """One line: the seconds each compiled style spent compiling its step (RunResult.compile_s; JAX: lower +
+    compile of the whole step; torch compiled: the first step minus the median step), per framework/style."""
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        if r.compile_s is not None:
+            groups.setdefault(f"{r.framework} {r.style}", []).append(r.compile_s)
+    if not groups:
+        return
+    fmt = lambda v: f"{v:.1f}" if v < 10 else f"{v:.0f}"  # noqa: E731
+    parts = [f"{k} {len(v)}× {fmt(min(v))}–{fmt(max(v))} s (median {fmt(sorted(v)[len(v) // 2])})"
+             if len(v) > 1 else f"{k} {fmt(v[0])} s" for k, v in groups.items()]
+    console.print("compile time per run: " + " · ".join(parts) + " (JAX: lower + compile; torch compiled: the first "
+                  "step minus the median step, dynamo + inductor or their cache)", highlight=False)
+
+
 def verdict_lines(rows, xfw, errors, frameworks, elapsed: float, console) -> bool:
     """After the tables: each cross-framework check, any routing mismatch, errors, and the verdict.
     Returns whether everything agreed."""

@@ -23,7 +23,8 @@ def collectives_table(rows, pattern, console) -> None:
 
 # The five ways of writing one layout, as columns: (framework, style) -> heading.
 STYLE_COLUMNS = {("torch", "explicit"): "torch dist.*", ("torch", "builtin"): "DTensor/builtin",
-                 ("jax", "shard_map"): "shard_map", ("jax", "typed"): "typed", ("jax", "jit"): "jit"}
+                 ("torch", "compiled"): "torch compiled", ("jax", "shard_map"): "shard_map", ("jax", "typed"): "typed",
+                 ("jax", "jit"): "jit"}
 # Variants that are one idea under another name: torch's builtin twins and the bucketed DDP.
 IDEA = {"ddp": "dp", "bucketed": "dp", "fsdp2": "zero3", "dtensor": "megatron", "dtensor_sp": "megatron_sp",
         "circular": "gpipe"}
@@ -47,7 +48,8 @@ def five_styles(rows, pattern, model, console) -> None:
     cols = [c for c in STYLE_COLUMNS.values() if any(k[1] == c for k in cell)]
     if not ideas:
         return
-    table = Table(title=f"one {pattern} step on the {model}, five ways of writing it (per rank: count × payload)")
+    ways = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}.get(len(cols), str(len(cols)))
+    table = Table(title=f"one {pattern} step on the {model}, {ways} ways of writing it (per rank: count × payload)")
     table.add_column("idea", no_wrap=True)
     table.add_column("collective", no_wrap=True)
     for c in cols:
@@ -72,6 +74,50 @@ def five_styles(rows, pattern, model, console) -> None:
         if r.style == "typed" and r.framework == "jax":
             for line in stated_lines(r):
                 console.print(line, highlight=False)
+    for line in compiled_lines(rows):
+        console.print(line, highlight=False)
+
+
+def compiled_lines(rows) -> list[str]:
+    """For each torch compiled row: which collectives its compiled programs issued and which ran eagerly (the
+    profiler's split, torch_impl/parallel/compiled_ledger.py), and what the compiler changed against the same
+    variant run eagerly (builtin, else explicit): counts and bytes per op, and inductor's collective passes."""
+    out = []
+    eager_twin = {(r.style, r.variant): r for r in rows if r.framework == "torch" and r.style != "compiled"}
+    for r in rows:
+        if r.framework != "torch" or r.style != "compiled" or "comm_compiled" not in r.extra:
+            continue
+        inside, eager = r.extra["comm_compiled"], r.extra.get("comm_eager", {})
+        progs = r.extra.get("programs", [])
+        per_run = lambda p: _describe({op: {"count": p["collectives"].count(op)} for op in p["collectives"]})  # noqa: E731
+        said = "; ".join(f"{p.get('pass', 'program')}: {per_run(p)} per run, {p['runs']} runs" for p in progs)
+        head = f"compiled/{r.variant}: "
+        line = head + (f"{_describe(inside)} ({fmt_bytes(sum(v['bytes'] for v in inside.values()))}) inside the "
+                       f"compiled programs ({said})" if inside else "no collective inside the compiled programs")
+        line += f"; eager beside them: {_describe(eager)}" if eager else "; none eager"
+        twin = eager_twin.get(("builtin", r.variant)) or eager_twin.get(("explicit", r.variant))
+        passes = r.extra.get("compiled", {}).get("comm_passes") or []
+        if twin is not None:
+            same = _counts(twin.comm) == _counts(r.comm) and twin.comm_bytes == r.comm_bytes
+            name = f"{twin.style}/{twin.variant} (eager) issues"
+            line += (f"; {name} the same {_describe(twin.comm)}, {fmt_bytes(twin.comm_bytes)}" if same else
+                     f"; {name} {_describe(twin.comm)}, {fmt_bytes(twin.comm_bytes)}: the compiler changed "
+                     f"{_change(twin.comm, r.comm)}")
+        line += (f" (inductor's collective passes on: {', '.join(passes)})" if passes else
+                 ": no bucketing or reordering (inductor's collective passes are off)")
+        out.append(line)
+    return out
+
+
+def _change(before: dict, after: dict) -> str:
+    """Per op: count and bytes after minus before, e.g. 'all_gather −6 calls, +0 B'."""
+    parts = []
+    for op in sorted(set(before) | set(after)):
+        b, a = before.get(op, {"count": 0, "bytes": 0}), after.get(op, {"count": 0, "bytes": 0})
+        dc, db = a["count"] - b["count"], a["bytes"] - b["bytes"]
+        if dc or db:
+            parts.append(f"{op} {dc:+d} calls, {'+' if db >= 0 else '−'}{fmt_bytes(abs(db))}")
+    return "; ".join(parts) or "nothing"
 
 
 def stated_lines(r) -> list[str]:

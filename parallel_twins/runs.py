@@ -26,7 +26,25 @@ def chosen_variants(framework, pattern, cfg, styles=None, full=False) -> list[tu
     module = importlib.import_module(f"{'torch_impl' if framework == 'torch' else 'jax_impl'}.{pattern}")
     every = list(module.VARIANTS if full and hasattr(module, "VARIANTS") else  # mesh: per layout only
                  getattr(module, "variants", lambda c: module.VARIANTS)(cfg))
+    if styles is not None and "compiled" in styles:  # torch's compiled style runs only when asked for
+        every += list(getattr(module, "COMPILED", ()) if full else
+                      getattr(module, "compiled_variants", lambda c: getattr(module, "COMPILED", ()))(cfg))
     return [sv for sv in every if styles is None or sv[0] in styles]
+
+
+def compiled_refusal(pattern, cfg) -> str | None:
+    """Why torch's compiled style has no row for ``pattern`` on ``cfg`` (one line naming torch's limitation),
+    or None: torch_impl.compiled.refusal."""
+    from torch_impl.compiled import refusal
+
+    return refusal(pattern, cfg)
+
+
+def compiled_notes(pattern) -> str | None:
+    """A variant of ``pattern`` that torch's compiled style leaves out, and why (torch_impl.compiled)."""
+    from torch_impl.compiled import VARIANT_REFUSALS
+
+    return VARIANT_REFUSALS.get(pattern)
 
 
 def typed_refusal(pattern, cfg) -> str | None:

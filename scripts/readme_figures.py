@@ -44,6 +44,9 @@ BLOCKS = {  # name: the compare.py arguments it shows
                 "--global-batch", "1024", "--gpus", "256", "--experts", "8", "--topk", "2", "--top", "3"],
     "checkpoint": ["checkpoint", "--model", "transformer"],
     "modes": ["--model", "transformer", "--mesh", "fsdp=2,tp=2", "--show-collectives", "mesh"],
+    # torch's compiler beside the others: tp, where the compiled programs hold the collectives (issue 49)
+    "compiled": ["--model", "transformer", "--show-collectives", "tp",
+                 "--styles", "explicit,builtin,compiled,shard_map,typed,jit"],
     "gpu": None,  # no run here: rendered from what scripts/gpu_check.sh brought back from a GPU (GPU_DIR)
 }
 # A lent GPU's results, copied from scripts/gpu_check.sh's output folder: the profile, the bench JSON, the log.
@@ -54,7 +57,7 @@ FP32_DATASHEET = {"h100": 67e12, "h200": 67e12, "a100-80gb": 19.5e12, "a100-40gb
 # The page each block lives in (README.md for a block not named here).
 IN_FILE = {"run": "docs/cli.md", "fsdp": "docs/sharding_modes.md", "mesh": "docs/mesh.md", "ep": "docs/ep.md",
            "plan": "docs/plan.md", "planbig": "docs/plan.md", "planmoe": "docs/plan.md",
-           "checkpoint": "docs/checkpoint.md", "modes": "docs/sharding_modes.md"}
+           "checkpoint": "docs/checkpoint.md", "modes": "docs/sharding_modes.md", "compiled": "docs/sharding_modes.md"}
 # The default run's rows docs/cli.md shows (pattern, model, framework, style, variant); the rest: --json.
 EXCERPT = [
     ("dp", "mlp", "torch", "explicit", "bucketed"), ("dp", "transformer", "torch", "builtin", "ddp"),

@@ -56,6 +56,9 @@ class Trained:
     # Per entry of ``step_times``: True where the step was timed alone — not the first (warm-up, the activation
     # meter, the step-0 gradients) nor one the harness recorded (the ledger). Empty: every step but the first.
     timed: list[bool] = field(default_factory=list)
+    # Seconds the run spent compiling its step (JAX: lower + compile; torch compiled: the first step minus the
+    # median step, i.e. dynamo + inductor or a cache load); None for an eager run.
+    compile_s: float | None = None
 
 
 def comm_bytes(comm: dict[str, dict[str, int]]) -> int:
@@ -346,6 +349,7 @@ class RunResult:
     fallback: str | None = None
     start_step: int = 0  # resumed from a checkpoint of this step: ``losses`` are those of the steps it ran
     recipe: dict[str, Any] | None = None  # shared.recipe.describe: what the step applied (None: plain AdamW)
+    compile_s: float | None = None  # seconds compiling the step (Trained.compile_s); None: an eager run
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -434,6 +438,7 @@ def make_result(
         fallback=run.where.get("fallback"),
         start_step=run.start_step,
         recipe=describe_recipe(cfg) if hasattr(cfg, "accumulate") else None,
+        compile_s=run.compile_s,
         **errors,
     )
 

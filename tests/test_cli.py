@@ -239,6 +239,8 @@ def test_json_markdown_and_plots_contract(tmp_path):
     assert data["runs"] and all(required <= set(r) for r in data["runs"])
     assert {r["framework"] for r in data["runs"]} == {"torch", "jax"}
     assert all(r["ok"] and len(r["losses"]) == 3 for r in data["runs"])
+    # compile time (issue 49): every JAX row (one compiled program per step), no eager torch row
+    assert all(r["compile_s"] > 0 if r["framework"] == "jax" else r["compile_s"] is None for r in data["runs"])
     assert {r["model"] for r in data["runs"]} == {"mlp"}
     assert {r["variant"] for r in data["runs"]} >= {"gpipe", "1f1b", "interleaved", "zb", "circular"}
     assert [(x["model"], x["ok"]) for x in data["cross_framework"]] == [("mlp", True)]

@@ -140,6 +140,37 @@ def test_issue_layouts_on_8_ranks_train_like_one_process(measured):
         assert_theory_is_the_ledger(r)
 
 
+@pytest.mark.slow
+def test_compiled_llama_trains_like_one_process(measured):
+    """compose.parallelize(compile=True) (issue 49): transformers' Llama, each decoder layer torch.compile'd
+    between the DTensor TP plan and FSDP2, fsdp=2,tp=2 and builtin tp=2, pp=2 (each stage's layers compiled
+    under pipelining), in one launch: equal to the one-process run (1e-12), and the compiled step's collectives
+    (torch's profiler: no process group, so summed over the axes) equal to the composition's theory."""
+    cases = [({"fsdp": 2, "tp": 2}, "builtin", {"compile": True}), ({"pp": 2, "tp": 2}, "builtin", {"compile": True})]
+    for r in compose_torch.run(cases):
+        assert_exact(r, measured)
+        for comm in r["comm_per_rank"]:
+            assert comm["total"] == {op: comm["theory_total"][op] for op in comm["total"]}, (r["layout"], comm)
+            assert set(comm["total"]) == set(comm["theory_total"]), (r["layout"], comm)
+            assert comm["compiled"].get("all_reduce"), (r["layout"], comm)  # tp's, inside the compiled layers
+
+
+def test_compile_refused_under_cp_and_without_units():
+    with pytest.raises(compose.ComposeError, match="compile=True with cp > 1"):
+        compose.parallelize(nn.Linear(2, 2), _FakeMesh({"cp": 2}), optimizer=lambda ps: None, compile=True)
+    with pytest.raises(compose.ComposeError, match="compile=True compiles the units"):
+        compose.parallelize(nn.Linear(2, 2), _FakeMesh({"tp": 2}), optimizer=lambda ps: None, compile=True)
+
+
+class _FakeMesh:
+    """Just enough of a DeviceMesh for the refusals that need no process group."""
+
+    def __init__(self, layout):
+        import torch
+
+        self.mesh_dim_names, self.mesh, self.device_type = tuple(layout), torch.zeros(tuple(layout.values())), "cpu"
+
+
 # --- refusals before anything changes (no process group) -------------------------------------------
 
 

@@ -9,6 +9,7 @@ so is the AdamW state, except in ZeRO-1, which splits it in N slices.
                        gradient hooks during backward (overlapping the rest of it)
     explicit/zero1     reduce-scatter the gradients, AdamW on this rank's 1/N, all-gather params
     builtin/ddp        torch.nn.parallel.DistributedDataParallel
+    compiled/ddp       torch.compile(DDP(model)) (torch_impl/compiled.py): the same all-reduce, eager
 
 Collectives: none in forward; in backward an all-reduce of every gradient (zero1: a reduce-scatter,
 then an all-gather of the updated parameters after the step).
@@ -33,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shared.config import Config
 from shared.problem import Problem
 from shared.results import Trained
-from torch_impl import recipe
+from torch_impl import compiled, recipe
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
@@ -50,6 +51,8 @@ from torch_impl.parallel.dp import BucketedDDP, Zero1Optimizer, allreduce_gradie
 from torch_impl.parallel.theory import comm_bytes, dp_comm
 
 VARIANTS = (("explicit", "naive"), ("explicit", "bucketed"), ("explicit", "zero1"), ("builtin", "ddp"))
+# The compiled style (torch_impl/compiled.py; compare.py --styles compiled): torch.compile(DDP(model)).
+COMPILED = (("compiled", "ddp"),)
 
 
 # --- the dp Setup: what one step does, for any model --------------------------------------------
@@ -57,8 +60,8 @@ VARIANTS = (("explicit", "naive"), ("explicit", "bucketed"), ("explicit", "zero1
 def make_setup(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankContext) -> Setup:
     """One dp variant's step on this rank, for any model (the loop: torch_impl.harness.train_loop)."""
     cfg.check("dp", "torch")
-    if (style, variant) not in VARIANTS:
-        raise ValueError(f"dp: unknown style/variant {style}/{variant}; choose from {VARIANTS}")
+    if (style, variant) not in VARIANTS + COMPILED:
+        raise ValueError(f"dp: unknown style/variant {style}/{variant}; choose from {VARIANTS + COMPILED}")
     n, group = ctx.world_size, ctx.group
     model = build_model(cfg, problem, ctx.device)
     x = local_batch(inputs(cfg, problem, ctx.device), ctx.rank, n)  # MLP (B/dp, D) | tokens (B/dp, T)
@@ -87,6 +90,9 @@ def make_setup(cfg: Config, problem: Problem, style: str, variant: str, ctx: Ran
         net = DistributedDataParallel(model, device_ids=device_ids, process_group=group,
                                       bucket_cap_mb=cfg.bucket_mb)
         opt, quiet = make_optimizer(groups, cfg), net.no_sync
+        if style == "compiled":  # torch's documented way: compile the DDP module (DDPOptimizer splits the
+            compiled.begin(ctx.device.type)  # graph at DDP's buckets; the reducer all-reduces eagerly)
+            net = torch.compile(net)
 
     def forward_backward() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
@@ -121,6 +127,7 @@ def make_setup(cfg: Config, problem: Problem, style: str, variant: str, ctx: Ran
         state=state,
         extra={"local_batch": cfg.batch // n, "bucket_bytes": [tensor_bytes([b]) for b in buckets]},
         scaler=scaler,
+        compiled=[""] if style == "compiled" else None,  # "": the whole DDP module
     )
 
 

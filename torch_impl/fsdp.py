@@ -14,6 +14,7 @@ explicit/zero2  ``Zero2(module)``: full params; each matrix's gradient reduce-sc
     2·(Φ − vectors)·b + vectors·b.
 builtin/fsdp2   ``fully_shard`` per block and on the root: per block an all-gather fwd, again bwd,
     one reduce-scatter; the root gathered once (shared.theory.fsdp_comm(cfg, "fsdp2")).
+compiled/fsdp2  the same with each block compiled (torch_impl/compiled.py): the same collectives, eager.
 
 Mixed precision (--precision mixed): float32 shards and AdamW state, the step under autocast;
 zero3 ``FSDP(compute_dtype=bf16)`` and fsdp2 ``MixedPrecisionPolicy(param_dtype=bf16,
@@ -38,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from shared.config import Config
 from shared.problem import Problem
 from shared.theory import fsdp_comm_bytes
-from torch_impl import recipe
+from torch_impl import compiled, recipe
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
@@ -55,6 +56,8 @@ from torch_impl.parallel.fsdp import FSDP, Zero2, gather_full
 from torch_impl.parallel.theory import comm_bytes
 
 VARIANTS = (("explicit", "zero3"), ("explicit", "zero2"), ("builtin", "fsdp2"))
+# The compiled style (torch_impl/compiled.py): FSDP2 with each block compiled (torchtitan's per-block compile).
+COMPILED = (("compiled", "fsdp2"),)
 # Mixed precision: zero3 (FSDP(compute_dtype=bf16)) and fsdp2 (MixedPrecisionPolicy) cast every weight and
 # every float input of a sharded module to bf16 before computing, not only autocast's ops: their
 # single-device reference makes the same casts (torch_impl/reference.py, casts="params").
@@ -64,7 +67,7 @@ MIXED_CASTS = {"zero3": "params", "fsdp2": "params"}
 # --- builtin/fsdp2 -----------------------------------------------------------------------------
 
 
-def fsdp2_model(model: nn.Module, ctx: RankContext, cfg: Config | None = None) -> nn.Module:
+def fsdp2_model(model: nn.Module, ctx: RankContext, cfg: Config | None = None, compile: bool = False) -> nn.Module:
     """``fully_shard`` per block and on the root; mixed precision (cfg.precision "mixed") through FSDP2's
     own ``MixedPrecisionPolicy``: float32 shards (master weights, AdamW state), cast to bf16 before the
     all-gather (bf16 bytes on the wire), gradients reduce-scattered in float32."""
@@ -74,6 +77,8 @@ def fsdp2_model(model: nn.Module, ctx: RankContext, cfg: Config | None = None) -
         mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[cfg.dtype], reduce_dtype=torch.float32)}
     for block in getattr(model, "blocks", None) or model.layers:
         fully_shard(block, mesh=mesh, **mp)  # one all-gather / reduce-scatter group per block
+        if compile:  # the block's compute compiled; FSDP2's hooks (gathers, reduce-scatters) stay eager
+            compiled.compile_units(block, [""])
     fully_shard(model, mesh=mesh, **mp)  # root: the embeddings, final norm and head (MLP: nothing)
     return model
 
@@ -82,8 +87,8 @@ def fsdp2_model(model: nn.Module, ctx: RankContext, cfg: Config | None = None) -
 
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankContext):
-    if (style, variant) not in VARIANTS:
-        raise ValueError(f"fsdp: unknown torch variant {style}/{variant}; choose from {VARIANTS}")
+    if (style, variant) not in VARIANTS + COMPILED:
+        raise ValueError(f"fsdp: unknown torch variant {style}/{variant}; choose from {VARIANTS + COMPILED}")
     cfg.check("fsdp", "torch")
     n, group, rows = ctx.world_size, ctx.group, cfg.batch // ctx.world_size
     mine = slice(ctx.rank * rows, (ctx.rank + 1) * rows)
@@ -147,7 +152,9 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
                                           fill(lambda p: p), zero2.params, opt, comm_theory, group=group,
                                           state=state, extra={"shard": "dim 0 of each ≥2-D parameter"},
                                           grads_fixture=fill(torch.zeros_like), scaler=scaler))
-    model = fsdp2_model(model, ctx, cfg)
+    if style == "compiled":
+        compiled.begin(ctx.device.type)
+    model = fsdp2_model(model, ctx, cfg, compile=style == "compiled")
     params = list(model.parameters())  # DTensors, Shard(0)
     opt = recipe.optimizer(model.named_parameters(), cfg)
     if cfg.accumulate > 1:
@@ -175,4 +182,5 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     full = lambda nm, t: t.full_tensor() if isinstance(t, DTensor) else t.detach()
     return train_loop(cfg, ctx, Setup(forward_backward, update, lambda: [p.grad for p in params],
                                       fixture(full), params, opt, None if cfg.freeze else comm_theory, group=group,
-                                      extra={"shard": "dim 0 of each parameter (DTensor Shard(0))"}, scaler=scaler))
+                                      extra={"shard": "dim 0 of each parameter (DTensor Shard(0))"}, scaler=scaler,
+                                      compiled=compiled.units(cfg) if style == "compiled" else None))

@@ -36,6 +36,7 @@ from shared.problem import make_problem
 from shared.results import Trained, floor_extra, mixed_extra, needs_floor
 from torch_impl import checkpoint as ckpt
 from torch_impl import reference
+from torch_impl.compiled import CompiledRun
 from torch_impl.launch import RankContext
 from torch_impl.model import autocast, optimizer_state_bytes, tensor_bytes
 
@@ -61,6 +62,8 @@ class Setup:
         tensor_bytes(grads()), optimizer_state_bytes(optimizer).
     before_step: called before every step, outside the timer and the ledger (e.g. a barrier
         that gives every rank's pipeline timeline a common start).
+    compiled: the ``compiled`` style: the module paths compiled; the loop then runs the step as
+        torch_impl.compiled.CompiledRun says (first step compiles, later ones must not recompile).
     scaler: --dtype float16: the run's LossScaler (torch_impl/recipe.loss_scaler), which
         ``forward_backward`` scales by and ``update`` unscales / skips with; the loop records its final
         scale and skipped steps (``extra["loss_scale"]``, ``extra["skipped_steps"]``).
@@ -80,6 +83,7 @@ class Setup:
     extra: dict[str, Any] = field(default_factory=dict)
     grads_fixture: Callable[[list[torch.Tensor]], list[np.ndarray]] | None = None
     scaler: Any = None
+    compiled: list[str] | None = None  # the compiled style: the units torch.compile'd (torch_impl/compiled.py)
 
 
 class _Saved:
@@ -183,17 +187,22 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
         where = f"torch {session.layout['pattern']} {session.layout['style']}/{session.layout['variant']}"
         ckpt.restore(setup, session, where) if session.moments else ckpt.moments_fixture(setup, where)
     timed, host = [], []  # which steps' times hold the step alone; the host's share of each (time_step)
+    run = CompiledRun(setup.compiled, setup.params) if setup.compiled is not None else None  # the compiled style
     for k in range(start, cfg.steps):
         last = k == cfg.steps - 1
         if setup.before_step:
             setup.before_step()
         # What the harness records (the ledger's dispatch mode on the last step; the activation meter's hooks
         # and the step-0 gradients on the first) costs time: those steps are run but not timed, so a timed
-        # step holds the pattern's step and the one sync that ends it (issue 46; compare.py bench --overhead)
+        # step holds the pattern's step and the one sync that ends it (issue 46; compare.py bench --overhead).
+        # compiled: its own ledger (the profiler's: a dispatch mode would not run the compiled code)
         recording = last or k == start
-        with ctx.ledger.recording() if last else contextlib.nullcontext():
+        with (run.recording() if run else ctx.ledger.recording()) if last else contextlib.nullcontext(), \
+                run.step(k == start) if run else contextlib.nullcontext():
             t0 = time.perf_counter()
-            with meter.recording() if k == start else contextlib.nullcontext(), autocast(cfg, ctx.device):
+            # compiled: no saved-tensor hooks while it traces (the activation meter is eager-only)
+            with meter.recording() if k == start and run is None else contextlib.nullcontext(), \
+                    autocast(cfg, ctx.device):
                 loss = setup.forward_backward()  # mixed precision: under autocast (float32 params and grads)
             if k == 0:
                 unscale = 1.0 if setup.scaler is None else setup.scaler.get_scale() / setup.scaler.share  # float16
@@ -206,8 +215,9 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
         timed.append(not recording)
         host.append((issued - t0) / max(step_times[-1], 1e-12))  # ~1: the device waited on the host
         if last:
-            comm, comm_dtypes = ctx.ledger.summary(), ctx.ledger.by_dtype()
-            by_axis = ctx.ledger.by_axis() if ctx.ledger.labels else None  # the mesh pattern labels its groups
+            comm = run.comm if run else ctx.ledger.summary()
+            comm_dtypes = {} if run else ctx.ledger.by_dtype()
+            by_axis = ctx.ledger.by_axis() if ctx.ledger.labels and not run else None  # the mesh labels its groups
         if k == 0:
             grads0 = (setup.grads_fixture or setup.fixture)(grads0)  # the check's gathers: outside every ledger
         losses.append(reported_loss(loss, setup.loss_reduction, setup.group))
@@ -224,7 +234,11 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
     state = setup.state() if setup.state else {
         "params": tensor_bytes(setup.params), "grads": tensor_bytes(g for g in setup.grads() if g is not None),
         "optimizer": optimizer_state_bytes(setup.optimizer)}
-    extra = dict(setup.extra, activation_bytes=meter.peak)
+    extra = dict(setup.extra, activation_bytes=meter.peak if run is None else None)
+    compile_s = None
+    if run:
+        extra.update(run.extra(step_times))
+        compile_s = extra.pop("compile_s")
     bare = _bare_steps(setup, ctx, cfg)  # compare.py bench --overhead: the same step in a loop of its own
     if bare:
         extra["bare_step_times"] = bare
@@ -243,7 +257,7 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
         extra["peak_bytes_baseline"] = baseline  # allocated when it began (not this run's)
     return Trained(losses=losses, grads0=grads0, params=params, step_times=step_times,
                    comm=comm, comm_theory=setup.comm_theory, state_bytes=state, extra=extra, where=ctx.where,
-                   start_step=start, timed=timed)
+                   start_step=start, timed=timed, compile_s=compile_s)
 
 
 # compare.py bench --overhead (parallel_twins/overhead.py): after a run, this many more steps of the same

@@ -17,7 +17,7 @@ one batch_isend_irecv that both neighbours issue in the same order: no deadlock 
 Bubble (theory): (p−1)/(M+p−1); interleaved (p−1)/(v·M+p−1); ZB-H1 a third of 1F1B's at F = B = W.
 Every stage's order is shared.schedule.order's (asserted).
 builtin: torch.distributed.pipelining on the same ``Stage`` modules (ScheduleGPipe, Schedule1F1B,
-ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble).
+ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble). compiled: the same with each stage compiled.
 Mixed precision (--precision mixed): float32 stages and AdamW state, the step under autocast; every
 stage hands on float32 (``Stage.out_dtype``), so the messages are 4 bytes per element. float16: the last
 stage's loss scaled (torch_impl/recipe.loss_scaler), + one 4-byte all-reduce of the found-inf flag.
@@ -49,7 +49,7 @@ from shared.results import Trained
 from shared.schedule import closed_form_bubble, measured_costs, simulate
 from shared.schedule import order as schedule_order
 from shared.theory import pp_p2p_bytes_per_rank, pp_stage_param_count, pp_state_bytes
-from torch_impl import recipe
+from torch_impl import compiled, recipe
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import (
@@ -66,6 +66,15 @@ from torch_impl.pp_schedules import StepClock, interleaved_step
 
 VARIANTS = (("explicit", "gpipe"), ("explicit", "1f1b"), ("explicit", "interleaved"), ("explicit", "zb"),
             ("builtin", "gpipe"), ("builtin", "1f1b"), ("builtin", "interleaved"), ("builtin", "zb"))
+
+
+# The compiled style (torch_impl/compiled.py): pipelining's schedules over stages that are each compiled.
+# No zb: torch_impl/compiled.py VARIANT_REFUSALS (a compiled stage has one fused backward).
+COMPILED = (("compiled", "gpipe"), ("compiled", "1f1b"), ("compiled", "interleaved"))
+
+
+def compiled_variants(cfg: Config) -> list[tuple[str, str]]:
+    return [sv for sv in COMPILED if sv[1] != "interleaved" or cfg.microbatches % cfg.world_size == 0]
 
 
 def variants(cfg: Config) -> list[tuple[str, str]]:
@@ -293,9 +302,14 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     S, s, M = ctx.world_size, ctx.rank, cfg.microbatches
     assert cfg.world_size == S, (cfg.world_size, S)
     v = cfg.virtual_stages if variant == "interleaved" else 1  # chunk c = virtual stage c·S + s
+    if style == "compiled":
+        compiled.begin(ctx.device.type)
     chunks = [build_stage(cfg, problem, c * S + s, ctx.device, S * v) for c in range(v)]
     for chunk in chunks:
         recipe.freeze_(chunk, recipe_cfg)  # --freeze: fixture names, before the schedule holds the stage
+    units = None
+    if style == "compiled":  # each stage compiled whole
+        units = [f"stage {c * S + s}" for c, chunk in enumerate(chunks) if compiled.compile_units(chunk, [""])]
     named = [(c, name, p) for c, chunk in enumerate(chunks) for name, p in chunk.named_parameters()]
     opt = recipe.optimizer([(name, p) for _, name, p in named], recipe_cfg)  # --decay-mask: param groups
     trainable = [p for *_, p in named if p.requires_grad]
@@ -306,12 +320,12 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     scaler = recipe.loss_scaler(cfg, ctx.group)
     factor = lambda: 1.0 if scaler is None else scaler.get_scale()  # noqa: E731
     scaled = lambda out, t=None: loss_fn(out, t) * factor() if scaler is not None else loss_fn(out, t)  # noqa: E731
-    schedule = make_builtin(variant, chunks, cfg, ctx, x, scaled) if style == "builtin" else None
+    schedule = make_builtin(variant, chunks, cfg, ctx, x, scaled) if style != "explicit" else None
     last_step = {}  # the explicit schedule's timeline and peak stash of the latest step
 
     def forward_backward() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
-        if style == "builtin":
+        if schedule is not None:  # builtin, compiled
             return builtin_step(schedule, cfg, ctx, x, y) / factor()
         if variant == "interleaved":
             loss, last_step["timeline"], last_step["peak"] = interleaved_step(
@@ -337,7 +351,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         comm_theory=pp_p2p_bytes_per_rank(cfg, s, v) + recipe.scaler_bytes(cfg) + recipe.clip_bytes(recipe_cfg),
         loss_reduction=f"src:{S - 1}",
         before_step=dist.barrier,  # a common start for every stage's timeline
-        scaler=scaler,
+        scaler=scaler, compiled=units,
     )
     trained = train_loop(cfg, ctx, setup)
 

@@ -19,6 +19,7 @@ Sequence parallelism (megatron_sp / dtensor_sp; transformer only): between the m
 all-gather): (4L+2) of each of B·T·D·b (Megatron's wire bytes), the loss's, and one all-reduce of
 the SP parameters' partial gradients (shared.theory.tp_sp_comm). Norm activations saved /tp.
 builtin/dtensor issues the same collectives. docs/tp.md has the styles, the refusals and the plans.
+compiled/dtensor(_sp), compiled/megatron(_sp): the same plans with each block compiled (torch_impl/compiled.py).
 Mixed precision (--precision mixed): float32 shards and AdamW state, the step under autocast; the g's
 after W_o / W_down move their bf16 outputs (2 bytes), the rest float32 (tp_comm_bytes(autocast=True)).
 float16: the same with dynamic loss scaling (torch_impl/recipe.loss_scaler), + one 4-byte all-reduce.
@@ -42,7 +43,7 @@ from shared.config import Config
 from shared.problem import Problem, param_names
 from shared.results import Trained
 from shared.theory import tp_comm_bytes
-from torch_impl import recipe
+from torch_impl import compiled, recipe
 from torch_impl.harness import Setup, train_loop
 from torch_impl.launch import RankContext
 from torch_impl.model import build_model, inputs, is_transposed, loss_fn, mlp_plan, targets, to_fixture
@@ -53,12 +54,19 @@ from torch_impl.transformer import SP_PLAN, TRANSFORMER_PLAN
 VARIANTS = (("explicit", "allgather"), ("explicit", "megatron"), ("builtin", "dtensor"),
             ("explicit", "megatron_sp"), ("builtin", "dtensor_sp"))
 SP_VARIANTS = ("megatron_sp", "dtensor_sp")  # sequence parallel: the transformer only
+# The compiled style (torch_impl/compiled.py): the DTensor plans and the hand-written Megatron steps with each
+# block compiled (their tp collectives become functional collectives inside the compiled programs).
+COMPILED = (("compiled", "dtensor"), ("compiled", "dtensor_sp"), ("compiled", "megatron"), ("compiled", "megatron_sp"))
 
 
 def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
     """allgather is MLP-only (see the module docstring); sequence parallelism transformer-only."""
     drop = SP_VARIANTS if cfg.model == "mlp" else ("allgather",)
     return tuple(v for v in VARIANTS if v[1] not in drop)
+
+
+def compiled_variants(cfg: Config) -> tuple[tuple[str, str], ...]:
+    return tuple(v for v in COMPILED if cfg.model == "transformer" or v[1] not in SP_VARIANTS)
 
 
 def plan_for(cfg: Config, variant: str) -> dict[str, str]:
@@ -84,21 +92,28 @@ def comm_theory(cfg: Config, style: str, variant: str) -> int | None:
 
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankContext) -> Trained:
-    if (style, variant) not in variants(cfg):
-        raise ValueError(f"tp: unknown variant {style}/{variant} for the {cfg.model}; choose from {variants(cfg)}")
+    every = variants(cfg) + compiled_variants(cfg)
+    if (style, variant) not in every:
+        raise ValueError(f"tp: unknown variant {style}/{variant} for the {cfg.model}; choose from {every}")
     cfg.check("tp", "torch")
     n, group, transformer, sp = ctx.world_size, ctx.group, cfg.model == "transformer", variant in SP_VARIANTS
     plan = plan_for(cfg, variant)
+    if style == "compiled":
+        compiled.begin(ctx.device.type)
     model = build_model(cfg, problem, ctx.device)
     x, y = inputs(cfg, problem, ctx.device), targets(cfg, problem, ctx.device)  # full batch on every rank
     recipe.freeze_(model, cfg)  # before the plan: the shards / DTensors keep requires_grad=False
-    if style == "explicit":
+    kind = "explicit" if variant.startswith(("megatron", "allgather")) else "builtin"  # compiled: either plan
+    if kind == "explicit":
         styles = apply_plan(model, plan, group, sp)
         loss_of = (lambda out, ys: VocabParallelCrossEntropy.apply(out, ys, group)) if transformer else loss_fn
         parallel_loss = contextlib.nullcontext
         full = lambda t, name: unshard(t, styles[name], group) if name in split else t
     else:
-        styles = apply_dtensor_plan(model, plan, init_device_mesh(ctx.device.type, (n,), mesh_dim_names=("tp",)), sp)
+        # compiled: the unplanned parameters stay plain tensors (replicate_rest's hooks swap a module's parameters
+        # on every call, a guard that fails on every later step)
+        styles = apply_dtensor_plan(model, plan, init_device_mesh(ctx.device.type, (n,), mesh_dim_names=("tp",)), sp,
+                                    replicate_rest=style != "compiled")
         loss_of = loss_fn
         parallel_loss = loss_parallel if transformer else contextlib.nullcontext  # CE over Shard(-1) logits
 
@@ -106,6 +121,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
             t = t.full_tensor() if hasattr(t, "full_tensor") else t
             return t[torch.argsort(heads_perm(t.shape[0], n, t.device))] if styles.get(name) == "colwise_heads" else t
 
+    units = compiled.compile_units(model, compiled.units(cfg)) if style == "compiled" else None  # after the plan
     split = {k: s for k, s in styles.items() if s not in SEQUENCE_STYLES}  # the rest: replicated
     names = [name for name, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]
@@ -123,7 +139,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         with parallel_loss():  # logits (B, T, V/tp) stay split; MLP: the full (B, D) output
             # --accumulate K: K parts of the whole batch's rows, loss / K each (tp reduces no gradient to skip)
             loss = recipe.accumulate(cfg, x, y, lambda xs, ys: loss_of(model(xs), ys), scaler=scaler)
-        if partial and style == "explicit":
+        if partial and kind == "explicit":
             reduce_sequence_grads(partial, group)
         elif partial:  # DTensor leaves their .grad Partial(sum): reduce once (else every AdamW op that
             for p in partial:  # reads it all-reduces it again: 3 times per parameter per step)
@@ -145,5 +161,5 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         # all-reduce; DTensor: torch's norm over the DTensors); AdamW; the schedule
         update=recipe.stepper(opt, cfg, lambda c: clip_grad_norm_(model, c, group), scaler=scaler),
         fixture=fixture, params=params, optimizer=opt, loss_reduction="same", group=group,
-        comm_theory=comm_theory(cfg, style, variant),
-        extra={"plan": plan, "backend": ctx.backend}, scaler=scaler))
+        comm_theory=comm_theory(cfg, kind, variant),
+        extra={"plan": plan, "backend": ctx.backend}, scaler=scaler, compiled=units))

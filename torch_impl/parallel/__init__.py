@@ -14,6 +14,8 @@ a Setup for the harness's training loop. The twin: jax_impl/parallel/, file for 
     recipe.py  the recipe's sharded parts: global-norm clipping (clip_, clip_dtensor_), refuse_stale
     llama.py   transformers' LlamaForCausalLM: tp plan, pp stage split and Stage, cp attention
     compose.py dp|fsdp × pp × cp × tp on one DeviceMesh: apply_tp / apply_fsdp / apply_pp, parallelize
+    compiled.py         torch.compile per unit (compile_units), the watch (Watch, steady), torch's private bits
+    compiled_ledger.py  a compiled step's collectives from torch's profiler (who issued each: compiled or eager)
 
 Import rule: these modules import torch, numpy, shared.theory, shared.llama and each other (by module, never
 through this package: it re-exports nothing) — never shared.config / problem / results, the

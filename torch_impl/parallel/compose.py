@@ -12,9 +12,10 @@ compose_axes.py (torch_impl/mesh.py, the project's own ``--mesh`` runs, calls th
                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), microbatches=2)
     loss = trainer.train_step(tokens, targets)   # (B, T) each, the whole batch on every rank
 
-Order (torchtitan's): this rank's pp stage is built, then ``apply_tp`` on mesh["tp"], then
-``apply_fsdp`` on the data mesh (fsdp, flattened with cp when both: torchtitan's dp_shard_cp),
-then ``apply_pp`` on mesh["pp"]'s group; cp is a context around each step (RingCore on mesh["cp"]).
+Order (torchtitan's): this rank's pp stage is built, then ``apply_tp`` on mesh["tp"], then (compile=True)
+each unit ``torch.compile``d, then ``apply_fsdp`` on the data mesh (fsdp, flattened with cp when both:
+torchtitan's dp_shard_cp), then ``apply_pp`` on mesh["pp"]'s group; cp is a context around each step
+(RingCore on mesh["cp"]).
 Sharded: rows [i·B/d, (i+1)·B/d) on data index i; tokens cp_positions(T, c, j, "ring") on cp index
 j; layers by stage; weights by the plan over tp (and by FSDP over fsdp(+cp)). Loss: the mean CE,
 each rank's local mean over its tokens; the global mean is their mean over data × cp (equal counts).
@@ -59,8 +60,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shared.theory import cp_positions
+from torch_impl.parallel import compiled, recipe
 from torch_impl.parallel import cp as seam
-from torch_impl.parallel import recipe
 from torch_impl.parallel.compose_axes import (  # noqa: F401  (ComposeError, check*: this module's API too)
     AXES,
     STYLES,
@@ -92,7 +93,7 @@ class Trainer:
     ``full_state_dict()`` -> every parameter whole (the model's names), on every rank."""
 
     def __init__(self, model, mesh, plan, stage, units, loss, optimizer, microbatches, style, cp_variant,
-                 schedule):
+                 schedule, compile=False):
         self.layout, self.mesh, self.style, self.loss, self.plan = sizes(mesh), mesh, style, loss, plan
         check(self.layout, style, loss, plan)
         ax = lambda a: self.layout.get(a, 1)
@@ -115,6 +116,10 @@ class Trainer:
         # the model's own length along each split dim (explicit pads a vocabulary tp does not divide)
         self._sizes = {n: p.tp_size for n, p in self.module.named_parameters(remove_duplicate=False)
                        if hasattr(p, "tp_size")}
+        # compile=True: each unit compiled after tp, before FSDP (torchtitan's order); parallel/compiled.py
+        self.compiled = compiled.compile_units(self.module, units if compile is True else compile) if compile \
+            else None
+        self._steps = 0
         grad_axes = [a for a in (self.data, "cp") if ax(a) > 1]
         self.grad_mesh, self.grad_group = group_over(mesh, grad_axes)
         self.rep_group = mesh["dp"].get_group() if self.hsdp else None  # HSDP: the shards' replicas
@@ -162,7 +167,9 @@ class Trainer:
         core = seam.RingCore(tokens.shape[1], self.cp_variant, self.cp_group) if self.c > 1 else None
         seen = seam.step(core, pos) if core else contextlib.nullcontext(None)
         parallel = loss_parallel() if self.t > 1 and self.style == "builtin" else contextlib.nullcontext()
-        with seen as calls, parallel:
+        watch = (compiled.Watch() if self._steps == 0 else compiled.steady()) if self.compiled else \
+            contextlib.nullcontext()  # compiled: the first step compiles, later ones must not recompile
+        with watch, seen as calls, parallel:
             if self.schedule is None:
                 value = self._loss(self.run(x), y)
                 value.backward()
@@ -173,6 +180,9 @@ class Trainer:
             else:
                 self.schedule.step(*(() if self.s else (x,)))
                 value = None
+        if self.compiled and self._steps == 0:
+            compiled.require_compiled(watch, f"compose compile=True ({', '.join(self.compiled)})")
+        self._steps += 1
         self.last = {"m": x.shape[0] // self.M, "tc": x.shape[1], "b": self.params[0].element_size(),
                      "kv": [c for c in calls.calls] if calls is not None else []}  # for comm_theory
         if calls is not None and not calls.calls:
@@ -325,10 +335,13 @@ class Trainer:
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, plan: dict[str, str] | str | None = None,
                 stage: Callable | None = None, units: list[str] = (), loss: Callable = cross_entropy,
                 optimizer: Callable, microbatches: int = 2, style: str = "builtin", cp: str = "ring",
-                schedule: str = "gpipe") -> Trainer:
+                schedule: str = "gpipe", compile: bool | list[str] = False) -> Trainer:
     """dp|fsdp × pp × cp × tp on ``mesh`` (dims named from AXES) for ``model``: the module docstring.
     ``optimizer(params)`` builds the optimizer over this rank's (sharded) trainable parameters.
-    ``plan="auto"``: a transformers model's own tp plan (``transformers_plan``)."""
+    ``plan="auto"``: a transformers model's own tp plan (``transformers_plan``).
+    ``compile``: True compiles each of ``units`` on this stage, a list of globs those modules instead
+    (parallel/compiled.py); the first step compiles (a step that compiles nothing is refused), a later step that
+    would recompile raises."""
     if plan == "auto":
         plan = transformers_plan(model)
     check(sizes(mesh), style, loss, plan)
@@ -337,4 +350,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, plan: dict[str, str] | st
         raise ComposeError("compose: pp > 1 needs stage=(model, s, S) -> nn.Module (e.g. parallel/llama.py Stage)")
     if cp != "ring":
         raise ComposeError(f"compose: cp variant {cp!r} is not composed (its sequence order differs); fix: cp='ring'")
-    return Trainer(model, mesh, plan, stage, list(units), loss, optimizer, microbatches, style, cp, schedule)
+    if compile and sizes(mesh).get("cp", 1) > 1:
+        raise ComposeError("compose: compile=True with cp > 1: the cp seam's ring passes K|V with "
+                           "dist.batch_isend_irecv inside an autograd Function, which dynamo cannot trace (torch 2.13 "
+                           "has no functional send/recv); fix: compile=False under cp")
+    if compile and not units:
+        raise ComposeError("compose: compile=True compiles the units; fix: name them, e.g. units=['model.layers.*']")
+    if compile:
+        compiled.prepare(mesh.device_type)
+        compiled.reset()
+    return Trainer(model, mesh, plan, stage, list(units), loss, optimizer, microbatches, style, cp, schedule,
+                   compile)
