@@ -19,9 +19,9 @@ process starts), 3 when the runs agreed and were printed (and --json written) bu
 (--plots) failed.
 
 The flow: the command line (this file: the parser and main; configs.py: arguments → checked configs;
-args.py: the shared options and output paths) → the runs (runs.py: one launch per framework into torch_impl/ and jax_impl/, then the
-rows) → the report (report.py: tables, Markdown, JSON, progress; plots.py: PNGs). ``bench`` is
-bench.py, ``plan`` planner.py, ``checkpoint`` checkpoint_matrix.py, ``doctor`` doctor.py.
+args.py: the shared options and output paths) → the runs (runs.py: one launch per framework into
+torch_impl/ and jax_impl/, then the rows) → the report (report.py: tables, Markdown, JSON, progress;
+plots.py: PNGs). ``bench`` is bench.py, ``plan`` planner.py, ``checkpoint`` checkpoint_matrix.py, ``doctor`` doctor.py.
 
 JAX is imported only after the simulated-device flag is set (and only if asked for), and torch
 ranks never import JAX: they are spawned fresh and re-import the entry point (compare.py) as
