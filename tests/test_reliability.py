@@ -485,9 +485,9 @@ def test_a_long_pure_run_is_judged_by_the_floor_its_reference_measures(tmp_path,
     """Past PURE_FLOOR_STEPS the JAX reference also trains with the batch split in two; each row carries
     that floor and the tolerance it gave. PURE_FLOOR_STEPS lowered to 3 so a 4-step run is "long" (seed 11:
     a config no other test caches a reference for)."""
-    from shared import results
+    from shared import floors
 
-    monkeypatch.setattr(results, "PURE_FLOOR_STEPS", 3)
+    monkeypatch.setattr(floors, "PURE_FLOOR_STEPS", 3)
     rc, data = _run_json(["--frameworks", "jax", "--patterns", "dp", "--model", "mlp", "--world-size", "2",
                           "--steps", "4", "--seed", "11", "--styles", "shard_map"], tmp_path / "long.json")
     assert rc == 0, data["errors"]
