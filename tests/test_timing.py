@@ -118,3 +118,23 @@ def test_every_row_carries_the_plain_step():
     assert row.step_time_s == 0.3 and row.plain_step_time_s == 0.1
     assert report.fmt_plain(row) == "3.0x"
     assert "plain_step_time_s" in row.to_json()
+
+
+def test_the_compile_cache_is_trimmed_oldest_first(tmp_path):
+    """JAX's own size limit scans the folder on every write (a cold suite 4x slower): the folder is trimmed
+    once per process instead, oldest first, to 3/4 of the limit; links and subfolders are never touched."""
+    from shared.env import trim_compile_cache
+
+    for i in range(10):
+        f = tmp_path / f"prog{i}-cache"
+        f.write_bytes(b"x" * 100)
+        os.utime(f, (1000 + i, 1000 + i))
+    (tmp_path / "sub").mkdir()
+    outside = tmp_path.parent / "outside_file"
+    outside.write_bytes(b"y" * 5000)
+    (tmp_path / "link").symlink_to(outside)
+    assert trim_compile_cache(str(tmp_path), 2000) == 0  # 1000 bytes: under the limit
+    assert trim_compile_cache(str(tmp_path), 800) == 4  # down to 600 <= 3/4 of 800, the oldest first
+    assert sorted(p.name for p in tmp_path.glob("prog*")) == [f"prog{i}-cache" for i in range(4, 10)]
+    assert outside.exists() and (tmp_path / "link").is_symlink() and (tmp_path / "sub").is_dir()
+    assert trim_compile_cache(str(tmp_path / "missing"), 1) == 0
