@@ -21,7 +21,7 @@ from functools import cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET = 150  # code lines per framework per page (the issue's bound: a page a reader can hold)
-STYLES = {"torch": ("explicit", "builtin"), "jax": ("shard_map", "jit", "typed")}
+STYLES = {"torch": ("explicit", "builtin", "compiled"), "jax": ("shard_map", "jit", "typed")}
 # the calls that ARE a pattern: a collective, a layout stated, a builtin wrapper
 CALLS = re.compile(r"\bdist\.(all_reduce|all_gather_single|reduce_scatter_single|all_to_all_single|broadcast|"
                    r"batch_isend_irecv)\(|\blax\.(psum|pmean|pmax|psum_scatter|all_gather|all_to_all|ppermute|pcast)\(|"
@@ -124,7 +124,7 @@ def link(cut: Cut) -> str:
 
 @dataclass(frozen=True)
 class Excerpt:
-    style: str  # explicit / builtin (torch); shard_map / jit / typed (JAX)
+    style: str  # explicit / builtin / compiled (torch); shard_map / jit / typed (JAX)
     cut: Cut
     says: str  # one sentence: what the lines do, which collective they issue
     key: str | None = None  # the line the page's table shows (a substring; None: the first CALLS line, "": none)

@@ -106,6 +106,9 @@ def dp_page() -> Page:
                 end="self.next_bucket += 1"),
             _ex("builtin", "torch_impl/dp.py", "make_setup", "`DistributedDataParallel`: the same in C++.",
                 start="net = DistributedDataParallel(", end="bucket_cap_mb=cfg.bucket_mb)"),
+            _ex("compiled", "torch_impl/dp.py", "make_setup", "`torch.compile` over DDP: DDPOptimizer splits the "
+                "graph at DDP's buckets; the reducer still all-reduces eagerly.", start='if style == "compiled":',
+                end="net = torch.compile(net)", key="net = torch.compile(net)"),
             _ex("shard_map", Z, "ZeroSteps._local", "The local gradients: of copies cast to varying over 'dp' …",
                 start="mine = {k:", end="for k, a in params.items()}"),
             _ex("shard_map", Z, "ZeroSteps._dp_step", "… averaged by one `lax.pmean`: an all-reduce.",
@@ -173,6 +176,9 @@ def fsdp_page() -> Page:
                 _ex("builtin", "torch_impl/fsdp.py", "fsdp2_model", "FSDP2: `fully_shard` per block and on the root; "
                     "per block one all-gather forward, one backward, one reduce-scatter.",
                     start="for block in", end="fully_shard(model, mesh=mesh"),
+                _ex("compiled", "torch_impl/fsdp.py", "fsdp2_model", "torchtitan's per-block compile: each block's "
+                    "compute compiled; FSDP2's gathers and reduce-scatters stay in its eager hooks.",
+                    start="if compile:", end="compiled.compile_units(block", key="compiled.compile_units(block"),
                 _ex("jit", F, "Trainer.__init__", "zero3 under jit is a layout: row-split params `P('dp')`; XLA "
                     "(CPU) gathers each weight once, keeps it, and all-reduces the gradient.",
                     start="self.param_specs = {k: P(axis)", end="self.param_specs = {k: P(axis)",
@@ -240,6 +246,10 @@ def tp_page() -> Page:
                     key='"rowwise": lambda'),
                 _ex("builtin", TD, "apply_dtensor_plan", "… applied by `parallelize_module`: DTensor issues the "
                     "all-reduces.", start="parallelize_module(model, mesh", end="parallelize_module(model, mesh"),
+                _ex("compiled", "torch_impl/tp.py", "train", "Either plan with each block compiled after it: "
+                    "dynamo turns the tp all-reduces into functional collectives inside the compiled programs.",
+                    start="units = compiled.compile_units(", end="units = compiled.compile_units(",
+                    key="units = compiled.compile_units("),
                 _ex("jit", JR, "jit_ops", "The same places as sharding constraints (f's input and g's output "
                     "replicated, split activations on their last dim); XLA derives the all-reduces.",
                     start="at = lambda *spec", end="rows = at("),
@@ -285,6 +295,9 @@ def pp_page() -> Page:
         Row("The builtin, the compiler, the types", "torch.distributed.pipelining: the same messages", (
             _ex("builtin", T, "make_builtin", "`PipelineStage` per chunk and torch's schedule (`Schedule1F1B`, …): "
                 "its own send/recv.", start="stages = [PipelineStage(", end="return cls(stages[0]"),
+            _ex("compiled", T, "train", "Each stage compiled whole under the same schedule; the send/recv stay "
+                "eager (torch has no functional send/recv).", start='if style == "compiled":  # each stage',
+                end="units = [f", key="compiled.compile_units(chunk"),
             _ex("jit", J, "jit_circular", "The same schedule on whole (S, …) arrays: a `jnp.roll` over the stage "
                 "axis pinned to `P('pp')`; XLA makes it a collective-permute.", start="for t in range(M + S - 1):",
                 end="state = pin(jnp.roll(", key='jnp.roll'),
@@ -386,7 +399,7 @@ def mesh_page() -> Page:
     cfg = Config(model="transformer", layers=4, dim=16, heads=2, seq=8, vocab=32, batch=8, world_size=8,
                  dtype="float64", mesh=(("dp", 2), ("tp", 2), ("pp", 2)), microbatches=2)
     per_axis = lambda comm: "; ".join(f"{axis}: {ops(c)}" for axis, c in comm.items() if c)
-    C, J = "torch_impl/parallel/compose.py", "jax_impl/parallel/compose.py"
+    C, L = "torch_impl/parallel/compose.py", "jax_impl/parallel/compose_losses.py"
     rows = (
         Row("One mesh, one step per axis", f"torch, rank 0: {per_axis(mesh_comm_torch(cfg, 'explicit', 0))} "
             f"(`mesh_comm_torch`)", (
@@ -398,11 +411,11 @@ def mesh_page() -> Page:
                     start="self.schedule = apply_pp(", end="scale_grads=self.fsdp is None)", key='apply_pp('),
                 _ex("explicit", C, "Trainer._sync", "dp: ONE flat all-reduce of the (tp-local) gradients over "
                     "data × cp.", start="elif self.grad_group", end="average_flat(grads", key='average_flat('),
-                _ex("shard_map", J, "Composed._shard_map_loss.body", "One body over the whole mesh: fsdp's gathers, "
+                _ex("shard_map", L, "shard_map_loss.body", "One body over the whole mesh: fsdp's gathers, "
                     "then every array cast to varying once over the axes it meets (its transpose sums the "
                     "gradient over dp/cp).", start="blocks = {k: gather(", end="for k, a in rest.items()}",
                     key='gather(a[0]'),
-                _ex("shard_map", J, "Composed._forward_loss", "pp inside the same body: a `ppermute` over 'pp' per "
+                _ex("shard_map", L, "forward_loss", "pp inside the same body: a `ppermute` over 'pp' per "
                     "tick.", start="for t in range(M + S - 1):", end='return lax.psum('),
             )),
         Row("The builtin, the compiler, the types", f"JAX jit: {per_axis(mesh_comm_jax(cfg, 'jit'))} "
@@ -411,6 +424,9 @@ def mesh_page() -> Page:
                     start="for u in paths:", end="fully_shard(module, mesh=mesh)"),
                 _ex("builtin", "torch_impl/parallel/compose_axes.py", "apply_pp", "`PipelineStage` on the pp group, "
                     "torch's schedule.", start="stage = PipelineStage(", end="return SCHEDULES"),
+                _ex("compiled", C, "Trainer.__init__", "`compile=True`: each unit compiled after tp, before FSDP "
+                    "(torchtitan's order).", start="self.compiled = compiled.compile_units(",
+                    end="self.compiled = compiled.compile_units(", key="compiled.compile_units("),
                 _ex("jit", "jax_impl/mesh.py", "jit_loss", "One set of constraints names every axis (the stream, the "
                     "vocabulary, the tp splits); XLA picks each axis's collectives.", start="at = lambda *spec",
                     end="ops = SimpleNamespace("),

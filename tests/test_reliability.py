@@ -510,11 +510,18 @@ def test_jax_launch_refuses_zero_processes():
 def _ranks_of(launcher: int) -> list[int]:
     """The ranks of ``launcher``: the children of its forkserver (torch_impl/launch.py's start method)."""
     def children(pid: int) -> list[int]:
+        out = []  # every thread's children: compare.py starts the torch launch in a thread (side by side)
         try:
-            with open(f"/proc/{pid}/task/{pid}/children") as f:
-                return [int(c) for c in f.read().split()]
+            tasks = os.listdir(f"/proc/{pid}/task")
         except OSError:
             return []
+        for task in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    out += [int(c) for c in f.read().split()]
+            except OSError:
+                pass
+        return out
     return [r for c in children(launcher) for r in children(c)]
 
 

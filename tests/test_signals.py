@@ -184,11 +184,18 @@ def test_the_group_killed_from_outside_saves_and_resumes_bitwise(framework, sign
 def _grandchildren(pid: int) -> list[int]:
     """The children of ``pid``'s children (/proc): the torch ranks, children of compare.py's forkserver."""
     def children(p: int) -> list[int]:
+        out = []  # every thread's children: compare.py starts the torch launch in a thread (side by side)
         try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                return [int(c) for c in f.read().split()]
+            tasks = os.listdir(f"/proc/{p}/task")
         except OSError:
             return []
+        for task in tasks:
+            try:
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    out += [int(c) for c in f.read().split()]
+            except OSError:
+                pass
+        return out
     return [g for c in children(pid) for g in children(c)]
 
 

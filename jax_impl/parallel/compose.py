@@ -44,7 +44,7 @@ pipeline's pp-varying state), and the losses' scalars (pp's psum, the data × cp
 the unplanned modules read tp-replicated activations (a norm on a tp-split one adds tp psums) and the
 tx has no reductions of its own (global-norm clipping adds them). jit: the same arrays under NamedShardings, the
 plain forward (pp: the stages at once under vmap, rolled one stage on per GPipe iteration:
-``_jit_pipeline_loss``), XLA picks the collectives (comm_theory() is None, as the mesh runner has
+compose_losses.jit_pipeline_loss), XLA picks the collectives (comm_theory() is None, as the mesh runner has
 no formula for jit with fsdp or cp). typed: refused (see ``refusal``). Papers: Narayanan et al. 2021
 (PTD-P, arXiv:2104.04473); torchtitan (Liang et al. 2024, arXiv:2410.06511).
 
@@ -57,7 +57,6 @@ not the model's forward, a model that never calls the cp seam (at the first trac
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from functools import partial
 
@@ -87,7 +86,8 @@ from jax_impl.parallel.compose_axes import (  # noqa: F401  (AXES, STYLES, Compo
     stand_ins,
     varying,
 )
-from jax_impl.parallel.tp import heads_perm, local_shapes_refusal
+from jax_impl.parallel.compose_losses import forward_loss, jit_pipeline_loss, shard_map_loss
+from jax_impl.parallel.tp import heads_perm
 from jax_impl.parallel.tree import fetch, submodules
 from shared.theory import cp_positions
 
@@ -234,144 +234,6 @@ class Composed:
 
     # --- the forward ---------------------------------------------------------------------------------
 
-    @staticmethod
-    def _module(parts, flat: dict):
-        gdef, treedef, keys, _ = parts
-        return nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, [flat[k] for k in keys]))
-
-    def _forward_loss(self, params, tokens, targets, positions, manual: bool):
-        """Mean loss over the tokens given: this device's (manual, in shard_map) or all (jit)."""
-        sp, S, M = self.split, self.S, self.M
-        rows, T = tokens.shape
-        parts = {}
-        for p in sp.first + sp.last:
-            flat = {k[len(p) + 1:]: v for k, v in params["rest"].items() if k.startswith(p + ".")}
-            parts[p] = self._module(self.parts[p], flat)
-        blocks = params["blocks"]
-        layers = [self._module(self.block_parts, {k: a[l] for k, a in blocks.items()})
-                  for l in range(next(iter(blocks.values())).shape[0])]
-        if manual and self.tp > 1:
-            f_cache = {}  # one f per input array (q|k|v, gate|up): one backward psum, Megatron's
-            layers = [stand_ins(layer, self.rel_plan, f_cache) for layer in layers]
-
-        block_calls = []
-
-        def stage(h):
-            for layer in layers:
-                h = sp.block(self.root, layer, h, positions)
-                block_calls.append(1)
-            return h
-
-        h0 = sp.embed(self.root, parts, tokens, positions)  # (rows, T, D): stage 0's input
-        if manual and self._trace is not None:  # one micro-batch's stream: comm_theory's A
-            self._trace["stream"] = ((rows // M,) + h0.shape[1:], h0.dtype.itemsize)
-        if manual and self.tp > 1 and self._trace is not None:  # f casts per block call: comm_theory
-            self._trace["f"] = lambda: (len(f_cache), sum(x.shape[-1] for x, _ in f_cache.values()), len(block_calls))
-        m = rows // M
-        if S == 1 and M > 1:  # accumulation: M row chunks, their mean losses averaged (one gradient of it)
-            if manual and self._trace is not None:
-                self._trace["stream"] = ((m,) + h0.shape[1:], h0.dtype.itemsize)
-            return sum(self.loss(sp.head(self.root, self._head_parts(parts), stage(h0[k * m:(k + 1) * m])),
-                                 targets[k * m:(k + 1) * m]) for k in range(M)) / M
-        if S == 1:
-            return self.loss(sp.head(self.root, self._head_parts(parts), stage(h0)), targets)
-        h0 = h0.reshape((M, m) + h0.shape[1:])
-        if manual and "pp" not in varying(h0):  # varying over pp once: its cotangent summed once
-            h0 = lax.pcast(h0, "pp", to="varying")
-        idx, state, outs = lax.axis_index("pp"), jnp.zeros_like(h0[0]), []
-        for t in range(M + S - 1):  # stage s runs micro-batch t − s (GPipe); bubbles run on zeros, unused
-            out = stage(jnp.where(idx == 0, h0[min(t, M - 1)], state))
-            if t >= S - 1:
-                outs.append(out)
-            state = lax.ppermute(out, "pp", [(s, s + 1) for s in range(S - 1)])
-        logits = sp.head(self.root, self._head_parts(parts), jnp.concatenate(outs))
-        loss = self.loss(logits, targets)  # micro-batch k = rows [k·m, (k+1)·m)
-        return lax.psum(jnp.where(idx == S - 1, loss, 0), "pp")
-
-    def _jit_pipeline_loss(self, params, tokens, targets, positions):
-        """jit with pp (global arrays): GPipe over the stacked blocks (S, L/S, …), every stage at once under
-        vmap (spmd_axis_name "pp"), the stream rolled one stage on per iteration (jax_impl/pp.py's jit
-        pipeline's circular shift), pinned to P("pp", data, cp); micro-batch k = global rows [k·m, (k+1)·m)
-        (the mean over equal micro-batches is the batch's). XLA places the collectives."""
-        sp, S, M = self.split, self.S, self.M
-        m = tokens.shape[0] // M
-        parts = {p: self._module(self.parts[p], {k[len(p) + 1:]: v for k, v in params["rest"].items()
-                                                 if k.startswith(p + ".")}) for p in sp.first + sp.last}
-
-        def stage(blocks, h):  # one stage's L/S layers on (m, T, D)
-            for l in range(next(iter(blocks.values())).shape[0]):
-                h = sp.block(self.root, self._module(self.block_parts, {k: a[l] for k, a in blocks.items()}), h,
-                             positions)
-            return h
-
-        every = jax.vmap(stage, spmd_axis_name="pp")
-        h0 = sp.embed(self.root, parts, tokens, positions)
-        h0 = h0.reshape((M, m) + h0.shape[1:])  # (M, m, T, D)
-        spec = P("pp", one(self.data), self.seq, *([None] * (h0.ndim - 3)))
-        pin = lambda a: lax.with_sharding_constraint(a, NamedSharding(self.mesh, spec))  # noqa: E731
-        first = (np.arange(S) == 0).reshape((S,) + (1,) * (h0.ndim - 1))
-        state, outs = jnp.zeros((S,) + h0.shape[1:], h0.dtype), []
-        for t in range(M + S - 1):  # stage s runs micro-batch t − s; bubbles compute on zeros, unused
-            y = every(params["blocks"], pin(jnp.where(first, h0[min(t, M - 1)][None], state)))  # (S, m, T, D)
-            if t >= S - 1:
-                outs.append(y[S - 1])
-            state = pin(jnp.roll(y, 1, axis=0))  # stage s's output is stage s+1's input
-        return self.loss(sp.head(self.root, self._head_parts(parts), jnp.concatenate(outs)), targets)
-
-    def _head_parts(self, parts: dict) -> dict:
-        """The modules the head gets (the first's too: a tied head reads the embedding), the first ones it
-        reads recorded for comm_theory (their gradient meets the last stage's pp-varying stream)."""
-        trace, first = self._trace, set(self.split.first)
-
-        class Reads(dict):
-            def __getitem__(self, key):
-                if trace is not None and key in first:
-                    trace.setdefault("tied", set()).add(key)
-                return super().__getitem__(key)
-
-        return Reads(parts)
-
-    def _shard_map_loss(self):
-        specs, data, seq = self.specs, one(self.data), self.seq
-
-        def gather(a, spec, lead: int, axis: int):  # fsdp: dim 0 of the Param's own dims gathered over "fsdp"
-            first = spec[lead] if len(spec) > lead else None
-            has = first == "fsdp" or (isinstance(first, tuple) and "fsdp" in first)
-            return lax.all_gather(a, "fsdp", axis=axis, tiled=True) if has else a
-
-        def vary(a, axes):
-            missing = tuple(x for x in self.layout if x in axes and x not in varying(a))
-            return lax.pcast(a, missing, to="varying") if missing else a
-
-        data_axes, stage = self.data, {"pp"} if "pp" in self.layout else set()
-
-        def body(params, tokens, targets, positions):  # blocks (1, L/S, …) -> (L/S, …)
-            blocks = {k: gather(a[0], specs["blocks"][k], 2, 1) for k, a in params["blocks"].items()}
-            rest = {k: gather(a, specs["rest"][k], 0, 0) for k, a in params["rest"].items()}
-            # every array varying ONCE over the axes its inputs vary on (data, cp; pp after the first modules):
-            # the cast's transpose sums its gradient once per step, not once per use (per layer and iteration)
-            sees = set(data_axes + ((seq,) if seq else ()))
-            blocks = {k: vary(a, sees | stage) for k, a in blocks.items()}
-            rest = {k: vary(a, sees | (set() if any(k.startswith(p + ".") for p in self.split.first) else stage))
-                    for k, a in rest.items()}
-            self._trace = {"seam": [], "stream": ((), 0), "loss": 0}
-            ctx = cp_seam._active(self.cp_variant, self.c, self._record) if self.c > 1 else contextlib.nullcontext()
-            with ctx:
-                try:
-                    loss = self._forward_loss({"blocks": blocks, "rest": rest}, tokens, targets, positions, True)
-                except TypeError as e:  # JAX's shape errors on tp-local shards (a head count read from config)
-                    if self.tp == 1:
-                        raise
-                    raise ComposeError("compose " + local_shapes_refusal(e)) from None
-            self._trace["loss"] = loss.dtype.itemsize
-            if "f" in self._trace:  # (f casts, Σ widths) per block call (the cache is dropped with the trace)
-                n, widths, calls = self._trace["f"]()
-                self._trace["f"] = (n // calls, widths // calls)
-            return loss[None]
-
-        return jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(data, seq), P(data, seq), P(seq)),
-                             out_specs=P(one(self.data + ((seq,) if seq else ()))), check_vma=True)
-
     def _record(self, key):
         self._trace["seam"].append((key.size, key.dtype.itemsize))
 
@@ -379,13 +241,13 @@ class Composed:
         stop = lambda p: {part: {k: lax.stop_gradient(a) if k in self.frozen[part] else a  # noqa: E731
                                  for k, a in arrays.items()} for part, arrays in p.items()}
         if self.style == "shard_map":
-            losses = self._shard_map_loss()
+            losses = shard_map_loss(self)
             value = lambda p: jnp.mean(losses(stop(p), tokens, targets, positions))
         elif self.S > 1:
-            value = lambda p: self._jit_pipeline_loss(stop(p), tokens, targets, positions)
+            value = lambda p: jit_pipeline_loss(self, stop(p), tokens, targets, positions)
         else:
             unstack = lambda p: {"rest": p["rest"], "blocks": {k: a[0] for k, a in p["blocks"].items()}}  # S = 1
-            value = lambda p: self._forward_loss(unstack(stop(p)), tokens, targets, positions, False)
+            value = lambda p: forward_loss(self, unstack(stop(p)), tokens, targets, positions, False)
         loss, raw = jax.value_and_grad(value)(params)
         g = raw
         if self.clip is not None:  # the global tree (global arrays): its norm is the whole model's
