@@ -2,7 +2,8 @@
 cast varying once, tp's stand-ins, GPipe's ``ppermute`` over "pp"), the forward jit runs with pp (every
 stage at once under vmap, rolled one stage on per iteration), and the plain forward (jit, no pp). The
 ``Composed`` trainer (jax_impl/parallel/compose.py, whose docstring counts the collectives) calls them with
-itself as ``c``; they read its mesh, split, plan and trace and change nothing else.
+itself as ``c``; they read its mesh, split, plan and trace and change nothing else. No torch twin: torch's
+composed step is the user's module's own forward under its wrappers (torch_impl/parallel/compose.py).
 """
 
 from __future__ import annotations
