@@ -1,5 +1,6 @@
 """The ledger of a compiled step: every collective it ran, read from torch's profiler, each attributed to the
-compiled program that issued it or to eager code.
+compiled program that issued it or to eager code. No JAX twin: JAX's compiled rows read the collectives from the
+compiled HLO (jax_impl/ledger.py).
 
     with compiled_ledger.recording(list_dtype=torch.float64) as rec:
         step()                                   # a step of compiled units (after the first, compiling one)
