@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+from procs import grandchildren  # tests/procs.py
 
 from parallel_twins import cli as compare
 
@@ -507,24 +508,6 @@ def test_jax_launch_refuses_zero_processes():
     assert done.returncode == 2 and "-n and -d must be >= 1" in done.stderr, done.stderr
 
 
-def _ranks_of(launcher: int) -> list[int]:
-    """The ranks of ``launcher``: the children of its forkserver (torch_impl/launch.py's start method)."""
-    def children(pid: int) -> list[int]:
-        out = []  # every thread's children: compare.py starts the torch launch in a thread (side by side)
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            return []
-        for task in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{task}/children") as f:
-                    out += [int(c) for c in f.read().split()]
-            except OSError:
-                pass
-        return out
-    return [r for c in children(launcher) for r in children(c)]
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -546,9 +529,9 @@ def test_a_sigkilled_compare_py_takes_its_ranks_with_it():
                             cwd=_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
-        while len(_ranks_of(proc.pid)) < 2 and time.monotonic() < deadline:
+        while len(grandchildren(proc.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
-        ranks = _ranks_of(proc.pid)
+        ranks = grandchildren(proc.pid)
         assert len(ranks) >= 2, "the ranks never started"
         time.sleep(2)  # past the launch: training
     finally:

@@ -24,6 +24,7 @@ import sys
 import time
 
 import pytest
+from procs import grandchildren  # tests/procs.py (pytest puts tests/ on the path)
 
 from parallel_twins import cli as compare
 from shared.checkpoint import FAULT_ENV, complete
@@ -181,24 +182,6 @@ def test_the_group_killed_from_outside_saves_and_resumes_bitwise(framework, sign
         _resumes_bitwise(common, ck, tmp_path, step, framework)
 
 
-def _grandchildren(pid: int) -> list[int]:
-    """The children of ``pid``'s children (/proc): the torch ranks, children of compare.py's forkserver."""
-    def children(p: int) -> list[int]:
-        out = []  # every thread's children: compare.py starts the torch launch in a thread (side by side)
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            return []
-        for task in tasks:
-            try:
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    out += [int(c) for c in f.read().split()]
-            except OSError:
-                pass
-        return out
-    return [g for c in children(pid) for g in children(c)]
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("how", ["killpg", "timeout"])
@@ -215,7 +198,7 @@ def test_the_group_stopped_without_a_checkpoint_folder_writes_the_json(how, tmp_
     else:
         proc = _start(args, tmp_path)
         deadline = time.monotonic() + 240
-        while len(_grandchildren(proc.pid)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        while len(grandchildren(proc.pid)) < 2 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(1)
         os.killpg(proc.pid, signal.SIGTERM)
