@@ -6,6 +6,9 @@ device; the twin of examples/compose_torch.py (transformers' LlamaForCausalLM fr
     python examples/compose_jax.py --layout dp=2,tp=2,cp=2 [--style jit]       # jit: no pp
     python examples/compose_jax.py --layout dp=2,tp=2,cp=2 --cp-variant ulysses  # or ring_zigzag
     python examples/compose_jax.py --family gpt2 --layout fsdp=2,tp=2,pp=2     # GPT-2-style: examples/gpt2_nnx.py
+    python examples/compose_jax.py --family gpt2-mha --layout fsdp=2,tp=2      # its attention nnx.MultiHeadAttention
+    python examples/compose_jax.py --layout fsdp=2,tp=2 --save ckpt            # weights: compose_torch.py --load
+    python examples/compose_jax.py --load ckpt/step_000003                     # either framework's, its loss
 
 The glue (a user's copy):
 
@@ -47,7 +50,7 @@ from flax import nnx  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)  # float64 parity
 
-from jax_impl import ledger  # noqa: E402
+from jax_impl import checkpoint, ledger  # noqa: E402
 from jax_impl.parallel import llama, recipe  # noqa: E402
 from jax_impl.parallel.compose import ComposeError, compose  # noqa: E402
 from jax_impl.parallel.tree import key_of  # noqa: E402
@@ -88,19 +91,32 @@ def single_device(model, tokens, targets, steps: int, clip: float | None = None)
 def family_of(name: str, gpt2_shape=None):
     """(make a fresh model, plan, split, default units, tokens, targets) of a model family: the Llama from
     shared/llama.py's weights, or examples/gpt2_nnx.py's GPT-2 (biases everywhere, tied head, V = 97)."""
-    if name == "gpt2":
+    if name in ("gpt2", "gpt2-mha"):  # gpt2-mha: its attention Flax's own nnx.MultiHeadAttention
         import gpt2_nnx
 
-        s = gpt2_shape or gpt2_nnx.GPT2Shape()
+        s, mha = gpt2_shape or gpt2_nnx.GPT2Shape(), name == "gpt2-mha"
         data = batch(LlamaShape(vocab=s.vocab, seq=s.seq), ROWS, SEED)
-        return (lambda: gpt2_nnx.GPT2(s, rngs=nnx.Rngs(SEED))), gpt2_nnx.PLAN, gpt2_nnx.SPLIT, gpt2_nnx.UNITS, *data
+        make = lambda: gpt2_nnx.GPT2(s, rngs=nnx.Rngs(SEED), attention="flax" if mha else "fused")  # noqa: E731
+        return make, gpt2_nnx.FLAX_MHA_PLAN if mha else gpt2_nnx.PLAN, gpt2_nnx.SPLIT, gpt2_nnx.UNITS, *data
     shape = LlamaShape()
     w = weights(shape, SEED)
     return (lambda: llama.from_numpy(w, shape)), llama.PLAN, llama.SPLIT, None, *batch(shape, ROWS, SEED)
 
 
+def with_params(model, params: dict):
+    """``model`` holding ``params`` ({NNX Param path: array}: ``trainer.params()``)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))
+    nnx.update(model, jax.tree_util.tree_unflatten(treedef, [jnp.asarray(params[key_of(p)]) for p, _ in leaves]))
+    return model
+
+
+def loss_of(model, tokens, targets) -> float:
+    return float(cross_entropy(model(jnp.asarray(tokens)), jnp.asarray(targets)))
+
+
 def run(layout: dict[str, int], style: str = "shard_map", steps: int = STEPS, units=None,
-        cp_variant: str = "ring", clip: float | None = None, family: str = "llama", gpt2_shape=None) -> dict:
+        cp_variant: str = "ring", clip: float | None = None, family: str = "llama", gpt2_shape=None,
+        save: str | None = None) -> dict:
     make, plan, split, default_units, tokens, targets = family_of(family, gpt2_shape)
     trainer = compose(make(), layout, cross_entropy, adamw(), plan=plan, split=split, style=style,
                       units=units if units is not None else default_units, cp_variant=cp_variant, clip=clip)
@@ -110,6 +126,10 @@ def run(layout: dict[str, int], style: str = "shard_map", steps: int = STEPS, un
             "theory": trainer.comm_theory()}
     ref_losses, ref = single_device(make(), jnp.asarray(tokens), jnp.asarray(targets), steps, clip)
     got = trainer.params()
+    extra = {}
+    if save:  # the weights checkpoint (Orbax) and the loss it must reproduce
+        extra = {"saved": checkpoint.save_weights(save, steps, got, layout, list(trainer.mesh.devices.flat)),
+                 "source_loss": loss_of(with_params(make(), got), tokens, targets)}
     assert set(got) == set(ref), set(got) ^ set(ref)
     diff = max(float(np.abs(got[k] - ref[k]).max()) for k in ref)
     scale = max(float(np.abs(a).max()) for a in ref.values())
@@ -118,7 +138,7 @@ def run(layout: dict[str, int], style: str = "shard_map", steps: int = STEPS, un
             "losses": losses,
             "reference_losses": ref_losses,
             "max_abs_param_diff": diff, "max_rel_loss_diff": loss_rel,
-            "exact": bool(loss_rel <= TOL and diff <= TOL * scale), "comm": comm}
+            "exact": bool(loss_rel <= TOL and diff <= TOL * scale), "comm": comm} | extra
 
 
 def parse_layout(text: str) -> dict[str, int]:
@@ -137,13 +157,23 @@ def main(argv=None) -> int:
     ap.add_argument("--style", default="shard_map", choices=("shard_map", "jit", "typed"))
     ap.add_argument("--cp-variant", default="ring", choices=("ring", "ring_zigzag", "ulysses"))
     ap.add_argument("--steps", type=int, default=STEPS)
-    ap.add_argument("--family", default="llama", choices=("llama", "gpt2"),
-                    help="the NNX Llama, or examples/gpt2_nnx.py's GPT-2 (biases, tied head, V = 97)")
+    ap.add_argument("--family", default="llama", choices=("llama", "gpt2", "gpt2-mha"),
+                    help="the NNX Llama, or examples/gpt2_nnx.py's GPT-2 (biases, tied head, V = 97; gpt2-mha: "
+                    "its attention Flax's nnx.MultiHeadAttention, compose_axes.flax_mha_plan)")
     ap.add_argument("--json", help="write the result here")
+    ap.add_argument("--save", metavar="DIR", help="write the trained weights as a checkpoint DIR/step_000003 "
+                    "(jax_impl.checkpoint.save_weights; examples/compose_torch.py --load reads it)")
+    ap.add_argument("--load", metavar="PATH", help="only print the loss of a weights checkpoint either framework "
+                    "wrote, read into the NNX Llama (jax_impl.checkpoint.load_weights), on the batch")
     args = ap.parse_args(argv)
+    if args.load:
+        shape = LlamaShape()
+        print(json.dumps({"loaded": args.load, "loss": loss_of(checkpoint.load_weights(args.load, llama.Llama(shape)),
+                                                               *batch(shape, ROWS, SEED))}))
+        return 0
     try:
         result = run(parse_layout(args.layout), args.style, args.steps, cp_variant=args.cp_variant,
-                     family=args.family)
+                     family=args.family, save=args.save)
     except ComposeError as e:  # refused before compiling: one line
         print(e, file=sys.stderr)
         return 2

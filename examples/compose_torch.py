@@ -7,11 +7,15 @@ NumPy weights (shared/llama.py) with the same data, loss and optimizer, so both 
     python examples/compose_torch.py --layout fsdp=2,tp=2 --style explicit          # 4 ranks
     python examples/compose_torch.py --family qwen2 --vocab 97 --plan auto --layout fsdp=2,tp=2 --style explicit
     python examples/compose_torch.py --layout fsdp=2,tp=2 --compile                 # each layer torch.compile'd
+    python examples/compose_torch.py --layout fsdp=2,tp=2 --save ckpt               # then compose_jax.py --load
+    python examples/compose_torch.py --load ckpt/step_000003                        # either framework's, its loss
 
 ``--family qwen2``: transformers' Qwen2ForCausalLM (q/k/v biases, grouped-query attention), the same weights
 plus random q/k/v biases; ``--plan auto``: the model's own tp plan (``config.base_model_tp_plan``, prefixed,
 with the vocabulary split added); ``--vocab 97``: a vocabulary tp does not divide (explicit pads it;
-builtin refuses it). Every run loads ``trainer.full_state_dict()`` back into a fresh model (strict).
+builtin refuses it). Every run loads ``trainer.full_state_dict()`` back into a fresh model (strict);
+``--save DIR`` also writes it as a weights checkpoint (torch_impl.checkpoint.save_weights: DCP, every rank its
+chunk), which the NNX twin reads (``examples/compose_jax.py --load DIR/step_000003``: the same loss to 1e-12).
 
 The contract both frameworks follow: model ``LlamaShape()`` (V 64, D 32, 4 layers, 4 heads / 2 key-value
 heads, F 64, T 16) in float64 from ``shared.llama.weights(shape, seed=0)``; data ``batch(shape, rows=8,
@@ -53,6 +57,7 @@ import torch  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from shared import llama as shared_llama  # noqa: E402
+from torch_impl.checkpoint import load_weights, save_weights  # noqa: E402
 from torch_impl.launch import launch  # noqa: E402
 from torch_impl.parallel import compiled_ledger  # noqa: E402
 from torch_impl.parallel.compose import cross_entropy, parallelize  # noqa: E402
@@ -120,7 +125,7 @@ def train(layout: dict[str, int], style: str, shape, ledger=None, **pp):
     ``pp``: parallelize's schedule= / microbatches= / plan=, train_step's max_norm=, the model's
     ``family`` and ``vocab`` (``case_shape``), and ``clip_in_optimizer``: torch's clip inside the
     optimizer (refused: the LocalClipError's message)."""
-    max_norm, local = pp.pop("max_norm", None), pp.pop("clip_in_optimizer", False)
+    max_norm, local, save = pp.pop("max_norm", None), pp.pop("clip_in_optimizer", False), pp.pop("save", None)
     shape, family = case_shape(shape, pp.pop("vocab", None)), pp.pop("family", "llama")
     model, (tokens, targets) = build(shape, layout.get("cp", 1) > 1, family), data(shape)
     mesh = init_device_mesh("cpu", tuple(layout.values()), mesh_dim_names=tuple(layout))  # glue
@@ -130,9 +135,9 @@ def train(layout: dict[str, int], style: str, shape, ledger=None, **pp):
     if local:
         try:
             trainer.train_step(tokens, targets)
-            return "not refused", {}, {}
+            return "not refused", {}, {}, {}
         except LocalClipError as e:
-            return str(e), {}, {}
+            return str(e), {}, {}, {}
     losses = [trainer.train_step(tokens, targets, max_norm) for _ in range(STEPS - 1)]  # glue
     comm = {}
     if ledger is not None and trainer.compiled:  # compiled: the profiler's ledger (a dispatch mode runs eagerly)
@@ -156,8 +161,14 @@ def train(layout: dict[str, int], style: str, shape, ledger=None, **pp):
     else:
         losses.append(trainer.train_step(tokens, targets, max_norm))
     state = trainer.full_state_dict()
-    build(shape, family=family).load_state_dict(state, strict=True)  # the model's own names and shapes
-    return losses, {k: v.numpy() for k, v in state.items()}, comm  # NumPy: rank -> parent
+    twin = build(shape, family=family)
+    twin.load_state_dict(state, strict=True)  # the model's own names and shapes
+    extra = {}
+    if save:  # the weights checkpoint (every rank writes its chunk) and the loss it must reproduce
+        path = save_weights(save, STEPS, state, model)  # glue
+        with torch.no_grad():
+            extra = {"saved": path, "source_loss": float(cross_entropy(twin(input_ids=tokens).logits, targets))}
+    return losses, {k: v.numpy() for k, v in state.items()}, comm, extra  # NumPy: rank -> parent
 
 
 # {group name: ledger label} of every layout this process ran: DTensor caches its sharding decisions by
@@ -175,7 +186,7 @@ def rank(ctx, cases: list[tuple[dict, str, dict]], shape):
     """Every (layout, style, pp options) of ``cases`` on the same ranks, one after another; every rank's
     answers (the ledger differs by rank; the parameters are rank 0's)."""
     out = [train(layout, style, shape, ctx.ledger, **pp) for layout, style, pp in cases]
-    return out if ctx.rank == 0 else [(None, None, comm) for _, _, comm in out]
+    return out if ctx.rank == 0 else [(None, None, comm, None) for _, _, comm, _ in out]
 
 
 def parse_layout(text: str) -> dict[str, int]:
@@ -187,13 +198,13 @@ def parse_layout(text: str) -> dict[str, int]:
 
 
 def compare(layout, style, got, ref) -> dict:
-    (losses, params, _), (ref_losses, ref_params) = got, ref
+    (losses, params, _, extra), (ref_losses, ref_params) = got, ref
     if isinstance(losses, str):  # clip_in_optimizer: the refusal's message
         return {"framework": "torch", "layout": layout, "style": style, "refused": losses}
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
     diff = max(float((torch.from_numpy(params[k]) - v).abs().max()) for k, v in ref_params.items())
     return {"framework": "torch", "layout": layout, "style": style, "losses": losses,
-            "reference_losses": ref_losses, "max_abs_param_diff": diff, "max_rel_loss_diff": rel}
+            "reference_losses": ref_losses, "max_abs_param_diff": diff, "max_rel_loss_diff": rel} | extra
 
 
 def run(cases: list[tuple], shape=None) -> list[dict]:
@@ -226,8 +237,20 @@ def main(argv=None) -> int:
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile each decoder layer (parallelize(compile=True): parallel/compiled.py)")
     parser.add_argument("--json", help="write the result here")
+    parser.add_argument("--save", metavar="DIR", help="write the trained weights as a checkpoint DIR/step_000003 "
+                        "(torch_impl.checkpoint.save_weights; examples/compose_jax.py --load reads it)")
+    parser.add_argument("--load", metavar="PATH", help="only print the loss of a weights checkpoint either "
+                        "framework wrote, read into transformers' Llama (torch_impl.checkpoint.load_weights)")
     args = parser.parse_args(argv)
+    if args.load:
+        shape = shared_llama.LlamaShape()
+        model, (tokens, targets) = load_weights(args.load, build(shape)), data(shape)
+        with torch.no_grad():
+            print(json.dumps({"loaded": args.load, "loss": float(cross_entropy(model(input_ids=tokens).logits,
+                                                                                targets))}))
+        return 0
     opts = {"schedule": args.schedule, "family": args.family, "vocab": args.vocab} | (
+        {"save": args.save} if args.save else {}) | (
         {"plan": "auto"} if args.plan == "auto" else {}) | ({"compile": True} if args.compile else {})
     result = run([(parse_layout(args.layout), args.style, opts)])[0]
     if args.compile:  # the profiler's ledger: totals (no process group), each op's count and bytes

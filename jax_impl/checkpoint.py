@@ -335,3 +335,61 @@ def _run(module, pattern, cfg, problem, style, variant, mesh, plan, run_dir):
     if path:
         trained.extra |= {"load_s": load_s, "loaded_from": path}
     return trained
+
+
+# --- a model's weights (a compose trainer's state), for the other framework's twin -------------------
+
+def save_weights(run_dir: str, step: int, params: dict, layout: dict | None = None, devices=None) -> str:
+    """Write ``params`` ({NNX Param path: array}: ``Composed.params()``, or ``nnx_params(model)``) as a
+    weights checkpoint ``run_dir/step_N`` with Orbax (shared/checkpoint_weights.py: ``kernel`` /
+    ``embedding`` / ``scale`` stored as ``weight``, matrices x @ W as NNX holds them), commit it; returns
+    its path. float64 stays float64, every other dtype is stored as float32 (lossless)."""
+    from shared.checkpoint_weights import from_nnx, weights_manifest
+
+    arrays = from_nnx(params)
+    mesh = Mesh(np.asarray(devices or jax.devices()[:1]), ("d",))
+    cast = lambda a: np.asarray(a, np.float64 if a.dtype == np.float64 else np.float32)  # noqa: E731
+    tree = {"params": {n: _placed(cast(a), mesh) for n, a in arrays.items()}}
+    lead = jax.process_index() == 0
+    tmp = aside(run_dir, step) if lead else os.path.join(run_dir, ".tmp-" + step_name(step))
+    _sync(f"aside {tmp}")
+    checkpointer, args = _writer()
+    try:
+        checkpointer.save(os.path.join(tmp, "orbax"), args=args(tree))
+    except Exception as exc:  # noqa: BLE001 — full disk, read-only folder: one line
+        if lead:
+            abandon(tmp)
+        raise save_error(run_dir, step, exc) from None
+    shapes = {n: a.shape for n, a in arrays.items()}
+    final = commit(tmp, weights_manifest(step, "jax", "orbax", shapes, layout)) if lead else \
+        os.path.join(run_dir, step_name(step))
+    _sync(f"commit {final}")
+    return final
+
+
+def nnx_params(model) -> dict[str, np.ndarray]:
+    """{NNX Param path: array} of an NNX model (a tied Param once, under its first path)."""
+    from flax import nnx
+
+    from jax_impl.parallel.tree import key_of
+
+    return {key_of(p): np.asarray(a) for p, a in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]}
+
+
+def load_weights(path: str, model):
+    """Copy a weights checkpoint (either framework's: shared.checkpoint_weights.read_weights) into the NNX
+    ``model``'s Params, every one by its canonical name, in place; returns ``model``. A name or shape
+    that does not map: CheckpointError, one line, before anything changes."""
+    from flax import nnx
+
+    from jax_impl.parallel.tree import key_of
+    from shared.checkpoint_weights import canonical_nnx, check_names, from_nnx, read_weights
+
+    arrays = read_weights(path)
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    want = {n: a.shape for n, a in from_nnx({key_of(p): a for p, a in leaves}).items()}
+    check_names(arrays, want, path)
+    new = [jnp.asarray(arrays[canonical_nnx(key_of(p))], a.dtype) for p, a in leaves]
+    nnx.update(model, jax.tree_util.tree_unflatten(treedef, new))
+    return model

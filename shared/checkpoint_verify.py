@@ -49,7 +49,7 @@ def data_files(folder: str) -> list[str]:
     return [f for f in walk_files(folder) if f != MANIFEST]
 
 
-def _read_manifest(path: str) -> tuple[str, dict]:
+def read_manifest(path: str) -> tuple[str, dict]:
     mpath = os.path.join(path, MANIFEST)
     if os.path.islink(os.path.normpath(path)):
         raise CheckpointError(f"{path}: a symlink: a checkpoint is a folder of its run, not a link to one")
@@ -107,15 +107,10 @@ def check_identity(info: dict, cfg, where: str = "checkpoint") -> None:
                                   f"{k}={getattr(cfg, k)!r}")
 
 
-def verify(path: str, cfg=None) -> dict:
-    """The manifest of the checkpoint at ``path``, after checking it: complete; its step, writer and
-    framework consistent with its folder; every file it lists a plain relative name inside ``path``,
-    a regular file (no symlink on the way), of its size (from fstat, before hashing; the sizes within
-    what a model of this config can hold) and SHA-256; no other file; and (with ``cfg``) written by
-    this run (``check_identity``). CheckpointError (one line: file and mismatch) otherwise."""
-    mpath, info = _read_manifest(path)
-    if not info.get("optimizer"):
-        raise CheckpointError(f"{mpath}: no optimizer state in this checkpoint: it cannot resume AdamW")
+def check_files(path: str, mpath: str, info: dict, budget) -> None:
+    """The checks every checkpoint passes (``verify``, ``shared.checkpoint_weights.verify_weights``): its
+    step and writer consistent with its folder, every listed file confined, of its size (fstat, before
+    hashing; in total within ``budget(number of files)`` bytes) and SHA-256, and no other file."""
     step, writer = info.get("step"), info.get("writer")
     m = STEP.match(os.path.basename(os.path.normpath(path)))
     if not isinstance(step, int) or isinstance(step, bool) or step < 0 or (m and int(m.group(1)) != step):
@@ -136,16 +131,32 @@ def verify(path: str, cfg=None) -> dict:
         if size != meta["bytes"]:
             raise CheckpointError(f"{os.path.join(path, name)}: {size} bytes, the manifest says {meta['bytes']} "
                                   "(truncated or grown)")
-    budget = _byte_budget(cfg if cfg is not None else _model_of(mpath, info.get("config") or {}), len(files))
+    limit = budget(len(files))
     total = sum(meta["bytes"] for meta in files.values())
-    if total > budget:
-        raise CheckpointError(f"{mpath}: its files hold {total} bytes, a checkpoint of this model at most {budget}")
+    if total > limit:
+        raise CheckpointError(f"{mpath}: its files hold {total} bytes, a checkpoint of this model at most {limit}")
     extra = [f for f in data_files(path) if f not in files]
     if extra:
         raise CheckpointError(f"{os.path.join(path, extra[0])}: not in the manifest (written after the commit?)")
     for name, meta in files.items():
         if file_sha256(open_confined(path, name)[0]) != meta["sha256"]:
             raise CheckpointError(f"{os.path.join(path, name)}: SHA-256 differs from the manifest's (corrupted)")
+
+
+def verify(path: str, cfg=None) -> dict:
+    """The manifest of the checkpoint at ``path``, after checking it: complete; its step, writer and
+    framework consistent with its folder; every file it lists a plain relative name inside ``path``,
+    a regular file (no symlink on the way), of its size (from fstat, before hashing; the sizes within
+    what a model of this config can hold) and SHA-256; no other file; and (with ``cfg``) written by
+    this run (``check_identity``). CheckpointError (one line: file and mismatch) otherwise."""
+    mpath, info = read_manifest(path)
+    if info.get("kind") == "weights":
+        raise CheckpointError(f"{mpath}: a model's weights (a compose trainer's state, no optimizer), not a run's "
+                              "training state: read it with read_weights / load_weights (docs/checkpoint.md)")
+    if not info.get("optimizer"):
+        raise CheckpointError(f"{mpath}: no optimizer state in this checkpoint: it cannot resume AdamW")
+    check_files(path, mpath, info, lambda n: _byte_budget(
+        cfg if cfg is not None else _model_of(mpath, info.get("config") or {}), n))
     if cfg is not None:
         check_identity(info, cfg, mpath)
     return info

@@ -1,6 +1,8 @@
 """Checkpoints across frameworks: a run saved by torch (DCP) continues in JAX (Orbax's twin reads the same
 canonical names and orientation) and the other way round, and the joined losses are those of one
-uninterrupted single-device run. ``compare.py checkpoint`` runs the whole 12 × 12 matrix (slow tier).
+uninterrupted single-device run. ``compare.py checkpoint`` runs the whole 12 × 12 matrix (slow tier). A
+model's weights checkpoint (a compose trainer's state: test_compose_torch / test_compose_jax carry one across)
+refused where it does not map.
 """
 
 from __future__ import annotations
@@ -95,3 +97,58 @@ def test_the_matrix_is_all_ok(tmp_path, measured):
     xfw = [row["max_rel_err"] for row in rows if row["save"]["framework"] != row["load"]["framework"]]
     measured(f"checkpoint matrix: worst {max(row['max_rel_err'] for row in rows):.1e}, cross-framework worst "
              f"{max(xfw):.1e}; {data['cost']}")
+
+
+def test_weights_that_do_not_map_are_refused_in_one_line(tmp_path):
+    """A model's weights checkpoint (torch_impl / jax_impl.checkpoint.save_weights, docs/checkpoint.md): one
+    process writes it, the same model reads it back bit for bit, the NNX twin of a Linear reads the
+    transposed kernel; another model, a shape that differs (an nnx.LinearGeneral kernel (D, H, dh) against
+    a torch Linear), a flipped byte, and a run's resume (verify) are refused in one line."""
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from flax import nnx
+
+    from jax_impl.checkpoint import load_weights as jax_load
+    from shared.checkpoint import CheckpointError, verify
+    from torch_impl.checkpoint import load_weights, save_weights
+
+    def torch_model(out=4):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Embedding(5, 4, dtype=torch.float64),
+                                   torch.nn.Linear(4, out, dtype=torch.float64))
+
+    class Twin(nnx.Module):  # the NNX names of the same model: "0.embedding", "1.kernel", "1.bias"
+        def __init__(self, general=False):
+            r, f64 = nnx.Rngs(1), {"param_dtype": jnp.float64}
+            lin = nnx.LinearGeneral(4, (2, 2), rngs=r, **f64) if general else nnx.Linear(4, 4, rngs=r, **f64)
+            self.layers = nnx.List([nnx.Embed(5, 4, rngs=r, **f64), lin])
+
+    model = torch_model()
+    path = save_weights(str(tmp_path / "run"), 1, model.state_dict(), model)
+    back = load_weights(path, torch_model())
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), back.parameters(), strict=True))
+    twin = Twin()
+    with pytest.raises(CheckpointError, match=r"no 'layers.0.weight'"):  # the names must be the model's
+        jax_load(path, twin)
+    renamed = {f"layers.{k}": v for k, v in model.state_dict().items()}
+    path = save_weights(str(tmp_path / "renamed"), 1, renamed, torch.nn.ModuleDict({"layers": model}))
+    jax_load(path, twin)
+    assert np.array_equal(np.asarray(twin.layers[1].kernel[...]), model[1].weight.detach().numpy().T)
+    with pytest.raises(CheckpointError, match=r"layers.1.bias has shape \(4,\), this model needs \(2, 2\)"):
+        jax_load(path, Twin(general=True))
+    with pytest.raises(CheckpointError, match=r"1.weight has shape \(4, 4\), this model needs \(4, 3\)"):
+        load_weights(str(tmp_path / "run" / "step_000001"), torch_model(out=3))
+    with pytest.raises(CheckpointError, match="a model's weights .* not a run's training state"):
+        verify(path)
+    victim = os.path.join(path, "dcp", sorted(os.listdir(os.path.join(path, "dcp")))[0])
+    with open(victim, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    with pytest.raises(CheckpointError, match="SHA-256 differs"):
+        load_weights(path, torch_model())

@@ -1,7 +1,8 @@
 """jax_impl/parallel/compose.py and the NNX Llama (jax_impl/parallel/llama.py): the Llama equals
 transformers' LlamaForCausalLM (one process: torch for this test only), and examples/compose_jax.py's
-composed runs equal its single-device run. Default tier: the parity, a 4-device 2-axis layout, the
-refusals; slow: the 8-device layouts (fsdp × tp × pp, dp × tp × cp) and the example as a user runs it.
+composed runs equal its single-device run. Default tier: the parity, a 4-device 2-axis layout (its state
+written as a weights checkpoint that transformers' Llama reads), the refusals; slow: the 8-device layouts
+(fsdp × tp × pp, dp × tp × cp) and the example as a user runs it.
 Every shard_map run also checks Composed.comm_theory() against the compiled step's ledger per mesh axis.
 
 Tolerances: 1e-13 on logits / 1e-12 on losses and parameters, relative: float64 throughout, the shards
@@ -113,7 +114,13 @@ def assert_theory_is_the_ledger(out):
         assert theory[axis] == ops, (out["layout"], axis, ops, theory[axis])
 
 
-def test_two_axes_equal_single_device(monkeypatch):
+@pytest.fixture(scope="module")
+def fsdp_tp(tmp_path_factory):
+    """examples/compose_jax.py's fsdp=2 × tp=2 shard_map run, its trained weights saved (a checkpoint)."""
+    return example().run({"fsdp": 2, "tp": 2}, "shard_map", save=str(tmp_path_factory.mktemp("weights") / "jax"))
+
+
+def test_two_axes_equal_single_device(monkeypatch, fsdp_tp):
     """fsdp=2 × tp=2 on 4 simulated devices, shard_map, 3 AdamW steps; and the same 3 steps of
     transformers' Llama (float64-patched) with torch.optim.AdamW give the same losses. The step's
     collectives per axis equal the composition's theory."""
@@ -121,7 +128,7 @@ def test_two_axes_equal_single_device(monkeypatch):
 
     from shared.llama import LlamaShape, batch
 
-    out = example().run({"fsdp": 2, "tp": 2}, "shard_map")
+    out = fsdp_tp
     assert out["exact"], out  # 1e-12 relative (example.TOL): measured ~1e-15
     assert_theory_is_the_ledger(out)
     assert len(out["losses"]) == 3 and out["max_rel_loss_diff"] <= 1e-12
@@ -138,6 +145,40 @@ def test_two_axes_equal_single_device(monkeypatch):
         losses.append(loss.item())
     # float64 both (measured 2e-16); unpatched transformers (float32 RMSNorm / RoPE) is 2e-10 away
     assert np.allclose(losses, out["losses"], rtol=1e-12, atol=0), (losses, out["losses"])
+
+
+def test_state_round_trips_into_transformers(fsdp_tp, measured):
+    """Part of issue 48: the fsdp × tp trainer's params() written by jax_impl.checkpoint.save_weights (Orbax,
+    4 devices) are read by torch_impl.checkpoint.load_weights into transformers' LlamaForCausalLM (RMSNorm
+    and RoPE in float64: llama.full_precision): its loss on the same tokens is the NNX model's (float64,
+    1e-12 relative: measured ~1e-16); read back into the NNX Llama, the same weights bit for bit."""
+    import torch
+    import transformers
+
+    from jax_impl.checkpoint import load_weights as jax_load
+    from jax_impl.checkpoint import nnx_params
+    from jax_impl.parallel import llama
+    from shared.llama import LlamaShape, batch, hf_config
+    from torch_impl.checkpoint import load_weights as torch_load
+    from torch_impl.parallel.compose import cross_entropy
+    from torch_impl.parallel.llama import full_precision
+
+    ex, s = example(), LlamaShape()
+    config = transformers.LlamaConfig(**hf_config(s))
+    config._attn_implementation = "sdpa"  # eager's softmax is float32
+    model = torch_load(fsdp_tp["saved"], full_precision(transformers.LlamaForCausalLM(config).to(torch.float64)))
+    tokens, targets = batch(s, ex.ROWS, ex.SEED)
+    with torch.no_grad():
+        got = float(cross_entropy(model(input_ids=torch.from_numpy(tokens)).logits, torch.from_numpy(targets)))
+    want = fsdp_tp["source_loss"]
+    rel = abs(got - want) / abs(want)
+    measured(f"JAX fsdp=2,tp=2 shard_map -> weights checkpoint -> transformers' Llama: loss rel {rel:.1e}")
+    assert rel <= 1e-12, (got, want)
+    back = jax_load(fsdp_tp["saved"], llama.Llama(s))
+    assert ex.loss_of(back, tokens, targets) == want  # the same weights, the same program
+    assert all(np.array_equal(a.T if a.ndim == 2 and k.endswith(".kernel") else a,
+                              model.get_parameter(k.replace(".kernel", ".weight").replace(".embedding", ".weight"))
+                              .detach().numpy()) for k, a in nnx_params(back).items())  # kernel = weightᵀ
 
 
 def test_clip_is_the_global_norm_in_both_frameworks(monkeypatch):

@@ -6,7 +6,8 @@ against the compiled step's ledger.
 
 Default tier: a small GPT-2 (D 16, 2 layers, 2 heads, T 8) under dp × fsdp × tp (HSDP with tp: the
 rowwise biases added once after the psum, the fused qkv split by whole heads, the tied head), and the
-refusals that compile nothing (slow: the small GPT-2 under tp × pp, the tied head on the last stage).
+refusals that compile nothing (slow: the small GPT-2 under tp × pp, the tied head on the last stage);
+the GPT-2 with Flax's own nnx.MultiHeadAttention (compose_axes.flax_mha_plan) under fsdp × tp (slow: jit).
 Slow: the default GPT-2 under fsdp × tp, fsdp × tp × pp (jit: compose's vmapped GPipe) and dp × tp × cp
 in both styles, and the Llama under HSDP with tp in both styles.
 
@@ -163,3 +164,43 @@ def test_gpt2_style_model_in_every_issue_layout(layout, style, measured):
 def test_llama_under_hsdp_with_tp(style, measured):
     """dp=2 × fsdp=2 × tp=2: the rows over (dp, fsdp), the weights split over fsdp only, replicated over dp."""
     assert_exact_and_theory(example().run({"dp": 2, "fsdp": 2, "tp": 2}, style), measured)
+
+
+def mha_shape():
+    import gpt2_nnx
+
+    return gpt2_nnx.GPT2Shape(vocab=97, dim=16, layers=2, heads=4, seq=8)  # 4 heads: H/tp = 2 split over fsdp
+
+
+@pytest.mark.parametrize("style", ["shard_map", pytest.param("jit", marks=pytest.mark.slow)])
+def test_flax_multi_head_attention(style, measured):
+    """Flax's own nnx.MultiHeadAttention (examples/gpt2_nnx.py attention="flax": query / key / value / out
+    nnx.LinearGeneral with biases) under fsdp × tp with compose_axes.flax_mha_plan: q, k, v split over heads
+    (kernels (D, H, dh) on H, biases (H, dh) with them), out by its (H, dh) rows, its bias once after the
+    psum; exact against one device (its attention_fn the seam's float64 causal attention) and, shard_map,
+    the theory per axis equals the compiled step's ledger."""
+    out = example().run({"fsdp": 2, "tp": 2}, style, family="gpt2-mha", gpt2_shape=mha_shape())
+    assert_exact_and_theory(out, measured)
+
+
+def test_flax_mha_plan_refusals():
+    """What compose cannot split of an nnx.LinearGeneral is refused in one line naming the module: a layout
+    other than MultiHeadAttention's for the style, colwise_heads, heads tp does not divide."""
+    import gpt2_nnx
+
+    from jax_impl.parallel.compose import ComposeError, compose, flax_mha_plan
+
+    assert flax_mha_plan("h.*.attn") == {"h.*.attn.query": "colwise", "h.*.attn.key": "colwise",
+                                         "h.*.attn.value": "colwise", "h.*.attn.out": "rowwise"}
+    ex = example()
+    make = lambda layout, plan: compose(gpt2_nnx.GPT2(mha_shape(), rngs=nnx.Rngs(0), attention="flax"),  # noqa: E731
+                                        layout, ex.cross_entropy, ex.adamw(), plan=plan, split=gpt2_nnx.SPLIT,
+                                        units=gpt2_nnx.UNITS)
+    cases = [({"tp": 2}, {"h.*.attn.query": "rowwise"}, r"rowwise nnx.LinearGeneral 'h.0.attn.query' \(kernel "
+              r"\(16, 4, 4\), axis=\(-1,\)\): compose splits an output projection"),
+             ({"tp": 2}, {"h.*.attn.out": "colwise"}, r"colwise nnx.LinearGeneral 'h.0.attn.out'"),
+             ({"tp": 2}, {"h.*.attn.key": "colwise_heads"}, "its heads are a kernel dim already"),
+             ({"tp": 8}, flax_mha_plan("h.*.attn"), r"colwise 'h.0.attn.query' has 4 heads, not divisible by tp=8")]
+    for layout, plan, words in cases:
+        with pytest.raises(ComposeError, match=words):
+            make(layout, plan)

@@ -30,15 +30,17 @@ import contextlib
 import dataclasses
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from shared import preempt
 from shared.checkpoint import (
@@ -286,3 +288,84 @@ def _run(module, pattern, cfg, problem, style, variant, ctx, plan, run_dir):
         trained = module.train(cfg, dataclasses.replace(problem, params=ordered(state.params)), style, variant, ctx)
     trained.extra.update(checkpoints=s.saved, resumed_from=path, load_s=load_s)
     return trained
+
+
+# --- a model's weights (a compose trainer's state), for the other framework's twin -------------------
+
+def linear_weights(model: torch.nn.Module) -> set[str]:
+    """The parameter names of ``model`` stored (out, in): every nn.Linear's weight (under each name a tied
+    one has), stored transposed (x @ W) in a weights checkpoint (shared/checkpoint_weights.py)."""
+    return {f"{path}.weight" if path else "weight" for path, m in model.named_modules(remove_duplicate=False)
+            if isinstance(m, torch.nn.Linear)}  # by module path: a wrapper's own parameter names do not matter
+
+
+def save_weights(run_dir: str, step: int, state: dict[str, torch.Tensor], model: torch.nn.Module,
+                 layout: dict | None = None) -> str:
+    """Write ``state`` ({name: whole tensor}: ``Trainer.full_state_dict()``, or a model's own state dict)
+    as a weights checkpoint ``run_dir/step_N`` (DCP, each rank its Shard(0) chunk; one process without a
+    process group writes it alone) and commit it; returns its path on every rank. ``model``: the model the
+    names are of (before or after ``parallelize``: its nn.Linear weights are stored transposed). float64
+    stays float64, every other dtype is stored as float32 (lossless; NumPy reads it)."""
+    from shared.checkpoint_weights import weights_manifest
+
+    flip, dist_on = linear_weights(model), dist.is_available() and dist.is_initialized()
+    arrays = {}
+    for name, t in state.items():
+        t = t.detach().to("cpu", torch.float64 if t.dtype == torch.float64 else torch.float32)
+        arrays[f"params/{name}"] = (t.T if name in flip else t).contiguous()
+    rank = dist.get_rank() if dist_on else 0
+    if dist_on:  # every rank holds the whole state: each keeps its Shard(0) chunk of it
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
+        arrays = {k: distribute_tensor(a.to(device), mesh, [Shard(0) if a.ndim else Replicate()], src_data_rank=None)
+                  for k, a in arrays.items()}
+    obj = [None, None]
+    if rank == 0:
+        try:
+            obj[0] = aside(run_dir, step)
+        except CheckpointError as exc:
+            obj[1] = str(exc)
+    if dist_on:
+        dist.broadcast_object_list(obj, src=0)
+    if obj[1]:
+        raise CheckpointError(obj[1])
+    try:
+        with warnings.catch_warnings():  # one process: DCP warns that it saves without a process group (meant)
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.save(arrays, storage_writer=HuggingFaceStorageWriter(os.path.join(obj[0], "dcp"),
+                                                                     save_distributed=dist_on), no_dist=not dist_on)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 — one line, whatever DCP raised
+        if rank == 0:
+            abandon(obj[0])
+        raise save_error(run_dir, step, dcp_failure(exc)) from None
+    if dist_on:
+        dist.barrier()
+    out = [None, None]
+    if rank == 0:
+        try:
+            shapes = {k.partition("/")[2]: tuple(a.shape) for k, a in arrays.items()}
+            out[0] = commit(obj[0], weights_manifest(step, "torch", "dcp", shapes, layout))
+        except CheckpointError as exc:
+            out[1] = str(exc)
+    if dist_on:
+        dist.broadcast_object_list(out, src=0)
+    if out[1]:
+        raise CheckpointError(out[1])
+    return out[0]
+
+
+def load_weights(path: str, model: torch.nn.Module) -> torch.nn.Module:
+    """Copy a weights checkpoint (either framework's: shared.checkpoint_weights.read_weights) into
+    ``model``'s parameters (every one, by name; nn.Linear weights transposed back); returns ``model``.
+    A name or shape that does not map: CheckpointError, one line, before anything is copied."""
+    from shared.checkpoint_weights import check_names, read_weights
+
+    arrays, flip = read_weights(path), linear_weights(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    want = {n: tuple(p.shape[::-1]) if n in flip else tuple(p.shape) for n, p in params.items()}
+    check_names(arrays, want, path)
+    with torch.no_grad():
+        for n, p in params.items():
+            a = torch.from_numpy(np.ascontiguousarray(arrays[n]))
+            p.copy_((a.T if n in flip else a).to(p.dtype))
+    return model

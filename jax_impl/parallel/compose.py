@@ -18,7 +18,9 @@ The mesh: axes in the layout's order, device id row-major (innermost last). Per 
                out), g = psum after, then its bias once, as torch's RowwiseParallel),
                colwise_heads (a fused [q|k|v] kernel (D, 3·H·dh): shard_map holds its columns permuted,
                device r [q_r|k_r|v_r], parallel.tp.heads_perm; params() / to_paths() put them back).
-               Head counts come from the weights, so q/k/v shards must be whole heads (checked).
+               Head counts come from the weights, so q/k/v shards must be whole heads (checked). Flax's
+               nnx.MultiHeadAttention (``flax_mha_plan``): its nnx.LinearGeneral query/key/value colwise
+               over heads (kernel (D, H, dh) on H, bias (H, dh) with it), out rowwise (kernel (H, dh, D)).
     pp         GPipe over ``split``: blocks (identical modules of one nnx.List) evenly over "pp", stacked
                (S, L/S, …); ``first`` / ``last`` replicated over pp, real on stage 0 / S−1; M micro-batches of
                the local rows, M + S − 1 iterations, one ppermute of the message per iteration; the last
@@ -50,8 +52,8 @@ no formula for jit with fsdp or cp). typed: refused (see ``refusal``). Papers: N
 
 Refused before compiling (``ComposeError``, one line: what, which axes, fix): an unknown axis or style,
 typed, sizes that do not divide (rows, sequence, layers, heads, features, dim 0 under
-fsdp), plan keys outside the blocks or on non-Linear modules, a rowwise bias on a Linear subclass with its
-own __call__, a split whose chain is
+fsdp), plan keys outside the blocks or on modules other than nnx.Linear / an nnx.LinearGeneral in
+nnx.MultiHeadAttention's layout, a rowwise bias on a Linear subclass with its own __call__, a split whose chain is
 not the model's forward, a model that never calls the cp seam (at the first trace).
 """
 
@@ -80,6 +82,7 @@ from jax_impl.parallel.compose_axes import (  # noqa: F401  (AXES, STYLES, Compo
     check_plan,
     check_split,
     flat,
+    flax_mha_plan,
     matches,
     one,
     refusal,
@@ -386,7 +389,8 @@ def compose(model: nnx.Module, layout: dict[str, int], loss: Callable, tx: optax
             microbatches: int | None = None, devices=None, cp_variant: str = "ring",
             clip: float | None = None, freeze=()) -> Composed:
     """Train ``model`` on one mesh of ``layout`` ({axis: size}, axes dp fsdp pp cp tp); ``loss(logits,
-    targets)`` a mean over the tokens it gets; ``plan`` {module path glob: colwise | rowwise};
+    targets)`` a mean over the tokens it gets; ``plan`` {module path glob: colwise | colwise_heads | rowwise}
+    (an nnx.MultiHeadAttention's: ``flax_mha_plan(prefix)``);
     ``split`` the model's stage split; ``units`` module-path globs whose Params fsdp shards (default
     all); ``microbatches`` under pp (default pp); ``cp_variant`` the seam's ring / ring_zigzag / ulysses
     (shard_map); ``clip`` global-norm clipping of the whole model's gradient (torch's formula,

@@ -6,11 +6,12 @@
                                         identical modules (a scan/vmap-stacked module is refused), L % S
     check_plan(model, split, plan, tp)  the tp plan: colwise / colwise_heads (a fused [q|k|v] kernel) /
                                         rowwise nnx.Linear inside the blocks (biases: colwise split,
-                                        rowwise added once after the psum), whole heads
+                                        rowwise added once after the psum), whole heads; and Flax's own
+                                        nnx.MultiHeadAttention's nnx.LinearGeneral (``flax_mha_plan``)
     flat(module)                        (graphdef, treedef, keys, {key: array}): what pp stacks per stage
     Col / Row, stand_ins                Megatron's f (pcast to varying: psum of dL/dx in backward, one per
                                         input array) and g (psum over "tp"; then a rowwise bias) around
-                                        the local shard
+                                        the local shard (an nnx.LinearGeneral: its own steps, ``general``)
 
 Module paths match by ONE glob rule (parallel.tree.matches: ``*`` one segment, ``**`` any), shared
 with parallel.tp's plans and parallel.fsdp's units. Collectives: tp's f and g above (2 all-reduces
@@ -131,9 +132,13 @@ def check_plan(root, sp: Split, plan: dict[str, str], tp: int) -> dict[str, str]
                                "fix the key")
         for p in hits:
             m = mods[p]
-            if not p.startswith(prefix) or not isinstance(m, nnx.Linear):
+            if not p.startswith(prefix) or not isinstance(m, (nnx.Linear, nnx.LinearGeneral)):
                 raise ComposeError(f"compose: plan key {pattern!r} hits {p!r} ({type(m).__name__}); compose "
-                                   f"splits nnx.Linear modules inside {sp.blocks} only: drop the key")
+                                   f"splits nnx.Linear (and nnx.MultiHeadAttention's nnx.LinearGeneral) modules "
+                                   f"inside {sp.blocks} only: drop the key")
+            if isinstance(m, nnx.LinearGeneral):
+                out[p[len(prefix):].split(".", 1)[1]] = check_general(p, m, style, tp)
+                continue
             if style == "rowwise" and m.bias is not None and type(m).__call__ is not nnx.Linear.__call__:
                 raise ComposeError(f"compose: rowwise {p!r} ({type(m).__name__}) has a bias and its own __call__; "
                                    "compose adds a rowwise bias once after the psum by nnx.Linear's own steps: "
@@ -154,6 +159,40 @@ def check_plan(root, sp: Split, plan: dict[str, str], tp: int) -> dict[str, str]
                                    "size dividing every planned module's heads / features")
             out[rel] = style
     return out
+
+
+def flax_mha_plan(prefix: str) -> dict[str, str]:
+    """The tp plan of a ``flax.nnx.MultiHeadAttention`` at module path ``prefix`` (a glob, e.g.
+    ``"blocks.*.attn"``): Megatron's over heads. ``query`` / ``key`` / ``value`` colwise (kernels (D, H, dh)
+    split on H, biases (H, dh) with them), ``out`` rowwise (kernel (H, dh, D) split on H, its bias added once
+    after the psum). tp must divide the heads (and the key-value heads under GQA). Build the attention with
+    ``keep_rngs=False`` (compose trains Params only) and, for float64 parity, ``attention_fn=parallel.cp.attention``
+    (Flax's default, jax.nn.dot_product_attention, takes its logits in float32: ~1e-7; the seam also runs cp)."""
+    return {f"{prefix}.{q}": "colwise" for q in ("query", "key", "value")} | {f"{prefix}.out": "rowwise"}
+
+
+def check_general(p: str, m, style: str, tp: int) -> str:
+    """An nnx.LinearGeneral compose splits exactly: nnx.MultiHeadAttention's shapes, heads that tp divides;
+    else refused (one line naming the module and why)."""
+    axis = (m.axis,) if isinstance(m.axis, int) else tuple(m.axis)
+    shape, name = m.kernel.shape, f"nnx.LinearGeneral {p!r} (kernel {tuple(m.kernel.shape)}, axis={axis})"
+    if type(m).__call__ is not nnx.LinearGeneral.__call__ or m.batch_axis:
+        raise ComposeError(f"compose: {name} has its own __call__ or batch axes; compose runs nnx.LinearGeneral's "
+                           "own steps on the shard: use nnx.LinearGeneral without batch_axis")
+    if style == "colwise" and (axis != (-1,) or len(shape) != 3):
+        raise ComposeError(f"compose: colwise {name}: compose splits a query/key/value projection (D) -> (H, dh) "
+                           "on its heads (kernel (D, H, dh), axis=-1) only: use flax_mha_plan's layout or drop it")
+    if style == "rowwise" and (axis != (-2, -1) or len(shape) != 3):
+        raise ComposeError(f"compose: rowwise {name}: compose splits an output projection (H, dh) -> D on its "
+                           "heads (kernel (H, dh, D), axis=(-2, -1)) only: use flax_mha_plan's layout or drop it")
+    if style == "colwise_heads":
+        raise ComposeError(f"compose: colwise_heads {name}: its heads are a kernel dim already; plan it 'colwise' "
+                           "(flax_mha_plan)")
+    heads = shape[1 if style == "colwise" else 0]
+    if heads % tp:
+        raise ComposeError(f"compose: {style} {p!r} has {heads} heads, not divisible by tp={tp}; use a tp size "
+                           "dividing every planned module's heads")
+    return style
 
 
 # --- one piece per axis: pp's flat Params per stage, tp's stand-ins ---------------------------------
@@ -195,12 +234,15 @@ class Col:
     def __init__(self, m, f_cache: dict):
         self.m, self.f_cache = m, f_cache
 
-    def __call__(self, x):
+    def f(self, x):
         if "tp" in varying(x):
-            return self.m(x)
+            return x
         if id(x) not in self.f_cache:  # the array kept with its cast: its id stays unique
             self.f_cache[id(x)] = (x, lax.pcast(x, "tp", to="varying"))
-        return self.m(self.f_cache[id(x)][1])
+        return self.f_cache[id(x)][1]
+
+    def __call__(self, x):
+        return self.m(self.f(x))
 
 
 class Row:
@@ -220,6 +262,40 @@ class Row:
         return lax.psum(y, "tp") + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))  # (…, D): the bias after g
 
 
+def general(m, x, out_sharding=None):
+    """nnx.LinearGeneral's own steps on the local shard without its bias: (x contracted over the kernel's
+    input dims, the bias or None). Its ``__call__`` would reshape a tp-local bias to the whole out_features."""
+    if out_sharding is not None:
+        raise ComposeError("compose: an nnx.LinearGeneral called with out_sharding= under tp; compose places the "
+                           "shards itself: call it without out_sharding")
+    n = len(m.kernel.shape) - (1 if isinstance(m.out_features, int) else len(m.out_features))
+    x, kernel, bias = m.promote_dtype((x, m.kernel[...], m.bias[...] if m.bias is not None else None), dtype=m.dtype)
+    dot = m.dot_general_cls() if m.dot_general_cls is not None else m.dot_general or lax.dot_general
+    more = {} if m.preferred_element_type is None else {"preferred_element_type": m.preferred_element_type}
+    y = dot(x, kernel, ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ())), precision=m.precision,
+            **more)
+    return y, bias
+
+
+def with_bias(y, bias):
+    return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - bias.ndim) + bias.shape)
+
+
+class ColGeneral(Col):
+    """colwise stand-in of an nnx.LinearGeneral (D) -> (H/tp, dh): f, then its steps, its bias's local heads."""
+
+    def __call__(self, x, out_sharding=None):
+        return with_bias(*general(self.m, self.f(x), out_sharding))
+
+
+class RowGeneral(Row):
+    """rowwise stand-in of an nnx.LinearGeneral (H/tp, dh) -> D: its steps, g, then its bias once."""
+
+    def __call__(self, x, out_sharding=None):
+        y, bias = general(self.m, x, out_sharding)
+        return with_bias(lax.psum(y, "tp"), bias)
+
+
 def stand_ins(layer, rel_plan: dict[str, str], f_cache: dict):
     """``layer`` (one block, tp-local weights) with every planned Linear behind its tp stand-in."""
     for rel, style in rel_plan.items():
@@ -227,6 +303,8 @@ def stand_ins(layer, rel_plan: dict[str, str], f_cache: dict):
         for k in key[0].split(".") if len(key) == 2 else ():
             parent = parent[int(k)] if k.isdigit() else getattr(parent, k)
         m = getattr(parent, key[-1])
-        put_child(parent, key[-1], Row(m) if style == "rowwise" else Col(m, f_cache))
+        gen = isinstance(m, nnx.LinearGeneral)
+        put_child(parent, key[-1], (RowGeneral if gen else Row)(m) if style == "rowwise" else
+                  (ColGeneral if gen else Col)(m, f_cache))
     return layer
 

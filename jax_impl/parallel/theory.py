@@ -127,8 +127,8 @@ def tp_widths(rel_plan: dict[str, str], block: dict, f_inputs: tuple[int, int]) 
     """One block call's tp all-reduces (count, Σ widths): g after each rowwise module (its output width),
     f on each distinct input array of the colwise modules (q|k|v, gate|up read one: compose's f cache,
     which the trace counts: ``f_inputs`` = (f casts, Σ their widths) per block call).
-    ``block`` {Param path in one block: array} (kernels (in, out))."""
-    row = [block[f"{r}.kernel"].shape[1] for r, st in rel_plan.items() if st == "rowwise"]
+    ``block`` {Param path in one block: array} (kernels (in, out); an nnx.LinearGeneral's (H, dh, out))."""
+    row = [block[f"{r}.kernel"].shape[-1] for r, st in rel_plan.items() if st == "rowwise"]  # (…, out)
     return len(row) + f_inputs[0], sum(row) + f_inputs[1]
 
 

@@ -27,12 +27,13 @@ class ShardReadError(RuntimeError):
 
 
 def key_of(path) -> str:
-    """A pytree / graph path as "blocks.0.attn.kernel" (the ``.value`` of a Variable dropped)."""
+    """A pytree / graph path as "blocks.0.attn.kernel" (the ``.value`` of a Variable dropped: its attribute
+    key, or a plain "value" last; a module named ``value`` stays: nnx.MultiHeadAttention's ``attn.value.kernel``)."""
     out = []
-    for k in path:
-        k = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
-        if k != "value":
-            out.append(str(k))
+    for i, k in enumerate(path):
+        if (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value") or (k == "value" and i == len(path) - 1):
+            continue
+        out.append(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))))
     return ".".join(out)
 
 
