@@ -90,13 +90,15 @@ def wire_config(cfg, mesh):
 
 
 def where(devs) -> dict:
-    """Where a program runs, for Trained.where: {"platform": "cpu" | "cuda", "backend": None,
-    "devices": ["cuda:0", …], "fallback": the auto fallback line when it ran on the CPU}."""
+    """Where a program runs, for Trained.where: {"platform": "cpu" | "cuda", "backend": None ("XLA -O0" on the
+    CPU at -O0: compare.py's compile-bound sizes, the tests), "devices": ["cuda:0", …], "fallback": the auto
+    fallback line when it ran on the CPU}."""
     devs = list(devs)
     kinds = {d.platform for d in devs}
     plat = "/".join(sorted("cuda" if k == "gpu" else k for k in kinds))  # JAX calls CUDA devices "gpu"
     names = [f"{'cuda' if d.platform == 'gpu' else d.platform}:{d.id}" for d in devs]
-    return {"platform": plat, "backend": None, "devices": names,
+    fast = plat == "cpu" and "--xla_backend_optimization_level=0" in os.environ.get("XLA_FLAGS", "")
+    return {"platform": plat, "backend": "XLA -O0" if fast else None, "devices": names,  # fast: preflight.py
             "fallback": FALLBACK if plat == "cpu" else None}
 
 

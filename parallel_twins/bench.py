@@ -347,13 +347,15 @@ ATTENTION_T, ATTENTION_HEADS, ATTENTION_HD = (2048, 8192, 32768), (16, 64), 128
 
 
 def _cuda_attention(device, lengths=ATTENTION_T, heads=ATTENTION_HEADS, hd=ATTENTION_HD,
-                    backends=("FLASH_ATTENTION", "CUDNN_ATTENTION"), dtype="bfloat16") -> dict[str, dict[str, float]]:
-    """{backend: {"heads×T": FLOP/s}} for torch's SDPA ``backends`` (one that refuses here: left out)."""
+                    backends=("FLASH_ATTENTION", "CUDNN_ATTENTION"), dtype="bfloat16",
+                    reps: int | None = None) -> dict[str, dict[str, float]]:
+    """{backend: {"heads×T": FLOP/s}} for torch's SDPA ``backends`` (one that refuses here: left out);
+    ``reps`` timed steps per shape (None: ~2e13 FLOP's worth, 3 to 200)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    out = {}
+    out, reps_given = {}, reps
     for name in backends:
         rates = {}
         for h in heads:
@@ -370,7 +372,7 @@ def _cuda_attention(device, lengths=ATTENTION_T, heads=ATTENTION_HEADS, hd=ATTEN
                     with sdpa_kernel(getattr(SDPBackend, name)):
                         for _ in range(2):
                             step()
-                        reps = max(3, min(200, int(2e13 / flop)))
+                        reps = reps_given or max(3, min(200, int(2e13 / flop)))
                         _sync(device)
                         t0 = time.perf_counter()
                         for _ in range(reps):

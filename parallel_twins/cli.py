@@ -66,6 +66,7 @@ from parallel_twins.configs import (  # noqa: E402,F401 (the tests and scripts c
     default_experts,
     default_styles,
     default_world_size,
+    jax_on_cpu,
     join_jax_processes,
     make_configs,
     on_gpus,
@@ -252,6 +253,10 @@ def _main(argv=None) -> int:
             cfg = cfgs[0]
         else:
             simulate_host_devices(cfg.world_size)  # before JAX starts
+            if "jax" in args.frameworks:  # XLA:CPU at -O0 where compiling, not running, is the run's time
+                from parallel_twins.preflight import fast_cpu_compile
+
+                fast_cpu_compile(os.environ, jax_on_cpu(args.device, cfg.world_size), args.size)
         # --- end multi-process JAX ---
         check_devices(args.frameworks, cfg.world_size, args.device)
         plan = checkpoint_plan(args, cfgs)

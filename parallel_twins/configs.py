@@ -265,6 +265,18 @@ def on_gpus(device: str, world: int) -> bool:
     return local_gpu_count() >= max(1, world)
 
 
+def jax_on_cpu(device: str, world: int) -> bool:
+    """Whether JAX runs on the CPU alone: --device cpu, JAX_PLATFORMS=cpu, or auto on a machine whose driver
+    shows no GPU (a machine with too few GPUs falls back to the CPU too, but is left as XLA has it)."""
+    if device != "auto":
+        return device == "cpu"
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return True
+    from shared.env import local_gpu_count
+
+    return local_gpu_count() == 0
+
+
 def size_preset(args, world: int) -> str:
     """--size, else "gpu" where the runs take GPUs, else "cpu"; recorded as args.size (the table's title
     says it)."""

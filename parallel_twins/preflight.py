@@ -211,6 +211,30 @@ def check_jax_environment(env, gpus=None, probe=None) -> None:
                              "fix or remove that flag")
 
 
+CPU_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+XLA_CHOICE = "PARALLEL_TWINS_XLA"  # "default": compare.py keeps XLA:CPU's optimising compile at every size
+
+
+def fast_cpu_compile(env, jax_on_cpu: bool, preset: str | None, probe=None) -> list[str]:
+    """compare.py's table on the CPU at the cpu / tiny sizes: XLA:CPU compiles at -O0 with its element-wise
+    emitters (the tests' flags, tests/conftest.py), added to ``env["XLA_FLAGS"]`` before JAX starts; returns
+    the flags added. At these sizes compiling the ~60 JAX steps is most of the run (2 cores: backend compile
+    of dp's 6 transformer steps 151 s -> 40 s), while a step's run time barely depends on it (its matmuls are
+    Eigen's either way); the IEEE results, and every parity verdict, are the same (no fast-math either way).
+    The rows then say "XLA -O0" where they ran (jax_impl.devices.where). Left as XLA has it: JAX off the CPU,
+    --size gpu, a flag of these already in XLA_FLAGS, or PARALLEL_TWINS_XLA=default. compare.py bench (the
+    timing subcommands) never comes here."""
+    if not jax_on_cpu or preset == "gpu" or env.get(XLA_CHOICE, "").lower() == "default":
+        return []
+    present = env.get("XLA_FLAGS", "")
+    if any(flag.split("=")[0] in present for flag in CPU_COMPILE_FLAGS):
+        return []
+    flags = list(CPU_COMPILE_FLAGS) if env.get(PROBED_MARK) else known_xla_flags(CPU_COMPILE_FLAGS, probe)
+    env["XLA_FLAGS"] = " ".join([present, *flags]).strip()
+    env[PROBED_MARK] = "1"
+    return flags
+
+
 def known_xla_flags(flags, probe=None) -> list[str]:
     """Of ``flags`` (--name=value words), those the installed XLA knows: one probe of them all, and one per
     flag only when that fails. XLA aborts the process on a flag it does not know, silently under pytest

@@ -141,7 +141,7 @@ def test_gpu_bench_grid_sustained_and_attention_run_at_toy_sizes_on_cpu(tmp_path
     sus = b._cuda_sustained(cpu, seconds=0.05, n=32, dtype="float32")
     assert sus["first"] > 0 and sus["last"] > 0 and sus["seconds"] >= 0.05
     att = b._cuda_attention(cpu, lengths=(16, 32), heads=(2, 4), hd=8, backends=("MATH", "FLASH_ATTENTION"),
-                            dtype="float32")
+                            dtype="float32", reps=3)
     assert set(att) <= {"math", "flash"} and all(set(r) == {"2x16", "2x32", "4x16", "4x32"} for r in att.values())
     fits = [{"framework": "torch", "op": "all_gather", "alpha_s": 1e-5, "beta_bytes_per_s": 1e11}]
     bench = {"world_size": 2, "fits": fits, "results": [], "compute": {"bfloat16": {"64": 4e12}},
