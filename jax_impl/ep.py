@@ -51,7 +51,7 @@ from jax_impl.parallel.typed import InMesh, Stated, explicit_mesh
 from jax_impl.transformer import Rules, apply_moe, combine, experts, wide
 from shared.config import Config
 from shared.problem import Problem, is_expert_param, param_names
-from shared.recipe import is_frozen
+from shared.recipe import is_frozen, refusal
 from shared.results import Trained
 from shared.theory import ep_capacity, ep_comm_jax, ep_padding, ep_replicated_params, ep_state_bytes_jax
 
@@ -61,8 +61,9 @@ RAGGED_REFUSAL = ("shard_map/ragged: XLA:CPU cannot run lax.ragged_all_to_all (j
 
 
 def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
-    """Every (style, variant) that runs here: ragged_all_to_all has no CPU lowering (RAGGED_REFUSAL)."""
-    return VARIANTS
+    """Every (style, variant) that runs here (ragged_all_to_all has no CPU lowering: RAGGED_REFUSAL), less those
+    that cannot apply cfg's recipe exactly (shared.recipe.refusal: none today)."""
+    return tuple(v for v in VARIANTS if refusal("jax", "ep", *v, cfg) is None)
 
 
 def mesh_for(cfg: Config, device: str = "auto"):
