@@ -289,7 +289,7 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
                         and losses_within_floor(j_ref, cfg.dtype, CROSS_FRAMEWORK_FACTOR, t_ref, j_ref)
                 xfw.append({"pattern": pattern, "model": model, "what": "torch reference vs jax reference",
                             **errs, "ok": None if apart else agree and routing is None and skips is None,
-                            **({"routing_mismatch": routing} if routing else {}),
+                            **({"routing_mismatch": routing} if routing and not apart else {}),  # apart says it
                             **({"not_comparable": apart} if apart else {"skip_mismatch": skips} if skips else {})})
     if interrupted:
         raise Interrupted((rows, xfw, errors, refs), interrupted)
