@@ -85,6 +85,7 @@ def torch_runs():
 def _check_float64(entry, framework):
     ref = entry["reference"]
     assert len(ref.extra["expert_load"]) == CFG.steps
+    assert np.sqrt(sum(float(np.square(g).sum()) for g in ref.grads0)) > 2 * CFG.clip  # the clip binds
     from shared.problem import param_names
 
     names = param_names(CFG)
