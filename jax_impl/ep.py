@@ -19,6 +19,10 @@ Embeddings, attention, norms, routers and the head are replicated, P().
 
 The replicated gradients: summed over "ep" by the transpose of their invariant -> varying cast (an
 all-reduce); an expert's gradient stays on its owner. Routing counts: extra["expert_load"].
+The recipe (docs/recipe.md, ### Under ep): the batch placed as (K, B/K, T), micro-batch k (the reference's)
+split on "ep", each with its own counts and balancing loss (jax_impl/recipe.micro_losses); --clip on the
+global gradient tree; decay mask and frozen entries by fixture name. Mixed precision: the float32 tree cast
+inside the loss (shard_map: the replicated weights made device-varying first), the buffers in bf16.
 Bytes per step: shared.theory.ep_comm_jax; state per device: ep_state_bytes_jax.
 Papers: Shazeer et al. 2017 (arXiv:1701.06538); GShard, Lepikhin et al. 2020 (arXiv:2006.16668);
 Switch Transformer, Fedus et al. 2021 (arXiv:2101.03961); DeepSpeed-MoE, Rajbhandari et al. 2022.
@@ -36,15 +40,18 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.devices import make_mesh, xla_platform
+from jax_impl import recipe
+from jax_impl.devices import make_mesh, wire_config, xla_platform
 from jax_impl.harness import Setup, leaves_fixture, train_loop
-from jax_impl.model import inputs, jax_dtype, make_optimizer, output_loss, targets
+from jax_impl.model import inputs, jax_dtype, targets
 from jax_impl.parallel import ep as seam
 from jax_impl.parallel.ep import AXIS, slots
+from jax_impl.parallel.recipe import scale_by_norm, sumsq
 from jax_impl.parallel.typed import InMesh, Stated, explicit_mesh
-from jax_impl.transformer import Rules, apply_moe, combine, experts
+from jax_impl.transformer import Rules, apply_moe, combine, experts, wide
 from shared.config import Config
 from shared.problem import Problem, is_expert_param, param_names
+from shared.recipe import is_frozen, refusal
 from shared.results import Trained
 from shared.theory import ep_capacity, ep_comm_jax, ep_padding, ep_replicated_params, ep_state_bytes_jax
 
@@ -54,8 +61,9 @@ RAGGED_REFUSAL = ("shard_map/ragged: XLA:CPU cannot run lax.ragged_all_to_all (j
 
 
 def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
-    """Every (style, variant) that runs here: ragged_all_to_all has no CPU lowering (RAGGED_REFUSAL)."""
-    return VARIANTS
+    """Every (style, variant) that runs here (ragged_all_to_all has no CPU lowering: RAGGED_REFUSAL), less those
+    that cannot apply cfg's recipe exactly (shared.recipe.refusal: none today)."""
+    return tuple(v for v in VARIANTS if refusal("jax", "ep", *v, cfg) is None)
 
 
 def mesh_for(cfg: Config, device: str = "auto"):
@@ -83,16 +91,21 @@ def capacity_dispatch(cfg: Config):
 
 
 def shard_map_loss(cfg: Config, mesh, specs: dict):
-    """loss(params, tokens, targets) -> ((N,) local losses, load (L, B, E))."""
-    dispatch, total = capacity_dispatch(cfg), lambda counts: lax.psum(counts, AXIS)  # (E,) int64
+    """loss(params, tokens, targets) -> ((N,) local losses, load (L, K, B/K, E)); tokens (K, B/K, T)."""
+    part = recipe.micro(cfg)
+    dispatch, total = capacity_dispatch(part), lambda counts: lax.psum(counts, AXIS)  # (E,) int64
+    forward = lambda p, tokens: apply_moe(p, tokens, cfg.head_dim, cfg.topk, dispatch, total)  # noqa: E731
 
     def local(params, tokens, y):
-        assert tokens.shape == y.shape == (cfg.batch // cfg.world_size, cfg.seq), tokens.shape  # (B/N, T)
-        logits, aux, load = apply_moe(params, tokens, cfg.head_dim, cfg.topk, dispatch, total)
-        return (output_loss(logits, y) + aux)[None], load  # (1,), (L, B/N, E)
+        assert tokens.shape == y.shape == (cfg.accumulate, part.batch // cfg.world_size, cfg.seq), tokens.shape
+        if cfg.precision == "mixed":  # the replicated float32 weights made device-varying, THEN cast (cp's way):
+            params = {n: a if is_expert_param(n) else lax.pcast(a, AXIS, to="varying")  # their psum in float32
+                      for n, a in params.items()}
+        loss, load = recipe.micro_losses(cfg, forward, params, tokens, y)
+        return loss[None], load  # (1,), (L, K, B/(K·N), E)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(specs, P(AXIS), P(AXIS)),
-                         out_specs=(P(AXIS), P(None, AXIS)), check_vma=True)
+    return jax.shard_map(local, mesh=mesh, in_specs=(specs, P(None, AXIS), P(None, AXIS)),
+                         out_specs=(P(AXIS), P(None, None, AXIS)), check_vma=True)
 
 
 # --- jit/gshard: dispatch and combine as einsums, XLA picks the collectives ---------------------------
@@ -113,7 +126,9 @@ def gshard_dispatch(cfg: Config, mesh):
         combine_w = jnp.einsum("gskec,gsk->gsec", mask, gates)  # (G, S, E, C)
         x = pin(jnp.einsum("gsec,gsd->egcd", dispatch_mask, pin(h, AXIS)), AXIS)  # (E, G, C, D) on E
         y = experts(w_up, w_down, x.reshape(e, g * c, d)).reshape(e, g, c, d)  # (E, G, C, D)
-        return pin(jnp.einsum("gsec,egcd->gsd", combine_w, pin(y, AXIS)), AXIS).reshape(bt, d)  # (B·T, D)
+        # 16-bit: in float32, rounded once (transformer.combine's k products and sum: the zeros add nothing)
+        out = jnp.einsum("gsec,egcd->gsd", wide(combine_w), wide(pin(y, AXIS))).astype(y.dtype)
+        return pin(out, AXIS).reshape(bt, d)  # (B·T, D)
     return dispatch
 
 
@@ -127,13 +142,12 @@ def sorted_top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 def gshard_loss(cfg: Config, mesh):
-    dispatch = gshard_dispatch(cfg, mesh)
+    """loss(params, tokens, targets) -> (loss, load (L, K, B/K, E)); tokens (K, B/K, T)."""
+    dispatch = gshard_dispatch(recipe.micro(cfg), mesh)
     pin = lambda x: lax.with_sharding_constraint(x, NamedSharding(mesh, P(AXIS)))  # the batch on "ep"
-
-    def loss(params, tokens, y):
-        logits, aux, load = apply_moe(params, tokens, cfg.head_dim, cfg.topk, dispatch, pin=pin, select=sorted_top_k)
-        return output_loss(logits, y) + aux, load  # (), (L, B, E)
-    return loss
+    forward = lambda p, tokens: apply_moe(p, tokens, cfg.head_dim, cfg.topk, dispatch, pin=pin,  # noqa: E731
+                                          select=sorted_top_k)
+    return lambda params, tokens, y: recipe.micro_losses(cfg, forward, params, tokens, y)
 
 
 def gshard_comm(cfg: Config, platform: str = "cpu") -> dict[str, tuple[int | None, int]]:
@@ -192,32 +206,41 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trai
     specs = {k: P(*rule(k, w.shape)) for k, w in problem.params.items()}
     params = {k: jax.device_put(jnp.asarray(w, jax_dtype(cfg)), NamedSharding(mesh, specs[k]))
               for k, w in problem.params.items()}
-    rows = NamedSharding(mesh, P(AXIS))
-    batch = (jax.device_put(inputs(cfg, problem), rows), jax.device_put(targets(cfg, problem), rows))
-    tx = make_optimizer(cfg)
+    rows, k = NamedSharding(mesh, P(None, AXIS)), cfg.accumulate  # (K, B/K, T): micro-batch k's rows split on ep
+    batch = tuple(jax.device_put(a.reshape(k, cfg.batch // k, cfg.seq), rows)
+                  for a in (inputs(cfg, problem), targets(cfg, problem)))
+    tx = recipe.optimizer(cfg, {n: n for n in names})  # the recipe (jax_impl/recipe.py): schedule, decay mask
+    frozen = lambda p: {n: lax.stop_gradient(a) if is_frozen(n, cfg.freeze) else a for n, a in p.items()}  # noqa: E731
     if style == "shard_map":  # differentiate the mean of the (N,) local losses, report the vector
         to_loss = shard_map_loss(cfg, mesh, specs)
-        loss_of = lambda p, *b: (lambda v, load: (jnp.mean(v), (v, load)))(*to_loss(p, *b))
+        loss_of = lambda p, *b: (lambda v, load: (jnp.mean(v), (v, load)))(*to_loss(frozen(p), *b))
     else:
         to_loss = ep_typed.loss_for(cfg, stated) if typed else gshard_loss(cfg, mesh)
-        loss_of = lambda p, *b: (lambda v, load: (v, (v, load)))(*to_loss(p, *b))
+        loss_of = lambda p, *b: (lambda v, load: (v, (v, load)))(*to_loss(frozen(p), *b))
 
     def step(params, opt_state, *batch):
         (_, (loss, load)), grads = jax.value_and_grad(loss_of, has_aux=True)(params, *batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, grads, load  # load (L, B, E)
+        # --clip: the global norm of the whole gradient (the experts' leaves sharded: XLA sums their squares)
+        clipped = grads if cfg.clip is None else scale_by_norm(grads, sumsq(grads), cfg.clip)
+        updates, opt_state = tx.update(clipped, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, grads, load  # load (L, K, B/K, E)
 
     fixture = partial(leaves_fixture, names=names)
-    theory = ep_comm_jax(cfg, style) if style == "shard_map" else typed_comm(cfg, xla_platform(mesh)) \
-        if typed else gshard_comm(cfg, xla_platform(mesh))
+    wire = wire_config(cfg, mesh)  # mixed precision: XLA:CPU moves the bf16 rows in float32
+    theory = ep_comm_jax(wire, style) if style == "shard_map" else typed_comm(wire, xla_platform(mesh)) \
+        if typed else gshard_comm(wire, xla_platform(mesh))
     jitted = jax.jit(stated.traced(step) if typed else step, donate_argnums=(0, 1))
     trained = train_loop(cfg, Setup(
         step=InMesh(jitted, mesh) if typed else jitted, state=(params, tx.init(params)), batch=batch,
         grads_fixture=fixture, params_fixture=lambda state: fixture(state[0]),
-        comm_theory=None if theory is None else sum(nbytes for _, nbytes in theory.values()),
+        comm_theory=None if theory is None or cfg.recipe_active else  # the recipe's: not modelled (docs/recipe.md)
+        sum(nbytes for _, nbytes in theory.values()),
         per_step=("expert_load",),
-        extra={"capacity": ep_capacity(cfg)} | ({"stated": stated.entries} if typed else {})))
-    load = trained.extra["expert_load"] = trained.extra["expert_load"].astype(np.int64)  # (steps, L, B, E)
-    trained.extra["padding"] = ep_padding(cfg, load[-1])  # both styles move E·C rows per device and layer
-    assert trained.state_bytes == ep_state_bytes_jax(cfg, style), trained.state_bytes
+        extra={"capacity": ep_capacity(recipe.micro(cfg))} | ({"stated": stated.entries} if typed else {})))
+    load = trained.extra["expert_load"].astype(np.int64)  # (steps, L, K, B/K, E): micro-batches in batch order
+    load = trained.extra["expert_load"] = load.reshape(*load.shape[:2], cfg.batch, cfg.experts)  # (steps, L, B, E)
+    # both styles move E·C rows per device, layer and micro-batch (C: a micro-batch's n); the last one's routing
+    trained.extra["padding"] = ep_padding(recipe.micro(cfg), load[-1][:, cfg.batch - recipe.micro(cfg).batch:])
+    if not cfg.recipe_active:  # --schedule, --decay-mask: optax's own counters and masks beside the moments
+        assert trained.state_bytes == ep_state_bytes_jax(cfg, style), trained.state_bytes
     return trained

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.model import output_loss
+from jax_impl import recipe
 from jax_impl.parallel.ep import AXIS, slots
 from jax_impl.parallel.typed import Stated
-from jax_impl.transformer import experts, head, moe_block
+from jax_impl.transformer import experts, head, moe_block, wide
 from shared.theory import ep_capacity
 
 
@@ -46,21 +46,24 @@ def dispatch_in_types(cfg, stated: Stated, l: int):
         x = stated.reshard(x, P(AXIS), f"blocks.{l} tokens to their experts (E, G, C, D)")  # (E@ep, G, C, D)
         y = experts(w_up, w_down, x.reshape(e, g * c, d)).reshape(e, g, c, d)  # (E@ep, G, C, D)
         y = stated.reshard(y, P(None, AXIS), f"blocks.{l} expert outputs to their groups")  # (E, G@ep, C, D)
-        return jnp.einsum("gsec,egcd->gsd", combine_w, y).reshape(bt, d)  # (B·T@ep, D)
+        out = jnp.einsum("gsec,egcd->gsd", wide(combine_w), wide(y)).astype(y.dtype)  # 16-bit: ep.gshard_dispatch's
+        return out.reshape(bt, d)  # (B·T@ep, D)
     return dispatch
 
 
 def loss_for(cfg, stated: Stated):
-    """loss(params, tokens, y) -> (global loss, load (L, B, E)): transformer.apply_moe in types."""
-    def loss(params, tokens, y):
+    """loss(params, tokens (K, B/K, T), y) -> (global loss, load (L, K, B/K, E)): transformer.apply_moe in types,
+    per micro-batch (jax_impl.recipe.micro_losses: --accumulate K, mixed precision's casts)."""
+    part = recipe.micro(cfg)
+
+    def forward(params, tokens):
         t = tokens.shape[1]
         x = (params["wte.weight"].at[tokens].get(out_sharding=P(AXIS, None, None))
              + params["wpe.weight"][jnp.arange(t)])  # (B@ep, T, D)
         aux, loads = 0.0, []
         for l in range(cfg.layers):
-            dispatch = dispatch_in_types(cfg, stated, l)
+            dispatch = dispatch_in_types(part, stated, l)
             x, a, load = moe_block(params, l, x, cfg.head_dim, cfg.topk, dispatch, select=lax.top_k)
             aux, loads = aux + a, loads + [load]
-        logits = head(params, x)
-        return output_loss(logits, y) + aux, jnp.stack(loads)
-    return loss
+        return head(params, x), aux, jnp.stack(loads)
+    return lambda params, tokens, y: recipe.micro_losses(cfg, forward, params, tokens, y)

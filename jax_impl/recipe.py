@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jax_impl.model import model_loss, named_params
+from jax_impl.model import model_loss, named_params, output_loss, to_compute, to_loss
 from jax_impl.parallel.tree import flat_state, key_of
 from shared.config import Config
 from shared.recipe import LOSS_SCALE, is_frozen, lr_factors
@@ -71,16 +71,8 @@ def loss_fn(cfg: Config, paths: dict[str, str], devices: int | None = None, base
     frozen, k = frozen_paths(cfg, paths), cfg.accumulate
     rows = cfg.batch // ((cfg.world_size if devices is None else devices) * k)  # one block's rows per micro-batch
 
-    def stopped(model):
-        if not frozen:
-            return model
-        graphdef, state = nnx.split(model)
-        state = jax.tree_util.tree_map_with_path(lambda p, a: jax.lax.stop_gradient(a) if key_of(p) in frozen else a,
-                                                 state)
-        return nnx.merge(graphdef, state)
-
     def loss(model, *batch):
-        model = stopped(model)
+        model = stopped(model, frozen)
         if k == 1:
             return base(model, *batch)
         total = 0.0
@@ -89,6 +81,54 @@ def loss_fn(cfg: Config, paths: dict[str, str], devices: int | None = None, base
         return total
 
     return loss
+
+
+def stopped(model, frozen: set[str]):
+    """``model`` with the Params at the ``frozen`` paths behind stop_gradient (their gradient zero)."""
+    if not frozen:
+        return model
+    graphdef, state = nnx.split(model)
+    state = jax.tree_util.tree_map_with_path(lambda p, a: jax.lax.stop_gradient(a) if key_of(p) in frozen else a,
+                                             state)
+    return nnx.merge(graphdef, state)
+
+
+def moe_loss(cfg: Config, paths: dict[str, str], split: int = 1):
+    """The MoE transformer's recipe loss on one device: ``loss(model, x, y) -> (loss, load (L, B, E))``, the
+    mean CE + Σ_l aux_l of each of the cfg.accumulate micro-batches (B/K whole sequences in order, loss / K
+    each: a micro-batch's balancing loss from ITS routing), frozen Params stopped. ``split`` > 1 (the mixed
+    runs' floor): each micro-batch in ``split`` parts whose gradients add, f from the whole micro-batch's
+    counts (a first pass, a constant) and P from the part, as ep's devices compute them."""
+    frozen, k = frozen_paths(cfg, paths), cfg.accumulate
+
+    def loss(model, x, y):
+        model, total, loads = stopped(model, frozen), 0.0, []
+        for xk, yk in zip(jnp.split(x, k), jnp.split(y, k)):
+            totals = None if split == 1 else jax.lax.stop_gradient(jnp.sum(model(xk)[2], axis=1))  # (L, E)
+            for xs, ys in zip(jnp.split(xk, split), jnp.split(yk, split)):
+                logits, aux, load = model(xs, totals)
+                total, loads = total + (output_loss(logits, ys) + aux) / (k * split), loads + [load]
+        return total, jnp.concatenate(loads, axis=1)
+
+    return loss
+
+
+def micro(cfg: Config) -> Config:
+    """ep: one micro-batch's config (--accumulate K: B/K whole sequences, split over ep as a whole batch is)."""
+    return cfg if cfg.accumulate == 1 else cfg.replace(batch=cfg.batch // cfg.accumulate, accumulate=1)
+
+
+def micro_losses(cfg: Config, forward, params, tokens, y):
+    """ep (jax_impl/ep.py, ep_typed.py): Σ_k (mean CE + Σ_l aux_l)_k / K over the K micro-batches tokens[k],
+    y[k] (each its own routing: f from its counts), and their loads stacked (L, K, B/K, E);
+    ``forward(params, tokens) -> (logits, aux, load)``. Mixed precision: the params cast to the compute dtype
+    (their gradients flow back to the float32 masters) and the logits to the loss in float32."""
+    k, params, total, loads = cfg.accumulate, to_compute(cfg, params), 0.0, []
+    for i in range(k):
+        logits, aux, load = forward(params, tokens[i])
+        part = output_loss(to_loss(cfg, logits), y[i]) + aux
+        total, loads = total + (part / k if k > 1 else part), loads + [load]
+    return total, jnp.stack(loads, axis=1)
 
 
 def whole_batch_loss(cfg: Config, loss):

@@ -6,7 +6,8 @@ transformer's loss adds the balancing losses, and its routing counts come back p
 cast to bfloat16 inside every call (Flax's ``dtype=``), AdamW's state stays float32; float16 adds
 dynamic loss scaling (parallel/scaling.py: extra["skipped_steps"], extra["loss_scale"]). ``split=2`` trains
 the same run with each step's batch cut in two halves whose gradients are added (the mixed runs'
-measured floor: shared/tolerances.py).
+measured floor: shared/tolerances.py). The MoE transformer's recipe loss (--accumulate: each micro-batch its
+own balancing loss; the split's f from the whole micro-batch): jax_impl/recipe.moe_loss.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from jax_impl.model import (
     compiler_options,
     fetch,
     inputs,
-    output_loss,
     params_of,
     targets,
     to_numpy,
@@ -52,9 +52,7 @@ def train(cfg: Config, problem: Problem, device=None, split: int = 1) -> Trained
         x, y = inputs(cfg, problem), targets(cfg, problem)  # (B, D) | (B, T), None | (B, T)
         batch_loss = recipe.loss_fn(cfg, paths)
 
-        def moe_loss(m):  # (mean CE + Σ_l aux_l, load (L, B, E))
-            logits, aux, load = m(x)
-            return output_loss(logits, y) + aux, load
+        moe_loss = recipe.moe_loss(cfg, paths, split)  # (mean CE + Σ_l aux_l per micro-batch, load (L, B, E))
 
         def step(model, opt, x, y, s):  # s: float16's loss scale (1.0 otherwise); the gradients unscaled
             (_, loss), grads = nnx.value_and_grad(
@@ -78,7 +76,7 @@ def train(cfg: Config, problem: Problem, device=None, split: int = 1) -> Trained
             return loss, grads
 
         def moe_step(model, opt, x, y, s):
-            (loss, load), grads = nnx.value_and_grad(moe_loss, has_aux=True)(model)
+            (loss, load), grads = nnx.value_and_grad(moe_loss, has_aux=True)(model, x, y)
             opt.update(model, grads)
             return loss, grads, load
 

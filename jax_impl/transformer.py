@@ -145,8 +145,10 @@ def experts(w_up: jax.Array, w_down: jax.Array, rows: jax.Array) -> jax.Array:
 
 
 def combine(gates: jax.Array, picked: jax.Array) -> jax.Array:
-    """gates (n, k) · each token's k expert outputs (n, k, D), summed over k -> (n, D)."""
-    return jnp.sum(gates[..., None] * picked, axis=1)
+    """gates (n, k) · each token's k expert outputs (n, k, D), summed over k -> (n, D). 16-bit compute: in
+    float32 (``wide``: the products of two bf16 exact), rounded once — as torch's autocast MoE sums them in
+    float32 — so GShard's combine einsum (k nonzero terms per output, the rest zeros) rounds where this does."""
+    return jnp.sum(wide(gates)[..., None] * wide(picked), axis=1).astype(picked.dtype)
 
 
 def dispatch_local(h, top, gates, w_up, w_down) -> jax.Array:
@@ -175,16 +177,20 @@ def moe(h: jax.Array, w_r, w_up, w_down, k: int, dispatch=dispatch_local, total=
 class MoE(nnx.Module):
     """The MoE layer as a module: router ``nnx.Linear(D, E)`` (kernel W_r), stacked experts."""
 
-    def __init__(self, prefix: str, params, dim: int, topk: int, dtype, rules: Rules | None):
+    def __init__(self, prefix: str, params, dim: int, topk: int, dtype, rules: Rules | None, param_dtype=None):
         e = params[prefix + "mlp.router.weight"].shape[1]
-        self.topk = topk
-        self.router = nnx.Linear(dim, e, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0),
+        pd = param_dtype or dtype  # mixed precision: float32 master weights, cast to dtype (bf16) in __call__
+        self.topk, self.dtype = topk, dtype
+        self.router = nnx.Linear(dim, e, use_bias=False, dtype=dtype, param_dtype=pd, rngs=nnx.Rngs(0),
                                  kernel_init=fixture_init(params, prefix + "mlp.router.weight", rules))
-        stacked = lambda n: nnx.Param(fixture_init(params, prefix + n, rules)(None, params[prefix + n].shape, dtype))
+        stacked = lambda n: nnx.Param(fixture_init(params, prefix + n, rules)(None, params[prefix + n].shape, pd))
         self.w_up, self.w_down = stacked("mlp.experts.w_up"), stacked("mlp.experts.w_down")  # (E, D, 4D), (E, 4D, D)
 
-    def __call__(self, h: jax.Array):
-        return moe(h, self.router.kernel[...], self.w_up[...], self.w_down[...], self.topk)
+    def __call__(self, h: jax.Array, total: jax.Array | None = None):
+        """``total``: this layer's (E,) counts over a whole micro-batch, for the balancing loss's f (the
+        reference's split-batch floor: a part's P with the micro-batch's f, as ep's devices compute it)."""
+        w = [a.astype(self.dtype) for a in (self.router.kernel[...], self.w_up[...], self.w_down[...])]
+        return moe(h, *w, self.topk, **({} if total is None else {"total": lambda _: total}))
 
 
 class Block(nnx.Module):
@@ -199,18 +205,18 @@ class Block(nnx.Module):
         self.norm1, self.norm2 = norm("norm1.weight"), norm("norm2.weight")
         self.qkv, self.o = lin("attn.qkv.weight", dim, 3 * dim), lin("attn.o.weight", dim, dim)
         if prefix + "mlp.router.weight" in params:
-            self.mlp = MoE(prefix, params, dim, topk, dtype, rules)
+            self.mlp = MoE(prefix, params, dim, topk, dtype, rules, pd)
         else:
             self.up, self.down = lin("mlp.up.weight", dim, 4 * dim), lin("mlp.down.weight", 4 * dim, dim)
 
-    def __call__(self, x: jax.Array):
-        """-> x (B, T, D); an MoE block: (x, aux, load (B, E))."""
-        return remat_block(self._forward)(x)
+    def __call__(self, x: jax.Array, total: jax.Array | None = None):
+        """-> x (B, T, D); an MoE block: (x, aux, load (B, E)) (``total``: MoE.__call__'s)."""
+        return remat_block(self._forward)(x) if total is None else remat_block(self._forward)(x, total)
 
-    def _forward(self, x: jax.Array):
+    def _forward(self, x: jax.Array, total: jax.Array | None = None):
         x = x + self.o(remat_core(seam_attention)(self.qkv(self.norm1(x)), self.head_dim))
         if hasattr(self, "mlp"):
-            out, aux, load = self.mlp(self.norm2(x))
+            out, aux, load = self.mlp(self.norm2(x), total)
             return x + out, aux, load
         return x + self.down(gelu(self.up(self.norm2(x))))  # (B, T, D)
 
@@ -234,13 +240,14 @@ class Transformer(nnx.Module):
         self.head = nnx.Linear(dim, vocab, use_bias=False, kernel_init=fixture_init(params, "head.weight", rules),
                                dtype=dtype, param_dtype=pd, rngs=nnx.Rngs(0))
 
-    def __call__(self, tokens: jax.Array):
-        """-> logits (B, T, V); the MoE transformer: (logits, Σ_l aux_l, load (L, B, E))."""
+    def __call__(self, tokens: jax.Array, totals: jax.Array | None = None):
+        """-> logits (B, T, V); the MoE transformer: (logits, Σ_l aux_l, load (L, B, E)). ``totals``: (L, E)
+        counts each MoE layer's balancing loss takes its f from (default: its own tokens')."""
         # sharding in types (jax_impl/parallel/typed.py): a lookup with split ids states its output's layout
         x = self.wte(tokens, out_sharding=rows_like(tokens)) + self.wpe(jnp.arange(tokens.shape[1]))  # (B, T, D)
         aux, loads = [], []
-        for block in self.blocks:
-            x = block(x)
+        for l, block in enumerate(self.blocks):
+            x = block(x) if totals is None else block(x, totals[l])
             if isinstance(x, tuple):
                 x, a, load = x
                 aux, loads = aux + [a], loads + [load]

@@ -238,7 +238,8 @@ def make_configs(args):
     cfgs = [c.replace(recompute=args.recompute) for c in cfgs]  # the MLP refuses all but "none"
     from shared.recipe import check_freeze
 
-    for c in cfgs:
+    taken = [c for c in cfgs if any(_belongs(c, p) for p in args.patterns if p != "collectives")]
+    for c in taken or cfgs:  # the models the patterns run (--patterns ep alone: the MoE transformer's experts)
         check_freeze(c)  # --freeze: every glob names a parameter of each model, and something still trains
     if "RANK" in os.environ and "jax" in args.frameworks:
         raise ValueError("under torchrun every rank runs this script: use --frameworks torch "

@@ -188,7 +188,7 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
         mixed_parity,
         parity,
         pure_floor,
-        references_skip_apart,
+        references_apart,
         routing_mismatch,
         skip_mismatch,
         within_floor,
@@ -279,7 +279,8 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
                     else parity(t_ref, j_ref)  # below float64: noise-driven entries split off (make_result)
                 routing = routing_mismatch(t_ref, j_ref)  # MoE: the same routing
                 skips = skip_mismatch(j_ref, t_ref)  # float16: the same skipped steps (torch's, where it records)
-                apart = references_skip_apart(t_ref, j_ref)  # float16: other overflows, other steps trained
+                # float16: other overflows, other steps trained; mixed MoE: other routing (shared.parity)
+                apart = references_apart(t_ref, j_ref, cfg.precision == "mixed")
                 if cfg.precision == "mixed":  # vs the two references' floors
                     agree = within_floor(errs, t_ref, j_ref, factor=MIXED_CROSS_FRAMEWORK_FACTOR / MIXED_FACTOR,
                                          program=True)
@@ -288,7 +289,7 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
                         and losses_within_floor(j_ref, cfg.dtype, CROSS_FRAMEWORK_FACTOR, t_ref, j_ref)
                 xfw.append({"pattern": pattern, "model": model, "what": "torch reference vs jax reference",
                             **errs, "ok": None if apart else agree and routing is None and skips is None,
-                            **({"routing_mismatch": routing} if routing else {}),
+                            **({"routing_mismatch": routing} if routing and not apart else {}),  # apart says it
                             **({"not_comparable": apart} if apart else {"skip_mismatch": skips} if skips else {})})
     if interrupted:
         raise Interrupted((rows, xfw, errors, refs), interrupted)

@@ -383,7 +383,7 @@ def ep_page() -> Page:
                 key='_FUNCTIONAL_A2A('),
             _ex("jit", "jax_impl/ep.py", "gshard_dispatch.dispatch", "GShard's einsums on global arrays, the expert "
                 "axis pinned to 'ep': XLA picks the all-to-alls.", start="x = pin(jnp.einsum",
-                end="return pin(jnp.einsum", key='x = pin(jnp.einsum'),
+                end="return pin(out, AXIS)", key='x = pin(jnp.einsum'),
             _ex("typed", "jax_impl/ep_typed.py", "dispatch_in_types.dispatch", "The same einsums in types: each "
                 "all-to-all a stated reshard between (E@ep, G) and (E, G@ep).", start="x = stated.reshard",
                 end="y = stated.reshard"),

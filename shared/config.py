@@ -18,6 +18,7 @@ from shared.vocab import (  # noqa: F401  (re-exported: callers import them from
     DTYPES,
     EXPERT_PATTERNS,
     FLOAT16_PATTERNS,
+    FLOAT16_WHY,
     MESH_AXES,
     MIXED_DTYPES,
     MIXED_PATTERNS,
@@ -311,7 +312,8 @@ class Config:
             what = "--precision mixed --dtype float16" if self.dtype == "float16" else "--precision mixed"
             fix = "--dtype bfloat16" if self.dtype == "float16" else "--precision pure"
             which = ", ".join(built) + " only" if built else "no pattern yet"
-            raise ValueError(f"{pattern}: {what} is built{where} for {which}{hint}; use {fix} for {pattern}")
+            why = f" ({FLOAT16_WHY[pattern]})" if self.dtype == "float16" and pattern in FLOAT16_WHY else ""
+            raise ValueError(f"{pattern}: {what} is built{where} for {which}{hint}{why}; use {fix} for {pattern}")
         if self.recipe_active and self.precision == "mixed" and pattern not in MIXED_RECIPE_PATTERNS + ("collectives",):
             raise ValueError(f"{pattern}: the recipe flags (--clip, --accumulate, --schedule, --decay-mask, --freeze, "
                              f"--recipe) with --precision mixed are built for {', '.join(MIXED_RECIPE_PATTERNS)} only: "
@@ -369,8 +371,10 @@ class Config:
             return [("layers", n, f"every stage holds the same number of {'layers' if mlp else 'blocks'}"),
                     ("batch", "pipeline_parts" if self.accumulate > 1 else "microbatches",
                      "every micro-batch has the same number of rows")]
-        if pattern == "ep":
+        if pattern == "ep":  # --accumulate K: micro-batch k is the reference's (B/K whole sequences), split over ep
             return [("experts", n, "every rank owns E/ep whole experts"),
+                    ("batch", "ranks_accumulate", "every micro-batch of B/accumulate sequences is split over the "
+                     "ep ranks (EP inside DP)") if self.accumulate > 1 else
                     ("batch", n, "every rank routes B/ep sequences (EP inside DP)")]
         if pattern == "cp":
             parts = [("batch", "accumulate", "every micro-batch takes B/accumulate whole sequences")] \

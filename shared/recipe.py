@@ -111,7 +111,9 @@ def refusal(framework: str, pattern: str, style: str, variant: str, cfg) -> str 
                 "the whole batch, so they overflow at other loss scales and skip other steps (measured: steps 0-2,4 "
                 "against 0-3); "
                 "the circular pipeline (shard_map, jit) sums as the reference does and runs")
-    if framework == "jax" and style == "typed" and cfg.freeze and cfg.model == "transformer" and pattern != "tp":
+    # (tp and ep: their typed steps stop the frozen entries of a {name: array} tree, not the model's state)
+    if framework == "jax" and style == "typed" and cfg.freeze and cfg.model == "transformer" and \
+            pattern not in ("tp", "ep"):
         return (f"{pattern}: jax typed left out: with --freeze the loss stops the frozen Params' gradient over the "
                 "model's state, where typed's stated embedding lookup stands in as an object (not arrays); "
                 "jit and shard_map apply it")

@@ -28,6 +28,7 @@ from shared.parity import (  # noqa: F401 (re-exported)
     comm_bytes,
     cross_framework_ok,
     parity,
+    references_apart,
     references_skip_apart,
     rel_err,
     routing_mismatch,
@@ -117,11 +118,15 @@ def make_result(
     compare = (lambda a, b: mixed_parity(a, b, cfg)) if mixed or cfg.dtype != "float64" else \
         (lambda a, b: (parity(a, b), {}))
     errors, noise = compare(run, ref)
-    apart = references_skip_apart(ref, other_ref)  # float16: the frameworks skipped different steps
+    apart = references_apart(ref, other_ref, mixed)  # float16: other steps skipped; mixed MoE: other routing
     xfw = compare(run, other_ref)[0] if other_ref is not None and apart is None else None
-    routing = routing_mismatch(run, ref)
-    xfw_routing = routing_mismatch(run, other_ref) if other_ref is not None else None
+    routing = routing_mismatch(run, ref, 1 if mixed else None)  # mixed: step 0 (shared.parity.routing_mismatch)
+    # mixed, the other framework: another program rounds the router's bf16 input elsewhere from step 0 on
+    xfw_routing = routing_mismatch(run, other_ref) if other_ref is not None and not mixed else None
     extra = run.extra if routing is None else {**run.extra, "routing_mismatch": routing}
+    drift = routing_mismatch(run, ref) if mixed else None
+    if drift is not None:
+        extra = {**extra, "routing_drift": drift}
     skips, xfw_skips = skip_mismatch(run, ref), skip_mismatch(run, other_ref)
     if skips is not None:
         extra = {**extra, "skip_mismatch": skips}

@@ -32,16 +32,23 @@ PRECISIONS = ("pure", "mixed")
 MIXED_DTYPES = ("bfloat16", "float16")
 # The patterns whose runs (every style) build mixed precision, per framework; the others refuse it in
 # Config.check (which names the framework, or without one takes what every framework builds).
-MIXED_PATTERNS = {"torch": ("dp", "fsdp", "tp", "pp", "cp", "mesh"), "jax": ("dp", "fsdp", "tp", "pp", "cp", "mesh")}
-# The patterns whose runs build --dtype float16 (mixed, with dynamic loss scaling), per framework.
+MIXED_PATTERNS = {"torch": ("dp", "fsdp", "tp", "pp", "cp", "ep", "mesh"),
+                  "jax": ("dp", "fsdp", "tp", "pp", "cp", "ep", "mesh")}
+# The patterns whose runs build --dtype float16 (mixed, with dynamic loss scaling), per framework. Not ep:
+# its loss scaling (the skip agreed over the ep ranks, the experts' float16 gradients on their owners) is not
+# built; --precision mixed --dtype float16 is refused there (use --dtype bfloat16).
 FLOAT16_PATTERNS = {
     "torch": ("dp", "fsdp", "cp", "tp", "pp"),
     "jax": ("dp", "fsdp", "cp", "tp", "pp"),
 }
+# Why float16 is refused where it is (the refusal says it): what is missing there.
+FLOAT16_WHY = {"ep": "ep's loss scaling — the skip agreed over the ranks, the experts' float16 gradients on their "
+                     "owners — is not built"}
 # The training recipe (shared/recipe.py: --clip, --accumulate, --schedule, --decay-mask, --freeze, --recipe):
 # the patterns whose runs (every style, both frameworks) apply it exactly; the others refuse it in Config.check.
-RECIPE_PATTERNS = ("dp", "fsdp", "tp", "cp", "mesh", "pp")
-MIXED_RECIPE_PATTERNS = ("mesh", "pp")  # the recipe under --precision mixed (bfloat16; float16 is refused under mesh)
+RECIPE_PATTERNS = ("dp", "fsdp", "tp", "cp", "mesh", "pp", "ep")
+# the recipe under --precision mixed (bfloat16; float16 is refused under mesh and ep)
+MIXED_RECIPE_PATTERNS = ("mesh", "pp", "ep")
 SCHEDULES = ("constant", "warmup-cosine")  # the lr schedules (shared.recipe.lr_factors)
 
 

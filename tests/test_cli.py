@@ -39,11 +39,11 @@ ROOT = Path(__file__).resolve().parents[1]
         # mixed precision (issue 34): a 16-bit compute dtype; the patterns it is not built for refuse it
         (["--precision", "mixed"], "precision mixed computes in a 16-bit dtype: give --dtype bfloat16"),
         (["--precision", "mixed", "--dtype", "float32", "--patterns", "dp"], "precision mixed computes in a 16-bit"),
-        # (per framework, shared.config.MIXED_PATTERNS: both build dp, fsdp, tp, pp, cp, mesh; ep neither;
-        # float16 (loss scaling) not under mesh)
-        (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "ep", "--frameworks", "jax"],
-         "ep: --precision mixed is built in jax for dp, fsdp, tp, pp, cp, mesh only; use --precision pure for ep"),
-        (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "ep"], "ep: --precision mixed is built"),
+        # (per framework, shared.config.MIXED_PATTERNS: both build dp, fsdp, tp, pp, cp, ep, mesh;
+        # float16 (loss scaling) not under ep and mesh)
+        (["--precision", "mixed", "--dtype", "float16", "--patterns", "ep", "--frameworks", "jax"],
+         "ep: --precision mixed --dtype float16 is built in jax for dp, fsdp, cp, tp, pp only (ep's loss scaling"),
+        (["--precision", "mixed", "--dtype", "float16", "--patterns", "ep"], "ep: --precision mixed --dtype float16"),
         (["--precision", "mixed", "--dtype", "float16", "--mesh", "dp=2,tp=2"],
          "mesh: --precision mixed --dtype float16 is built"),
         (["--precision", "mixed", "--dtype", "bfloat16", "--patterns", "dp", "--checkpoint-dir", "/tmp"],

@@ -88,17 +88,20 @@ def test_frozen():
 
 @pytest.mark.parametrize("pattern", ["ep"])
 def test_mixed_precision_is_refused_where_not_built(pattern):
-    """Per framework (shared.config.MIXED_PATTERNS): both build dp, fsdp, tp, pp, cp and the mesh; ep
-    neither (one line, naming the framework when the check has one)."""
+    """Per framework (shared.config.MIXED_PATTERNS): both build bf16 under dp, fsdp, tp, pp, cp, ep and the
+    mesh; float16 (FLOAT16_PATTERNS) not under ep (one line, naming the framework when the check has one)."""
     cfg = Config(model="transformer", world_size=2, heads=2, dim=8, seq=4, vocab=8, batch=4, layers=2,
                  dtype="bfloat16", precision="mixed")
     for built in ("tp", "pp", "cp"):
         assert cfg.check(built) is cfg.check(built, "torch") is cfg.check(built, "jax") is cfg
-    odd = cfg.replace(experts=2) if pattern == "ep" else cfg.replace(mesh=(("dp", 1), ("tp", 2)))
+    moe = cfg.replace(experts=2)
+    assert moe.check(pattern) is moe.check(pattern, "torch") is moe.check(pattern, "jax") is moe
+    odd = moe.replace(dtype="float16")
     for fw in (None, "torch", "jax"):
         where = f" in {fw}" if fw else ""
-        with pytest.raises(ValueError, match=f"{pattern}: --precision mixed is built{where} for dp, fsdp, tp, pp, "
-                                             f"cp, mesh only; use --precision pure for {pattern}"):
+        with pytest.raises(ValueError, match=f"{pattern}: --precision mixed --dtype float16 is built{where} for dp, "
+                                             f"fsdp, .* only \\(ep's loss scaling .* is not built\\); use --dtype "
+                                             f"bfloat16 for {pattern}"):
             odd.check(pattern, fw)
 
 

@@ -99,10 +99,12 @@ def test_recipe_jax_dp_fsdp_tp(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--recipe", "llama", "--patterns", "ep", "--model", "transformer", "--experts", "2"], "ep: the recipe flags"),
+    (["--accumulate", "3", "--patterns", "ep", "--model", "transformer", "--experts", "2", "--batch", "8"],
+     "ep (transformer): batch=8 is not divisible by ranks_accumulate=6"),
     (["--accumulate", "3", "--patterns", "tp", "--model", "transformer", "--batch", "8"], "tp (transformer): batch=8"),
     (["--accumulate", "3", "--patterns", "cp", "--model", "transformer", "--batch", "8"], "cp (transformer): batch=8"),
-    (["--clip", "1", "--patterns", "ep", "--model", "transformer", "--experts", "2"], "ep: the recipe flags"),
+    (["--clip", "1", "--patterns", "ep", "--model", "transformer", "--experts", "2", "--precision", "mixed",
+      "--dtype", "float16"], "ep: --precision mixed --dtype float16 is built"),
     (["--accumulate", "3", "--patterns", "pp", "--model", "mlp", "--batch", "16", "--microbatches", "2"],
      "pp: batch=16 is not divisible by pipeline_parts=6"),
     (["--freeze", "nothing.*", "--patterns", "dp", "--model", "mlp"], "freeze: 'nothing.*' matches no parameter"),
@@ -168,7 +170,7 @@ def test_mesh_recipe_config_and_theory():
     assert mesh_comm_torch(cfg, "explicit", 0)["world"] == {"all_reduce": (1, 8)} and "world" not in plain
     mixed = cfg.replace(dtype="bfloat16", precision="mixed")
     assert mixed.check("mesh", "torch") is mixed and mixed.check("mesh", "jax") is mixed
-    with pytest.raises(ValueError, match="dp: the recipe flags .* with --precision mixed are built for mesh, pp only"):
+    with pytest.raises(ValueError, match="dp: the recipe flags .* --precision mixed are built for mesh, pp, ep only"):
         mixed.replace(world_size=2, mesh=()).check("dp")
     with pytest.raises(ValueError, match=r"mesh: --precision mixed --dtype float16 is built"):
         mixed.replace(dtype="float16").check("mesh")

@@ -5,7 +5,8 @@ Every parallel implementation is checked against this run (same fixture, same st
 ``torch.autocast`` to bfloat16 / float16 — the casts every mixed run makes; float16 with the runs' dynamic
 loss scaling (torch_impl/recipe.loss_scaler, a local skip decision: one process). ``split=2`` trains the same run with
 each step's batch cut in two halves whose gradients are added (the mixed runs' measured floor:
-shared/tolerances.py).
+shared/tolerances.py; the MoE transformer: ``moe_step``, f of the balancing loss from the whole micro-batch).
+The MoE transformer under --accumulate K: each micro-batch with its own balancing loss (``moe_step``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch_impl.model import (
     targets,
     tensor_bytes,
 )
+from torch_impl.transformer import MoE
 
 
 def train(cfg: Config, problem: Problem, device="cpu", split: int = 1, casts: str = "autocast") -> Trained:
@@ -55,7 +57,10 @@ def train(cfg: Config, problem: Problem, device="cpu", split: int = 1, casts: st
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        if split > 1:  # the same step over the batch in `split` equal parts, gradients added (dense only);
+        if cfg.moe:  # + the balancing loss of every MoE layer, per micro-batch; its routing: (L, B, E) counts
+            loss, load = moe_step(cfg, model, net, x, y, split, scaler)
+            loads.append(load)
+        elif split > 1:  # the same step over the batch in `split` equal parts, gradients added;
             n = split * cfg.accumulate  # --accumulate K: each of its K parts in `split` (else the same sums)
             loss = 0.0
             for xs, ys in zip(x.chunk(n), [None] * n if y is None else y.chunk(n)):
@@ -68,9 +73,6 @@ def train(cfg: Config, problem: Problem, device="cpu", split: int = 1, casts: st
         else:
             with autocast(cfg, device):
                 loss = loss_fn(net(x), y)
-                if cfg.moe:  # + the balancing loss of every MoE layer; its routing: (L, B, E) counts
-                    loss = loss + aux_loss(model)
-                    loads.append(expert_load(model))
                 recipe.backward(loss, scaler)
         if step == 0:  # float16: the true (unscaled) gradients; a power of 2, exact
             grads0 = [g / (scaler.get_scale() if scaler else 1.0) for g in fixture_grads(model)]
@@ -92,3 +94,33 @@ def train(cfg: Config, problem: Problem, device="cpu", split: int = 1, casts: st
         extra=({"expert_load": np.stack(loads)} if cfg.moe else {})  # (steps, L, B, E) int64
         | ({"loss_scale": scaler.get_scale(), "skipped_steps": list(scaler.skipped_at)} if scaler else {}),
     )
+
+
+def moe_step(cfg: Config, model, net, x, y, split: int, scaler) -> tuple[torch.Tensor, np.ndarray]:
+    """The MoE transformer's forward and backward of one step: mean CE + Σ_l aux_l of each of the
+    cfg.accumulate micro-batches (B/K whole sequences, in order; loss / K each: a micro-batch's balancing
+    loss from ITS routing, as Megatron-LM's per-micro-batch aux loss), their routing (L, B, E) in batch order.
+    ``split`` > 1 (the mixed runs' floor): each micro-batch in ``split`` parts whose gradients are added, the
+    balancing loss's f from the whole micro-batch's counts (a no-grad pass first: f is a constant) and P from
+    the part — what ep's ranks compute — so the parts sum to the micro-batch's gradient up to rounding."""
+    k, device = cfg.accumulate, x.device
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    total, loads = None, []
+    for xk, yk in zip(x.chunk(k), y.chunk(k)):
+        if split > 1:
+            with torch.no_grad(), autocast(cfg, device):
+                net(xk)
+            counts = [m.load.sum(0) for m in moes]  # (E,) per layer over the micro-batch
+            for m, c in zip(moes, counts):
+                m.global_counts = lambda _, c=c: c
+        try:
+            for xs, ys in zip(xk.chunk(split), yk.chunk(split)):
+                with autocast(cfg, device):
+                    part = (loss_fn(net(xs), ys) + aux_loss(model)) / (k * split)
+                    recipe.backward(part, scaler)
+                loads.append(expert_load(model))
+                total = part.detach() if total is None else total + part.detach()
+        finally:
+            for m in moes:
+                m.global_counts = None
+    return total, np.concatenate(loads, axis=1)  # (L, B, E)

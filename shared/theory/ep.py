@@ -9,6 +9,8 @@ capacity and padding of static-shape buffers, state per rank.
 
 from __future__ import annotations
 
+import math
+
 from shared.config import Config
 from shared.theory.layout import Layout, Model
 from shared.theory.mesh import state
@@ -104,17 +106,42 @@ def ep_replicated_params(cfg: Config) -> int:
 # stay where they are (scaled by 1/N). all-to-all bytes are the input buffer (nccl-tests' S).
 
 
+def ep_micro_batches(cfg: Config, load_layer) -> list[tuple[Config, object]]:
+    """--accumulate K: (the config of one micro-batch, its (B/K, E) slice of one layer's load) per micro-batch
+    (micro-batch k: sequences [k·B/K, (k+1)·B/K), split over the ranks like a whole batch); K = 1: the batch."""
+    k = cfg.accumulate
+    if k == 1:
+        return [(cfg, load_layer)]
+    rows = cfg.batch // k
+    part = cfg.replace(batch=rows, accumulate=1)
+    return [(part, load_layer[i * rows:(i + 1) * rows]) for i in range(k)]
+
+
+def ep_trained_replicated(cfg: Config) -> int:
+    """Replicated parameters that train (not --freeze'd): what the gradient all-reduce carries."""
+    from shared.problem import is_expert_param, param_shapes
+    from shared.recipe import is_frozen
+
+    return sum(math.prod(shape) for name, shape in param_shapes(cfg).items()
+               if not is_expert_param(name) and not is_frozen(name, cfg.freeze))
+
+
 def ep_comm_torch(cfg: Config, style: str, load_last_step, rank: int) -> dict[str, tuple[int, int]]:
     """{op: (count, bytes)} of one step on rank ``rank`` for torch's explicit and builtin styles
     (the same collectives: builtin swaps the hand-written Function for the functional one), from
-    that step's (L, B, E) load."""
+    that step's (L, B, E) load. The recipe: --accumulate K repeats the counts' all-gather and the
+    all-to-alls per micro-batch (on its own routing), the gradients still all-reduced once; --freeze
+    drops the frozen replicated parameters from it; --clip adds one scalar all-reduce (the experts'
+    squares). Mixed precision: the rows in the compute dtype, the gradients and the norm in float32."""
     if style not in ("explicit", "builtin"):
         raise ValueError(f"ep: no torch theory for style {style!r}")
-    b, d, L = cfg.bytes_per_element, cfg.dim, cfg.layers
-    rows = sum(sum(ep_rows(cfg, load_last_step[l], rank)) for l in range(L))  # Σ_l sent_l + received_l
-    return {"all_gather": (L, L * cfg.world_size * cfg.experts * 8),
-            "all_to_all": (4 * L, 2 * rows * d * b),
-            "all_reduce": (1, ep_replicated_params(cfg) * b)}
+    b, d, L, k = cfg.compute_bytes, cfg.dim, cfg.layers, cfg.accumulate
+    rows = sum(sum(ep_rows(part, load, rank)) for l in range(L)  # Σ_l Σ_micro sent + received
+               for part, load in ep_micro_batches(cfg, load_last_step[l]))
+    grads = ep_trained_replicated(cfg) * cfg.bytes_per_element
+    reduce = (int(grads > 0) + (cfg.clip is not None), grads + (cfg.clip is not None) * cfg.bytes_per_element)
+    return {"all_gather": (k * L, k * L * cfg.world_size * cfg.experts * 8),
+            "all_to_all": (4 * k * L, 2 * rows * d * b)} | ({"all_reduce": reduce} if reduce[0] else {})
 
 
 def ep_comm_bytes_torch(cfg: Config, style: str, load_last_step, rank: int) -> int:

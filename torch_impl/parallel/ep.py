@@ -95,6 +95,9 @@ class Dispatcher:
 
     def __call__(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         c, n, mine = self.c, self.n, self.mine
+        kind = rows.device.type
+        if torch.is_autocast_enabled(kind):  # mixed precision: the rows travel in the compute dtype (bf16), cast
+            rows = rows.to(torch.get_autocast_dtype(kind))  # as the experts' first matmul would cast them anyway
         assert counts == c[self.rank] and rows.shape[0] == sum(counts), (counts, c[self.rank], rows.shape)
         send = [sum(c[self.rank][e] for e in self.owned[dst]) for dst in range(n)]
         recv = [sum(c[src][e] for e in mine) for src in range(n)]
