@@ -253,7 +253,7 @@ def _main(argv=None) -> int:
             cfg = cfgs[0]
         else:
             simulate_host_devices(cfg.world_size)  # before JAX starts
-            if "jax" in args.frameworks:  # XLA:CPU at -O0 where compiling, not running, is the run's time
+            if "jax" in args.frameworks:  # PARALLEL_TWINS_XLA=fast: XLA:CPU at -O0 (parity only)
                 from parallel_twins.preflight import fast_cpu_compile
 
                 fast_cpu_compile(os.environ, jax_on_cpu(args.device, cfg.world_size), args.size)

@@ -18,8 +18,8 @@ use_compile_cache()
 # MLIR fusion emitters (half the compile time of a small step: 5.8 s -> 3.3 s for fsdp's six): compilation
 # of the transformer's steps dominates the suite's time, and at these tiny sizes run time does not matter.
 # No fast-math either way (XLA:CPU's default), so the IEEE results, and every parity check, are the
-# same; compare.py does the same on the CPU at its cpu and tiny sizes (parallel_twins/preflight.fast_cpu_compile),
-# and its timing subcommands (bench) keep XLA's defaults.
+# same; compare.py keeps XLA's defaults unless asked (PARALLEL_TWINS_XLA=fast: parallel_twins/preflight.py), since
+# its time column would change (steps 1.8x slower at -O0).
 # Only the flags this jaxlib knows (XLA aborts on an unknown one, and pytest then ends with exit 1 and no
 # word: jaxlib 0.11 dropped the second), probed once per session: pytest's workers inherit the result.
 if not os.environ.get("PARALLEL_TWINS_XLA_PROBED"):  # preflight.PROBED_MARK: compare.py then trusts them

@@ -140,23 +140,23 @@ def test_the_compile_cache_is_trimmed_oldest_first(tmp_path):
     assert trim_compile_cache(str(tmp_path / "missing"), 1) == 0
 
 
-def test_compare_compiles_at_o0_only_on_the_cpu_at_small_sizes():
-    """compare.py's table on the CPU at --size cpu|tiny: XLA:CPU at -O0 (compile time is the run's time
-    there); left as XLA has it off the CPU, at --size gpu, with a flag of the user's, or PARALLEL_TWINS_XLA=default."""
+def test_compare_compiles_at_o0_only_when_asked_on_the_cpu_at_small_sizes():
+    """PARALLEL_TWINS_XLA=fast: compare.py's table on the CPU at --size cpu|tiny compiles at -O0 (parity only: the
+    steps it times run slower); never by default, off the CPU, at --size gpu, or over a flag of the user's."""
     from parallel_twins.preflight import CPU_COMPILE_FLAGS, PROBED_MARK, fast_cpu_compile
 
     known = lambda flags: None  # noqa: E731 - the probe: every flag known
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    assert fast_cpu_compile({"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}, True, "cpu", known) == []
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PARALLEL_TWINS_XLA": "fast"}
     assert fast_cpu_compile(env, True, "cpu", known) == list(CPU_COMPILE_FLAGS)
     assert env["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=4", *CPU_COMPILE_FLAGS]
     assert env[PROBED_MARK] == "1"
     assert fast_cpu_compile(env, True, "cpu", known) == []  # already there: not twice
     for args in ((False, "cpu"), (True, "gpu")):
-        assert fast_cpu_compile({}, *args, known) == []
-    assert fast_cpu_compile({"PARALLEL_TWINS_XLA": "default"}, True, "tiny", known) == []
-    mine = {"XLA_FLAGS": "--xla_backend_optimization_level=2"}
+        assert fast_cpu_compile({"PARALLEL_TWINS_XLA": "fast"}, *args, known) == []
+    mine = {"XLA_FLAGS": "--xla_backend_optimization_level=2", "PARALLEL_TWINS_XLA": "fast"}
     assert fast_cpu_compile(mine, True, "tiny", known) == []
     assert mine["XLA_FLAGS"] == "--xla_backend_optimization_level=2"
     dropped = lambda flags: "unknown flag" if "fusion" in flags else None  # noqa: E731 - jaxlib 0.11
-    env = {}
-    assert fast_cpu_compile(env, True, "tiny", dropped) == ["--xla_backend_optimization_level=0"]
+    assert fast_cpu_compile({"PARALLEL_TWINS_XLA": "fast"}, True, "tiny", dropped) == \
+        ["--xla_backend_optimization_level=0"]
