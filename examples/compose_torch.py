@@ -182,11 +182,13 @@ def case_shape(shape, vocab):
     return shape if vocab is None else dataclasses.replace(shape, vocab=vocab)
 
 
-def rank(ctx, cases: list[tuple[dict, str, dict]], shape):
+def rank(ctx, cases: list[tuple[dict, str, dict]], shape, then=None):
     """Every (layout, style, pp options) of ``cases`` on the same ranks, one after another; every rank's
-    answers (the ledger differs by rank; the parameters are rank 0's)."""
+    answers (the ledger differs by rank; the parameters are rank 0's). ``then``: (fn, *args), run after
+    them on the same ranks as ``fn(ctx, *args)`` (a test's other cases sharing the launch)."""
     out = [train(layout, style, shape, ctx.ledger, **pp) for layout, style, pp in cases]
-    return out if ctx.rank == 0 else [(None, None, comm, None) for _, _, comm, _ in out]
+    out = out if ctx.rank == 0 else [(None, None, comm, None) for _, _, comm, _ in out]
+    return (out, then[0](ctx, *then[1:])) if then else out
 
 
 def parse_layout(text: str) -> dict[str, int]:
@@ -207,22 +209,25 @@ def compare(layout, style, got, ref) -> dict:
             "reference_losses": ref_losses, "max_abs_param_diff": diff, "max_rel_loss_diff": rel} | extra
 
 
-def run(cases: list[tuple], shape=None) -> list[dict]:
+def run(cases: list[tuple], shape=None, then=None) -> list[dict]:
     """Train every (layout, style[, {"schedule": …, "microbatches": …, "family": "qwen2", "vocab": 97, …}])
-    in ONE launch (all layouts of one world size) and on one process (``train``'s options)."""
+    in ONE launch (all layouts of one world size) and on one process (``train``'s options). ``then``:
+    (fn, *args) every rank runs afterwards in the same launch; given, returns (results, fn's answer per rank)."""
     shape = shape or shared_llama.LlamaShape()
     cases = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in cases]
     worlds = {math.prod(c[0].values()) for c in cases}
     if len(worlds) != 1:
         raise ValueError(f"compose_torch.run: one launch per world size; these layouts need {sorted(worlds)}")
-    every = launch(rank, worlds.pop(), cases, shape)
+    every = launch(rank, worlds.pop(), cases, shape, then)
+    after = [answers[1] for answers in every] if then else None
+    every = [answers[0] for answers in every] if then else every
     key = lambda pp: (pp.get("max_norm"), pp.get("family", "llama"), pp.get("vocab"))  # noqa: E731
     refs = {k: reference(case_shape(shape, k[2]), k[0], k[1]) for k in {key(pp) for _, _, pp in cases}}
     out = [compare(layout, style, got, refs[key(pp)]) | pp
            for (layout, style, pp), got in zip(cases, every[0], strict=True)]
     for i, r in enumerate(out):
         r["comm_per_rank"] = [answers[i][2] for answers in every]  # {"ledger", "theory"} per axis, per rank
-    return out
+    return (out, after) if then else out
 
 
 def main(argv=None) -> int:

@@ -147,14 +147,21 @@ class UserMoE(nn.Module):
         self.norm = nn.LayerNorm(dim, dtype=DT)
         self.router = nn.Linear(dim, experts, bias=False, dtype=DT)
         self.experts = StackedExperts(experts, dim)
+        # the balancing loss's seam (the project's MoE's): (E,) this device's counts -> every data rank's
+        # (None: its own); compose's ep axis sets it. After forward ``aux`` is Switch's balancing loss.
+        self.global_counts, self.aux = None, None
 
     def forward(self, x):  # (B, T, D)
         h = self.norm(x).reshape(-1, x.shape[-1])  # (n, D)
-        top_p, top_i = F.softmax(self.router(h), dim=-1).topk(self.k, dim=-1)  # (n, k)
+        probs = F.softmax(self.router(h), dim=-1)  # (n, E)
+        top_p, top_i = probs.topk(self.k, dim=-1)  # (n, k)
         gates = top_p / top_p.sum(-1, keepdim=True)
         flat = top_i.reshape(-1)  # (n·k,): assignment j = token j // k
         order = torch.argsort(flat, stable=True)
-        y = self.experts(h[order // self.k], torch.bincount(flat, minlength=self.e))  # (n·k, D), by expert
+        counts = torch.bincount(flat, minlength=self.e)  # (E,) int64
+        total = self.global_counts(counts) if self.global_counts else counts
+        self.aux = 0.01 * self.e * (total.to(probs.dtype) / total.sum() * probs.mean(0)).sum()
+        y = self.experts(h[order // self.k], counts)  # (n·k, D), by expert
         out = torch.empty_like(y).index_copy(0, order, y).reshape(h.shape[0], self.k, -1)  # (n, k, D)
         return x + (gates.unsqueeze(-1) * out).sum(1).reshape(x.shape)
 
@@ -206,3 +213,41 @@ def max_err(a, b):
 
 def ce(logits, y):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+class MoEBlock(nn.Module):
+    """A LayerNorm'd biased MLP (tp's colwise / rowwise pair), then a ``UserMoE`` (residual inside)."""
+
+    def __init__(self, experts: int = 4, dim: int = 6):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim, dtype=DT)
+        self.up, self.down = nn.Linear(dim, 8, dtype=DT), nn.Linear(8, dim, dtype=DT)
+        self.moe = UserMoE(experts, 2, dim)
+
+    def forward(self, x):
+        return self.moe(x + self.down(F.gelu(self.up(self.norm(x)))))
+
+
+class MoENet(nn.Module):
+    """compose's ep axis on a user's MoE model: embedding (V = 24), ``layers`` MoEBlocks, a head; the
+    experts ``layers.*.moe.experts`` (E, …) stacked, ``MOE_NET_PLAN`` Megatron's split of the rest."""
+
+    def __init__(self, layers: int = 2, experts: int = 4, vocab: int = 24, dim: int = 6):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim, dtype=DT)
+        self.layers = nn.ModuleList(MoEBlock(experts, dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab, bias=False, dtype=DT)
+
+    def forward(self, tokens):  # (B, T) -> (B, T, V)
+        h = self.emb(tokens)
+        for block in self.layers:
+            h = block(h)
+        return self.head(h)
+
+    def aux(self):
+        """Σ over the layers of the last forward's balancing losses."""
+        return sum(block.moe.aux for block in self.layers)
+
+
+MOE_NET_PLAN = {"emb": "vocab_embed", "layers.*.up": "colwise", "layers.*.down": "rowwise", "head": "colwise_vocab"}
+MOE_NET_EXPERTS = ["layers.*.moe.experts"]

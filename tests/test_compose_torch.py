@@ -5,10 +5,11 @@ layout against the same model trained on one process.
 Default tier: ONE launch of 4 gloo ranks running every 2-axis case one after another (fsdp × tp in both
 styles, cp × tp builtin, pp × tp explicit, fsdp × pp in both styles and under 1F1B; ~55 s on 2 shared cores, most of it
 importing transformers in 5 processes; and fsdp × tp explicit once more, its state written as a weights
-checkpoint that the NNX twin reads) and the refusals that need no process group. Slow tier: ONE
-launch of 8 ranks, the issue's layouts fsdp=2,tp=2,pp=2 and dp=2,tp=2,cp=2 in both styles. Every case
-also compares the composition's communication theory per axis (Trainer.comm_theory, from the model
-wrapped) with the ledger of step 3.
+checkpoint that the NNX twin reads; then, on the same ranks, the expert axis's cases on a user's MoE model:
+tests/compose_ep_cases.py) and the refusals that need no process group. Slow tier: ONE
+launch of 8 ranks, the issue's layouts fsdp=2,tp=2,pp=2 and dp=2,tp=2,cp=2 in both styles (and ep's 8-rank
+cases after them). Every case also compares the composition's communication theory per axis
+(Trainer.comm_theory, from the model wrapped) with the ledger of step 3.
 
 Tolerance: losses 1e-12 relative (the example's exit criterion; the JAX twin is compared to the same
 numbers), parameters 1e-12 absolute after 3 steps: float64, the parallel runs add the same products in
@@ -28,8 +29,11 @@ import pytest  # noqa: E402
 
 pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import compose_ep_cases as ep_cases  # noqa: E402
 import compose_torch  # noqa: E402  (the ranks import it by name: spawn hands them this sys.path)
+import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
+from own_models import MOE_NET_EXPERTS, MoENet, made  # noqa: E402
 
 from shared.llama import LlamaShape  # noqa: E402
 from torch_impl.parallel import compose  # noqa: E402
@@ -77,11 +81,27 @@ def name(case) -> str:
 SAVE_4 = ({"fsdp": 2, "tp": 2}, "explicit")
 
 
+def ep_ranks(ctx, cases):
+    """compose_ep_cases' cases after the Llama's on the same ranks (one launch), with compose_torch's labels."""
+    return ep_cases.ranks(ctx, cases, compose_torch._LABELS)
+
+
 @pytest.fixture(scope="module")
-def four(tmp_path_factory):
+def launched(tmp_path_factory):
     save = [(*SAVE_4, {"save": str(tmp_path_factory.mktemp("weights") / "torch")})]
-    results = compose_torch.run(CASES_4 + REFUSED_4 + save)
-    return dict(zip([*map(name, CASES_4 + REFUSED_4), "save"], results, strict=True))
+    results, after = compose_torch.run(CASES_4 + REFUSED_4 + save, then=(ep_ranks, ep_cases.CASES_4))
+    return dict(zip([*map(name, CASES_4 + REFUSED_4), "save"], results, strict=True)), \
+        ep_cases.compare(ep_cases.CASES_4, after)
+
+
+@pytest.fixture(scope="module")
+def four(launched):
+    return launched[0]
+
+
+@pytest.fixture(scope="module")
+def four_ep(launched):
+    return launched[1]
 
 
 @pytest.mark.parametrize("case", [name(c) for c in REFUSED_4])
@@ -179,10 +199,42 @@ def test_state_round_trips_into_the_jax_twin(four, measured):
 def test_issue_layouts_on_8_ranks_train_like_one_process(measured):
     """fsdp × tp × pp (FSDP2 over DTensor TP in pipeline stages) and dp × tp × cp (the cp seam's ring
     over tp-local heads, one gradient all-reduce over dp × cp), builtin and explicit, in one launch; the
-    Llama and transformers' Qwen2 (its own tp plan; V = 97 under explicit), every state dict loaded back."""
-    for r in compose_torch.run(CASES_8):
+    Llama and transformers' Qwen2 (its own tp plan; V = 97 under explicit), every state dict loaded back.
+    Then, on the same ranks, ep's 8-rank cases: HSDP × ep (the explicit FSDP folds ep into its dp
+    all-reduce; FSDP2 then one all-reduce over ep) and fsdp × ep × tp, both styles, one clipped."""
+    results, after = compose_torch.run(CASES_8, then=(ep_ranks, ep_cases.CASES_8))
+    for r in results:
         assert_exact(r, measured)
         assert_theory_is_the_ledger(r)
+    for r in ep_cases.compare(ep_cases.CASES_8, after).values():
+        ep_cases.assert_exact(r, measured)
+        ep_cases.assert_theory_is_the_ledger(r)
+
+
+# --- the expert axis (compose_ep.py) on a user's MoE model: tests/compose_ep_cases.py ----------------
+
+
+@pytest.mark.parametrize("case", [ep_cases.name(c) for c in ep_cases.CASES_4])
+def test_ep_layouts_train_like_one_process(four_ep, case, measured):
+    """ep × tp (the MoE layer identical on every tp rank; ep's all-to-alls inside each ep group) and dp × ep
+    (ep folded into dp's all-reduce of the dense gradients, the experts' averaged over dp, / ep), explicit and
+    builtin, with the balancing loss from every data rank's counts: losses and parameters as one process's
+    (1e-12), the clipped run's global norms too (the clip binds), the ledger of step 3 = comm_theory."""
+    ep_cases.assert_exact(four_ep[case], measured)
+    ep_cases.assert_theory_is_the_ledger(four_ep[case])
+
+
+@pytest.mark.parametrize("layout, kw, match", ep_cases.REFUSALS)
+def test_ep_refusals_in_one_line(layout, kw, match):
+    """Refused before anything changes: one line with the fix, the model's weights (E = 4 stacked) untouched."""
+    model = made(MoENet)
+    before = {k: p.clone() for k, p in model.state_dict().items()}
+    kw = {"experts": MOE_NET_EXPERTS, "optimizer": ep_cases.adamw} | kw
+    with pytest.raises(compose.ComposeError, match=match) as e:
+        compose.parallelize(model, ep_cases.FakeMesh(layout), **kw)
+    assert "\n" not in str(e.value) and "fix:" in str(e.value), e.value
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(before[k], p) for k, p in after.items())
 
 
 @pytest.mark.slow

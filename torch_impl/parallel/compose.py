@@ -80,6 +80,7 @@ from torch_impl.parallel.compose_axes import (  # noqa: F401  (ComposeError, che
     stage_loss,
     transformers_plan,
 )
+from torch_impl.parallel.compose_ep import DATA_AXES, ExpertAxis, check_ep
 from torch_impl.parallel.ep import refuse_split_experts
 from torch_impl.parallel.fsdp import FSDP, average_flat
 from torch_impl.parallel.tp import check_plan, matches, unshard
@@ -93,16 +94,21 @@ class Trainer:
     ``full_state_dict()`` -> every parameter whole (the model's names), on every rank."""
 
     def __init__(self, model, mesh, plan, stage, units, loss, optimizer, microbatches, style, cp_variant,
-                 schedule, compile=False):
+                 schedule, compile=False, experts=(), aux=None):
         self.layout, self.mesh, self.style, self.loss, self.plan = sizes(mesh), mesh, style, loss, plan
         check(self.layout, style, loss, plan)
+        expert_paths = check_ep(model, self.layout, experts, plan, units, compile)  # ComposeError, nothing changed
         ax = lambda a: self.layout.get(a, 1)
         self.S, self.t, self.c, self.M = ax("pp"), ax("tp"), ax("cp"), microbatches if ax("pp") > 1 else 1
+        if aux is not None and self.S > 1:
+            raise ComposeError("compose: aux= with pp > 1: the pipeline calls the loss per micro-batch on the last "
+                               "stage, which does not hold the earlier stages' terms; fix: aux=None under pp")
         coord = lambda a: mesh[a].get_local_rank() if ax(a) > 1 else 0
         self.data = "fsdp" if ax("fsdp") > 1 else "dp"  # the axis the gradient group shards (fsdp) or reduces over
         self.hsdp = ax("dp") > 1 and ax("fsdp") > 1  # replicate over dp × shard over fsdp (+cp)
-        self.d, self.i, self.j, self.s = ax("dp") * ax("fsdp"), 0, coord("cp"), coord("pp")
-        for a in (a for a in self.layout if a in ("dp", "fsdp")):  # the data index: row-major, mesh order
+        self.ep = ax("ep")  # a data axis too (compose_ep.py): its experts split, the rest replicated
+        self.d, self.i, self.j, self.s = ax("dp") * ax("fsdp") * self.ep, 0, coord("cp"), coord("pp")
+        for a in (a for a in self.layout if a in DATA_AXES):  # the data index: row-major, mesh order
             self.i = self.i * ax(a) + coord(a)
         if self.t > 1 and plan:
             check_plan(model, plan, self.t)  # PlanError (e.g. GQA heads that tp does not divide), nothing changed
@@ -121,17 +127,26 @@ class Trainer:
             else None
         self._steps = 0
         grad_axes = [a for a in (self.data, "cp") if ax(a) > 1]
+        if self.ep > 1 and self.data == "dp":  # ep folded into dp's all-reduce of the dense gradients
+            grad_axes = [a for a in self.layout if a in ("dp", "ep") and ax(a) > 1]
+        self.grad_label = "+".join(grad_axes)
         self.grad_mesh, self.grad_group = group_over(mesh, grad_axes)
-        self.rep_group = mesh["dp"].get_group() if self.hsdp else None  # HSDP: the shards' replicas
+        # the shards' replicas: HSDP's dp, and ep's (the explicit FSDP folds ep into this all-reduce; FSDP2
+        # reduces over dp itself, then ep_group's all-reduce follows)
+        rep = [a for a in self.layout if a in ("dp", "ep") and ax(a) > 1 and (a == "dp" or style == "explicit")]
+        self.rep_label, self.rep_group = "+".join(rep), group_over(mesh, rep if self.data == "fsdp" else [])[1]
+        self.ep_group = mesh["ep"].get_group() if self.ep > 1 and self.data == "fsdp" and style == "builtin" else None
+        self.experts = ExpertAxis(self.module, expert_paths, mesh, self.layout, style) if self.ep > 1 else None
+        ignored = set(self.experts.params(self.module.parameters())) if self.experts else None  # not FSDP's
         held = lambda: {(id(o), a): p for o in self.module.modules() for a, p in o._parameters.items() if p is not None}
         tp_split = {k for k, p in held().items() if hasattr(p, "tp_size")}  # explicit tp's pieces, before FSDP
         self.fsdp, self.fsdp2 = None, []
         if self.data == "fsdp" and self.d > 1:
             if style == "builtin":  # HSDP: FSDP2 on the 2-D (dp, fsdp[_cp]) mesh (torchtitan's dp_replicate)
                 data_mesh = mesh["dp", self.grad_mesh.mesh_dim_names[0]] if self.hsdp else self.grad_mesh
-                self.fsdp2 = apply_fsdp(self.module, data_mesh, units)
+                self.fsdp2 = apply_fsdp(self.module, data_mesh, units, ignored)
             else:
-                self.fsdp = FSDP(self.module, group=self.grad_group)
+                self.fsdp = FSDP(self.module, group=self.grad_group, ignored_params=ignored)
         self.run = self.fsdp or self.module
         self._tp_split = {id(p) for k, p in held().items() if k in tp_split}  # the wrapper's shards of those too
         self.params = [p for p in self.module.parameters() if p.requires_grad]
@@ -140,6 +155,9 @@ class Trainer:
         if self.S > 1 and self.t > 1 and style == "builtin" and self.s == self.S - 1:
             local_logits(self.module)  # the pipeline passes plain tensors; self._loss wraps them again
         self._loss = stage_loss(loss, self.styles, mesh["tp"] if self.t > 1 else None, style)
+        if aux is not None:  # a term of each rank's loss read after its forward (e.g. MoE balancing losses)
+            base = self._loss
+            self._loss = lambda out, y: base(out, y) + aux()
         self.schedule_name = schedule
         self.clipped = False  # did the last step clip (comm_theory counts the norm's scalar all-reduce)
         self.steps = 0  # optimizer steps taken (a refused first step's update is undone)
@@ -164,6 +182,8 @@ class Trainer:
         if self.c > 1:
             self.module.positions = pos
         self.optimizer.zero_grad(set_to_none=True)
+        if self.experts is not None:
+            self.experts.begin_step()
         core = seam.RingCore(tokens.shape[1], self.cp_variant, self.cp_group) if self.c > 1 else None
         seen = seam.step(core, pos) if core else contextlib.nullcontext(None)
         parallel = loss_parallel() if self.t > 1 and self.style == "builtin" else contextlib.nullcontext()
@@ -201,7 +221,7 @@ class Trainer:
         self.clipped = max_norm is not None
         if self.clipped:
             self.norm = self.clip_grad_norm_(max_norm)
-        if self.S > 1 or self.t > 1 or self.fsdp is not None:  # pieces: a clip in the optimizer is local
+        if self.S > 1 or self.t > 1 or self.fsdp is not None or self.experts:  # pieces: a local clip is wrong
             recipe.sealed_step(self.optimizer, self.params, "compose", CLIP_FIX, undo=not self.steps)
         else:  # whole averaged gradients (dp, cp) or FSDP2's DTensors: torch's own clip is the model's
             self.optimizer.step()
@@ -211,35 +231,44 @@ class Trainer:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """torch's ``clip_grad_norm_`` of the whole model, on every rank, after the step's reductions
         (``compose_axes.global_clip_``: ONE world all-reduce of one scalar)."""
-        return global_clip_(self.params, max_norm, self.S, self._tp_split, self.t, self.fsdp)
+        return global_clip_(self.params, max_norm, self.S, self._tp_split, self.t, self.fsdp,
+                            self.experts.ids if self.experts else frozenset(), self.ep)
+
+    def _dense(self) -> list:
+        """The parameters every data rank holds alike (all but ep's experts)."""
+        return [p for p in self.params if not (self.experts and id(p) in self.experts.ids)]
 
     def _sync(self) -> None:
-        """The data × cp gradient reduction FSDP2 does not do: the explicit FSDP's, or dp's all-reduce."""
+        """The data × cp gradient reduction FSDP2 does not do: the explicit FSDP's, or dp's all-reduce;
+        ep's experts' (compose_ep.ExpertAxis.finish)."""
+        local = lambda g: g.to_local() if isinstance(g, DTensor) else g
         if self.fsdp is not None:
             self.fsdp.finish_gradient_synchronization()  # the shards' gradients arrive here, summed over M
             for p in self.params if self.schedule is not None else ():
                 if p.grad is not None:
                     p.grad.div_(self.M)  # the schedule's scale_grads would have scaled them before they came
                     recipe.refresh([p.grad])
-            if self.rep_group is not None:  # HSDP: the shards (and the vectors) averaged over dp, ONE all-reduce
-                grads = [p.grad for p in self.params if p.grad is not None]
+            if self.rep_group is not None:  # HSDP: the shards (and the vectors) averaged over dp (× ep), ONE all-reduce
+                grads = [p.grad for p in self._dense() if p.grad is not None]
                 average_flat(grads, self.rep_group)
         elif self.grad_group is not None and not (self.data == "fsdp" and self.style == "builtin"):
-            grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params
-                     if p.grad is not None]
+            grads = [local(p.grad) for p in self._dense() if p.grad is not None]
             average_flat(grads, self.grad_group)  # ONE all-reduce over data × cp, / (d·c)
+        if self.ep_group is not None:  # FSDP2 averaged over dp × fsdp: the dense shards over ep, ONE all-reduce
+            average_flat([local(p.grad) for p in self._dense() if p.grad is not None], self.ep_group)
+        if self.experts is not None:
+            self.experts.finish(self.params)
 
     def labels(self) -> dict:
         """{process group: axis label} for CommLedger.label_groups: each axis by name, the gradient
         group by its axes ("dp+cp"); the loss's all-reduce runs on the world ("world")."""
         out = {self.mesh[a].get_group(): a for a in self.layout if self.layout[a] > 1}
+        out |= self.experts.labels() if self.experts else {}
+        if self.rep_group is not None:
+            out[self.rep_group] = self.rep_label
         if self.grad_group is not None:
             out[self.grad_group] = self.grad_label
         return out
-
-    @property
-    def grad_label(self) -> str:
-        return "+".join(a for a in (self.data, "cp") if self.layout.get(a, 1) > 1)
 
     def comm_theory(self) -> dict[str, dict[str, tuple[int, int]]]:
         """Per axis label (``labels``): op -> (count, bytes) per step per rank, from the module wrapped
@@ -286,8 +315,9 @@ class Trainer:
             for op, (n, nbytes) in self.fsdp.comm_theory().items():
                 k = M if op in ("all_gather", "reduce_scatter") else 1  # the vectors' all-reduce: once, at the end
                 add(self.grad_label, op, k * n, k * nbytes)
-            if self.hsdp:  # the shards and vectors averaged over dp: one flat all-reduce
-                add("dp", "all_reduce", 1, sum(p.grad.numel() for p in self.params if p.grad is not None) * b)
+            if self.rep_group is not None:  # the shards and vectors averaged over dp (× ep): one flat all-reduce
+                add(self.rep_label, "all_reduce", 1,
+                    sum(p.grad.numel() for p in self._dense() if p.grad is not None) * b)
         elif self.fsdp2:  # a unit: gathered in each micro-batch's forward and once in backward; the root once
             n = self.grad_mesh.size()
             for path, nbytes, trainable in self.fsdp2:
@@ -299,8 +329,13 @@ class Trainer:
                         add("dp", "all_reduce", 1, nbytes // n)
         elif self.grad_group is not None and not (self.data == "fsdp" and self.style == "builtin"):
             add(self.grad_label, "all_reduce", 1, sum(p.grad.to_local().numel() if isinstance(p.grad, DTensor)
-                                                      else p.grad.numel() for p in self.params
+                                                      else p.grad.numel() for p in self._dense()
                                                       if p.grad is not None) * b)
+        if self.ep_group is not None:  # FSDP2's dense shards averaged over ep
+            add("ep", "all_reduce", 1, sum(p.grad.to_local().numel() if isinstance(p.grad, DTensor) else p.grad.numel()
+                                          for p in self._dense() if p.grad is not None) * b)
+        if self.experts is not None:
+            self.experts.comm_theory(add, self.params, b)
         world = dist.group.WORLD.group_name  # a sub-mesh spanning every rank runs on the world's group
         label = next((a for g, a in self.labels().items() if g.group_name == world), "world")
         add(label, "all_reduce", 1, 2 * b)
@@ -324,6 +359,8 @@ class Trainer:
                 continue
             w = self.fsdp.full_tensor(name, p) if self.fsdp is not None else p
             w = w.full_tensor() if isinstance(w, DTensor) else w.detach()
+            if self.experts and id(p) in self.experts.ids:
+                w = self.experts.full(w)  # (E/ep, …) -> (E, …)
             if name in self.styles and self.style == "explicit":
                 w = unshard(w, self.styles[name], self.mesh["tp"].get_group(), self._sizes.get(name))
             mine[name] = done[id(p)] = w.detach().clone()
@@ -335,16 +372,20 @@ class Trainer:
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, plan: dict[str, str] | str | None = None,
                 stage: Callable | None = None, units: list[str] = (), loss: Callable = cross_entropy,
                 optimizer: Callable, microbatches: int = 2, style: str = "builtin", cp: str = "ring",
-                schedule: str = "gpipe", compile: bool | list[str] = False) -> Trainer:
+                schedule: str = "gpipe", compile: bool | list[str] = False, experts: list[str] = (),
+                aux: Callable | None = None) -> Trainer:
     """dp|fsdp × pp × cp × tp on ``mesh`` (dims named from AXES) for ``model``: the module docstring.
     ``optimizer(params)`` builds the optimizer over this rank's (sharded) trainable parameters.
     ``plan="auto"``: a transformers model's own tp plan (``transformers_plan``).
     ``compile``: True compiles each of ``units`` on this stage, a list of globs those modules instead
     (parallel/compiled.py); the first step compiles (a step that compiles nothing is refused), a later step that
-    would recompile raises."""
+    would recompile raises. ``experts``: module path globs of the MoE layers' stacked experts, split over a
+    mesh axis "ep" (compose_ep.py); ``aux()``: a term added to each rank's loss after its forward (e.g. the
+    MoE layers' balancing losses, which compose_ep's ``global_counts`` makes one device's)."""
     if plan == "auto":
         plan = transformers_plan(model)
     check(sizes(mesh), style, loss, plan)
+    check_ep(model, sizes(mesh), experts, plan, units, compile)
     refuse_split_experts(model.named_parameters(), "compose")
     if sizes(mesh).get("pp", 1) > 1 and stage is None:
         raise ComposeError("compose: pp > 1 needs stage=(model, s, S) -> nn.Module (e.g. parallel/llama.py Stage)")
@@ -360,4 +401,4 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, plan: dict[str, str] | st
         compiled.prepare(mesh.device_type)
         compiled.reset()
     return Trainer(model, mesh, plan, stage, list(units), loss, optimizer, microbatches, style, cp, schedule,
-                   compile)
+                   compile, list(experts), aux)

@@ -35,7 +35,7 @@ from torch_impl.parallel import recipe
 from torch_impl.parallel.tp import apply_dtensor_plan, apply_plan, matches
 from torch_impl.parallel.tp_ops import VocabParallelCrossEntropy
 
-AXES = ("dp", "fsdp", "pp", "cp", "tp")
+AXES = ("dp", "fsdp", "ep", "pp", "cp", "tp")  # ep: a data axis whose experts split (compose_ep.py)
 STYLES = ("builtin", "explicit")
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 # gathering fsdp × tp weights whole (full_tensor, bookkeeping) takes two all-gathers: harmless, said once per call
@@ -157,17 +157,21 @@ def local_logits(module: nn.Module) -> None:
     module.register_forward_hook(lambda m, a, out: out.to_local() if isinstance(out, DTensor) else out)
 
 
-def apply_fsdp(module: nn.Module, mesh: DeviceMesh, units: list[str]) -> list[tuple[str, int, bool]]:
+def apply_fsdp(module: nn.Module, mesh: DeviceMesh, units: list[str],
+               ignored: set[nn.Parameter] | None = None) -> list[tuple[str, int, bool]]:
     """FSDP2: ``fully_shard`` every module matching a unit glob, then the root (torchtitan's order);
     on a 2-D (replicate, shard) mesh this is HSDP. Returns each group's (path, bytes all-gathered,
     trainable?), the root last: its (tp-local) parameters with dim 0 padded to a multiple of the
-    shard dim's size, as FSDP2 shards them."""
+    shard dim's size, as FSDP2 shards them. ``ignored``: FSDP2's ``ignored_params`` (ep's experts:
+    neither sharded nor reduced)."""
     n = mesh.size(mesh.ndim - 1)
     paths = [path for path, _ in module.named_modules() if path and any(matches(path, u) for u in units)]
     owner = lambda name: next((u for u in paths if name.startswith(u + ".")), "")  # "" = the root's
     groups: dict[str, list] = {u: [] for u in [*paths, ""]}
+    skip = {id(p) for p in ignored or ()}
     for name, p in module.named_parameters():  # each parameter once, before any is sharded
-        groups[owner(name)].append(p)
+        if id(p) not in skip:
+            groups[owner(name)].append(p)
 
     def nbytes(ps) -> int:
         local = [p.to_local() if isinstance(p, DTensor) else p for p in ps]
@@ -176,8 +180,8 @@ def apply_fsdp(module: nn.Module, mesh: DeviceMesh, units: list[str]) -> list[tu
 
     out = [(u, nbytes(ps), any(p.requires_grad for p in ps)) for u, ps in groups.items()]
     for u in paths:
-        fully_shard(module.get_submodule(u), mesh=mesh)
-    fully_shard(module, mesh=mesh)
+        fully_shard(module.get_submodule(u), mesh=mesh, ignored_params=set(ignored or ()) or None)
+    fully_shard(module, mesh=mesh, ignored_params=set(ignored or ()) or None)
     return out
 
 
@@ -220,13 +224,15 @@ def stage_loss(loss: Callable, styles: dict[str, str], tp_mesh: DeviceMesh | Non
 
 
 @torch.no_grad()
-def global_clip_(params, max_norm: float, stages: int, tp_split: set[int], tp: int, fsdp=None) -> torch.Tensor:
+def global_clip_(params, max_norm: float, stages: int, tp_split: set[int], tp: int, fsdp=None,
+                 experts: set[int] = frozenset(), ep: int = 1) -> torch.Tensor:
     """torch's ``clip_grad_norm_`` of the whole model on an N-D layout, on every rank, after the step's
     reductions: each rank's gradient squares, each divided by the number of ranks holding that same piece,
     summed over the world by ONE all-reduce of one scalar. A stage's world/S ranks hold a piece split k
     ways (tp: ``tp_split`` ids, ``tp`` ways, or a DTensor Shard on the tp dim; fsdp: the explicit wrapper's
-    shards over its group, or FSDP2's (Strided)Shard) world/(S·k) times; stages hold different parameters
-    (summed over pp: Megatron's rule, replicas once). The divisions by powers of two are exact."""
+    shards over its group, or FSDP2's (Strided)Shard; ep: ``experts`` ids, ``ep`` ways) world/(S·k) times;
+    stages hold different parameters (summed over pp: Megatron's rule, replicas once). The divisions by
+    powers of two are exact."""
     shards = {id(u.shard) for _, _, u in fsdp.units} if fsdp is not None else set()
     per_stage = dist.get_world_size() // stages
     params = [p for p in params if p.grad is not None]
@@ -240,7 +246,8 @@ def global_clip_(params, max_norm: float, stages: int, tp_split: set[int], tp: i
                 split *= 1 if placement.is_replicate() else p.grad.device_mesh.size(dim)
         else:
             local = p.grad
-            split = (tp if id(p) in tp_split else 1) * (fsdp.n if id(p) in shards else 1)
+            split = (tp if id(p) in tp_split else 1) * (fsdp.n if id(p) in shards else 1) * \
+                (ep if id(p) in experts else 1)
         sq += torch.linalg.vector_norm(local, 2).to(sq.dtype) ** 2 / (per_stage // split)
         grads.append(local)
     dist.all_reduce(sq)

@@ -102,7 +102,7 @@ for _name in ("__getitem__", "__len__", "__iter__", "__bool__", "__float__", "__
 class FSDP(nn.Module):
     """Fully sharded data parallel over any ``nn.Module`` (see the module docstring).
 
-    ``FSDP(module, compute_dtype=None, group=None)``: ``.module`` is the wrapped module, whose
+    ``FSDP(module, compute_dtype=None, group=None, ignored_params=None)``: ``.module`` is the wrapped module, whose
     named_parameters() are now the shards (matrices) and the replicated vectors — give those to
     the optimizer. Call ``finish_gradient_synchronization()`` between ``backward()`` and
     ``optimizer.step()``. ``full_state_dict()`` returns {name: full tensor} keyed like
@@ -110,21 +110,25 @@ class FSDP(nn.Module):
     before its all-gather (half the bytes) and the forward runs in it (float inputs cast too, as
     FSDP2's MixedPrecisionPolicy does); master weights, gradients (reduce-scattered in the master
     dtype, FSDP2's reduce_dtype=float32) and the optimizer stay in the parameters' dtype.
+    ``ignored_params`` (FSDP2's): left whole and unreduced, their gradients the caller's (compose's experts).
     Every rank must start from the same module (build it from the same fixture or seed).
     """
 
-    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, group=None):
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, group=None,
+                 ignored_params: set[nn.Parameter] | None = None):
         super().__init__()
         if any(isinstance(m, FSDP) for m in module.modules()):
             raise ValueError("FSDP: this module is already wrapped by FSDP (or holds an FSDP inside); its "
                              "parameters are shards already. Fix: wrap the plain module once")
-        refuse_split_experts(module.named_parameters(), "FSDP")
+        ignored = frozenset(id(p) for p in ignored_params or ())  # FSDP2's ignored_params: not sharded, not reduced
+        refuse_split_experts(((n, p) for n, p in module.named_parameters() if id(p) not in ignored), "FSDP")
         self.module, self.compute_dtype = module, compute_dtype
         self.group = group if group is not None else dist.group.WORLD
         self.n, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        self._infos = theory.describe(module)  # full shapes, before sharding: comm_theory()
-        originals = {name: p for name, p in module.named_parameters() if p.dim() >= 2}
-        self.units, self.replicated = split_params(module, rank, self.n)
+        skipped = {n for n, p in module.named_parameters() if id(p) in ignored}
+        self._infos = [i for i in theory.describe(module) if i.name not in skipped]  # full shapes: comm_theory()
+        originals = {name: p for name, p in module.named_parameters() if p.dim() >= 2 and id(p) not in ignored}
+        self.units, self.replicated = split_params(module, rank, self.n, ignored)
         recipe.refuse_stale(originals, "FSDP", "build the optimizer (and its param groups) AFTER wrapping, from "
                             "fsdp.module.named_parameters() (the shards keep the names)")
         self.unit_of_name = {}  # parameter name -> Unit (shards keep their original names)

@@ -38,13 +38,14 @@ class Unit:
         return torch.cat([t, t.new_zeros((extra, *t.shape[1:]))]) if extra else t.contiguous()
 
 
-def split_params(module: nn.Module, rank: int, n: int):
+def split_params(module: nn.Module, rank: int, n: int, ignored: frozenset[int] = frozenset()):
     """-> ([(owner module, attribute, Unit)], [(owner, attribute, replicated Parameter)]), in
-    module-registration order. A tied parameter (the same object in two modules) is one Unit."""
+    module-registration order. A tied parameter (the same object in two modules) is one Unit.
+    ``ignored``: ids of parameters left alone (neither split nor replicated: their owner reduces them)."""
     units, replicated, seen = [], [], {}
     for owner in module.modules():
         for attr, p in list(owner._parameters.items()):
-            if p is None:
+            if p is None or id(p) in ignored:
                 continue
             if p.dim() < 2:
                 replicated.append((owner, attr, p))
