@@ -14,9 +14,10 @@ SEQUENCE_PATTERNS = ("cp",)  # patterns that split the sequence: the transformer
 # the other patterns' plans (TP's module table, FSDP's units, the pipeline's stages) name the dense MLP.
 EXPERT_PATTERNS = ("ep",)
 # N-D parallelism (the "mesh" pattern): the axes a layout may name. dp and fsdp are the data axis
-# (replicated / ZeRO-3-sharded weights); one of them at most.
-MESH_AXES = ("dp", "fsdp", "pp", "cp", "tp")
-DATA_AXES = ("dp", "fsdp")
+# (replicated / ZeRO-3-sharded weights; both: HSDP); ep splits the batch too (a data axis for the dense
+# weights, which it replicates) and the experts' stacked weights (the MoE transformer: --experts E).
+MESH_AXES = ("dp", "fsdp", "ep", "pp", "cp", "tp")
+DATA_AXES = ("dp", "fsdp", "ep")
 MODELS = ("mlp", "transformer")
 # Activation recomputation (the transformer): keep every activation, keep only each block's input and
 # recompute the block in backward, or recompute only the attention core (Korthikanti et al. 2022).

@@ -63,7 +63,10 @@ ROOT = Path(__file__).resolve().parents[1]
          "tp (transformer): vocab=30 is not divisible by world_size=4"),
         # N-D layouts (the mesh pattern): refused before any rank starts
         (["--mesh", "dp=2,tp=2", "--world-size", "8"], "mesh dp=2,tp=2: the axes multiply to 4, not the world size 8"),
-        (["--mesh", "dp=2,ep=2"], "mesh: unknown axis 'ep'; choose from dp, fsdp, pp, cp, tp"),
+        (["--mesh", "dp=2,sp=2"], "mesh: unknown axis 'sp'; choose from dp, fsdp, ep, pp, cp, tp"),
+        (["--mesh", "dp=2,ep=2", "--model", "transformer", "--experts", "3"],
+         "mesh dp=2,ep=2: experts=3 is not divisible by ep=2"),
+        (["--mesh", "ep=2,pp=2", "--model", "transformer"], "mesh ep=2,pp=2: ep beside pp is not composed"),
         (["--mesh", "dp=2,fsdp=2", "--batch", "6"], "mesh dp=2,fsdp=2: batch=6 is not divisible by dp·fsdp=4"),
         (["--mesh", "dp=2,tp=2", "--heads", "3", "--dim", "12"], "mesh dp=2,tp=2: heads=3 is not divisible by tp=2"),
         (["--mesh", "dp=2,pp=4", "--layers", "6"], "mesh dp=2,pp=4: layers=6 is not divisible by pp=4"),
@@ -85,7 +88,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--patterns", "ep", "--topk", "0"], "topk must be a positive integer, got 0"),
         (["--patterns", "ep", "--model", "mlp"], "ep: the mlp has no experts (use --model transformer --experts E)"),
         (["--patterns", "tp", "--experts", "4"], "--experts/--topk build the mixture-of-experts transformer, which "
-                                                "runs under --patterns ep only"),
+                                                "runs under --patterns ep, or --mesh with an ep axis, only"),
         # output paths: checked before anything runs (a typo must not cost the whole run)
         (["--json", "/nonexistent/dir/x.json"], "--json /nonexistent/dir/x.json: the folder /nonexistent/dir does "
                                                 "not exist"),
