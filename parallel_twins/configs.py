@@ -135,7 +135,7 @@ def checkpoint_plan(args, cfgs):
               "the schedule, only on SIGTERM / SIGINT", file=sys.stderr)
     runs = [(fw, pattern, style, variant, cfg) for fw in args.frameworks
             for pattern in args.patterns if pattern != "collectives" for cfg in cfgs_for(cfgs, pattern)
-            for style, variant in chosen_variants(fw, pattern, cfg, args.styles)]
+            for style, variant in chosen_variants(fw, pattern, cfg, args.styles, tour=getattr(args, "tour", False))]
     check_runs(plan, runs)
     if plan.writes and not any(k in os.environ for k in ("RANK", "JAX_PROCESS_ID")):
         # this invocation is the writer of its run folders from now until it exits: a second compare.py on one

@@ -399,6 +399,31 @@ def test_ep_configs_keys_and_default_experts():
         ["collectives", "dp", "fsdp", "tp", "pp"]
 
 
+def test_the_plain_run_is_the_tour_and_all_is_every_variant():
+    """`python compare.py` (no --patterns): every pattern × framework × style, each style by its TOUR variant
+    (issue 46: the first run of a fresh clone in ~2-3 min on 2 cores); --all, or --patterns, every variant."""
+    from parallel_twins.runs import chosen_variants, planned_runs
+    from shared.vocab import TOUR
+
+    def plan(argv):
+        args = compare.build_parser().parse_args(argv)
+        args.tour = args.patterns is None and not args.mesh and not args.show_collectives and not args.all  # as _main
+        cfgs = compare.make_configs(args)
+        return args, cfgs, planned_runs(cfgs, args.patterns, args.frameworks, args.styles, args.tour)
+
+    args, cfgs, tour = plan([])
+    _, _, every = plan(["--all"])
+    assert tour == {"torch": 33, "jax": 42} and every == {"torch": 56, "jax": 69}, (tour, every)
+    assert plan(["--patterns", "dp"])[2] == plan(["--patterns", "dp", "--all"])[2]
+    for pattern in (p for p in args.patterns if p != "collectives"):
+        for cfg in compare.cfgs_for(cfgs, pattern):
+            for fw in args.frameworks:
+                styles = {s for s, _ in chosen_variants(fw, pattern, cfg)}
+                kept = chosen_variants(fw, pattern, cfg, tour=True)
+                assert {s for s, _ in kept} == styles, (pattern, fw)  # every style keeps a row
+                assert all(TOUR[pattern][s] == v for s, v in kept) and len(kept) == len(styles), (pattern, fw, kept)
+
+
 def test_default_sizes_fit_the_world_size():
     """Sizes not given are the small defaults rounded up to what every 1-D pattern splits at the world size
     (args.default_sizes): on 1, 2 and 4 ranks the defaults themselves (every documented figure unchanged); on
