@@ -160,9 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "explicit = hand-written dist.*, builtin = DTensor/FSDP2/DDP/pipelining; JAX: shard_map, "
                         "typed = sharding in types, jit) (default: every one)")
     p.add_argument("--all", action="store_true",
-                   help="every variant of every pattern (125 runs at world size 4, ~5 min on 2 cores) (default without "
-                        "--patterns: the tour, each style's main variant, ~75 runs; --patterns runs every variant of "
-                        "those asked for)")
+                   help="every style and variant of every pattern (125 runs at world size 4, ~5 min on 2 cores) "
+                        "(default without --patterns or --styles: the tour, the styles explicit, builtin, shard_map "
+                        "and jit by their main variant, 67 runs; --patterns / --styles: every variant of those named)")
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save each run's model and AdamW state here (torch: DCP, JAX: Orbax; one folder per run, "
                         "a checkpoint complete or absent; docs/checkpoint.md) (default: none)")
@@ -249,7 +249,8 @@ def _main(argv=None) -> int:
         baseline = load_results(args.baseline) if args.baseline else None  # a bad file: one line, exit 2
         # the tour (shared.vocab.TOUR): the plain `python compare.py`, each style's main variant; --all, or
         # naming the patterns, runs every variant
-        args.tour = args.patterns is None and not args.mesh and not args.show_collectives and not args.all
+        args.tour = args.patterns is None and args.styles is None and not args.mesh and not args.show_collectives \
+            and not args.all
         cfgs = make_configs(args)
         cfg = cfgs[0]
         if not args.no_resource_check:  # before any rank, process or device exists

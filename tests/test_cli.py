@@ -400,25 +400,28 @@ def test_ep_configs_keys_and_default_experts():
 
 
 def test_the_plain_run_is_the_tour_and_all_is_every_variant():
-    """`python compare.py` (no --patterns): every pattern × framework × style, each style by its TOUR variant
-    (issue 46: the first run of a fresh clone in ~2-3 min on 2 cores); --all, or --patterns, every variant."""
+    """`python compare.py` (no --patterns, --styles): every pattern × framework in the README table's four
+    styles, each by its TOUR variant (issue 46: the first run of a fresh clone in ~2 min on 2 cores); --all,
+    --patterns or --styles: every variant (typed too)."""
     from parallel_twins.runs import chosen_variants, planned_runs
     from shared.vocab import TOUR
 
     def plan(argv):
         args = compare.build_parser().parse_args(argv)
-        args.tour = args.patterns is None and not args.mesh and not args.show_collectives and not args.all  # as _main
+        args.tour = args.patterns is None and args.styles is None and not args.mesh and not args.show_collectives \
+            and not args.all  # as _main
         cfgs = compare.make_configs(args)
         return args, cfgs, planned_runs(cfgs, args.patterns, args.frameworks, args.styles, args.tour)
 
     args, cfgs, tour = plan([])
     _, _, every = plan(["--all"])
-    assert tour == {"torch": 33, "jax": 42} and every == {"torch": 56, "jax": 69}, (tour, every)
+    assert tour == {"torch": 33, "jax": 34} and every == {"torch": 56, "jax": 69}, (tour, every)
     assert plan(["--patterns", "dp"])[2] == plan(["--patterns", "dp", "--all"])[2]
+    assert plan(["--styles", "typed"])[2] == plan(["--styles", "typed", "--all"])[2]
     for pattern in (p for p in args.patterns if p != "collectives"):
         for cfg in compare.cfgs_for(cfgs, pattern):
             for fw in args.frameworks:
-                styles = {s for s, _ in chosen_variants(fw, pattern, cfg)}
+                styles = {s for s, _ in chosen_variants(fw, pattern, cfg)} - {"typed"}
                 kept = chosen_variants(fw, pattern, cfg, tour=True)
                 assert {s for s, _ in kept} == styles, (pattern, fw)  # every style keeps a row
                 assert all(TOUR[pattern][s] == v for s, v in kept) and len(kept) == len(styles), (pattern, fw, kept)
