@@ -178,8 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --checkpoint-dir: keep only each run's newest N complete checkpoints "
                         "(default: every one)")
     p.add_argument("--sequential", action="store_true",
-                   help="on the CPU, run torch, then JAX (by default the torch ranks run while JAX compiles, and "
-                        "their step times share the cores)")
+                   help="on the CPU, run torch, then JAX, one run at a time (by default the torch ranks run while "
+                        "JAX compiles, two JAX runs take turns, one compiling while the other runs, and their step "
+                        "times share the cores)")
     add_quiet(p)
     return p
 
@@ -357,9 +358,9 @@ def _main(argv=None) -> int:
     else:
         report.print_table(rows, cfgs, console, wide=args.wide, preset=args.size)
         if side:
-            console.print("step ms: torch's ranks ran while JAX compiled, on the same cores (--sequential: one "
-                          "framework at a time; compare.py bench --overhead: each step alone and bare)", style="dim",
-                          highlight=False)
+            console.print("step ms: torch's ranks ran while JAX compiled, and two JAX runs took turns (one compiling "
+                          "while the other ran), on the same cores (--sequential: one run at a time; compare.py bench "
+                          "--overhead: each step alone and bare)", style="dim", highlight=False)
     report.compile_lines(rows, console)
     if args.recompute != "none":
         report.recompute_lines(rows, cfgs, console)

@@ -116,33 +116,85 @@ class Interrupted(KeyboardInterrupt):
         self.results, self.during = results, during
 
 
-def run_jax(cfgs, patterns, device, progress=None, checkpoint=None, styles=None, out=None, bare_steps=0, tour=False):
+def run_jax(cfgs, patterns, device, progress=None, checkpoint=None, styles=None, out=None, bare_steps=0, tour=False,
+            threads=1):
     """{pattern: the harness's entries}; ``out``: the dict filled as each pattern finishes (what
-    a Ctrl-C keeps). ``bare_steps``: as run_torch's (jax_impl.harness.measuring_bare)."""
+    a Ctrl-C keeps). ``bare_steps``: as run_torch's (jax_impl.harness.measuring_bare). ``threads``: 2 runs
+    (pattern × model) at a time, one compiling while the other traces or runs (CPU; not with checkpoints)."""
     from jax_impl import harness
 
     with harness.measuring_bare(bare_steps):
-        return _run_jax(cfgs, patterns, device, progress, checkpoint, styles, out, tour)
+        return _run_jax(cfgs, patterns, device, progress, checkpoint, styles, out, tour,
+                        threads if checkpoint is None and not bare_steps else 1)
 
 
-def _run_jax(cfgs, patterns, device, progress=None, checkpoint=None, styles=None, out=None, tour=False):
+def _run_jax(cfgs, patterns, device, progress=None, checkpoint=None, styles=None, out=None, tour=False,
+             threads=1):
     from jax_impl import harness
     from jax_impl.devices import make_mesh
     from shared.collectives import NAMES
 
     progress = progress or (lambda event: None)
     out = {} if out is None else out
-    for pattern in patterns:
-        if pattern == "collectives":
-            from jax_impl import collectives
+    if "collectives" in patterns:
+        from jax_impl import collectives
 
-            progress(("start", "collectives"))
-            out[pattern] = collectives.check_all(make_mesh(cfgs[0].world_size, "x", device))
-            progress(("done", len(NAMES)))
-        else:
-            out[pattern] = [entry for cfg in cfgs_for(cfgs, pattern) for entry in harness.run_pattern(
-                pattern, [cfg], chosen_variants("jax", pattern, cfg, styles, tour=tour), device=device,
-                progress=progress, checkpoint=checkpoint)]
+        progress(("start", "collectives"))
+        out["collectives"] = collectives.check_all(make_mesh(cfgs[0].world_size, "x", device))
+        progress(("done", len(NAMES)))
+    jobs = [(p, cfg) for p in patterns if p != "collectives" for cfg in cfgs_for(cfgs, p)]
+    run = lambda p, cfg, report: harness.run_pattern(p, [cfg], chosen_variants("jax", p, cfg, styles, tour=tour),
+                                                     device=device, progress=report, checkpoint=checkpoint)
+    if threads > 1 and len(jobs) > 1:
+        return _taking_turns(jobs, run, progress, out, threads)
+    for p in dict.fromkeys(p for p, _ in jobs):
+        out[p] = [entry for q, cfg in jobs if q == p for entry in run(p, cfg, progress)]
+    return out
+
+
+class _Cancelled(Exception):
+    """A JAX worker thread stops before its next run (Ctrl-C, or another run's error)."""
+
+
+def _taking_turns(jobs, run, progress, out, threads):
+    """``run(pattern, cfg, report)`` for every job in ``threads`` threads that take turns on the devices
+    (jax_impl.harness.taking_turns: one compiles while another traces or runs); out[pattern] filled as each
+    pattern's jobs finish. A worker's error, or Ctrl-C here: the others stop before their next run."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    from jax_impl.harness import taking_turns
+
+    turn, said, cancel = threading.Lock(), threading.Lock(), threading.Event()
+
+    def report(event):
+        if cancel.is_set() and event[0] == "start":
+            raise _Cancelled()
+        with said:
+            progress(event)
+
+    def job(p, cfg):
+        with taking_turns(turn):
+            return run(p, cfg, report)
+
+    results, left = {}, {p: sum(q == p for q, _ in jobs) for p, _ in jobs}
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="jax-runs")
+    futures = {pool.submit(job, p, cfg): i for i, (p, cfg) in enumerate(jobs)}
+    try:
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            for future in done:
+                i = futures[future]
+                results[i] = future.result()  # a run's error: raised here, the others cancelled below
+                p = jobs[i][0]
+                left[p] -= 1
+                if not left[p]:
+                    out[p] = [entry for j, (q, _) in enumerate(jobs) if q == p for entry in results[j]]
+    except BaseException:
+        cancel.set()
+        pool.shutdown(wait=True, cancel_futures=True)  # the runs in flight finish (seconds), none starts
+        raise
+    pool.shutdown()
     return out
 
 
@@ -221,7 +273,7 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
                 res = {}
                 try:
                     run_jax(cfgs, patterns, device, report, checkpoint, styles, out=res, bare_steps=bare_steps,
-                            tour=tour)
+                            tour=tour, threads=2 if side_by_side else 1)
                 finally:  # also on Ctrl-C: the patterns that finished
                     raw[fw] = {p: (res[p] if p == "collectives" else dict(zip(models_of[p], res[p], strict=True)))
                                for p in patterns if p in res}
