@@ -141,7 +141,7 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
         jax.block_until_ready((state, loss))
         step_times.append(time.perf_counter() - t0)
         host.append((issued - t0) / max(step_times[-1], 1e-12))
-        losses.append(float(np.mean(to_numpy(loss))))  # a vector: the mean of N local losses
+        losses.append(loss)  # read back after the loop: no device-to-host copy between timed steps
         if k == 0:
             grads0 = setup.grads_fixture(grads)
         if s is not None:
@@ -153,6 +153,7 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
                     checkpoints.save(cfg, setup, tuple(state), k + 1, s)
                 raise checkpoints.preempted(s, k + 1)  # one line: the step, the folder saved
     state = tuple(state)
+    losses = [float(np.mean(to_numpy(loss))) for loss in losses]  # each a vector: the mean of N local losses
     params = setup.params_fixture(state)  # before any bare step (bench --overhead) moves them
     timed = [k != start for k in range(start, cfg.steps)]  # the first: the program's first run (allocations)
     if _BARE.get():  # compare.py bench --overhead: the same program in a loop of its own (one sync a step)
