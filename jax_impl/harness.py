@@ -23,6 +23,7 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -120,8 +121,8 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
     if s is not None and (s.mu is not None or s.plan.every or s.plan.save_at):
         checkpoints.check_layout(setup, s.what)  # refused before training, not at the first save
     t_compile = time.perf_counter()
-    compiled = setup.step.lower(*setup.state, *setup.batch).compile(  # outside the timed loop
-        compiler_options=compiler_options(cfg, setup.compiler_options))  # mixed: no excess precision (model.py)
+    compiled = _compile(setup.step.lower(*setup.state, *setup.batch),  # outside the timed loop
+                        compiler_options(cfg, setup.compiler_options))  # mixed: no excess precision (model.py)
     compile_s = time.perf_counter() - t_compile  # trace + lower + XLA compile (or its cache) of the whole step
     if s is not None and s.mu is not None:  # resumed: the same program as from step 0, its state placed as
         placed = compiled.input_shardings[0][:len(setup.state)]  # that program takes it (as at step K)
@@ -140,7 +141,7 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
         jax.block_until_ready((state, loss))
         step_times.append(time.perf_counter() - t0)
         host.append((issued - t0) / max(step_times[-1], 1e-12))
-        losses.append(float(np.mean(to_numpy(loss))))  # a vector: the mean of N local losses
+        losses.append(loss)  # read back after the loop: no device-to-host copy between timed steps
         if k == 0:
             grads0 = setup.grads_fixture(grads)
         if s is not None:
@@ -152,6 +153,7 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
                     checkpoints.save(cfg, setup, tuple(state), k + 1, s)
                 raise checkpoints.preempted(s, k + 1)  # one line: the step, the folder saved
     state = tuple(state)
+    losses = [float(np.mean(to_numpy(loss))) for loss in losses]  # each a vector: the mean of N local losses
     params = setup.params_fixture(state)  # before any bare step (bench --overhead) moves them
     timed = [k != start for k in range(start, cfg.steps)]  # the first: the program's first run (allocations)
     if _BARE.get():  # compare.py bench --overhead: the same program in a loop of its own (one sync a step)
@@ -174,6 +176,37 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
     return Trained(losses=losses, grads0=grads0, params=params, step_times=step_times,
                    comm=comm, comm_theory=setup.comm_theory, state_bytes=state_bytes, extra=extra,
                    where=devices_where(placed), start_step=start, timed=timed, compile_s=compile_s)
+
+
+# Two runs at a time (parallel_twins/runs.py on a CPU): the threads take turns with ONE lock, held for
+# everything that traces or runs on the devices, and let go of only while XLA compiles a step (no device
+# work; the GIL is free): the one program in flight never shares the devices with another (two multi-device
+# programs enqueued in different orders on the devices' queues could wait on each other's collectives).
+_TURN: contextvars.ContextVar[threading.Lock | None] = contextvars.ContextVar("jax_turn", default=None)
+
+
+@contextlib.contextmanager
+def taking_turns(lock: threading.Lock):
+    """This thread's runs share the devices with other threads' through ``lock`` (held here, except while
+    ``_compile`` compiles)."""
+    token = _TURN.set(lock)
+    try:
+        with lock:
+            yield
+    finally:
+        _TURN.reset(token)
+
+
+def _compile(lowered, options):
+    """``lowered.compile``; taking turns, the lock is let go of for the compile (XLA's, or its cache's)."""
+    lock = _TURN.get()
+    if lock is None:
+        return lowered.compile(compiler_options=options)
+    lock.release()
+    try:
+        return lowered.compile(compiler_options=options)
+    finally:
+        lock.acquire()
 
 
 # compare.py bench --overhead (parallel_twins/overhead.py), as torch_impl.harness's: after a run, this many

@@ -357,7 +357,9 @@ def check_devices(frameworks, world_size: int, device: str) -> None:
 def _belongs(cfg, pattern) -> bool:
     """Which of the run's configs a pattern takes: mesh those with a layout, ep the MoE transformer,
     the 1-D patterns the plain models."""
-    return bool(cfg.mesh) == (pattern == "mesh") and cfg.moe == (pattern == "ep")
+    if pattern == "mesh":  # a layout's config, dense or (an ep axis) the MoE transformer
+        return bool(cfg.mesh)
+    return not cfg.mesh and cfg.moe == (pattern == "ep")
 
 
 def cfgs_for(cfgs, pattern):

@@ -113,10 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "mesh when --mesh is given)")
     p.add_argument("--mesh", type=_layouts, default=None, metavar="LAYOUT[;LAYOUT…]",
                    help="N-D layouts of the transformer, axes in device order, innermost last, e.g. "
-                        "dp=2,tp=2,pp=2 (axes dp|fsdp, pp, cp, tp; product = world size) (default: none)")
+                        "dp=2,tp=2,pp=2 (axes dp, fsdp (both: HSDP), ep (with --experts), pp, cp, tp; product = "
+                        "world size) (default: none)")
     p.add_argument("--experts", type=int, default=None, metavar="E",
-                   help="ep: experts per MoE layer, E %% world size == 0 (default: the smallest multiple of "
-                        "the world size >= 4)")
+                   help="ep (or --mesh with an ep axis): experts per MoE layer, E %% ep == 0 (default: the "
+                        "smallest multiple of the ep size >= 4)")
     p.add_argument("--topk", type=int, default=2, metavar="K", help="ep: experts per token")
     add_frameworks(p)
     p.add_argument("--model", type=csv_list(MODELS), default=list(MODELS), metavar="LIST",
@@ -158,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma list of {', '.join(STYLES)}: run only these ways of writing each pattern (torch: "
                         "explicit = hand-written dist.*, builtin = DTensor/FSDP2/DDP/pipelining; JAX: shard_map, "
                         "typed = sharding in types, jit) (default: every one)")
+    p.add_argument("--all", action="store_true",
+                   help="every style and variant of every pattern (125 runs at world size 4, ~5 min on 2 cores) "
+                        "(default without --patterns or --styles: the tour, the styles explicit, builtin, shard_map "
+                        "and jit by their main variant, 67 runs; --patterns / --styles: every variant of those named)")
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save each run's model and AdamW state here (torch: DCP, JAX: Orbax; one folder per run, "
                         "a checkpoint complete or absent; docs/checkpoint.md) (default: none)")
@@ -173,8 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --checkpoint-dir: keep only each run's newest N complete checkpoints "
                         "(default: every one)")
     p.add_argument("--sequential", action="store_true",
-                   help="on the CPU, run torch, then JAX (by default the torch ranks run while JAX compiles, and "
-                        "their step times share the cores)")
+                   help="on the CPU, run torch, then JAX, one run at a time (by default the torch ranks run while "
+                        "JAX compiles, two JAX runs take turns, one compiling while the other runs, and their step "
+                        "times share the cores)")
     add_quiet(p)
     return p
 
@@ -242,6 +248,10 @@ def _main(argv=None) -> int:
         from shared.diff import load as load_results
 
         baseline = load_results(args.baseline) if args.baseline else None  # a bad file: one line, exit 2
+        # the tour (shared.vocab.TOUR): the plain `python compare.py`, each style's main variant; --all, or
+        # naming the patterns, runs every variant
+        args.tour = args.patterns is None and args.styles is None and not args.mesh and not args.show_collectives \
+            and not args.all
         cfgs = make_configs(args)
         cfg = cfgs[0]
         if not args.no_resource_check:  # before any rank, process or device exists
@@ -284,18 +294,20 @@ def _main(argv=None) -> int:
     try:
         if args.quiet or not rank0 or not console.is_terminal:  # a live line on a terminal; in a log, a plain
             progress = None if args.quiet or not rank0 else report.Progress(  # line every 30 s of runs (stderr)
-                planned_kinds(cfgs, args.patterns, args.frameworks, args.styles), parallel=side).logger(
+                planned_kinds(cfgs, args.patterns, args.frameworks, args.styles, args.tour), parallel=side).logger(
                 sys.stderr, every_s=30.0)
             rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device, progress,
-                                              args.timeout, checkpoint=plan, styles=args.styles, side_by_side=side)
+                                              args.timeout, checkpoint=plan, styles=args.styles, side_by_side=side,
+                                              tour=args.tour)
         else:
             from rich.live import Live
 
-            progress = report.Progress(planned_kinds(cfgs, args.patterns, args.frameworks, args.styles), parallel=side)
+            progress = report.Progress(planned_kinds(cfgs, args.patterns, args.frameworks, args.styles, args.tour),
+                                       parallel=side)
             with Live(progress, console=console, refresh_per_second=4, transient=True):
                 rows, xfw, errors, refs = collect(cfgs, args.patterns, args.frameworks, args.device,
                                                   progress.event, args.timeout, checkpoint=plan, styles=args.styles,
-                                                  side_by_side=side)
+                                                  side_by_side=side, tour=args.tour)
     except Interrupted as stop:  # Ctrl-C, a signal: what finished is written below, then one line
         (rows, xfw, errors, refs), interrupted = stop.results, stop.during
     except preempt.Stopped as stop:  # a signal before the first framework started
@@ -346,9 +358,9 @@ def _main(argv=None) -> int:
     else:
         report.print_table(rows, cfgs, console, wide=args.wide, preset=args.size)
         if side:
-            console.print("step ms: torch's ranks ran while JAX compiled, on the same cores (--sequential: one "
-                          "framework at a time; compare.py bench --overhead: each step alone and bare)", style="dim",
-                          highlight=False)
+            console.print("step ms: torch's ranks ran while JAX compiled, and two JAX runs took turns (one compiling "
+                          "while the other ran), on the same cores (--sequential: one run at a time; compare.py bench "
+                          "--overhead: each step alone and bare)", style="dim", highlight=False)
     report.compile_lines(rows, console)
     if args.recompute != "none":
         report.recompute_lines(rows, cfgs, console)

@@ -135,7 +135,7 @@ def checkpoint_plan(args, cfgs):
               "the schedule, only on SIGTERM / SIGINT", file=sys.stderr)
     runs = [(fw, pattern, style, variant, cfg) for fw in args.frameworks
             for pattern in args.patterns if pattern != "collectives" for cfg in cfgs_for(cfgs, pattern)
-            for style, variant in chosen_variants(fw, pattern, cfg, args.styles)]
+            for style, variant in chosen_variants(fw, pattern, cfg, args.styles, tour=getattr(args, "tour", False))]
     check_runs(plan, runs)
     if plan.writes and not any(k in os.environ for k in ("RANK", "JAX_PROCESS_ID")):
         # this invocation is the writer of its run folders from now until it exits: a second compare.py on one
@@ -226,12 +226,14 @@ def make_configs(args):
                   dtype=args.dtype or PRESET_DTYPE[preset], precision=args.precision,
                   lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb,
                   virtual_stages=args.virtual_stages, **sizes, **recipe)
-    if args.experts is not None and "ep" not in args.patterns:
+    ep_layouts = "mesh" in args.patterns and any(a == "ep" for layout in layouts for a, _ in layout)
+    if args.experts is not None and "ep" not in args.patterns and not ep_layouts:
         raise ValueError("--experts/--topk build the mixture-of-experts transformer, which runs under "
-                         "--patterns ep only")
+                         "--patterns ep, or --mesh with an ep axis, only")
     cfgs = [base.replace(model=m) for m in args.model]
     if "mesh" in args.patterns:  # one config per (model, layout); the 1-D patterns ignore cfg.mesh
-        cfgs += [base.replace(model=m, mesh=layout) for m in args.model for layout in layouts]
+        cfgs += [base.replace(model=m, mesh=layout, **_mesh_experts(args, m, layout)) for m in args.model
+                 for layout in layouts]
     if "ep" in args.patterns and "transformer" in args.model:  # the MoE transformer: ep's own config
         experts = args.experts if args.experts is not None else default_experts(world)
         cfgs.append(base.replace(model="transformer", experts=experts, topk=args.topk))
@@ -253,6 +255,12 @@ def make_configs(args):
         for cfg in applying or mine:  # a pattern no requested model has (cp on the MLP): its one-line reason
             for fw in args.frameworks:  # what --precision mixed is built for differs per framework
                 cfg.check(pattern, fw)
+    moe_mesh = [c for c in cfgs if c.mesh and c.moe and c.applies("mesh")]
+    missing = [fw for fw in args.frameworks if fw not in MOE_MESH_FRAMEWORKS]
+    if moe_mesh and missing:
+        raise ValueError(f"mesh {moe_mesh[0].mesh_name}: the mixture-of-experts transformer under --mesh is built in "
+                         f"{', '.join(MOE_MESH_FRAMEWORKS) or 'no framework yet'}, not in {', '.join(missing)}; "
+                         f"use --patterns ep for the experts alone")
     return [c for c in cfgs if not c.mesh or c.applies("mesh")]  # the mesh runs the transformer only
 
 
@@ -284,6 +292,19 @@ def size_preset(args, world: int) -> str:
     if args.size is None:
         args.size = "gpu" if on_gpus(args.device, world) else "cpu"
     return args.size
+
+
+# The frameworks whose mesh runner takes the MoE transformer (an ep axis beside dp / fsdp / tp).
+MOE_MESH_FRAMEWORKS: tuple[str, ...] = ()
+
+
+def _mesh_experts(args, model: str, layout) -> dict:
+    """A layout's experts: with an ep axis the MoE transformer (--experts, else the smallest multiple of
+    ep that is >= 4); without one, --experts is its refusal (Config's mesh check says why)."""
+    ep = dict(layout).get("ep", 1)
+    if model != "transformer" or (ep == 1 and args.experts is None):
+        return {}
+    return {"experts": args.experts if args.experts is not None else default_experts(ep), "topk": args.topk}
 
 
 def default_experts(world: int) -> int:

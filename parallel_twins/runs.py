@@ -17,10 +17,11 @@ import traceback
 from parallel_twins.args import FRAMEWORKS, cfgs_for, run_key
 
 
-def chosen_variants(framework, pattern, cfg, styles=None, full=False) -> list[tuple[str, str]]:
+def chosen_variants(framework, pattern, cfg, styles=None, full=False, tour=False) -> list[tuple[str, str]]:
     """The (style, variant)s ``framework`` runs of ``pattern`` on ``cfg``, as its harness chooses them
     (the module's variants(cfg), else VARIANTS), only those of ``styles`` when given (--styles).
-    ``full``: VARIANTS, before variants(cfg) leaves any out."""
+    ``full``: VARIANTS, before variants(cfg) leaves any out. ``tour``: only each style's variant in
+    shared.vocab.TOUR (python compare.py without --patterns or --all)."""
     import importlib
 
     module = importlib.import_module(f"{'torch_impl' if framework == 'torch' else 'jax_impl'}.{pattern}")
@@ -29,7 +30,9 @@ def chosen_variants(framework, pattern, cfg, styles=None, full=False) -> list[tu
     if styles is not None and "compiled" in styles:  # torch's compiled style runs only when asked for
         every += list(getattr(module, "COMPILED", ()) if full else
                       getattr(module, "compiled_variants", lambda c: getattr(module, "COMPILED", ()))(cfg))
-    return [sv for sv in every if styles is None or sv[0] in styles]
+    from shared.vocab import in_tour
+
+    return [sv for sv in every if (styles is None or sv[0] in styles) and (not tour or in_tour(pattern, *sv))]
 
 
 def compiled_refusal(pattern, cfg) -> str | None:
@@ -55,7 +58,7 @@ def typed_refusal(pattern, cfg) -> str | None:
     return typed_refusal(pattern, cfg)
 
 
-def planned_runs(cfgs, patterns, frameworks, styles=None) -> dict[str, int]:
+def planned_runs(cfgs, patterns, frameworks, styles=None, tour=False) -> dict[str, int]:
     """{framework: the number of table rows it will produce}: what the progress line counts towards."""
     from shared.collectives import NAMES
 
@@ -66,11 +69,11 @@ def planned_runs(cfgs, patterns, frameworks, styles=None) -> dict[str, int]:
             if pattern == "collectives":
                 out[fw] += len(NAMES)
                 continue
-            out[fw] += sum(len(chosen_variants(fw, pattern, cfg, styles)) for cfg in cfgs_for(cfgs, pattern))
+            out[fw] += sum(len(chosen_variants(fw, pattern, cfg, styles, tour=tour)) for cfg in cfgs_for(cfgs, pattern))
     return out
 
 
-def planned_kinds(cfgs, patterns, frameworks, styles=None) -> dict[str, dict[tuple, int]]:
+def planned_kinds(cfgs, patterns, frameworks, styles=None, tour=False) -> dict[str, dict[tuple, int]]:
     """{framework: {(pattern, model): runs}}: planned_runs by kind, what the progress line weighs its estimate
     by (report.Progress; the collectives are one kind, ("collectives",))."""
     from shared.collectives import NAMES
@@ -84,20 +87,20 @@ def planned_kinds(cfgs, patterns, frameworks, styles=None) -> dict[str, dict[tup
                 continue
             for cfg in cfgs_for(cfgs, pattern):
                 key = (pattern, cfg.model)
-                kinds[key] = kinds.get(key, 0) + len(chosen_variants(fw, pattern, cfg, styles))
+                kinds[key] = kinds.get(key, 0) + len(chosen_variants(fw, pattern, cfg, styles, tour=tour))
     return out
 
 
 def run_torch(cfgs, patterns, device, timeout_s, progress=None, checkpoint=None, styles=None, bare_steps=0,
-              cancel=None):
+              cancel=None, tour=False):
     """One launch for every pattern and model: per rank, {pattern: checks (collectives) | entries}.
     ``progress(event)``: rank 0's ("start", what) / ("done", runs) as they happen. ``bare_steps``: compare.py
     bench --overhead's bare loop after each run (torch_impl.harness.measuring_bare)."""
     from torch_impl.harness import run_jobs
     from torch_impl.launch import launch
 
-    jobs = [(p, cfgs_for(cfgs, p)) + (() if styles is None or p == "collectives" else
-                                      ({c: chosen_variants("torch", p, c, styles) for c in cfgs_for(cfgs, p)},))
+    pick = lambda p: {c: chosen_variants("torch", p, c, styles, tour=tour) for c in cfgs_for(cfgs, p)}
+    jobs = [(p, cfgs_for(cfgs, p)) + (() if (styles is None and not tour) or p == "collectives" else (pick(p),))
             for p in patterns]
     return launch(run_jobs, cfgs[0].world_size, jobs, checkpoint, bare_steps, device=device, timeout_s=timeout_s,
                   progress=progress, cancel=cancel)
@@ -113,33 +116,85 @@ class Interrupted(KeyboardInterrupt):
         self.results, self.during = results, during
 
 
-def run_jax(cfgs, patterns, device, progress=None, checkpoint=None, styles=None, out=None, bare_steps=0):
+def run_jax(cfgs, patterns, device, progress=None, checkpoint=None, styles=None, out=None, bare_steps=0, tour=False,
+            threads=1):
     """{pattern: the harness's entries}; ``out``: the dict filled as each pattern finishes (what
-    a Ctrl-C keeps). ``bare_steps``: as run_torch's (jax_impl.harness.measuring_bare)."""
+    a Ctrl-C keeps). ``bare_steps``: as run_torch's (jax_impl.harness.measuring_bare). ``threads``: 2 runs
+    (pattern × model) at a time, one compiling while the other traces or runs (CPU; not with checkpoints)."""
     from jax_impl import harness
 
     with harness.measuring_bare(bare_steps):
-        return _run_jax(cfgs, patterns, device, progress, checkpoint, styles, out)
+        return _run_jax(cfgs, patterns, device, progress, checkpoint, styles, out, tour,
+                        threads if checkpoint is None and not bare_steps else 1)
 
 
-def _run_jax(cfgs, patterns, device, progress=None, checkpoint=None, styles=None, out=None):
+def _run_jax(cfgs, patterns, device, progress=None, checkpoint=None, styles=None, out=None, tour=False,
+             threads=1):
     from jax_impl import harness
     from jax_impl.devices import make_mesh
     from shared.collectives import NAMES
 
     progress = progress or (lambda event: None)
     out = {} if out is None else out
-    for pattern in patterns:
-        if pattern == "collectives":
-            from jax_impl import collectives
+    if "collectives" in patterns:
+        from jax_impl import collectives
 
-            progress(("start", "collectives"))
-            out[pattern] = collectives.check_all(make_mesh(cfgs[0].world_size, "x", device))
-            progress(("done", len(NAMES)))
-        else:
-            out[pattern] = [entry for cfg in cfgs_for(cfgs, pattern) for entry in harness.run_pattern(
-                pattern, [cfg], chosen_variants("jax", pattern, cfg, styles), device=device, progress=progress,
-                checkpoint=checkpoint)]
+        progress(("start", "collectives"))
+        out["collectives"] = collectives.check_all(make_mesh(cfgs[0].world_size, "x", device))
+        progress(("done", len(NAMES)))
+    jobs = [(p, cfg) for p in patterns if p != "collectives" for cfg in cfgs_for(cfgs, p)]
+    run = lambda p, cfg, report: harness.run_pattern(p, [cfg], chosen_variants("jax", p, cfg, styles, tour=tour),
+                                                     device=device, progress=report, checkpoint=checkpoint)
+    if threads > 1 and len(jobs) > 1:
+        return _taking_turns(jobs, run, progress, out, threads)
+    for p in dict.fromkeys(p for p, _ in jobs):
+        out[p] = [entry for q, cfg in jobs if q == p for entry in run(p, cfg, progress)]
+    return out
+
+
+class _Cancelled(Exception):
+    """A JAX worker thread stops before its next run (Ctrl-C, or another run's error)."""
+
+
+def _taking_turns(jobs, run, progress, out, threads):
+    """``run(pattern, cfg, report)`` for every job in ``threads`` threads that take turns on the devices
+    (jax_impl.harness.taking_turns: one compiles while another traces or runs); out[pattern] filled as each
+    pattern's jobs finish. A worker's error, or Ctrl-C here: the others stop before their next run."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    from jax_impl.harness import taking_turns
+
+    turn, said, cancel = threading.Lock(), threading.Lock(), threading.Event()
+
+    def report(event):
+        if cancel.is_set() and event[0] == "start":
+            raise _Cancelled()
+        with said:
+            progress(event)
+
+    def job(p, cfg):
+        with taking_turns(turn):
+            return run(p, cfg, report)
+
+    results, left = {}, {p: sum(q == p for q, _ in jobs) for p, _ in jobs}
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="jax-runs")
+    futures = {pool.submit(job, p, cfg): i for i, (p, cfg) in enumerate(jobs)}
+    try:
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            for future in done:
+                i = futures[future]
+                results[i] = future.result()  # a run's error: raised here, the others cancelled below
+                p = jobs[i][0]
+                left[p] -= 1
+                if not left[p]:
+                    out[p] = [entry for j, (q, _) in enumerate(jobs) if q == p for entry in results[j]]
+    except BaseException:
+        cancel.set()
+        pool.shutdown(wait=True, cancel_futures=True)  # the runs in flight finish (seconds), none starts
+        raise
+    pool.shutdown()
     return out
 
 
@@ -175,13 +230,14 @@ def pattern_rows(pattern, framework, entry, other_ref):
 
 
 def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, checkpoint=None, styles=None,
-            bare_steps=0, side_by_side=False):
+            bare_steps=0, side_by_side=False, tour=False):
     """Run everything; returns (rows, cross-framework reference comparisons, errors,
     {(pattern, model, framework): reference losses}). ``progress(framework, event)`` hears each
     framework start and each run start and finish. Ctrl-C: ``Interrupted`` carrying the rows of
     what finished. ``bare_steps``: compare.py bench --overhead (rows' extra["bare_step_times"]).
     ``side_by_side``: the torch launch runs in a thread while this process runs JAX (compare.py on CPU:
-    JAX compiles on one core while the ranks use the rest; their step times then share the cores)."""
+    JAX compiles on one core while the ranks use the rest; their step times then share the cores).
+    ``tour``: each style's one variant of shared.vocab.TOUR (compare.py's default run)."""
     from shared.results import (
         cross_framework_ok,
         losses_within_floor,
@@ -210,13 +266,14 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
         try:  # raw[fw][pattern]: the collectives' checks, or {model: the harness's entry}
             if fw == "torch":
                 per_rank = run_torch(cfgs, patterns, device, timeout_s, report, checkpoint, styles, bare_steps,
-                                     cancel=cancel)
+                                     cancel=cancel, tour=tour)
                 raw[fw] = {p: ([r[p] for r in per_rank] if p == "collectives"
                                else dict(zip(models_of[p], per_rank[0][p], strict=True))) for p in patterns}
             else:
                 res = {}
                 try:
-                    run_jax(cfgs, patterns, device, report, checkpoint, styles, out=res, bare_steps=bare_steps)
+                    run_jax(cfgs, patterns, device, report, checkpoint, styles, out=res, bare_steps=bare_steps,
+                            tour=tour, threads=2 if side_by_side else 1)
                 finally:  # also on Ctrl-C: the patterns that finished
                     raw[fw] = {p: (res[p] if p == "collectives" else dict(zip(models_of[p], res[p], strict=True)))
                                for p in patterns if p in res}

@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 PLAN = ["plan", "--layers", "80", "--dim", "8192", "--heads", "64", "--vocab", "128256", "--seq", "8192",
         "--global-batch", "1024", "--gpus", "256", "--top", "3"]
 BLOCKS = {  # name: the compare.py arguments it shows
-    "run": ["--json", "{tmp}/run.json"],
+    "run": ["--all", "--json", "{tmp}/run.json"],  # the whole matrix (the plain run is its tour: shared.vocab.TOUR)
     "fsdp": ["--show-collectives", "fsdp"],
     "mesh": ["--model", "transformer", "--mesh", "dp=2,tp=2,pp=2", "--show-collectives", "mesh"],
     "ep": ["--model", "transformer", "--show-collectives", "ep", "--experts", "8", "--topk", "2"],

@@ -180,8 +180,8 @@ class Config:
 
     @property
     def data_size(self) -> int:
-        """Ranks the batch is split over: the dp and fsdp axes' sizes multiplied (1 without either)."""
-        return self.axis("dp") * self.axis("fsdp")
+        """Ranks the batch is split over: the dp, fsdp and ep axes' sizes multiplied (1 without any)."""
+        return self.axis("dp") * self.axis("fsdp") * self.axis("ep")
 
     @property
     def replicate(self) -> int:
@@ -189,7 +189,7 @@ class Config:
         return self.axis("dp") if "fsdp" in [a for a, _ in self.mesh] else 1
 
     def data_index(self, coords: dict[str, int]) -> int:
-        """A rank's data index from its mesh coordinates: row-major over (dp, fsdp) in mesh order (rows
+        """A rank's data index from its mesh coordinates: row-major over (dp, fsdp, ep) in mesh order (rows
         [i·B/d, (i+1)·B/d) are its own)."""
         i = 0
         for a, n in self.mesh:
@@ -265,6 +265,8 @@ class Config:
         only ep runs)."""
         if pattern in EXPERT_PATTERNS:
             return self.moe
+        if self.moe and pattern == "mesh":  # the MoE transformer under a layout with an ep axis
+            return self.axis("ep") > 1
         if self.moe and pattern != "collectives":
             return False
         return not ((pattern in SEQUENCE_PATTERNS or pattern == "mesh") and self.model != "transformer")
@@ -321,9 +323,9 @@ class Config:
         if self.recipe_active and pattern not in RECIPE_PATTERNS + ("collectives",):  # collectives: no model
             raise ValueError(f"{pattern}: the recipe flags (--clip, --accumulate, --schedule, --decay-mask, --freeze, "
                              f"--recipe) are built for {', '.join(RECIPE_PATTERNS)} only; drop them for {pattern}")
-        if self.moe and pattern not in EXPERT_PATTERNS:
-            raise ValueError(f"{pattern}: the mixture-of-experts transformer runs under ep only "
-                             f"(drop --experts, or use --patterns ep)")
+        if self.moe and pattern not in EXPERT_PATTERNS + ("mesh",):
+            raise ValueError(f"{pattern}: the mixture-of-experts transformer runs under ep (or a --mesh layout "
+                             f"with an ep axis) only (drop --experts, or use --patterns ep)")
         if pattern == "mesh":
             return self._check_mesh()
         name = pattern if self.model == "mlp" else f"{pattern} ({self.model})"
@@ -394,6 +396,7 @@ class Config:
         if self.virtual_stages > 1:
             raise ValueError(f"mesh: virtual_stages={self.virtual_stages} (the interleaved schedule) runs under "
                              "--patterns pp only; the mesh's pp axis runs 1F1B")
+        self._check_mesh_experts()
         product = 1
         for _, n in self.mesh:
             product *= n
@@ -409,13 +412,36 @@ class Config:
                              f"with {pp} micro-batches in flight; torch's Schedule1F1B refuses fewer)")
         return self
 
+    def _check_mesh_experts(self) -> None:
+        """The ep axis: the MoE transformer's experts split over it, beside the data axes and tp; the
+        MoE transformer under a layout needs one (its experts are what ep splits)."""
+        ep, name = self.axis("ep"), self.mesh_name
+        if ep > 1 and not self.moe:
+            raise ValueError(f"mesh {name}: ep={ep} splits the experts of the mixture-of-experts transformer: "
+                             f"give --experts E (E divisible by {ep})")
+        if self.moe and ep == 1:
+            raise ValueError(f"mesh {name}: the mixture-of-experts transformer (--experts) under --mesh needs an "
+                             f"ep axis (e.g. fsdp=2,ep=2,tp=2)")
+        if not self.moe:
+            return
+        beside = [a for a in ("pp", "cp") if self.axis(a) > 1]
+        if beside:
+            raise ValueError(f"mesh {name}: ep beside {' and '.join(beside)} is not composed (the experts' "
+                             f"all-to-alls inside pipeline stages / a sequence ring are not built); use ep with "
+                             f"dp, fsdp and tp, or --patterns pp,cp on the dense transformer")
+        if self.recipe_active or self.precision != "pure":
+            raise ValueError(f"mesh {name}: the recipe flags and --precision mixed with --experts under --mesh are "
+                             f"not built; they run under --patterns ep (drop them here)")
+
     def mesh_divisibility(self) -> list[tuple[str, int, str, int, str]]:
         """(size, its value, divided by, divisor, why) for every split the layout makes."""
         d, pp, cp, tp, f = self.data_size, self.axis("pp"), self.axis("cp"), self.axis("tp"), self.axis("fsdp")
         out = []
         if d > 1:
-            by = "dp·fsdp" if self.replicate > 1 else self.data_axis
+            by = "·".join(a for a, n in self.mesh if a in DATA_AXES and n > 1)
             out.append(("batch", self.batch, by, d, "every data rank takes B/dp sequences"))
+        if self.axis("ep") > 1:
+            out.append(("experts", self.experts, "ep", self.axis("ep"), "every ep rank owns E/ep whole experts"))
         if pp > 1:
             out.append(("layers", self.layers, "pp", pp, "every stage holds L/pp blocks"))
         if self.pipeline_microbatches > 1:

@@ -14,10 +14,28 @@ SEQUENCE_PATTERNS = ("cp",)  # patterns that split the sequence: the transformer
 # the other patterns' plans (TP's module table, FSDP's units, the pipeline's stages) name the dense MLP.
 EXPERT_PATTERNS = ("ep",)
 # N-D parallelism (the "mesh" pattern): the axes a layout may name. dp and fsdp are the data axis
-# (replicated / ZeRO-3-sharded weights); one of them at most.
-MESH_AXES = ("dp", "fsdp", "pp", "cp", "tp")
-DATA_AXES = ("dp", "fsdp")
+# (replicated / ZeRO-3-sharded weights; both: HSDP); ep splits the batch too (a data axis for the dense
+# weights, which it replicates) and the experts' stacked weights (the MoE transformer: --experts E).
+MESH_AXES = ("dp", "fsdp", "ep", "pp", "cp", "tp")
+DATA_AXES = ("dp", "fsdp", "ep")
 MODELS = ("mlp", "transformer")
+# compare.py's default run (no --patterns, --styles or --all): every pattern in both frameworks, in the four
+# styles of the README's table (torch explicit and builtin, JAX shard_map and jit), each by ONE variant, its
+# main one, so that a fresh clone's first run takes ~2 minutes on 2 cores, not ~5 (issue 46). JAX's typed
+# style and torch's compiled one, and every other variant, run under --all (or --patterns / --styles).
+TOUR = {
+    "dp": {"explicit": "bucketed", "builtin": "ddp", "shard_map": "dp", "jit": "dp"},
+    "fsdp": {"explicit": "zero3", "builtin": "fsdp2", "shard_map": "zero3", "jit": "zero3"},
+    "tp": {"explicit": "megatron", "builtin": "dtensor", "shard_map": "megatron", "jit": "megatron"},
+    "pp": {"explicit": "1f1b", "builtin": "1f1b", "shard_map": "1f1b", "jit": "circular"},
+    "cp": {"explicit": "ring", "shard_map": "ring", "jit": "seq_sharded"},
+    "ep": {"explicit": "dropless", "builtin": "dropless", "shard_map": "capacity", "jit": "gshard"},
+}
+
+
+def in_tour(pattern: str, style: str, variant: str) -> bool:
+    """Is (style, variant) of ``pattern`` in the default run (TOUR)? A pattern not in TOUR: every one."""
+    return pattern not in TOUR or TOUR[pattern].get(style) == variant
 # Activation recomputation (the transformer): keep every activation, keep only each block's input and
 # recompute the block in backward, or recompute only the attention core (Korthikanti et al. 2022).
 RECOMPUTE = ("none", "full", "selective")

@@ -63,7 +63,10 @@ ROOT = Path(__file__).resolve().parents[1]
          "tp (transformer): vocab=30 is not divisible by world_size=4"),
         # N-D layouts (the mesh pattern): refused before any rank starts
         (["--mesh", "dp=2,tp=2", "--world-size", "8"], "mesh dp=2,tp=2: the axes multiply to 4, not the world size 8"),
-        (["--mesh", "dp=2,ep=2"], "mesh: unknown axis 'ep'; choose from dp, fsdp, pp, cp, tp"),
+        (["--mesh", "dp=2,sp=2"], "mesh: unknown axis 'sp'; choose from dp, fsdp, ep, pp, cp, tp"),
+        (["--mesh", "dp=2,ep=2", "--model", "transformer", "--experts", "3"],
+         "mesh dp=2,ep=2: experts=3 is not divisible by ep=2"),
+        (["--mesh", "ep=2,pp=2", "--model", "transformer"], "mesh ep=2,pp=2: ep beside pp is not composed"),
         (["--mesh", "dp=2,fsdp=2", "--batch", "6"], "mesh dp=2,fsdp=2: batch=6 is not divisible by dp·fsdp=4"),
         (["--mesh", "dp=2,tp=2", "--heads", "3", "--dim", "12"], "mesh dp=2,tp=2: heads=3 is not divisible by tp=2"),
         (["--mesh", "dp=2,pp=4", "--layers", "6"], "mesh dp=2,pp=4: layers=6 is not divisible by pp=4"),
@@ -85,7 +88,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--patterns", "ep", "--topk", "0"], "topk must be a positive integer, got 0"),
         (["--patterns", "ep", "--model", "mlp"], "ep: the mlp has no experts (use --model transformer --experts E)"),
         (["--patterns", "tp", "--experts", "4"], "--experts/--topk build the mixture-of-experts transformer, which "
-                                                "runs under --patterns ep only"),
+                                                "runs under --patterns ep, or --mesh with an ep axis, only"),
         # output paths: checked before anything runs (a typo must not cost the whole run)
         (["--json", "/nonexistent/dir/x.json"], "--json /nonexistent/dir/x.json: the folder /nonexistent/dir does "
                                                 "not exist"),
@@ -396,6 +399,34 @@ def test_ep_configs_keys_and_default_experts():
         ["collectives", "dp", "fsdp", "tp", "pp"]
 
 
+def test_the_plain_run_is_the_tour_and_all_is_every_variant():
+    """`python compare.py` (no --patterns, --styles): every pattern × framework in the README table's four
+    styles, each by its TOUR variant (issue 46: the first run of a fresh clone in ~2 min on 2 cores); --all,
+    --patterns or --styles: every variant (typed too)."""
+    from parallel_twins.runs import chosen_variants, planned_runs
+    from shared.vocab import TOUR
+
+    def plan(argv):
+        args = compare.build_parser().parse_args(argv)
+        args.tour = args.patterns is None and args.styles is None and not args.mesh and not args.show_collectives \
+            and not args.all  # as _main
+        cfgs = compare.make_configs(args)
+        return args, cfgs, planned_runs(cfgs, args.patterns, args.frameworks, args.styles, args.tour)
+
+    args, cfgs, tour = plan([])
+    _, _, every = plan(["--all"])
+    assert tour == {"torch": 33, "jax": 34} and every == {"torch": 56, "jax": 69}, (tour, every)
+    assert plan(["--patterns", "dp"])[2] == plan(["--patterns", "dp", "--all"])[2]
+    assert plan(["--styles", "typed"])[2] == plan(["--styles", "typed", "--all"])[2]
+    for pattern in (p for p in args.patterns if p != "collectives"):
+        for cfg in compare.cfgs_for(cfgs, pattern):
+            for fw in args.frameworks:
+                styles = {s for s, _ in chosen_variants(fw, pattern, cfg)} - {"typed"}
+                kept = chosen_variants(fw, pattern, cfg, tour=True)
+                assert {s for s, _ in kept} == styles, (pattern, fw)  # every style keeps a row
+                assert all(TOUR[pattern][s] == v for s, v in kept) and len(kept) == len(styles), (pattern, fw, kept)
+
+
 def test_default_sizes_fit_the_world_size():
     """Sizes not given are the small defaults rounded up to what every 1-D pattern splits at the world size
     (args.default_sizes): on 1, 2 and 4 ranks the defaults themselves (every documented figure unchanged); on
@@ -512,9 +543,10 @@ def test_mixed_precision_every_pattern_both_frameworks(tmp_path):
     run, 4 ranks / devices: every style and variant; every row ok against its floor
     (shared.tolerances.MIXED_LAYOUT_FACTOR for tp and the rings), within 2e-2 of float64 training, and its
     ledger equal to theory in the dtypes it sends (torch: every style, autocast's mix; JAX: shard_map, every
-    activation 16-bit). The MLP too, where the pattern applies (cp: the transformer only)."""
+    activation 16-bit). The transformer only: the MLP's rows run the same step code per style with fewer
+    ops (they doubled the sweep's ~100 s and proved nothing the transformer's rows do not)."""
     out = tmp_path / "mixed.json"
-    argv = ["--model", "transformer,mlp", "--precision", "mixed", "--dtype", "bfloat16", "--world-size", "4",
+    argv = ["--model", "transformer", "--precision", "mixed", "--dtype", "bfloat16", "--world-size", "4",
             "--patterns", "dp,fsdp,tp,pp,cp", "--steps", "3", "--layers", "4", "--dim", "32",
             "--heads", "4", "--seq", "16", "--vocab", "64", "--batch", "16", "--quiet", "--json", str(out)]
     # (D=16 T=8 V=16 B=8: JAX pp 1F1B's loss at step 2 sat at 12.7x its split-batch floor, gradients at 0.45x:

@@ -541,3 +541,39 @@ def test_a_sigkilled_compare_py_takes_its_ranks_with_it():
     while any(map(_alive, ranks)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(map(_alive, ranks)), f"ranks outlived their SIGKILLed launcher: {ranks}"
+
+
+# --- JAX's runs two at a time (compare.py on a CPU): the same results, an error stops the rest -------
+
+def test_jax_runs_taking_turns_equal_one_at_a_time_and_stop_on_an_error(monkeypatch):
+    """parallel_twins.runs: two threads take turns on the simulated devices (one compiles while the other
+    traces or runs): the same losses, bit for bit (the same programs on the same inputs: no batch split
+    differs), every pattern in its place; a run's error reaches the caller and the other thread starts
+    no further run, and no worker outlives the call."""
+    from jax_impl import harness
+    from parallel_twins import runs
+    from shared.config import Config
+
+    cfg = Config(model="mlp", world_size=2, layers=2, dim=4, batch=4, steps=2)
+    one = runs.run_jax([cfg], ["dp", "tp"], "cpu", threads=1)
+    two = runs.run_jax([cfg], ["dp", "tp"], "cpu", threads=2)
+    assert set(two) == {"dp", "tp"}
+    rows = lambda out, p: [(s, v, t.losses) for s, v, t in out[p][0]["runs"]]
+    for p in ("dp", "tp"):
+        assert rows(one, p) == rows(two, p), p
+
+    started = []
+    real = harness.run_pattern
+
+    def failing(pattern, *a, progress=None, **kw):
+        started.append(pattern)
+        if pattern == "dp":
+            raise RuntimeError("dp broke")
+        return real(pattern, *a, progress=progress, **kw)
+
+    monkeypatch.setattr(harness, "run_pattern", failing)
+    with pytest.raises(RuntimeError, match="dp broke"):
+        runs.run_jax([cfg], ["dp", "tp", "fsdp", "pp"], "cpu", threads=2)
+    import threading
+
+    assert not [t for t in threading.enumerate() if t.name.startswith("jax-runs")]  # no worker left running

@@ -319,32 +319,28 @@ def save_weights(run_dir: str, step: int, state: dict[str, torch.Tensor], model:
         mesh = init_device_mesh(device, (dist.get_world_size(),))
         arrays = {k: distribute_tensor(a.to(device), mesh, [Shard(0) if a.ndim else Replicate()], src_data_rank=None)
                   for k, a in arrays.items()}
-    obj = [None, None]
-    if rank == 0:
-        try:
-            obj[0] = aside(run_dir, step)
-        except CheckpointError as exc:
-            obj[1] = str(exc)
-    if dist_on:
-        dist.broadcast_object_list(obj, src=0)
-    if obj[1]:
-        raise CheckpointError(obj[1])
+    folder = _rank0(lambda: aside(run_dir, step), rank, dist_on)
     try:
         with warnings.catch_warnings():  # one process: DCP warns that it saves without a process group (meant)
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.save(arrays, storage_writer=HuggingFaceStorageWriter(os.path.join(obj[0], "dcp"),
+            dcp.save(arrays, storage_writer=HuggingFaceStorageWriter(os.path.join(folder, "dcp"),
                                                                      save_distributed=dist_on), no_dist=not dist_on)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 — one line, whatever DCP raised
         if rank == 0:
-            abandon(obj[0])
+            abandon(folder)
         raise save_error(run_dir, step, dcp_failure(exc)) from None
     if dist_on:
         dist.barrier()
+    shapes = {k.partition("/")[2]: tuple(a.shape) for k, a in arrays.items()}
+    return _rank0(lambda: commit(folder, weights_manifest(step, "torch", "dcp", shapes, layout)), rank, dist_on)
+
+
+def _rank0(fn, rank: int, dist_on: bool):
+    """``fn()`` on rank 0, its result (or its CheckpointError, raised on every rank) broadcast to all."""
     out = [None, None]
     if rank == 0:
         try:
-            shapes = {k.partition("/")[2]: tuple(a.shape) for k, a in arrays.items()}
-            out[0] = commit(obj[0], weights_manifest(step, "torch", "dcp", shapes, layout))
+            out[0] = fn()
         except CheckpointError as exc:
             out[1] = str(exc)
     if dist_on:
