@@ -78,6 +78,7 @@ from torch_impl.parallel.compose_axes import (
     stage_loss,
 )
 from torch_impl.parallel.cp import RingCore
+from torch_impl.parallel.ep import ALL_TO_ALL, Dispatcher
 from torch_impl.parallel.fsdp import FSDP, average_flat
 from torch_impl.parallel.tp import unshard
 from torch_impl.parallel.tp_ops import heads_perm
@@ -122,13 +123,25 @@ def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
 @dataclass
 class Layout:
     """This rank's place on the mesh: the DeviceMesh, coordinates, one group per axis and the
-    gradient group (data + cp), and {group: ledger label}."""
+    gradient group (data + cp), {group: ledger label}, and (ep with fsdp) the experts' group over the
+    other data axes (dp × fsdp)."""
 
     dm: DeviceMesh
     coords: dict[str, int]
     groups: dict[str, Any]
     grad_group: Any
     labels: dict[Any, str]
+    experts_group: Any = None
+
+
+def axes_group(cfg: Config, names: tuple[str, ...], axes: list[str]):
+    """One group per set of ranks that differ only in their ``axes`` coordinates (several axes:
+    new_subgroups_by_enumeration, every rank the same list); this rank's."""
+    others = [a for a in names if a not in axes]
+    key = lambda r: tuple(mesh_coords(cfg, r)[a] for a in others)
+    ranks = sorted(range(cfg.world_size), key=key)
+    enumeration = [list(g) for _, g in itertools.groupby(ranks, key=key)]
+    return dist.new_subgroups_by_enumeration(enumeration)[0]
 
 
 def make_layout(cfg: Config, ctx: RankContext, style: str = "explicit") -> Layout:
@@ -144,16 +157,17 @@ def make_layout(cfg: Config, ctx: RankContext, style: str = "explicit") -> Layou
     grad_axes = [a for a in names if a in data + ("cp",) and cfg.axis(a) > 1]
     grad_group = groups[grad_axes[0]] if len(grad_axes) == 1 else None
     if len(grad_axes) > 1:  # ranks that differ only in their data and cp coordinates: one group each
-        others = [a for a in names if a not in grad_axes]
-        key = lambda r: tuple(mesh_coords(cfg, r)[a] for a in others)
-        ranks = sorted(range(cfg.world_size), key=key)
-        enumeration = [list(g) for _, g in itertools.groupby(ranks, key=key)]
-        grad_group, _ = dist.new_subgroups_by_enumeration(enumeration)  # every rank, the same list
+        grad_group = axes_group(cfg, names, grad_axes)
         labels[grad_group] = mesh_grad_axes(cfg)
-    if grad_group is not None:
-        want = cfg.data_size // cfg.replicate * cfg.axis("cp")
+    if grad_group is not None:  # ep replicates the dense weights: its all-reduce follows (ExpertsOnEp)
+        want = cfg.data_size // cfg.replicate // cfg.axis("ep") * cfg.axis("cp")
         assert dist.get_world_size(grad_group) == want, dist.get_world_size(grad_group)
-    return Layout(dm, mesh_coords(cfg, ctx.rank), groups, grad_group, labels)
+    experts_group = None  # ep with fsdp: the experts (not sharded) averaged over dp × fsdp
+    if cfg.moe and cfg.axis("fsdp") > 1:
+        other = [a for a in names if a in ("dp", "fsdp") and cfg.axis(a) > 1]
+        experts_group = groups["fsdp"] if other == ["fsdp"] else axes_group(cfg, names, other)
+        labels.setdefault(experts_group, "+".join(other))
+    return Layout(dm, mesh_coords(cfg, ctx.rank), groups, grad_group, labels, experts_group)
 
 
 def local_batch(cfg: Config, problem: Problem, lay: Layout, device):
@@ -182,15 +196,18 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
     stage = build_stage(cfg, problem, s, ctx.device)
     recipe.freeze_(stage, cfg)  # --freeze: before every wrapper (fixture names)
     styles = apply_tp(stage, TRANSFORMER_PLAN, lay.dm["tp"], "explicit") if t > 1 else {}  # this stage's modules
+    ep = ExpertsOnEp(cfg, stage, lay, "explicit") if cfg.moe else None  # the MoE layers' mlp: not tp-split
     held = lambda: {(id(o), a): p for o in stage.modules() for a, p in o._parameters.items() if p is not None}
     tp_held = {k for k, p in held().items() if hasattr(p, "tp_size")}  # split over tp (FSDP shards them next)
     loss_of = stage_loss(loss_fn, styles, lay.dm["tp"] if t > 1 else None, "explicit")  # vocab CE on (m, T/c, V/t)
+    loss_of = ep.with_aux(loss_of) if ep else loss_of  # + Σ_l the balancing losses (ep: no pp, one stage)
     if c > 1:
         core = RingCore(cfg.seq, "ring", lay.groups["cp"])
         for block in stage.blocks.values():
             block.attn.core = core  # q, k, v: (m, H/t, T/c, dh)
     low = TORCH_DTYPES[cfg.dtype] if cfg.precision == "mixed" else None  # mixed: shards cast before the gather
-    fsdp = FSDP(stage, group=lay.grad_group, compute_dtype=low) if cfg.data_axis == "fsdp" and lay.grad_group else None
+    fsdp = FSDP(stage, group=lay.grad_group, compute_dtype=low, ignored_params=ep and ep.params) \
+        if cfg.data_axis == "fsdp" and lay.grad_group else None
     net = fsdp or stage
     named = list(stage.named_parameters())  # after FSDP: shards (≥2-D) + replicated gains
     params = [p for _, p in named]
@@ -212,12 +229,15 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
                 average_flat([p.grad for p in params if p.grad is not None], lay.groups["dp"])
         elif lay.grad_group is not None:
             average_flat([p.grad for p in params if p.grad is not None], lay.grad_group)  # ONE all-reduce: data+cp
+        if ep is not None:
+            ep.finish(params)
         # mean over the world = the global loss: last-stage ranks hold their local mean, scaled by
         # S (only 1/S of the ranks hold one); the tp copies are equal
         return loss * S if s == S - 1 else torch.zeros_like(loss)
 
     def full(name: str, tensor: torch.Tensor) -> torch.Tensor:
         tensor = fsdp.full_tensor(name, tensor) if fsdp is not None else tensor.detach()  # tp-local
+        tensor = ep.full(name, tensor) if ep else tensor
         return unshard(tensor, styles[name], lay.groups["tp"]) if name in styles else tensor
 
     return Setup(forward_backward=forward_backward, update=recipe.stepper(opt, cfg, clip),
@@ -256,8 +276,10 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     ctx.ledger.label_groups(_LABELS)
     try:
         setup = explicit_setup(cfg, problem, ctx, lay) if style == "explicit" else builtin_setup(cfg, problem, ctx, lay)
-        # --freeze: the frozen parameters skip their reductions and AdamW state: measured, no formula here
-        known = not cfg.freeze
+        # --freeze: the frozen parameters skip their reductions and AdamW state; ep (the MoE transformer): the
+        # all-to-alls' bytes follow the routing and shared/theory/mesh.py prices the dense model only:
+        # measured, no formula here (unpriced rows)
+        known = not cfg.freeze and not cfg.moe
         setup.comm_theory = mesh_comm_bytes_torch(cfg, style, ctx.rank) if known else None
         theory = {label: {op: {"count": n, "bytes": b} for op, (n, b) in ops.items()}
                   for label, ops in mesh_comm_torch(cfg, style, ctx.rank).items()} if known else None
@@ -297,11 +319,13 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
         parallel_loss = loss_parallel  # CE over the Shard(-1) logits: 3 all-reduces of (m, T)
         if S > 1 and s == S - 1:  # the pipeline passes plain tensors: local logits out, DTensor again in the loss
             local_logits(stage.head)  # (m, T, V/t)
+    ep = ExpertsOnEp(cfg, stage, lay, "builtin") if cfg.moe else None
+    ignored = set(ep.params) if ep and cfg.axis("fsdp") > 1 else None  # fsdp: the experts stay whole (ep's)
     quiet = lambda last: contextlib.nullcontext()  # noqa: E731  (accumulation without pp: the reduction once)
     if cfg.replicate > 1:  # HSDP: FSDP2 on the 2-D (dp, fsdp) mesh (builtin has no cp)
-        apply_fsdp(stage, dm["dp", "fsdp"], UNITS)
+        apply_fsdp(stage, dm["dp", "fsdp"], UNITS, ignored)
     elif cfg.data_axis == "fsdp" and cfg.data_size > 1:
-        apply_fsdp(stage, dm["fsdp"], UNITS)  # root: this stage's embeddings / final norm + head
+        apply_fsdp(stage, dm["fsdp"], UNITS, ignored)  # root: this stage's embeddings / final norm + head
     elif hsdp_dp(cfg):  # HSDP: replicated over dp, "sharded" over dp_shard = 1 (DDP fails on DTensors)
         apply_fsdp(stage, dm["dp", "dp_shard"], UNITS)
     elif cfg.data_axis == "dp" and cfg.data_size > 1:
@@ -317,6 +341,7 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
     opt = recipe.optimizer(named, cfg)  # --decay-mask: DTensors report the global shape
     clip = lambda max_norm: global_clip_(params, max_norm, S, set(), t)  # noqa: E731  (DTensor placements)
     loss_of = stage_loss(loss_fn, styles, tp_mesh, "builtin")  # the micro-batch's mean CE, a local scalar
+    loss_of = ep.with_aux(loss_of) if ep else loss_of  # + Σ_l the balancing losses (ep: no pp, one stage)
 
     schedule = None
     if S > 1:  # 1F1B, the pipeline scales by 1/M
@@ -337,6 +362,8 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
                         part.backward()
                     torch.clear_autocast_cache()  # FSDP2 re-gathers into the same tensors: no stale bf16 cast
                     loss = loss + part.detach()
+                if ep is not None:
+                    ep.finish(params)  # after the data axes' reduction (FSDP2 / DDP: in the last backward)
             elif s == S - 1:
                 losses = []  # M micro-batch means
                 schedule.step(*(() if s else (x,)), target=y, losses=losses)
@@ -348,6 +375,7 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
 
     def full(name: str, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+        tensor = ep.full(name, tensor) if ep else tensor
         if styles.get(name) != "colwise_heads":
             return tensor
         return tensor[torch.argsort(heads_perm(tensor.shape[0], t, tensor.device))]
@@ -357,3 +385,63 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
                  fixture=stage_fixture(cfg, lay, stage, named, full), params=params, optimizer=opt,
                  loss_reduction="mean", group=None,
                  extra={"schedule": schedule})
+
+
+# --- ep: the MoE transformer's experts ------------------------------------------------------------------
+
+
+class ExpertsOnEp:
+    """ep on the MoE transformer (compose_ep.py's semantics on the project's ``MoE`` seams): every MoE layer
+    keeps ep rank r's experts [r·E/ep, (r+1)·E/ep) (``GroupedExperts.shard``), replicated over dp × fsdp × tp
+    (not tp-split: TRANSFORMER_PLAN names no MoE module; not fsdp-sharded: ``params`` are FSDP's ignored
+    ones), and routes through a ``Dispatcher`` on mesh["ep"] (the explicit / functional all-to-all); the
+    balancing loss's counts are summed over every data rank (the Dispatcher's all-gather over ep, then
+    one all-reduce over dp × fsdp). After the data axes' reduction (``finish``): the dense gradients
+    averaged over ep (ONE flat all-reduce), the experts' averaged over dp × fsdp (the data wrapper's
+    all-reduce without fsdp; with fsdp ONE flat all-reduce over ``experts_group``), then / ep."""
+
+    def __init__(self, cfg: Config, stage: nn.Module, lay: Layout, style: str):
+        self.n, self.group, self.lay = cfg.axis("ep"), lay.groups["ep"], lay
+        per = cfg.experts // self.n
+        mine = range(lay.coords["ep"] * per, (lay.coords["ep"] + 1) * per)
+        other = [a for a in ("dp", "fsdp") if cfg.axis(a) > 1]
+        counts_group = (lay.groups[other[0]] if len(other) == 1 else axes_group(cfg, tuple(a for a, _ in cfg.mesh),
+                                                                                  other)) if other else None
+        self.moes = [block.mlp for block in stage.blocks.values()]
+        for moe in self.moes:
+            moe.experts = moe.experts.shard(mine.start, len(mine))
+            d = Dispatcher(cfg.experts, moe.experts, self.group, ALL_TO_ALL[style])
+            moe.dispatch = d
+            moe.global_counts = d.global_counts if counts_group is None else functools.partial(
+                _summed, d.global_counts, counts_group)
+        self.params = [p for moe in self.moes for p in moe.experts.parameters()]
+        self.ids = {id(p) for p in self.params}
+        self.names = {f"blocks.{k}.mlp.experts.{n}" for k in stage.blocks for n, _ in
+                      self.moes[0].experts.named_parameters()}
+
+    def with_aux(self, loss_of):
+        return lambda out, y: loss_of(out, y) + sum(moe.aux for moe in self.moes)
+
+    def finish(self, params) -> None:
+        local = lambda g: g.to_local() if isinstance(g, DTensor) else g  # noqa: E731
+        average_flat([local(p.grad) for p in params if id(p) not in self.ids and p.grad is not None], self.group)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.lay.experts_group is not None:
+            average_flat(grads, self.lay.experts_group)
+        for g in grads:
+            g.div_(self.n)
+
+    def full(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """An expert parameter's (E/ep, …) slice -> (E, …) (ep rank order = expert order; every rank calls it)."""
+        if name not in self.names:
+            return t
+        out = t.new_empty((self.n * t.shape[0], *t.shape[1:]))
+        dist.all_gather_single(out, t.detach().contiguous(), group=self.group)
+        return out
+
+
+def _summed(counts_over_ep, group, counts: torch.Tensor) -> torch.Tensor:
+    """(E,) counts -> summed over ep (the Dispatcher's all-gather, which keeps the splits) and ``group``."""
+    total = counts_over_ep(counts).clone()
+    dist.all_reduce(total, group=group)
+    return total
