@@ -162,10 +162,10 @@ def make_layout(cfg: Config, ctx: RankContext, style: str = "explicit") -> Layou
     if grad_group is not None:  # ep replicates the dense weights: its all-reduce follows (ExpertsOnEp)
         want = cfg.data_size // cfg.replicate // cfg.axis("ep") * cfg.axis("cp")
         assert dist.get_world_size(grad_group) == want, dist.get_world_size(grad_group)
-    experts_group = None  # ep with fsdp: the experts (not sharded) averaged over dp × fsdp
-    if cfg.moe and cfg.axis("fsdp") > 1:
+    experts_group = None  # ep under FSDP / FSDP2 (which ignore them): the experts averaged over dp × fsdp
+    if cfg.moe and (cfg.axis("fsdp") > 1 or (style == "builtin" and hsdp_dp(cfg))):
         other = [a for a in names if a in ("dp", "fsdp") and cfg.axis(a) > 1]
-        experts_group = groups["fsdp"] if other == ["fsdp"] else axes_group(cfg, names, other)
+        experts_group = groups[other[0]] if len(other) == 1 else axes_group(cfg, names, other)
         labels.setdefault(experts_group, "+".join(other))
     return Layout(dm, mesh_coords(cfg, ctx.rank), groups, grad_group, labels, experts_group)
 
@@ -320,14 +320,14 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
         if S > 1 and s == S - 1:  # the pipeline passes plain tensors: local logits out, DTensor again in the loss
             local_logits(stage.head)  # (m, T, V/t)
     ep = ExpertsOnEp(cfg, stage, lay, "builtin") if cfg.moe else None
-    ignored = set(ep.params) if ep and cfg.axis("fsdp") > 1 else None  # fsdp: the experts stay whole (ep's)
+    ignored = set(ep.params) if ep else None  # FSDP2: the experts stay whole (ep's; lay.experts_group averages them)
     quiet = lambda last: contextlib.nullcontext()  # noqa: E731  (accumulation without pp: the reduction once)
     if cfg.replicate > 1:  # HSDP: FSDP2 on the 2-D (dp, fsdp) mesh (builtin has no cp)
         apply_fsdp(stage, dm["dp", "fsdp"], UNITS, ignored)
     elif cfg.data_axis == "fsdp" and cfg.data_size > 1:
         apply_fsdp(stage, dm["fsdp"], UNITS, ignored)  # root: this stage's embeddings / final norm + head
     elif hsdp_dp(cfg):  # HSDP: replicated over dp, "sharded" over dp_shard = 1 (DDP fails on DTensors)
-        apply_fsdp(stage, dm["dp", "dp_shard"], UNITS)
+        apply_fsdp(stage, dm["dp", "dp_shard"], UNITS, ignored)
     elif cfg.data_axis == "dp" and cfg.data_size > 1:
         stage = apply_ddp(stage, lay.groups["dp"])  # plain tensors (tp = 1)
         quiet = lambda last: contextlib.nullcontext() if last else stage.no_sync()  # noqa: E731
@@ -433,7 +433,7 @@ class ExpertsOnEp:
 
     def full(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """An expert parameter's (E/ep, …) slice -> (E, …) (ep rank order = expert order; every rank calls it)."""
-        if name not in self.names:
+        if name.removeprefix("module.") not in self.names:  # builtin dp: DDP's prefix
             return t
         out = t.new_empty((self.n * t.shape[0], *t.shape[1:]))
         dist.all_gather_single(out, t.detach().contiguous(), group=self.group)
