@@ -404,9 +404,8 @@ class ExpertsOnEp:
         self.n, self.group, self.lay = cfg.axis("ep"), lay.groups["ep"], lay
         per = cfg.experts // self.n
         mine = range(lay.coords["ep"] * per, (lay.coords["ep"] + 1) * per)
-        other = [a for a in ("dp", "fsdp") if cfg.axis(a) > 1]
-        counts_group = (lay.groups[other[0]] if len(other) == 1 else axes_group(cfg, tuple(a for a, _ in cfg.mesh),
-                                                                                  other)) if other else None
+        other = [a for a in ("dp", "fsdp") if cfg.axis(a) > 1]  # the counts: over ep, then over these
+        counts_group = lay.experts_group or (lay.groups[other[0]] if other else None)  # (dp, fsdp): experts_group
         self.moes = [block.mlp for block in stage.blocks.values()]
         for moe in self.moes:
             moe.experts = moe.experts.shard(mine.start, len(mine))
