@@ -8,6 +8,10 @@ Sharded (each axis as its 1-D pattern on local sizes; shared/theory/mesh.py):
   cp                tokens per cp index; ring attention over the tp-local heads
   tp                Megatron (TRANSFORMER_PLAN, no sequence parallelism); vocab-parallel loss
 Replicated gradients are averaged over the data axis and cp together: ONE group ("dp+cp").
+  ep (--experts)    a data axis for the dense weights (one more gradient all-reduce over ep); every MoE
+                    layer's experts split E/ep per ep rank behind a Dispatcher (``ExpertsOnEp``), replicated
+                    over dp × fsdp × tp; per layer a counts all-gather and 4 all-to-alls (routing-dependent
+                    bytes: these rows are unpriced); ep beside pp / cp refused (Config)
 
 Collectives per step, by axis (A = m·(T/c)·D·b; shared.theory.mesh_comm_torch):
   tp    all-reduces: per micro-batch 4 per block + embedding g + head f of A, + the loss's

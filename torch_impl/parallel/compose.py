@@ -1,5 +1,7 @@
 """N-D composition for ANY nn.Module on ONE DeviceMesh, torchtitan's way (parallelize_llama +
-pipeline_llama): dp | fsdp × pp × cp × tp, each axis a named sub-mesh (``mesh["tp"]``, ...).
+pipeline_llama): dp | fsdp × pp × cp × tp, each axis a named sub-mesh (``mesh["tp"]``, ...), and an expert
+axis "ep" beside dp / fsdp / tp for a MoE model's stacked experts (``experts=`` globs: compose_ep.py has
+what it shards, its collectives forward and backward, its bytes per step and its refusals).
 The twin: jax_impl/parallel/compose.py. What a model offers: a tp plan (module path -> style,
 parallel/tp.py), a stage builder ``stage(model, s, S) -> nn.Module`` (stage 0 takes the tokens, the
 last returns the logits; one module per stage: parallel/llama.py's ``Stage``), FSDP units (module
@@ -16,8 +18,9 @@ Order (torchtitan's): this rank's pp stage is built, then ``apply_tp`` on mesh["
 each unit ``torch.compile``d, then ``apply_fsdp`` on the data mesh (fsdp, flattened with cp when both:
 torchtitan's dp_shard_cp), then ``apply_pp`` on mesh["pp"]'s group; cp is a context around each step
 (RingCore on mesh["cp"]).
-Sharded: rows [i·B/d, (i+1)·B/d) on data index i; tokens cp_positions(T, c, j, "ring") on cp index
-j; layers by stage; weights by the plan over tp (and by FSDP over fsdp(+cp)). Loss: the mean CE,
+Sharded: rows [i·B/d, (i+1)·B/d) on data index i (row-major over dp, fsdp, ep in mesh order); tokens
+cp_positions(T, c, j, "ring") on cp index j; layers by stage; weights by the plan over tp (and by FSDP over
+fsdp(+cp)); ep's experts by expert. Loss: the mean CE,
 each rank's local mean over its tokens; the global mean is their mean over data × cp (equal counts).
 
 builtin   DTensor TP (apply_dtensor_plan = parallelize_module, loss under loss_parallel), FSDP2
@@ -44,7 +47,9 @@ explicit fsdp) at the step (recipe.sealed_step: LocalClipError).
 Collectives per step: tp's 2 all-reduces per layer forward and 2 backward (+ the loss's);
 fsdp's all-gathers and reduce-scatters per unit per micro-batch; pp's one message (m, T/c, D) per
 micro-batch and boundary each way; cp's ring (3c−2 K|V messages per attention call); dp's one flat
-all-reduce; and one world all-reduce of (loss, refusal flag) per step (bookkeeping: the loss).
+all-reduce; ep's (compose_ep.py: per MoE layer a counts all-gather and 4 all-to-alls, the balancing
+counts' all-reduce, the dense gradients over ep folded in or one more all-reduce, the experts' over dp ×
+fsdp); and one world all-reduce of (loss, refusal flag) per step (bookkeeping: the loss).
 """
 
 from __future__ import annotations

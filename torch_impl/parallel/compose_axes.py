@@ -6,7 +6,8 @@ calls for its transformer. The twin: jax_impl/parallel/compose_axes.py.
     check_stages / check_vocab             a parameter in two stages or none; builtin tp of V % tp != 0
     transformers_plan(model)               plan="auto": a transformers model's own tp plan, prefixed, + the vocabulary
     apply_tp(module, plan, mesh["tp"], style)      the plan's entries naming a module of this stage
-    apply_fsdp(module, data_mesh, units)           FSDP2 per unit + root (a 2-D (dp, shard=1) mesh: HSDP)
+    apply_fsdp(module, data_mesh, units, ignored)  FSDP2 per unit + root (a 2-D (dp, shard=1) mesh: HSDP; ep's
+                                                   experts ignored)
     apply_ddp(module, group)                       DDP over 1-D dp (plain tensors only: DDP takes no DTensor)
     apply_pp(module, s, S, mesh["pp"], loss, M)    PipelineStage + ScheduleGPipe / Schedule1F1B
     stage_loss(loss, styles, mesh["tp"], style)    the loss on this stage's (vocabulary-split) logits
