@@ -421,7 +421,7 @@ def mesh_page() -> Page:
         Row("The builtin, the compiler, the types", f"JAX jit: {per_axis(mesh_comm_jax(cfg, 'jit'))} "
             "(`mesh_comm_jax`: XLA's choice, as measured)", (
                 _ex("builtin", "torch_impl/parallel/compose_axes.py", "apply_fsdp", "FSDP2 per unit and on the root.",
-                    start="for u in paths:", end="fully_shard(module, mesh=mesh)"),
+                    start="for u in paths:", end="fully_shard(module, mesh=mesh,"),
                 _ex("builtin", "torch_impl/parallel/compose_axes.py", "apply_pp", "`PipelineStage` on the pp group, "
                     "torch's schedule.", start="stage = PipelineStage(", end="return SCHEDULES"),
                 _ex("compiled", C, "Trainer.__init__", "`compile=True`: each unit compiled after tp, before FSDP "

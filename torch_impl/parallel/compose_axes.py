@@ -180,9 +180,10 @@ def apply_fsdp(module: nn.Module, mesh: DeviceMesh, units: list[str],
                    for t in local)
 
     out = [(u, nbytes(ps), any(p.requires_grad for p in ps)) for u, ps in groups.items()]
+    ignored = set(ignored or ()) or None  # ep's experts: left whole, their gradients the caller's
     for u in paths:
-        fully_shard(module.get_submodule(u), mesh=mesh, ignored_params=set(ignored or ()) or None)
-    fully_shard(module, mesh=mesh, ignored_params=set(ignored or ()) or None)
+        fully_shard(module.get_submodule(u), mesh=mesh, ignored_params=ignored)
+    fully_shard(module, mesh=mesh, ignored_params=ignored)
     return out
 
 
