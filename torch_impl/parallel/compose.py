@@ -140,8 +140,9 @@ class Trainer:
         # reduces over dp itself, then ep_group's all-reduce follows)
         rep = [a for a in self.layout if a in ("dp", "ep") and ax(a) > 1 and (a == "dp" or style == "explicit")]
         self.rep_label, self.rep_group = "+".join(rep), group_over(mesh, rep if self.data == "fsdp" else [])[1]
-        self.ep_group = mesh["ep"].get_group() if self.ep > 1 and self.data == "fsdp" and style == "builtin" else None
-        self.experts = ExpertAxis(self.module, expert_paths, mesh, self.layout, style) if self.ep > 1 else None
+        unfolded = self.data == "fsdp" and style == "builtin"  # FSDP2 reduces the dense ones over dp × fsdp only
+        self.experts = ExpertAxis(self.module, expert_paths, mesh, self.layout, style, unfolded) if self.ep > 1 \
+            else None
         ignored = set(self.experts.params(self.module.parameters())) if self.experts else None  # not FSDP's
         held = lambda: {(id(o), a): p for o in self.module.modules() for a, p in o._parameters.items() if p is not None}
         tp_split = {k for k, p in held().items() if hasattr(p, "tp_size")}  # explicit tp's pieces, before FSDP
@@ -245,7 +246,7 @@ class Trainer:
 
     def _sync(self) -> None:
         """The data × cp gradient reduction FSDP2 does not do: the explicit FSDP's, or dp's all-reduce;
-        ep's experts' (compose_ep.ExpertAxis.finish)."""
+        ep's (compose_ep.ExpertAxis.finish: the experts', FSDP2's dense shards over ep)."""
         local = lambda g: g.to_local() if isinstance(g, DTensor) else g
         if self.fsdp is not None:
             self.fsdp.finish_gradient_synchronization()  # the shards' gradients arrive here, summed over M
@@ -259,8 +260,6 @@ class Trainer:
         elif self.grad_group is not None and not (self.data == "fsdp" and self.style == "builtin"):
             grads = [local(p.grad) for p in self._dense() if p.grad is not None]
             average_flat(grads, self.grad_group)  # ONE all-reduce over data × cp, / (d·c)
-        if self.ep_group is not None:  # FSDP2 averaged over dp × fsdp: the dense shards over ep, ONE all-reduce
-            average_flat([local(p.grad) for p in self._dense() if p.grad is not None], self.ep_group)
         if self.experts is not None:
             self.experts.finish(self.params)
 
@@ -336,9 +335,6 @@ class Trainer:
             add(self.grad_label, "all_reduce", 1, sum(p.grad.to_local().numel() if isinstance(p.grad, DTensor)
                                                       else p.grad.numel() for p in self._dense()
                                                       if p.grad is not None) * b)
-        if self.ep_group is not None:  # FSDP2's dense shards averaged over ep
-            add("ep", "all_reduce", 1, sum(p.grad.to_local().numel() if isinstance(p.grad, DTensor) else p.grad.numel()
-                                          for p in self._dense() if p.grad is not None) * b)
         if self.experts is not None:
             self.experts.comm_theory(add, self.params, b)
         world = dist.group.WORLD.group_name  # a sub-mesh spanning every rank runs on the world's group

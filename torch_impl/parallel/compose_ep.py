@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from torch_impl.parallel import ep as lib
 from torch_impl.parallel import recipe
@@ -105,8 +106,9 @@ class ExpertAxis:
     """One Trainer's ep: the split experts, their gradients' reduction, the balancing loss's counts,
     the whole experts (``full``) and ep's part of ``comm_theory``."""
 
-    def __init__(self, module: nn.Module, paths: list[str], mesh: DeviceMesh, layout: dict[str, int], style: str):
-        self.n, self.group = layout["ep"], mesh["ep"].get_group()
+    def __init__(self, module: nn.Module, paths: list[str], mesh: DeviceMesh, layout: dict[str, int], style: str,
+                 unfolded: bool = False):
+        self.n, self.group, self.unfolded = layout["ep"], mesh["ep"].get_group(), unfolded
         data = [a for a in layout if a in DATA_AXES and layout[a] > 1]  # mesh order
         other = [a for a in data if a != "ep"]
         self.data_label, self.other_label = "+".join(data), "+".join(other)
@@ -126,6 +128,11 @@ class ExpertAxis:
     def params(self, params) -> list[nn.Parameter]:
         return [p for p in params if id(p) in self.ids]
 
+    def dense(self, params) -> list[torch.Tensor]:
+        """The (local) gradients of the parameters every data rank holds alike."""
+        grads = [p.grad for p in params if id(p) not in self.ids and p.grad is not None]
+        return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+
     def begin_step(self) -> None:
         self.calls, self.count_bytes = 0, 0
 
@@ -137,9 +144,12 @@ class ExpertAxis:
         return total
 
     def finish(self, params) -> None:
-        """After backward: each owner's expert gradient (Σ over its ep group's rows of their local mean
-        losses) averaged over dp × fsdp (ONE flat all-reduce), then / ep: the gradient of the mean over
-        all d data ranks' losses (d = dp·fsdp·ep), as one device's."""
+        """After the Trainer's reduction: ``unfolded`` (FSDP2, which reduced over dp × fsdp only) the dense
+        shards averaged over ep (ONE flat all-reduce); each owner's expert gradient (Σ over its ep group's
+        rows of their local mean losses) averaged over dp × fsdp (ONE flat all-reduce), then / ep: the
+        gradient of the mean over all d data ranks' losses (d = dp·fsdp·ep), as one device's."""
+        if self.unfolded:
+            average_flat(self.dense(params), self.group)
         grads = [p.grad for p in self.params(params) if p.grad is not None]
         if self.other_group is not None:
             average_flat(grads, self.other_group)
@@ -165,6 +175,8 @@ class ExpertAxis:
                 add("ep", op, k, nbytes)
         if self.calls:
             add(self.data_label, "all_reduce", self.calls, self.count_bytes)
+        if self.unfolded:
+            add("ep", "all_reduce", 1, sum(g.numel() for g in self.dense(params)) * b)
         if self.other_group is not None:
             add(self.other_label, "all_reduce", 1, sum(p.grad.numel() for p in self.params(params)
                                                        if p.grad is not None) * b)
