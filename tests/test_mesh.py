@@ -34,10 +34,10 @@ TORCH_LAYOUTS = {
     8: ("dp=2,tp=2,pp=2", "fsdp=2,tp=2,pp=2", "dp=2,pp=2,cp=2", "dp=2,fsdp=2,tp=2"),  # the last: HSDP
 }
 FLOAT32_LAYOUT = "fsdp=2,tp=2"  # both styles; tp + fsdp: the most collectives of the 2-D layouts
-# The MoE transformer (E = 4, k = 2) under an ep axis (slow, on the 8-rank launch): the issue's layout
-# (`compare.py --model transformer --experts 4 --mesh fsdp=2,ep=2,tp=2` at the tests' sizes), dp × ep × tp
-# (builtin: FSDP2 on (dp, dp_shard = 1), the experts ignored) and dp × ep (builtin: DDP over dp)
-MOE_LAYOUTS = ("fsdp=2,ep=2,tp=2", "dp=2,ep=2,tp=2", "dp=4,ep=2")
+# The MoE transformer (E = 4, k = 2) under an ep axis (slow, on the 8-rank launch): dp × ep × tp (builtin:
+# FSDP2 on (dp, dp_shard = 1), the experts ignored) and dp × ep (builtin: DDP over dp); fsdp × ep × tp (the
+# issue's): test_compare_runs_the_moe_transformer_under_ep, through compare.py
+MOE_LAYOUTS = ("dp=2,ep=2,tp=2", "dp=4,ep=2")
 
 
 def mesh_cfg(ws: int, layout: str, dtype: str = "float64") -> Config:
@@ -213,6 +213,25 @@ def test_torch_mesh_moe_under_ep(torch_runs_8):
             ep = ledger["ep"]
             assert ep["all_gather"]["count"] == cfg.layers and ep["all_to_all"]["count"] == 4 * cfg.layers, ledger
             assert ep["all_reduce"]["count"] == 1, ledger
+
+
+@pytest.mark.slow
+def test_compare_runs_the_moe_transformer_under_ep(tmp_path):
+    """`compare.py --model transformer --experts 4 --mesh fsdp=2,ep=2,tp=2 --frameworks torch` (8 gloo ranks) at
+    the tests' sizes: both styles agree with the MoE transformer's single-device reference (the default
+    tolerance: float64 1e-12), the bytes unpriced (no theory: routing-dependent)."""
+    import json
+
+    import compare
+
+    out = tmp_path / "moe.json"
+    argv = ["--model", "transformer", "--experts", "4", "--mesh", "fsdp=2,ep=2,tp=2", "--frameworks", "torch",
+            "--layers", "2", "--dim", "16", "--heads", "4", "--seq", "8", "--vocab", "32", "--batch", "8",
+            "--steps", "3", "--quiet", "--json", str(out)]
+    assert compare.main(argv) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert {r["style"] for r in runs} == {"explicit", "builtin"} and all(r["ok"] for r in runs), runs
+    assert all(r["comm_bytes_theory"] is None and r["comm_bytes"] > 0 for r in runs), runs
 
 
 @pytest.mark.slow
