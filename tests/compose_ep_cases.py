@@ -28,9 +28,10 @@ B, T, V = 8, 3, 24
 CLIP = 0.05  # binds every step: the gradients' global norm is ~0.5-1 (asserted: norms > 2·CLIP)
 
 # default tier, 4 ranks: ep × tp (explicit clipped by the global norm) and dp × ep (ep folded into dp's
-# all-reduce), both styles
+# all-reduce), both styles; experts= without ep (dense weights; the balancing counts still summed over
+# every data rank)
 CASES_4 = [({"ep": 2, "tp": 2}, "explicit", {"max_norm": CLIP}), ({"ep": 2, "tp": 2}, "builtin"),
-           ({"dp": 2, "ep": 2}, "explicit"), ({"dp": 2, "ep": 2}, "builtin")]
+           ({"dp": 2, "ep": 2}, "explicit"), ({"dp": 2, "ep": 2}, "builtin"), ({"dp": 4}, "explicit")]
 # slow tier, 8 ranks: HSDP × ep (clipped once), fsdp × ep × tp, both styles
 CASES_8 = [({"dp": 2, "fsdp": 2, "ep": 2}, "explicit"), ({"dp": 2, "fsdp": 2, "ep": 2}, "builtin", {"max_norm": CLIP}),
            ({"fsdp": 2, "ep": 2, "tp": 2}, "explicit"), ({"fsdp": 2, "ep": 2, "tp": 2}, "builtin")]

@@ -141,8 +141,8 @@ class Trainer:
         rep = [a for a in self.layout if a in ("dp", "ep") and ax(a) > 1 and (a == "dp" or style == "explicit")]
         self.rep_label, self.rep_group = "+".join(rep), group_over(mesh, rep if self.data == "fsdp" else [])[1]
         unfolded = self.data == "fsdp" and style == "builtin"  # FSDP2 reduces the dense ones over dp × fsdp only
-        self.experts = ExpertAxis(self.module, expert_paths, mesh, self.layout, style, unfolded) if self.ep > 1 \
-            else None
+        self.experts = ExpertAxis(self.module, expert_paths, mesh, self.layout, style, unfolded) \
+            if expert_paths and (self.ep > 1 or self.d * self.c > 1) else None  # ep = 1: the counts' seam only
         ignored = set(self.experts.params(self.module.parameters())) if self.experts else None  # not FSDP's
         held = lambda: {(id(o), a): p for o in self.module.modules() for a, p in o._parameters.items() if p is not None}
         tp_split = {k for k, p in held().items() if hasattr(p, "tp_size")}  # explicit tp's pieces, before FSDP
@@ -227,7 +227,7 @@ class Trainer:
         self.clipped = max_norm is not None
         if self.clipped:
             self.norm = self.clip_grad_norm_(max_norm)
-        if self.S > 1 or self.t > 1 or self.fsdp is not None or self.experts:  # pieces: a local clip is wrong
+        if self.S > 1 or self.t > 1 or self.fsdp is not None or self.ep > 1:  # pieces: a local clip is wrong
             recipe.sealed_step(self.optimizer, self.params, "compose", CLIP_FIX, undo=not self.steps)
         else:  # whole averaged gradients (dp, cp) or FSDP2's DTensors: torch's own clip is the model's
             self.optimizer.step()

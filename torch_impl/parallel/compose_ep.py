@@ -36,12 +36,11 @@ Refused before anything changes (ComposeError, one line: what, which axes, the f
 cp, ep > 1 without ``experts=``, an ``experts=`` glob naming no module, a named module whose
 parameters are not all stacked (E, …) (or hold buffers), E not divisible by ep, a tp plan entry or an
 FSDP unit glob naming an expert module (or a module inside one), compile=True with ep. ``experts=``
-without ep > 1 changes nothing (the experts train as dense parameters).
+without ep > 1 splits nothing (the experts train as dense parameters); its layers' ``global_counts`` still
+sum over every data (× cp) rank, so the balancing loss stays one device's under dp / fsdp / cp.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
@@ -108,18 +107,19 @@ class ExpertAxis:
 
     def __init__(self, module: nn.Module, paths: list[str], mesh: DeviceMesh, layout: dict[str, int], style: str,
                  unfolded: bool = False):
-        self.n, self.group, self.unfolded = layout["ep"], mesh["ep"].get_group(), unfolded
-        data = [a for a in layout if a in DATA_AXES and layout[a] > 1]  # mesh order
-        other = [a for a in data if a != "ep"]
+        self.n = layout.get("ep", 1)  # 1: no split; only the balancing counts' seam (dp / fsdp / cp)
+        self.group, self.unfolded = mesh["ep"].get_group() if self.n > 1 else None, unfolded and self.n > 1
+        data = [a for a in layout if a in DATA_AXES + ("cp",) and layout[a] > 1]  # mesh order; cp only without ep
+        other = [a for a in data if a != "ep"] if self.n > 1 else []
         self.data_label, self.other_label = "+".join(data), "+".join(other)
         self.data_group = group_over(mesh, data)[1]
         self.other_group = group_over(mesh, other)[1]
-        self.d = math.prod(layout[a] for a in data)
-        self.dispatchers, self.ids, self.layers = [], set(), 0
+        self.dispatchers, self.ids = [], set()
         for path in paths:
             experts = module.get_submodule(path)
-            self.dispatchers.append(lib.expert_parallel(experts, self.group, style))
-            self.ids |= {id(p) for p in experts.parameters()}
+            if self.n > 1:
+                self.dispatchers.append(lib.expert_parallel(experts, self.group, style))
+                self.ids |= {id(p) for p in experts.parameters()}
             parent = module.get_submodule(path.rpartition(".")[0])
             if hasattr(parent, "global_counts"):  # the balancing loss's seam
                 parent.global_counts = self.global_counts
@@ -137,7 +137,8 @@ class ExpertAxis:
         self.calls, self.count_bytes = 0, 0
 
     def global_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        """(E,) this rank's counts -> summed over every data rank (ONE all-reduce over dp × fsdp × ep)."""
+        """(E,) this rank's counts -> summed over every data rank (ONE all-reduce over dp × fsdp × ep, or
+        × cp without ep)."""
         total = counts.detach().clone()
         dist.all_reduce(total, group=self.data_group)
         self.calls, self.count_bytes = self.calls + 1, self.count_bytes + total.numel() * total.element_size()
@@ -148,6 +149,8 @@ class ExpertAxis:
         shards averaged over ep (ONE flat all-reduce); each owner's expert gradient (Σ over its ep group's
         rows of their local mean losses) averaged over dp × fsdp (ONE flat all-reduce), then / ep: the
         gradient of the mean over all d data ranks' losses (d = dp·fsdp·ep), as one device's."""
+        if self.n == 1:
+            return
         if self.unfolded:
             average_flat(self.dense(params), self.group)
         grads = [p.grad for p in self.params(params) if p.grad is not None]
