@@ -260,7 +260,7 @@ def make_configs(args):
     if moe_mesh and missing:
         raise ValueError(f"mesh {moe_mesh[0].mesh_name}: the mixture-of-experts transformer under --mesh is built in "
                          f"{', '.join(MOE_MESH_FRAMEWORKS) or 'no framework yet'}, not in {', '.join(missing)}; "
-                         f"use --patterns ep for the experts alone")
+                         f"use --frameworks {','.join(MOE_MESH_FRAMEWORKS)}, or --patterns ep for the experts alone")
     return [c for c in cfgs if not c.mesh or c.applies("mesh")]  # the mesh runs the transformer only
 
 
