@@ -59,3 +59,94 @@ class Stacked(nnx.Module):
             return jnp.tanh(layer(h))
 
         return self.head(body(self.layers, self.embed(x)))
+
+
+# --- a user's MoE model for compose's expert axis (twin of tests/own_models.py's MoENet) --------------
+
+
+class StackedExperts(nnx.Module):
+    """E experts' weights stacked (E, …): w1 (E, D, F), b1 (E, F), w2 (E, F, D); one expert: silu(x·w1 + b1)·w2."""
+
+    def __init__(self, rngs, experts: int = 4, dim: int = 6, hidden: int = 5):
+        normal = lambda *shape: jax.random.normal(rngs.params(), shape, jnp.float64)  # noqa: E731
+        self.w1 = nnx.Param(normal(experts, dim, hidden) * 0.4)
+        self.b1 = nnx.Param(normal(experts, hidden) * 0.1)
+        self.w2 = nnx.Param(normal(experts, hidden, dim) * 0.4)
+
+    @staticmethod
+    def one(w, rows):  # one expert (w its slices) on rows (R, D) -> (R, D)
+        return jax.nn.silu(rows @ w["w1"] + w["b1"]) @ w["w2"]
+
+
+class UserMoE(nnx.Module):
+    """A user's top-k MoE layer with a residual, written ONCE for one device and the mesh: LayerNorm, a
+    router, the top-k gates renormalised, the experts through ``parallel.ep.dispatch`` (unmapped: every
+    expert here), Switch's balancing loss from ``parallel.ep.global_counts`` (the whole batch's counts
+    under compose) stored as ``self.aux`` (an nnx.Intermediate) for the model's ``aux``."""
+
+    def __init__(self, rngs, experts: int = 4, topk: int = 2, dim: int = 6):
+        self.e, self.k = experts, topk
+        self.norm = nnx.LayerNorm(dim, rngs=rngs, param_dtype=jnp.float64, dtype=jnp.float64)
+        self.router = nnx.Linear(dim, experts, use_bias=False, rngs=rngs, param_dtype=jnp.float64, dtype=jnp.float64)
+        self.experts = StackedExperts(rngs, experts, dim)
+
+    def __call__(self, x):  # (B, T, D)
+        from jax_impl.parallel import ep
+
+        h = self.norm(x).reshape(-1, x.shape[-1])  # (n, D)
+        probs = jax.nn.softmax(self.router(h), axis=-1)  # (n, E)
+        top_p, top = jax.lax.top_k(probs, self.k)  # (n, k)
+        gates = top_p / top_p.sum(-1, keepdims=True)
+        total = ep.global_counts(top, self.e)  # (E,) over every data device's tokens
+        f = jax.lax.stop_gradient(total.astype(probs.dtype) / total.sum().astype(probs.dtype))
+        self.aux = nnx.Intermediate(0.01 * self.e * jnp.sum(f * probs.mean(0)))
+        w = {"w1": self.experts.w1[...], "b1": self.experts.b1[...], "w2": self.experts.w2[...]}
+        out = ep.dispatch(StackedExperts.one, w, h, top)  # (n, k, D)
+        return x + jnp.einsum("nk,nkd->nd", gates, out).reshape(x.shape)
+
+
+class MoEBlock(nnx.Module):
+    """A LayerNorm'd biased MLP (the plan's colwise up / rowwise down), then a ``UserMoE``."""
+
+    def __init__(self, rngs, experts: int = 4, dim: int = 6):
+        f64 = {"param_dtype": jnp.float64, "dtype": jnp.float64}
+        self.norm = nnx.LayerNorm(dim, rngs=rngs, **f64)
+        self.up, self.down = nnx.Linear(dim, 8, rngs=rngs, **f64), nnx.Linear(8, dim, rngs=rngs, **f64)
+        self.moe = UserMoE(rngs, experts, 2, dim)
+
+    def __call__(self, x):
+        return self.moe(x + self.down(jax.nn.gelu(self.up(self.norm(x)))))
+
+
+class MoENet(nnx.Module):
+    """compose's ep axis on a user's NNX MoE model: embedding (V = 24), ``layers`` MoEBlocks, a head; the
+    experts ``layers.*.moe.experts`` stacked (E, …); ``MOE_NET_PLAN`` Megatron's split of the MLPs."""
+
+    def __init__(self, rngs, layers: int = 2, experts: int = 4, vocab: int = 24, dim: int = 6):
+        self.emb = nnx.Embed(vocab, dim, rngs=rngs, param_dtype=jnp.float64, dtype=jnp.float64)
+        self.layers = nnx.List(MoEBlock(rngs, experts, dim) for _ in range(layers))
+        self.head = nnx.Linear(dim, vocab, use_bias=False, rngs=rngs, param_dtype=jnp.float64, dtype=jnp.float64)
+
+    def __call__(self, tokens):  # (B, T) -> (B, T, V)
+        h = self.emb(tokens)
+        for block in self.layers:
+            h = block(h)
+        return self.head(h)
+
+    def aux(self):
+        """Σ over the layers of the last forward's balancing losses."""
+        return sum(block.moe.aux[...] for block in self.layers)
+
+
+def moe_split():
+    """MoENet's stage split for compose."""
+    from jax_impl.parallel.compose import Split
+
+    return Split(first=("emb",), blocks="layers", last=("head",),
+                 embed=lambda root, mods, tokens, positions: mods["emb"](tokens),
+                 block=lambda root, layer, h, positions: layer(h),
+                 head=lambda root, mods, h: mods["head"](h))
+
+
+MOE_NET_PLAN = {"layers.*.up": "colwise", "layers.*.down": "rowwise"}
+MOE_NET_EXPERTS = ["layers.*.moe.experts"]

@@ -89,6 +89,7 @@ from jax_impl.parallel.compose_axes import (  # noqa: F401  (AXES, STYLES, Compo
     stand_ins,
     varying,
 )
+from jax_impl.parallel.compose_ep import DATA_AXES, Experts, without_intermediates
 from jax_impl.parallel.compose_losses import forward_loss, jit_pipeline_loss, shard_map_loss
 from jax_impl.parallel.tp import heads_perm
 from jax_impl.parallel.tree import fetch, submodules
@@ -99,7 +100,7 @@ class Composed:
     """The composed trainer: ``train_step(tokens, targets)``, ``params()``, ``mesh``, ``specs``."""
 
     def __init__(self, model, layout, loss, tx, plan, split, units, style, microbatches, devices, cp_variant,
-                 clip=None, freeze=()):
+                 clip=None, freeze=(), experts=(), aux=None):
         why = refusal(layout, style)
         if why:
             raise ComposeError(why)
@@ -115,7 +116,7 @@ class Composed:
         self.style, self.loss, self.tx, self.split, self.root = style, loss, tx, split, model
         size = lambda a: self.layout.get(a, 1)
         self.S, self.tp, self.c, self.f = size("pp"), size("tp"), size("cp"), size("fsdp")
-        self.data = tuple(a for a in self.layout if a in ("dp", "fsdp"))
+        self.data = tuple(a for a in self.layout if a in DATA_AXES)  # ep: a data axis (compose_ep.py)
         self.d = int(np.prod([self.layout[a] for a in self.data]))
         self.seq = "cp" if "cp" in self.layout else None
         n = int(np.prod(list(self.layout.values())))
@@ -125,8 +126,10 @@ class Composed:
                                "simulate them (XLA_FLAGS=--xla_force_host_platform_device_count) or shrink it")
         self.mesh = Mesh(np.array(devices[:n]).reshape(tuple(self.layout.values())), tuple(self.layout))
         self.M = microbatches or self.S
+        model = self.root = without_intermediates(model)  # a layer's sown aux from an eager call: not trained
         mods, _ = submodules(model)
         self.L = check_split(model, split, self.S)
+        self.experts = Experts(mods, split, self.L, self.layout, experts, plan, units, microbatches, aux)
         self.rel_plan = check_plan(model, split, plan or {}, self.tp)
         self.units = list(units) if units is not None else None
         self.block_parts = flat(mods[f"{split.blocks}.0"])
@@ -165,6 +168,8 @@ class Composed:
 
     def _spec(self, path: str, rel: str | None, shape) -> list:
         axes = [None] * len(shape)
+        if self.experts.split("blocks" if rel else "rest", rel or path):  # whole experts over ep, nothing else
+            return ["ep"] + axes[1:]
         style = self.rel_plan.get(rel.rsplit(".", 1)[0]) if rel else None
         if style and self.tp > 1 and rel.endswith(".kernel"):
             axes[0 if style == "rowwise" else 1] = "tp"
@@ -240,6 +245,9 @@ class Composed:
     def _record(self, key):
         self._trace["seam"].append((key.size, key.dtype.itemsize))
 
+    def _record_ep(self, kind, *nbytes):
+        self._trace["ep"].append((kind, *nbytes))
+
     def _step_fn(self, params, opt_state, tokens, targets, positions, grads: bool = False):
         stop = lambda p: {part: {k: lax.stop_gradient(a) if k in self.frozen[part] else a  # noqa: E731
                                  for k, a in arrays.items()} for part, arrays in p.items()}
@@ -280,16 +288,17 @@ class Composed:
     def check_chain(self, tokens):
         """The split's chain equals the model's forward on one row (one jitted program, one device): else
         refused."""
-        sp, mods = self.split, submodules(self.root)[0]
+        sp, (gdef, state) = self.split, nnx.split(self.root)
 
-        def both(x):  # one program (eager ops would compile one by one: seconds on a first run)
-            pos = jnp.arange(x.shape[1])
-            h = sp.embed(self.root, mods, x, pos)
+        def both(x, state):  # one program (eager ops would compile one by one: seconds on a first run)
+            root = nnx.merge(gdef, state)  # merged in the trace: a layer may store values (its aux) while traced
+            mods, pos = submodules(root)[0], jnp.arange(x.shape[1])
+            h = sp.embed(root, mods, x, pos)
             for i in range(self.L):
-                h = sp.block(self.root, mods[f"{sp.blocks}.{i}"], h, pos)
-            return self.root(x), sp.head(self.root, mods, h)
+                h = sp.block(root, mods[f"{sp.blocks}.{i}"], h, pos)
+            return root(x), sp.head(root, mods, h)
 
-        want, got = (np.asarray(a) for a in jax.jit(both)(jnp.asarray(tokens[:1])))
+        want, got = (np.asarray(a) for a in jax.jit(both)(jnp.asarray(tokens[:1]), state))
         if want.shape != got.shape or not np.allclose(got, want, rtol=1e-12, atol=0):
             raise ComposeError(f"compose: the split's chain head(block(…embed(x))) differs from "
                                f"{type(self.root).__name__}(x); fix the split's embed / block / head")
@@ -354,7 +363,8 @@ class Composed:
         return theory.compose_comm(self.layout, placed, microbatches=self.M,
                                    tp_call=(calls, int(np.prod(shape[:-1])) * b * widths),
                                    stream=int(np.prod(shape)) * b, seam=self._trace["seam"],
-                                   cp_variant=self.cp_variant, loss=self._trace["loss"])
+                                   cp_variant=self.cp_variant, loss=self._trace["loss"],
+                                   ep=[e for e in self._trace.get("ep", ()) if e[0] != "counts" or self.experts.aux])
 
     def params(self) -> dict[str, np.ndarray]:
         """{NNX Param path: global NumPy array} of the model as trained (blocks unstacked)."""
@@ -387,7 +397,7 @@ class Composed:
 def compose(model: nnx.Module, layout: dict[str, int], loss: Callable, tx: optax.GradientTransformation, *,
             plan: dict[str, str] | None = None, split: Split, units=None, style: str = "shard_map",
             microbatches: int | None = None, devices=None, cp_variant: str = "ring",
-            clip: float | None = None, freeze=()) -> Composed:
+            clip: float | None = None, freeze=(), experts=(), aux: Callable | None = None) -> Composed:
     """Train ``model`` on one mesh of ``layout`` ({axis: size}, axes dp fsdp pp cp tp); ``loss(logits,
     targets)`` a mean over the tokens it gets; ``plan`` {module path glob: colwise | colwise_heads | rowwise}
     (an nnx.MultiHeadAttention's: ``flax_mha_plan(prefix)``);
@@ -399,6 +409,9 @@ def compose(model: nnx.Module, layout: dict[str, int], loss: Callable, tx: optax
     parts of the batch are ``microbatches=K·M`` under pp (one schedule of K·M micro-batches: the same
     averaged gradient) and ``microbatches=K`` without (K row chunks, their mean losses averaged); both
     differentiate one program (memory: every part's activations live until the one backward). The
-    model's attention must call parallel.cp.attention."""
+    model's attention must call parallel.cp.attention. ``experts`` module-path globs of the MoE layers'
+    stacked (E, …) experts, split over a layout axis "ep" (a data axis for the rest; their layer calls
+    parallel.ep.dispatch / global_counts); ``aux`` a callable adding the layers' balancing losses to the
+    loss after each forward (``model.aux``: called on this forward's modules): compose_ep.py."""
     return Composed(model, layout, loss, tx, plan, split, units, style, microbatches, devices, cp_variant, clip,
-                    tuple(freeze))
+                    tuple(freeze), tuple(experts), aux)

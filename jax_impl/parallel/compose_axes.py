@@ -30,7 +30,7 @@ from jax import lax
 
 from jax_impl.parallel.tree import WrapError, key_of, matches, param_holders, put_child, stacked, submodules
 
-AXES = ("dp", "fsdp", "pp", "cp", "tp")
+AXES = ("dp", "fsdp", "ep", "pp", "cp", "tp")  # ep: compose_ep.py
 CP_VARIANTS = ("ring", "ring_zigzag", "ulysses")  # parallel.cp's seam
 PLAN_STYLES = ("colwise", "colwise_heads", "rowwise")  # parallel.tp's names for the same splits
 STYLES = ("shard_map", "jit")

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl.parallel import cp as cp_seam
+from jax_impl.parallel import ep as ep_seam
 from jax_impl.parallel.compose_axes import ComposeError, one, stand_ins, varying
 from jax_impl.parallel.tp import local_shapes_refusal
 
@@ -63,7 +64,9 @@ def forward_loss(c, params, tokens, targets, positions, manual: bool):
         return sum(c.loss(sp.head(c.root, head_parts(c, parts), stage(h0[k * m:(k + 1) * m])),
                              targets[k * m:(k + 1) * m]) for k in range(M)) / M
     if S == 1:
-        return c.loss(sp.head(c.root, head_parts(c, parts), stage(h0)), targets)
+        loss = c.loss(sp.head(c.root, head_parts(c, parts), stage(h0)), targets)
+        # aux= (compose_ep.py): the layers' balancing losses of this forward, read after it (refused with pp / M > 1)
+        return loss if c.experts.aux is None else loss + c.experts.aux_value(c.root, parts, sp.blocks, layers)
     h0 = h0.reshape((M, m) + h0.shape[1:])
     if manual and "pp" not in varying(h0):  # varying over pp once: its cotangent summed once
         h0 = lax.pcast(h0, "pp", to="varying")
@@ -146,9 +149,13 @@ def shard_map_loss(c):
         blocks = {k: vary(a, sees | stage) for k, a in blocks.items()}
         rest = {k: vary(a, sees | (set() if any(k.startswith(p + ".") for p in c.split.first) else stage))
                 for k, a in rest.items()}
-        c._trace = {"seam": [], "stream": ((), 0), "loss": 0}
+        c._trace = {"seam": [], "stream": ((), 0), "loss": 0, "ep": []}
         ctx = cp_seam._active(c.cp_variant, c.c, c._record) if c.c > 1 else contextlib.nullcontext()
-        with ctx:
+        # the ep seam (compose_ep.py): tokens move over "ep" (when split), counts sum over the data (× cp) axes
+        counts = tuple(a for a in data_axes + ((seq,) if seq else ()) if c.layout[a] > 1)
+        moe = ep_seam._active("ep" if c.experts.n > 1 else None, counts, c._record_ep) if c.experts.globs else \
+            contextlib.nullcontext()
+        with ctx, moe:
             try:
                 loss = forward_loss(c, {"blocks": blocks, "rest": rest}, tokens, targets, positions, True)
             except TypeError as e:  # JAX's shape errors on tp-local shards (a head count read from config)

@@ -154,7 +154,8 @@ def placed(params: dict, specs: dict, layout: dict[str, int], first: tuple[str, 
 
 
 def compose_comm(layout: dict[str, int], arrays: list[Placed], *, microbatches: int, tp_call: tuple[int, int],
-                 stream: int, seam: list[tuple[int, int]], cp_variant: str, loss: int) -> dict[str, Comm]:
+                 stream: int, seam: list[tuple[int, int]], cp_variant: str, loss: int,
+                 ep: list[tuple] = ()) -> dict[str, Comm]:
     """compose's shard_map step (its module docstring), by axis label (jax_impl/ledger.py: the axes a group
     spans, "+"-joined in mesh order). S stages, M micro-batches, I = M + S − 1 iterations (M at S = 1),
     every local block runs I times; ``tp_call`` (all-reduces, bytes) of one block call (g per rowwise
@@ -169,11 +170,18 @@ def compose_comm(layout: dict[str, int], arrays: list[Placed], *, microbatches: 
     pp-varying state) and the last stage's loss; dp / fsdp / cp sum
     the loss mean. XLA's all-reduce combiner merges these per group into ONE all-reduce (a tuple: they are
     independent); tp's g / f chain through the blocks and stay one each. fsdp: one all-gather and one
-    reduce-scatter (its transpose) of every array split over "fsdp", bytes the device's gathered layers."""
+    reduce-scatter (its transpose) of every array split over "fsdp", bytes the device's gathered layers.
+
+    ep (parallel/compose_ep.py) is a data axis: the dense arrays' psum spans it, the experts' (split on
+    it) the other data axes. ``ep`` the trace's seam calls: ("dispatch", in, out bytes of the (E, C, ·)
+    buffers) is 4 all-to-alls over "ep" (dispatch, combine, their transposes); ("counts", bytes) the
+    balancing counts' psums over the data axes, independent of each other (a layer's counts come from
+    its routing, not from an earlier layer's counts): XLA combines them into ONE all-reduce, apart from
+    the gradients' (which depend on them through the balancing loss)."""
     big = [a for a, n in layout.items() if n > 1]
     S = layout.get("pp", 1)
     I = microbatches + S - 1  # S = 1: the M row chunks of accumulation (1 without), each through every block
-    data = {a for a in big if a in ("dp", "fsdp", "cp")}
+    data = {a for a in big if a in ("dp", "fsdp", "ep", "cp")}
     label = lambda axes: "+".join(a for a in big if a in axes)
     out: dict[str, Comm] = {}
     summed: dict[str, int] = {}  # label -> bytes of the combined gradient / loss all-reduce
@@ -207,4 +215,10 @@ def compose_comm(layout: dict[str, int], arrays: list[Placed], *, microbatches: 
         add("cp", op, n, nbytes)
     for lab, nbytes in summed.items():
         add(lab, "all_reduce", 1, nbytes)
+    for kind, *nbytes in ep:
+        if kind == "dispatch":
+            add("ep", "all_to_all", 4, 2 * sum(nbytes))
+    counts = sum(nbytes[0] for kind, *nbytes in ep if kind == "counts")
+    if counts and data:
+        add(label(data), "all_reduce", 1, counts)
     return out

@@ -1,0 +1,160 @@
+"""compose's expert axis in JAX (jax_impl/parallel/compose_ep.py, issue 48): a user's NNX MoE model
+(own_models_jax.MoENet: an embedding, blocks of a biased MLP and a top-2 ``UserMoE`` of 4 stacked experts
+through ``parallel.ep.dispatch``, a head; the loss the mean CE plus the layers' balancing losses from
+``parallel.ep.global_counts``) under ``compose(..., experts=["layers.*.moe.experts"], aux=model.aux)`` on
+layouts naming "ep", each against the SAME model (no code changed) trained on one device from the same
+weights: float64, 3 steps of optax.adamw(1e-2, weight_decay=0.1). shard_map runs also check
+``comm_theory()`` against the compiled step's ledger per mesh axis.
+
+Default tier: ep=2 × tp=2 clipped (binding) and dp=2 × ep=2 in shard_map, the refusals. Slow: jit, the
+8-device layouts (fsdp × ep × tp, HSDP × ep) and experts= without ep.
+
+Tolerance: losses 1e-12 relative, parameters 1e-12 absolute after 3 steps: float64, the layouts add the
+same products in another order (the all-to-alls regroup the rows, the all-reduces sum the devices'
+means; ~1e-16 per op); the routing's top-2 is the same on every layout as long as no two router
+probabilities tie within that error (none do at these weights).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from own_models_jax import MOE_NET_EXPERTS, MOE_NET_PLAN, STEPS, MoENet, flat, moe_split
+
+from jax_impl import ledger
+from jax_impl.parallel import recipe
+from jax_impl.parallel.compose import ComposeError, compose
+
+jax.config.update("jax_enable_x64", True)
+
+TOL_LOSS, TOL_PARAM = 1e-12, 1e-12  # float64: see the module docstring
+B, T, V = 8, 3, 24
+CLIP = 0.05  # binds every step: the gradients' global norm is ~0.5-1 (asserted: norms > 2·CLIP)
+
+
+def adamw():
+    return optax.adamw(1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)  # weight decay passed explicitly
+
+
+def cross_entropy(logits, targets):
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+
+
+def batch():
+    rng = np.random.default_rng(7)
+    return rng.integers(0, V, (B, T)), rng.integers(0, V, (B, T))
+
+
+_REF: dict = {}
+
+
+def reference(clip=None):
+    """One device, the whole batch: CE + the layers' balancing losses, (torch's global clip,) AdamW.
+    (losses, {path: params}, global norms). One compiled step for both (clip as an argument: inf = none)."""
+    if clip in _REF:
+        return _REF[clip]
+    model, (x, y), tx = MoENet(nnx.Rngs(0)), batch(), adamw()
+    gdef, params = nnx.split(model)
+
+    def loss_of(p):
+        m = nnx.merge(gdef, p)
+        return cross_entropy(m(x), y) + m.aux()
+
+    @jax.jit
+    def step(p, opt, max_norm):
+        value, g = jax.value_and_grad(loss_of)(p)
+        norm_sq = recipe.sumsq(g)
+        updates, opt = tx.update(recipe.scale_by_norm(g, norm_sq, max_norm), opt, p)
+        return optax.apply_updates(p, updates), opt, value, jnp.sqrt(norm_sq)
+
+    opt, losses, norms = tx.init(params), [], []
+    for _ in range(STEPS):
+        params, opt, value, norm = step(params, opt, np.inf if clip is None else clip)
+        losses.append(float(value))
+        norms.append(float(norm))
+    _REF[clip] = losses, flat(nnx.merge(gdef, params)), norms
+    return _REF[clip]
+
+
+def run(layout, style="shard_map", clip=None, **kw):
+    model, (x, y) = MoENet(nnx.Rngs(0)), batch()
+    t = compose(model, layout, cross_entropy, adamw(), plan=MOE_NET_PLAN if layout.get("tp", 1) > 1 else None,
+                split=moe_split(), units=["layers.*"], experts=MOE_NET_EXPERTS, aux=model.aux, style=style, clip=clip,
+                **kw)
+    losses = [t.train_step(x, y) for _ in range(STEPS)]
+    ref_losses, ref_params, norms = reference(clip)
+    got = t.params()
+    assert got.keys() == ref_params.keys(), (sorted(got), sorted(ref_params))
+    out = {"loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
+           "param_abs": max(float(np.abs(got[k] - ref_params[k]).max()) for k in ref_params),
+           "losses": losses, "norms": norms, "trainer": t}
+    if style == "shard_map" and clip is None:
+        by_axis = ledger.comm_by_axis(t.compiled_text(x, y), t.mesh)
+        out["ledger"] = {a: {op: (v["count"], v["bytes"]) for op, v in ops.items()} for a, ops in by_axis.items()}
+        out["theory"] = t.comm_theory()
+    return out
+
+
+def assert_exact(out, name, measured):
+    measured(f"compose ep {name}: loss rel {out['loss_rel']:.1e}, params {out['param_abs']:.1e}")
+    assert out["losses"][-1] < out["losses"][0], out["losses"]  # it trains
+    assert out["loss_rel"] <= TOL_LOSS and out["param_abs"] <= TOL_PARAM, (name, out["loss_rel"], out["param_abs"])
+    if "theory" in out:  # the compiled step's collectives per axis = compose's theory (the seam's calls)
+        assert out["theory"] == out["ledger"], (name, out["ledger"], out["theory"])
+
+
+def test_ep_tp_clipped_equals_one_device(measured):
+    """ep=2 × tp=2, shard_map, clip=0.05 binding: the global norm counts each expert shard once."""
+    out = run({"ep": 2, "tp": 2}, clip=CLIP)
+    assert min(out["norms"]) > 2 * CLIP, out["norms"]  # the clip binds every step
+    assert out["trainer"].specs["blocks"]["moe.experts.w1"] == jax.sharding.PartitionSpec(None, None, "ep", None, None)
+    assert_exact(out, "ep=2,tp=2 shard_map clip", measured)
+
+
+def test_dp_ep_equals_one_device(measured):
+    """dp=2 × ep=2, shard_map: the batch over dp·ep, the experts' gradients summed over dp; theory = ledger."""
+    assert_exact(run({"dp": 2, "ep": 2}), "dp=2,ep=2 shard_map", measured)
+
+
+@pytest.mark.slow  # 4-8 simulated devices, one compile each: ~3-6 s apiece on 2 cores
+@pytest.mark.parametrize("layout,style,clip", [({"ep": 2, "tp": 2}, "jit", CLIP), ({"dp": 2, "ep": 2}, "jit", None),
+                                               ({"fsdp": 2, "ep": 2, "tp": 2}, "shard_map", None),
+                                               ({"fsdp": 2, "ep": 2, "tp": 2}, "jit", None),
+                                               ({"dp": 2, "fsdp": 2, "ep": 2}, "shard_map", CLIP),
+                                               ({"dp": 4}, "shard_map", None)])
+def test_more_layouts_equal_one_device(layout, style, clip, measured):
+    """jit (shardings only: XLA places the collectives), fsdp × ep × tp and HSDP × ep (the experts out of
+    the ZeRO units), and experts= without ep (dp=4: the experts dense, the balancing counts psummed over dp)."""
+    name = ",".join(f"{a}={n}" for a, n in layout.items()) + f" {style}" + (" clip" if clip else "")
+    assert_exact(run(layout, style, clip), name, measured)
+
+
+REFUSALS = [  # (layout, compose's keywords, the one line's pattern)
+    ({"ep": 2, "pp": 2}, {}, r"ep=2 beside pp=2 is not composed"),
+    ({"ep": 2, "cp": 2}, {}, r"ep=2 beside cp=2 is not composed"),
+    ({"dp": 2, "ep": 2}, {"experts": ()}, r"ep=2 needs experts=\[module path globs\]"),
+    ({"ep": 2}, {"experts": ["layers.*.mlp.experts"]}, r"experts glob 'layers\.\*\.mlp\.experts' names no module"),
+    ({"ep": 2}, {"experts": ["layers.*.moe"]}, r"experts 'layers\.0\.moe': its Params must all be stacked"),
+    ({"ep": 8}, {}, r"4 experts are not divisible by ep=8"),
+    ({"ep": 2}, {"experts": ["layers.0.moe.experts"]}, r"in 1 of the 2 blocks"),
+    ({"ep": 2, "tp": 2}, {"plan": MOE_NET_PLAN | {"layers.*.moe.experts": "colwise"}},
+     r"tp plan entry 'layers\.\*\.moe\.experts' names 'layers\.0\.moe\.experts', inside the experts"),
+    ({"fsdp": 2, "ep": 2}, {"units": ["layers.*.moe.experts"]}, r"ZeRO unit glob 'layers\.\*\.moe\.experts' names"),
+    ({"ep": 2}, {"microbatches": 2}, r"microbatches=2 \(accumulation\) with ep"),
+    ({"dp": 2, "pp": 2}, {"experts": ()}, r"aux= under pp=2"),
+]
+
+
+@pytest.mark.parametrize("layout,kw,words", REFUSALS)
+def test_refusals(layout, kw, words):
+    """One line each, before anything compiles."""
+    model = MoENet(nnx.Rngs(0))
+    args = {"plan": None, "split": moe_split(), "units": ["layers.*"], "experts": MOE_NET_EXPERTS,
+            "aux": model.aux} | kw
+    with pytest.raises(ComposeError, match=words):
+        compose(model, layout, cross_entropy, adamw(), **args)
