@@ -222,9 +222,10 @@ def composed(cfg: Config, problem: Problem, style: str, mesh) -> Composed:
     model = build_model(cfg, problem)
     frozen = recipe.frozen_paths(cfg, recipe.fixture_paths(model)) if cfg.freeze else set()
     tx = compose_tx(cfg, frozen, transformer.SPLIT.blocks) if cfg.recipe_active else make_optimizer(cfg)
-    return compose(model, dict(cfg.mesh), output_loss, tx, plan=transformer.PLAN, split=transformer.SPLIT, style=style,
-                   microbatches=cfg.pipeline_microbatches, devices=list(mesh.devices.flat), clip=cfg.clip,
-                   freeze=sorted(frozen))
+    moe = {"plan": transformer.MOE_PLAN, "split": transformer.MOE_SPLIT, "experts": transformer.MOE_EXPERTS,
+           "aux": transformer.MOE_AUX} if cfg.moe else {"plan": transformer.PLAN, "split": transformer.SPLIT}
+    return compose(model, dict(cfg.mesh), output_loss, tx, style=style, microbatches=cfg.pipeline_microbatches,
+                   devices=list(mesh.devices.flat), clip=cfg.clip, freeze=sorted(frozen), **moe)
 
 
 def composed_setup(cfg: Config, problem: Problem, style: str, mesh) -> Setup:
@@ -249,8 +250,9 @@ def composed_setup(cfg: Config, problem: Problem, style: str, mesh) -> Setup:
 
 
 def through_compose(cfg: Config, style: str) -> bool:
-    """shard_map: the library's composition; jit and typed: this runner's programs (docstring: why)."""
-    return style == "shard_map"
+    """shard_map: the library's composition; jit and typed: this runner's programs (docstring: why); the MoE
+    transformer (an ep axis): compose in both styles (its jit: the experts P("ep"), XLA's collectives)."""
+    return style == "shard_map" or (cfg.moe and style == "jit")
 
 
 def train(cfg: Config, problem: Problem, style: str, variant: str, mesh) -> Trained:

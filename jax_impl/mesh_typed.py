@@ -32,6 +32,9 @@ from jax_impl.tp_typed import TypedOps, transformer_loss
 def refusal(cfg) -> str | None:
     """Why the typed style cannot run this layout (one line), or None."""
     axes = [a for a, _ in cfg.mesh]
+    if "ep" in axes:
+        return (f"mesh {cfg.mesh_name}: the typed style has no ep axis (the MoE transformer's experts under compose): "
+                "shard_map and jit run it")
     if "pp" in axes:
         return f"mesh {cfg.mesh_name}: the typed style has no pp: {TYPED_REFUSAL}"
     if "cp" in axes:

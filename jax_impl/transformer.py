@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 from jax_impl.parallel import cp as cp_seam
+from jax_impl.parallel import ep as ep_seam
 from jax_impl.parallel.compose_axes import Split
 from jax_impl.parallel.typed import rows_like
 from shared.problem import MOE_BALANCE_COEF, RMS_EPS
@@ -190,7 +191,15 @@ class MoE(nnx.Module):
         """``total``: this layer's (E,) counts over a whole micro-batch, for the balancing loss's f (the
         reference's split-batch floor: a part's P with the micro-batch's f, as ep's devices compute it)."""
         w = [a.astype(self.dtype) for a in (self.router.kernel[...], self.w_up[...], self.w_down[...])]
-        return moe(h, *w, self.topk, **({} if total is None else {"total": lambda _: total}))
+        seams = {"dispatch": dispatch_ep, "total": ep_seam.total_counts} if ep_seam.active() else {}  # compose's ep
+        return moe(h, *w, self.topk, **(seams | ({} if total is None else {"total": lambda _: total})))
+
+
+def dispatch_ep(h, top, gates, w_up, w_down) -> jax.Array:
+    """``moe``'s dispatch inside compose's shard_map (jax_impl/parallel/compose_ep.py): this device's
+    experts (E/ep, …) through parallel.ep.dispatch (the tokens over "ep") -> (n, D)."""
+    one = lambda w, rows: experts(w["w_up"][None], w["w_down"][None], rows[None])[0]  # noqa: E731
+    return combine(gates, ep_seam.dispatch(one, {"w_up": w_up, "w_down": w_down}, h, top))
 
 
 class Block(nnx.Module):
@@ -277,7 +286,31 @@ SPLIT = Split(first=("wte", "wpe"), blocks="blocks", last=("normf", "head"),
               head=lambda root, mods, h: _logits(root, mods["head"](mods["normf"](h))))
 
 
-_NAMES = {"wte.embedding": "wte.weight", "wpe.embedding": "wpe.weight", "normf.scale": "normf.weight",
+# The MoE transformer under compose (jax_impl/mesh.py with an ep axis): Megatron over attention only (the MoE
+# layer runs whole on every tp device), the stacked experts split over ep (compose's experts=), the blocks'
+# balancing losses kept on each block for aux= (MOE_AUX), the Transformer's own (logits, aux, load) forward
+# checked against the chain by its logits.
+MOE_PLAN = {"blocks.*.qkv": "colwise_heads", "blocks.*.o": "rowwise"}
+MOE_EXPERTS = ("blocks.*.mlp.w_up", "blocks.*.mlp.w_down")
+
+
+def _moe_block(root, layer, h, positions):
+    h, aux, _ = layer(h)
+    layer.aux = nnx.Intermediate(aux)  # this forward's balancing loss (the layer is compose's merged copy)
+    return h
+
+
+MOE_SPLIT = Split(first=SPLIT.first, blocks=SPLIT.blocks, last=SPLIT.last, embed=SPLIT.embed, block=_moe_block,
+                  head=SPLIT.head)
+
+
+def MOE_AUX(view) -> jax.Array:  # noqa: N802  (a constant of the split's kind)
+    """Σ_l of the blocks' balancing losses of compose's forward (compose_ep.Experts.aux_value's view)."""
+    return sum(b.aux[...] for b in view.blocks)
+
+
+_NAMES = {"mlp.router.kernel": "mlp.router.weight", "mlp.w_up": "mlp.experts.w_up",
+          "mlp.w_down": "mlp.experts.w_down", "wte.embedding": "wte.weight", "wpe.embedding": "wpe.weight", "normf.scale": "normf.weight",
           "head.kernel": "head.weight", "qkv.kernel": "attn.qkv.weight", "o.kernel": "attn.o.weight",
           "up.kernel": "mlp.up.weight", "down.kernel": "mlp.down.weight", "norm1.scale": "norm1.weight",
           "norm2.scale": "norm2.weight"}

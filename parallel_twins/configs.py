@@ -295,7 +295,7 @@ def size_preset(args, world: int) -> str:
 
 
 # The frameworks whose mesh runner takes the MoE transformer (an ep axis beside dp / fsdp / tp).
-MOE_MESH_FRAMEWORKS: tuple[str, ...] = ("torch",)
+MOE_MESH_FRAMEWORKS: tuple[str, ...] = ("torch", "jax")
 
 
 def _mesh_experts(args, model: str, layout) -> dict:

@@ -296,7 +296,8 @@ class Composed:
             h = sp.embed(root, mods, x, pos)
             for i in range(self.L):
                 h = sp.block(root, mods[f"{sp.blocks}.{i}"], h, pos)
-            return root(x), sp.head(root, mods, h)
+            out = root(x)  # a model returning (logits, …) (an MoE's aux, routing): its logits
+            return out[0] if isinstance(out, tuple) else out, sp.head(root, mods, h)
 
         want, got = (np.asarray(a) for a in jax.jit(both)(jnp.asarray(tokens[:1]), state))
         if want.shape != got.shape or not np.allclose(got, want, rtol=1e-12, atol=0):

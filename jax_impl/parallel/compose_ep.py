@@ -56,7 +56,7 @@ import jax
 from flax import nnx
 
 from jax_impl.parallel.compose_axes import ComposeError, Split
-from jax_impl.parallel.tree import matches
+from jax_impl.parallel.tree import key_of, matches
 
 DATA_AXES = ("dp", "fsdp", "ep")  # the batch rows split over these, row-major in mesh order
 
@@ -76,7 +76,7 @@ def without_intermediates(model):
 
 
 class Experts:
-    """The ``experts=`` modules of one model: ``rest`` full module paths outside the blocks, ``rel`` module
+    """The ``experts=`` modules (or Params) of one model: ``rest`` full paths outside the blocks, ``rel``
     paths inside one block (every block alike), ``n`` the ep size, ``E`` the experts per module."""
 
     def __init__(self, mods: dict, sp: Split, layers: int, layout: dict[str, int], globs, plan, units,
@@ -99,16 +99,18 @@ class Experts:
             raise ComposeError(f"compose: microbatches={microbatches} (accumulation) with "
                                f"{'ep' if n > 1 else 'aux='}: each chunk would route and count its own tokens, not "
                                "the batch's; fix: microbatches=None (one chunk)")
+        held = {key_of(k): tuple(a.shape) for k, a in jax.tree_util.tree_flatten_with_path(
+            nnx.state(mods[""], nnx.Param))[0]}  # every Param path: a glob may name Params too
         paths = []
         for glob in self.globs:
-            hit = [p for p in mods if p and matches(p, glob)]
+            hit = [p for p in list(mods) + list(held) if p and matches(p, glob)]
             if not hit:
                 raise ComposeError(f"compose: experts glob {glob!r} names no module; fix: a module path glob ('*' one "
-                                   "segment) of the module holding the stacked (E, …) expert weights")
+                                   "segment) of the module holding the stacked (E, …) expert weights (or their Params)")
             paths += [p for p in hit if p not in paths]
         self.E = None
         for p in paths:
-            shapes = [tuple(a.shape) for a in jax.tree.leaves(nnx.state(mods[p], nnx.Param))]
+            shapes = [s for k, s in held.items() if _inside(k, p)]
             lead = {s[0] if s else None for s in shapes}
             if not shapes or len(lead) != 1 or None in lead or (self.E is not None and lead != {self.E}):
                 raise ComposeError(f"compose: experts {p!r}: its Params must all be stacked (E, …) on dim 0 with one "
@@ -142,7 +144,7 @@ class Experts:
         if self.n == 1:
             return False
         roots = self.rel if part == "blocks" else self.rest
-        return any(key.startswith(r + ".") for r in roots)
+        return any(_inside(key, r) for r in roots)
 
     def aux_value(self, root, parts: dict, blocks: str, layers: list) -> jax.Array:
         """``aux`` on this forward's modules: a bound method of the model gets a view of them (its

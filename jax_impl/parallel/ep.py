@@ -53,6 +53,11 @@ def _active(axis: str | None, count_axes: tuple[str, ...], record: Callable | No
         _ACTIVE.reset(token)
 
 
+def active() -> bool:
+    """Is compose's shard_map body (its ep seam) tracing now? (a layer with its own one-device path asks)"""
+    return _ACTIVE.get() is not None
+
+
 def _bound(axis: str) -> bool:
     """Is ``axis`` a mapped axis here (inside a shard_map over it)?"""
     try:
