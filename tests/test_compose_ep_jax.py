@@ -158,3 +158,31 @@ def test_refusals(layout, kw, words):
             "aux": model.aux} | kw
     with pytest.raises(ComposeError, match=words):
         compose(model, layout, cross_entropy, adamw(), **args)
+
+
+@pytest.mark.slow  # compare.py's own run, 8 simulated devices, two compiles: ~25 s on 2 cores
+def test_compare_runs_the_moe_transformer_under_ep_in_jax(tmp_path, capsys):
+    """`compare.py --model transformer --experts 4 --mesh fsdp=2,ep=2,tp=2 --frameworks jax` at the tests'
+    sizes: shard_map and jit (both through compose) agree with the MoE transformer's single-device reference
+    (compare.py's float64 tolerance, 1e-12: the devices reorder sums); shard_map's bytes equal compose's
+    theory (comm_theory, from the arrays and the trace), its all-to-alls shared.theory.ep_comm_jax's
+    (capacity C = the n local tokens); jit unpriced (XLA's collectives); typed refused in one line."""
+    import json
+
+    import compare
+    from shared.config import Config
+    from shared.theory import ep_comm_jax
+
+    size = ["--layers", "2", "--dim", "16", "--heads", "4", "--seq", "8", "--vocab", "32", "--batch", "8"]
+    base = ["--model", "transformer", "--experts", "4", "--mesh", "fsdp=2,ep=2,tp=2", "--frameworks", "jax", *size]
+    out = tmp_path / "moe.json"
+    assert compare.main(base + ["--steps", "3", "--quiet", "--json", str(out)]) == 0
+    runs = {r["style"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"shard_map", "jit"} and all(r["ok"] for r in runs.values()), runs
+    sm = runs["shard_map"]
+    assert sm["comm_bytes_theory"] == sm["comm_bytes"] > 0 and runs["jit"]["comm_bytes_theory"] is None, runs
+    ep = Config(world_size=4, model="transformer", experts=4, layers=2, dim=16, heads=4, seq=8, vocab=32, batch=8)
+    count, nbytes = ep_comm_jax(ep, "shard_map")["all_to_all"]  # the 4 data devices' tokens, C = B/4·T
+    assert sm["comm"]["all_to_all"] == {"count": count, "bytes": nbytes}, sm["comm"]
+    assert compare.main(base + ["--styles", "typed", "--quiet"]) == 2  # refused before any run
+    assert "the typed style has no ep axis" in capsys.readouterr().err
