@@ -310,7 +310,8 @@ def MOE_AUX(view) -> jax.Array:  # noqa: N802  (a constant of the split's kind)
 
 
 _NAMES = {"mlp.router.kernel": "mlp.router.weight", "mlp.w_up": "mlp.experts.w_up",
-          "mlp.w_down": "mlp.experts.w_down", "wte.embedding": "wte.weight", "wpe.embedding": "wpe.weight", "normf.scale": "normf.weight",
+          "mlp.w_down": "mlp.experts.w_down",
+          "wte.embedding": "wte.weight", "wpe.embedding": "wpe.weight", "normf.scale": "normf.weight",
           "head.kernel": "head.weight", "qkv.kernel": "attn.qkv.weight", "o.kernel": "attn.o.weight",
           "up.kernel": "mlp.up.weight", "down.kernel": "mlp.down.weight", "norm1.scale": "norm1.weight",
           "norm2.scale": "norm2.weight"}

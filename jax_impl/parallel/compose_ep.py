@@ -126,7 +126,8 @@ class Experts:
             hits = [f"{sp.blocks}.{i}.{r}" in paths for i in range(layers)]
             if not all(hits):
                 raise ComposeError(f"compose: experts={self.globs} name {sp.blocks}.*.{r} in {sum(hits)} of the "
-                                   f"{layers} blocks; compose stacks the blocks' Params: name it in every block or none")
+                                   f"{layers} blocks; compose stacks the blocks' Params: name it in every block or "
+                                   "none")
         self.rel = tuple(sorted(rel))
         self.paths = paths
         if n > 1:
