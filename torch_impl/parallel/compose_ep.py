@@ -1,7 +1,6 @@
 """compose's expert axis ("ep"): a user's MoE layers' stacked experts split over mesh["ep"], the rest
-of the model data-parallel over it. What compose.py's Trainer runs when the mesh names "ep". No JAX twin
-yet: jax_impl/parallel/compose.py has no ep axis (issue 48; it refuses one), and when it has, these same
-semantics belong in a jax_impl/parallel/compose_ep.py beside it.
+of the model data-parallel over it. What compose.py's Trainer runs when the mesh names "ep". The twin:
+jax_impl/parallel/compose_ep.py (the same semantics).
 
     parallelize(model, mesh, experts=["layers.*.moe.experts"], ...)   # mesh dims from dp, fsdp, ep, tp
 
