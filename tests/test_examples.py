@@ -56,3 +56,28 @@ def test_compose_gpt2_example(measured):
     out = run_example("compose_jax.py", "--family", "gpt2", "--layout", "fsdp=2,tp=2,pp=2")
     assert "theory per axis == ledger (one SPMD program): True" in out, out
     measured(out.rstrip().splitlines()[-1])
+
+
+# docs/compose.md's MoE family: a user's MoE model under compose's expert axis, at the default fsdp=2,ep=2,tp=2
+def _moe_example(name, tmp_path, measured):
+    out_json = tmp_path / "moe.json"
+    out = run_example(name, "--json", str(out_json))
+    import json
+
+    r = json.loads(out_json.read_text())
+    assert r["max_rel_loss_diff"] <= 1e-12 and r["max_abs_param_diff"] <= 1e-12, r
+    assert r["theory_is_ledger"] is True, out
+    assert r["losses"][-1] < r["losses"][0], r  # it trains
+    measured(f"{name} {r['layout']}: loss rel {r['max_rel_loss_diff']:.1e}, params {r['max_abs_param_diff']:.1e}")
+
+
+@pytest.mark.slow  # 8 gloo ranks: ~30 s on 2 cores
+def test_moe_torch_example(tmp_path, measured):
+    """examples/moe_torch.py: MoENet under fsdp × ep × tp (builtin) = one process to 1e-12; theory = ledger."""
+    _moe_example("moe_torch.py", tmp_path, measured)
+
+
+@pytest.mark.slow  # 8 simulated devices, two compiles: ~40 s on 2 cores
+def test_moe_jax_example(tmp_path, measured):
+    """examples/moe_jax.py: the NNX MoENet under fsdp × ep × tp (shard_map) = one device to 1e-12; theory = ledger."""
+    _moe_example("moe_jax.py", tmp_path, measured)
