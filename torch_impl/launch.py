@@ -206,6 +206,8 @@ def launch(
 # them) — imported after the fork they cost each rank ~1-2 CPU-s, 4-8 ranks per launch; here once per
 # launching process; ``preload()`` adds modules (the test suite: transformers' Llama and Qwen2). A module
 # that fails to import is skipped there (multiprocessing's forkserver) and the rank imports it as before.
+# A library that reads an environment variable when imported (inductor's TORCHINDUCTOR_COMPILE_THREADS)
+# sees the environment of the first launch: set such a value in code, as compiled.prepare does.
 PRELOAD = ["torch_impl.launch", "torch_impl.harness", "torch_impl.mesh", "torch_impl.dp", "torch_impl.fsdp",
            "torch_impl.tp", "torch_impl.pp", "torch_impl.cp", "torch_impl.ep", "torch_impl.collectives",
            "torch_impl.checkpoint", "torch_impl.parallel.compose", "torch_impl.parallel.llama"]
