@@ -38,6 +38,14 @@ os.environ.setdefault("JAX_PLATFORMS", os.environ.get("PARALLEL_TWINS_TEST_JAX_P
 # "meta" (the default device meta too) runs in tests/test_gpu_readiness.py under -m slow: tp's
 # heads_perm builds its index without device= and fails it (reported, not fixed there).
 os.environ.setdefault("PARALLEL_TWINS_AUDIT", "ledger")
+# The torch ranks' forkserver (one per pytest worker) imports transformers' Llama and Qwen2 once: the
+# compose, llama and cp-seam modules' ranks would each import them after the fork (~3-5 CPU-s a rank).
+# In xdist's workers only (not its controller, which imports no torch; not a compare.py the tests start
+# as a subprocess; a run with -n 0 just skips this).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    from torch_impl.launch import preload  # noqa: E402
+
+    preload("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2")
 
 
 # --- figures a test measures but does not assert (they depend on the machine) ----------------------
@@ -73,8 +81,9 @@ HEAVY_FIRST = {
     "slow": ("test_cli", "test_checkpoint_jax", "test_pp", "test_recompute", "test_checkpoint_xfw",
              "test_gpu_readiness", "test_checkpoint_torch", "test_compose_jax", "test_examples", "test_mesh",
              "test_restarts", "test_multiprocess"),
-    "default": ("test_cli", "test_pp", "test_recipe_cli", "test_recipe_jax", "test_dp", "test_mesh",
-                "test_own_model_jax", "test_tp_plan_jax", "test_compose_jax", "test_tp"),
+    "default": ("test_cli", "test_recipe_jax", "test_compose_torch", "test_pp", "test_mesh", "test_own_model_jax",
+                "test_compose_jax", "test_cp", "test_dp", "test_mixed_jax", "test_tp", "test_timing",
+                "test_recipe_cli", "test_checkpoint_jax", "test_reliability", "test_checkpoint_torch"),
 }
 
 

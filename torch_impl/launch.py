@@ -201,9 +201,24 @@ def launch(
     return [results[r] for r in range(world_size)]
 
 
-# What a forkserver imports once, before it forks any rank (a rank unpickles ``fn`` and imports the rest).
-PRELOAD = ["torch_impl.launch", "torch_impl.harness"]
+# What a forkserver imports once, before it forks any rank (a rank unpickles ``fn`` and imports the rest):
+# the harness and every torch_impl module a runner or wrapper may use (DTensor, FSDP2, pipelining come with
+# them) — imported after the fork they cost each rank ~1-2 CPU-s, 4-8 ranks per launch; here once per
+# launching process; ``preload()`` adds modules (the test suite: transformers' Llama and Qwen2). A module
+# that fails to import is skipped there (multiprocessing's forkserver) and the rank imports it as before.
+# A library that reads an environment variable when imported (inductor's TORCHINDUCTOR_COMPILE_THREADS)
+# sees the environment of the first launch: set such a value in code, as compiled.prepare does.
+PRELOAD = ["torch_impl.launch", "torch_impl.harness", "torch_impl.mesh", "torch_impl.dp", "torch_impl.fsdp",
+           "torch_impl.tp", "torch_impl.pp", "torch_impl.cp", "torch_impl.ep", "torch_impl.collectives",
+           "torch_impl.checkpoint", "torch_impl.parallel.compose", "torch_impl.parallel.llama"]
 START_METHOD_ENV = "PARALLEL_TWINS_START_METHOD"
+
+
+def preload(*modules: str) -> None:
+    """Modules this process's forkserver imports once too, before it forks any rank (heavy imports a
+    launched ``fn`` needs, e.g. transformers' model classes). Takes effect if called before the first launch
+    on a CPU (the forkserver starts then); a process that never launches imports nothing."""
+    PRELOAD.extend(m for m in modules if m not in PRELOAD)
 
 
 @functools.cache

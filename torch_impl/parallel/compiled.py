@@ -66,8 +66,13 @@ def prepare(device_type: str) -> str:
     compile), and on CPU one compile thread per rank (the ranks already share the cores: a worker pool per
     rank made a first compile 45 s instead of 27 s on 2 cores). A value the user set is kept. Returns the folder."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
-    if device_type == "cpu":
-        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    if device_type == "cpu" and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+        # inductor reads that variable when its config is imported, which a rank's forkserver has done
+        # already (torch_impl.launch.PRELOAD): the config's own value too
+        import torch._inductor.config as inductor_config
+
+        inductor_config.compile_threads = 1
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
