@@ -178,7 +178,10 @@ def _taking_turns(jobs, run, progress, out, threads):
 
     results, left = {}, {p: sum(q == p for q, _ in jobs) for p, _ in jobs}
     pool = ThreadPoolExecutor(threads, thread_name_prefix="jax-runs")
-    futures = {pool.submit(job, p, cfg): i for i, (p, cfg) in enumerate(jobs)}
+    # the transformer's runs first (their compiles take several times the MLP's): the threads end together
+    # rather than one compiling the last transformer while the other idles; out keeps the jobs' order
+    first = sorted(range(len(jobs)), key=lambda i: jobs[i][1].model != "transformer")
+    futures = {pool.submit(job, *jobs[i]): i for i in first}
     try:
         pending = set(futures)
         while pending:
