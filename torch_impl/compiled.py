@@ -2,7 +2,8 @@
 Megatron steps), the twin of JAX's ``jit`` rows. The library part (what to compile, the watch, the private
 torch APIs): torch_impl/parallel/compiled.py; the patterns build their compiled variants themselves (dp.py,
 fsdp.py, tp.py, pp.py, mesh.py) and mark the Setup ``compiled``; harness.train_loop runs it through
-``CompiledRun`` below.
+``CompiledRun`` below. No jax_impl/compiled.py twin: JAX's compiled style is ``jit``, built in each
+pattern's own file (jax_impl/dp.py, tp.py, …), where XLA compiles every step anyway.
 
     compiled/ddp          torch.compile(DDP(model)): DDPOptimizer splits the graph at DDP's buckets; DDP's
                           reducer all-reduces eagerly (what torch documents for DDP)

@@ -1,4 +1,5 @@
 """torch.compile over the parallel wrappers: torch's SPMD compiler, the twin of JAX's ``jit``.
+No jax_impl/parallel/compiled.py: JAX's compile cache is set in shared/env.py, and ``jax.jit`` needs no watch or reset.
 
     compiled.prepare("cpu")                                # the compile caches, one compile thread per CPU rank
     compiled.reset()                                       # a fresh dynamo state for this run
