@@ -2,13 +2,14 @@
 
 import os
 import signal
+import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from torch_impl.launch import LaunchError, launch
+from torch_impl.launch import PRELOAD, LaunchError, launch
 
 # The launch's deadline and gloo's collective timeout in the failure tests below. A launcher that
 # waited for the blocked peers instead of acting on the first failure would end after it, however
@@ -28,6 +29,7 @@ def _sum_ranks(ctx, scale):
     with ctx.ledger.recording():
         dist.all_reduce(x)
     return {"rank": ctx.rank, "value": x.item() * scale, "comm": ctx.ledger.summary(), "pid": os.getpid(),
+            "preloaded": all(m in sys.modules for m in PRELOAD),  # this module imports none of them itself
             "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
             and signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, set())}
 
@@ -75,6 +77,8 @@ def test_results_per_rank_and_ledger():
     if server is not None and os.path.exists(f"/proc/{server}/status"):
         assert _shields_sigterm(server)
     assert all(r["sigterm_default"] for r in out)
+    if os.environ.get("PARALLEL_TWINS_START_METHOD", "forkserver") == "forkserver":  # forked: imported once, before
+        assert all(r["preloaded"] for r in out)
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the launching process's own is unchanged
 
 
