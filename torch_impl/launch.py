@@ -20,6 +20,7 @@ are forked from a forkserver (``_start_method``), which pickles it by name).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import gc
 import os
@@ -417,6 +418,19 @@ def _torchrun_store(world_size: int, timeout_s: float):
     return dist.PrefixStore(f"parallel_twins/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
+def _destroy_at_exit() -> None:
+    """torchrun's rank leaves through ``sys.exit``: destroy the process group while the interpreter is
+    whole. Left to finalisation, gloo's threads still holding work objects abort the process ("terminate
+    called without an active exception", SIGABRT), which torchrun counts as a failed attempt: a rank that
+    finished first (rank 1, with nothing to write) turned a good run red (pytorch/pytorch#179291)."""
+    if dist.is_initialized():
+        gc.collect()  # free DDP reducers / schedules that still hold the group
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - teardown after the results are out is best-effort
+            pass
+
+
 def _join_torchrun(fn, world_size, args, kind, timeout_s, progress=None, fallback=None) -> list[Any]:
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world_size:
@@ -424,6 +438,7 @@ def _join_torchrun(fn, world_size, args, kind, timeout_s, progress=None, fallbac
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if not dist.is_initialized():
         ctx = _init(rank, env_world, local_rank, kind, timeout_s, store=_torchrun_store(env_world, timeout_s))
+        atexit.register(_destroy_at_exit)  # this process made the group: it takes it down before Python does
     else:
         device = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
         ctx = RankContext(rank, env_world, local_rank, device, dist.get_backend(), CommLedger(env_world))
