@@ -99,10 +99,15 @@ def single_device(model, loss_of, *batch) -> list[np.ndarray]:
     graphdef, params = nnx.split(model)
     tx = adamw()
     opt_state = tx.init(params)
-    for _ in range(STEPS):
+
+    @jax.jit  # one program per step, as the wrappers' (eager, every op would be a program of its own)
+    def step(params, opt_state):
         grads = jax.grad(lambda p: loss_of(nnx.merge(graphdef, p), *batch))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), opt_state
+
+    for _ in range(STEPS):
+        params, opt_state = step(params, opt_state)
     return params_of(nnx.merge(graphdef, params))
 
 

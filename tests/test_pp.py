@@ -77,6 +77,11 @@ def chunks(variant: str, cfg: Config) -> int:
     return cfg.virtual_stages if variant == "interleaved" else 1
 
 
+# At S = 3 the slow tier runs torch's launch and JAX's circular MLP pipeline; the JAX schedules compiled tick by
+# tick (1F1B, zb, interleaved) and the transformer's circular ones run at S = 2 and 4 only: their tick tables at
+# S = 3 are checked in pure Python (test_jax_*_plans_match_simulator_*), and compiling them cost ~85 s (issue 46).
+ODD_S = "S = 3: torch's launch and the JAX circular MLP run here; the compiled-by-hand schedules at S = 2 and 4"
+
 # S=2 by default; S=3 (an odd stage count) and S=4 (M > S for the MLP: 1F1B's steady state, builtin
 # zero-bubble) under -m slow (suite budget: S=4's torch launch and JAX compiles took ~37 s of the default tier).
 @pytest.fixture(scope="module", params=[2, *(pytest.param(s, marks=pytest.mark.slow) for s in (3, 4))],
@@ -248,6 +253,8 @@ def test_jax_transformer_rest(torch_out, stages):
     test_jax_zb_and_interleaved_rest's, checked against their own tick formula). The configs are
     torch's launch's (``configs``: at S = 2 the float64 transformer carries virtual_stages=2, which
     the circular pipeline ignores), so test_cross_framework finds torch's run of each."""
+    if stages == 3:
+        pytest.skip(ODD_S)
     rest = jax_run_pattern("pp", [c for c in configs(stages) if c not in configs(stages, jax=True)],
                            variants=CIRCULAR)
     test_jax_parity(rest)
@@ -308,6 +315,8 @@ def test_jax_1f1b(torch_out, jax_1f1b_out):
 @pytest.mark.slow
 def test_jax_1f1b_rest(torch_out, stages):
     """The JAX 1F1B configs the default run leaves out, through the same checks."""
+    if stages == 3:
+        pytest.skip(ODD_S)
     test_jax_1f1b(torch_out, jax_run_pattern("pp", ONE_F_ONE_B_RUNS[stages]()[1], variants=[ONE_F_ONE_B]))
 
 
@@ -392,6 +401,8 @@ def test_jax_zb_and_interleaved(torch_out, jax_by_hand_out):
 def test_jax_zb_and_interleaved_rest(torch_out, stages):
     """The JAX zb / interleaved configs the default run leaves out, through the same checks; S = 4:
     interleaved at v = 2 (M = 4, both models) against the JAX reference."""
+    if stages == 3:
+        pytest.skip(ODD_S)
     out = jax_run_pattern("pp", configs(stages), variants=BY_HAND[:1]) + jax_run_pattern(
         "pp", [c for c in configs(stages) if c.microbatches % stages == 0 and c != configs(2)[1]], variants=BY_HAND[1:])
     test_jax_parity(out)
