@@ -239,7 +239,7 @@ class Trainer:
         leaves, self._treedef = jax.tree_util.tree_flatten_with_path(state)
         self.keys = [key_of(p) for p, _ in leaves]
         recipe.check(tx, {}, None, "cp", "")  # optax sees the whole replicated {path: array} dict: nothing to probe
-        params = {k: jax.device_put(jnp.copy(a), NamedSharding(mesh, P()))  # a copy: the step donates it
+        params = {k: jax.device_put(np.asarray(a), NamedSharding(mesh, P()))  # a host copy: the step donates it
                   for k, (_, a) in zip(self.keys, leaves)}
         self.state, self._loss, self._tx = (params, tx.init(params)), loss, tx
         if self.scaler:  # the scale state: a third state entry, replicated (parallel.scaling)

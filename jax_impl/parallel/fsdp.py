@@ -107,7 +107,7 @@ class Trainer(ZeroSteps):
         self.unit_calls: dict[str, tuple[int, int]] | None = None  # zero3 shard_map, traced: (calls, re-gathers)
         self._loss, self._tx = loss, tx
         self.infos = theory.describe(params, self.sharded, self.units)
-        place = lambda specs, tree: {k: jax.device_put(jnp.copy(a), NamedSharding(mesh, specs[k]))  # a copy:
+        place = lambda specs, tree: {k: jax.device_put(np.asarray(a), NamedSharding(mesh, specs[k]))  # a copy:
                                      for k, a in tree.items()}  # the step donates it, the model keeps its own
         self.param_specs = {k: P(axis) if variant == "zero3" and k in self.sharded else P() for k in params}
         layout = None if style != "shard_map" or variant == "dp" else (
@@ -146,7 +146,7 @@ class Trainer(ZeroSteps):
     def _build(self, params: dict):
         tx, mesh, ax = self._tx, self.mesh, self.axis
         if self.variant == "zero1" and self.style == "shard_map":
-            opt_state = tx.init(self._flatten(params))
+            opt_state = jax.jit(lambda p: tx.init(self._flatten(p)))(params)  # one program, not one per op and shape
             o_specs = jax.tree.map(lambda a: P(ax) if a.ndim else P(), opt_state)
         else:
             shapes = jax.eval_shape(tx.init, params)

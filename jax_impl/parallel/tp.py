@@ -311,7 +311,7 @@ class Trainer:
                      "use an optimizer that reads no shapes (parallelize(..., style='jit') hands optax the "
                      "unpadded tree); for global-norm clipping apply_plan(..., clip=max_norm)")
         placed = self._place({k: a for k, (_, a) in zip(self.keys, leaves)})
-        params = {k: jax.device_put(jnp.copy(a), NamedSharding(mesh, self.specs[k]))  # a copy: the step donates it
+        params = {k: jax.device_put(np.asarray(a), NamedSharding(mesh, self.specs[k]))  # host copy: the step donates it
                   for k, a in placed.items()}
         opt_state = jax.jit(tx.init)(params)
         self.state = (params, opt_state)
