@@ -140,9 +140,9 @@ def test_duplicate_rows_are_keyed_not_scanned(base):
     from shared.diff import _index, validate
 
     runs = [base["runs"][0]] * 20000
-    t0 = time.process_time()
-    keys = _index(runs)
-    assert time.process_time() - t0 < 2 and len(keys) == 20000  # ~0.1 s of CPU here; scanning: minutes
+    t0 = time.thread_time()  # this thread's CPU: the worker's other threads (XLA's, a launch's) do not count
+    keys = _index(runs)  # (process_time did: 2.04 s once in a fresh clone's cold run, CPU spent elsewhere)
+    assert time.thread_time() - t0 < 5 and len(keys) == 20000  # ~0.1 s of CPU here; scanning: minutes
     bad = copy.deepcopy(base)
     bad["runs"] = [base["runs"][0]] * 1999 + [dict(base["runs"][0], ok="false")]
     with pytest.raises(ValueError, match=r"runs\[1999\]\.ok: expected boolean"):  # its own index, not the copy's
@@ -156,9 +156,9 @@ def test_diff_of_20000_duplicate_rows_takes_seconds(base, tmp_path, capsys):
     many = copy.deepcopy(base)
     many["runs"] = [base["runs"][0]] * 20000
     path = _write(tmp_path, "many.json", many)
-    t0 = time.process_time()
+    t0 = time.thread_time()  # this thread's CPU (the worker's other threads: not this test's)
     assert diff_main([path, path, "--json", str(tmp_path / "d.json")]) == 0
-    seconds = time.process_time() - t0
+    seconds = time.thread_time() - t0
     assert seconds < 10, seconds
     assert json.loads((tmp_path / "d.json").read_text())["rows"]["matched"] == 20000
     capsys.readouterr()
@@ -226,7 +226,7 @@ def _timed_refusal(argv, capsys) -> tuple[float, str]:
 def test_plan_refuses_dev_zero_at_once(flag, capsys):
     """--calibrate /dev/zero read until the kernel killed it (54 s, 24 GB resident)."""
     seconds, err = _timed_refusal([flag, "/dev/zero"], capsys)
-    assert seconds < 1 and "/dev/zero: a device or socket, not a file" in err
+    assert seconds < 10 and "/dev/zero: a device or socket, not a file" in err  # wall: reading it took 54 s
 
 
 @pytest.mark.parametrize("argv,says", [

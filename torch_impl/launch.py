@@ -393,11 +393,7 @@ def _rank_main(rank, world_size, port, fn, args, kind, results_q, timeout_s, thr
     results_q.close()
     results_q.join_thread()  # the answer is in the pipe before this process goes
     if status == 0:
-        gc.collect()  # free pipeline schedules / DDP reducers still holding the process group
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - teardown after success is best-effort
-            pass
+        _destroy_group()
     # Skip interpreter teardown: C++ threads of a process group left in reference cycles can abort
     # ("terminate called without an active exception") while Python finalises.
     os._exit(status)
@@ -418,13 +414,13 @@ def _torchrun_store(world_size: int, timeout_s: float):
     return dist.PrefixStore(f"parallel_twins/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def _destroy_at_exit() -> None:
-    """torchrun's rank leaves through ``sys.exit``: destroy the process group while the interpreter is
-    whole. Left to finalisation, gloo's threads still holding work objects abort the process ("terminate
+def _destroy_group() -> None:
+    """Destroy the process group while the interpreter is whole (a launched rank before os._exit; torchrun's
+    at exit). Left to finalisation, gloo's threads still holding work objects abort the process ("terminate
     called without an active exception", SIGABRT), which torchrun counts as a failed attempt: a rank that
     finished first (rank 1, with nothing to write) turned a good run red (pytorch/pytorch#179291)."""
     if dist.is_initialized():
-        gc.collect()  # free DDP reducers / schedules that still hold the group
+        gc.collect()  # free pipeline schedules / DDP reducers still holding the group
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - teardown after the results are out is best-effort
@@ -438,7 +434,7 @@ def _join_torchrun(fn, world_size, args, kind, timeout_s, progress=None, fallbac
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if not dist.is_initialized():
         ctx = _init(rank, env_world, local_rank, kind, timeout_s, store=_torchrun_store(env_world, timeout_s))
-        atexit.register(_destroy_at_exit)  # this process made the group: it takes it down before Python does
+        atexit.register(_destroy_group)  # this process made the group: it takes it down before Python does
     else:
         device = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
         ctx = RankContext(rank, env_world, local_rank, device, dist.get_backend(), CommLedger(env_world))
