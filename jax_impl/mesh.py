@@ -73,12 +73,16 @@ from shared.results import Trained
 from shared.theory import mesh_comm_jax, mesh_micro, mesh_state_bytes_jax
 
 
-def variants(cfg: Config) -> tuple[tuple[str, str], ...]:
-    """shard_map and jit on every layout; typed (sharding in types) where mesh_typed.refusal is None."""
+def variants(cfg: Config, full: bool = False) -> tuple[tuple[str, str], ...]:
+    """shard_map and jit on every layout; typed (sharding in types) where mesh_typed.refusal is None; a
+    style the recipe cannot run exactly (shared.recipe.refusal: compose's stacked blocks under a per-layer
+    --freeze) left out (``full``: kept, for the notes that say so)."""
     from jax_impl.mesh_typed import refusal
+    from shared.recipe import refusal as recipe_refusal
 
     styles = ("shard_map", "jit") + (("typed",) if refusal(cfg) is None else ())
-    return tuple((style, cfg.mesh_name) for style in styles)
+    return tuple((style, cfg.mesh_name) for style in styles
+                 if full or recipe_refusal("jax", "mesh", style, cfg.mesh_name, cfg) is None)
 
 
 def mesh_for(cfg: Config, device: str = "auto"):

@@ -26,6 +26,7 @@ def chosen_variants(framework, pattern, cfg, styles=None, full=False, tour=False
 
     module = importlib.import_module(f"{'torch_impl' if framework == 'torch' else 'jax_impl'}.{pattern}")
     every = list(module.VARIANTS if full and hasattr(module, "VARIANTS") else  # mesh: per layout only
+                 module.variants(cfg, full=True) if full and pattern == "mesh" and framework == "jax" else
                  getattr(module, "variants", lambda c: module.VARIANTS)(cfg))
     if styles is not None and "compiled" in styles:  # torch's compiled style runs only when asked for
         every += list(getattr(module, "COMPILED", ()) if full else

@@ -429,9 +429,11 @@ class Config:
             raise ValueError(f"mesh {name}: ep beside {' and '.join(beside)} is not composed (the experts' "
                              f"all-to-alls inside pipeline stages / a sequence ring are not built); use ep with "
                              f"dp, fsdp and tp, or --patterns pp,cp on the dense transformer")
-        if self.recipe_active or self.precision != "pure":
-            raise ValueError(f"mesh {name}: the recipe flags and --precision mixed with --experts under --mesh are "
-                             f"not built; they run under --patterns ep (drop them here)")
+        if self.precision != "pure":  # measured: 1.2e-1 .. 1.8e-1 gradient errors against floors of ~5e-3
+            raise ValueError(f"mesh {name}: --precision mixed with --experts under --mesh is not checked: on tp and "
+                             f"fsdp layouts its gradients land 1e-1 off against a floor of 5e-3 (likely the bfloat16 "
+                             f"router's near-ties, flipped by the layout's other rounding), so no verdict would mean "
+                             f"anything; it runs under --patterns ep, or use --precision pure here")
 
     def mesh_divisibility(self) -> list[tuple[str, int, str, int, str]]:
         """(size, its value, divided by, divisor, why) for every split the layout makes."""

@@ -111,6 +111,12 @@ def refusal(framework: str, pattern: str, style: str, variant: str, cfg) -> str 
                 "the whole batch, so they overflow at other loss scales and skip other steps (measured: steps 0-2,4 "
                 "against 0-3); "
                 "the circular pipeline (shard_map, jit) sums as the reference does and runs")
+    if framework == "jax" and pattern == "mesh" and (style == "shard_map" or (style == "jit" and cfg.moe)) and \
+            (partial := partly_frozen(cfg)):
+        return (f"{pattern}: jax {style} left out: --freeze {','.join(cfg.freeze)} freezes {partial} in some layers "
+                "only, and compose (which runs this layout) stacks the blocks' Params (S, L/S, …), one leaf per name "
+                "for every layer: freeze a block Param in every layer (blocks.*.NAME) or in none"
+                + ("" if cfg.moe else "; jit and typed apply it"))
     # (tp and ep: their typed steps stop the frozen entries of a {name: array} tree, not the model's state)
     if framework == "jax" and style == "typed" and cfg.freeze and cfg.model == "transformer" and \
             pattern not in ("tp", "ep"):
@@ -118,6 +124,20 @@ def refusal(framework: str, pattern: str, style: str, variant: str, cfg) -> str 
                 "model's state, where typed's stated embedding lookup stands in as an object (not arrays); "
                 "jit and shard_map apply it")
     return None
+
+
+def partly_frozen(cfg) -> str | None:
+    """The first block parameter (``blocks.*.NAME``) that --freeze freezes in some layers but not all, or None."""
+    if not cfg.freeze:
+        return None
+    from shared.problem import param_names
+
+    by_name: dict[str, set[bool]] = {}
+    for n in param_names(cfg):
+        head, _, rest = n.partition(".")
+        if head == "blocks":
+            by_name.setdefault(rest.partition(".")[2], set()).add(is_frozen(n, cfg.freeze))
+    return next((f"blocks.*.{k}" for k, seen in by_name.items() if len(seen) > 1), None)
 
 
 def refusals(cfgs, patterns, frameworks, variants_of) -> list[str]:

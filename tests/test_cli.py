@@ -67,6 +67,8 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--mesh", "dp=2,ep=2", "--model", "transformer", "--experts", "3"],
          "mesh dp=2,ep=2: experts=3 is not divisible by ep=2"),
         (["--mesh", "ep=2,pp=2", "--model", "transformer"], "mesh ep=2,pp=2: ep beside pp is not composed"),
+        (["--mesh", "dp=2,ep=2", "--model", "transformer", "--experts", "4", "--precision", "mixed", "--dtype",
+          "bfloat16"], "mesh dp=2,ep=2: --precision mixed with --experts under --mesh is not checked"),
         (["--mesh", "dp=2,fsdp=2", "--batch", "6"], "mesh dp=2,fsdp=2: batch=6 is not divisible by dp·fsdp=4"),
         (["--mesh", "dp=2,tp=2", "--heads", "3", "--dim", "12"], "mesh dp=2,tp=2: heads=3 is not divisible by tp=2"),
         (["--mesh", "dp=2,pp=4", "--layers", "6"], "mesh dp=2,pp=4: layers=6 is not divisible by pp=4"),
@@ -105,6 +107,17 @@ def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
     err = capsys.readouterr().err.strip()
     assert message in err
     assert len(err.splitlines()) == 1, err
+
+
+def test_a_recipe_that_leaves_every_run_out_exits_2(capsys):
+    """--freeze of one layer under a JAX mesh layout: compose stacks the blocks' Params (one leaf per name for
+    every layer), so shard_map and jit are left out, each with its note; with nothing left to run, exit 2."""
+    argv = ["--mesh", "ep=2,tp=2", "--model", "transformer", "--experts", "4", "--freeze", "blocks.1.*",
+            "--frameworks", "jax"]
+    assert compare.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "jax shard_map left out" in err and "jax jit left out" in err, err
+    assert "error: the recipe leaves every run out" in err and "blocks.*.NAME" in err, err
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is present")

@@ -7,8 +7,9 @@ weights: float64, 3 steps of optax.adamw(1e-2, weight_decay=0.1). shard_map runs
 ``comm_theory()`` against the compiled step's ledger per mesh axis.
 
 Default tier (budget: one compile of each kind): ep=2 × tp=2 clipped (binding) in shard_map, the
-refusals. Slow: dp=2 × ep=2 (theory = ledger), jit, the 8-device layouts (fsdp × ep × tp, HSDP × ep),
-experts= without ep, and compare.py's own MoE mesh run.
+refusals. Slow: dp=2 × ep=2 accumulating 2 micro-batches (theory = ledger), jit (accumulating, clipped),
+the 8-device layouts (fsdp × ep × tp, HSDP × ep), experts= without ep, and compare.py's own MoE mesh runs
+(plain, and with the recipe flags).
 
 Tolerance: losses 1e-12 relative, parameters 1e-12 absolute after 3 steps: float64, the layouts add the
 same products in another order (the all-to-alls regroup the rows, the all-reduces sum the devices'
@@ -62,17 +63,21 @@ def model():
     return _MODEL[0]
 
 
-def reference(clip=None):
+def reference(clip=None, k=1):
     """One device, the whole batch: CE + the layers' balancing losses, (torch's global clip,) AdamW.
-    (losses, {path: params}, global norms). One compiled step for both (clip as an argument: inf = none)."""
-    if clip in _REF:
-        return _REF[clip]
+    (losses, {path: params}, global norms). One compiled step for both (clip as an argument: inf = none).
+    ``k`` > 1: accumulation as one device does it, micro-batch j = rows [j·B/k, (j+1)·B/k), each with its own
+    balancing losses (its routing), loss / k each."""
+    if (clip, k) in _REF:
+        return _REF[clip, k]
     (x, y), tx = batch(), adamw()
     gdef, params = nnx.split(model())
 
     def loss_of(p):
-        m = nnx.merge(gdef, p)
-        return cross_entropy(m(x), y) + m.aux()
+        m, n, total = nnx.merge(gdef, p), B // k, 0
+        for j in range(k):
+            total = total + cross_entropy(m(x[j * n:(j + 1) * n]), y[j * n:(j + 1) * n]) + m.aux()
+        return total / k
 
     @jax.jit
     def step(p, opt, max_norm):
@@ -86,8 +91,8 @@ def reference(clip=None):
         params, opt, value, norm = step(params, opt, np.inf if clip is None else clip)
         losses.append(float(value))
         norms.append(float(norm))
-    _REF[clip] = losses, flat(nnx.merge(gdef, params)), norms
-    return _REF[clip]
+    _REF[clip, k] = losses, flat(nnx.merge(gdef, params)), norms
+    return _REF[clip, k]
 
 
 def run(layout, style="shard_map", clip=None, **kw):
@@ -100,7 +105,7 @@ def run(layout, style="shard_map", clip=None, **kw):
     for _ in range(STEPS):
         *state, loss = compiled(*state, *placed)
         losses.append(float(loss))
-    ref_losses, ref_params, norms = reference(clip)
+    ref_losses, ref_params, norms = reference(clip, kw.get("microbatches") or 1)
     got = t.to_paths(state[0])
     assert got.keys() == ref_params.keys(), (sorted(got), sorted(ref_params))
     out = {"loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
@@ -130,17 +135,20 @@ def test_ep_tp_clipped_equals_one_device(measured):
 
 
 @pytest.mark.slow  # 4-8 simulated devices, one compile each: ~3-6 s apiece on 2 cores
-@pytest.mark.parametrize("layout,style,clip", [({"dp": 2, "ep": 2}, "shard_map", None),
-                                               ({"ep": 2, "tp": 2}, "jit", CLIP),
-                                               ({"fsdp": 2, "ep": 2, "tp": 2}, "shard_map", None),
-                                               ({"dp": 2, "fsdp": 2, "ep": 2}, "shard_map", CLIP),
-                                               ({"dp": 4}, "shard_map", None)])
-def test_more_layouts_equal_one_device(layout, style, clip, measured):
+@pytest.mark.parametrize("layout,style,clip,mb", [({"dp": 2, "ep": 2}, "shard_map", None, 2),
+                                                  ({"ep": 2, "tp": 2}, "jit", CLIP, 2),
+                                                  ({"fsdp": 2, "ep": 2, "tp": 2}, "shard_map", None, None),
+                                                  ({"dp": 2, "fsdp": 2, "ep": 2}, "shard_map", CLIP, None),
+                                                  ({"dp": 4}, "shard_map", None, None)])
+def test_more_layouts_equal_one_device(layout, style, clip, mb, measured):
     """dp × ep (the experts' gradients summed over dp; theory = ledger), jit (shardings only: XLA places the
     collectives; fsdp × ep × tp under jit: compare.py's run below), fsdp × ep × tp and HSDP × ep (the experts
-    out of the ZeRO units), and experts= without ep (dp=4: the experts dense, the counts psummed over dp)."""
-    name = ",".join(f"{a}={n}" for a, n in layout.items()) + f" {style}" + (" clip" if clip else "")
-    assert_exact(run(layout, style, clip), name, measured)
+    out of the ZeRO units), and experts= without ep (dp=4: the experts dense, the counts psummed over dp).
+    ``mb`` = 2: accumulation, micro-batch j the batch's rows [j·B/2, (j+1)·B/2) with its own routing and
+    balancing losses (shard_map: each device's chunk j its share of them; jit: the global rows)."""
+    name = ",".join(f"{a}={n}" for a, n in layout.items()) + f" {style}" + (" clip" if clip else "") + \
+        (f" microbatches={mb}" if mb else "")
+    assert_exact(run(layout, style, clip, **({"microbatches": mb} if mb else {})), name, measured)
 
 
 REFUSALS = [  # (layout, compose's keywords, the one line's pattern)
@@ -154,7 +162,6 @@ REFUSALS = [  # (layout, compose's keywords, the one line's pattern)
     ({"ep": 2, "tp": 2}, {"plan": MOE_NET_PLAN | {"layers.*.moe.experts": "colwise"}},
      r"tp plan entry 'layers\.\*\.moe\.experts' names 'layers\.0\.moe\.experts', inside the experts"),
     ({"fsdp": 2, "ep": 2}, {"units": ["layers.*.moe.experts"]}, r"ZeRO unit glob 'layers\.\*\.moe\.experts' names"),
-    ({"ep": 2}, {"microbatches": 2}, r"microbatches=2 \(accumulation\) with ep"),
     ({"dp": 2, "pp": 2}, {"experts": ()}, r"aux= under pp=2"),
 ]
 
@@ -168,7 +175,7 @@ def test_refusals(layout, kw, words):
         compose(model(), layout, cross_entropy, adamw(), **args)
 
 
-@pytest.mark.slow  # compare.py's own run, 8 simulated devices, two compiles: ~25 s on 2 cores
+@pytest.mark.slow  # compare.py's own runs, 8 simulated devices, three compiles: ~35 s on 2 cores
 def test_compare_runs_the_moe_transformer_under_ep_in_jax(tmp_path, capsys):
     """`compare.py --model transformer --experts 4 --mesh fsdp=2,ep=2,tp=2 --frameworks jax` at the tests'
     sizes: shard_map and jit (both through compose) agree with the MoE transformer's single-device reference
@@ -194,3 +201,10 @@ def test_compare_runs_the_moe_transformer_under_ep_in_jax(tmp_path, capsys):
     assert sm["comm"]["all_to_all"] == {"count": count, "bytes": nbytes}, sm["comm"]
     assert compare.main(base + ["--styles", "typed", "--quiet"]) == 2  # refused before any run
     assert "the typed style has no ep axis" in capsys.readouterr().err
+    # the recipe flags through compose: a binding clip, 2 micro-batches (each its own routing), schedule, decay
+    # mask, frozen routers; shard_map (jit accumulating: test_more_layouts_equal_one_device)
+    recipe = ["--clip", "0.05", "--accumulate", "2", "--schedule", "warmup-cosine", "--decay-mask", "--freeze",
+              "blocks.*.mlp.router.weight", "--styles", "shard_map"]
+    assert compare.main(base + ["--steps", "3", "--quiet", "--json", str(out), *recipe]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["style"] for r in runs] == ["shard_map"] and runs[0]["ok"] and runs[0]["recipe"]["accumulate"] == 2

@@ -35,9 +35,14 @@ TORCH_LAYOUTS = {
 }
 FLOAT32_LAYOUT = "fsdp=2,tp=2"  # both styles; tp + fsdp: the most collectives of the 2-D layouts
 # The MoE transformer (E = 4, k = 2) under an ep axis (slow, on the 8-rank launch): dp × ep × tp (builtin:
-# FSDP2 on (dp, dp_shard = 1), the experts ignored) and dp × ep (builtin: DDP over dp); fsdp × ep × tp (the
-# issue's): test_compare_runs_the_moe_transformer_under_ep, through compare.py
+# FSDP2 on (dp, dp_shard = 1), the experts ignored) with the recipe (MOE_RECIPE), and dp × ep (builtin: DDP
+# over dp); fsdp × ep × tp (the issue's): test_compare_runs_the_moe_transformer_under_ep, through compare.py
 MOE_LAYOUTS = ("dp=2,ep=2,tp=2", "dp=4,ep=2")
+# the recipe on the first: the clip binds (the global norm counts each rank's E/ep experts once), 2 micro-batches
+# (each its own routing and balancing loss: rows [k·B/2, (k+1)·B/2) over the data ranks), schedule, decay mask,
+# the routers frozen
+MOE_RECIPE = {"clip": 0.05, "accumulate": 2, "schedule": "warmup-cosine", "decay_mask": True,
+              "freeze": ("blocks.*.mlp.router.weight",)}
 
 
 def mesh_cfg(ws: int, layout: str, dtype: str = "float64") -> Config:
@@ -47,7 +52,8 @@ def mesh_cfg(ws: int, layout: str, dtype: str = "float64") -> Config:
 
 def _torch_cfgs(ws: int) -> list[Config]:
     cfgs = [mesh_cfg(ws, layout) for layout in TORCH_LAYOUTS[ws]]
-    moe = [mesh_cfg(ws, layout).replace(experts=4, topk=2) for layout in MOE_LAYOUTS] if ws == 8 else []
+    moe = [mesh_cfg(ws, layout).replace(experts=4, topk=2, **(MOE_RECIPE if k == 0 else {}))
+           for k, layout in enumerate(MOE_LAYOUTS)] if ws == 8 else []
     return cfgs + moe + ([mesh_cfg(ws, FLOAT32_LAYOUT, "float32")] if ws == 4 else [])
 
 
@@ -200,8 +206,9 @@ def test_torch_mesh_moe_under_ep(torch_runs_8):
     """The MoE transformer with its experts split over ep beside fsdp / dp / tp, both styles: parity with the
     single-device MoE reference (1e-12, float64: the all-to-alls and all-reduces reorder sums); the bytes are
     unpriced (the all-to-alls follow the routing; shared/theory/mesh.py prices the dense model): the row says
-    so (comm_theory None) and the ledger shows ep's ops — per MoE layer one counts all-gather and 4 all-to-alls
-    (dispatch, combine, their reverses), and ONE all-reduce of the dense gradients over ep."""
+    so (comm_theory None) and the ledger shows ep's ops — per MoE layer and micro-batch one counts all-gather
+    and 4 all-to-alls (dispatch, combine, their reverses), and ONE all-reduce of the dense gradients over ep.
+    The first layout trains with the recipe (MOE_RECIPE: binding clip, 2 micro-batches, frozen routers)."""
     entries = [e for e in torch_runs_8["entries"] if e["cfg"].moe]
     assert [e["cfg"].mesh_name for e in entries] == list(MOE_LAYOUTS)
     _check_variants(entries)
@@ -211,15 +218,17 @@ def test_torch_mesh_moe_under_ep(torch_runs_8):
         assert trained.comm_theory is None and trained.extra["comm_by_axis_theory_per_rank"] == [None] * 8
         for ledger in trained.extra["comm_by_axis_per_rank"]:
             ep = ledger["ep"]
-            assert ep["all_gather"]["count"] == cfg.layers and ep["all_to_all"]["count"] == 4 * cfg.layers, ledger
+            k = cfg.accumulate * cfg.layers
+            assert ep["all_gather"]["count"] == k and ep["all_to_all"]["count"] == 4 * k, ledger
             assert ep["all_reduce"]["count"] == 1, ledger
 
 
 @pytest.mark.slow
 def test_compare_runs_the_moe_transformer_under_ep(tmp_path):
     """`compare.py --model transformer --experts 4 --mesh fsdp=2,ep=2,tp=2 --frameworks torch` (8 gloo ranks) at
-    the tests' sizes: both styles agree with the MoE transformer's single-device reference (the default
-    tolerance: float64 1e-12), the bytes unpriced (no theory: routing-dependent)."""
+    the tests' sizes, with the recipe flags (a binding clip, 2 micro-batches, schedule, decay mask, frozen
+    routers): both styles agree with the MoE transformer's single-device reference trained with the same recipe
+    (the default tolerance: float64 1e-12), the bytes unpriced (no theory: routing-dependent)."""
     import json
 
     import compare
@@ -227,10 +236,12 @@ def test_compare_runs_the_moe_transformer_under_ep(tmp_path):
     out = tmp_path / "moe.json"
     argv = ["--model", "transformer", "--experts", "4", "--mesh", "fsdp=2,ep=2,tp=2", "--frameworks", "torch",
             "--layers", "2", "--dim", "16", "--heads", "4", "--seq", "8", "--vocab", "32", "--batch", "8",
-            "--steps", "3", "--quiet", "--json", str(out)]
+            "--steps", "3", "--quiet", "--json", str(out), "--clip", "0.05", "--accumulate", "2", "--schedule",
+            "warmup-cosine", "--decay-mask", "--freeze", "blocks.*.mlp.router.weight"]
     assert compare.main(argv) == 0
     runs = json.loads(out.read_text())["runs"]
     assert {r["style"] for r in runs} == {"explicit", "builtin"} and all(r["ok"] for r in runs), runs
+    assert all(r["recipe"]["accumulate"] == 2 and r["recipe"]["clip"] == 0.05 for r in runs), runs
     assert all(r["comm_bytes_theory"] is None and r["comm_bytes"] > 0 for r in runs), runs
 
 

@@ -179,6 +179,10 @@ def local_batch(cfg: Config, problem: Problem, lay: Layout, device):
     rows, i, j = cfg.batch // cfg.data_size, cfg.data_index(lay.coords), lay.coords.get("cp", 0)
     pos = torch.tensor(cp_positions(cfg.seq, cfg.axis("cp"), j, "ring"), device=device)  # (T/c,) global
     x, y = inputs(cfg, problem, device), targets(cfg, problem, device)  # (B, T) each
+    K = cfg.accumulate
+    if cfg.moe and K > 1:  # chunk k of this rank's rows = its share of micro-batch k, rows [k·B/K, (k+1)·B/K)
+        pick = torch.arange(cfg.batch, device=device).reshape(K, cfg.data_size, -1)[:, i].reshape(-1)  # (B/d,)
+        return x[pick][:, pos], y[pick][:, pos], pos  # (the balancing loss is the micro-batch's, as the reference's)
     x, y = x[i * rows:(i + 1) * rows][:, pos], y[i * rows:(i + 1) * rows][:, pos]  # (B/d, T/c)
     return x, y, pos
 
@@ -217,7 +221,8 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
     params = [p for _, p in named]
     opt = recipe.optimizer(named, cfg)  # --decay-mask: the matrices' shards (≥ 2-D) decay, the gains not
     tp_split = {id(p) for k, p in held().items() if k in tp_held}
-    clip = lambda max_norm: global_clip_(params, max_norm, S, tp_split, t, fsdp)  # noqa: E731  (one scalar)
+    experts = (ep.ids, ep.n) if ep else ()  # ep's (E/ep, …) pieces: each held by world/ep ranks
+    clip = lambda max_norm: global_clip_(params, max_norm, S, tp_split, t, fsdp, *experts)  # noqa: E731  (one scalar)
     pipe = pp.Pipe(s, S, lay.groups.get("pp"))
     run = functools.partial(net, positions=pos)  # stage 0 embeds at the global positions
     last_step: dict = {}
@@ -343,7 +348,8 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
     named = list(stage.named_parameters())
     params = [p for _, p in named]
     opt = recipe.optimizer(named, cfg)  # --decay-mask: DTensors report the global shape
-    clip = lambda max_norm: global_clip_(params, max_norm, S, set(), t)  # noqa: E731  (DTensor placements)
+    experts = (ep.ids, ep.n) if ep else ()  # ep's plain (E/ep, …) pieces beside the DTensors
+    clip = lambda max_norm: global_clip_(params, max_norm, S, set(), t, None, *experts)  # noqa: E731  (placements)
     loss_of = stage_loss(loss_fn, styles, tp_mesh, "builtin")  # the micro-batch's mean CE, a local scalar
     loss_of = ep.with_aux(loss_of) if ep else loss_of  # + Σ_l the balancing losses (ep: no pp, one stage)
 

@@ -118,6 +118,8 @@ class GroupedExperts(nn.Module):
         with torch.no_grad():
             part.w_up.copy_(self.w_up[first - self.first:first - self.first + num])
             part.w_down.copy_(self.w_down[first - self.first:first - self.first + num])
+        for mine, whole in ((part.w_up, self.w_up), (part.w_down, self.w_down)):
+            mine.requires_grad_(whole.requires_grad)  # --freeze on the experts: they stay frozen
         return part
 
 

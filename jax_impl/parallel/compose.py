@@ -308,8 +308,13 @@ class Composed:
     def _batch(self, tokens, targets) -> tuple:
         order = self.check_batch(tokens)  # ring: 0…T−1; ring_zigzag: chunks r and 2c−1−r on device r
         rows = NamedSharding(self.mesh, P(one(self.data), self.seq))
-        return (jax.device_put(jnp.asarray(tokens)[:, order], rows),
-                jax.device_put(jnp.asarray(targets)[:, order], rows),  # the mean loss ignores token order
+        pick = np.arange(tokens.shape[0])
+        if self.style == "shard_map" and self.S == 1 and self.M > 1 and (self.experts.n > 1 or self.experts.aux):
+            # accumulation with experts: device i's chunk k = its share of micro-batch k, rows [k·B/M, (k+1)·B/M)
+            # (the balancing loss is per micro-batch); (M, d, m) -> (d, M, m)
+            pick = pick.reshape(self.M, self.d, -1).swapaxes(0, 1).reshape(-1)
+        return (jax.device_put(jnp.asarray(tokens)[pick][:, order], rows),
+                jax.device_put(jnp.asarray(targets)[pick][:, order], rows),  # the mean loss ignores token order
                 jax.device_put(jnp.asarray(order), NamedSharding(self.mesh, P(self.seq))))
 
     def compiled_text(self, tokens, targets) -> str:

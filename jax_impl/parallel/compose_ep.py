@@ -43,8 +43,13 @@ Collectives per step and device (shard_map; n local tokens = B·T/d, d = dp·fsd
 Refused before compiling (ComposeError, one line: what, which axes, the fix): ep beside pp or cp; ep > 1
 without ``experts=``; an ``experts=`` glob naming no module; a named module whose Params are not all
 stacked (E, …) with one E; E not divisible by ep; experts in some blocks and not others; a plan entry or
-a ZeRO unit glob naming an expert module or a module inside one; ``microbatches`` > 1 (accumulation)
-with ep or ``aux``; ``aux`` under pp.
+a ZeRO unit glob naming an expert module or a module inside one; ``aux`` under pp.
+
+Accumulation (``microbatches=K`` without pp) with ep or ``aux``: micro-batch k is the batch's rows
+[k·B/K, (k+1)·B/K), as one device accumulating K parts takes them (Megatron's per-micro-batch balancing
+loss): each routes and counts its own tokens (the counts summed over every data rank, per micro-batch)
+and adds its own balancing loss. shard_map places the rows so that device i's chunk k is its share of
+micro-batch k (``Composed._batch``); jit slices the global rows.
 """
 
 from __future__ import annotations
@@ -95,10 +100,6 @@ class Experts:
         if aux is not None and S > 1:
             raise ComposeError(f"compose: aux= under pp={S}: the layers' balancing losses sit on every stage; fix: "
                                "drop pp (dp / fsdp / ep / tp / cp carry aux=)")
-        if (microbatches or 1) > 1 and S == 1 and (n > 1 or aux is not None):
-            raise ComposeError(f"compose: microbatches={microbatches} (accumulation) with "
-                               f"{'ep' if n > 1 else 'aux='}: each chunk would route and count its own tokens, not "
-                               "the batch's; fix: microbatches=None (one chunk)")
         held = {key_of(k): tuple(a.shape) for k, a in jax.tree_util.tree_flatten_with_path(
             nnx.state(mods[""], nnx.Param))[0]}  # every Param path: a glob may name Params too
         paths = []

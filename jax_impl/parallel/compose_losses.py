@@ -61,11 +61,16 @@ def forward_loss(c, params, tokens, targets, positions, manual: bool):
     if S == 1 and M > 1:  # accumulation: M row chunks, their mean losses averaged (one gradient of it)
         if manual and c._trace is not None:
             c._trace["stream"] = ((m,) + h0.shape[1:], h0.dtype.itemsize)
-        return sum(c.loss(sp.head(c.root, head_parts(c, parts), stage(h0[k * m:(k + 1) * m])),
-                             targets[k * m:(k + 1) * m]) for k in range(M)) / M
+        total = 0
+        for k in range(M):  # with aux= (compose_ep.py): each chunk's own balancing losses, read after its forward
+            total = total + c.loss(sp.head(c.root, head_parts(c, parts), stage(h0[k * m:(k + 1) * m])),
+                                   targets[k * m:(k + 1) * m])
+            if c.experts.aux is not None:
+                total = total + c.experts.aux_value(c.root, parts, sp.blocks, layers)
+        return total / M
     if S == 1:
         loss = c.loss(sp.head(c.root, head_parts(c, parts), stage(h0)), targets)
-        # aux= (compose_ep.py): the layers' balancing losses of this forward, read after it (refused with pp / M > 1)
+        # aux= (compose_ep.py): the layers' balancing losses of this forward, read after it (refused with pp)
         return loss if c.experts.aux is None else loss + c.experts.aux_value(c.root, parts, sp.blocks, layers)
     h0 = h0.reshape((M, m) + h0.shape[1:])
     if manual and "pp" not in varying(h0):  # varying over pp once: its cotangent summed once
