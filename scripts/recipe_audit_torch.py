@@ -166,7 +166,7 @@ def reference(spec, recipe, data):
     trainable = [p for p in model.parameters() if p.requires_grad]
     loop(spec, recipe, model, model.named_parameters, adamw, data, None,
          clip=lambda _, m: torch.nn.utils.clip_grad_norm_(trainable, m))
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}  # tied: every name
 
 
 # --- the APIs: each returns {name: full tensor} of what this rank holds after training ---------------------------
@@ -281,11 +281,11 @@ def api_compose(ctx, spec, recipe, data, axis="fsdp", style="builtin"):
     if spec["build"] is not GPT2:
         raise NotOffered("compose trains (B, T) token batches with cross-entropy")
     how_clip, how_groups, frozen, schedule, k = RECIPES[recipe]
-    if how_clip == "torch" or k > 1:
-        raise NotOffered("compose steps inside train_step (clip: its max_norm=), and offers no accumulation")
+    if how_clip == "torch":
+        raise NotOffered("compose steps inside train_step (clip: its max_norm=)")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(axis,))
     trainer = compose.parallelize(build(spec, frozen), mesh, plan=spec["plan"] if axis == "tp" else None,
-                                  units=["m.transformer.h.*"], style=style,
+                                  units=["m.transformer.h.*"], style=style, microbatches=k,  # k > 1: accumulation
                                   optimizer=lambda ps: adamw(groups(list(enumerate(ps)), how_groups)))
     lr = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lr_lambda) if schedule else None
     for x, y in data:

@@ -28,13 +28,14 @@ B, T, V = 8, 3, 24
 CLIP = 0.05  # binds every step: the gradients' global norm is ~0.5-1 (asserted: norms > 2·CLIP)
 
 # default tier, 4 ranks: ep × tp (explicit clipped by the global norm) and dp × ep (ep folded into dp's
-# all-reduce), both styles; experts= without ep (dense weights; the balancing counts still summed over
-# every data rank)
+# all-reduce; explicit accumulating 2 micro-batches), both styles; experts= without ep (dense weights; the
+# balancing counts still summed over every data rank)
 CASES_4 = [({"ep": 2, "tp": 2}, "explicit", {"max_norm": CLIP}), ({"ep": 2, "tp": 2}, "builtin"),
-           ({"dp": 2, "ep": 2}, "explicit"), ({"dp": 2, "ep": 2}, "builtin"), ({"dp": 4}, "explicit")]
-# slow tier, 8 ranks: HSDP × ep (clipped once), fsdp × ep × tp, both styles
+           ({"dp": 2, "ep": 2}, "explicit", {"microbatches": 2}), ({"dp": 2, "ep": 2}, "builtin"),
+           ({"dp": 4}, "explicit")]
+# slow tier, 8 ranks: HSDP × ep (clipped once), fsdp × ep × tp, both styles (builtin: FSDP2 accumulating 2)
 CASES_8 = [({"dp": 2, "fsdp": 2, "ep": 2}, "explicit"), ({"dp": 2, "fsdp": 2, "ep": 2}, "builtin", {"max_norm": CLIP}),
-           ({"fsdp": 2, "ep": 2, "tp": 2}, "explicit"), ({"fsdp": 2, "ep": 2, "tp": 2}, "builtin")]
+           ({"fsdp": 2, "ep": 2, "tp": 2}, "explicit"), ({"fsdp": 2, "ep": 2, "tp": 2}, "builtin", {"microbatches": 2})]
 
 
 def adamw(params):
@@ -45,14 +46,19 @@ def batch():
     return made(torch.randint, 0, V, (B, T), seed=7), made(torch.randint, 0, V, (B, T), seed=8)
 
 
-def reference(max_norm=None):
-    """One process: the whole batch, CE + the layers' balancing losses, (torch's clip_grad_norm_,) AdamW."""
-    model, (x, y) = made(MoENet), batch()
+def reference(max_norm=None, microbatches=None):
+    """One process: the whole batch, CE + the layers' balancing losses, (torch's clip_grad_norm_,) AdamW.
+    ``microbatches`` K: accumulation as one process does it, part j = rows [j·B/K, (j+1)·B/K) with its own
+    balancing losses (its routing), loss / K each."""
+    model, (x, y), k = made(MoENet), batch(), microbatches or 1
     opt, losses, norms = adamw(model.parameters()), [], []
     for _ in range(STEPS):
         opt.zero_grad(set_to_none=True)
-        loss = compose.cross_entropy(model(x), y) + model.aux()
-        loss.backward()
+        loss = 0
+        for xs, ys in zip(x.chunk(k), y.chunk(k), strict=True):
+            part = (compose.cross_entropy(model(xs), ys) + model.aux()) / k
+            part.backward()
+            loss = loss + part.detach()
         if max_norm is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         opt.step()
@@ -60,7 +66,7 @@ def reference(max_norm=None):
     return losses, {k: p.detach() for k, p in model.named_parameters()}, norms
 
 
-def train(ctx, layout, style, labels, max_norm=None):
+def train(ctx, layout, style, labels, max_norm=None, microbatches=None):
     """This rank's part: losses, every parameter whole, the global norms (clipped), step 3's ledger and theory."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -68,7 +74,7 @@ def train(ctx, layout, style, labels, max_norm=None):
     mesh = init_device_mesh("cpu", tuple(layout.values()), mesh_dim_names=tuple(layout))
     trainer = compose.parallelize(model, mesh, plan=MOE_NET_PLAN if layout.get("tp", 1) > 1 else None,
                                   units=["layers.*"], experts=MOE_NET_EXPERTS, aux=model.aux, style=style,
-                                  optimizer=adamw)
+                                  optimizer=adamw, microbatches=microbatches)
     losses, norms = [], []
     for k in range(STEPS):
         if k == STEPS - 1:
@@ -98,11 +104,11 @@ def ranks(ctx, cases, labels: dict[str, str]):
 
 def compare(cases, every) -> dict[str, dict]:
     """{case name: result} from every rank's answers, each against the one-process reference."""
-    max_norm = lambda case: (case[2] if len(case) > 2 else {}).get("max_norm")  # noqa: E731
-    refs = {m: reference(m) for m in {max_norm(c) for c in cases}}
+    key = lambda case: tuple((case[2] if len(case) > 2 else {}).get(o) for o in ("max_norm", "microbatches"))  # noqa: E731
+    refs = {k: reference(*k) for k in {key(c) for c in cases}}
     out = {}
     for k, case in enumerate(cases):
-        (losses, state, norms, _, seconds), (ref_losses, ref_params, ref_norms) = every[0][k], refs[max_norm(case)]
+        (losses, state, norms, _, seconds), (ref_losses, ref_params, ref_norms) = every[0][k], refs[key(case)]
         assert list(state) == list(ref_params), (list(state), list(ref_params))
         out[name(case)] = {
             "layout": case[0], "style": case[1], "losses": losses, "ref_losses": ref_losses, "norms": norms,

@@ -53,7 +53,9 @@ CASES_4 = [({"fsdp": 2, "tp": 2}, "builtin"), ({"fsdp": 2, "tp": 2}, "explicit")
            # transformers' Qwen2 (q/k/v biases, GQA) with its own tp plan and a vocabulary tp does not divide
            ({"fsdp": 2, "tp": 2}, "explicit", {"family": "qwen2", "vocab": 97, "plan": "auto"}),
            # HSDP: replicate over dp × shard over fsdp (FSDP2's 2-D mesh; the wrapper + one dp all-reduce)
-           ({"dp": 2, "fsdp": 2}, "builtin"), ({"dp": 2, "fsdp": 2}, "explicit")]
+           ({"dp": 2, "fsdp": 2}, "builtin"), ({"dp": 2, "fsdp": 2}, "explicit"),
+           # accumulation without pp: 2 parts, FSDP2 reducing in the last (M + 1 gathers per unit, as under pp)
+           ({"fsdp": 2, "tp": 2}, "builtin", {"microbatches": 2})]
 # torch's clip_grad_norm_ inside the optimizer's step (a pre-hook): refused, plain pieces and FSDP2's DTensors
 REFUSED_4 = [({"fsdp": 2, "tp": 2}, "explicit", {"clip_in_optimizer": True}),
              ({"fsdp": 2, "pp": 2}, "builtin", {"clip_in_optimizer": True})]

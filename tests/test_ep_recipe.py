@@ -67,7 +67,18 @@ def _library_clip(ctx) -> dict:
         refused = None
     except LocalClipError as e:
         refused = str(e)
-    return {"norm": norm, "expected": float(expected), "refused": refused}
+    # the same clip inside the optimizer's own step pre-hook (it runs after the global check): found after the step
+    hooked = torch.optim.SGD(split.parameters(), lr=0.1)
+    hooked.register_step_pre_hook(lambda *_: torch.nn.utils.clip_grad_norm_(split.parameters(), 1e-3) and None)
+    split.zero_grad()
+    split(rows, counts).square().sum().backward()
+    ep.finish_gradients(split, ctx.group)
+    try:
+        hooked.step()
+        in_hook = None
+    except LocalClipError as e:
+        in_hook = str(e)
+    return {"norm": norm, "expected": float(expected), "refused": refused, "in_hook": in_hook}
 
 
 def _torch_rank(ctx):
@@ -127,6 +138,7 @@ def test_torch_library_clip_is_global_and_a_local_clip_is_refused(torch_runs):
     for lib in libs:
         assert abs(lib["norm"] - lib["expected"]) <= 1e-12 * lib["expected"], lib
         assert lib["refused"] and "LocalClipError" not in lib["refused"] and "ep.clip_grad_norm_" in lib["refused"]
+        assert lib["in_hook"] and "found after the optimizer's step" in lib["in_hook"], lib  # the pre-hook's clip
 
 
 def test_jax_recipe_float64():

@@ -104,7 +104,9 @@ class Trainer:
         check(self.layout, style, loss, plan)
         expert_paths = check_ep(model, self.layout, experts, plan, units, compile)  # ComposeError, nothing changed
         ax = lambda a: self.layout.get(a, 1)
-        self.S, self.t, self.c, self.M = ax("pp"), ax("tp"), ax("cp"), microbatches if ax("pp") > 1 else 1
+        # M: the pipeline's micro-batches (default 2), or without pp the accumulation's parts (default 1)
+        self.S, self.t, self.c = ax("pp"), ax("tp"), ax("cp")
+        self.M = microbatches or (2 if self.S > 1 else 1)
         if aux is not None and self.S > 1:
             raise ComposeError("compose: aux= with pp > 1: the pipeline calls the loss per micro-batch on the last "
                                "stage, which does not hold the earlier stages' terms; fix: aux=None under pp")
@@ -179,6 +181,9 @@ class Trainer:
                                f"T by {c}")
         pos = torch.tensor(cp_positions(seq, c, self.j, "ring"), device=tokens.device)
         r = rows // d
+        if self.S == 1 and self.M > 1 and self.experts is not None:  # accumulation with routed experts: part k
+            pick = torch.arange(rows, device=tokens.device).reshape(self.M, d, -1)[:, self.i].reshape(-1)  # (B/d,)
+            return tokens[pick][:, pos], targets[pick][:, pos], pos  # = this rank's share of rows [k·B/M, (k+1)·B/M)
         return tokens[self.i * r:(self.i + 1) * r][:, pos], targets[self.i * r:(self.i + 1) * r][:, pos], pos
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, max_norm: float | None = None) -> float:
@@ -196,9 +201,16 @@ class Trainer:
         watch = (compiled.Watch() if self._steps == 0 else compiled.steady()) if self.compiled else \
             contextlib.nullcontext()  # compiled: the first step compiles, later ones must not recompile
         with watch, seen as calls, parallel:
-            if self.schedule is None:
-                value = self._loss(self.run(x), y)
-                value.backward()
+            if self.schedule is None:  # M parts (accumulation), each loss / M; FSDP2 reduces in the last only
+                value = 0
+                for k, (xs, ys) in enumerate(zip(x.chunk(self.M), y.chunk(self.M), strict=True)):
+                    with self._quiet(k == self.M - 1):
+                        part = self._loss(self.run(xs), ys) / self.M
+                        part.backward()
+                    if self.experts is not None:
+                        self.experts.note()  # this part's routing (comm_theory sums the parts)
+                    torch.clear_autocast_cache()  # FSDP2 re-gathers into the same tensors: no stale bf16 cast
+                    value = value + part.detach()
             elif self.s == self.S - 1:
                 losses = []
                 self.schedule.step(*(() if self.s else (x,)), target=y, losses=losses)
@@ -233,6 +245,14 @@ class Trainer:
             self.optimizer.step()
         self.steps += 1
         return float(out[0]) / (self.d * self.c)
+
+    def _quiet(self, last: bool):
+        """Accumulation under FSDP2: reduce-scatter and reshard after the last part's backward only (as the
+        pipeline does); the other wrappers reduce once in ``_sync`` (the explicit FSDP's reduce-scatters add)."""
+        if self.fsdp2 and self.M > 1:  # the root is an FSDPModule: both recurse into every unit
+            self.module.set_requires_gradient_sync(last)
+            self.module.set_reshard_after_backward(last)
+        return contextlib.nullcontext()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """torch's ``clip_grad_norm_`` of the whole model, on every rank, after the step's reductions
@@ -372,7 +392,7 @@ class Trainer:
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, plan: dict[str, str] | str | None = None,
                 stage: Callable | None = None, units: list[str] = (), loss: Callable = cross_entropy,
-                optimizer: Callable, microbatches: int = 2, style: str = "builtin", cp: str = "ring",
+                optimizer: Callable, microbatches: int | None = None, style: str = "builtin", cp: str = "ring",
                 schedule: str = "gpipe", compile: bool | list[str] = False, experts: list[str] = (),
                 aux: Callable | None = None) -> Trainer:
     """dp|fsdp × pp × cp × tp on ``mesh`` (dims named from AXES) for ``model``: the module docstring.
@@ -382,7 +402,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, plan: dict[str, str] | st
     (parallel/compiled.py); the first step compiles (a step that compiles nothing is refused), a later step that
     would recompile raises. ``experts``: module path globs of the MoE layers' stacked experts, split over a
     mesh axis "ep" (compose_ep.py); ``aux()``: a term added to each rank's loss after its forward (e.g. the
-    MoE layers' balancing losses, which compose_ep's ``global_counts`` makes one device's)."""
+    MoE layers' balancing losses, which compose_ep's ``global_counts`` makes one device's).
+    ``microbatches``: under pp the schedule's micro-batches (default 2); without pp K parts of each rank's
+    rows accumulated in one step (loss / K each, one reduction; default 1; with experts part j is this rank's
+    share of rows [j·B/K, (j+1)·B/K), each part its own routing and balancing loss)."""
     if plan == "auto":
         plan = transformers_plan(model)
     check(sizes(mesh), style, loss, plan)

@@ -123,7 +123,7 @@ class ExpertAxis:
             parent = module.get_submodule(path.rpartition(".")[0])
             if hasattr(parent, "global_counts"):  # the balancing loss's seam
                 parent.global_counts = self.global_counts
-        self.calls, self.count_bytes = 0, 0
+        self.calls, self.count_bytes, self.noted = 0, 0, []
 
     def params(self, params) -> list[nn.Parameter]:
         return [p for p in params if id(p) in self.ids]
@@ -134,7 +134,11 @@ class ExpertAxis:
         return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
 
     def begin_step(self) -> None:
-        self.calls, self.count_bytes = 0, 0
+        self.calls, self.count_bytes, self.noted = 0, 0, []
+
+    def note(self) -> None:
+        """After each forward of the step (an accumulation's part): its routing's collectives, kept."""
+        self.noted.append([d.comm_theory() for d in self.dispatchers])
 
     def global_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """(E,) this rank's counts -> summed over every data rank (ONE all-reduce over dp × fsdp × ep, or
@@ -173,9 +177,10 @@ class ExpertAxis:
     def comm_theory(self, add, params, b: int) -> None:
         """ep's collectives of the last step (the Dispatchers' routing), the counts' all-reduces, the experts'
         gradient all-reduce over dp × fsdp; ``add(label, op, count, bytes)``."""
-        for d in self.dispatchers:
-            for op, (k, nbytes) in d.comm_theory().items():
-                add("ep", op, k, nbytes)
+        for part in self.noted:  # every forward of the last step (accumulation: one per part)
+            for ops in part:
+                for op, (k, nbytes) in ops.items():
+                    add("ep", op, k, nbytes)
         if self.calls:
             add(self.data_label, "all_reduce", self.calls, self.count_bytes)
         if self.unfolded:

@@ -44,7 +44,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 
@@ -283,6 +283,7 @@ class LocalClipError(RuntimeError):
 
 _SEALS: dict[int, tuple] = {}  # id(grad) -> (weakref(grad), its _version when sealed, wrapper, fix)
 _HOOKED: list[bool] = []
+_IN_SEALED_STEP = [0]  # sealed_step checks its own step (and can undo it): the global post-hook stands aside
 
 
 def seal(grads: Iterable[torch.Tensor | None], wrapper: str, fix: str) -> None:
@@ -298,8 +299,11 @@ def seal(grads: Iterable[torch.Tensor | None], wrapper: str, fix: str) -> None:
         for k in [k for k, v in _SEALS.items() if v[0]() is None]:
             del _SEALS[k]
     if not _HOOKED:
-        register_optimizer_step_pre_hook(lambda opt, args, kw: check_sealed(
-            p.grad for group in opt.param_groups for p in group["params"]))
+        held = lambda opt: (p.grad for group in opt.param_groups for p in group["params"])  # noqa: E731
+        register_optimizer_step_pre_hook(lambda opt, args, kw: check_sealed(held(opt)))
+        # a clip the global pre-hook cannot see (it runs before the optimizer's own pre-hooks and step()): after
+        register_optimizer_step_post_hook(lambda opt, args, kw: None if _IN_SEALED_STEP[0] else
+                                          check_sealed(held(opt), after=True))
         _HOOKED.append(True)
 
 
@@ -311,15 +315,18 @@ def refresh(grads: Iterable[torch.Tensor | None]) -> None:
             _SEALS[id(g)] = (entry[0], g._version, *entry[2:])
 
 
-def check_sealed(grads: Iterable[torch.Tensor | None]) -> None:
+def check_sealed(grads: Iterable[torch.Tensor | None], after: bool = False) -> None:
+    """``after``: called after the optimizer's step (its own pre-hooks and ``step()`` ran, and updated)."""
     for g in grads:
         entry = _SEALS.get(id(g)) if g is not None else None
         if entry is not None and entry[0]() is g and g._version != entry[1]:
+            where = " (found after the optimizer's step, whose update used it: a clip in the optimizer's own step " \
+                "pre-hook or step(); stop this run)" if after else ""
             raise LocalClipError(
                 f"{entry[2]}: a gradient {tuple(g.shape)} was changed in place after {entry[2]} produced it and before "
                 "the optimizer step — torch.nn.utils.clip_grad_norm_ over what this rank holds computes the LOCAL "
                 "norm (not the model's: silently wrong), and any other in-place edit would miss the layout. Fix: "
-                f"{entry[3]}")
+                f"{entry[3]}{where}")
 
 
 # --- the step a trainer makes for its user (pp, compose): a clip inside the user's optimizer --------------
@@ -358,10 +365,12 @@ def sealed_step(optimizer, params: list[torch.Tensor], wrapper: str, fix: str, u
     if undo:
         saved = ([p.detach().clone() for p in params], copy.deepcopy(optimizer.state_dict()))
     handle = optimizer.register_step_pre_hook(check)  # after the user's hooks: they run first
+    _IN_SEALED_STEP[0] += 1
     try:
         optimizer.step()
     finally:
         handle.remove()
+        _IN_SEALED_STEP[0] -= 1
     try:
         check()
     except LocalClipError as e:
