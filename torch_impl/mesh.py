@@ -79,6 +79,7 @@ from torch_impl.parallel.compose_axes import (
     apply_tp,
     global_clip_,
     local_logits,
+    micro_major_rows,
     stage_loss,
 )
 from torch_impl.parallel.cp import RingCore
@@ -179,10 +180,9 @@ def local_batch(cfg: Config, problem: Problem, lay: Layout, device):
     rows, i, j = cfg.batch // cfg.data_size, cfg.data_index(lay.coords), lay.coords.get("cp", 0)
     pos = torch.tensor(cp_positions(cfg.seq, cfg.axis("cp"), j, "ring"), device=device)  # (T/c,) global
     x, y = inputs(cfg, problem, device), targets(cfg, problem, device)  # (B, T) each
-    K = cfg.accumulate
-    if cfg.moe and K > 1:  # chunk k of this rank's rows = its share of micro-batch k, rows [k·B/K, (k+1)·B/K)
-        pick = torch.arange(cfg.batch, device=device).reshape(K, cfg.data_size, -1)[:, i].reshape(-1)  # (B/d,)
-        return x[pick][:, pos], y[pick][:, pos], pos  # (the balancing loss is the micro-batch's, as the reference's)
+    if cfg.moe and cfg.accumulate > 1:  # chunk k = this rank's share of micro-batch k (the balancing loss's)
+        pick = micro_major_rows(cfg.batch, cfg.accumulate, cfg.data_size, i, device)  # (B/d,)
+        return x[pick][:, pos], y[pick][:, pos], pos
     x, y = x[i * rows:(i + 1) * rows][:, pos], y[i * rows:(i + 1) * rows][:, pos]  # (B/d, T/c)
     return x, y, pos
 

@@ -81,6 +81,7 @@ from torch_impl.parallel.compose_axes import (  # noqa: F401  (ComposeError, che
     global_clip_,
     group_over,
     local_logits,
+    micro_major_rows,
     sizes,
     stage_loss,
     transformers_plan,
@@ -182,8 +183,8 @@ class Trainer:
         pos = torch.tensor(cp_positions(seq, c, self.j, "ring"), device=tokens.device)
         r = rows // d
         if self.S == 1 and self.M > 1 and self.experts is not None:  # accumulation with routed experts: part k
-            pick = torch.arange(rows, device=tokens.device).reshape(self.M, d, -1)[:, self.i].reshape(-1)  # (B/d,)
-            return tokens[pick][:, pos], targets[pick][:, pos], pos  # = this rank's share of rows [k·B/M, (k+1)·B/M)
+            pick = micro_major_rows(rows, self.M, d, self.i, tokens.device)  # (B/d,)
+            return tokens[pick][:, pos], targets[pick][:, pos], pos
         return tokens[self.i * r:(self.i + 1) * r][:, pos], targets[self.i * r:(self.i + 1) * r][:, pos], pos
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, max_norm: float | None = None) -> float:

@@ -258,6 +258,13 @@ def global_clip_(params, max_norm: float, stages: int, tp_split: set[int], tp: i
     return total
 
 
+def micro_major_rows(rows: int, parts: int, data: int, i: int, device=None) -> torch.Tensor:
+    """(rows/data,) indices: data rank i's share of each of the ``parts`` micro-batches, rows [k·B/K, (k+1)·B/K)
+    for k in order, so that its k-th chunk holds the same tokens as one process's k-th accumulation part (what
+    a per-micro-batch balancing loss needs; for a plain mean loss any split gives the same gradient)."""
+    return torch.arange(rows, device=device).reshape(parts, data, -1)[:, i].reshape(-1)
+
+
 def group_over(mesh: DeviceMesh, axes: list[str]):
     """(sub-mesh, group) over ``axes`` together (flattened when several), or (None, None)."""
     if not axes:
