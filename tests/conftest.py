@@ -77,13 +77,19 @@ def pytest_terminal_summary(terminalreporter):
 # suite distributes whole files over its two workers (--dist loadfile: one torch launch per module), in
 # collection order, so a heavy module collected last would run alone at the end. Re-measure with
 # ``pytest [-m slow] --durations=0`` when a module grows; the rest keep their order.
-HEAVY_FIRST = {
-    "slow": ("test_cli", "test_checkpoint_jax", "test_pp", "test_recompute", "test_checkpoint_xfw",
-             "test_gpu_readiness", "test_checkpoint_torch", "test_compose_jax", "test_examples", "test_mesh",
-             "test_restarts", "test_multiprocess"),
-    "default": ("test_cli", "test_recipe_jax", "test_compose_torch", "test_pp", "test_mesh", "test_own_model_jax",
-                "test_compose_jax", "test_cp", "test_dp", "test_mixed_jax", "test_tp", "test_timing",
-                "test_recipe_cli", "test_checkpoint_jax", "test_reliability", "test_checkpoint_torch"),
+HEAVY_FIRST = {  # measured 2026-11-29 (idle, 2 cores, cold JAX cache): every module of >= 14 s, heaviest first
+    "slow": ("test_checkpoint_jax", "test_pp", "test_gpu_readiness", "test_examples", "test_cli",
+             "test_compose_models_jax", "test_compose_torch", "test_mesh", "test_checkpoint_torch", "test_signals",
+             "test_recipe_cli", "test_restarts", "test_multiprocess", "test_compiled", "test_checkpoint_xfw",
+             "test_recompute", "test_compose_ep_jax", "test_recipe_audit", "test_cpu_paths", "test_ep_recipe",
+             "test_ep", "test_cp", "test_tp", "test_compose_jax", "test_pp_seam_jax", "test_dp", "test_fsdp",
+             "test_properties", "test_reliability", "test_gpu", "test_own_model_jax", "test_recipe_jax"),
+    "default": ("test_recipe_jax", "test_cli", "test_pp", "test_compose_torch", "test_recipe_cli", "test_mixed_jax",
+                "test_dp", "test_mesh", "test_compose_jax", "test_timing", "test_tp", "test_own_model_jax",
+                "test_multiprocess", "test_fsdp", "test_cp", "test_reliability", "test_checkpoint_jax",
+                "test_tp_plan_jax", "test_ep_recipe", "test_ep", "test_compose_models_jax", "test_plan",
+                "test_checkpoint_torch", "test_properties", "test_pp_seam_jax", "test_gpu_readiness", "test_examples",
+                "test_cp_seam_jax"),
 }
 
 
