@@ -48,7 +48,7 @@ def all_cfgs(ws: int) -> list[Config]:
 
 def jax_cfgs(ws: int, full: bool = False) -> list[Config]:
     """The MLP at world size 2 (both dtypes, every style); at 4 the transformer alone (the MLP's world-size-4
-    steps are its world-size-2 programs on more devices: ~7 s of compiling that proved nothing new)."""
+    runs are the same step code at another device count: ~9 s of compiling, issue 46; ``full``: both)."""
     mlp = make_cfgs(ws) if full or ws == 2 else []
     return mlp + make_cfgs(ws, "transformer", DTYPES if full else JAX_TRANSFORMER_DTYPES[ws])
 

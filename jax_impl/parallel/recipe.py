@@ -240,7 +240,8 @@ def check(tx: optax.GradientTransformation, params: dict, layout: Layout | None,
     # once per tree instead of once per op and shape (compose's stacked view: shapes no other run has).
     # An accumulating tx always jitted: MultiSteps builds new cond branches on every eager call, so each of
     # its 12 probe calls compiled them again (two wrappers on a 3-layer model: 8.4 s eager, 2.5 s jitted)
-    jit = jit or accumulates(tx)
+    accumulating = accumulates(tx)
+    jit = jit or accumulating
     init, update = (jax.jit(tx.init), jax.jit(tx.update)) if jit else (tx.init, tx.update)
     with jax.default_device(jax.local_devices(backend="cpu")[0]):  # own process (jax.distributed)
         ref_p = {k: np.asarray(a) for k, a in _bounded(params, layout.n).items()}
@@ -257,7 +258,7 @@ def check(tx: optax.GradientTransformation, params: dict, layout: Layout | None,
         rng, p = np.random.default_rng(seed), ref_p
         # an accumulating tx (optax.MultiSteps) updates every K-th call, and a warmup from 0 makes its first
         # update 0: 12 calls (K <= 4 gives >= 3 real updates; before, zero1 × MultiSteps + mask passed: 6e-3 off)
-        for scale in (1e4, 1e4, 1e-4) * (4 if accumulates(tx) else 1):
+        for scale in (1e4, 1e4, 1e-4) * (4 if accumulating else 1):
             g = {k: _grad(rng, a.shape, scale).astype(a.dtype) for k, a in p.items()}
             u_ref, ref_state = update(g, ref_state, p)
             try:
