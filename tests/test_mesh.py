@@ -204,23 +204,46 @@ def test_torch_mesh_2d_state(torch_runs_4):
 @pytest.mark.slow
 def test_torch_mesh_moe_under_ep(torch_runs_8):
     """The MoE transformer with its experts split over ep beside fsdp / dp / tp, both styles: parity with the
-    single-device MoE reference (1e-12, float64: the all-to-alls and all-reduces reorder sums); the bytes are
-    unpriced (the all-to-alls follow the routing; shared/theory/mesh.py prices the dense model): the row says
-    so (comm_theory None) and the ledger shows ep's ops — per MoE layer and micro-batch one counts all-gather
-    and 4 all-to-alls (dispatch, combine, their reverses), and ONE all-reduce of the dense gradients over ep.
-    The first layout trains with the recipe (MOE_RECIPE: binding clip, 2 micro-batches, frozen routers)."""
+    single-device MoE reference (1e-12, float64: the all-to-alls and all-reduces reorder sums); the ledger shows
+    ep's ops — per MoE layer and micro-batch one counts all-gather and 4 all-to-alls (dispatch, combine, their
+    reverses), and ONE all-reduce of the dense gradients over ep. dp × ep is priced (mesh_moe_comm_torch, the
+    all-to-alls from the last step's counts): the theory equals the ledger per axis on every rank; with tp (and
+    --freeze) the row stays unpriced (comm_theory None). The first layout trains with the recipe (MOE_RECIPE:
+    binding clip, 2 micro-batches, frozen routers)."""
     entries = [e for e in torch_runs_8["entries"] if e["cfg"].moe]
     assert [e["cfg"].mesh_name for e in entries] == list(MOE_LAYOUTS)
     _check_variants(entries)
     for cfg, style, variant, trained, ref in _runs(entries):
         errors = parity(trained, ref)
         assert within(errors, cfg.dtype), (style, variant, errors)
-        assert trained.comm_theory is None and trained.extra["comm_by_axis_theory_per_rank"] == [None] * 8
-        for ledger in trained.extra["comm_by_axis_per_rank"]:
+        ledgers, theories = trained.extra["comm_by_axis_per_rank"], trained.extra["comm_by_axis_theory_per_rank"]
+        if cfg.axis("tp") > 1:
+            assert trained.comm_theory is None and theories == [None] * 8
+        else:  # dp × ep: priced, every rank (each its own routing)
+            assert ledgers == theories and trained.comm_theory == comm_bytes(trained.comm), (ledgers, theories)
+        for ledger in ledgers:
             ep = ledger["ep"]
             k = cfg.accumulate * cfg.layers
             assert ep["all_gather"]["count"] == k and ep["all_to_all"]["count"] == 4 * k, ledger
             assert ep["all_reduce"]["count"] == 1, ledger
+
+
+def test_moe_theory_equals_a_measured_dp_ep_ledger():
+    """mesh_moe_comm_torch against the ledger of `compare.py --model transformer --experts 4 --mesh dp=2,ep=2
+    --frameworks torch --clip 0.05 --accumulate 2` (L=2 D=16 H=4 T=8 V=32 B=8, float64; both styles, every rank:
+    dp 5 all-reduces 92,928 B, ep 4 all-gathers 256 B + 1 all-reduce 27,264 B, the clip's 8 B on the world).
+    The all-to-alls follow the routing: rank 0 moved 34,048 B = 2·rows·D·b with rows = 133 sent + received.
+    The layouts it does not hold yet (tp or fsdp beside ep, --freeze) get None: unpriced, never a guess."""
+    from shared.theory import mesh_moe_comm_torch
+
+    cfg = Config(world_size=4, model="transformer", layers=2, dim=16, heads=4, seq=8, vocab=32, batch=8,
+                 experts=4, topk=2, clip=0.05, accumulate=2, mesh=parse_mesh("dp=2,ep=2"))
+    assert mesh_moe_comm_torch(cfg, 133) == {
+        "dp": {"all_reduce": (5, 92928)}, "world": {"all_reduce": (1, 8)},
+        "ep": {"all_gather": (4, 256), "all_reduce": (1, 27264), "all_to_all": (16, 34048)}}
+    for ws, other in ((8, "dp=2,ep=2,tp=2"), (4, "fsdp=2,ep=2")):
+        assert mesh_moe_comm_torch(cfg.replace(world_size=ws, mesh=parse_mesh(other)), 133) is None
+    assert mesh_moe_comm_torch(cfg.replace(freeze=("wpe.weight",)), 133) is None
 
 
 @pytest.mark.slow

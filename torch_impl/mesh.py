@@ -11,7 +11,8 @@ Replicated gradients are averaged over the data axis and cp together: ONE group 
   ep (--experts)    a data axis for the dense weights (one more gradient all-reduce over ep); every MoE
                     layer's experts split E/ep per ep rank behind a Dispatcher (``ExpertsOnEp``), replicated
                     over dp × fsdp × tp; per layer a counts all-gather and 4 all-to-alls (routing-dependent
-                    bytes: these rows are unpriced); ep beside pp / cp refused (Config)
+                    bytes: dp × ep priced from the last step's counts, shared.theory.mesh_moe_comm_torch; with
+                    tp or fsdp unpriced); ep beside pp / cp refused (Config)
 
 Collectives per step, by axis (A = m·(T/c)·D·b; shared.theory.mesh_comm_torch):
   tp    all-reduces: per micro-batch 4 per block + embedding g + head f of A, + the loss's
@@ -57,6 +58,7 @@ from shared.theory import (
     mesh_coords,
     mesh_grad_axes,
     mesh_micro,
+    mesh_moe_comm_torch,
     mesh_state_bytes_torch,
 )
 from torch_impl import pp, recipe
@@ -204,7 +206,7 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
     stage = build_stage(cfg, problem, s, ctx.device)
     recipe.freeze_(stage, cfg)  # --freeze: before every wrapper (fixture names)
     styles = apply_tp(stage, TRANSFORMER_PLAN, lay.dm["tp"], "explicit") if t > 1 else {}  # this stage's modules
-    ep = ExpertsOnEp(cfg, stage, lay, "explicit") if cfg.moe else None  # the MoE layers' mlp: not tp-split
+    ep = ExpertsOnEp(cfg, stage, lay, "explicit", ctx.ledger) if cfg.moe else None  # the MoE layers' mlp: not tp-split
     held = lambda: {(id(o), a): p for o in stage.modules() for a, p in o._parameters.items() if p is not None}
     tp_held = {k for k, p in held().items() if hasattr(p, "tp_size")}  # split over tp (FSDP shards them next)
     loss_of = stage_loss(loss_fn, styles, lay.dm["tp"] if t > 1 else None, "explicit")  # vocab CE on (m, T/c, V/t)
@@ -253,7 +255,7 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
                  grads=lambda: [p.grad for p in params],
                  fixture=stage_fixture(cfg, lay, stage, named, full), params=params, optimizer=opt,
                  loss_reduction="mean", group=None,
-                 extra={"last_step": last_step})
+                 extra={"last_step": last_step, "experts": ep})
 
 
 def stage_fixture(cfg: Config, lay: Layout, stage: nn.Module, named: list, full):
@@ -285,9 +287,9 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     ctx.ledger.label_groups(_LABELS)
     try:
         setup = explicit_setup(cfg, problem, ctx, lay) if style == "explicit" else builtin_setup(cfg, problem, ctx, lay)
-        # --freeze: the frozen parameters skip their reductions and AdamW state; ep (the MoE transformer): the
-        # all-to-alls' bytes follow the routing and shared/theory/mesh.py prices the dense model only:
-        # measured, no formula here (unpriced rows)
+        # --freeze: the frozen parameters skip their reductions and AdamW state (unpriced rows); ep (the MoE
+        # transformer): the all-to-alls' bytes follow the routing, priced after training from the last step's
+        # counts where mesh_moe_comm_torch holds (dp × ep), else unpriced
         known = not cfg.freeze and not cfg.moe
         setup.comm_theory = mesh_comm_bytes_torch(cfg, style, ctx.rank) if known else None
         theory = {label: {op: {"count": n, "bytes": b} for op, (n, b) in ops.items()}
@@ -295,7 +297,13 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         setup.extra.update(comm_by_axis_theory=theory,
                            state_bytes_theory=mesh_state_bytes_torch(cfg, style, ctx.rank) if known else None)
         last_step, schedule = setup.extra.pop("last_step", {}), setup.extra.pop("schedule", None)
+        experts = setup.extra.pop("experts", None)
         trained = train_loop(cfg, ctx, setup)
+        moe = experts and experts.routed and mesh_moe_comm_torch(cfg, experts.routed_rows())  # the recorded step
+        if moe:
+            trained.comm_theory = sum(nb for ops in moe.values() for _, nb in ops.values())  # no recv here
+            trained.extra["comm_by_axis_theory"] = {label: {op: {"count": n, "bytes": b} for op, (n, b) in ops.items()}
+                                                    for label, ops in moe.items()}
     finally:
         ctx.ledger.label_groups({})
     # every rank's view (bookkeeping after training): stages differ
@@ -328,7 +336,7 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
         parallel_loss = loss_parallel  # CE over the Shard(-1) logits: 3 all-reduces of (m, T)
         if S > 1 and s == S - 1:  # the pipeline passes plain tensors: local logits out, DTensor again in the loss
             local_logits(stage.head)  # (m, T, V/t)
-    ep = ExpertsOnEp(cfg, stage, lay, "builtin") if cfg.moe else None
+    ep = ExpertsOnEp(cfg, stage, lay, "builtin", ctx.ledger) if cfg.moe else None
     ignored = set(ep.params) if ep else None  # FSDP2: the experts stay whole (ep's; lay.experts_group averages them)
     quiet = lambda last: contextlib.nullcontext()  # noqa: E731  (accumulation without pp: the reduction once)
     if cfg.replicate > 1:  # HSDP: FSDP2 on the 2-D (dp, fsdp) mesh (builtin has no cp)
@@ -394,7 +402,7 @@ def builtin_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout) 
                  grads=lambda: [p.grad for p in params],
                  fixture=stage_fixture(cfg, lay, stage, named, full), params=params, optimizer=opt,
                  loss_reduction="mean", group=None,
-                 extra={"schedule": schedule})
+                 extra={"schedule": schedule, "experts": ep})
 
 
 # --- ep: the MoE transformer's experts ------------------------------------------------------------------
@@ -410,23 +418,38 @@ class ExpertsOnEp:
     averaged over ep (ONE flat all-reduce), the experts' averaged over dp × fsdp (the data wrapper's
     all-reduce without fsdp; with fsdp ONE flat all-reduce over ``experts_group``), then / ep."""
 
-    def __init__(self, cfg: Config, stage: nn.Module, lay: Layout, style: str):
-        self.n, self.group, self.lay = cfg.axis("ep"), lay.groups["ep"], lay
+    def __init__(self, cfg: Config, stage: nn.Module, lay: Layout, style: str, ledger=None):
+        self.n, self.group, self.lay, self.ledger = cfg.axis("ep"), lay.groups["ep"], lay, ledger
         per = cfg.experts // self.n
         mine = range(lay.coords["ep"] * per, (lay.coords["ep"] + 1) * per)
         other = [a for a in ("dp", "fsdp") if cfg.axis(a) > 1]  # the counts: over ep, then over these
         counts_group = lay.experts_group or (lay.groups[other[0]] if other else None)  # (dp, fsdp): experts_group
         self.moes = [block.mlp for block in stage.blocks.values()]
+        self.routed: list[int] = []  # per MoE call in a recorded step: the rows this rank sends + receives
+        self.calls_per_step = len(self.moes) * cfg.pipeline_microbatches
         for moe in self.moes:
             moe.experts = moe.experts.shard(mine.start, len(mine))
             d = Dispatcher(cfg.experts, moe.experts, self.group, ALL_TO_ALL[style])
             moe.dispatch = d
-            moe.global_counts = d.global_counts if counts_group is None else functools.partial(
-                _summed, d.global_counts, counts_group)
+            counted = functools.partial(self._counted, d)
+            moe.global_counts = counted if counts_group is None else functools.partial(_summed, counted, counts_group)
         self.params = [p for moe in self.moes for p in moe.experts.parameters()]
         self.ids = {id(p) for p in self.params}
         self.names = {f"blocks.{k}.mlp.experts.{n}" for k in stage.blocks for n, _ in
                       self.moes[0].experts.named_parameters()}
+
+    def _counted(self, d: Dispatcher, counts: torch.Tensor) -> torch.Tensor:
+        """The Dispatcher's counts exchange, noting in the steps the ledger records (not bench --overhead's bare
+        steps after them) the rows its all-to-alls will move, from the (ep, E) counts."""
+        total = d.global_counts(counts)
+        if self.ledger is not None and self.ledger.active:
+            self.routed.append(sum(d.c[d.rank]) + sum(d.c[src][e] for src in range(d.n) for e in d.mine))
+        return total
+
+    def routed_rows(self) -> int:
+        """Σ over the last recorded step's MoE calls (layers × parts) of the rows sent + received (the ledger's
+        step; shared.theory.mesh_moe_comm_torch)."""
+        return sum(self.routed[-self.calls_per_step:])
 
     def with_aux(self, loss_of):
         return lambda out, y: loss_of(out, y) + sum(moe.aux for moe in self.moes)

@@ -75,6 +75,7 @@ from shared.theory.mesh import (  # noqa: F401
     mesh_coords,
     mesh_grad_axes,
     mesh_micro,
+    mesh_moe_comm_torch,
     mesh_stage_param_count,
     mesh_state_bytes_jax,
     mesh_state_bytes_torch,

@@ -251,6 +251,34 @@ def mesh_comm_torch(cfg: Config, style: str, rank: int) -> dict[str, dict[str, t
     return out
 
 
+def mesh_moe_comm_torch(cfg: Config, routed_rows: int) -> dict[str, dict[str, tuple[int, int]]] | None:
+    """The MoE transformer under a dp × ep layout (tp = fsdp = 1), both torch styles, one rank: ep is an axis
+    of its own (torch_impl/mesh.py ExpertsOnEp), the batch split over dp·ep, E/ep experts per rank. Per MoE
+    layer and micro-batch part (M = --accumulate parts): ep all-gathers the (E,) int64 counts from its ep ranks
+    and moves the routed rows in 4 all-to-alls (dispatch, combine, their reverses: ``routed_rows`` = Σ over
+    layers and parts of the rows this rank sends plus those it receives, from the counts; each way once,
+    hence 2·rows·D·b), and dp all-reduces the counts (the balancing loss's sums). Gradients: ONE all-reduce over
+    dp of all the rank holds (the dense weights and its E/ep experts: DDP's one bucket, or the explicit flat
+    buffer), then ONE over ep of the dense ones (the experts differ by ep rank). --clip: one scalar over the
+    world. None where the formula is not held against the ledger yet: tp or fsdp beside ep, --freeze."""
+    if cfg.axis("tp") > 1 or cfg.axis("fsdp") > 1 or cfg.freeze or not cfg.moe:
+        return None
+    model, b = Model.from_config(cfg), cfg.bytes_per_element
+    L, M, E, ep, dp = cfg.layers, cfg.pipeline_microbatches, cfg.experts, cfg.axis("ep"), cfg.axis("dp")
+    dense = model.params - L * model.expert_elements(1)  # every expert of every layer out
+    mine = L * model.expert_elements(ep)  # this rank's E/ep experts per layer
+    out = {"ep": {"all_gather": (L * M, L * M * ep * E * 8), "all_reduce": (1, dense * b),
+                  "all_to_all": (4 * L * M, 2 * routed_rows * cfg.dim * b)}}
+    if dp > 1:
+        out["dp"] = {"all_reduce": (L * M + 1, L * M * E * 8 + (dense + mine) * b)}
+    if cfg.clip is not None:  # as mesh_comm_torch: the world's default group, or the one axis spanning it
+        whole = [a for a, n in cfg.mesh if n == cfg.world_size]
+        label = whole[0] if whole else "world"
+        k, nb = out.setdefault(label, {}).get("all_reduce", (0, 0))
+        out[label]["all_reduce"] = (k + 1, nb + b)
+    return out
+
+
 def mesh_comm_bytes_torch(cfg: Config, style: str, rank: int) -> int:
     """The rank's payload per step: every op's bytes but recv (results.comm_bytes' rule)."""
     return sum(comm_bytes(mesh_comm_torch(cfg, style, rank)).values())
