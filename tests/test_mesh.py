@@ -206,10 +206,10 @@ def test_torch_mesh_moe_under_ep(torch_runs_8):
     """The MoE transformer with its experts split over ep beside fsdp / dp / tp, both styles: parity with the
     single-device MoE reference (1e-12, float64: the all-to-alls and all-reduces reorder sums); the ledger shows
     ep's ops — per MoE layer and micro-batch one counts all-gather and 4 all-to-alls (dispatch, combine, their
-    reverses), and ONE all-reduce of the dense gradients over ep. dp × ep is priced (mesh_moe_comm_torch, the
-    all-to-alls from the last step's counts): the theory equals the ledger per axis on every rank; with tp (and
-    --freeze) the row stays unpriced (comm_theory None). The first layout trains with the recipe (MOE_RECIPE:
-    binding clip, 2 micro-batches, frozen routers)."""
+    reverses), and ONE all-reduce of the dense gradients over ep. Priced (mesh_moe_comm_torch, the all-to-alls
+    from the recorded step's counts): the theory equals the ledger per axis on every rank; the first layout
+    trains with the recipe (MOE_RECIPE: binding clip, 2 micro-batches, frozen routers), and --freeze leaves the
+    row unpriced (comm_theory None), as on the dense model."""
     entries = [e for e in torch_runs_8["entries"] if e["cfg"].moe]
     assert [e["cfg"].mesh_name for e in entries] == list(MOE_LAYOUTS)
     _check_variants(entries)
@@ -217,9 +217,9 @@ def test_torch_mesh_moe_under_ep(torch_runs_8):
         errors = parity(trained, ref)
         assert within(errors, cfg.dtype), (style, variant, errors)
         ledgers, theories = trained.extra["comm_by_axis_per_rank"], trained.extra["comm_by_axis_theory_per_rank"]
-        if cfg.axis("tp") > 1:
+        if cfg.freeze:  # the frozen routers skip their reductions: unpriced, as the dense model's --freeze
             assert trained.comm_theory is None and theories == [None] * 8
-        else:  # dp × ep: priced, every rank (each its own routing)
+        else:  # priced, every rank (each its own routing)
             assert ledgers == theories and trained.comm_theory == comm_bytes(trained.comm), (ledgers, theories)
         for ledger in ledgers:
             ep = ledger["ep"]
@@ -228,22 +228,35 @@ def test_torch_mesh_moe_under_ep(torch_runs_8):
             assert ep["all_reduce"]["count"] == 1, ledger
 
 
-def test_moe_theory_equals_a_measured_dp_ep_ledger():
+def test_moe_theory_equals_measured_ledgers():
     """mesh_moe_comm_torch against the ledger of `compare.py --model transformer --experts 4 --mesh dp=2,ep=2
     --frameworks torch --clip 0.05 --accumulate 2` (L=2 D=16 H=4 T=8 V=32 B=8, float64; both styles, every rank:
     dp 5 all-reduces 92,928 B, ep 4 all-gathers 256 B + 1 all-reduce 27,264 B, the clip's 8 B on the world).
     The all-to-alls follow the routing: rank 0 moved 34,048 B = 2·rows·D·b with rows = 133 sent + received.
-    The layouts it does not hold yet (tp or fsdp beside ep, --freeze) get None: unpriced, never a guess."""
+    With tp (dp=2,ep=2,tp=2, the same flags, both styles): tp 2·L + 2 all-reduces of A per part and the loss's,
+    the dp gradients in FSDP2's L + 1 groups and the experts' under builtin; ep=2,tp=2 builtin's ep all-reduce
+    (measured 17,024 B against explicit's 14,976). What it does not hold yet (fsdp
+    beside ep, --freeze) gets None: unpriced, never a guess."""
     from shared.theory import mesh_moe_comm_torch
 
     cfg = Config(world_size=4, model="transformer", layers=2, dim=16, heads=4, seq=8, vocab=32, batch=8,
                  experts=4, topk=2, clip=0.05, accumulate=2, mesh=parse_mesh("dp=2,ep=2"))
-    assert mesh_moe_comm_torch(cfg, 133) == {
+    assert mesh_moe_comm_torch(cfg, "explicit", 133) == mesh_moe_comm_torch(cfg, "builtin", 133) == {
         "dp": {"all_reduce": (5, 92928)}, "world": {"all_reduce": (1, 8)},
         "ep": {"all_gather": (4, 256), "all_reduce": (1, 27264), "all_to_all": (16, 34048)}}
-    for ws, other in ((8, "dp=2,ep=2,tp=2"), (4, "fsdp=2,ep=2")):
-        assert mesh_moe_comm_torch(cfg.replace(world_size=ws, mesh=parse_mesh(other)), 133) is None
-    assert mesh_moe_comm_torch(cfg.replace(freeze=("wpe.weight",)), 133) is None
+    tp = cfg.replace(world_size=8, mesh=parse_mesh("dp=2,ep=2,tp=2"))  # its rank 0 moved 34,048 B: 133 rows
+    want = {"world": {"all_reduce": (1, 8)},
+            "ep": {"all_gather": (4, 256), "all_reduce": (1, 1872 * 8), "all_to_all": (16, 34048)}}
+    # tp per part: 2·2 + 2 of A = 1,024 B and the loss's 192 B; dp: the 4 counts, then one flat all-reduce
+    # (explicit) or FSDP2's 2 blocks + root + the experts (builtin) of the same 10,064 elements
+    for style, calls, grads in (("explicit", 8, 1), ("builtin", 9, 4)):
+        assert mesh_moe_comm_torch(tp, style, 133) == want | {"tp": {"all_reduce": (2 * calls, 2 * (6 * 1024 + 192))},
+                                                              "dp": {"all_reduce": (4 + grads, 128 + 10064 * 8)}}
+    alone = cfg.replace(mesh=parse_mesh("ep=2,tp=2"))  # no dp: DTensor keeps wte's gradient whole (ep: 17,024 B)
+    assert [mesh_moe_comm_torch(alone, s, 133)["ep"]["all_reduce"] for s in ("explicit", "builtin")] == \
+        [(1, 1872 * 8), (1, (1872 + 256) * 8)]
+    assert mesh_moe_comm_torch(cfg.replace(mesh=parse_mesh("fsdp=2,ep=2")), "explicit", 133) is None
+    assert mesh_moe_comm_torch(cfg.replace(freeze=("wpe.weight",)), "explicit", 133) is None
 
 
 @pytest.mark.slow

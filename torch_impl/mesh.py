@@ -11,8 +11,8 @@ Replicated gradients are averaged over the data axis and cp together: ONE group 
   ep (--experts)    a data axis for the dense weights (one more gradient all-reduce over ep); every MoE
                     layer's experts split E/ep per ep rank behind a Dispatcher (``ExpertsOnEp``), replicated
                     over dp × fsdp × tp; per layer a counts all-gather and 4 all-to-alls (routing-dependent
-                    bytes: dp × ep priced from the last step's counts, shared.theory.mesh_moe_comm_torch; with
-                    tp or fsdp unpriced); ep beside pp / cp refused (Config)
+                    bytes: priced from the recorded step's counts, shared.theory.mesh_moe_comm_torch; with
+                    fsdp unpriced); ep beside pp / cp refused (Config)
 
 Collectives per step, by axis (A = m·(T/c)·D·b; shared.theory.mesh_comm_torch):
   tp    all-reduces: per micro-batch 4 per block + embedding g + head f of A, + the loss's
@@ -288,8 +288,8 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
     try:
         setup = explicit_setup(cfg, problem, ctx, lay) if style == "explicit" else builtin_setup(cfg, problem, ctx, lay)
         # --freeze: the frozen parameters skip their reductions and AdamW state (unpriced rows); ep (the MoE
-        # transformer): the all-to-alls' bytes follow the routing, priced after training from the last step's
-        # counts where mesh_moe_comm_torch holds (dp × ep), else unpriced
+        # transformer): the all-to-alls' bytes follow the routing, priced after training from the recorded step's
+        # counts where mesh_moe_comm_torch holds (dp × ep × tp), else unpriced
         known = not cfg.freeze and not cfg.moe
         setup.comm_theory = mesh_comm_bytes_torch(cfg, style, ctx.rank) if known else None
         theory = {label: {op: {"count": n, "bytes": b} for op, (n, b) in ops.items()}
@@ -299,7 +299,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         last_step, schedule = setup.extra.pop("last_step", {}), setup.extra.pop("schedule", None)
         experts = setup.extra.pop("experts", None)
         trained = train_loop(cfg, ctx, setup)
-        moe = experts and experts.routed and mesh_moe_comm_torch(cfg, experts.routed_rows())  # the recorded step
+        moe = experts and experts.routed and mesh_moe_comm_torch(cfg, style, experts.routed_rows())  # the recorded step
         if moe:
             trained.comm_theory = sum(nb for ops in moe.values() for _, nb in ops.values())  # no recv here
             trained.extra["comm_by_axis_theory"] = {label: {op: {"count": n, "bytes": b} for op, (n, b) in ops.items()}

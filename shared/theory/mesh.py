@@ -251,26 +251,38 @@ def mesh_comm_torch(cfg: Config, style: str, rank: int) -> dict[str, dict[str, t
     return out
 
 
-def mesh_moe_comm_torch(cfg: Config, routed_rows: int) -> dict[str, dict[str, tuple[int, int]]] | None:
-    """The MoE transformer under a dp × ep layout (tp = fsdp = 1), both torch styles, one rank: ep is an axis
-    of its own (torch_impl/mesh.py ExpertsOnEp), the batch split over dp·ep, E/ep experts per rank. Per MoE
-    layer and micro-batch part (M = --accumulate parts): ep all-gathers the (E,) int64 counts from its ep ranks
-    and moves the routed rows in 4 all-to-alls (dispatch, combine, their reverses: ``routed_rows`` = Σ over
-    layers and parts of the rows this rank sends plus those it receives, from the counts; each way once,
-    hence 2·rows·D·b), and dp all-reduces the counts (the balancing loss's sums). Gradients: ONE all-reduce over
-    dp of all the rank holds (the dense weights and its E/ep experts: DDP's one bucket, or the explicit flat
-    buffer), then ONE over ep of the dense ones (the experts differ by ep rank). --clip: one scalar over the
-    world. None where the formula is not held against the ledger yet: tp or fsdp beside ep, --freeze."""
-    if cfg.axis("tp") > 1 or cfg.axis("fsdp") > 1 or cfg.freeze or not cfg.moe:
+def mesh_moe_comm_torch(cfg: Config, style: str, routed_rows: int) -> dict[str, dict[str, tuple[int, int]]] | None:
+    """The MoE transformer under a dp × ep × tp layout (fsdp = 1), torch's ``style``, one rank: ep is an axis of its
+    own (torch_impl/mesh.py ExpertsOnEp), the batch split over dp·ep, E/ep experts per rank, whole on every tp rank
+    (the MoE layers are not tp-split). Per MoE layer and micro-batch part (M = --accumulate parts): ep all-gathers
+    the (E,) int64 counts from its ep ranks and moves the routed rows in 4 all-to-alls (dispatch, combine, their
+    reverses: ``routed_rows`` = Σ over layers and parts of the rows this rank sends plus those it receives, from
+    the counts; each way once, hence 2·rows·D·b), and dp all-reduces the counts (the balancing loss's sums).
+    tp: per part Megatron's 2 all-reduces of A = m·T·D·b per block (attention only), the embedding's and the
+    head's, and the vocab-parallel loss' (2 calls explicit, 3 DTensor) of 3·m·T·b. Gradients: over dp ONE
+    all-reduce of all the rank holds (its tp-local dense weights and its E/ep experts: the flat buffer, DDP's one
+    bucket; builtin with tp: FSDP2 on (dp, dp_shard = 1), one per block group and the root, the experts one more),
+    then ONE over ep of the dense ones (the experts differ by ep rank; builtin without dp: DTensor keeps wte's
+    gradient whole). --clip: one scalar over the world. None where the formula is not held against the ledger
+    yet: fsdp beside ep (the experts leave the FSDP units), --freeze."""
+    if cfg.axis("fsdp") > 1 or cfg.freeze or not cfg.moe:
         return None
-    model, b = Model.from_config(cfg), cfg.bytes_per_element
-    L, M, E, ep, dp = cfg.layers, cfg.pipeline_microbatches, cfg.experts, cfg.axis("ep"), cfg.axis("dp")
-    dense = model.params - L * model.expert_elements(1)  # every expert of every layer out
-    mine = L * model.expert_elements(ep)  # this rank's E/ep experts per layer
-    out = {"ep": {"all_gather": (L * M, L * M * ep * E * 8), "all_reduce": (1, dense * b),
+    model, b, t = Model.from_config(cfg), cfg.bytes_per_element, cfg.axis("tp")
+    L, E, ep, dp = cfg.layers, cfg.experts, cfg.axis("ep"), cfg.axis("dp")
+    M, m, tc = mesh_micro(cfg)
+    sp = stage_params(model, Layout(tp=t, ep=ep), 0)
+    mine = sp["experts"]  # this rank's E/ep experts of every layer
+    dense = sp["units"] + sp["vectors"] - mine  # tp-local
+    whole_wte = style == "builtin" and t > 1 and dp == 1  # DTensor's wte gradient, as in ``state``
+    out = {"ep": {"all_gather": (L * M, L * M * ep * E * 8),
+                  "all_reduce": (1, (dense + whole_wte * model.vocab * cfg.dim * (t - 1) // t) * b),
                   "all_to_all": (4 * L * M, 2 * routed_rows * cfg.dim * b)}}
+    if t > 1:
+        calls = 2 * L + 2 + (3 if style == "builtin" else 2)
+        out["tp"] = {"all_reduce": (M * calls, M * ((2 * L + 2) * m * tc * cfg.dim * b + 3 * m * tc * b))}
     if dp > 1:
-        out["dp"] = {"all_reduce": (L * M + 1, L * M * E * 8 + (dense + mine) * b)}
+        grads = L + 2 if style == "builtin" and t > 1 else 1  # FSDP2 (dp, 1): L blocks + root, + the experts
+        out["dp"] = {"all_reduce": (L * M + grads, L * M * E * 8 + (dense + mine) * b)}
     if cfg.clip is not None:  # as mesh_comm_torch: the world's default group, or the one axis spanning it
         whole = [a for a, n in cfg.mesh if n == cfg.world_size]
         label = whole[0] if whole else "world"
