@@ -235,7 +235,7 @@ def test_moe_theory_equals_measured_ledgers():
     The all-to-alls follow the routing: rank 0 moved 34,048 B = 2·rows·D·b with rows = 133 sent + received.
     With tp (dp=2,ep=2,tp=2, the same flags, both styles): tp 2·L + 2 all-reduces of A per part and the loss's,
     the dp gradients in FSDP2's L + 1 groups and the experts' under builtin; ep=2,tp=2 builtin's ep all-reduce
-    (measured 17,024 B against explicit's 14,976). What it does not hold yet (fsdp
+    (measured 17,024 B against explicit's 14,976); fsdp=2,ep=2 both styles. What it does not hold yet (HSDP
     beside ep, --freeze) gets None: unpriced, never a guess."""
     from shared.theory import mesh_moe_comm_torch
 
@@ -255,7 +255,17 @@ def test_moe_theory_equals_measured_ledgers():
     alone = cfg.replace(mesh=parse_mesh("ep=2,tp=2"))  # no dp: DTensor keeps wte's gradient whole (ep: 17,024 B)
     assert [mesh_moe_comm_torch(alone, s, 133)["ep"]["all_reduce"] for s in ("explicit", "builtin")] == \
         [(1, 1872 * 8), (1, (1872 + 256) * 8)]
-    assert mesh_moe_comm_torch(cfg.replace(mesh=parse_mesh("fsdp=2,ep=2")), "explicit", 133) is None
+    # fsdp=2,ep=2 (no recipe; rank 0 moved 31,744 B: 124 rows): the experts out of both wrappers' units, their
+    # gradients one all-reduce over fsdp beside the counts' (and the explicit wrapper's vectors')
+    fsdp = cfg.replace(mesh=parse_mesh("fsdp=2,ep=2"), clip=None, accumulate=1)
+    ep = {"all_gather": (2, 128), "all_to_all": (8, 31744)}
+    assert mesh_moe_comm_torch(fsdp, "explicit", 124) == {
+        "fsdp": {"all_gather": (16, 48128), "reduce_scatter": (9, 26624), "all_reduce": (4, 66240)},
+        "ep": ep | {"all_reduce": (1, 13952)}}
+    assert mesh_moe_comm_torch(fsdp, "builtin", 124) == {
+        "fsdp": {"all_gather": (5, 45184), "reduce_scatter": (3, 27264), "all_reduce": (3, 65600)},
+        "ep": ep | {"all_reduce": (1, 13632)}}
+    assert mesh_moe_comm_torch(cfg.replace(world_size=8, mesh=parse_mesh("dp=2,fsdp=2,ep=2")), "explicit", 133) is None
     assert mesh_moe_comm_torch(cfg.replace(freeze=("wpe.weight",)), "explicit", 133) is None
 
 
@@ -264,7 +274,7 @@ def test_compare_runs_the_moe_transformer_under_ep(tmp_path):
     """`compare.py --model transformer --experts 4 --mesh fsdp=2,ep=2,tp=2 --frameworks torch` (8 gloo ranks) at
     the tests' sizes, with the recipe flags (a binding clip, 2 micro-batches, schedule, decay mask, frozen
     routers): both styles agree with the MoE transformer's single-device reference trained with the same recipe
-    (the default tolerance: float64 1e-12), the bytes unpriced (no theory: routing-dependent)."""
+    (the default tolerance: float64 1e-12), the bytes unpriced (--freeze: the frozen routers skip reductions)."""
     import json
 
     import compare

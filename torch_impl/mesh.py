@@ -11,8 +11,8 @@ Replicated gradients are averaged over the data axis and cp together: ONE group 
   ep (--experts)    a data axis for the dense weights (one more gradient all-reduce over ep); every MoE
                     layer's experts split E/ep per ep rank behind a Dispatcher (``ExpertsOnEp``), replicated
                     over dp × fsdp × tp; per layer a counts all-gather and 4 all-to-alls (routing-dependent
-                    bytes: priced from the recorded step's counts, shared.theory.mesh_moe_comm_torch; with
-                    fsdp unpriced); ep beside pp / cp refused (Config)
+                    bytes: priced from the recorded step's counts, shared.theory.mesh_moe_comm_torch; HSDP
+                    beside ep unpriced); ep beside pp / cp refused (Config)
 
 Collectives per step, by axis (A = m·(T/c)·D·b; shared.theory.mesh_comm_torch):
   tp    all-reduces: per micro-batch 4 per block + embedding g + head f of A, + the loss's
@@ -289,7 +289,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         setup = explicit_setup(cfg, problem, ctx, lay) if style == "explicit" else builtin_setup(cfg, problem, ctx, lay)
         # --freeze: the frozen parameters skip their reductions and AdamW state (unpriced rows); ep (the MoE
         # transformer): the all-to-alls' bytes follow the routing, priced after training from the recorded step's
-        # counts where mesh_moe_comm_torch holds (dp × ep × tp), else unpriced
+        # counts where mesh_moe_comm_torch holds (all but HSDP beside ep), else unpriced
         known = not cfg.freeze and not cfg.moe
         setup.comm_theory = mesh_comm_bytes_torch(cfg, style, ctx.rank) if known else None
         theory = {label: {op: {"count": n, "bytes": b} for op, (n, b) in ops.items()}

@@ -252,30 +252,42 @@ def mesh_comm_torch(cfg: Config, style: str, rank: int) -> dict[str, dict[str, t
 
 
 def mesh_moe_comm_torch(cfg: Config, style: str, routed_rows: int) -> dict[str, dict[str, tuple[int, int]]] | None:
-    """The MoE transformer under a dp × ep × tp layout (fsdp = 1), torch's ``style``, one rank: ep is an axis of its
-    own (torch_impl/mesh.py ExpertsOnEp), the batch split over dp·ep, E/ep experts per rank, whole on every tp rank
+    """The MoE transformer under a (dp or fsdp) × ep × tp layout, torch's ``style``, one rank: ep is an axis of its
+    own (torch_impl/mesh.py ExpertsOnEp), the batch split over dp·fsdp·ep, E/ep experts per rank, whole on every tp rank
     (the MoE layers are not tp-split). Per MoE layer and micro-batch part (M = --accumulate parts): ep all-gathers
     the (E,) int64 counts from its ep ranks and moves the routed rows in 4 all-to-alls (dispatch, combine, their
     reverses: ``routed_rows`` = Σ over layers and parts of the rows this rank sends plus those it receives, from
-    the counts; each way once, hence 2·rows·D·b), and dp all-reduces the counts (the balancing loss's sums).
+    the counts; each way once, hence 2·rows·D·b), and dp / fsdp all-reduces the counts (the balancing loss's sums).
     tp: per part Megatron's 2 all-reduces of A = m·T·D·b per block (attention only), the embedding's and the
     head's, and the vocab-parallel loss' (2 calls explicit, 3 DTensor) of 3·m·T·b. Gradients: over dp ONE
     all-reduce of all the rank holds (its tp-local dense weights and its E/ep experts: the flat buffer, DDP's one
     bucket; builtin with tp: FSDP2 on (dp, dp_shard = 1), one per block group and the root, the experts one more),
     then ONE over ep of the dense ones (the experts differ by ep rank; builtin without dp: DTensor keeps wte's
     gradient whole). --clip: one scalar over the world. None where the formula is not held against the ledger
-    yet: fsdp beside ep (the experts leave the FSDP units), --freeze."""
-    if cfg.axis("fsdp") > 1 or cfg.freeze or not cfg.moe:
+    yet: HSDP (dp and fsdp) beside ep, a dimension fsdp does not divide, --freeze.
+    fsdp: both wrappers leave the experts out (their ignored parameters): the dense units gathered and
+    reduce-scattered as ``_grad_comm`` says for the dense model, the experts' gradients ONE all-reduce over fsdp
+    (beside the explicit wrapper's vectors' one), and ep's all-reduce carries the rank's dense shards."""
+    t, f, dp = cfg.axis("tp"), cfg.axis("fsdp"), cfg.axis("dp")
+    rows0 = (cfg.vocab // t, cfg.seq, 3 * cfg.dim // t, cfg.dim, cfg.experts)  # every dense tensor's dim 0
+    if cfg.freeze or not cfg.moe or (f > 1 and (dp > 1 or any(n % f for n in rows0))):
         return None
-    model, b, t = Model.from_config(cfg), cfg.bytes_per_element, cfg.axis("tp")
-    L, E, ep, dp = cfg.layers, cfg.experts, cfg.axis("ep"), cfg.axis("dp")
+    model, b = Model.from_config(cfg), cfg.bytes_per_element
+    L, E, ep = cfg.layers, cfg.experts, cfg.axis("ep")
     M, m, tc = mesh_micro(cfg)
-    sp = stage_params(model, Layout(tp=t, ep=ep), 0)
+    layout = Layout(dp=f, tp=t, ep=ep, zero=3 if f > 1 else 0, microbatches=M)
+    sp = stage_params(model, layout, 0)
     mine = sp["experts"]  # this rank's E/ep experts of every layer
     dense = sp["units"] + sp["vectors"] - mine  # tp-local
-    whole_wte = style == "builtin" and t > 1 and dp == 1  # DTensor's wte gradient, as in ``state``
+    held = dense  # what ep averages: the rank's dense gradients (fsdp: its shards; explicit: the vectors whole)
+    if f > 1:
+        n_exp = L * model.mlp_matrices  # the stacked expert tensors: not FSDP units
+        units = dict(sp, units=sp["units"] - mine, regathered=sp["regathered"] - mine, n_units=sp["n_units"] - n_exp,
+                     n_regathered=sp["n_regathered"] - n_exp, block=sp["block"] - mine // L, experts=0)
+        held = (units["units"] // f + units["vectors"]) if style == "explicit" else dense // f
+    whole_wte = style == "builtin" and t > 1 and dp == 1 and f == 1  # DTensor's wte gradient, as in ``state``
     out = {"ep": {"all_gather": (L * M, L * M * ep * E * 8),
-                  "all_reduce": (1, (dense + whole_wte * model.vocab * cfg.dim * (t - 1) // t) * b),
+                  "all_reduce": (1, (held + whole_wte * model.vocab * cfg.dim * (t - 1) // t) * b),
                   "all_to_all": (4 * L * M, 2 * routed_rows * cfg.dim * b)}}
     if t > 1:
         calls = 2 * L + 2 + (3 if style == "builtin" else 2)
@@ -283,6 +295,10 @@ def mesh_moe_comm_torch(cfg: Config, style: str, routed_rows: int) -> dict[str, 
     if dp > 1:
         grads = L + 2 if style == "builtin" and t > 1 else 1  # FSDP2 (dp, 1): L blocks + root, + the experts
         out["dp"] = {"all_reduce": (L * M + grads, L * M * E * 8 + (dense + mine) * b)}
+    if f > 1:  # the dense units as the dense model's, then the counts and the experts' all-reduce
+        out["fsdp"] = _grad_comm(model, layout, 0, b, style, units)
+        k, nb = out["fsdp"].get("all_reduce", (0, 0))
+        out["fsdp"]["all_reduce"] = (k + L * M + 1, nb + L * M * E * 8 + mine * b)
     if cfg.clip is not None:  # as mesh_comm_torch: the world's default group, or the one axis spanning it
         whole = [a for a, n in cfg.mesh if n == cfg.world_size]
         label = whole[0] if whole else "world"
