@@ -443,7 +443,7 @@ class ExpertsOnEp:
         steps after them) the rows its all-to-alls will move, from the (ep, E) counts."""
         total = d.global_counts(counts)
         if self.ledger is not None and self.ledger.active:
-            self.routed.append(sum(d.c[d.rank]) + sum(d.c[src][e] for src in range(d.n) for e in d.mine))
+            self.routed.append(d.rows())
         return total
 
     def routed_rows(self) -> int:

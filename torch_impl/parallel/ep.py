@@ -118,9 +118,11 @@ class Dispatcher:
         """The last call's collectives on this rank, with its backward: the counts' all-gather ((N·E,)
         int64), the dispatch and combine all-to-alls and their reverses, each moving the rows this rank
         sends plus those it receives (its k·n rows and the rows for its experts)."""
-        sent = sum(self.c[self.rank])
-        got = sum(self.c[src][e] for src in range(self.n) for e in self.mine)
-        return {"all_gather": (1, self.n * self.num_experts * 8), "all_to_all": (4, 2 * (sent + got) * self.row_bytes)}
+        return {"all_gather": (1, self.n * self.num_experts * 8), "all_to_all": (4, 2 * self.rows() * self.row_bytes)}
+
+    def rows(self) -> int:
+        """The rows the last counts exchange routes through this rank: its own k·n sent plus those it receives."""
+        return sum(self.c[self.rank]) + sum(self.c[src][e] for src in range(self.n) for e in self.mine)
 
 
 # --- a user's MoE layer: expert_parallel on the module holding the stacked experts ----------------------
