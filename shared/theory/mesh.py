@@ -243,7 +243,13 @@ def mesh_comm_torch(cfg: Config, style: str, rank: int) -> dict[str, dict[str, t
     stage = mesh_coords(cfg, rank).get("pp", 0)
     low = cfg.compute_bytes if cfg.precision == "mixed" else None
     out = comm(Model.from_config(cfg), Layout.from_config(cfg), stage, cfg.batch, cfg.bytes_per_element, style, low)
-    if cfg.clip is not None:  # the world's default group ("world"), or the one axis that spans it
+    return _with_clip(cfg, out)
+
+
+def _with_clip(cfg: Config, out: dict) -> dict:
+    """--clip's global norm added to a torch view: one all-reduce of one scalar (b) over the world's default
+    group ("world"), or the one axis that spans it."""
+    if cfg.clip is not None:
         whole = [a for a, n in cfg.mesh if n == cfg.world_size]
         label = whole[0] if whole else "world"
         k, nb = out.setdefault(label, {}).get("all_reduce", (0, 0))
@@ -264,13 +270,13 @@ def mesh_moe_comm_torch(cfg: Config, style: str, routed_rows: int) -> dict[str, 
     bucket; builtin with tp: FSDP2 on (dp, dp_shard = 1), one per block group and the root, the experts one more),
     then ONE over ep of the dense ones (the experts differ by ep rank; builtin without dp: DTensor keeps wte's
     gradient whole). --clip: one scalar over the world. None where the formula is not held against the ledger
-    yet: HSDP (dp and fsdp) beside ep, a dimension fsdp does not divide, --freeze.
+    yet: HSDP (dp and fsdp) beside ep, a dimension fsdp does not divide, --recompute, --freeze.
     fsdp: both wrappers leave the experts out (their ignored parameters): the dense units gathered and
     reduce-scattered as ``_grad_comm`` says for the dense model, the experts' gradients ONE all-reduce over fsdp
     (beside the explicit wrapper's vectors' one), and ep's all-reduce carries the rank's dense shards."""
     t, f, dp = cfg.axis("tp"), cfg.axis("fsdp"), cfg.axis("dp")
     rows0 = (cfg.vocab // t, cfg.seq, 3 * cfg.dim // t, cfg.dim, cfg.experts)  # every dense tensor's dim 0
-    if cfg.freeze or not cfg.moe or (f > 1 and (dp > 1 or any(n % f for n in rows0))):
+    if cfg.freeze or not cfg.moe or cfg.recompute != "none" or (f > 1 and (dp > 1 or any(n % f for n in rows0))):
         return None
     model, b = Model.from_config(cfg), cfg.bytes_per_element
     L, E, ep = cfg.layers, cfg.experts, cfg.axis("ep")
@@ -299,12 +305,7 @@ def mesh_moe_comm_torch(cfg: Config, style: str, routed_rows: int) -> dict[str, 
         out["fsdp"] = _grad_comm(model, layout, 0, b, style, units)
         k, nb = out["fsdp"].get("all_reduce", (0, 0))
         out["fsdp"]["all_reduce"] = (k + L * M + 1, nb + L * M * E * 8 + mine * b)
-    if cfg.clip is not None:  # as mesh_comm_torch: the world's default group, or the one axis spanning it
-        whole = [a for a, n in cfg.mesh if n == cfg.world_size]
-        label = whole[0] if whole else "world"
-        k, nb = out.setdefault(label, {}).get("all_reduce", (0, 0))
-        out[label]["all_reduce"] = (k + 1, nb + b)
-    return out
+    return _with_clip(cfg, out)
 
 
 def mesh_comm_bytes_torch(cfg: Config, style: str, rank: int) -> int:
