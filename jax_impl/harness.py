@@ -132,15 +132,9 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
     recorded = {name: [] for name in setup.per_step}
     host = []  # the host's share of each step: ~1 when the device waited on the dispatch
     for k in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        out = compiled(*state, *setup.batch)
-        issued = time.perf_counter()
-        *state, loss, grads = out[:len(out) - len(setup.per_step)]
-        for name, value in zip(setup.per_step, out[len(out) - len(setup.per_step):]):
-            recorded[name].append(value)  # read back after the loop, outside the timing
-        jax.block_until_ready((state, loss))
-        step_times.append(time.perf_counter() - t0)
-        host.append((issued - t0) / max(step_times[-1], 1e-12))
+        state, loss, grads, seconds, share = _step(compiled, state, setup, recorded)
+        step_times.append(seconds)
+        host.append(share)
         losses.append(loss)  # read back after the loop: no device-to-host copy between timed steps
         if k == 0:
             grads0 = setup.grads_fixture(grads)
@@ -156,9 +150,9 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
     losses = [float(np.mean(to_numpy(loss))) for loss in losses]  # each a vector: the mean of N local losses
     params = setup.params_fixture(state)  # before any bare step (bench --overhead) moves them
     timed = [k != start for k in range(start, cfg.steps)]  # the first: the program's first run (allocations)
-    if _BARE.get():  # compare.py bench --overhead: the same program in a loop of its own (one sync a step)
-        bare, state = _bare_steps(compiled, state, setup)  # a donated state is replaced by the step's output
-        setup.extra = {**setup.extra, "bare_step_times": bare}
+    if _BARE.get():  # compare.py bench --overhead: the harness's timed step against the bare one, in turns
+        harness, bare, state = _paired_steps(compiled, state, setup)  # a donated state: replaced by the output
+        setup.extra = {**setup.extra, "harness_step_times": harness, "bare_step_times": bare}
     if len(host) > 1:
         setup.extra = {**setup.extra, "host_fraction": float(np.median(host[1:]))}
     state_bytes = setup.state_bytes(state) if setup.state_bytes else {
@@ -224,17 +218,44 @@ def measuring_bare(steps: int):
         _BARE.reset(token)
 
 
-def _bare_steps(compiled, state: tuple, setup: Setup) -> tuple[list[float], tuple]:
-    """The compiled step in a loop of its own: the call and one block_until_ready, nothing else (the state
-    moves on: the run's results were read before). Returns the times and the state after them."""
-    times, state = [], tuple(state)
-    for _ in range(_BARE.get()):
-        t0 = time.perf_counter()
-        out = compiled(*state, *setup.batch)
-        state = tuple(out[:len(state)])
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - t0)
-    return times, state
+def _step(compiled, state, setup: Setup, recorded: dict | None):
+    """One step as train_loop times it: the compiled call and the one sync that ends it (the new state and
+    the loss ready). ``recorded``: {name: list} that keeps the step's per-step outputs (read back after the
+    loop); None: they are dropped. Returns (state, loss, grads, seconds, the host's share of them)."""
+    t0 = time.perf_counter()
+    out = compiled(*state, *setup.batch)
+    issued = time.perf_counter()
+    *state, loss, grads = out[:len(out) - len(setup.per_step)]
+    if recorded is not None:
+        for name, value in zip(setup.per_step, out[len(out) - len(setup.per_step):]):
+            recorded[name].append(value)
+    jax.block_until_ready((state, loss))
+    seconds = time.perf_counter() - t0
+    return state, loss, grads, seconds, (issued - t0) / max(seconds, 1e-12)
+
+
+def _paired_steps(compiled, state: tuple, setup: Setup) -> tuple[list[float], list[float], tuple]:
+    """compare.py bench --overhead, after the run (its results read; the state moves on): ``_BARE`` rounds of
+    the harness's timed step (train_loop's: ``_step``, its outputs kept) and the bare one (the call and one
+    block_until_ready, nothing else), in turns and alternating which goes first, so both see the machine
+    in the same state (timed apart, a busy moment of 2 shared cores moved the ratio by up to 2x on 2 ms
+    steps). Returns (harness step times, bare step times, the state after them)."""
+    harness, bare, kept, losses = [], [], {name: [] for name in setup.per_step}, []
+    state = tuple(state)
+    for i in range(_BARE.get()):
+        for timed_by_harness in (i % 2 == 0, i % 2 == 1):
+            if timed_by_harness:
+                state, loss, _, seconds, _ = _step(compiled, state, setup, kept)
+                losses.append(loss)  # as the run keeps them
+                harness.append(seconds)
+            else:
+                t0 = time.perf_counter()
+                out = compiled(*state, *setup.batch)
+                jax.block_until_ready(out)
+                bare.append(time.perf_counter() - t0)
+                state = out[:len(state)]
+            state = tuple(state)
+    return harness, bare, state
 
 
 def _reference(cfg: Config, device: str):

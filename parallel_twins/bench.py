@@ -41,8 +41,8 @@ def build_bench_parser() -> argparse.ArgumentParser:
     p = Parser(prog=f"{prog()} bench", formatter_class=HelpFormatter,
                description="nccl-tests-style bandwidth sweep of the collectives (time per call, algbw, busbw, "
                            "an α–β fit per op) and each torch rank's matmul FLOP/s. `bench --overhead [run options]`: "
-                           "instead, the harness's own cost: every row's step as the run reports it against the same "
-                           "step in a bare loop and the plain single-device step (docs/cli.md).")
+                           "instead, the harness's own cost: every row's timed step against the same step bare "
+                           "(taken in turns) and the plain single-device step (docs/cli.md).")
     add_frameworks(p)
     add_world_size(p, 4, "ranks / devices (1: one device's matmuls and copy only, no collective)")
     p.add_argument("--ops", type=csv_list(BENCH_OPS), default=list(BENCH_OPS), metavar="LIST",

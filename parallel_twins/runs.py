@@ -238,7 +238,8 @@ def collect(cfgs, patterns, frameworks, device, progress=None, timeout_s=900.0, 
     """Run everything; returns (rows, cross-framework reference comparisons, errors,
     {(pattern, model, framework): reference losses}). ``progress(framework, event)`` hears each
     framework start and each run start and finish. Ctrl-C: ``Interrupted`` carrying the rows of
-    what finished. ``bare_steps``: compare.py bench --overhead (rows' extra["bare_step_times"]).
+    what finished. ``bare_steps``: compare.py bench --overhead (rows' extra["harness_step_times"] and
+    extra["bare_step_times"]).
     ``side_by_side``: the torch launch runs in a thread while this process runs JAX (compare.py on CPU:
     JAX compiles on one core while the ranks use the rest; their step times then share the cores).
     ``tour``: each style's one variant of shared.vocab.TOUR (compare.py's default run)."""

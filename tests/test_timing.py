@@ -31,7 +31,8 @@ def _compare(*argv, timeout=600) -> subprocess.CompletedProcess:
 
 def test_overhead_bench_pipes_its_json_and_measures_every_row():
     """bench --overhead --json -: standard output is the JSON alone (the table went to stderr); a row per
-    run with {step_s, bare_s, plain_s}; step_s is the run's median over its steps timed alone."""
+    run with {step_s, harness_s, bare_s, plain_s}; step_s is the run's median over its steps timed alone, harness_s
+    and bare_s the medians of the rounds taken in turns after it."""
     done = _compare("bench", "--overhead", "--size", "tiny", "--model", "mlp", "--patterns", "dp",
                     "--world-size", "2", "--steps", "5", "--repeats", "3", "--json", "-")
     assert done.returncode == 0, done.stderr[-2000:]
@@ -40,8 +41,8 @@ def test_overhead_bench_pipes_its_json_and_measures_every_row():
     rows = data["rows"]
     assert {(r["framework"], r["variant"]) for r in rows} >= {("torch", "naive"), ("torch", "ddp"), ("jax", "dp")}
     for r in rows:
-        assert r["step_s"] > 0 and r["bare_s"] > 0 and r["plain_s"] > 0 and r["ok"], r
-        assert r["harness_over_bare"] == pytest.approx(r["step_s"] / r["bare_s"])
+        assert r["step_s"] > 0 and r["harness_s"] > 0 and r["bare_s"] > 0 and r["plain_s"] > 0 and r["ok"], r
+        assert r["harness_over_bare"] == pytest.approx(r["harness_s"] / r["bare_s"])
     assert data["repeats"] == 3 and data["target"] == 1.05
 
 

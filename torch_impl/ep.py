@@ -112,6 +112,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         grads=lambda: [p.grad for p in params], fixture=fixture, params=params, optimizer=opt,
         loss_reduction="mean", group=group, extra={"backend": ctx.backend}))
     # bookkeeping after training, outside the ledger: every rank's routing, ledger and activations
+    del loads[len(trained.step_times):]  # the run's steps' routing (bench --overhead steps more after it)
     every: list = [None] * n
     dist.all_gather_object(every, (loads, trained.comm, trained.extra["activation_bytes"]), group=group)
     by_rank = np.stack([np.stack(rank_loads) for rank_loads, _, _ in every], axis=3)  # (steps, L, K, N, b, E)

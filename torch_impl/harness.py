@@ -199,21 +199,12 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
         recording = last or k == start
         with (run.recording() if run else ctx.ledger.recording()) if last else contextlib.nullcontext(), \
                 run.step(k == start) if run else contextlib.nullcontext():
-            t0 = time.perf_counter()
             # compiled: no saved-tensor hooks while it traces (the activation meter is eager-only)
-            with meter.recording() if k == start and run is None else contextlib.nullcontext(), \
-                    autocast(cfg, ctx.device):
-                loss = setup.forward_backward()  # mixed precision: under autocast (float32 params and grads)
-            if k == 0:
-                unscale = 1.0 if setup.scaler is None else setup.scaler.get_scale() / setup.scaler.share  # float16
-                grads0 = [torch.zeros_like(setup.params[i]) if g is None else g.detach() / unscale  # local; gathered
-                          for i, g in enumerate(setup.grads())]  # below; a frozen parameter (no gradient): zeros
-            setup.update()
-            issued = time.perf_counter()
-            loss.item()  # waits for the device, so the step time is real on GPU too
-            step_times.append(time.perf_counter() - t0)
+            loss, seconds, share = _step(setup, cfg, ctx, meter.recording() if k == start and run is None else None,
+                                         (lambda g=grads0: g.extend(_grads0(setup))) if k == 0 else None)
+        step_times.append(seconds)
         timed.append(not recording)
-        host.append((issued - t0) / max(step_times[-1], 1e-12))  # ~1: the device waited on the host
+        host.append(share)  # ~1: the device waited on the host
         if last:
             comm = run.comm if run else ctx.ledger.summary()
             comm_dtypes = {} if run else ctx.ledger.by_dtype()
@@ -239,9 +230,8 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
     if run:
         extra.update(run.extra(step_times))
         compile_s = extra.pop("compile_s")
-    bare = _bare_steps(setup, ctx, cfg)  # compare.py bench --overhead: the same step in a loop of its own
-    if bare:
-        extra["bare_step_times"] = bare
+    if _BARE.get():  # compare.py bench --overhead: the harness's timed step against the bare one, in turns
+        extra["harness_step_times"], extra["bare_step_times"] = _paired_steps(setup, ctx, cfg, run)
     if any(timed):
         extra["host_fraction"] = float(np.median([h for h, t in zip(host, timed) if t]))
     if comm_dtypes:
@@ -276,21 +266,47 @@ def measuring_bare(steps: int):
         _BARE.reset(token)
 
 
-def _bare_steps(setup: Setup, ctx: RankContext, cfg: Config) -> list[float]:
-    """The pattern's step called in a loop of its own: forward_backward, update, one sync — no ledger, no
-    meter, no checkpoint or preemption check, no loss bookkeeping (the parameters move on: the run's
-    results were read before)."""
-    times = []
-    for _ in range(_BARE.get()):
-        if setup.before_step:  # a barrier that gives the pipeline's ranks a common start: outside, as in the run
-            setup.before_step()
-        t0 = time.perf_counter()
-        with autocast(cfg, ctx.device):
-            loss = setup.forward_backward()
-        setup.update()
-        loss.item()
-        times.append(time.perf_counter() - t0)
-    return times
+def _step(setup: Setup, cfg: Config, ctx: RankContext, meter=None, before_update=None):
+    """One step as train_loop times it: forward and backward (under autocast), the update, and the one sync
+    that ends it (``loss.item()``: the device's work is done). ``meter``: a context around the forward and
+    backward (the activation meter, step 0); ``before_update``: called between backward and update (step 0's
+    gradients). Returns (loss, seconds, the host's share of them)."""
+    t0 = time.perf_counter()
+    with meter or contextlib.nullcontext(), autocast(cfg, ctx.device):
+        loss = setup.forward_backward()  # mixed precision: under autocast (float32 params and grads)
+    if before_update is not None:
+        before_update()
+    setup.update()
+    issued = time.perf_counter()
+    loss.item()  # waits for the device, so the step time is real on GPU too
+    seconds = time.perf_counter() - t0
+    return loss, seconds, (issued - t0) / max(seconds, 1e-12)
+
+
+def _grads0(setup: Setup) -> list[torch.Tensor]:
+    """Step 0's local gradients (unscaled under float16; a frozen parameter's: zeros), gathered later."""
+    unscale = 1.0 if setup.scaler is None else setup.scaler.get_scale() / setup.scaler.share
+    return [torch.zeros_like(setup.params[i]) if g is None else g.detach() / unscale
+            for i, g in enumerate(setup.grads())]
+
+
+def _paired_steps(setup: Setup, ctx: RankContext, cfg: Config, run) -> tuple[list[float], list[float]]:
+    """compare.py bench --overhead, after the run (its results read; the parameters move on): ``_BARE`` rounds
+    of the harness's timed step (train_loop's: ``_step`` and the loss bookkeeping after it) and the bare step
+    (``_step`` alone: no ledger, meter, checkpoint or preemption check, no loss all-reduce), in turns and
+    alternating which goes first, so both see the machine in the same state (timed apart, a busy moment of
+    2 shared cores moved the ratio by 20 %). Returns (harness step times, bare step times)."""
+    harness, bare = [], []
+    for i in range(_BARE.get()):
+        for timed_by_harness in (i % 2 == 0, i % 2 == 1):
+            if setup.before_step:  # a barrier that gives the pipeline's ranks a common start: outside, as in the run
+                setup.before_step()
+            with run.step(False) if run else contextlib.nullcontext():
+                loss, seconds, _ = _step(setup, cfg, ctx)
+            if timed_by_harness:
+                reported_loss(loss, setup.loss_reduction, setup.group)
+            (harness if timed_by_harness else bare).append(seconds)
+    return harness, bare
 
 
 def _reference(cfg: Config, device, casts: str = "autocast"):
