@@ -15,11 +15,12 @@ no ledger, no activation meter, no checkpoint or preemption check, no loss bookk
     bare_s     ... taken in turns with R bare steps (the step and its sync), this the median of those
     plain_s    the same model's step on one device (the single-device reference, the whole batch)
 
-harness_s / bare_s is the harness's cost (the target: ≤ 1.05 on every row): the two are timed in turns,
-since on 2 shared cores the run's steps and a bare loop timed after them differed by up to 2x either way
-on 2 ms steps (what else the machine did meanwhile), while the medians of steps taken in turns stay
-within a few percent. step_s / plain_s is what the pattern costs over one device (compare.py's
-"× plain"). The more rounds, the steadier the medians: ``--repeats`` R (default 20).
+harness/bare, the harness's cost (the target: ≤ 1.05 on every row), is the median over the rounds of each
+round's harness step ÷ its bare step: the two are timed in turns (the order alternating), since on 2
+shared cores the run's steps and a bare loop timed after them differed by up to 2x either way on 2 ms
+steps (what else the machine did meanwhile), and a round's two steps see the machine alike.
+step_s / plain_s is what the pattern costs over one device (compare.py's "× plain"). The more rounds,
+the steadier the medians: ``--repeats`` R (default 20).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def split_argv(argv: list[str]) -> tuple[list[str], int]:
 
 def measure(rows) -> list[dict]:
     """One record per run row: {pattern, framework, style, variant, model, step_s, harness_s, bare_s, plain_s,
-    harness_over_bare, over_plain}; rows without the paired steps (the collectives) are left out."""
+    harness_over_bare, over_plain, harness_times_s, bare_times_s (round by round)}; rows without the paired
+    steps (the collectives) are left out."""
     import numpy as np
 
     out = []
@@ -62,9 +64,11 @@ def measure(rows) -> list[dict]:
         if not bare or not harness or r.step_time_s is None:
             continue
         bare_s, harness_s = float(np.median(bare)), float(np.median(harness))
+        paired = float(np.median(np.asarray(harness) / np.asarray(bare)))  # round by round: the same moment
         out.append({"pattern": r.pattern, "framework": r.framework, "style": r.style, "variant": r.variant,
                     "model": r.model, "ok": r.ok, "step_s": r.step_time_s, "harness_s": harness_s, "bare_s": bare_s,
-                    "plain_s": r.plain_step_time_s, "harness_over_bare": harness_s / bare_s,
+                    "plain_s": r.plain_step_time_s, "harness_over_bare": paired,
+                    "harness_times_s": list(map(float, harness)), "bare_times_s": list(map(float, bare)),
                     "over_plain": r.step_time_s / r.plain_step_time_s if r.plain_step_time_s else None})
     return out
 
