@@ -37,7 +37,7 @@ FLOAT32_LAYOUT = "fsdp=2,tp=2"  # both styles; tp + fsdp: the most collectives o
 # The MoE transformer (E = 4, k = 2) under an ep axis (slow, on the 8-rank launch): dp × ep × tp (builtin:
 # FSDP2 on (dp, dp_shard = 1), the experts ignored) with the recipe (MOE_RECIPE), and dp × ep (builtin: DDP
 # over dp); fsdp × ep × tp (the issue's): test_compare_runs_the_moe_transformer_under_ep, through compare.py
-MOE_LAYOUTS = ("dp=2,ep=2,tp=2", "dp=4,ep=2")
+MOE_LAYOUTS = ("dp=2,ep=2,tp=2", "dp=2,fsdp=2,ep=2")  # the second HSDP × ep: dp, fsdp and ep all > 1
 # the recipe on the first: the clip binds (the global norm counts each rank's E/ep experts once), 2 micro-batches
 # (each its own routing and balancing loss: rows [k·B/2, (k+1)·B/2) over the data ranks), schedule, decay mask,
 # the routers frozen
@@ -235,8 +235,8 @@ def test_moe_theory_equals_measured_ledgers():
     The all-to-alls follow the routing: rank 0 moved 34,048 B = 2·rows·D·b with rows = 133 sent + received.
     With tp (dp=2,ep=2,tp=2, the same flags, both styles): tp 2·L + 2 all-reduces of A per part and the loss's,
     the dp gradients in FSDP2's L + 1 groups and the experts' under builtin; ep=2,tp=2 builtin's ep all-reduce
-    (measured 17,024 B against explicit's 14,976); fsdp=2,ep=2 both styles. What it does not hold yet (HSDP
-    beside ep, --freeze) gets None: unpriced, never a guess."""
+    (measured 17,024 B against explicit's 14,976); fsdp=2,ep=2 and HSDP × ep (dp=2,fsdp=2,ep=2) both styles. What
+    it does not hold yet (HSDP × ep beside tp, --freeze, --recompute) gets None: unpriced, never a guess."""
     from shared.theory import mesh_moe_comm_torch
 
     cfg = Config(world_size=4, model="transformer", layers=2, dim=16, heads=4, seq=8, vocab=32, batch=8,
@@ -265,7 +265,18 @@ def test_moe_theory_equals_measured_ledgers():
     assert mesh_moe_comm_torch(fsdp, "builtin", 124) == {
         "fsdp": {"all_gather": (5, 45184), "reduce_scatter": (3, 27264), "all_reduce": (3, 65600)},
         "ep": ep | {"all_reduce": (1, 13632)}}
-    assert mesh_moe_comm_torch(cfg.replace(world_size=8, mesh=parse_mesh("dp=2,fsdp=2,ep=2")), "explicit", 133) is None
+    # HSDP × ep (dp=2,fsdp=2,ep=2, T=16, 8 ranks; rank 0 moved 38,912 B: 152 rows): the counts and the experts over
+    # (dp, fsdp), dp the dense shards and vectors as ep (explicit one call; builtin FSDP2's 2 blocks + root)
+    hsdp = fsdp.replace(world_size=8, seq=16, mesh=parse_mesh("dp=2,fsdp=2,ep=2"))
+    ep = {"all_gather": (2, 128), "all_to_all": (8, 38912)}
+    assert mesh_moe_comm_torch(hsdp, "explicit", 152) == {
+        "fsdp": {"all_gather": (16, 49152), "reduce_scatter": (9, 27648), "all_reduce": (1, 640)},
+        "dp+fsdp": {"all_reduce": (3, 65600)}, "dp": {"all_reduce": (1, 14464)}, "ep": ep | {"all_reduce": (1, 14464)}}
+    assert mesh_moe_comm_torch(hsdp, "builtin", 152) == {
+        "fsdp": {"all_gather": (5, 46208), "reduce_scatter": (3, 28288)},
+        "dp+fsdp": {"all_reduce": (3, 65600)}, "dp": {"all_reduce": (3, 14144)}, "ep": ep | {"all_reduce": (1, 14144)}}
+    assert mesh_moe_comm_torch(hsdp.replace(world_size=16, mesh=parse_mesh("dp=2,fsdp=2,ep=2,tp=2")), "explicit",
+                               152) is None  # HSDP × ep beside tp: not held against a ledger yet
     assert mesh_moe_comm_torch(cfg.replace(freeze=("wpe.weight",)), "explicit", 133) is None
     assert mesh_moe_comm_torch(cfg.replace(recompute="full"), "explicit", 133) is None  # not held yet
 

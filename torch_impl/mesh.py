@@ -12,7 +12,7 @@ Replicated gradients are averaged over the data axis and cp together: ONE group 
                     layer's experts split E/ep per ep rank behind a Dispatcher (``ExpertsOnEp``), replicated
                     over dp × fsdp × tp; per layer a counts all-gather and 4 all-to-alls (routing-dependent
                     bytes: priced from the recorded step's counts, shared.theory.mesh_moe_comm_torch; HSDP
-                    beside ep unpriced); ep beside pp / cp refused (Config)
+                    × ep beside tp unpriced); ep beside pp / cp refused (Config)
 
 Collectives per step, by axis (A = m·(T/c)·D·b; shared.theory.mesh_comm_torch):
   tp    all-reduces: per micro-batch 4 per block + embedding g + head f of A, + the loss's
@@ -237,7 +237,8 @@ def explicit_setup(cfg: Config, problem: Problem, ctx: RankContext, lay: Layout)
         if fsdp is not None:
             fsdp.finish_gradient_synchronization()  # M reduce-scatters per unit waited, summed; gains averaged
             if cfg.replicate > 1:  # HSDP: the shards and gains averaged over the dp replicas, one all-reduce
-                average_flat([p.grad for p in params if p.grad is not None], lay.groups["dp"])
+                average_flat([p.grad for p in params if p.grad is not None and not (ep and id(p) in ep.ids)],
+                             lay.groups["dp"])  # (ep's experts: averaged over dp × fsdp by ep.finish, once)
         elif lay.grad_group is not None:
             average_flat([p.grad for p in params if p.grad is not None], lay.grad_group)  # ONE all-reduce: data+cp
         if ep is not None:
@@ -289,7 +290,7 @@ def train(cfg: Config, problem: Problem, style: str, variant: str, ctx: RankCont
         setup = explicit_setup(cfg, problem, ctx, lay) if style == "explicit" else builtin_setup(cfg, problem, ctx, lay)
         # --freeze: the frozen parameters skip their reductions and AdamW state (unpriced rows); ep (the MoE
         # transformer): the all-to-alls' bytes follow the routing, priced after training from the recorded step's
-        # counts where mesh_moe_comm_torch holds (all but HSDP beside ep), else unpriced
+        # counts where mesh_moe_comm_torch holds (not HSDP × ep beside tp), else unpriced
         known = not cfg.freeze and not cfg.moe
         setup.comm_theory = mesh_comm_bytes_torch(cfg, style, ctx.rank) if known else None
         theory = {label: {op: {"count": n, "bytes": b} for op, (n, b) in ops.items()}

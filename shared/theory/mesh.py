@@ -270,13 +270,17 @@ def mesh_moe_comm_torch(cfg: Config, style: str, routed_rows: int) -> dict[str, 
     bucket; builtin with tp: FSDP2 on (dp, dp_shard = 1), one per block group and the root, the experts one more),
     then ONE over ep of the dense ones (the experts differ by ep rank; builtin without dp: DTensor keeps wte's
     gradient whole). --clip: one scalar over the world. None where the formula is not held against the ledger
-    yet: HSDP (dp and fsdp) beside ep, a dimension fsdp does not divide, --recompute, --freeze.
+    yet: HSDP × ep beside tp, a dimension fsdp does not divide, --recompute, --freeze.
     fsdp: both wrappers leave the experts out (their ignored parameters): the dense units gathered and
     reduce-scattered as ``_grad_comm`` says for the dense model, the experts' gradients ONE all-reduce over fsdp
-    (beside the explicit wrapper's vectors' one), and ep's all-reduce carries the rank's dense shards."""
+    (beside the explicit wrapper's vectors' one), and ep's all-reduce carries the rank's dense shards.
+    HSDP (dp and fsdp > 1): the counts and the experts go over the (dp, fsdp) group ("dp+fsdp") instead, and dp
+    all-reduces the dense shards and vectors ep does (explicit: one flat call; builtin: FSDP2, one per group)."""
     t, f, dp = cfg.axis("tp"), cfg.axis("fsdp"), cfg.axis("dp")
     rows0 = (cfg.vocab // t, cfg.seq, 3 * cfg.dim // t, cfg.dim, cfg.experts)  # every dense tensor's dim 0
-    if cfg.freeze or not cfg.moe or cfg.recompute != "none" or (f > 1 and (dp > 1 or any(n % f for n in rows0))):
+    hsdp = f > 1 and dp > 1
+    if cfg.freeze or not cfg.moe or cfg.recompute != "none" or (f > 1 and any(n % f for n in rows0)) or \
+            (hsdp and t > 1):
         return None
     model, b = Model.from_config(cfg), cfg.bytes_per_element
     L, E, ep = cfg.layers, cfg.experts, cfg.axis("ep")
@@ -298,13 +302,18 @@ def mesh_moe_comm_torch(cfg: Config, style: str, routed_rows: int) -> dict[str, 
     if t > 1:
         calls = 2 * L + 2 + (3 if style == "builtin" else 2)
         out["tp"] = {"all_reduce": (M * calls, M * ((2 * L + 2) * m * tc * cfg.dim * b + 3 * m * tc * b))}
-    if dp > 1:
+    if dp > 1 and not hsdp:
         grads = L + 2 if style == "builtin" and t > 1 else 1  # FSDP2 (dp, 1): L blocks + root, + the experts
         out["dp"] = {"all_reduce": (L * M + grads, L * M * E * 8 + (dense + mine) * b)}
     if f > 1:  # the dense units as the dense model's, then the counts and the experts' all-reduce
         out["fsdp"] = _grad_comm(model, layout, 0, b, style, units)
-        k, nb = out["fsdp"].get("all_reduce", (0, 0))
-        out["fsdp"]["all_reduce"] = (k + L * M + 1, nb + L * M * E * 8 + mine * b)
+        counts_experts = (L * M + 1, L * M * E * 8 + mine * b)
+        if hsdp:  # over (dp, fsdp); dp all-reduces what ep does: the dense shards and the vectors
+            out["dp+fsdp"] = {"all_reduce": counts_experts}
+            out["dp"] = {"all_reduce": (1 if style == "explicit" else L + 1, held * b)}  # builtin: L blocks + root
+        else:
+            k, nb = out["fsdp"].get("all_reduce", (0, 0))
+            out["fsdp"]["all_reduce"] = (k + counts_experts[0], nb + counts_experts[1])
     return _with_clip(cfg, out)
 
 
