@@ -11,7 +11,8 @@ no ledger, no activation meter, no checkpoint or preemption check, no loss bookk
     step_s     what compare.py reports: the median of the run's steps timed alone (not the first: warm-up,
                the meter and the step-0 gradients; not the last: the ledger's dispatch mode)
     harness_s  after the run, the median of R more of the harness's timed steps (the run's own code: the
-               step, its sync, the loss bookkeeping between steps) ...
+               step, its sync, keeping the step's loss: torch reads every step's in one collective after
+               the loop, JAX keeps the step's outputs) ...
     bare_s     ... taken in turns with R bare steps (the step and its sync), this the median of those
     plain_s    the same model's step on one device (the single-device reference, the whole batch)
 

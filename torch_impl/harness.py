@@ -147,17 +147,25 @@ class SavedTensorMeter:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda saved: saved.tensor)
 
 
-def reported_loss(loss: torch.Tensor, how: str, group=None) -> float:
-    """The step's global loss from this rank's ``loss`` (bookkeeping: outside the ledger)."""
+def reported_losses(losses: list[torch.Tensor], how: str, group=None) -> list[float]:
+    """Each step's global loss from this rank's ``losses`` (0-d tensors, one a step), read after the loop
+    in one collective (bookkeeping: outside the ledger and every timed step): "same" reads them, "mean"
+    all-gathers every rank's and averages them on the host in rank order (exact values in, one fixed
+    order: a run's losses do not depend on how many steps it took), "src:k" takes rank k's."""
+    if not losses:
+        return []
+    local = torch.stack([loss.detach().reshape(()) for loss in losses])  # (steps,)
     if how == "same":
-        return loss.item()
-    total = loss.detach().clone().reshape(())
+        return local.tolist()
     if how == "mean":
-        dist.all_reduce(total, group=group)
-        return total.item() / dist.get_world_size(group)
+        every = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, local.contiguous(), group=group)
+        per_rank = [t.tolist() for t in every]  # (ranks, steps)
+        return [sum(step) / len(per_rank) for step in zip(*per_rank)]
     src = int(how.removeprefix("src:"))
-    dist.broadcast(total, src=src, group=group)
-    return total.item()
+    local = local.clone()
+    dist.broadcast(local, src=src, group=group)
+    return local.tolist()
 
 
 def _preempted(ctx: RankContext) -> bool:
@@ -211,7 +219,7 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
             by_axis = ctx.ledger.by_axis() if ctx.ledger.labels and not run else None  # the mesh labels its groups
         if k == 0:
             grads0 = (setup.grads_fixture or setup.fixture)(grads0)  # the check's gathers: outside every ledger
-        losses.append(reported_loss(loss, setup.loss_reduction, setup.group))
+        losses.append(loss.detach())  # read in one collective after the loop (reported_losses)
         if session:
             ckpt.fault("step", k + 1, ctx.rank)  # the kill test: a rank dies after this step
             if session.plan and session.plan.due(k + 1):
@@ -221,6 +229,7 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
                     ckpt.save(cfg, ctx, setup, k + 1, session)
                 dist.barrier()  # saved everywhere before any rank reports
                 raise ckpt.preempted(session, k + 1)  # one line: the step, the folder saved
+    losses = reported_losses(losses, setup.loss_reduction, setup.group)
     params = setup.fixture(setup.params)  # before any bare step (bench --overhead) moves them
     state = setup.state() if setup.state else {
         "params": tensor_bytes(setup.params), "grads": tensor_bytes(g for g in setup.grads() if g is not None),
@@ -292,11 +301,11 @@ def _grads0(setup: Setup) -> list[torch.Tensor]:
 
 def _paired_steps(setup: Setup, ctx: RankContext, cfg: Config, run) -> tuple[list[float], list[float]]:
     """compare.py bench --overhead, after the run (its results read; the parameters move on): ``_BARE`` rounds
-    of the harness's timed step (train_loop's: ``_step`` and the loss bookkeeping after it) and the bare step
-    (``_step`` alone: no ledger, meter, checkpoint or preemption check, no loss all-reduce), in turns and
+    of the harness's timed step (train_loop's: ``_step`` and the loss it keeps for after the loop) and the bare
+    step (``_step`` alone: no ledger, meter, checkpoint or preemption check, no loss kept), in turns and
     alternating which goes first, so both see the machine in the same state (timed apart, a busy moment of
     2 shared cores moved the ratio by 20 %). Returns (harness step times, bare step times)."""
-    harness, bare = [], []
+    harness, bare, kept = [], [], []
     for i in range(_BARE.get()):
         for timed_by_harness in (i % 2 == 0, i % 2 == 1):
             if setup.before_step:  # a barrier that gives the pipeline's ranks a common start: outside, as in the run
@@ -304,7 +313,7 @@ def _paired_steps(setup: Setup, ctx: RankContext, cfg: Config, run) -> tuple[lis
             with run.step(False) if run else contextlib.nullcontext():
                 loss, seconds, _ = _step(setup, cfg, ctx)
             if timed_by_harness:
-                reported_loss(loss, setup.loss_reduction, setup.group)
+                kept.append(loss.detach())
             (harness if timed_by_harness else bare).append(seconds)
     return harness, bare
 
