@@ -44,6 +44,8 @@ def test_overhead_bench_pipes_its_json_and_measures_every_row():
         assert r["step_s"] > 0 and r["harness_s"] > 0 and r["bare_s"] > 0 and r["plain_s"] > 0 and r["ok"], r
         pairs = [h / b for h, b in zip(r["harness_times_s"], r["bare_times_s"], strict=True)]
         assert len(pairs) == 3 and r["harness_over_bare"] == pytest.approx(sorted(pairs)[1])  # their median
+        lo, hi = r["harness_over_bare_ci95"]
+        assert min(pairs) <= lo <= r["harness_over_bare"] <= hi <= max(pairs), r
     assert data["repeats"] == 3 and data["target"] == 1.05
 
 
@@ -54,6 +56,17 @@ def test_json_to_stdout_is_json_alone(argv):
     done = _compare(*argv, "--json", "-")
     assert done.returncode == 0, done.stderr[-2000:]
     json.loads(done.stdout)
+
+
+def test_the_interval_is_what_noise_moves_the_median_by():
+    """bench --overhead's 95 % interval of a row's median ratio: none when every round agrees, wide when the
+    rounds spread, the same for the same rounds (seeded)."""
+    from parallel_twins.overhead import interval
+
+    assert interval([1.02] * 20) == pytest.approx((1.02, 1.02))
+    spread = [0.6, 1.0, 1.6, 0.9, 1.3] * 4
+    lo, hi = interval(spread)
+    assert 0.6 <= lo < 1.0 < hi <= 1.6 and interval(spread) == (lo, hi)
 
 
 def test_timed_steps_leave_out_the_recorded_ones():
