@@ -175,7 +175,11 @@ def check_environment(env) -> None:
 
 GPU_PLATFORMS = ("gpu", "cuda")  # what the driver query below can answer for (ROCm: JAX's own error)
 SAFE_XLA_FLAGS = ("xla_force_host_platform_device_count",)  # this project's own (shared.env)
-COMPILE_TIME_XLA_FLAGS = ("xla_backend_optimization_level", "xla_cpu_use_fusion_emitters")  # tests/conftest.py's
+# XLA:CPU's faster compilation, the tests' (tests/conftest.py) and compare.py's when asked (fast_cpu_compile):
+# LLVM at -O0, the element-wise emitters, LLVM's module in one piece (not split over threads)
+CPU_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+                     "--xla_cpu_parallel_codegen_split_count=1")
+COMPILE_TIME_XLA_FLAGS = tuple(flag[2:].split("=")[0] for flag in CPU_COMPILE_FLAGS)
 PROBED_MARK = "PARALLEL_TWINS_XLA_PROBED"  # set where known_xla_flags chose them: known to this XLA, no probe
 
 
@@ -211,7 +215,6 @@ def check_jax_environment(env, gpus=None, probe=None) -> None:
                              "fix or remove that flag")
 
 
-CPU_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 XLA_CHOICE = "PARALLEL_TWINS_XLA"  # "fast": compare.py's JAX compiles at -O0 on the CPU (parity only)
 
 

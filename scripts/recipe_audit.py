@@ -62,9 +62,9 @@ def run_jax(reduced: bool) -> list[dict]:
 
     simulate_host_devices(4)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from parallel_twins.preflight import known_xla_flags  # XLA aborts on a flag this jaxlib does not know
+    from parallel_twins.preflight import CPU_COMPILE_FLAGS, known_xla_flags  # XLA aborts on a flag it does not know
 
-    for flag in known_xla_flags(f for f in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+    for flag in known_xla_flags(f for f in CPU_COMPILE_FLAGS
                                 if f.split("=")[0] not in os.environ.get("XLA_FLAGS", "")):  # compile time
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
     os.environ["PARALLEL_TWINS_XLA_PROBED"] = "1"  # preflight.PROBED_MARK: known to this XLA
