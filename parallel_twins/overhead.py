@@ -37,9 +37,8 @@ RESAMPLES = 2000  # the bootstrap of each row's interval
 
 def interval(ratios, resamples: int = RESAMPLES) -> tuple[float, float]:
     """The 95 % interval of the median of ``ratios`` (the rounds' harness/bare): a percentile bootstrap,
-    seeded, so the same rounds give the same interval. What the machine's noise alone moves the median by:
-    on 2 cores with 4 ranks the rounds' ratios of one and the same step code spread 0.5-2x (rounds of
-    10-40 ms steps), and a median of 20 such ratios lands anywhere in about 0.85-1.15."""
+    seeded, so the same rounds give the same interval: what the machine's noise alone moves the median by
+    (with more ranks than cores, the rounds of one and the same step code spread widely)."""
     import numpy as np
 
     r = np.asarray(ratios, dtype=np.float64)
