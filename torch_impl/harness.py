@@ -159,12 +159,11 @@ def reported_losses(losses: list[torch.Tensor], how: str, group=None) -> list[fl
         return local.tolist()
     if how == "mean":
         every = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(every, local.contiguous(), group=group)
+        dist.all_gather(every, local, group=group)
         per_rank = [t.tolist() for t in every]  # (ranks, steps)
         return [sum(step) / len(per_rank) for step in zip(*per_rank)]
     src = int(how.removeprefix("src:"))
-    local = local.clone()
-    dist.broadcast(local, src=src, group=group)
+    dist.broadcast(local, src=src, group=group)  # local: a new tensor (stack), the losses untouched
     return local.tolist()
 
 
