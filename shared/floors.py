@@ -94,14 +94,31 @@ def noise_entries(run: Trained, ref: Trained) -> list[np.ndarray] | None:
     return masks if total and sum(int(m.sum()) for m in masks) <= NOISE_MAX_FRACTION * total else None
 
 
-def mixed_parity(run: Trained, ref: Trained, cfg=None) -> tuple[dict[str, float], dict[str, Any]]:
+def mixed_parity(run: Trained, ref: Trained, cfg=None, drift_tol: float | None = None,
+                 ) -> tuple[dict[str, float], dict[str, Any]]:
     """parity(run, ref) for mixed precision (shared/tolerances.py, NOISE_MARGIN): the parameters' error over
     the entries whose step-0 gradients the two runs agree on; the noise-driven ones (``noise_entries``) held
     instead to AdamW's bound on how far apart two runs can move an entry (``cfg``'s lr, schedule, betas;
     without ``cfg``, only split off: the floor's own measurement). Returns (errors, what the split found:
-    {"noise_entries", "noise_max_move", "noise_bound"}); an entry past the bound keeps the whole error."""
+    {"noise_entries", "noise_max_move", "noise_bound"}); an entry past the bound keeps the whole error.
+
+    ``drift_tol``: an MoE run that routed a token unlike its reference after step 0 (``routing_drift``: a
+    near-tie the rounding settled otherwise; step 0 must route alike). That token's gradients moved its
+    entries (its position's and token's embeddings, the experts it left and joined) from that step on, a
+    discrete change the step-0 gradients cannot foresee: the entries whose relative error exceeds
+    ``drift_tol`` (the floor's tolerance) are held to AdamW's bound too ("drift_entries"), as long as they
+    and the noise-driven ones together are at most NOISE_MAX_FRACTION of all entries."""
     errors = parity(run, ref)
     masks = noise_entries(run, ref)
+    if drift_tol is not None and masks is not None:  # (masks: the same shapes, step-0 gradients alike enough)
+        drift = [(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+                  > drift_tol * max(float(np.max(np.abs(b), initial=0.0)), np.finfo(np.float64).tiny)) & ~m
+                 for a, b, m in zip(run.params, ref.params, masks)]
+        total, count = sum(m.size for m in masks), sum(int(d.sum()) for d in drift)
+        if total and sum(int(m.sum()) for m in masks) + count <= NOISE_MAX_FRACTION * total:
+            masks = [m | d for m, d in zip(masks, drift)]
+        else:
+            count = None
     if masks is None:
         return errors, {}
     determined, move = 0.0, 0.0
@@ -112,6 +129,8 @@ def mixed_parity(run: Trained, ref: Trained, cfg=None) -> tuple[dict[str, float]
         determined = max(determined, float(np.max(diff[~m], initial=0.0)) / scale)
         move = max(move, float(np.max(diff[m], initial=0.0)))
     info = {"noise_entries": int(sum(int(m.sum()) for m in masks)), "noise_max_move": move}
+    if drift_tol is not None:
+        info["drift_entries"] = count  # None: too many to call a routing drift: the floor judges them
     if cfg is not None:
         lrs = [cfg.lr * f for f in lr_factors(cfg.schedule, cfg.steps)][run.start_step:]
         info["noise_bound"] = adam_noise_bound(lrs, cfg.beta1, cfg.beta2, run.start_step)

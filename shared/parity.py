@@ -154,7 +154,9 @@ def routing_mismatch(run: Trained, ref: Trained, steps: int | None = None) -> st
     parameters that differ from the reference's at the measured floor's level (a bf16 first step moves
     its noise-driven entries by ±lr: shared/tolerances.py NOISE_MARGIN), so only step 0 — the fixture's
     parameters, the same program — must route alike; later near-ties moving are reported
-    (``routing_drift``) and their effect is judged by the floor like every other rounding."""
+    (``routing_drift``) and their effect is judged by the floor like every other rounding, except the few
+    entries the moved token's gradients took past it: those are held to AdamW's bound (shared.floors.mixed_parity,
+    ``drift_tol``)."""
     a, b = run.extra.get("expert_load"), ref.extra.get("expert_load")
     if a is not None and b is not None:
         b = b[run.start_step:]  # a resumed run routed the steps from its start on
