@@ -151,8 +151,9 @@ def train_loop(cfg: Config, setup: Setup) -> Trained:
     params = setup.params_fixture(state)  # before any bare step (bench --overhead) moves them
     timed = [k != start for k in range(start, cfg.steps)]  # the first: the program's first run (allocations)
     if _BARE.get():  # compare.py bench --overhead: the harness's timed step against the bare one, in turns
-        harness, bare, state = _paired_steps(compiled, state, setup)  # a donated state: replaced by the output
-        setup.extra = {**setup.extra, "harness_step_times": harness, "bare_step_times": bare}
+        harness, bare, harness_cpu, bare_cpu, state = _paired_steps(compiled, state, setup)  # donated: replaced
+        setup.extra = {**setup.extra, "harness_step_times": harness, "bare_step_times": bare,
+                       "harness_step_cpu": harness_cpu, "bare_step_cpu": bare_cpu}
     if len(host) > 1:
         setup.extra = {**setup.extra, "host_fraction": float(np.median(host[1:]))}
     state_bytes = setup.state_bytes(state) if setup.state_bytes else {
@@ -234,28 +235,35 @@ def _step(compiled, state, setup: Setup, recorded: dict | None):
     return state, loss, grads, seconds, (issued - t0) / max(seconds, 1e-12)
 
 
-def _paired_steps(compiled, state: tuple, setup: Setup) -> tuple[list[float], list[float], tuple]:
+def _paired_steps(compiled, state: tuple, setup: Setup) -> tuple[list[float], list[float], list[float],
+                                                                   list[float], tuple]:
     """compare.py bench --overhead, after the run (its results read; the state moves on): ``_BARE`` rounds of
     the harness's timed step (train_loop's: ``_step``, its outputs kept) and the bare one (the call and one
     block_until_ready, nothing else), in turns and alternating which goes first, so both see the machine
     in the same state (timed apart, a busy moment of 2 shared cores moved the ratio by up to 2x on 2 ms
-    steps). Returns (harness step times, bare step times, the state after them)."""
-    harness, bare, kept, losses = [], [], {name: [] for name in setup.per_step}, []
+    steps). Each also in this thread's CPU time, the harness's with the outputs it keeps: the host's own work
+    (dispatch, bookkeeping), not XLA's threads nor the waits. Returns (harness step times, bare step times,
+    harness CPU times, bare CPU times, the state after them)."""
+    harness, bare, harness_cpu, bare_cpu = [], [], [], []
+    kept, losses = {name: [] for name in setup.per_step}, []
     state = tuple(state)
     for i in range(_BARE.get()):
         for timed_by_harness in (i % 2 == 0, i % 2 == 1):
+            cpu = time.thread_time()
             if timed_by_harness:
                 state, loss, _, seconds, _ = _step(compiled, state, setup, kept)
                 losses.append(loss)  # as the run keeps them
                 harness.append(seconds)
+                harness_cpu.append(time.thread_time() - cpu)
             else:
                 t0 = time.perf_counter()
                 out = compiled(*state, *setup.batch)
                 jax.block_until_ready(out)
                 bare.append(time.perf_counter() - t0)
+                bare_cpu.append(time.thread_time() - cpu)
                 state = out[:len(state)]
             state = tuple(state)
-    return harness, bare, state
+    return harness, bare, harness_cpu, bare_cpu, state
 
 
 def _reference(cfg: Config, device: str):

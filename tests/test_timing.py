@@ -46,6 +46,14 @@ def test_overhead_bench_pipes_its_json_and_measures_every_row():
         assert len(pairs) == 3 and r["harness_over_bare"] == pytest.approx(sorted(pairs)[1])  # their median
         lo, hi = r["harness_over_bare_ci95"]
         assert min(pairs) <= lo <= r["harness_over_bare"] <= hi <= max(pairs), r
+        # the same rounds in the stepping thread's CPU time: a part of each step's wall time
+        cpu = [h / b for h, b in zip(r["harness_cpu_s"], r["bare_cpu_s"], strict=True)]
+        assert len(cpu) == 3 and r["harness_over_bare_cpu"] == pytest.approx(sorted(cpu)[1])
+        lo, hi = r["harness_over_bare_cpu_ci95"]
+        assert min(cpu) <= lo <= r["harness_over_bare_cpu"] <= hi <= max(cpu), r
+        assert all(0 < c <= w * 1.01 + 1e-3 for c, w in zip(r["harness_cpu_s"] + r["bare_cpu_s"],
+                                                               r["harness_times_s"] + r["bare_times_s"])), r
+    assert "in the stepping thread's CPU time" in done.stderr
     assert data["repeats"] == 3 and data["target"] == 1.05
 
 

@@ -239,7 +239,8 @@ def train_loop(cfg: Config, ctx: RankContext, setup: Setup) -> Trained:
         extra.update(run.extra(step_times))
         compile_s = extra.pop("compile_s")
     if _BARE.get():  # compare.py bench --overhead: the harness's timed step against the bare one, in turns
-        extra["harness_step_times"], extra["bare_step_times"] = _paired_steps(setup, ctx, cfg, run)
+        (extra["harness_step_times"], extra["bare_step_times"], extra["harness_step_cpu"],
+         extra["bare_step_cpu"]) = _paired_steps(setup, ctx, cfg, run)
     if any(timed):
         extra["host_fraction"] = float(np.median([h for h, t in zip(host, timed) if t]))
     if comm_dtypes:
@@ -298,23 +299,27 @@ def _grads0(setup: Setup) -> list[torch.Tensor]:
             for i, g in enumerate(setup.grads())]
 
 
-def _paired_steps(setup: Setup, ctx: RankContext, cfg: Config, run) -> tuple[list[float], list[float]]:
+def _paired_steps(setup: Setup, ctx: RankContext, cfg: Config, run) -> tuple[list[float], ...]:
     """compare.py bench --overhead, after the run (its results read; the parameters move on): ``_BARE`` rounds
     of the harness's timed step (train_loop's: ``_step`` and the loss it keeps for after the loop) and the bare
     step (``_step`` alone: no ledger, meter, checkpoint or preemption check, no loss kept), in turns and
     alternating which goes first, so both see the machine in the same state (timed apart, a busy moment of
-    2 shared cores moved the ratio by 20 %). Returns (harness step times, bare step times)."""
-    harness, bare, kept = [], [], []
+    2 shared cores moved the ratio by 20 %). Each also in this thread's CPU time, the harness's with the loss it
+    keeps: the host's own work, which no wait for another rank or core is part of. Returns (harness step
+    times, bare step times, harness CPU times, bare CPU times)."""
+    harness, bare, harness_cpu, bare_cpu, kept = [], [], [], [], []
     for i in range(_BARE.get()):
         for timed_by_harness in (i % 2 == 0, i % 2 == 1):
             if setup.before_step:  # a barrier that gives the pipeline's ranks a common start: outside, as in the run
                 setup.before_step()
+            cpu = time.thread_time()
             with run.step(False) if run else contextlib.nullcontext():
                 loss, seconds, _ = _step(setup, cfg, ctx)
             if timed_by_harness:
                 kept.append(loss.detach())
+            (harness_cpu if timed_by_harness else bare_cpu).append(time.thread_time() - cpu)
             (harness if timed_by_harness else bare).append(seconds)
-    return harness, bare
+    return harness, bare, harness_cpu, bare_cpu
 
 
 def _reference(cfg: Config, device, casts: str = "autocast"):
