@@ -119,9 +119,9 @@ def make_result(
     compare = (lambda a, b: mixed_parity(a, b, cfg)) if mixed or cfg.dtype != "float64" else \
         (lambda a, b: (parity(a, b), {}))
     drift = routing_mismatch(run, ref) if mixed else None  # mixed MoE: a near-tie after step 0 settled otherwise
-    floor = ref.extra.get("floor") or {}
-    if drift is not None and "max_rel_err_param" in floor:  # its entries held to AdamW's bound (mixed_parity)
-        tol = mixed_tolerance(floor["max_rel_err_param"], style, layout=(pattern, variant), dtype=cfg.dtype,
+    measured = ref.extra.get("floor") or {}  # a mixed reference's floor (mixed_extra)
+    if drift is not None and "max_rel_err_param" in measured:  # its entries held to AdamW's bound (mixed_parity)
+        tol = mixed_tolerance(measured["max_rel_err_param"], style, layout=(pattern, variant), dtype=cfg.dtype,
                               quantity="max_rel_err_param")
         errors, noise = mixed_parity(run, ref, cfg, drift_tol=tol)
     else:
